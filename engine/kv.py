@@ -1,0 +1,220 @@
+"""Per-sequence KV cache for the layers one stage holds.
+
+Storage is one rectangle per layer, [slots, kv_heads, capacity, head_dim], that grows
+by doubling. Each live sequence owns a slot. A batch step gathers the rows it needs
+(a free view when its slots are contiguous, which the allocator favours) so sequences
+of different lengths decode together; the attention mask hides everything past each
+row's own length.
+
+`BatchCache` is the object transformers' attention layers see as `past_key_values`:
+they call `update(k, v, layer_idx)` and attend over what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCapacityError(RuntimeError):
+    """A sequence needs more KV memory than this stage's budget allows."""
+
+
+@dataclass
+class SeqKV:
+    slot: int
+    length: int = 0   # tokens stored
+
+
+class KVStore:
+    def __init__(self, budget_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.budget_tokens = int(budget_tokens)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.seqs: dict[int, SeqKV] = {}
+        self._free_slots: list[int] = []
+        self._n_slots = 0
+        self._capacity = 0
+        # layer_idx -> (keys, values); allocated at the first update of that layer
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+
+    # ---- bookkeeping --------------------------------------------------------
+    @property
+    def used_tokens(self) -> int:
+        return sum(s.length for s in self.seqs.values())
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self.seqs
+
+    def length(self, seq_id: int) -> int:
+        s = self.seqs.get(seq_id)
+        return 0 if s is None else s.length
+
+    def open(self, seq_id: int) -> SeqKV:
+        if seq_id in self.seqs:
+            return self.seqs[seq_id]
+        if self._free_slots:
+            self._free_slots.sort()
+            slot = self._free_slots.pop(0)  # lowest first keeps live slots contiguous
+        else:
+            slot = self._n_slots
+            self._n_slots += 1
+        s = self.seqs[seq_id] = SeqKV(slot)
+        return s
+
+    def free(self, seq_id: int) -> bool:
+        s = self.seqs.pop(seq_id, None)
+        if s is None:
+            return False
+        self._free_slots.append(s.slot)
+        if not self.seqs:  # nothing live: give the memory back
+            self._k.clear()
+            self._v.clear()
+            self._free_slots.clear()
+            self._n_slots = 0
+            self._capacity = 0
+        return True
+
+    def reserve(self, rows: list[tuple[int, int, int]]) -> None:
+        """Check a step's rows (seq_id, start, n) against lengths and the budget."""
+        extra = 0
+        for seq_id, start, n in rows:
+            have = self.length(seq_id)
+            if start != have:
+                raise ValueError(f"sequence {seq_id}: step starts at {start} but {have} tokens are cached")
+            extra += n
+        if self.used_tokens + extra > self.budget_tokens:
+            raise KVCapacityError(
+                f"KV budget exceeded: {self.used_tokens + extra} tokens needed, budget {self.budget_tokens}"
+            )
+
+    # ---- storage ------------------------------------------------------------
+    def _ensure(self, layer_idx: int, kshape, vshape, need_slots: int, need_cap: int) -> None:
+        k = self._k.get(layer_idx)
+        if k is not None and k.shape[0] >= need_slots and k.shape[2] >= need_cap:
+            return
+        slots = max(need_slots, self._n_slots, 1 if k is None else k.shape[0])
+        cap = max(need_cap, self._capacity, 16)
+        if k is not None:
+            if k.shape[0] < need_slots:
+                slots = max(slots, 2 * k.shape[0])
+            if k.shape[2] < need_cap:
+                cap = max(cap, 2 * k.shape[2])
+        self._capacity = max(self._capacity, cap)
+        newk = torch.zeros((slots, kshape[0], cap, kshape[1]), dtype=self.dtype, device=self.device)
+        newv = torch.zeros((slots, vshape[0], cap, vshape[1]), dtype=self.dtype, device=self.device)
+        if k is not None:
+            v = self._v[layer_idx]
+            newk[: k.shape[0], :, : k.shape[2]] = k
+            newv[: v.shape[0], :, : v.shape[2]] = v
+        self._k[layer_idx], self._v[layer_idx] = newk, newv
+
+    def bytes_per_token(self) -> int:
+        total = 0
+        for layer_idx, k in self._k.items():
+            v = self._v[layer_idx]
+            total += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.element_size()
+        return total
+
+
+class BatchCache:
+    """The cache transformers sees for one forward over a batch of rows.
+
+    Rows are left-padded to `q_len` columns: row r's n_r new tokens sit in the last
+    n_r columns and start at absolute position start_r.
+    """
+
+    is_compileable = False
+
+    def __init__(self, store: KVStore, slots: list[int], starts: list[int], ns: list[int], q_len: int):
+        self.store = store
+        self.slots = slots
+        self.starts = starts
+        self.ns = ns
+        self.q_len = q_len
+        dev = store.device
+        self._slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        self._contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.kv_len = max(s + n for s, n in zip(starts, ns))
+        self._decode = q_len == 1
+        if self._decode:
+            self._pos_idx = torch.tensor(starts, dtype=torch.long, device=dev)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        store = self.store
+        store._ensure(
+            layer_idx,
+            (key_states.shape[1], key_states.shape[3]),
+            (value_states.shape[1], value_states.shape[3]),
+            max(self.slots) + 1,
+            self.kv_len,
+        )
+        K, V = store._k[layer_idx], store._v[layer_idx]
+        key_states = key_states.to(store.dtype)
+        value_states = value_states.to(store.dtype)
+        if self._decode:
+            K[self._slot_idx, :, self._pos_idx] = key_states[:, :, 0]
+            V[self._slot_idx, :, self._pos_idx] = value_states[:, :, 0]
+        else:
+            T = self.q_len
+            for r, (slot, start, n) in enumerate(zip(self.slots, self.starts, self.ns)):
+                K[slot, :, start : start + n] = key_states[r, :, T - n :]
+                V[slot, :, start : start + n] = value_states[r, :, T - n :]
+        L = self.kv_len
+        if self._contiguous:
+            lo = self.slots[0]
+            return K[lo : lo + len(self.slots), :, :L], V[lo : lo + len(self.slots), :, :L]
+        return K[:, :, :L].index_select(0, self._slot_idx), V[:, :, :L].index_select(0, self._slot_idx)
+
+    # transformers calls these only on paths we bypass (we always pass positions and
+    # a prepared mask); answer sensibly anyway.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.starts)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.kv_len, 0
+
+    @property
+    def is_sliding(self):
+        return []
+
+    def __len__(self):
+        return 0
+
+
+def build_masks(starts, ns, q_len, kv_len, dtype, device, windows: dict[str, int | None]):
+    """Additive 4D masks [B, 1, q_len, kv_len], one per attention type.
+
+    Row r's query column c holds absolute position p = start_r + c - (q_len - n_r);
+    it may see keys j <= p (and j > p - window for sliding layers). Padding columns
+    see key 0 only, so softmax never meets an all-masked row.
+    """
+    B = len(starts)
+    starts_t = torch.tensor(starts, device=device).view(B, 1, 1)
+    ns_t = torch.tensor(ns, device=device).view(B, 1, 1)
+    col = torch.arange(q_len, device=device).view(1, q_len, 1)
+    key = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    pad = col < (q_len - ns_t)
+    pos = starts_t + col - (q_len - ns_t)
+    neg = torch.finfo(dtype).min
+    masks = {}
+    for name, window in windows.items():
+        allowed = key <= pos
+        if window:
+            allowed = allowed & (key > pos - window)
+        allowed = torch.where(pad, key == 0, allowed)
+        m = torch.zeros((B, 1, q_len, kv_len), dtype=dtype, device=device)
+        m.masked_fill_(~allowed.unsqueeze(1), neg)
+        masks[name] = m
+    return masks
+
+
+def position_ids(starts, ns, q_len, device):
+    B = len(starts)
+    starts_t = torch.tensor(starts, device=device).view(B, 1)
+    ns_t = torch.tensor(ns, device=device).view(B, 1)
+    col = torch.arange(q_len, device=device).view(1, q_len)
+    pos = starts_t + col - (q_len - ns_t)
+    return pos.clamp_min(0)
