@@ -137,11 +137,71 @@ def default_gguf_path() -> Path:
     return path
 
 
+def cache_dir() -> Path:
+    """Per-user cache, by OS convention (XDG on Linux, LOCALAPPDATA on Windows)."""
+    if os.name == "nt":
+        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "potluck"
+
+
+def prepare_default(log=print) -> Path:
+    """The default model as a sharded safetensors folder, converted once from the GGUF.
+
+    The GGUF is one file that transformers dequantizes whole; the converted folder lets
+    each stage read only its own layers (and loads in a fraction of the time). The
+    marker records which GGUF it came from, so a new wheel re-converts.
+    """
+    gguf = default_gguf_path()
+    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    stamp = {"gguf": gguf.name, "size": gguf.stat().st_size, "format": 1}
+    marker = out / "potluck-source.json"
+    if marker.exists():
+        try:
+            if json.loads(marker.read_text()) == stamp:
+                return out
+        except ValueError:
+            pass
+    log(f"Preparing the default model ({DEFAULT_MODEL_NAME}) for split loading: once, about a minute...")
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # a GGUF-loaded model refuses save_pretrained; copy its (dequantized) weights
+        # into a plain model of the same config and save that
+        cfg = model.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(str(tmp), max_shard_size="100MB")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.save_pretrained(str(tmp))
+        (tmp / "potluck-source.json").write_text(json.dumps(stamp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # atomic: a half-converted folder is never used
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def resolve(spec: str | None) -> ModelSource:
     """Turn what a user typed into a ModelSource, or raise ModelError saying why not."""
     spec = (spec or DEFAULT_MODEL).strip()
     if spec == DEFAULT_MODEL or spec == DEFAULT_MODEL_NAME:
-        return ModelSource(spec=DEFAULT_MODEL, name=DEFAULT_MODEL_NAME, root=None, gguf_path=default_gguf_path())
+        import sys
+
+        root = prepare_default(log=lambda m: print(m, file=sys.stderr))
+        return ModelSource(spec=DEFAULT_MODEL, name=DEFAULT_MODEL_NAME, root=root)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

@@ -34,6 +34,23 @@ from .models import ModelError, ModelSource
 _LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
+def _head_tied(model, emb_in, emb_out, emb_in_name, emb_out_name) -> bool:
+    """Whether the LM head shares the input embedding's weight.
+
+    Built on the meta device (init_empty_weights) the two are not yet the same
+    tensor, so ask transformers' tying table, which already honours the config.
+    """
+    if emb_out is None or emb_in is None:
+        return False
+    if emb_out.weight is emb_in.weight:
+        return True
+    try:
+        tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    except Exception:  # older transformers: no table, only the config flag
+        return bool(getattr(model.config, "tie_word_embeddings", False))
+    return tied.get(f"{emb_out_name}.weight") == f"{emb_in_name}.weight"
+
+
 class ZeroEmbedding(nn.Module):
     """Stands in for an embedding on stages that never see token ids."""
 
@@ -137,7 +154,7 @@ class StageModel:
         keep = {"layers": f"{base_prefix}.{layers_name}." if base_prefix else f"{layers_name}."}
         self._emb_in_name = prefix.get(id(emb_in))
         self._emb_out_name = prefix.get(id(emb_out)) if emb_out is not None else None
-        self._tied = emb_out is not None and emb_out.weight is emb_in.weight
+        self._tied = _head_tied(model, emb_in, emb_out, self._emb_in_name, self._emb_out_name)
 
         layers = getattr(base, layers_name)
         for i in range(self.n_layers_total):
@@ -200,10 +217,11 @@ class StageModel:
                 emb_key = key
             if kept(key):
                 by_file.setdefault(fname, []).append(key)
-        # Tied LM head on a last stage that is not first: the head's weight lives under
-        # the embedding's name in the checkpoint.
-        need_tied = self.last and not self.first and self._tied
-        if need_tied and emb_key is not None:
+        # Tied LM head: checkpoints usually store its weight only under the embedding's
+        # name. A last stage that is not first reads it from there; a single stage that
+        # holds both ties the two modules after loading, as transformers would.
+        need_tied = self.last and self._tied and f"{self._emb_out_name}.weight" not in wmap
+        if need_tied and not self.first and emb_key is not None:
             by_file.setdefault(wanted[emb_key], []).append(emb_key)
         self.files_opened = sorted(by_file)
         total = sum(len(v) for v in by_file.values())
@@ -226,6 +244,8 @@ class StageModel:
             weight_mapping=get_model_conversion_mapping(model), dtype=self.dtype, device_map={"": "cpu"}
         )
         convert_and_load_state_dict_in_model(model, state, load_config)
+        if need_tied and self.first:
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ModelError(f"checkpoint lacks tensors this stage needs, e.g. {missing[:3]}")

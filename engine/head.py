@@ -1,0 +1,485 @@
+"""The head: owns the requests, runs stage 0, and keeps every stage busy.
+
+Requests wait in a queue until the pipeline's KV budget can hold them (prompt +
+max_tokens on every stage), then join one of K micro-batches at an iteration
+boundary (continuous batching). Each micro-batch cycles head -> stage 1 -> ... ->
+last stage -> head; with K >= number of stages every stage has work while the others
+compute. Tokens stream to each request's queue as they arrive; a finished or
+cancelled sequence is freed on every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from . import wire
+from .device import free_memory, speed_score
+from .models import ModelError, ModelSource
+from .partition import layer_bytes_estimate, partition
+from .sampling import Sampler, SamplingParams
+from .stage_model import StageBatch, StageModel, check_partition
+from .stage_server import DTYPES, PROTOCOL_VERSION, WS_OPTIONS, kv_budget_tokens_for
+
+log = logging.getLogger("potluck.head")
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot serve (a stage refused, died, or holds another model)."""
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Done:
+    finish_reason: str          # stop | length | cancelled | error
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    ttft: float | None = None   # seconds from submit to first token
+    seconds: float = 0.0
+
+
+@dataclass
+class Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    generated: list[int] = field(default_factory=list)
+    pos: int = 0                 # tokens cached on the stages
+    in_flight: int = 0           # tokens of the step now in the pipeline (0: none)
+    cancelled: bool = False
+    done: bool = False
+    text: str = ""               # decoded so far (emitted)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+
+    @property
+    def reservation(self) -> int:
+        return len(self.prompt) + self.params.max_tokens
+
+
+class RequestHandle:
+    def __init__(self, head: "Head", seq: Sequence):
+        self._head, self.seq = head, seq
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        while True:
+            ev = await self.seq.queue.get()
+            yield ev
+            if isinstance(ev, Done):
+                return
+
+    def cancel(self):
+        self._head.cancel(self.seq.id)
+
+    async def text(self) -> tuple[str, Done]:
+        parts = []
+        async for ev in self:
+            if isinstance(ev, Delta):
+                parts.append(ev.text)
+            else:
+                return "".join(parts), ev
+        raise PipelineError("stream ended without a result")
+
+
+@dataclass
+class Group:
+    id: int
+    seqs: list[Sequence] = field(default_factory=list)
+    in_flight: bool = False
+    step: int = 0
+
+
+@dataclass
+class RemoteStage:
+    address: str
+    ws: object = None
+    welcome: dict | None = None
+    configured: dict | None = None
+    range: tuple[int, int] = (0, 0)
+
+
+class Head:
+    def __init__(self, source: ModelSource, stage_addresses: list[str] | None = None, *,
+                 layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
+                 dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
+                 max_batch: int = 32, pipeline: str = "local", progress=None):
+        self.source = source
+        self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
+        self.n_stages = 1 + len(self.remotes)
+        self.layers_override = layers
+        self.micro_batches = micro_batches or self.n_stages
+        self.dtype_name = dtype
+        self.dtype = DTYPES[dtype]
+        self.device = device
+        self.kv_budget_override = kv_budget_tokens
+        self.max_batch = max_batch
+        self.pipeline = pipeline
+        self.progress = progress or (lambda stage, done, total, what: None)
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
+        self._ids = itertools.count(1)
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: list[Sequence] = []
+        self.groups: list[Group] = []
+        self.sampler = Sampler()   # used when the head is also the last stage
+        self.stage0: StageModel | None = None
+        self._data_ws = None
+        self._readers: list[asyncio.Task] = []
+        self.reserved = 0
+        self.capacity = 0
+        self.ranges: list[tuple[int, int]] = []
+        self.error: str | None = None
+        self.tokens_served = 0
+
+    # ---- setup --------------------------------------------------------------
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    async def start(self) -> "Head":
+        cfg = self.source.config()
+        self.config = cfg
+        self.tokenizer = await self._run(self.source.tokenizer)
+        self.context_length = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
+        self.eos_ids = _eos_ids(cfg, self.tokenizer, self.source)
+        fingerprint = await self._run(self.source.fingerprint)
+        n_layers = cfg.num_hidden_layers
+
+        for r in self.remotes:
+            try:
+                r.ws = await connect(r.address, **WS_OPTIONS)
+                await r.ws.send(wire.control("hello", role="control", version=PROTOCOL_VERSION,
+                                             pipeline=self.pipeline))
+                r.welcome = wire.parse_control(await asyncio.wait_for(r.ws.recv(), 30))
+            except (OSError, asyncio.TimeoutError, ConnectionClosed, wire.FrameError) as exc:
+                raise PipelineError(f"cannot reach stage at {r.address}: {exc}") from None
+            if r.welcome["type"] != "welcome":
+                raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
+
+        if self.layers_override:
+            check_partition(self.layers_override, n_layers)
+            if len(self.layers_override) != self.n_stages:
+                raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages")
+            self.ranges = list(self.layers_override)
+        else:
+            speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
+            mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
+            per_layer = layer_bytes_estimate(cfg, self.dtype.itemsize)
+            caps = [max(1, int(m * 0.6 // per_layer)) for m in mems]
+            self.ranges = partition(n_layers, speeds, caps)
+        for r, rng in zip(self.remotes, self.ranges[1:]):
+            r.range = rng
+
+        async def configure(i, r):
+            nxt = self.remotes[i + 1].address if i + 1 < len(self.remotes) else None
+            await r.ws.send(wire.control(
+                "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
+                fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
+                kv_budget_tokens=self.kv_budget_override, threads=None))
+            while True:
+                msg = wire.parse_control(await r.ws.recv())
+                if msg["type"] == "progress":
+                    self.progress(i + 1, msg["done"], msg["total"], msg["what"])
+                elif msg["type"] == "configured":
+                    r.configured = msg
+                    return
+                elif msg["type"] == "error":
+                    raise PipelineError(f"stage {i + 1} ({r.address}): {msg['message']}")
+
+        def load_local():
+            budget = self.kv_budget_override or kv_budget_tokens_for(cfg, self.ranges[0], self.dtype, self.device)
+            return StageModel(self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
+                              kv_budget_tokens=budget,
+                              progress=lambda d, t, w: self.progress(0, d, t, w))
+
+        try:
+            results = await asyncio.gather(self._run(load_local),
+                                           *(configure(i, r) for i, r in enumerate(self.remotes)))
+        except ConnectionClosed as exc:
+            raise PipelineError(f"a stage closed its connection during setup: {exc}") from None
+        self.stage0 = results[0]
+        budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
+        self.capacity = min(budgets)
+
+        if self.remotes:
+            self._data_ws = await connect(self.remotes[0].address, **WS_OPTIONS)
+            await self._data_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
+                                                  pipeline=self.pipeline))
+            for i, r in enumerate(self.remotes):
+                self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r)))
+        self.groups = [Group(i) for i in range(self.micro_batches)]
+        return self
+
+    async def close(self):
+        for t in self._readers:
+            t.cancel()
+        for r in self.remotes:
+            if r.ws is not None:
+                await r.ws.close()
+        if self._data_ws is not None:
+            await self._data_ws.close()
+        for s in list(self.seqs.values()):
+            self._finish(s, "error", "pipeline closed", free=False)
+        self._exec.shutdown(wait=False, cancel_futures=True)
+
+    def info(self) -> dict:
+        return {
+            "model": self.source.name,
+            "stages": [{"address": "head (this process)", "layers": list(self.ranges[0])}]
+            + [{"address": r.address, "layers": list(r.range)} for r in self.remotes],
+            "micro_batches": self.micro_batches,
+            "kv_capacity_tokens": self.capacity,
+            "kv_reserved_tokens": self.reserved,
+            "running": sum(len(g.seqs) for g in self.groups),
+            "waiting": len(self.waiting),
+            "tokens_served": self.tokens_served,
+            "error": self.error,
+        }
+
+    # ---- requests -----------------------------------------------------------
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
+        params.validate()
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.context_length:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context window is "
+                             f"{self.context_length}")
+        if self.error:
+            raise PipelineError(self.error)
+        # never reserve beyond the context window: generation stops there anyway
+        params.max_tokens = min(params.max_tokens, self.context_length - len(prompt))
+        seq = Sequence(next(self._ids), list(prompt), params, asyncio.Queue())
+        if seq.reservation > self.capacity:
+            raise ValueError(f"this request needs {seq.reservation} tokens of KV cache but the pipeline "
+                             f"holds at most {self.capacity}; lower max_tokens or shorten the prompt")
+        self.seqs[seq.id] = seq
+        self.waiting.append(seq)
+        self._kick()
+        return RequestHandle(self, seq)
+
+    def cancel(self, seq_id: int):
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.done:
+            return
+        seq.cancelled = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self._finish(seq, "cancelled", free=False)
+        elif not seq.in_flight:
+            self._finish(seq, "cancelled")
+        # else: finished when its step comes back
+
+    # ---- scheduling ---------------------------------------------------------
+    def _kick(self):
+        for g in self.groups:
+            if g.in_flight:
+                continue
+            self._admit(g)
+            if g.seqs:
+                g.in_flight = True
+                g.step += 1
+                asyncio.ensure_future(self._launch(g))
+
+    def _admit(self, g: Group):
+        active = sum(len(x.seqs) for x in self.groups) + len(self.waiting)
+        fair = max(1, math.ceil(active / len(self.groups)))
+        limit = min(fair, self.max_batch)
+        while self.waiting and len(g.seqs) < limit:
+            seq = self.waiting[0]
+            if self.reserved + seq.reservation > self.capacity:
+                break  # wait for KV memory to come back
+            self.waiting.pop(0)
+            self.reserved += seq.reservation
+            g.seqs.append(seq)
+
+    async def _launch(self, g: Group):
+        rows, inputs, new = [], [], {}
+        for s in g.seqs:
+            if s.pos == 0:
+                n = len(s.prompt)
+                inputs.extend(s.prompt)
+                new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": s.prompt}
+            else:
+                n = 1
+                inputs.append(s.generated[-1])
+            s.in_flight = n
+            rows.append([s.id, s.pos, n])
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        x = torch.tensor(inputs, dtype=torch.long)
+        try:
+            if self.remotes:
+                out = await self._run(self.stage0.forward, batch, x)
+                frame = wire.encode(wire.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out)
+                await self._data_ws.send(frame)
+            else:
+                toks = await self._run(self._local_last, batch, x, new)
+                self._on_tokens(g.id, g.step, [[s, t] for s, t in zip(batch.seq_ids, toks)], [])
+        except ConnectionClosed:
+            self._pipeline_failed("the connection to stage 1 closed")
+        except (ValueError, RuntimeError) as exc:
+            log.warning("step failed on the head: %s", exc)
+            self._on_tokens(g.id, g.step, [], [[s, str(exc)] for s in batch.seq_ids])
+
+    def _local_last(self, batch, x, new):
+        for k, v in new.items():
+            self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
+        logits = self.stage0.forward(batch, x)
+        return self.sampler.sample(batch.seq_ids, logits)
+
+    async def _read_stage(self, index: int, r: RemoteStage):
+        """Tokens (from the last stage) and step errors (from any stage)."""
+        try:
+            async for data in r.ws:
+                if isinstance(data, str):
+                    msg = wire.parse_control(data)
+                    if msg["type"] == "error":
+                        log.warning("stage %d: %s", index, msg["message"])
+                    continue
+                frame = wire.decode(data)
+                if frame.type != wire.FrameType.TOKENS:
+                    raise wire.FrameError("stages send the head token frames only")
+                self._on_tokens(frame.micro_batch, frame.step, frame.meta.get("tokens", []),
+                                frame.meta.get("errors", []))
+        except wire.FrameError as exc:
+            await r.ws.close(1008, str(exc)[:120])
+            self._pipeline_failed(f"stage {index} sent a bad frame: {exc}")
+        except ConnectionClosed:
+            pass
+        if not self.error:
+            self._pipeline_failed(f"stage {index} ({r.address}) disconnected")
+
+    def _pipeline_failed(self, why: str):
+        if self.error:
+            return
+        self.error = why
+        log.error("pipeline failed: %s", why)
+        for s in list(self.seqs.values()):
+            self._finish(s, "error", why, free=False)
+
+    def _on_tokens(self, group_id: int, step: int, tokens: list, errors: list):
+        if not (0 <= group_id < len(self.groups)):
+            log.warning("tokens for unknown micro-batch %d ignored", group_id)
+            return
+        g = self.groups[group_id]
+        if not g.in_flight or step != g.step:
+            log.warning("stale tokens for micro-batch %d step %d ignored", group_id, step)
+            return
+        members = {s.id: s for s in g.seqs}
+        for sid, msg in errors:
+            s = members.get(sid)
+            if s is not None and not s.done:
+                s.in_flight = 0
+                self._finish(s, "error", msg)
+        for sid, tok in tokens:
+            s = members.get(sid)
+            if s is None or s.done or not s.in_flight:
+                continue
+            s.pos += s.in_flight
+            s.in_flight = 0
+            if s.cancelled:
+                self._finish(s, "cancelled")
+                continue
+            self._append(s, tok)
+        g.seqs = [s for s in g.seqs if not s.done]
+        g.in_flight = False
+        self._kick()
+
+    def _append(self, s: Sequence, tok: int):
+        if s.t_first is None:
+            s.t_first = time.perf_counter()
+        self.tokens_served += 1
+        if tok in self.eos_ids:
+            self._finish(s, "stop")
+            return
+        s.generated.append(tok)
+        text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+        reason = None
+        for stop in s.params.stop:
+            at = text.find(stop, max(0, len(s.text) - len(stop)))
+            if at != -1:
+                text, reason = text[:at], "stop"
+                break
+        if reason is None and text.endswith("\ufffd"):
+            text = s.text  # an incomplete UTF-8 character: wait for the next token
+        delta = text[len(s.text):]
+        s.text = text
+        if delta or reason is None:
+            s.queue.put_nowait(Delta(delta, [tok]))
+        if reason is None and (len(s.generated) >= s.params.max_tokens
+                               or len(s.prompt) + len(s.generated) >= self.context_length):
+            reason = "length"
+        if reason:
+            self._finish(s, reason)
+
+    def _finish(self, s: Sequence, reason: str, error: str | None = None, free: bool = True):
+        if s.done:
+            return
+        s.done = True
+        self.seqs.pop(s.id, None)
+        in_group = any(s in g.seqs for g in self.groups)
+        if in_group:
+            self.reserved -= s.reservation
+            for g in self.groups:
+                if s in g.seqs and not g.in_flight:
+                    g.seqs.remove(s)
+        if free and in_group:
+            asyncio.ensure_future(self._free_everywhere([s.id]))
+        now = time.perf_counter()
+        s.queue.put_nowait(Done(reason, len(s.prompt), len(s.generated), error,
+                                None if s.t_first is None else s.t_first - s.t_submit, now - s.t_submit))
+        self._kick()
+
+    async def _free_everywhere(self, ids: list[int]):
+        def local():
+            for i in ids:
+                self.stage0.free(i)
+                self.sampler.close(i)
+
+        await self._run(local)
+        for r in self.remotes:
+            try:
+                await r.ws.send(wire.control("free", seq_ids=ids))
+            except ConnectionClosed:
+                pass
+
+
+def _eos_ids(cfg, tokenizer, source) -> set[int]:
+    ids = set()
+    for v in (getattr(cfg, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    if source.root is not None:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(str(source.root))
+            v = gen.eos_token_id
+            ids.update([v] if isinstance(v, int) else (v or []))
+        except (OSError, ValueError):
+            pass
+    return ids

@@ -1,0 +1,71 @@
+"""Which stage holds which layers: proportional to speed, within each stage's memory."""
+
+from __future__ import annotations
+
+from .models import ModelError
+
+
+def layer_bytes_estimate(cfg, bytes_per_param: int) -> int:
+    """Weights of one decoder layer, from the config (MoE: all experts count)."""
+    h = cfg.hidden_size
+    inter = getattr(cfg, "intermediate_size", None) or 4 * h
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
+    moe_inter = getattr(cfg, "moe_intermediate_size", None) or inter
+    mlp = 3 * h * inter if not experts else 3 * h * moe_inter * experts
+    return (4 * h * h + mlp) * bytes_per_param
+
+
+def partition(n_layers: int, speeds: list[float], capacities: list[int] | None = None) -> list[tuple[int, int]]:
+    """Split n_layers into contiguous ranges, one per stage, in stage order.
+
+    speeds: relative compute speed per stage (layers go in proportion);
+    capacities: the most layers each stage can hold (memory), or None for no limit.
+    Every stage gets at least one layer.
+    """
+    n = len(speeds)
+    if n == 0:
+        raise ModelError("a pipeline needs at least one stage")
+    if n > n_layers:
+        raise ModelError(f"{n} stages for {n_layers} layers: every stage needs at least one layer")
+    caps = list(capacities) if capacities is not None else [n_layers] * n
+    if any(c < 1 for c in caps):
+        raise ModelError("a stage has no room for even one layer")
+    if sum(caps) < n_layers:
+        raise ModelError(
+            f"the model needs {n_layers} layers of room but the stages together hold {sum(caps)}: "
+            "add a machine or choose a smaller model"
+        )
+    speeds = [max(float(s), 1e-9) for s in speeds]
+    counts = [1] * n
+    # hand out the remaining layers one at a time to the stage that would finish soonest
+    for _ in range(n_layers - n):
+        best = min(
+            (i for i in range(n) if counts[i] < caps[i]),
+            key=lambda i: ((counts[i] + 1) / speeds[i], i),
+        )
+        counts[best] += 1
+    ranges, a = [], 0
+    for c in counts:
+        ranges.append((a, a + c))
+        a += c
+    return ranges
+
+
+def parse_layers(text: str, n_layers: int) -> list[tuple[int, int]]:
+    """User override: '0:10,10:20,20:30' (ranges) or '10,10,10' (counts)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        if all(":" in p for p in parts):
+            ranges = [tuple(int(x) for x in p.split(":")) for p in parts]
+        else:
+            counts = [int(p) for p in parts]
+            ranges, a = [], 0
+            for c in counts:
+                ranges.append((a, a + c))
+                a += c
+    except ValueError:
+        raise ModelError(f"cannot read layer split {text!r}: use '0:10,10:20' or '10,10'") from None
+    from .stage_model import check_partition
+
+    check_partition(ranges, n_layers)
+    return ranges

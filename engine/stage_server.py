@@ -1,0 +1,262 @@
+"""A stage process: a WebSocket server that holds one slice of the model.
+
+Connections, each opened by a peer and introduced with a `hello`:
+  * control (from the head): configure / free / shutdown; the stage answers with
+    progress, configured, and — on the last stage — the sampled tokens;
+  * data (from the previous stage or the head): activation frames in, which are
+    computed in order and forwarded to the next stage.
+
+A frame that fails validation closes the connection that sent it, with the reason;
+the stage keeps serving. Torch work runs on one compute thread so the event loop
+stays free to move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from . import wire
+from .device import free_memory, speed_score
+from .models import ModelError, resolve
+from .sampling import Sampler, SamplingError, SamplingParams
+from .stage_model import StageBatch, StageModel
+
+log = logging.getLogger("potluck.stage")
+
+PROTOCOL_VERSION = 1
+HELLO_TIMEOUT = 10.0
+WS_OPTIONS = dict(compression=None, max_size=wire.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
+                  ping_timeout=60, max_queue=64)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_budget_tokens_for(cfg, layer_range, dtype, device: str) -> int:
+    """How many tokens of KV cache a stage offers: a quarter of its free memory, capped."""
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * heads * head_dim * (layer_range[1] - layer_range[0]) * dtype.itemsize
+    return int(min(1 << 18, max(1024, free_memory(device) // 4 // max(per_token, 1))))
+
+
+class StageServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
+                 device: str = "cpu", threads: int | None = None):
+        self.host, self.port = host, port
+        self.pipeline = pipeline
+        self.device = device
+        if threads:
+            torch.set_num_threads(threads)
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.stage: StageModel | None = None
+        self.sampler = Sampler()
+        self._control_ws = None
+        self._next_ws = None
+        self._server = None
+        self._closed = asyncio.Event()
+        self._out: asyncio.Queue | None = None
+        self.rejected_frames = 0
+
+    async def start(self):
+        self._server = await serve(self._handle, self.host, self.port, **WS_OPTIONS)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def wait_closed(self):
+        await self._closed.wait()
+
+    async def close(self):
+        if self._server is not None:
+            self._server.close()
+        for ws in (self._next_ws,):
+            if ws is not None:
+                await ws.close()
+        self._closed.set()
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    # ---- connections --------------------------------------------------------
+    async def _handle(self, ws):
+        try:
+            hello = wire.parse_control(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT))
+            if hello["type"] != "hello" or hello["role"] not in ("control", "data"):
+                raise wire.FrameError("first message must be hello with role control or data")
+            if hello["version"] != PROTOCOL_VERSION:
+                raise wire.FrameError(f"protocol version {hello['version']} not supported")
+            if hello["pipeline"] != self.pipeline:
+                raise wire.FrameError("wrong pipeline")
+        except (asyncio.TimeoutError, wire.FrameError, ConnectionClosed) as exc:
+            log.warning("refused connection: %s", exc)
+            self.rejected_frames += 1
+            await ws.close(1008, str(exc)[:120] or "bad hello")
+            return
+        if hello["role"] == "control":
+            await self._control(ws)
+        else:
+            await self._data(ws)
+
+    async def _control(self, ws):
+        if self._control_ws is not None:
+            await ws.close(1008, "this stage already has a head")
+            return
+        self._control_ws = ws
+        try:
+            await ws.send(wire.control("welcome", version=PROTOCOL_VERSION,
+                                       free_memory=free_memory(self.device),
+                                       speed=await self._run(speed_score, self.device)))
+            async for text in ws:
+                try:
+                    msg = wire.parse_control(text)
+                except wire.FrameError as exc:
+                    log.warning("bad control message from head: %s", exc)
+                    await ws.close(1008, str(exc)[:120])
+                    return
+                kind = msg["type"]
+                if kind == "configure":
+                    await self._configure(ws, msg)
+                elif kind == "free":
+                    await self._run(self._free, msg["seq_ids"])
+                elif kind == "shutdown":
+                    await self.close()
+                    return
+        except ConnectionClosed:
+            pass
+        finally:
+            self._control_ws = None
+            # the head is gone: its sequences are gone too
+            if self.stage is not None:
+                await self._run(self._free, list(self.stage.kv.seqs))
+
+    async def _configure(self, ws, msg):
+        loop = asyncio.get_running_loop()
+
+        def progress(done, total, what):
+            loop.call_soon_threadsafe(
+                asyncio.ensure_future,
+                ws.send(wire.control("progress", done=done, total=total, what=what)),
+            )
+
+        def load():
+            source = resolve(msg["model"])
+            dtype = DTYPES.get(msg["dtype"])
+            if dtype is None:
+                raise ModelError(f"unsupported dtype {msg['dtype']}")
+            fp = source.fingerprint()
+            if msg["fingerprint"] and msg["fingerprint"] != fp:
+                raise ModelError(
+                    f"this stage's copy of {msg['model']} differs from the head's "
+                    f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model"
+                )
+            budget = msg["kv_budget_tokens"] or kv_budget_tokens_for(
+                source.config(), (msg["start"], msg["end"]), dtype, self.device)
+            self.stage = None
+            stage = StageModel(source, msg["start"], msg["end"], dtype=dtype, device=self.device,
+                               kv_budget_tokens=budget, progress=progress)
+            return stage, fp
+
+        try:
+            self.stage, fp = await self._run(load)
+        except (ModelError, OSError, ValueError) as exc:
+            await ws.send(wire.control("error", message=str(exc)))
+            return
+        if self._next_ws is not None:
+            await self._next_ws.close()
+            self._next_ws = None
+        if msg["next"]:
+            self._next_ws = await connect(msg["next"], **WS_OPTIONS)
+            await self._next_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
+                                                  pipeline=self.pipeline))
+        self._out = asyncio.Queue()
+        asyncio.ensure_future(self._sender(self._out, self._next_ws))
+        await ws.send(wire.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
+                                   kv_budget_tokens=self.stage.kv.budget_tokens,
+                                   n_layers=self.stage.end - self.stage.start))
+
+    def _free(self, seq_ids):
+        for s in seq_ids:
+            if self.stage is not None:
+                self.stage.free(s)
+            self.sampler.close(s)
+
+    async def _data(self, ws):
+        try:
+            async for data in ws:
+                try:
+                    frame = wire.decode(data)
+                    self._check_frame(frame)
+                except wire.FrameError as exc:
+                    self.rejected_frames += 1
+                    log.warning("closing data connection: %s", exc)
+                    await ws.close(1008, str(exc)[:120])
+                    return
+                out = await self._run(self._compute, frame)
+                if out is not None:
+                    await self._out.put(out)
+        except ConnectionClosed:
+            pass
+
+    def _check_frame(self, frame: wire.Frame):
+        if self.stage is None:
+            raise wire.FrameError("stage is not configured")
+        if frame.type != wire.FrameType.ACTIVATIONS:
+            raise wire.FrameError("data connections carry activations only")
+        if frame.tensor.shape[1] != self.stage.hidden_size:
+            raise wire.FrameError(f"hidden size {frame.tensor.shape[1]} != model's {self.stage.hidden_size}")
+        if frame.tensor.dtype != self.stage.dtype:
+            raise wire.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
+
+    def _compute(self, frame: wire.Frame):
+        """Runs on the compute thread. Returns (kind, bytes) to send, or None."""
+        stage = self.stage
+        rows = frame.meta["rows"]
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        try:
+            if stage.last:
+                for k, v in frame.meta.get("new", {}).items():
+                    self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
+                unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
+                if unknown:
+                    raise ValueError(f"no sampling parameters for sequences {unknown}")
+            out = stage.forward(batch, frame.tensor)
+        except (ValueError, SamplingError, RuntimeError) as exc:
+            log.warning("step failed: %s", exc)
+            meta = {"tokens": [], "errors": [[s, str(exc)[:500]] for s in batch.seq_ids]}
+            return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
+        if stage.last:
+            toks = self.sampler.sample(batch.seq_ids, out)
+            meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}
+            return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
+        return ("next", wire.encode(wire.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
+                                    frame.meta, out))
+
+    async def _sender(self, queue: asyncio.Queue, next_ws):
+        """Sends in order; a separate task so computing the next step overlaps sending."""
+        while True:
+            where, data = await queue.get()
+            ws = self._control_ws if where == "head" else next_ws
+            if ws is None:
+                log.warning("dropping a %s frame: no connection", where)
+                continue
+            try:
+                await ws.send(data)
+            except ConnectionClosed:
+                log.warning("%s connection closed while sending", where)
+                if where == "next":
+                    return
+
+
+async def run_stage(host: str, port: int, pipeline: str = "local", device: str = "cpu",
+                    threads: int | None = None, ready=None):
+    server = await StageServer(host, port, pipeline=pipeline, device=device, threads=threads).start()
+    log.info("stage listening on ws://%s:%d", host, server.port)
+    if ready is not None:
+        ready(server.port)
+    await server.wait_closed()

@@ -1,0 +1,246 @@
+"""The wire format between stages, sans-I/O: bytes in, validated frames out.
+
+Binary frame (little-endian):
+
+    magic "PTLK" | version u8 | type u8 | flags u16 | micro_batch u32 | step u32
+    | meta_len u32 | dtype u8 | ndim u8 | reserved u16 | dims u32 * ndim
+    | meta (UTF-8 JSON, meta_len bytes) | tensor bytes (prod(dims) * itemsize)
+
+Everything is checked before a byte of tensor memory is allocated: magic, version,
+type, dtype code, rank, each dim, the exact total length, and the meta against a
+strict schema. Nothing is unpickled or evaluated; the tensor is raw little-endian
+values. Control messages are JSON text frames checked by `parse_control`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+MAGIC = b"PTLK"
+VERSION = 1
+_HEAD = struct.Struct("<4sBBHIIIBBH")
+MAX_NDIM = 4
+MAX_META = 1 << 20
+MAX_ROWS = 4096
+DEFAULT_MAX_PAYLOAD = 1 << 30
+
+
+class FrameError(ValueError):
+    """A frame that must not be processed; the connection that sent it is closed."""
+
+
+class FrameType(IntEnum):
+    ACTIVATIONS = 1   # hidden states of a micro-batch step, stage -> next stage
+    TOKENS = 2        # sampled token ids, last stage -> head
+
+
+_DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.int64, 5: torch.int8}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass
+class Frame:
+    type: FrameType
+    micro_batch: int
+    step: int
+    meta: dict
+    tensor: torch.Tensor | None = None
+
+
+def encode(ftype: FrameType, micro_batch: int, step: int, meta: dict, tensor: torch.Tensor | None = None) -> bytes:
+    meta_b = json.dumps(meta, separators=(",", ":")).encode()
+    if tensor is None:
+        dims, code, payload = (), 0, b""
+    else:
+        t = tensor.detach().contiguous().cpu()
+        code = _CODES[t.dtype]
+        dims = tuple(t.shape)
+        # bf16 has no numpy dtype; its bytes travel as int16
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        payload = raw.numpy().tobytes()
+    head = _HEAD.pack(MAGIC, VERSION, int(ftype), 0, micro_batch, step, len(meta_b), code, len(dims), 0)
+    return b"".join([head, struct.pack(f"<{len(dims)}I", *dims), meta_b, payload])
+
+
+def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise FrameError("expected a binary frame")
+    data = memoryview(data)
+    if len(data) < _HEAD.size:
+        raise FrameError("frame shorter than its header")
+    magic, version, ftype, _flags, mb, step, meta_len, code, ndim, _ = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise FrameError("bad magic")
+    if version != VERSION:
+        raise FrameError(f"unsupported frame version {version}")
+    try:
+        ftype = FrameType(ftype)
+    except ValueError:
+        raise FrameError(f"unknown frame type {ftype}") from None
+    if ndim > MAX_NDIM:
+        raise FrameError(f"tensor rank {ndim} exceeds {MAX_NDIM}")
+    if meta_len > MAX_META:
+        raise FrameError("metadata too large")
+    off = _HEAD.size
+    if len(data) < off + 4 * ndim:
+        raise FrameError("frame truncated in its shape")
+    dims = struct.unpack_from(f"<{ndim}I", data, off)
+    off += 4 * ndim
+    if ndim:
+        if code not in _DTYPES:
+            raise FrameError(f"unknown dtype code {code}")
+        dtype = _DTYPES[code]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(dims) * itemsize
+        if nbytes > max_payload:
+            raise FrameError(f"tensor of {nbytes} bytes exceeds the limit of {max_payload}")
+    elif code != 0:
+        raise FrameError("dtype given without a tensor")
+    else:
+        nbytes = 0
+    if len(data) != off + meta_len + nbytes:
+        raise FrameError(f"frame length {len(data)} does not match its header ({off + meta_len + nbytes})")
+    try:
+        meta = json.loads(bytes(data[off : off + meta_len]))
+    except (UnicodeDecodeError, ValueError):
+        raise FrameError("metadata is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise FrameError("metadata must be an object")
+    off += meta_len
+    tensor = None
+    if ndim:
+        raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+        tensor = torch.frombuffer(bytearray(data[off:]), dtype=raw_dtype).view(dims)
+        if dtype == torch.bfloat16:
+            tensor = tensor.view(torch.bfloat16)
+    frame = Frame(ftype, mb, step, meta, tensor)
+    _check_meta(frame)
+    return frame
+
+
+def _is_uint(v, hi=2**53) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < hi
+
+
+def _check_meta(f: Frame) -> None:
+    m = f.meta
+    if f.type == FrameType.ACTIVATIONS:
+        allowed = {"rows", "new"}
+        if set(m) - allowed or "rows" not in m:
+            raise FrameError(f"activation metadata must have keys {sorted(allowed)}")
+        rows = m["rows"]
+        if not isinstance(rows, list) or not (0 < len(rows) <= MAX_ROWS):
+            raise FrameError("rows must be a non-empty list")
+        seen = set()
+        total = 0
+        for r in rows:
+            if not (isinstance(r, list) and len(r) == 3 and all(_is_uint(x) for x in r) and r[2] >= 1):
+                raise FrameError("each row must be [seq_id, start, n>=1]")
+            if r[0] in seen:
+                raise FrameError(f"sequence {r[0]} appears twice in one step")
+            seen.add(r[0])
+            total += r[2]
+        if f.tensor is None or f.tensor.dim() != 2 or f.tensor.shape[0] != total:
+            raise FrameError(f"activations must be [{total}, hidden] for these rows")
+        new = m.get("new", {})
+        if not isinstance(new, dict) or len(new) > MAX_ROWS:
+            raise FrameError("new must be an object")
+        for k, v in new.items():
+            if not k.isdigit() or int(k) not in seen:
+                raise FrameError(f"new sequence {k!r} is not in this step")
+            if not isinstance(v, dict) or set(v) != {"sampling", "prompt"}:
+                raise FrameError("new sequence entries need sampling and prompt")
+            if not isinstance(v["prompt"], list) or not all(_is_uint(t, 2**31) for t in v["prompt"]):
+                raise FrameError("prompt must be a list of token ids")
+    elif f.type == FrameType.TOKENS:
+        if set(m) - {"tokens", "errors"}:
+            raise FrameError("token metadata must have keys tokens, errors")
+        toks = m.get("tokens", [])
+        if not isinstance(toks, list) or len(toks) > MAX_ROWS:
+            raise FrameError("tokens must be a list")
+        for t in toks:
+            if not (isinstance(t, list) and len(t) == 2 and _is_uint(t[0]) and _is_uint(t[1], 2**31)):
+                raise FrameError("each token entry must be [seq_id, token_id]")
+        errs = m.get("errors", [])
+        if not isinstance(errs, list) or len(errs) > MAX_ROWS:
+            raise FrameError("errors must be a list")
+        for e in errs:
+            if not (isinstance(e, list) and len(e) == 2 and _is_uint(e[0]) and isinstance(e[1], str)):
+                raise FrameError("each error entry must be [seq_id, message]")
+        if f.tensor is not None:
+            raise FrameError("token frames carry no tensor")
+
+
+# ---- control messages (JSON text frames) ------------------------------------
+
+_STR, _INT, _OPT_STR, _OPT_INT, _LIST_INT, _NUM, _DICT = "str", "int", "str?", "int?", "[int]", "num", "dict"
+
+CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
+    # head -> stage
+    "hello": {"role": _STR, "version": _INT, "pipeline": _STR},
+    "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
+                  "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT},
+    "free": {"seq_ids": _LIST_INT},
+    "profile": {},
+    "shutdown": {},
+    # stage -> head
+    "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM},
+    "progress": {"done": _INT, "total": _INT, "what": _STR},
+    "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT},
+    "error": {"message": _STR},
+}
+MAX_CONTROL = 1 << 20
+
+
+def _type_ok(v, kind: str) -> bool:
+    if kind.endswith("?"):
+        if v is None:
+            return True
+        kind = kind[:-1]
+    if kind == _STR:
+        return isinstance(v, str) and len(v) <= 4096
+    if kind == _INT:
+        return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**53
+    if kind == _NUM:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if kind == _LIST_INT:
+        return isinstance(v, list) and len(v) <= MAX_ROWS and all(_is_uint(x) for x in v)
+    if kind == _DICT:
+        return isinstance(v, dict)
+    return False
+
+
+def control(kind: str, **fields) -> str:
+    msg = {"type": kind, **fields}
+    parse_control(json.dumps(msg))  # never send what we would refuse to receive
+    return json.dumps(msg)
+
+
+def parse_control(text: str | bytes) -> dict:
+    if isinstance(text, (bytes, bytearray)):
+        raise FrameError("expected a text control message")
+    if len(text) > MAX_CONTROL:
+        raise FrameError("control message too large")
+    try:
+        msg = json.loads(text)
+    except ValueError:
+        raise FrameError("control message is not valid JSON") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise FrameError("control message needs a type")
+    schema = CONTROL_SCHEMAS.get(msg["type"])
+    if schema is None:
+        raise FrameError(f"unknown control message type {msg['type']!r}")
+    fields = {k: v for k, v in msg.items() if k != "type"}
+    if set(fields) != set(schema):
+        missing, extra = set(schema) - set(fields), set(fields) - set(schema)
+        raise FrameError(f"{msg['type']}: missing {sorted(missing)} unexpected {sorted(extra)}")
+    for k, kind in schema.items():
+        if not _type_ok(fields[k], kind):
+            raise FrameError(f"{msg['type']}.{k} has the wrong type")
+    return msg
