@@ -62,8 +62,10 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     pos: int = 0                 # tokens cached on the stages
     in_flight: int = 0           # tokens of the step now in the pipeline (0: none)
+    opened: bool = False         # the last stage has its sampling parameters
     cancelled: bool = False
     done: bool = False
+    needs_free: bool = False     # finished while a step was in flight: free when it returns
     text: str = ""               # decoded so far (emitted)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
@@ -121,7 +123,8 @@ class Head:
     def __init__(self, source: ModelSource, stage_addresses: list[str] | None = None, *,
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
-                 max_batch: int = 32, pipeline: str = "local", progress=None):
+                 max_batch: int = 32, pipeline: str = "local", progress=None,
+                 prefill_chunk: int | None = 64):
         self.source = source
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
@@ -132,6 +135,10 @@ class Head:
         self.device = device
         self.kv_budget_override = kv_budget_tokens
         self.max_batch = max_batch
+        # Long prompts travel in chunks so stage 1 computes chunk k while the head
+        # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
+        self.prefill_chunk = prefill_chunk if stage_addresses else None
+        self._stats_waiters: dict[int, asyncio.Future] = {}
         self.pipeline = pipeline
         self.progress = progress or (lambda stage, done, total, what: None)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
@@ -316,17 +323,37 @@ class Head:
             g.seqs.append(seq)
 
     async def _launch(self, g: Group):
+        try:
+            for s in g.seqs:
+                if not s.opened:
+                    s.in_flight = len(s.prompt) - s.pos
+                    await self._stream_prompt(g, s)
+        except ConnectionClosed:
+            self._pipeline_failed("the connection to stage 1 closed")
+            return
+        except (ValueError, RuntimeError) as exc:
+            log.warning("prompt chunk failed on the head: %s", exc)
+            for x in g.seqs:
+                if x.done and x.needs_free:
+                    x.needs_free = False
+                    asyncio.ensure_future(self._free_everywhere([x.id]))
+            g.seqs = [x for x in g.seqs if not x.done]
         rows, inputs, new = [], [], {}
         for s in g.seqs:
-            if s.pos == 0:
-                n = len(s.prompt)
-                inputs.extend(s.prompt)
+            if not s.opened:
+                n = len(s.prompt) - s.pos
+                inputs.extend(s.prompt[s.pos:])
                 new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": s.prompt}
+                s.opened = True
             else:
                 n = 1
                 inputs.append(s.generated[-1])
             s.in_flight = n
             rows.append([s.id, s.pos, n])
+        if not rows:
+            g.in_flight = False
+            self._kick()
+            return
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         x = torch.tensor(inputs, dtype=torch.long)
         try:
@@ -343,6 +370,25 @@ class Head:
             log.warning("step failed on the head: %s", exc)
             self._on_tokens(g.id, g.step, [], [[s, str(exc)] for s in batch.seq_ids])
 
+    async def _stream_prompt(self, g: Group, s: Sequence):
+        """Send all but the last chunk of a new prompt ahead of its micro-batch step."""
+        c = self.prefill_chunk
+        if not c:
+            return
+        while len(s.prompt) - s.pos > c and not s.done:
+            batch = StageBatch([s.id], [s.pos], [c])
+            x = torch.tensor(s.prompt[s.pos: s.pos + c], dtype=torch.long)
+            try:
+                out = await self._run(self.stage0.forward, batch, x)
+            except (ValueError, RuntimeError) as exc:
+                self._finish(s, "error", str(exc))
+                raise
+            frame = wire.encode(wire.FrameType.ACTIVATIONS, g.id, g.step,
+                                {"rows": [[s.id, s.pos, c]], "partial": True}, out)
+            s.pos += c
+            s.in_flight -= c
+            await self._data_ws.send(frame)
+
     def _local_last(self, batch, x, new):
         for k, v in new.items():
             self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
@@ -357,6 +403,10 @@ class Head:
                     msg = wire.parse_control(data)
                     if msg["type"] == "error":
                         log.warning("stage %d: %s", index, msg["message"])
+                    elif msg["type"] == "stats":
+                        fut = self._stats_waiters.pop(index, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
                     continue
                 frame = wire.decode(data)
                 if frame.type != wire.FrameType.TOKENS:
@@ -384,6 +434,12 @@ class Head:
             log.warning("tokens for unknown micro-batch %d ignored", group_id)
             return
         g = self.groups[group_id]
+        if step == 0:  # a prompt chunk failed on some stage
+            for sid, msg in errors:
+                s = self.seqs.get(sid)
+                if s is not None:
+                    self._finish(s, "error", msg)
+            return
         if not g.in_flight or step != g.step:
             log.warning("stale tokens for micro-batch %d step %d ignored", group_id, step)
             return
@@ -403,6 +459,11 @@ class Head:
                 self._finish(s, "cancelled")
                 continue
             self._append(s, tok)
+        for s in g.seqs:
+            s.in_flight = 0
+            if s.needs_free:
+                s.needs_free = False
+                asyncio.ensure_future(self._free_everywhere([s.id]))
         g.seqs = [s for s in g.seqs if not s.done]
         g.in_flight = False
         self._kick()
@@ -446,11 +507,26 @@ class Head:
                 if s in g.seqs and not g.in_flight:
                     g.seqs.remove(s)
         if free and in_group:
-            asyncio.ensure_future(self._free_everywhere([s.id]))
+            if s.in_flight:
+                s.needs_free = True  # its step is still on some stage
+            else:
+                asyncio.ensure_future(self._free_everywhere([s.id]))
         now = time.perf_counter()
         s.queue.put_nowait(Done(reason, len(s.prompt), len(s.generated), error,
                                 None if s.t_first is None else s.t_first - s.t_submit, now - s.t_submit))
         self._kick()
+
+    async def stage_stats(self) -> list[dict]:
+        """KV use on every stage (head first): sequences held and tokens cached."""
+        kv = self.stage0.kv
+        out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0}]
+        for i, r in enumerate(self.remotes, start=1):
+            fut = asyncio.get_running_loop().create_future()
+            self._stats_waiters[i] = fut
+            await r.ws.send(wire.control("get_stats"))
+            msg = await asyncio.wait_for(fut, 30)
+            out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected")})
+        return out
 
     async def _free_everywhere(self, ids: list[int]):
         def local():

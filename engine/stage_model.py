@@ -285,10 +285,40 @@ class StageModel:
         inputs: token ids [N] (first stage) or hidden states [N, hidden] (others),
         packed row after row. Returns packed hidden states [N, hidden], or on the last
         stage the logits of each row's last token [B, vocab].
+
+        Rows are left-padded to the longest row, so a step that mixes decode rows
+        (1 token) with a prefill (hundreds) runs them as two sub-batches instead of
+        padding every decode row to the prompt's length.
         """
+        if inputs.shape[0] != batch.n_tokens or len(batch.ns) != len(batch.seq_ids):
+            raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
+        self.kv.reserve(list(zip(batch.seq_ids, batch.starts, batch.ns)))
+        decode = [i for i, n in enumerate(batch.ns) if n == 1]
+        if not decode or len(decode) == len(batch.ns):
+            return self._forward(batch, inputs)
+        prefill = [i for i, n in enumerate(batch.ns) if n > 1]
+        offsets = [0]
+        for n in batch.ns:
+            offsets.append(offsets[-1] + n)
+        parts = {}
+        for idx in (decode, prefill):
+            sub = StageBatch([batch.seq_ids[i] for i in idx], [batch.starts[i] for i in idx],
+                             [batch.ns[i] for i in idx])
+            x = torch.cat([inputs[offsets[i]: offsets[i + 1]] for i in idx])
+            out = self._forward(sub, x)
+            if self.last:
+                for j, i in enumerate(idx):
+                    parts[i] = out[j: j + 1]
+            else:
+                o = 0
+                for i in idx:
+                    parts[i] = out[o: o + batch.ns[i]]
+                    o += batch.ns[i]
+        return torch.cat([parts[i] for i in range(len(batch.ns))])
+
+    def _forward(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
         kv = self.kv
         rows = list(zip(batch.seq_ids, batch.starts, batch.ns))
-        kv.reserve(rows)
         for seq_id, start, _ in rows:
             kv.open(seq_id)
         B, T = len(rows), max(batch.ns)

@@ -124,6 +124,11 @@ class StageServer:
                     await self._configure(ws, msg)
                 elif kind == "free":
                     await self._run(self._free, msg["seq_ids"])
+                elif kind == "get_stats":
+                    kv = self.stage.kv if self.stage is not None else None
+                    await ws.send(wire.control("stats", seqs=len(kv.seqs) if kv else 0,
+                                               kv_tokens=kv.used_tokens if kv else 0,
+                                               rejected=self.rejected_frames))
                 elif kind == "shutdown":
                     await self.close()
                     return
@@ -219,7 +224,7 @@ class StageServer:
         rows = frame.meta["rows"]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         try:
-            if stage.last:
+            if stage.last and not frame.meta.get("partial"):
                 for k, v in frame.meta.get("new", {}).items():
                     self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
@@ -229,7 +234,11 @@ class StageServer:
         except (ValueError, SamplingError, RuntimeError) as exc:
             log.warning("step failed: %s", exc)
             meta = {"tokens": [], "errors": [[s, str(exc)[:500]] for s in batch.seq_ids]}
-            return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
+            # step 0 tells the head this came from a prompt chunk, not its micro-batch's step
+            step = 0 if frame.meta.get("partial") else frame.step
+            return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, step, meta))
+        if stage.last and frame.meta.get("partial"):
+            return None  # a prompt chunk: nothing to sample yet
         if stage.last:
             toks = self.sampler.sample(batch.seq_ids, out)
             meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}

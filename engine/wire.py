@@ -131,9 +131,11 @@ def _is_uint(v, hi=2**53) -> bool:
 def _check_meta(f: Frame) -> None:
     m = f.meta
     if f.type == FrameType.ACTIVATIONS:
-        allowed = {"rows", "new"}
+        allowed = {"rows", "new", "partial"}
         if set(m) - allowed or "rows" not in m:
             raise FrameError(f"activation metadata must have keys {sorted(allowed)}")
+        if not isinstance(m.get("partial", False), bool):
+            raise FrameError("partial must be true or false")
         rows = m["rows"]
         if not isinstance(rows, list) or not (0 < len(rows) <= MAX_ROWS):
             raise FrameError("rows must be a non-empty list")
@@ -187,13 +189,14 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT},
     "free": {"seq_ids": _LIST_INT},
-    "profile": {},
+    "get_stats": {},
     "shutdown": {},
     # stage -> head
     "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM},
     "progress": {"done": _INT, "total": _INT, "what": _STR},
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT},
     "error": {"message": _STR},
+    "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT},
 }
 MAX_CONTROL = 1 << 20
 
