@@ -1,0 +1,427 @@
+"""What does the pipeline cost? Potluck single-process vs local pipelines vs HF generate.
+
+Runs the default model (SmolLM2-135M-Instruct, float32, CPU) through
+
+  * single    our engine in one process (a Head with no remote stages, all 30 layers),
+              torch threads = os.cpu_count();
+  * pipe2/3   a 2- and a 3-stage pipeline on loopback, built exactly as `potluck chat`
+              builds it (engine.cli.build_head: LocalStages + Head; the machine's cores
+              are split between the stage processes, threads = max(1, cores // stages));
+  * hf        transformers' own `generate` (greedy, left-padded batch), all cores:
+              what a user would otherwise reach for;
+
+on the same chat prompts, greedy, at 1 concurrent request (the prompts one after
+another) and at 8 (all submitted at once). Every system runs in its own fresh
+process (no thread-pool or allocator state leaks from one to the next), does a
+warm-up first, and generates exactly --tokens tokens per request: EOS does not stop
+generation (the head's eos_ids are cleared; HF runs with eos_token_id=None), so all
+systems do the same work and their token ids can be compared one for one.
+
+Metrics, per system and concurrency (median over --repeat runs):
+  decode tok/s  tokens after each request's first one, over the time during which some
+                request was decoding (the union of its [first token, last token] spans)
+  TTFT          mean over requests of submit -> first token
+  e2e tok/s     all generated tokens over first submit -> last token
+Greedy outputs are checked token for token against our single-process engine at
+concurrency 1 (the reference).
+
+    .venv/bin/python bench/overhead.py            # full: 8 prompts, 64 tokens, 3 repeats
+    .venv/bin/python bench/overhead.py --quick    # smoke run: 4 prompts, 16 tokens, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SYSTEMS = ("single", "pipe2", "pipe3", "hf")
+LABELS = {"single": "potluck 1 stage", "pipe2": "potluck 2 stages", "pipe3": "potluck 3 stages",
+          "hf": "HF generate"}
+CONCURRENCY = (1, 8)
+TARGET_PIPE_DECODE = 0.90   # pipeline / single decode throughput at 8 concurrent, at least
+TARGET_PIPE_TTFT = 1.2      # pipeline TTFT / single TTFT, at most
+TARGET_VS_HF = 1.0          # our single process / HF generate decode throughput, at least
+
+# Varied chat prompts: short questions to a long pasted passage (the chat template adds
+# a ~30-token system prompt, so these come out at roughly 35-150 tokens).
+PROMPTS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves falling into a quiet river.",
+    "Explain in simple terms why the sky is blue during the day and red at sunset.",
+    "List five tips for staying productive while working from home, with one sentence each.",
+    "I have a list of numbers: 4, 8, 15, 16, 23, 42. Write a short Python function that returns "
+    "their mean and median, and explain how it works step by step for a beginner.",
+    "Summarize the following paragraph in two sentences. The printing press, invented by Johannes "
+    "Gutenberg around 1440, transformed the spread of information in Europe. Before it, books were "
+    "copied by hand, which made them rare and expensive. Movable type allowed texts to be produced "
+    "quickly and cheaply, which helped literacy grow, spread new scientific ideas, and fueled the "
+    "Reformation. Within decades, printing shops appeared in hundreds of cities.",
+    "You are helping me plan a weekend trip. I live in Lyon, I like hiking and good food, I do not own "
+    "a car, and my budget is about 300 euros for two days including transport and one night of "
+    "accommodation. I would prefer somewhere reachable by train in less than three hours, with a "
+    "marked trail of 10 to 20 kilometres and a few restaurants nearby. Suggest two destinations, and "
+    "for each give the train time, a trail, where to sleep and a rough cost breakdown.",
+]
+
+
+# ---- prompts ------------------------------------------------------------------
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def workload(n_prompts: int) -> list[str]:
+    if n_prompts >= len(PROMPTS):
+        return list(PROMPTS)
+    # spread the kept ones over the length range
+    step = (len(PROMPTS) - 1) / max(1, n_prompts - 1)
+    return [PROMPTS[round(i * step)] for i in range(n_prompts)]
+
+
+def requests_for(c: int, n_prompts: int) -> list[list[int]]:
+    """Which prompt indices each round sends: c=1 all prompts one by one, else c at once."""
+    if c == 1:
+        return [[i] for i in range(n_prompts)]
+    return [[i % n_prompts for i in range(c)]]
+
+
+# ---- metrics ------------------------------------------------------------------
+def union_length(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def metrics(records: list[dict]) -> dict:
+    """records: one per request, with t_submit, t_first, t_end, tokens."""
+    decode_tokens = sum(len(r["tokens"]) - 1 for r in records)
+    span = union_length([(r["t_first"], r["t_end"]) for r in records])
+    wall = max(r["t_end"] for r in records) - min(r["t_submit"] for r in records)
+    return {
+        "decode_tps": decode_tokens / span if span > 0 else float("nan"),
+        "ttft": statistics.mean(r["t_first"] - r["t_submit"] for r in records),
+        "e2e_tps": sum(len(r["tokens"]) for r in records) / wall,
+    }
+
+
+# ---- workers (each system in its own process) -----------------------------------
+def log(msg: str):
+    print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, repeat: int) -> dict:
+    import torch
+
+    from engine.cli import build_head, close_head
+    from engine.head import Done
+    from engine.models import DEFAULT_MODEL
+    from engine.sampling import SamplingParams
+
+    stages = {"single": 1, "pipe2": 2, "pipe3": 3}[system]
+    cores = os.cpu_count() or 1
+    # the single process uses every core; pipelines keep build_head's own split
+    args = argparse.Namespace(model=DEFAULT_MODEL, stages=stages, stage_addr=[], layers=None,
+                              micro_batches=None, dtype="float32", kv_budget_tokens=None,
+                              threads=cores if stages == 1 else None)
+    t0 = time.perf_counter()
+    head = await build_head(args)
+    log(f"{system}: pipeline up in {time.perf_counter() - t0:.1f}s: {head.info()['stages']}")
+    try:
+        head.eos_ids = set()  # run every request to max_tokens: equal work, comparable ids
+        head_threads = await head._run(torch.get_num_threads)  # as the head's compute thread sees it
+
+        async def one(prompt: list[int], n: int) -> dict:
+            handle = head.submit(prompt, SamplingParams(greedy=True, max_tokens=n))
+            done = None
+            async for ev in handle:
+                if isinstance(ev, Done):
+                    done = ev
+            seq = handle.seq
+            if done.finish_reason != "length" or len(seq.generated) != n:
+                raise RuntimeError(f"{system}: request ended with {done.finish_reason} after "
+                                   f"{len(seq.generated)} tokens: {done.error}")
+            return {"tokens": list(seq.generated), "t_submit": seq.t_submit, "t_first": seq.t_first,
+                    "t_end": seq.t_submit + done.seconds}
+
+        async def round_(idx: list[int], n: int) -> list[dict]:
+            recs = await asyncio.gather(*(one(prompts[i], n) for i in idx))
+            for r, i in zip(recs, idx):
+                r["prompt"] = i
+            return recs
+
+        # warm-up: one request alone, then a short concurrent burst
+        await round_([0], min(8, n_tokens))
+        await round_(list(range(len(prompts))), 4)
+        runs = {c: [] for c in CONCURRENCY}
+        for rep in range(repeat):
+            for c in CONCURRENCY:
+                recs = []
+                for idx in requests_for(c, len(prompts)):
+                    recs += await round_(idx, n_tokens)
+                runs[c].append(recs)
+                m = metrics(recs)
+                log(f"{system} rep {rep + 1} c={c}: decode {m['decode_tps']:.1f} tok/s, "
+                    f"TTFT {m['ttft'] * 1e3:.0f} ms")
+        info = {"processes": stages, "threads": head_threads,
+                "stage_threads": None if stages == 1 else head.local_stages.threads,
+                "layers": [tuple(s["layers"]) for s in head.info()["stages"]]}
+    finally:
+        await close_head(head)
+    return {"info": info, "runs": runs}
+
+
+def hf_worker(prompts: list[list[int]], n_tokens: int, repeat: int) -> dict:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+    from transformers.utils import logging as hf_logging
+
+    from engine.models import DEFAULT_MODEL, resolve
+
+    hf_logging.set_verbosity_error()
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    source = resolve(DEFAULT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(str(source.root), dtype=torch.float32).eval()
+    tok = source.tokenizer()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = None     # as the head with eos_ids cleared: run to max_new_tokens
+    gc.pad_token_id = pad
+    gc.do_sample = False
+
+    class Clock(StoppingCriteria):
+        """Called once per generated token (after the whole batch's step): timestamps."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def round_(idx: list[int], n: int) -> list[dict]:
+        batch = [prompts[i] for i in idx]
+        L = max(len(p) for p in batch)
+        ids = torch.full((len(batch), L), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), L), dtype=torch.long)
+        for r, p in enumerate(batch):  # left padding
+            ids[r, L - len(p):] = torch.tensor(p)
+            mask[r, L - len(p):] = 1
+        clock = Clock()
+        t_submit = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                                 max_new_tokens=n, stopping_criteria=StoppingCriteriaList([clock]))
+        gen = out[:, L:].tolist()
+        if any(len(g) != n for g in gen):
+            raise RuntimeError(f"HF generate returned {[len(g) for g in gen]} tokens, expected {n}")
+        return [{"tokens": g, "t_submit": t_submit, "t_first": clock.times[0], "t_end": clock.times[-1],
+                 "prompt": i} for g, i in zip(gen, idx)]
+
+    round_([0], min(8, n_tokens))
+    round_(list(range(len(prompts))), 4)
+    runs = {c: [] for c in CONCURRENCY}
+    for rep in range(repeat):
+        for c in CONCURRENCY:
+            recs = []
+            for idx in requests_for(c, len(prompts)):
+                recs += round_(idx, n_tokens)
+            runs[c].append(recs)
+            m = metrics(recs)
+            log(f"hf rep {rep + 1} c={c}: decode {m['decode_tps']:.1f} tok/s, TTFT {m['ttft'] * 1e3:.0f} ms")
+    return {"info": {"processes": 1, "threads": torch.get_num_threads(), "stage_threads": None,
+                     "layers": [(0, model.config.num_hidden_layers)]}, "runs": runs}
+
+
+def worker_main(a) -> int:
+    from engine.models import DEFAULT_MODEL, resolve
+
+    tok = resolve(DEFAULT_MODEL).tokenizer()
+    prompts = [chat_ids(tok, t) for t in workload(a.prompts)]
+    if a.worker == "hf":
+        res = hf_worker(prompts, a.tokens, a.repeat)
+    else:
+        res = asyncio.run(engine_worker(a.worker, prompts, a.tokens, a.repeat))
+    res["prompt_lens"] = [len(p) for p in prompts]
+    Path(a.out).write_text(json.dumps(res))
+    return 0
+
+
+# ---- driver -------------------------------------------------------------------
+def run_system(system: str, a) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--out", str(out),
+               "--tokens", str(a.tokens), "--prompts", str(a.prompts), "--repeat", str(a.repeat)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=str(ROOT))
+        if proc.returncode != 0:
+            raise SystemExit(f"the {system} worker failed (exit {proc.returncode})")
+        res = json.loads(out.read_text())
+        res["runs"] = {int(c): v for c, v in res["runs"].items()}
+        res["seconds"] = time.perf_counter() - t0
+        return res
+
+
+def table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(headers) - 1)
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def fmt(cells):
+        return "  ".join(str(c).ljust(w) if al == "l" else str(c).rjust(w)
+                         for c, w, al in zip(cells, widths, align))
+
+    return "\n".join([fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+
+def compare(tokens: list[int], ref: list[int]) -> int | None:
+    """Index of the first differing token, or None when equal."""
+    for k, (x, y) in enumerate(zip(tokens, ref)):
+        if x != y:
+            return k
+    return None if len(tokens) == len(ref) else min(len(tokens), len(ref))
+
+
+def report(results: dict, a) -> None:
+    ref = {r["prompt"]: r["tokens"] for r in results["single"]["runs"][1][0]}
+    lens = next(iter(results.values()))["prompt_lens"]
+    print(f"\nModel: SmolLM2-135M-Instruct (float32, CPU), {os.cpu_count()} cores; {len(lens)} prompts of "
+          f"{min(lens)}-{max(lens)} tokens ({', '.join(map(str, lens))}); {a.tokens} new tokens per "
+          f"request, greedy, EOS ignored; median of {a.repeat} run(s) after a warm-up.\n")
+
+    rows = []
+    for s, r in results.items():
+        i = r["info"]
+        layers = ", ".join(f"{x}-{y - 1}" for x, y in i["layers"])
+        thr = f"{i['threads']}" if i["stage_threads"] is None else f"{i['threads']} x {i['processes']}"
+        rows.append([LABELS[s], str(i["processes"]), thr, layers, f"{r['seconds']:.0f}s"])
+    print(table(["system", "processes", "torch threads", "layers per stage", "bench wall"], rows, "lrrll"))
+
+    # per-run metrics, then the median
+    med: dict = {}
+    rows = []
+    for c in CONCURRENCY:
+        for s, r in results.items():
+            ms = [metrics(recs) for recs in r["runs"][c]]
+            m = {k: statistics.median(x[k] for x in ms) for k in ms[0]}
+            spread = (max(x["decode_tps"] for x in ms) - min(x["decode_tps"] for x in ms)) / m["decode_tps"]
+            med[s, c] = m
+            bad = []
+            total = 0
+            for recs in r["runs"][c]:
+                for rec in recs:
+                    total += 1
+                    k = compare(rec["tokens"], ref[rec["prompt"]])
+                    if k is not None:
+                        bad.append(k)
+            match = "✓" if not bad else f"✗ {total - len(bad)}/{total} (first diff @{min(bad)})"
+            rows.append([LABELS[s], str(c), f"{m['decode_tps']:.1f}", f"±{spread * 50:.0f}%",
+                         f"{m['ttft'] * 1e3:.0f}", f"{m['e2e_tps']:.1f}", match])
+    print()
+    print(table(["system", "conc", "decode tok/s", "spread", "TTFT ms", "e2e tok/s", "greedy = ref"],
+                rows, "lrrrrrl"))
+
+    rows = []
+
+    def ratio(name, num, den, target, higher_better):
+        if num not in med or den not in med:
+            return
+        key = "decode_tps" if higher_better else "ttft"
+        v = med[num][key] / med[den][key]
+        ok = v >= target if higher_better else v <= target
+        rows.append([name, f"{num[1]}", f"{v:.2f}", ("≥ " if higher_better else "≤ ") + f"{target:.2f}",
+                     "PASS" if ok else "MISS"])
+
+    for p in ("pipe2", "pipe3"):
+        for c in CONCURRENCY:
+            ratio(f"{p} / single decode tok/s", (p, c), ("single", c), TARGET_PIPE_DECODE, True)
+    for p in ("pipe2", "pipe3"):
+        for c in CONCURRENCY:
+            ratio(f"{p} / single TTFT", (p, c), ("single", c), TARGET_PIPE_TTFT, False)
+    for c in CONCURRENCY:
+        ratio("single / HF generate decode tok/s", ("single", c), ("hf", c), TARGET_VS_HF, True)
+    print()
+    print(table(["ratio", "conc", "value", "target", ""], rows, "lrrrl"))
+    print("(the decode target is stated for 8 concurrent requests; at 1 request a pipeline has only one "
+          "stage busy at a time, so its 1-request row is informational)")
+
+    # per-prompt token agreement (first run of each)
+    rows = []
+    for p, n in enumerate(lens):
+        row = [str(p), str(n)]
+        for c in CONCURRENCY:
+            for s, r in results.items():
+                if s == "single" and c == 1:
+                    continue
+                recs = [x for x in r["runs"][c][0] if x["prompt"] == p]
+                ks = [compare(x["tokens"], ref[p]) for x in recs]
+                row.append("✓" if all(k is None for k in ks) else
+                           "✗@" + str(min(k for k in ks if k is not None)))
+        rows.append(row)
+    heads = ["prompt", "tokens"] + [f"{s}@{c}" for c in CONCURRENCY for s in results if not (s == "single" and c == 1)]
+    print("\nGreedy token ids vs our single-process engine at 1 request (✗@k: first differing token index)")
+    print(table(heads, rows, "rr" + "c" * (len(heads) - 2)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 16 tokens, 1 repeat")
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 64; quick 16)")
+    p.add_argument("--prompts", type=int, default=None, help=f"prompts used (default {len(PROMPTS)}; quick 4)")
+    p.add_argument("--repeat", type=int, default=None, help="runs per measurement, median reported (default 3; quick 1)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.tokens = a.tokens or (16 if a.quick else 64)
+    a.prompts = min(a.prompts or (4 if a.quick else len(PROMPTS)), len(PROMPTS))
+    a.repeat = a.repeat or (1 if a.quick else 3)
+    if a.worker:
+        return worker_main(a)
+
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    if "single" not in systems:
+        systems.insert(0, "single")  # the reference for every ratio and token check
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown system(s): {', '.join(sorted(unknown))}")
+    from engine.models import DEFAULT_MODEL, resolve
+
+    resolve(DEFAULT_MODEL)  # convert the default model once, before the workers race to
+    results = {}
+    for s in systems:
+        print(f"running {LABELS[s]}...", file=sys.stderr, flush=True)
+        results[s] = run_system(s, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps({k: v for k, v in results.items()}, default=str))
+    report(results, a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
