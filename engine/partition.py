@@ -57,6 +57,8 @@ def parse_layers(text: str, n_layers: int) -> list[tuple[int, int]]:
     try:
         if all(":" in p for p in parts):
             ranges = [tuple(int(x) for x in p.split(":")) for p in parts]
+            if any(len(r) != 2 for r in ranges):
+                raise ValueError("a range has the form start:end")
         else:
             counts = [int(p) for p in parts]
             ranges, a = [], 0

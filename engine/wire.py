@@ -92,6 +92,8 @@ def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
         raise FrameError("frame truncated in its shape")
     dims = struct.unpack_from(f"<{ndim}I", data, off)
     off += 4 * ndim
+    if 0 in dims:
+        raise FrameError("tensor has an empty dimension")
     if ndim:
         if code not in _DTYPES:
             raise FrameError(f"unknown dtype code {code}")
@@ -107,8 +109,8 @@ def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
     if len(data) != off + meta_len + nbytes:
         raise FrameError(f"frame length {len(data)} does not match its header ({off + meta_len + nbytes})")
     try:
-        meta = json.loads(bytes(data[off : off + meta_len]))
-    except (UnicodeDecodeError, ValueError):
+        meta = json.loads(bytes(data[off : off + meta_len]).decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise FrameError("metadata is not valid JSON") from None
     if not isinstance(meta, dict):
         raise FrameError("metadata must be an object")
@@ -154,7 +156,8 @@ def _check_meta(f: Frame) -> None:
         if not isinstance(new, dict) or len(new) > MAX_ROWS:
             raise FrameError("new must be an object")
         for k, v in new.items():
-            if not k.isdigit() or int(k) not in seen:
+            # isascii: int() rejects some str.isdigit() characters ('²'); len: 2**53 has 16 digits
+            if not (k.isascii() and k.isdigit() and len(k) <= 16) or int(k) not in seen:
                 raise FrameError(f"new sequence {k!r} is not in this step")
             if not isinstance(v, dict) or set(v) != {"sampling", "prompt"}:
                 raise FrameError("new sequence entries need sampling and prompt")
@@ -232,7 +235,7 @@ def parse_control(text: str | bytes) -> dict:
         raise FrameError("control message too large")
     try:
         msg = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise FrameError("control message is not valid JSON") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise FrameError("control message needs a type")

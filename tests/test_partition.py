@@ -1,0 +1,166 @@
+"""Which stage holds which layers: automatic split, user overrides, and their checks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from engine.models import ModelError  # noqa: E402
+from engine.partition import parse_layers, partition  # noqa: E402
+from engine.stage_model import check_partition, validate_range  # noqa: E402
+
+
+def counts(ranges):
+    return [b - a for a, b in ranges]
+
+
+def assert_tiles(ranges, n_layers):
+    assert ranges[0][0] == 0 and ranges[-1][1] == n_layers
+    for (a, b), (c, _) in zip(ranges, ranges[1:]):
+        assert b == c
+    assert all(b > a for a, b in ranges)
+
+
+# ---- partition ------------------------------------------------------------------
+
+def test_equal_speeds_split_evenly():
+    assert partition(32, [1, 1]) == [(0, 16), (16, 32)]
+    assert partition(30, [2.5, 2.5, 2.5]) == [(0, 10), (10, 20), (20, 30)]
+    assert partition(7, [1.0]) == [(0, 7)]
+
+
+def test_uneven_remainder_stays_within_one_layer():
+    c = counts(partition(10, [1, 1, 1]))
+    assert sum(c) == 10 and max(c) - min(c) == 1
+
+
+def test_split_is_proportional_to_speed():
+    assert counts(partition(32, [3, 1])) == [24, 8]
+    assert counts(partition(8, [3, 1])) == [6, 2]
+    assert counts(partition(40, [1, 3])) == [10, 30]
+    assert counts(partition(60, [1, 2, 3])) == [10, 20, 30]
+    c = counts(partition(33, [3, 1]))
+    assert sum(c) == 33 and abs(c[0] / c[1] - 3) < 0.35
+
+
+def test_slow_stage_still_gets_one_layer():
+    assert counts(partition(10, [1000, 0.001])) == [9, 1]
+    assert counts(partition(10, [1, 0, -5])) == [8, 1, 1]  # non-positive speeds: only the minimum
+
+
+def test_capacities_are_respected():
+    assert counts(partition(32, [3, 1], [10, 32])) == [10, 22]
+    assert counts(partition(30, [1, 1, 1], [5, 100, 5])) == [5, 20, 5]
+    assert counts(partition(12, [1, 1, 1], [4, 4, 4])) == [4, 4, 4]  # exactly full
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 120).flatmap(lambda n: st.tuples(
+    st.just(n),
+    st.lists(st.floats(0.01, 100), min_size=1, max_size=min(n, 8)),
+)).flatmap(lambda t: st.tuples(
+    st.just(t[0]), st.just(t[1]),
+    st.one_of(st.none(), st.lists(st.integers(1, t[0]), min_size=len(t[1]), max_size=len(t[1]))),
+)))
+def test_partition_properties(args):
+    n_layers, speeds, caps = args
+    if caps is not None and sum(caps) < n_layers:
+        with pytest.raises(ModelError, match="layers of room"):
+            partition(n_layers, speeds, caps)
+        return
+    ranges = partition(n_layers, speeds, caps)
+    assert len(ranges) == len(speeds)
+    assert_tiles(ranges, n_layers)
+    check_partition(ranges, n_layers)
+    if caps is not None:
+        assert all(c <= cap for c, cap in zip(counts(ranges), caps))
+    else:
+        # greedy optimality: no stage's last extra layer would finish sooner on any other stage
+        c = counts(ranges)
+        for j in range(len(c)):
+            if c[j] > 1:
+                assert all(c[j] / speeds[j] <= (c[i] + 1) / speeds[i] + 1e-9 for i in range(len(c)))
+
+
+def test_partition_errors():
+    with pytest.raises(ModelError, match="at least one stage"):
+        partition(10, [])
+    with pytest.raises(ModelError, match="3 stages for 2 layers"):
+        partition(2, [1, 1, 1])
+    with pytest.raises(ModelError, match="needs 10 layers of room but the stages together hold 9"):
+        partition(10, [1, 1], [4, 5])
+    with pytest.raises(ModelError, match="no room for even one layer"):
+        partition(10, [1, 1], [0, 20])
+
+
+def test_errors_are_value_errors_with_guidance():
+    with pytest.raises(ValueError) as ei:
+        partition(10, [1, 1], [2, 2])
+    assert "add a machine or choose a smaller model" in str(ei.value)
+
+
+# ---- parse_layers ----------------------------------------------------------------
+
+def test_parse_ranges():
+    assert parse_layers("0:10,10:30", 30) == [(0, 10), (10, 30)]
+    assert parse_layers(" 0:5 , 5:6,6:8 ", 8) == [(0, 5), (5, 6), (6, 8)]
+    assert parse_layers("0:8", 8) == [(0, 8)]
+
+
+def test_parse_counts():
+    assert parse_layers("10,20", 30) == [(0, 10), (10, 30)]
+    assert parse_layers("1,1,1,1", 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert parse_layers("30,", 30) == [(0, 30)]
+
+
+@pytest.mark.parametrize("text, n, match", [
+    ("0:10,12:30", 30, "gap before stage 1: expected start 10, got 12"),
+    ("0:10,8:30", 30, "overlap before stage 1: expected start 10, got 8"),
+    ("2:30", 30, "gap before stage 0"),
+    ("0:10,10:20", 30, "end at 20 but the model has 30"),
+    ("0:10,10:40", 30, r"\[10, 40\) does not fit a model with 30 layers"),
+    ("0:10,10:10,10:30", 30, r"\[10, 10\) does not fit"),
+    ("10,10", 30, "end at 20 but the model has 30"),
+    ("10,30", 30, r"\[10, 40\) does not fit"),
+    ("10,0,20", 30, r"\[10, 10\) does not fit"),
+    ("-5,35", 30, r"\[0, -5\) does not fit"),
+    ("", 30, "end at 0"),
+    ("abc", 30, "cannot read layer split 'abc'"),
+    ("0:10,10", 30, "cannot read layer split"),
+    ("0:x,10:30", 30, "cannot read layer split"),
+    ("0:,10:30", 30, "cannot read layer split"),
+    ("1.5,28.5", 30, "cannot read layer split"),
+    ("0:10:20,20:30", 30, "cannot read layer split"),  # three numbers once escaped as a bare ValueError
+    ("0;10", 30, "cannot read layer split"),
+])
+def test_parse_layers_errors(text, n, match):
+    with pytest.raises(ModelError, match=match):
+        parse_layers(text, n)
+
+
+# ---- check_partition / validate_range -----------------------------------------
+
+def test_check_partition_gap_vs_overlap():
+    check_partition([(0, 4), (4, 9)], 9)
+    with pytest.raises(ModelError, match="gap before stage 2: expected start 6, got 7"):
+        check_partition([(0, 3), (3, 6), (7, 9)], 9)
+    with pytest.raises(ModelError, match="overlap before stage 2: expected start 6, got 5"):
+        check_partition([(0, 3), (3, 6), (5, 9)], 9)
+    with pytest.raises(ModelError, match="end at 6 but the model has 9"):
+        check_partition([(0, 3), (3, 6)], 9)
+    with pytest.raises(ModelError, match=r"\[6, 3\) does not fit"):
+        check_partition([(0, 6), (6, 9), (6, 3)], 9)
+
+
+def test_validate_range():
+    validate_range(0, 1, 1)
+    validate_range(3, 9, 9)
+    for bad in [(-1, 3), (3, 3), (4, 3), (0, 10)]:
+        with pytest.raises(ModelError, match="does not fit a model with 9 layers"):
+            validate_range(*bad, 9)

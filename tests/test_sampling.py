@@ -1,0 +1,269 @@
+"""Sampling parameters off the wire, and the per-row sampler on the last stage."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.sampling import (  # noqa: E402
+    MAX_STOP_LENGTH,
+    MAX_STOP_SEQUENCES,
+    Sampler,
+    SamplingError,
+    SamplingParams,
+)
+
+VOCAB = 50
+
+
+def logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def run(sampler: Sampler, seq_ids, steps: int, seed: int = 0) -> list[list[int]]:
+    """Sample `steps` times; each step's logits come from one fixed seed per step."""
+    out = []
+    for step in range(steps):
+        out.append(sampler.sample(seq_ids, logits(len(seq_ids), seed * 1000 + step)))
+    return out
+
+
+# ---- SamplingParams.from_dict ----------------------------------------------------
+
+def test_from_dict_defaults_and_round_trip():
+    p = SamplingParams.from_dict({})
+    assert p == SamplingParams()
+    full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 7,
+            "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"]}
+    p = SamplingParams.from_dict(full)
+    assert p.to_dict() == full
+    assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_is_greedy():
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(greedy=True, temperature=0.8).is_greedy
+    assert not SamplingParams(temperature=0.8).is_greedy
+
+
+@pytest.mark.parametrize("d, match", [
+    ("temperature=1", "must be an object"),
+    ([("temperature", 1.0)], "must be an object"),
+    ({"temperature": 1.0, "bogus": 1, "also": 2}, "unknown sampling parameter\\(s\\): also, bogus"),
+    ({"logprobs": True}, "logprobs"),
+    ({"temperature": "1"}, "temperature must be a number"),
+    ({"temperature": None}, "temperature must be a number"),
+    ({"temperature": True}, "temperature must be a number"),
+    ({"temperature": -0.1}, "temperature must be between"),
+    ({"temperature": 100.5}, "temperature must be between"),
+    ({"temperature": float("nan")}, "temperature must be between"),
+    ({"temperature": float("inf")}, "temperature must be between"),
+    ({"top_k": 1.0}, "top_k must be a whole number"),
+    ({"top_k": True}, "top_k must be a whole number"),
+    ({"top_k": -1}, "top_k must be between"),
+    ({"top_k": (1 << 20) + 1}, "top_k must be between"),
+    ({"top_p": 0}, "top_p must be greater than 0"),
+    ({"top_p": 0.0}, "top_p must be greater than 0"),
+    ({"top_p": 1.01}, "top_p must be between"),
+    ({"top_p": -0.5}, "top_p must be between"),
+    ({"top_p": "0.9"}, "top_p must be a number"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be between"),
+    ({"repetition_penalty": 101}, "repetition_penalty must be between"),
+    ({"max_tokens": 0}, "max_tokens must be between"),
+    ({"max_tokens": 10.0}, "max_tokens must be a whole number"),
+    ({"max_tokens": (1 << 20) + 1}, "max_tokens must be between"),
+    ({"seed": -1}, "seed must be between"),
+    ({"seed": 2**63}, "seed must be between"),
+    ({"seed": 1.0}, "seed must be a whole number"),
+    ({"seed": False}, "seed must be a whole number"),
+    ({"greedy": 1}, "greedy must be true or false"),
+    ({"greedy": "true"}, "greedy must be true or false"),
+    ({"stop": "END"}, "stop must be a list"),
+    ({"stop": None}, "stop must be a list"),
+    ({"stop": ["x"] * (MAX_STOP_SEQUENCES + 1)}, f"at most {MAX_STOP_SEQUENCES}"),
+    ({"stop": [""]}, "each stop sequence"),
+    ({"stop": ["x" * (MAX_STOP_LENGTH + 1)]}, "each stop sequence"),
+    ({"stop": [1]}, "each stop sequence"),
+    ({"stop": [["a"]]}, "each stop sequence"),
+])
+def test_from_dict_rejects(d, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams.from_dict(d)
+
+
+@pytest.mark.parametrize("d", [
+    {"temperature": 0}, {"temperature": 100}, {"top_k": 0}, {"top_k": 1 << 20}, {"top_p": 1e-9}, {"top_p": 1},
+    {"repetition_penalty": 0.01}, {"repetition_penalty": 100}, {"max_tokens": 1}, {"max_tokens": 1 << 20},
+    {"seed": 0}, {"seed": 2**63 - 1}, {"seed": None}, {"stop": ["x"] * MAX_STOP_SEQUENCES},
+    {"stop": ["x" * MAX_STOP_LENGTH]}, {"stop": []},
+])
+def test_from_dict_accepts_boundaries(d):
+    p = SamplingParams.from_dict(d)
+    k, v = next(iter(d.items()))
+    assert getattr(p, k) == v
+
+
+# ---- Sampler --------------------------------------------------------------------
+
+def opened(params_by_seq: dict[int, SamplingParams], prompt=(1, 2, 3)) -> Sampler:
+    s = Sampler()
+    for seq_id, p in params_by_seq.items():
+        s.open(seq_id, p, list(prompt))
+    return s
+
+
+def test_greedy_is_argmax_over_a_batch():
+    s = opened({i: SamplingParams(greedy=True) for i in range(6)})
+    x = logits(6)
+    assert s.sample(list(range(6)), x) == x.argmax(-1).tolist()
+    # mixed with temperature-0 rows it is still argmax
+    s2 = opened({0: SamplingParams(temperature=0.0), 1: SamplingParams(greedy=True, temperature=2.0)})
+    assert s2.sample([0, 1], x[:2]) == x[:2].argmax(-1).tolist()
+
+
+def test_greedy_row_in_a_sampled_batch_is_argmax():
+    s = opened({0: SamplingParams(temperature=5.0, seed=1), 1: SamplingParams(greedy=True)})
+    for step in range(10):
+        x = logits(2, step)
+        assert s.sample([0, 1], x)[1] == int(x[1].argmax())
+
+
+def test_seeded_sampling_is_reproducible():
+    p = SamplingParams(temperature=1.5, seed=1234)
+    a = run(opened({0: p}), [0], 30)
+    b = run(opened({0: p}), [0], 30)
+    assert a == b
+    c = run(opened({0: SamplingParams(temperature=1.5, seed=4321)}), [0], 30)
+    assert a != c  # the seed matters (30 draws at high temperature over 50 tokens)
+    assert len({t[0] for t in a}) > 3  # and it really samples
+
+
+def test_seeded_sampling_independent_of_batch_mates():
+    """The same seeded request draws the same tokens wherever it sits and whoever is beside it."""
+    steps = 25
+    target = SamplingParams(temperature=1.2, top_k=20, top_p=0.95, seed=99)
+    row_logits = [logits(1, 500 + t)[0] for t in range(steps)]
+
+    def tokens_for(position: int, mates: list[SamplingParams]) -> list[int]:
+        params = mates[:position] + [target] + mates[position:]
+        s = opened(dict(enumerate(params)))
+        seq_ids = list(range(len(params)))
+        got = []
+        for t in range(steps):
+            x = logits(len(params), 900 + t)  # batch mates see unrelated logits
+            x[position] = row_logits[t]
+            got.append(s.sample(seq_ids, x)[position])
+        return got
+
+    alone = tokens_for(0, [])
+    torch.manual_seed(0)
+    assert tokens_for(2, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=5),
+                          SamplingParams(greedy=True)]) == alone
+    torch.manual_seed(12345)  # unseeded mates draw from the global RNG; that must not matter
+    assert tokens_for(1, [SamplingParams(temperature=2.0), SamplingParams(temperature=1.0, seed=99)]) == alone
+    assert len(set(alone)) > 2
+
+
+def test_top_k_1_equals_greedy():
+    s = opened({i: SamplingParams(temperature=3.0, top_k=1, seed=i) for i in range(4)})
+    for step in range(10):
+        x = logits(4, step)
+        assert s.sample(list(range(4)), x) == x.argmax(-1).tolist()
+
+
+def test_tiny_top_p_equals_greedy():
+    s = opened({i: SamplingParams(temperature=3.0, top_p=1e-6, seed=i) for i in range(4)})
+    for step in range(10):
+        x = logits(4, step)
+        assert s.sample(list(range(4)), x) == x.argmax(-1).tolist()
+
+
+def test_top_k_restricts_to_the_k_best():
+    s = opened({0: SamplingParams(temperature=100.0, top_k=3, seed=3)})
+    x = logits(1, 42)
+    allowed = set(torch.topk(x[0], 3).indices.tolist())
+    seen = {s.sample([0], x)[0] for _ in range(200)}
+    assert seen == allowed  # flat at temperature 100: all three appear, nothing else
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.75 keeps exactly the first two
+    x = torch.log(torch.tensor([[0.15, 0.5, 0.05, 0.3]]))
+    s = opened({0: SamplingParams(temperature=1.0, top_p=0.75, seed=0)})
+    seen = {s.sample([0], x)[0] for _ in range(300)}
+    assert seen == {1, 3}
+    s = opened({0: SamplingParams(temperature=1.0, top_p=0.85, seed=0)})
+    assert {s.sample([0], x)[0] for _ in range(300)} == {0, 1, 3}
+
+
+def test_repetition_penalty_changes_choice_when_top_token_was_seen():
+    x = torch.full((1, 10), -5.0)
+    x[0, 4] = 2.0   # best, but in the prompt
+    x[0, 7] = 1.8   # runner-up, unseen
+    x[0, 2] = -1.0  # negative logit, also in the prompt: made more negative
+    plain = opened({0: SamplingParams(greedy=True)}, prompt=[4, 2])
+    assert plain.sample([0], x) == [4]
+    pen = opened({0: SamplingParams(greedy=True, repetition_penalty=1.2)}, prompt=[4, 2])
+    assert pen.sample([0], x) == [7]  # 2.0 / 1.2 = 1.67 < 1.8
+    weak = opened({0: SamplingParams(greedy=True, repetition_penalty=1.05)}, prompt=[4, 2])
+    assert weak.sample([0], x) == [4]  # 2.0 / 1.05 = 1.905 > 1.8
+    # a penalty below 1 boosts seen tokens instead
+    y = torch.tensor([[0.0, 0.5, 0.3]])
+    boost = opened({0: SamplingParams(greedy=True, repetition_penalty=0.5)}, prompt=[2])
+    assert boost.sample([0], y) == [2]  # 0.3 / 0.5 = 0.6 beats 0.5
+
+
+def test_repetition_penalty_counts_generated_tokens():
+    x = torch.tensor([[0.0, 2.0, 1.8, -1.0]])
+    s = opened({0: SamplingParams(greedy=True, repetition_penalty=1.2)}, prompt=[])
+    assert s.sample([0], x) == [1]   # nothing seen yet
+    assert s.sample([0], x) == [2]   # token 1 now penalised (1.67 < 1.8)
+    assert s.sample([0], x) == [1]   # both penalised: 1.67 > 1.5
+    s.close(0)
+    assert not s.knows(0)
+    s.open(0, SamplingParams(greedy=True, repetition_penalty=1.2), [])
+    assert s.sample([0], x) == [1]   # closing forgot the history
+
+
+def test_penalised_logits_are_not_modified_in_place():
+    x = torch.tensor([[0.0, 2.0, 1.8]])
+    before = x.clone()
+    s = opened({0: SamplingParams(greedy=True, repetition_penalty=2.0)}, prompt=[1])
+    s.sample([0], x)
+    assert torch.equal(x, before)
+
+
+def test_distribution_matches_probabilities():
+    x = torch.log(torch.tensor([[0.7, 0.3]]))
+    s = opened({0: SamplingParams(temperature=1.0, seed=2024)})
+    draws = [s.sample([0], x)[0] for _ in range(2000)]
+    freq = draws.count(0) / len(draws)
+    # binomial sd = sqrt(.7*.3/2000) ~ 0.0102: 4 sd
+    assert abs(freq - 0.7) < 0.041, freq
+    assert set(draws) == {0, 1}
+
+
+def test_temperature_sharpens_and_flattens():
+    x = torch.log(torch.tensor([[0.7, 0.3]]))
+    cold = opened({0: SamplingParams(temperature=0.25, seed=1)})
+    hot = opened({0: SamplingParams(temperature=4.0, seed=1)})
+    n = 2000
+    f_cold = sum(cold.sample([0], x)[0] == 0 for _ in range(n)) / n
+    f_hot = sum(hot.sample([0], x)[0] == 0 for _ in range(n)) / n
+    p_cold = 0.7**4 / (0.7**4 + 0.3**4)   # ~0.967
+    p_hot = 0.7**0.25 / (0.7**0.25 + 0.3**0.25)  # ~0.553
+    tol = lambda p: 4 * math.sqrt(p * (1 - p) / n)  # noqa: E731
+    assert abs(f_cold - p_cold) < tol(p_cold), f_cold
+    assert abs(f_hot - p_hot) < tol(p_hot), f_hot
+
+
+def test_unknown_sequence_is_a_key_error():
+    s = opened({0: SamplingParams()})
+    with pytest.raises(KeyError):
+        s.sample([1], logits(1))
