@@ -135,7 +135,9 @@ class Api:
         return body
 
     def _params(self, body: dict) -> SamplingParams:
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:  # absent or null: the older name
+            max_tokens = body.get("max_tokens")
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
@@ -240,9 +242,13 @@ class Api:
                                     "choices": [], "usage": _usage(ev)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
-            handle.cancel()
+        except asyncio.CancelledError:
+            handle.cancel()  # the client went away (handler cancellation)
             raise
+        except ConnectionResetError:
+            # the client went away and a write noticed first: nobody to answer, nothing
+            # to log; aiohttp treats the closed transport as a finished response
+            handle.cancel()
         return resp
 
 
@@ -252,7 +258,10 @@ def _usage(done: Done) -> dict:
 
 
 async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000) -> web.AppRunner:
-    runner = web.AppRunner(Api(head).app(), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # cancels its generation -- otherwise a non-streaming request whose client gave
+    # up keeps its KV and its place in the pipeline until max_tokens.
+    runner = web.AppRunner(Api(head).app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

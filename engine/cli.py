@@ -54,6 +54,8 @@ async def build_head(args, progress=None):
     from .partition import parse_layers
 
     source = resolve(args.model)
+    # a bad --layers is reported before any stage process starts
+    layers = parse_layers(args.layers, source.config().num_hidden_layers) if args.layers else None
     local = None
     addrs = list(args.stage_addr)
     threads = args.threads
@@ -63,7 +65,6 @@ async def build_head(args, progress=None):
         threads = threads or max(1, (os.cpu_count() or 1) // args.stages)
         local = LocalStages(args.stages - 1, threads=threads)
         addrs = await local.start()
-    layers = parse_layers(args.layers, source.config().num_hidden_layers) if args.layers else None
     if threads:
         import torch
 
@@ -73,6 +74,7 @@ async def build_head(args, progress=None):
     try:
         await head.start()
     except BaseException:
+        await head.close()  # its connections to the stages and its compute thread
         if local:
             await local.stop()
         raise

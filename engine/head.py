@@ -139,6 +139,7 @@ class Head:
         # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
         self.prefill_chunk = prefill_chunk if stage_addresses else None
         self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._stats_lock = asyncio.Lock()
         self.pipeline = pipeline
         self.progress = progress or (lambda stage, done, total, what: None)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
@@ -166,8 +167,14 @@ class Head:
         self.tokenizer = await self._run(self.source.tokenizer)
         self.context_length = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
         self.eos_ids = _eos_ids(cfg, self.tokenizer, self.source)
-        fingerprint = await self._run(self.source.fingerprint)
         n_layers = cfg.num_hidden_layers
+        if self.layers_override:
+            # A user's split is checked before any stage is contacted or any weight read:
+            # a typo should cost a message, not a minute of loading.
+            check_partition(self.layers_override, n_layers)
+            if len(self.layers_override) != self.n_stages:
+                raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages")
+        fingerprint = await self._run(self.source.fingerprint)
 
         for r in self.remotes:
             try:
@@ -181,9 +188,6 @@ class Head:
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
 
         if self.layers_override:
-            check_partition(self.layers_override, n_layers)
-            if len(self.layers_override) != self.n_stages:
-                raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages")
             self.ranges = list(self.layers_override)
         else:
             speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
@@ -324,8 +328,8 @@ class Head:
 
     async def _launch(self, g: Group):
         try:
-            for s in g.seqs:
-                if not s.opened:
+            for s in list(g.seqs):
+                if not s.opened and not s.done:
                     s.in_flight = len(s.prompt) - s.pos
                     await self._stream_prompt(g, s)
         except ConnectionClosed:
@@ -338,8 +342,16 @@ class Head:
                     x.needs_free = False
                     asyncio.ensure_future(self._free_everywhere([x.id]))
             g.seqs = [x for x in g.seqs if not x.done]
+        # A sequence that finished (cancelled, failed) after it joined this micro-batch
+        # but before the step was built -- at submit time, or while prompts streamed
+        # above -- must not be sent: it was freed already (sending it would recreate its
+        # KV behind that free, a leak) or it is waiting for its prompt chunks to drain
+        # (needs_free: it rides along unsent and is freed when this step returns).
+        g.seqs = [s for s in g.seqs if not s.done or s.needs_free]
         rows, inputs, new = [], [], {}
         for s in g.seqs:
+            if s.done:
+                continue
             if not s.opened:
                 n = len(s.prompt) - s.pos
                 inputs.extend(s.prompt[s.pos:])
@@ -351,6 +363,11 @@ class Head:
             s.in_flight = n
             rows.append([s.id, s.pos, n])
         if not rows:
+            for s in g.seqs:  # no step to trail behind: free now
+                if s.needs_free:
+                    s.needs_free = False
+                    asyncio.ensure_future(self._free_everywhere([s.id]))
+            g.seqs = []
             g.in_flight = False
             self._kick()
             return
@@ -518,15 +535,17 @@ class Head:
 
     async def stage_stats(self) -> list[dict]:
         """KV use on every stage (head first): sequences held and tokens cached."""
-        kv = self.stage0.kv
-        out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0}]
-        for i, r in enumerate(self.remotes, start=1):
-            fut = asyncio.get_running_loop().create_future()
-            self._stats_waiters[i] = fut
-            await r.ws.send(wire.control("get_stats"))
-            msg = await asyncio.wait_for(fut, 30)
-            out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected")})
-        return out
+        # one query at a time: answers carry no id, so two callers would take each other's
+        async with self._stats_lock:
+            kv = self.stage0.kv
+            out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0}]
+            for i, r in enumerate(self.remotes, start=1):
+                fut = asyncio.get_running_loop().create_future()
+                self._stats_waiters[i] = fut
+                await r.ws.send(wire.control("get_stats"))
+                msg = await asyncio.wait_for(fut, 30)
+                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected")})
+            return out
 
     async def _free_everywhere(self, ids: list[int]):
         def local():

@@ -36,9 +36,13 @@ class LocalStages:
             proc = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
             self.procs.append(proc)
-        for proc in self.procs:
-            port = await asyncio.wait_for(self._read_port(proc), 120)
-            self.addresses.append(f"ws://127.0.0.1:{port}")
+        try:
+            for proc in self.procs:
+                port = await asyncio.wait_for(self._read_port(proc), 120)
+                self.addresses.append(f"ws://127.0.0.1:{port}")
+        except BaseException:
+            await self.stop()  # the ones that did start must not outlive this failure
+            raise
         return self.addresses
 
     @staticmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ from torch import nn
 
 from .kv import BatchCache, KVStore, build_masks, position_ids
 from .models import ModelError, ModelSource
+
+# accelerate's init_empty_weights patches torch's module constructors process-wide, so
+# two stages built at once in one process (tests, an in-process head) would see each
+# other's patch: building is serialised.
+_BUILD_LOCK = threading.Lock()
 
 _LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
@@ -109,7 +115,8 @@ class StageModel:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self._progress = progress or (lambda done, total, what: None)
-        self.model = self._load(cfg)
+        with _BUILD_LOCK:
+            self.model = self._load(cfg)
         self.model.eval()
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
         self._inject: torch.Tensor | None = None

@@ -62,6 +62,7 @@ class StageServer:
         self._server = None
         self._closed = asyncio.Event()
         self._out: asyncio.Queue | None = None
+        self._sender_task: asyncio.Task | None = None
         self.rejected_frames = 0
 
     async def start(self):
@@ -86,14 +87,18 @@ class StageServer:
     # ---- connections --------------------------------------------------------
     async def _handle(self, ws):
         try:
-            hello = wire.parse_control(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT))
+            try:
+                first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise wire.FrameError(f"no hello within {HELLO_TIMEOUT:g} s") from None
+            hello = wire.parse_control(first)
             if hello["type"] != "hello" or hello["role"] not in ("control", "data"):
                 raise wire.FrameError("first message must be hello with role control or data")
             if hello["version"] != PROTOCOL_VERSION:
                 raise wire.FrameError(f"protocol version {hello['version']} not supported")
             if hello["pipeline"] != self.pipeline:
                 raise wire.FrameError("wrong pipeline")
-        except (asyncio.TimeoutError, wire.FrameError, ConnectionClosed) as exc:
+        except (wire.FrameError, ConnectionClosed) as exc:
             log.warning("refused connection: %s", exc)
             self.rejected_frames += 1
             await ws.close(1008, str(exc)[:120] or "bad hello")
@@ -179,8 +184,10 @@ class StageServer:
             self._next_ws = await connect(msg["next"], **WS_OPTIONS)
             await self._next_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
+        if self._sender_task is not None:
+            self._sender_task.cancel()  # a reconfigure: the old route is gone
         self._out = asyncio.Queue()
-        asyncio.ensure_future(self._sender(self._out, self._next_ws))
+        self._sender_task = asyncio.ensure_future(self._sender(self._out, self._next_ws))
         await ws.send(wire.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
                                    n_layers=self.stage.end - self.stage.start))
@@ -226,6 +233,8 @@ class StageServer:
         try:
             if stage.last and not frame.meta.get("partial"):
                 for k, v in frame.meta.get("new", {}).items():
+                    if any(t >= stage.vocab_size for t in v["prompt"]):
+                        raise ValueError(f"sequence {k}: prompt token ids outside the vocabulary")
                     self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:

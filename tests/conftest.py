@@ -1,0 +1,112 @@
+"""Shared fixtures for the integration tests: real stage processes, real sockets.
+
+`pipeline` is one head (stage 0, in this process) over two local stage processes on
+the default model, shared by the whole session: starting processes and loading weights
+is the slow part, so every test that can reuses it. `api_url` serves the OpenAI API
+over that pipeline on a free loopback port. Every process runs one torch thread: three
+stages (plus a reference model) on two cores would otherwise oversubscribe them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TQDM_DISABLE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+THREADS = 1
+torch.set_num_threads(THREADS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pipeline_args(**over) -> Namespace:
+    """What `potluck chat` would parse, for build_head."""
+    args = dict(model="default", stages=3, stage_addr=[], layers=None, micro_batches=None,
+                dtype="float32", threads=THREADS, kv_budget_tokens=None)
+    args.update(over)
+    return Namespace(**args)
+
+
+@pytest.fixture(scope="session")
+async def pipeline():
+    from engine.cli import build_head, close_head
+
+    head = await build_head(pipeline_args())
+    procs = list(head.local_stages.procs)
+    try:
+        yield head
+    finally:
+        await close_head(head)
+        assert all(p.returncode is not None for p in procs), "a stage process outlived the session"
+
+
+@pytest.fixture(scope="session")
+async def api_url(pipeline):
+    from engine.api import serve_api
+
+    port = free_port()
+    runner = await serve_api(pipeline, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture(scope="session")
+def default_source():
+    from engine.models import resolve
+
+    return resolve("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, default_source):
+    """Builds each tiny checkpoint once: tiny_folder(arch, seed=0) -> (folder, model).
+
+    The tiny checkpoints carry no tokenizer; the head needs one to decode, so each gets
+    a copy of the default model's (its ids cover the tiny 256-token vocabulary).
+    Tests submit token ids and clear the head's end-of-sequence ids.
+    """
+    from tiny_models import build_tiny_model
+
+    cache: dict[tuple[str, int], tuple[Path, object]] = {}
+
+    def get(arch: str, seed: int = 0):
+        key = (arch, seed)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"{arch}_{seed}")
+            model = build_tiny_model(arch, root, seed=seed)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(default_source.root / name, root / name)
+            cache[key] = (root, model)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+async def spare_stages():
+    """Two more stage processes that tests configure with their own heads, one at a time."""
+    from engine.local import LocalStages
+
+    local = LocalStages(2, threads=THREADS)
+    try:
+        yield await local.start()
+    finally:
+        await local.stop()

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible API over a real 3-stage pipeline (head + 2 stage processes).
+
+The official `openai` client drives the happy paths; raw aiohttp requests send what no
+client library would (broken JSON, wrong types) and check OpenAI's error shape:
+{"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI, BadRequestError
+
+from engine.head import Done
+from engine.sampling import SamplingParams
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture
+async def client(api_url):
+    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def _direct(head, prompt: list[int], max_tokens: int) -> tuple[str, Done]:
+    """The same request submitted to the head directly, greedy."""
+    return await head.submit(prompt, SamplingParams(greedy=True, max_tokens=max_tokens)).text()
+
+
+async def test_models_list(client, pipeline):
+    models = await client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [pipeline.source.name]
+
+
+async def test_chat_non_streaming_answers_paris(client, pipeline):
+    resp = await client.chat.completions.create(model=pipeline.source.name, messages=FRANCE,
+                                                temperature=0, max_tokens=MAX_TOKENS)
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+
+    prompt = pipeline.chat_prompt(FRANCE)
+    text, done = await _direct(pipeline, prompt, MAX_TOKENS)
+    assert text == choice.message.content
+    assert resp.usage.prompt_tokens == len(prompt) == done.prompt_tokens
+    assert resp.usage.completion_tokens == done.completion_tokens
+    assert 0 < resp.usage.completion_tokens < MAX_TOKENS  # stopped at end-of-sequence
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    # the completion tokens are the text's own (no end-of-sequence token counted)
+    assert len(pipeline.tokenizer(text, add_special_tokens=False)["input_ids"]) == resp.usage.completion_tokens
+
+
+async def test_chat_streaming_matches_non_streaming(client, pipeline):
+    kwargs = dict(model="default", messages=FRANCE, temperature=0, max_tokens=MAX_TOKENS)
+    full = await client.chat.completions.create(**kwargs)
+    stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    pieces, finishes, usage, ids = [], [], None, set()
+    async for chunk in stream:
+        ids.add(chunk.id)
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.content:
+                pieces.append(ch.delta.content)
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    assert len(ids) == 1
+    assert len(pieces) >= 3, pieces
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finishes == ["stop"]
+    assert usage is not None
+    key = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)  # noqa: E731
+    assert key(usage) == key(full.usage)
+
+
+async def test_chat_length_limit(client):
+    resp = await client.chat.completions.create(model="default", messages=FRANCE, temperature=0, max_tokens=3)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 3
+
+
+async def test_completions_streaming_and_not(client, pipeline):
+    prompt = "The capital of France is"
+    full = await client.completions.create(model=pipeline.source.name, prompt=prompt, temperature=0, max_tokens=8)
+    assert full.object == "text_completion"
+    text = full.choices[0].text
+    assert text.strip()
+    ids = pipeline.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    assert full.usage.prompt_tokens == len(ids)
+    direct, done = await _direct(pipeline, ids, 8)
+    assert direct == text and full.usage.completion_tokens == done.completion_tokens
+    assert full.choices[0].finish_reason == ("length" if done.completion_tokens == 8 else "stop")
+
+    stream = await client.completions.create(model=pipeline.source.name, prompt=prompt, temperature=0,
+                                             max_tokens=8, stream=True)
+    pieces, finishes = [], []
+    async for chunk in stream:
+        for ch in chunk.choices:
+            pieces.append(ch.text)
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    assert len([p for p in pieces if p]) >= 2
+    assert "".join(pieces) == text
+    assert finishes == [full.choices[0].finish_reason]
+
+    # a prompt of token ids works too
+    by_ids = await client.completions.create(model="default", prompt=ids, temperature=0, max_tokens=8)
+    assert by_ids.choices[0].text == text
+
+
+async def test_openai_client_sees_bad_request(client):
+    with pytest.raises(BadRequestError) as info:
+        await client.chat.completions.create(model="default", messages=FRANCE, max_tokens=0)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "max_tokens"
+
+
+# ---- error shapes ---------------------------------------------------------------------
+
+CHAT, COMPL = "/chat/completions", "/completions"
+OK_MSGS = [{"role": "user", "content": "hi"}]
+LONG_TEXT = "hello " * 9000  # more tokens than the model's 8192-token window
+
+BAD_REQUESTS = {
+    # name: (path, body (bytes: sent as is), expected param or None, expected code or None)
+    "bad_json": (CHAT, b'{"messages": [', None, "invalid_json"),
+    "not_utf8": (CHAT, b'{"messages": "\xff\xfe"}', None, "invalid_json"),
+    "array_body": (CHAT, b"[1, 2, 3]", None, "invalid_json"),
+    "string_body": (COMPL, b'"just a string"', None, "invalid_json"),
+    "unknown_model": (CHAT, {"model": "gpt-9", "messages": OK_MSGS}, "model", "model_not_found"),
+    "model_not_string": (CHAT, {"model": 7, "messages": OK_MSGS}, "model", "model_not_found"),
+    "max_tokens_negative": (CHAT, {"messages": OK_MSGS, "max_tokens": -5}, "max_tokens", "invalid_value"),
+    "max_tokens_zero": (CHAT, {"messages": OK_MSGS, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    "max_tokens_huge": (CHAT, {"messages": OK_MSGS, "max_tokens": 10**9}, "max_tokens", "invalid_value"),
+    "max_tokens_string": (COMPL, {"prompt": "hi", "max_tokens": "12"}, "max_tokens", "invalid_type"),
+    "max_tokens_float": (COMPL, {"prompt": "hi", "max_tokens": 3.5}, "max_tokens", "invalid_type"),
+    "temperature_string": (CHAT, {"messages": OK_MSGS, "temperature": "hot"}, "temperature", "invalid_type"),
+    "temperature_negative": (CHAT, {"messages": OK_MSGS, "temperature": -1}, None, "invalid_value"),
+    "top_p_zero": (CHAT, {"messages": OK_MSGS, "top_p": 0}, None, "invalid_value"),
+    "stream_string": (CHAT, {"messages": OK_MSGS, "stream": "yes"}, "stream", "invalid_type"),
+    "stop_number": (CHAT, {"messages": OK_MSGS, "stop": 5}, "stop", "invalid_type"),
+    "messages_string": (CHAT, {"messages": "hi"}, "messages", "invalid_type"),
+    "messages_missing": (CHAT, {"model": "default"}, "messages", "invalid_type"),
+    "messages_empty": (CHAT, {"messages": []}, "messages", None),
+    "message_without_role": (CHAT, {"messages": [{"content": "hi"}]}, "messages", None),
+    "message_not_object": (CHAT, {"messages": ["hi"]}, "messages", None),
+    "message_content_number": (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages", None),
+    "message_image_part": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages", None),
+    "chat_prompt_too_long": (CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}]},
+                             "messages", "context_length_exceeded"),
+    "completion_prompt_too_long": (COMPL, {"prompt": LONG_TEXT}, "prompt", "context_length_exceeded"),
+    "prompt_missing": (COMPL, {"max_tokens": 3}, "prompt", None),
+    "prompt_ids_out_of_vocab": (COMPL, {"prompt": [1, 2, 10**7]}, "prompt", None),
+    "prompt_empty_list": (COMPL, {"prompt": []}, "prompt", None),
+    "n_2": (CHAT, {"messages": OK_MSGS, "n": 2}, "n", None),
+    "n_string": (CHAT, {"messages": OK_MSGS, "n": "2"}, "n", "invalid_type"),
+}
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def _check_error(status: int, body: dict, param, code, expect_status=400):
+    assert status == expect_status, body
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == ("invalid_request_error" if expect_status < 500 else "server_error")
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+async def test_bad_request_shape(api_url, name):
+    path, body, param, code = BAD_REQUESTS[name]
+    async with aiohttp.ClientSession() as s:
+        status, data = await _post(s, api_url + path, body)
+    _check_error(status, data, param, code)
+
+
+async def test_http_errors_have_the_same_shape(api_url):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(api_url + "/nowhere") as r:
+            _check_error(r.status, await r.json(content_type=None), None, None, expect_status=404)
+        async with s.get(api_url + CHAT) as r:
+            _check_error(r.status, await r.json(content_type=None), None, None, expect_status=405)
+        big = b'{"messages": "' + b"x" * (9 << 20) + b'"}'
+        async with s.post(api_url + CHAT, data=big) as r:
+            _check_error(r.status, await r.json(content_type=None), None, None, expect_status=413)
+
+
+async def test_bad_requests_beside_a_good_one(client, api_url, pipeline):
+    """Refusals are per request: a valid request running alongside them is untouched."""
+    good = asyncio.ensure_future(client.chat.completions.create(
+        model="default", messages=FRANCE, temperature=0, max_tokens=MAX_TOKENS))
+    await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(_post(s, api_url + path, body)
+                                         for path, body, _, _ in BAD_REQUESTS.values()))
+    for (status, data), (param, code) in zip(results, [(p, c) for _, _, p, c in BAD_REQUESTS.values()]):
+        _check_error(status, data, param, code)
+    resp = await good
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert pipeline.error is None
+
+
+async def test_status_endpoint(api_url, pipeline):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(api_url + "/potluck/status") as r:
+            assert r.status == 200
+            info = await r.json()
+    assert info["model"] == pipeline.source.name
+    assert len(info["stages"]) == 3
+    assert info["error"] is None
+
+
+async def test_stop_sequence_and_seeded_sampling(client):
+    resp = await client.chat.completions.create(model="default", messages=FRANCE, temperature=0,
+                                                max_tokens=MAX_TOKENS, stop=["Paris"])
+    assert "Paris" not in resp.choices[0].message.content
+    assert resp.choices[0].message.content.startswith("The capital of France is")
+    assert resp.choices[0].finish_reason == "stop"
+
+    kwargs = dict(model="default", messages=[{"role": "user", "content": "Name a fruit."}],
+                  temperature=1.2, top_p=0.95, seed=1234, max_tokens=10)
+    a, b = await asyncio.gather(client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs))
+    assert a.choices[0].message.content == b.choices[0].message.content

@@ -1,0 +1,504 @@
+"""The pipeline across real processes: exact tokens, cancellation, admission, bad peers.
+
+Most tests share the session `pipeline` (head + 2 stage processes, default model).
+Tests that need another model or other limits configure the two `spare_stages`
+processes with a head of their own; a stage serves one head at a time and forgets a
+head's sequences when it disconnects, so the next test reconfigures them cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+import torch
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from conftest import THREADS, free_port
+from engine import wire
+from engine.head import Delta, Done, Head, PipelineError
+from engine.models import ModelError, ModelSource, resolve
+from engine.partition import parse_layers
+from engine.sampling import SamplingParams
+from engine.stage_server import PROTOCOL_VERSION, StageServer
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_CMD = ("engine", "stage", "--announce")
+
+
+# ---- helpers --------------------------------------------------------------------------
+
+async def collect(handle) -> tuple[list[int], str, Done]:
+    toks, parts = [], []
+    async for ev in handle:
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+            parts.append(ev.text)
+        else:
+            return toks, "".join(parts), ev
+    raise AssertionError("no Done event")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(greedy=True, max_tokens=max_tokens)
+
+
+async def wait_freed(head, timeout: float = 10.0) -> list[dict]:
+    """Poll every stage until it holds no sequence and no cached token."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await head.stage_stats()
+        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV still held after {timeout}s: {stats}")
+        await asyncio.sleep(0.1)
+
+
+async def start_head(source: ModelSource, addrs: list[str], **kw) -> Head:
+    head = Head(source, addrs, **kw)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()
+        raise
+    return head
+
+
+def reference_generate(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """transformers' own greedy decoding of one prompt, cut at the first end-of-sequence."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=sorted(eos) or None, pad_token_id=0)
+    toks = out[0, len(prompt):].tolist()
+    for i, t in enumerate(toks):
+        if t in eos:
+            return toks[:i]
+    return toks
+
+
+def stage_pids() -> set[int]:
+    pids = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if all(part in cmd for part in STAGE_CMD):
+            pids.add(p.info["pid"])
+    return pids
+
+
+def cli(*args, timeout=180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+# ---- token-exact parity across processes --------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_reference(default_source):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(default_source.root), dtype=torch.float32)
+    return model.eval()
+
+
+CHATS = [
+    "What is the capital of France?",
+    "Hi",
+    "Summarize in one sentence: " + " ".join(["The quick brown fox jumps over the lazy dog."] * 8),
+    "Translate to French, sentence by sentence: " + " ".join(
+        f"Sentence number {i} is about the color {c}." for i, c in enumerate(
+            ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"] * 2)),
+]
+
+
+async def test_default_model_matches_transformers(pipeline, default_reference):
+    """Different-length prompts (two longer than a prefill chunk) batched concurrently."""
+    max_new = 16
+    prompts = [pipeline.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    assert max(len(p) for p in prompts) > 2 * pipeline.prefill_chunk
+    handles = [pipeline.submit(p, greedy(max_new)) for p in prompts]
+    results = await asyncio.gather(*(collect(h) for h in handles))
+    for prompt, (toks, text, done) in zip(prompts, results):
+        want = reference_generate(default_reference, prompt, max_new, pipeline.eos_ids)
+        assert done.error is None and done.finish_reason in ("stop", "length")
+        assert toks == want, f"prompt of {len(prompt)} tokens: pipeline {toks} != generate {want}"
+        assert done.completion_tokens == len(toks)
+        assert text == pipeline.tokenizer.decode(toks, skip_special_tokens=True)
+    assert "Paris" in results[0][1]
+    await wait_freed(pipeline)
+
+
+TINY_PROMPT_LENS = (5, 17, 70, 150)  # the longer ones stream in several prefill chunks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+async def test_tiny_arch_matches_transformers(arch, tiny_folder, spare_stages):
+    folder, model = tiny_folder(arch)
+    head = await start_head(resolve(str(folder)), spare_stages)
+    try:
+        head.eos_ids = set()  # random weights: run every request to its full length
+        assert len(head.ranges) == 3
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in TINY_PROMPT_LENS]
+        max_new = 12
+        results = await asyncio.gather(*(collect(head.submit(p, greedy(max_new))) for p in prompts))
+        for prompt, (toks, _, done) in zip(prompts, results):
+            assert done.finish_reason == "length" and done.completion_tokens == max_new
+            want = reference_generate(model, prompt, max_new, set())
+            assert toks == want, f"{arch}, prompt of {len(prompt)}: pipeline {toks} != generate {want}"
+        await wait_freed(head)
+    finally:
+        await head.close()
+
+
+# ---- cancellation ---------------------------------------------------------------------
+
+STORY = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+
+
+async def test_cancel_frees_kv_everywhere(pipeline):
+    prompt = pipeline.chat_prompt(STORY)
+    h = pipeline.submit(prompt, greedy(200))
+    seen = 0
+    async for ev in h:
+        assert isinstance(ev, Delta), ev
+        seen += 1
+        if seen == 3:
+            break
+    stats = await pipeline.stage_stats()
+    assert all(s["seqs"] == 1 for s in stats), stats
+    h.cancel()
+    toks, _, done = await collect(h)
+    assert done.finish_reason == "cancelled"
+    assert 3 <= done.completion_tokens < 200
+    await wait_freed(pipeline)
+    assert pipeline.reserved == 0
+
+
+async def test_cancel_at_any_moment(pipeline):
+    """Cancelled before its first step, while prefilling in chunks, or while waiting."""
+    long_prompt = pipeline.chat_prompt(
+        [{"role": "user", "content": " ".join(["Tell me about the history of bread."] * 40)}])
+    short = pipeline.chat_prompt(STORY)
+    h_now = pipeline.submit(short, greedy(50))
+    h_now.cancel()  # same tick as submit: before its micro-batch launched
+    h_prefill = pipeline.submit(long_prompt, greedy(50))
+    h_keep = pipeline.submit(short, greedy(8))
+    await asyncio.sleep(0.05)
+    h_prefill.cancel()
+    for h in (h_now, h_prefill):
+        _, _, done = await collect(h)
+        assert done.finish_reason == "cancelled"
+    toks, _, done = await collect(h_keep)
+    assert done.finish_reason == "length" and len(toks) == 8
+    await wait_freed(pipeline)
+    assert pipeline.reserved == 0 and not pipeline.waiting
+
+
+async def test_api_stream_closed_early_frees_kv(pipeline, api_url):
+    body = {"model": "default", "messages": STORY, "max_tokens": 200, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(api_url + "/chat/completions", json=body)
+        assert r.status == 200
+        chunks = 0
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                chunks += 1
+                if chunks == 4:
+                    break
+        r.close()  # drop the connection mid-stream
+    await asyncio.sleep(0.2)
+    await wait_freed(pipeline)
+    assert pipeline.reserved == 0
+
+
+async def test_api_client_gone_non_streaming_frees_kv(pipeline, api_url):
+    body = {"model": "default", "messages": STORY, "max_tokens": 300, "temperature": 0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.5)) as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.post(api_url + "/chat/completions", json=body) as r:
+                await r.read()
+    await wait_freed(pipeline)
+    assert pipeline.reserved == 0
+
+
+# ---- admission control ----------------------------------------------------------------
+
+async def test_admission_waits_for_kv_budget(tiny_folder, spare_stages):
+    folder, _ = tiny_folder("llama")
+    budget = 200
+    head = await start_head(resolve(str(folder)), spare_stages, kv_budget_tokens=budget)
+    runner = None
+    try:
+        head.eos_ids = set()
+        assert head.capacity == budget
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(2, 256, (30,), generator=g).tolist() for _ in range(4)]
+        handles = [head.submit(p, greedy(120)) for p in prompts]  # 150 tokens each: one fits at a time
+        peak = {"waiting": head.info()["waiting"], "reserved": head.reserved}
+
+        async def watch():
+            while True:
+                info = head.info()
+                peak["waiting"] = max(peak["waiting"], info["waiting"])
+                peak["reserved"] = max(peak["reserved"], info["kv_reserved_tokens"])
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        watcher.cancel()
+        for toks, _, done in results:
+            assert done.error is None and done.finish_reason == "length" and len(toks) == 120
+        assert peak["waiting"] >= 3
+        assert peak["reserved"] <= budget
+        assert head.reserved == 0
+        await wait_freed(head)
+
+        # one request that could never fit is refused up front, not queued forever
+        with pytest.raises(ValueError, match="KV cache"):
+            head.submit(prompts[0], greedy(180))
+        assert not head.waiting
+
+        # a waiting request can be cancelled
+        first = head.submit(prompts[0], greedy(120))
+        second = head.submit(prompts[1], greedy(120))
+        assert head.info()["waiting"] == 1
+        second.cancel()
+        assert (await collect(second))[2].finish_reason == "cancelled"
+        assert (await collect(first))[2].finish_reason == "length"
+
+        # and the API says 400
+        from engine.api import serve_api
+
+        port = free_port()
+        runner = await serve_api(head, "127.0.0.1", port)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"prompt": prompts[0], "max_tokens": 180}) as r:
+                assert r.status == 400
+                err = (await r.json())["error"]
+                assert "KV cache" in err["message"] and err["type"] == "invalid_request_error"
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"prompt": prompts[0], "max_tokens": 5, "temperature": 0}) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["completion_tokens"] == 5
+        await wait_freed(head)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await head.close()
+
+
+# ---- bad peers ------------------------------------------------------------------------
+
+def hello(role="data", version=PROTOCOL_VERSION, pipeline="local") -> str:
+    return json.dumps({"type": "hello", "role": role, "version": version, "pipeline": pipeline})
+
+
+async def expect_policy_close(address: str, *messages, timeout: float = 10.0) -> str:
+    """Send messages; the stage must close this connection with 1008 and a reason."""
+    async with connect(address) as ws:
+        try:
+            for m in messages:
+                await ws.send(m)
+            while True:
+                await asyncio.wait_for(ws.recv(), timeout)
+        except ConnectionClosed as exc:
+            assert exc.rcvd is not None, "closed without a close frame"
+            assert exc.rcvd.code == 1008, (exc.rcvd.code, exc.rcvd.reason)
+            assert exc.rcvd.reason
+            return exc.rcvd.reason
+    raise AssertionError("unreachable")
+
+
+async def test_bad_frames_close_only_that_connection(pipeline):
+    before = await pipeline.stage_stats()
+    hidden = pipeline.config.hidden_size
+    good = wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]}, torch.zeros(2, hidden))
+    bad_frames = {
+        "garbage": b"\x00garbage bytes, not a frame",
+        "bad magic": b"XXXX" + good[4:],
+        "truncated": good[:-5],
+        "wrong hidden size": wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]},
+                                         torch.zeros(2, hidden + 1)),
+        "wrong dtype": wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]},
+                                   torch.zeros(2, hidden, dtype=torch.float16)),
+        "rows disagree with tensor": wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 3]]},
+                                                 torch.zeros(2, hidden)),
+        "token frame": wire.encode(wire.FrameType.TOKENS, 0, 1, {"tokens": [[1, 2]]}),
+        "text frame": "not binary",
+    }
+    n_bad = 0
+    for r in pipeline.remotes:
+        for name, frame in bad_frames.items():
+            reason = await expect_policy_close(r.address, hello(), frame)
+            n_bad += 1
+            if name == "wrong hidden size":
+                assert "hidden size" in reason
+        for bad_hello in (hello(pipeline="someone-else"), hello(version=99), hello(role="admin"),
+                          b"binary hello", "not json", json.dumps({"type": "hello", "role": "data"})):
+            await expect_policy_close(r.address, bad_hello)
+        # a second head is turned away while ours holds the stage
+        reason = await expect_policy_close(r.address, hello(role="control"))
+        assert "already" in reason
+
+    after = await pipeline.stage_stats()
+    for b, a in zip(before[1:], after[1:]):
+        assert a["rejected"] >= b["rejected"] + len(bad_frames) + 6
+    assert pipeline.error is None
+    _, text, done = await collect(pipeline.submit(
+        pipeline.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]), greedy(24)))
+    assert "Paris" in text and done.finish_reason == "stop"
+    await wait_freed(pipeline)
+
+
+@pytest.fixture
+async def inproc_stage():
+    server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS).start()
+    try:
+        yield server, f"ws://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+async def test_silent_connection_times_out(inproc_stage, monkeypatch):
+    import engine.stage_server as ss
+
+    monkeypatch.setattr(ss, "HELLO_TIMEOUT", 0.5)
+    server, addr = inproc_stage
+    t0 = time.monotonic()
+    reason = await expect_policy_close(addr, timeout=5)
+    assert time.monotonic() - t0 < 4
+    assert "hello" in reason
+    assert server.rejected_frames == 1
+
+
+async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, spare_stages):
+    server, addr = inproc_stage
+    folder_a, _ = tiny_folder("llama", seed=0)
+    folder_b, model_b = tiny_folder("llama", seed=1)
+    fp_a, fp_b = resolve(str(folder_a)).fingerprint(), resolve(str(folder_b)).fingerprint()
+    assert fp_a != fp_b
+
+    # raw: a configure whose fingerprint is not the stage's copy -> an error message
+    async with connect(addr) as ws:
+        await ws.send(hello(role="control"))
+        assert wire.parse_control(await ws.recv())["type"] == "welcome"
+        configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
+                         kv_budget_tokens=None, threads=None)
+        await ws.send(wire.control("configure", fingerprint=fp_a, **configure))
+        msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
+        assert msg["type"] == "error" and "fingerprint" in msg["message"], msg
+        assert server.stage is None
+        # the stage is unharmed: the right fingerprint configures it on the same connection
+        await ws.send(wire.control("configure", fingerprint=fp_b, **configure))
+        msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
+        while msg["type"] == "progress":
+            msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
+        assert msg["type"] == "configured" and msg["fingerprint"] == fp_b, msg
+
+    # a head whose weights (folder A) differ from what its stage processes load under
+    # the same name (folder B): refused at setup with the reason, not a crash
+    src = resolve(str(folder_b))
+    mixed = ModelSource(spec=src.spec, name=src.name, root=folder_a)
+    with pytest.raises(PipelineError, match="fingerprint"):
+        await start_head(mixed, spare_stages)
+
+    # ...and those stages then serve a head with the right model
+    head = await start_head(src, spare_stages)
+    try:
+        head.eos_ids = set()
+        prompt = list(range(10, 30))
+        toks, _, done = await collect(head.submit(prompt, greedy(6)))
+        assert toks == reference_generate(model_b, prompt, 6, set())
+    finally:
+        await head.close()
+
+
+async def test_bad_layer_ranges_fail_before_anything_loads(default_source):
+    n = default_source.config().num_hidden_layers
+    nowhere = ["ws://127.0.0.1:9"]  # never contacted: ranges are checked first
+    cases = {
+        "gap": [(0, 10), (12, n)],
+        "overlap": [(0, 12), (10, n)],
+        "layers": [(0, 10), (10, n + 1)],
+        "2 stages": [(0, n)],
+        "end at": [(0, 10), (10, n - 1)],
+    }
+    for word, layers in cases.items():
+        head = Head(default_source, nowhere, layers=layers)
+        with pytest.raises(ModelError, match=word):
+            await head.start()
+        assert head.stage0 is None
+        await head.close()
+    with pytest.raises(ModelError, match="gap"):
+        parse_layers("0:10,12:30", n)
+
+
+async def test_cli_bad_layers_exit_code():
+    before = stage_pids()
+    r = await asyncio.to_thread(cli, "chat", "--layers", "0:10,12:30", "--prompt", "hi")
+    assert r.returncode == 2, r.stderr
+    assert "gap" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert stage_pids() - before == set()
+
+
+async def test_cli_chat_smoke():
+    before = stage_pids()
+    r = await asyncio.to_thread(cli, "chat", "--stages", "2", "--prompt", "What is the capital of France?",
+                                "--max-tokens", "20")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    deadline = time.monotonic() + 5
+    while stage_pids() - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert stage_pids() - before == set(), "the CLI left stage processes behind"
+
+
+async def test_stage_process_dies(tiny_folder):
+    """A stage that dies fails its requests with a reason; the head refuses new ones."""
+    from engine.api import serve_api
+    from engine.local import LocalStages
+
+    folder, _ = tiny_folder("llama")
+    local = LocalStages(1, threads=THREADS)
+    addrs = await local.start()
+    head = runner = None
+    try:
+        head = await start_head(resolve(str(folder)), addrs)
+        head.eos_ids = set()
+        h = head.submit(list(range(5, 25)), greedy(200))
+        async for ev in h:
+            break  # it is generating
+        local.procs[0].kill()
+        _, _, done = await asyncio.wait_for(collect(h), 15)
+        assert done.finish_reason == "error" and done.error
+        assert head.error
+        with pytest.raises(PipelineError):
+            head.submit([5, 6, 7], greedy(3))
+        port = free_port()
+        runner = await serve_api(head, "127.0.0.1", port)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"prompt": [5, 6, 7], "max_tokens": 3}) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["type"] == "server_error"
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if head is not None:
+            await head.close()
+        await local.stop()
