@@ -38,6 +38,7 @@ class FrameError(ValueError):
 class FrameType(IntEnum):
     ACTIVATIONS = 1   # hidden states of a micro-batch step, stage -> next stage
     TOKENS = 2        # sampled token ids, last stage -> head
+    CHUNK = 3         # a piece of an encoded volume (volumes.py), micro_batch = volume id
 
 
 _DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.int64, 5: torch.int8}
@@ -163,6 +164,15 @@ def _check_meta(f: Frame) -> None:
                 raise FrameError("new sequence entries need sampling and prompt")
             if not isinstance(v["prompt"], list) or not all(_is_uint(t, 2**31) for t in v["prompt"]):
                 raise FrameError("prompt must be a list of token ids")
+    elif f.type == FrameType.CHUNK:
+        if f.tensor is None or f.tensor.dim() != 1 or f.tensor.dtype != torch.int8:
+            raise FrameError("a chunk carries its piece as a flat int8 tensor")
+        if set(m) != {"off", "total", "kind"}:
+            raise FrameError("chunk metadata must have keys off, total, kind")
+        if not (_is_uint(m["off"]) and _is_uint(m["total"])):
+            raise FrameError("chunk off and total must be non-negative integers")
+        if m["kind"] not in ("decode", "prefill"):
+            raise FrameError("chunk kind must be decode or prefill")
     elif f.type == FrameType.TOKENS:
         if set(m) - {"tokens", "errors"}:
             raise FrameError("token metadata must have keys tokens, errors")
@@ -200,6 +210,8 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT},
     "error": {"message": _STR},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT},
+    # receiver -> sender on a data link: a volume piece arrived
+    "ack": {"v": _INT, "bytes": _INT},
 }
 MAX_CONTROL = 1 << 20
 

@@ -1,0 +1,85 @@
+"""Chunked volumes: pieces out of order, duplicated, missing or overrunning are refused."""
+
+import pytest
+
+from engine import wire
+from engine.volumes import Reassembler, encode_chunk
+
+
+def piece_of(frame_bytes):
+    f = wire.decode(frame_bytes)
+    assert f.type == wire.FrameType.CHUNK
+    return f.micro_batch, f.meta, f.tensor.numpy().tobytes()
+
+
+def pieces(vid, data, size, kind="prefill"):
+    return [piece_of(encode_chunk(vid, kind, off, len(data), data[off: off + size]))
+            for off in range(0, len(data), size)]
+
+
+def test_roundtrip_in_order():
+    data = bytes(range(256)) * 40
+    r = Reassembler()
+    out = [r.feed(*p) for p in pieces(3, data, 1000)]
+    assert out[:-1] == [None] * (len(out) - 1)
+    assert out[-1] == ("prefill", data)
+    assert r.open_volumes == 0 and r.buffered == 0
+
+
+def test_interleaved_volumes_complete_independently():
+    a, b = b"a" * 3000, b"b" * 1500
+    pa, pb = pieces(1, a, 1000), pieces(2, b, 1000, kind="decode")
+    r = Reassembler()
+    assert r.feed(*pa[0]) is None
+    assert r.feed(*pb[0]) is None
+    assert r.feed(*pb[1]) == ("decode", b)
+    assert r.feed(*pa[1]) is None
+    assert r.feed(*pa[2]) == ("prefill", a)
+
+
+@pytest.mark.parametrize("order,why", [
+    ([0, 0], "duplicated"),
+    ([0, 2], "missing"),
+    ([1], "missing"),
+])
+def test_out_of_order_duplicate_missing(order, why):
+    ps = pieces(9, b"x" * 3000, 1000)
+    r = Reassembler()
+    with pytest.raises(wire.FrameError, match=why):
+        for i in order:
+            r.feed(*ps[i])
+
+
+def test_lengths_that_do_not_add_up():
+    r = Reassembler()
+    r.feed(*piece_of(encode_chunk(1, "prefill", 0, 2000, b"y" * 1000)))
+    with pytest.raises(wire.FrameError, match="overrun"):
+        r.feed(*piece_of(encode_chunk(1, "prefill", 1000, 2000, b"y" * 1500)))
+    r = Reassembler()
+    r.feed(*piece_of(encode_chunk(2, "prefill", 0, 2000, b"y" * 1000)))
+    with pytest.raises(wire.FrameError, match="changed"):
+        r.feed(*piece_of(encode_chunk(2, "prefill", 1000, 3000, b"y" * 1000)))
+
+
+def test_limits_on_open_volumes_size_and_buffering():
+    r = Reassembler(max_open=2)
+    r.feed(*piece_of(encode_chunk(1, "prefill", 0, 10, b"a")))
+    r.feed(*piece_of(encode_chunk(2, "prefill", 0, 10, b"a")))
+    with pytest.raises(wire.FrameError, match="in progress"):
+        r.feed(*piece_of(encode_chunk(3, "prefill", 0, 10, b"a")))
+    r = Reassembler(max_volume=100)
+    with pytest.raises(wire.FrameError, match="outside"):
+        r.feed(*piece_of(encode_chunk(1, "prefill", 0, 101, b"a")))
+    r = Reassembler(max_buffered=5)
+    with pytest.raises(wire.FrameError, match="buffered"):
+        r.feed(*piece_of(encode_chunk(1, "prefill", 0, 10, b"abcdef")))
+
+
+def test_chunk_frame_validation():
+    good = encode_chunk(1, "decode", 0, 4, b"abcd")
+    wire.decode(good)
+    bad_kind = encode_chunk(1, "other", 0, 4, b"abcd")
+    with pytest.raises(wire.FrameError, match="kind"):
+        wire.decode(bad_kind)
+    with pytest.raises(wire.FrameError):
+        wire.decode(good[:-1])
