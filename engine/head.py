@@ -25,7 +25,9 @@ from websockets.exceptions import ConnectionClosed
 from . import wire
 from .device import free_memory, speed_score
 from .models import ModelError, ModelSource
+from .link import LinkSender, open_link
 from .partition import layer_bytes_estimate, partition
+from .profile import interp, measure
 from .sampling import Sampler, SamplingParams
 from .stage_model import StageBatch, StageModel, check_partition
 from .stage_server import DTYPES, PROTOCOL_VERSION, WS_OPTIONS, kv_budget_tokens_for
@@ -124,7 +126,7 @@ class Head:
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
-                 prefill_chunk: int | None = 64):
+                 prefill_chunk: int | None = 64, link_mode: str = "jit"):
         self.source = source
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
@@ -138,6 +140,9 @@ class Head:
         # Long prompts travel in chunks so stage 1 computes chunk k while the head
         # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
         self.prefill_chunk = prefill_chunk if stage_addresses else None
+        self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
+        self.link: LinkSender | None = None
+        self.profiles: list[dict] = []
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_lock = asyncio.Lock()
         self.pipeline = pipeline
@@ -203,7 +208,7 @@ class Head:
             await r.ws.send(wire.control(
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
-                kv_budget_tokens=self.kv_budget_override, threads=None))
+                kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode))
             while True:
                 msg = wire.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -216,16 +221,18 @@ class Head:
 
         def load_local():
             budget = self.kv_budget_override or kv_budget_tokens_for(cfg, self.ranges[0], self.dtype, self.device)
-            return StageModel(self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
-                              kv_budget_tokens=budget,
-                              progress=lambda d, t, w: self.progress(0, d, t, w))
+            stage = StageModel(self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
+                               kv_budget_tokens=budget,
+                               progress=lambda d, t, w: self.progress(0, d, t, w))
+            return stage, measure(stage)
 
         try:
             results = await asyncio.gather(self._run(load_local),
                                            *(configure(i, r) for i, r in enumerate(self.remotes)))
         except ConnectionClosed as exc:
             raise PipelineError(f"a stage closed its connection during setup: {exc}") from None
-        self.stage0 = results[0]
+        self.stage0, profile0 = results[0]
+        self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
         budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
         self.capacity = min(budgets)
 
@@ -233,6 +240,8 @@ class Head:
             self._data_ws = await connect(self.remotes[0].address, **WS_OPTIONS)
             await self._data_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
+            self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(profile0["decode"], n),
+                                  on_failed=lambda why: self._pipeline_failed(f"link to stage 1: {why}"))
             for i, r in enumerate(self.remotes):
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r)))
         self.groups = [Group(i) for i in range(self.micro_batches)]
@@ -241,6 +250,8 @@ class Head:
     async def close(self):
         for t in self._readers:
             t.cancel()
+        if self.link is not None:
+            await self.link.close()
         for r in self.remotes:
             if r.ws is not None:
                 await r.ws.close()
@@ -375,9 +386,14 @@ class Head:
         x = torch.tensor(inputs, dtype=torch.long)
         try:
             if self.remotes:
+                decode = not new
+                if decode:
+                    self.link.sched.decode_compute_started(time.monotonic(), len(rows))
                 out = await self._run(self.stage0.forward, batch, x)
+                if decode:
+                    self.link.sched.decode_compute_finished(time.monotonic())
                 frame = wire.encode(wire.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out)
-                await self._data_ws.send(frame)
+                self.link.submit(frame, "decode" if decode else "prefill")
             else:
                 toks = await self._run(self._local_last, batch, x, new)
                 self._on_tokens(g.id, g.step, [[s, t] for s, t in zip(batch.seq_ids, toks)], [])
@@ -404,7 +420,7 @@ class Head:
                                 {"rows": [[s.id, s.pos, c]], "partial": True}, out)
             s.pos += c
             s.in_flight -= c
-            await self._data_ws.send(frame)
+            self.link.submit(frame, "prefill")
 
     def _local_last(self, batch, x, new):
         for k, v in new.items():

@@ -184,3 +184,25 @@ class LinkSender:
             self.on_failed(self.failed)
         except asyncio.CancelledError:
             pass
+
+
+def open_link(ws, mode: str, decode_time, on_failed=None, **kw) -> LinkSender:
+    """A started LinkSender on `ws`, plus the task that reads the receiver's acks."""
+    link = LinkSender(ws, LinkScheduler(mode=mode, decode_time=decode_time), on_failed=on_failed, **kw).start()
+
+    async def read_acks():
+        try:
+            async for msg in ws:
+                m = wire.parse_control(msg)
+                if m["type"] != "ack":
+                    raise wire.FrameError(f"unexpected {m['type']} on a data link")
+                link.on_ack(m["v"], m["bytes"])
+        except wire.FrameError as exc:
+            link.failed = f"the receiver sent a bad message: {exc}"
+            link.on_failed(link.failed)
+            await ws.close(1008, str(exc)[:120])
+        except ConnectionClosed:
+            pass
+
+    link._tasks.append(asyncio.ensure_future(read_acks()))
+    return link

@@ -25,6 +25,10 @@ from websockets.exceptions import ConnectionClosed
 
 from . import wire
 from .device import free_memory, speed_score
+from .link import LinkSender, open_link
+from .link_scheduler import MODES as LINK_MODES
+from .profile import interp, measure
+from .volumes import Reassembler
 from .models import ModelError, resolve
 from .sampling import Sampler, SamplingError, SamplingParams
 from .stage_model import StageBatch, StageModel
@@ -59,6 +63,8 @@ class StageServer:
         self.sampler = Sampler()
         self._control_ws = None
         self._next_ws = None
+        self._link: LinkSender | None = None
+        self.profile: dict = {}
         self._server = None
         self._closed = asyncio.Event()
         self._out: asyncio.Queue | None = None
@@ -170,13 +176,20 @@ class StageServer:
             self.stage = None
             stage = StageModel(source, msg["start"], msg["end"], dtype=dtype, device=self.device,
                                kv_budget_tokens=budget, progress=progress)
-            return stage, fp
+            return stage, fp, measure(stage)
 
+        link_mode = msg["link"] or "jit"
+        if link_mode not in LINK_MODES:
+            await ws.send(wire.control("error", message=f"unknown link mode {link_mode!r}"))
+            return
         try:
-            self.stage, fp = await self._run(load)
+            self.stage, fp, self.profile = await self._run(load)
         except (ModelError, OSError, ValueError) as exc:
             await ws.send(wire.control("error", message=str(exc)))
             return
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
         if self._next_ws is not None:
             await self._next_ws.close()
             self._next_ws = None
@@ -184,13 +197,16 @@ class StageServer:
             self._next_ws = await connect(msg["next"], **WS_OPTIONS)
             await self._next_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
+            decode_points = self.profile["decode"]
+            self._link = open_link(self._next_ws, link_mode, lambda n: interp(decode_points, n),
+                                   on_failed=lambda why: log.error("link to the next stage failed: %s", why))
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone
         self._out = asyncio.Queue()
         self._sender_task = asyncio.ensure_future(self._sender(self._out, self._next_ws))
         await ws.send(wire.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
-                                   n_layers=self.stage.end - self.stage.start))
+                                   n_layers=self.stage.end - self.stage.start, profile=self.profile))
 
     def _free(self, seq_ids):
         for s in seq_ids:
@@ -199,17 +215,32 @@ class StageServer:
             self.sampler.close(s)
 
     async def _data(self, ws):
+        volumes = Reassembler()
         try:
             async for data in ws:
                 try:
                     frame = wire.decode(data)
+                    if frame.type == wire.FrameType.CHUNK:
+                        piece = memoryview(data)[len(data) - frame.tensor.numel():]
+                        done = volumes.feed(frame.micro_batch, frame.meta, piece)
+                        # acknowledge on arrival: the sender measures the link by these
+                        await ws.send(wire.control("ack", v=frame.micro_batch, bytes=len(piece)))
+                        if done is None:
+                            continue
+                        frame = wire.decode(done[1])
                     self._check_frame(frame)
                 except wire.FrameError as exc:
                     self.rejected_frames += 1
                     log.warning("closing data connection: %s", exc)
                     await ws.close(1008, str(exc)[:120])
                     return
+                link = self._link
+                decode = not frame.meta.get("partial") and all(r[2] == 1 for r in frame.meta["rows"])
+                if link is not None and decode:
+                    link.sched.decode_compute_started(time.monotonic(), len(frame.meta["rows"]))
                 out = await self._run(self._compute, frame)
+                if link is not None and decode:
+                    link.sched.decode_compute_finished(time.monotonic())
                 if out is not None:
                     await self._out.put(out)
         except ConnectionClosed:
@@ -252,13 +283,23 @@ class StageServer:
             toks = self.sampler.sample(batch.seq_ids, out)
             meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}
             return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
+        kind = "prefill" if frame.meta.get("partial") or any(r[2] > 1 for r in rows) else "decode"
         return ("next", wire.encode(wire.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
-                                    frame.meta, out))
+                                    frame.meta, out), kind)
+
+    async def _next_link_reader(self):
+        pass
 
     async def _sender(self, queue: asyncio.Queue, next_ws):
         """Sends in order; a separate task so computing the next step overlaps sending."""
         while True:
-            where, data = await queue.get()
+            where, data, *kind = await queue.get()
+            if where == "next" and self._link is not None:
+                try:
+                    self._link.submit(data, kind[0])
+                except RuntimeError as exc:
+                    log.warning("cannot forward: %s", exc)
+                continue
             ws = self._control_ws if where == "head" else next_ws
             if ws is None:
                 log.warning("dropping a %s frame: no connection", where)

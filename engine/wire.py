@@ -200,14 +200,16 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     # head -> stage
     "hello": {"role": _STR, "version": _INT, "pipeline": _STR},
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
-                  "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT},
+                  "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
+                  "link": _OPT_STR},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},
     # stage -> head
     "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM},
     "progress": {"done": _INT, "total": _INT, "what": _STR},
-    "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT},
+    "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
+                   "profile": _DICT},
     "error": {"message": _STR},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT},
     # receiver -> sender on a data link: a volume piece arrived
