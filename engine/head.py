@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from . import wire
 from .device import free_memory, speed_score
 from .models import ModelError, ModelSource
+from . import microbatch
 from .link import LinkSender, open_link
 from .partition import layer_bytes_estimate, partition
 from .profile import interp, measure
@@ -110,6 +111,7 @@ class Group:
     seqs: list[Sequence] = field(default_factory=list)
     in_flight: bool = False
     step: int = 0
+    retiring: bool = False       # the controller wants fewer micro-batches: admit nobody
 
 
 @dataclass
@@ -132,6 +134,10 @@ class Head:
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
         self.micro_batches = micro_batches or self.n_stages
+        # with no fixed count, the controller (microbatch.py) picks M..2M from the
+        # measured compute and link figures, and re-picks as they change
+        self.dynamic_micro_batches = micro_batches is None and self.n_stages > 1
+        self._retuned_at = 0.0
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.device = device
@@ -315,7 +321,29 @@ class Head:
         # else: finished when its step comes back
 
     # ---- scheduling ---------------------------------------------------------
+    def _retune(self):
+        """Re-pick the micro-batch count at most twice a second."""
+        now = time.monotonic()
+        if not self.dynamic_micro_batches or now - self._retuned_at < 0.5 or self.link is None:
+            return
+        self._retuned_at = now
+        n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
+        est = self.link.sched.link
+        hop_bytes = self.config.hidden_size * self.dtype.itemsize
+        stage_curves = [(lambda b, p=p: interp(p["decode"], b)) for p in self.profiles]
+        busy = [(lambda b: b * hop_bytes / est.bandwidth)] * (self.n_stages - 1)
+        latency = [est.rtt / 2] * self.n_stages  # the last hop carries tokens: a few bytes
+        k = microbatch.choose(self.n_stages, n_seqs, stage_curves, busy, latency)
+        for g in self.groups:
+            g.retiring = g.id >= k
+        while len(self.groups) < k:
+            self.groups.append(Group(len(self.groups)))
+        while len(self.groups) > k and not self.groups[-1].seqs and not self.groups[-1].in_flight:
+            self.groups.pop()  # only trailing ones: ids of groups in flight stay valid
+        self.micro_batches = len([g for g in self.groups if not g.retiring])
+
     def _kick(self):
+        self._retune()
         for g in self.groups:
             if g.in_flight:
                 continue
@@ -326,8 +354,10 @@ class Head:
                 asyncio.ensure_future(self._launch(g))
 
     def _admit(self, g: Group):
+        if g.retiring:
+            return
         active = sum(len(x.seqs) for x in self.groups) + len(self.waiting)
-        fair = max(1, math.ceil(active / len(self.groups)))
+        fair = max(1, math.ceil(active / max(1, self.micro_batches)))
         limit = min(fair, self.max_batch)
         while self.waiting and len(g.seqs) < limit:
             seq = self.waiting[0]

@@ -1,0 +1,105 @@
+"""The link scheduler on a real, slow link: decode overtakes a queued 10 MB prefill.
+
+A receiver behind an emulated 40 Mbit/s, 20 ms link (engine/linkemu.py) reassembles
+volumes and acknowledges pieces, as a stage does. FIFO (what vLLM and Helix do) makes a
+decode volume wait for the whole prefill; decode-first with just-in-time chunks lets it
+leave within about a chunk plus the small amount in flight.
+"""
+
+import asyncio
+import time
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import serve
+
+from engine import wire
+from engine.link import open_link
+from engine.linkemu import ShapedLink
+from engine.volumes import Reassembler
+
+RATE = 40e6          # bit/s: 5 MB/s, so 10 MB takes 2 s
+PREFILL = 10 << 20
+
+
+async def start_receiver(read=True):
+    arrivals: dict[int, float] = {}
+
+    async def handler(ws):
+        if not read:
+            await asyncio.sleep(3600)  # a peer that stops reading
+        r = Reassembler()
+        async for data in ws:
+            f = wire.decode(data)
+            piece = memoryview(data)[len(data) - f.tensor.numel():]
+            done = r.feed(f.micro_batch, f.meta, piece)
+            await ws.send(wire.control("ack", v=f.micro_batch, bytes=len(piece)))
+            if done is not None:
+                arrivals[f.micro_batch] = time.monotonic()
+
+    server = await serve(handler, "127.0.0.1", 0, compression=None, max_size=None)
+    return server, server.sockets[0].getsockname()[1], arrivals
+
+
+async def decode_delay_behind_prefill(mode: str) -> float:
+    server, port, arrivals = await start_receiver()
+    shaped = ShapedLink("127.0.0.1", 0, "127.0.0.1", port, rate_bps=RATE, delay_s=0.020, queue_bytes=128 << 10)
+    lport = await shaped.start()
+    try:
+        async with connect(f"ws://127.0.0.1:{lport}", compression=None, max_size=None) as ws:
+            link = open_link(ws, mode, decode_time=lambda n: 0.020, ping_interval=0.2)
+            link.submit(b"p" * PREFILL, "prefill")
+            await asyncio.sleep(0.5)                      # the prefill is well under way
+            t0 = time.monotonic()
+            vid = link.submit(b"d" * 8192, "decode")
+            while vid not in arrivals:
+                await asyncio.sleep(0.005)
+            delay = arrivals[vid] - t0
+            await link.close()
+            return delay
+    finally:
+        await shaped.close()
+        server.close()
+
+
+async def test_decode_overtakes_a_large_prefill_on_a_slow_link():
+    fifo = await decode_delay_behind_prefill("fifo")
+    jit = await decode_delay_behind_prefill("jit")
+    print(f"decode delay behind a 10 MB prefill at 40 Mbit/s: fifo {fifo:.3f} s, jit {jit:.3f} s")
+    assert fifo > 1.0                # waited for most of the 2 s prefill
+    assert jit < 0.35                # about one chunk + what is in flight (~256 KiB = 50 ms)
+    assert jit < fifo / 4
+
+
+async def test_a_peer_that_stops_reading_fails_the_link_not_the_process():
+    server, port, _ = await start_receiver(read=False)
+    failures = []
+    try:
+        async with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+            link = open_link(ws, "jit", decode_time=lambda n: 0.02, stall_timeout=1.0,
+                             on_failed=failures.append, ping_interval=0)
+            for _ in range(20):
+                link.submit(b"x" * (2 << 20), "prefill")   # 40 MB offered
+            for _ in range(100):
+                if failures:
+                    break
+                await asyncio.sleep(0.1)
+            assert failures and "stopped reading" in failures[0]
+            # back-pressure: only the in-flight cap was written, not 40 MB
+            assert link.bytes_sent <= link.cap + (1 << 20)
+            with pytest.raises(RuntimeError):
+                link.submit(b"y", "decode")                # a failed link says so
+    finally:
+        server.close()
+
+
+async def test_ack_for_something_never_sent_is_a_protocol_error():
+    server, port, _ = await start_receiver()
+    try:
+        async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
+            link = open_link(ws, "jit", decode_time=lambda n: 0.02, ping_interval=0)
+            with pytest.raises(wire.FrameError, match="never sent"):
+                link.on_ack(12345, 10)
+            await link.close()
+    finally:
+        server.close()
