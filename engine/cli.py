@@ -44,6 +44,10 @@ def _add_pipeline_args(p):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage process")
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
+    p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
+                   help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
+    p.add_argument("--compress", default="off", choices=["off", "auto", "prefill", "all"],
+                   help="int8 activations on links: auto = prefill volumes while the link is the bottleneck")
 
 
 async def build_head(args, progress=None):
@@ -70,7 +74,8 @@ async def build_head(args, progress=None):
 
         torch.set_num_threads(threads)
     head = Head(source, addrs, layers=layers, micro_batches=args.micro_batches, dtype=args.dtype,
-                kv_budget_tokens=args.kv_budget_tokens, progress=progress)
+                kv_budget_tokens=args.kv_budget_tokens, progress=progress,
+                link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"))
     try:
         await head.start()
     except BaseException:

@@ -26,6 +26,8 @@ from . import wire
 from .device import free_memory, speed_score
 from .models import ModelError, ModelSource
 from . import microbatch
+from .compression import POLICIES as COMPRESS_POLICIES
+from .compression import should_compress
 from .link import LinkSender, open_link
 from .partition import layer_bytes_estimate, partition
 from .profile import interp, measure
@@ -128,7 +130,7 @@ class Head:
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
-                 prefill_chunk: int | None = 64, link_mode: str = "jit"):
+                 prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off"):
         self.source = source
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
@@ -147,6 +149,9 @@ class Head:
         # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
         self.prefill_chunk = prefill_chunk if stage_addresses else None
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
+        if compress not in COMPRESS_POLICIES:
+            raise ValueError(f"compression policy must be one of {COMPRESS_POLICIES}")
+        self.compress = compress            # off | auto | prefill | all (see compression.py)
         self.link: LinkSender | None = None
         self.profiles: list[dict] = []
         self._stats_waiters: dict[int, asyncio.Future] = {}
@@ -214,7 +219,8 @@ class Head:
             await r.ws.send(wire.control(
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
-                kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode))
+                kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
+                compress=self.compress))
             while True:
                 msg = wire.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -417,13 +423,17 @@ class Head:
         try:
             if self.remotes:
                 decode = not new
+                t0 = time.monotonic()
                 if decode:
-                    self.link.sched.decode_compute_started(time.monotonic(), len(rows))
+                    self.link.sched.decode_compute_started(t0, len(rows))
                 out = await self._run(self.stage0.forward, batch, x)
+                t1 = time.monotonic()
                 if decode:
-                    self.link.sched.decode_compute_finished(time.monotonic())
-                frame = wire.encode(wire.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out)
-                self.link.submit(frame, "decode" if decode else "prefill")
+                    self.link.sched.decode_compute_finished(t1)
+                kind = "decode" if decode else "prefill"
+                frame = wire.encode(wire.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out,
+                                    q8=self._q8(kind, out, t1 - t0))
+                self.link.submit(frame, kind)
             else:
                 toks = await self._run(self._local_last, batch, x, new)
                 self._on_tokens(g.id, g.step, [[s, t] for s, t in zip(batch.seq_ids, toks)], [])
@@ -442,15 +452,21 @@ class Head:
             batch = StageBatch([s.id], [s.pos], [c])
             x = torch.tensor(s.prompt[s.pos: s.pos + c], dtype=torch.long)
             try:
+                t0 = time.monotonic()
                 out = await self._run(self.stage0.forward, batch, x)
             except (ValueError, RuntimeError) as exc:
                 self._finish(s, "error", str(exc))
                 raise
             frame = wire.encode(wire.FrameType.ACTIVATIONS, g.id, g.step,
-                                {"rows": [[s.id, s.pos, c]], "partial": True}, out)
+                                {"rows": [[s.id, s.pos, c]], "partial": True}, out,
+                                q8=self._q8("prefill", out, time.monotonic() - t0))
             s.pos += c
             s.in_flight -= c
             self.link.submit(frame, "prefill")
+
+    def _q8(self, kind: str, out: torch.Tensor, compute_seconds: float) -> bool:
+        return should_compress(self.compress, kind, out.numel() * out.element_size(),
+                               self.link.sched.link.bandwidth, compute_seconds)
 
     def _local_last(self, batch, x, new):
         for k, v in new.items():

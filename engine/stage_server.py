@@ -24,6 +24,8 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from . import wire
+from .compression import POLICIES as COMPRESS_POLICIES
+from .compression import should_compress
 from .device import free_memory, speed_score
 from .link import LinkSender, open_link
 from .link_scheduler import MODES as LINK_MODES
@@ -65,6 +67,7 @@ class StageServer:
         self._next_ws = None
         self._link: LinkSender | None = None
         self.profile: dict = {}
+        self.compress = "off"
         self._server = None
         self._closed = asyncio.Event()
         self._out: asyncio.Queue | None = None
@@ -182,6 +185,11 @@ class StageServer:
         if link_mode not in LINK_MODES:
             await ws.send(wire.control("error", message=f"unknown link mode {link_mode!r}"))
             return
+        compress = msg["compress"] or "off"
+        if compress not in COMPRESS_POLICIES:
+            await ws.send(wire.control("error", message=f"unknown compression policy {compress!r}"))
+            return
+        self.compress = compress
         try:
             self.stage, fp, self.profile = await self._run(load)
         except (ModelError, OSError, ValueError) as exc:
@@ -253,7 +261,9 @@ class StageServer:
             raise wire.FrameError("data connections carry activations only")
         if frame.tensor.shape[1] != self.stage.hidden_size:
             raise wire.FrameError(f"hidden size {frame.tensor.shape[1]} != model's {self.stage.hidden_size}")
-        if frame.tensor.dtype != self.stage.dtype:
+        if frame.quantized:
+            frame.tensor = frame.tensor.to(self.stage.dtype)  # int8 blocks, dequantized by wire
+        elif frame.tensor.dtype != self.stage.dtype:
             raise wire.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
 
     def _compute(self, frame: wire.Frame):
@@ -270,7 +280,9 @@ class StageServer:
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")
+            t0 = time.perf_counter()
             out = stage.forward(batch, frame.tensor)
+            compute_seconds = time.perf_counter() - t0
         except (ValueError, SamplingError, RuntimeError) as exc:
             log.warning("step failed: %s", exc)
             meta = {"tokens": [], "errors": [[s, str(exc)[:500]] for s in batch.seq_ids]}
@@ -284,11 +296,10 @@ class StageServer:
             meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}
             return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         kind = "prefill" if frame.meta.get("partial") or any(r[2] > 1 for r in rows) else "decode"
+        bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
+        q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
         return ("next", wire.encode(wire.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
-                                    frame.meta, out), kind)
-
-    async def _next_link_reader(self):
-        pass
+                                    frame.meta, out, q8=q8), kind)
 
     async def _sender(self, queue: asyncio.Queue, next_ws):
         """Sends in order; a separate task so computing the next step overlaps sending."""
