@@ -18,14 +18,15 @@ def test_q8_roundtrip_error_is_bounded_per_block():
     x = torch.randn(7, 576) * torch.logspace(-2, 2, 576)   # blocks with very different scales
     f = wire.decode(frame(x, True))
     assert f.quantized and f.tensor.shape == x.shape
-    blocks = x.view(7, 9, 64)
+    B = wire.Q8_BLOCK
+    blocks = x.view(7, 576 // B, B)
     bound = blocks.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-6   # half a quantization step
-    assert ((f.tensor.view(7, 9, 64) - blocks).abs() <= bound).all()
-    assert len(frame(x, True)) < 0.3 * len(frame(x, False))
+    assert ((f.tensor.view(7, 576 // B, B) - blocks).abs() <= bound).all()
+    assert len(frame(x, True)) < 0.35 * len(frame(x, False))
 
 
 def test_q8_skipped_when_hidden_is_not_a_block_multiple():
-    x = torch.randn(3, 100)
+    x = torch.randn(3, 100 + wire.Q8_BLOCK // 2)
     f = wire.decode(frame(x, True))
     assert not f.quantized and torch.equal(f.tensor, x)
 
@@ -39,7 +40,7 @@ def test_q8_frames_are_validated():
         wire.decode(bytes(bad_flags))
     # an int8 tensor whose width is not whole blocks of 68 bytes
     odd = wire.encode(wire.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, 2]]},
-                      torch.zeros(2, 67, dtype=torch.int8))
+                      torch.zeros(2, 3 * (wire.Q8_BLOCK + 4) + 1, dtype=torch.int8))
     odd = bytearray(odd)
     struct.pack_into("<H", odd, 6, wire.FLAG_Q8)
     with pytest.raises(wire.FrameError, match="int8"):
