@@ -448,6 +448,10 @@ class Head:
         c = self.prefill_chunk
         if not c:
             return
+        if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
+            # alone in the pipeline: cut the prompt finer so every stage works on it at
+            # once (time to first token), though each chunk pays a step's fixed cost
+            c = min(c, max(16, math.ceil(len(s.prompt) / (2 * self.n_stages))))
         while len(s.prompt) - s.pos > c and not s.done:
             batch = StageBatch([s.id], [s.pos], [c])
             x = torch.tensor(s.prompt[s.pos: s.pos + c], dtype=torch.long)

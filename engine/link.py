@@ -31,6 +31,12 @@ from .volumes import encode_chunk
 log = logging.getLogger("potluck.link")
 
 SNDBUF = 64 << 10
+# Pieces and the in-flight floor follow the measured bandwidth (what a decode volume
+# may wait behind is link *time*); these are 256 KiB at 100 Mbit/s.
+PIECE_TIME = 0.020
+MIN_IN_FLIGHT_TIME = 0.020
+MIN_PIECE = 4 << 10
+MAX_PIECE = 256 << 10
 
 
 class LinkStalled(RuntimeError):
@@ -53,8 +59,8 @@ def shrink_socket_buffers(ws, sndbuf: int = SNDBUF) -> None:
 
 
 class LinkSender:
-    def __init__(self, ws, scheduler: LinkScheduler | None = None, *, piece: int = 256 << 10,
-                 min_in_flight: int = 256 << 10, max_in_flight: int = 16 << 20,
+    def __init__(self, ws, scheduler: LinkScheduler | None = None, *, piece: int | None = None,
+                 min_in_flight: int | None = None, max_in_flight: int = 16 << 20,
                  stall_timeout: float = 60.0, ping_interval: float = 1.0, clock=time.monotonic,
                  on_failed=None):
         self.ws = ws
@@ -92,11 +98,26 @@ class LinkSender:
             t.cancel()
 
     @property
+    def piece_bytes(self) -> int:
+        """Largest piece per write: `piece` if given, else PIECE_TIME of measured link time."""
+        if self.piece:
+            return self.piece
+        return max(MIN_PIECE, min(MAX_PIECE, int(self.sched.link.bandwidth * PIECE_TIME)))
+
+    @property
     def cap(self) -> int:
-        """Bytes allowed in flight: about one bandwidth-delay product, plus a piece."""
+        """Bytes allowed in flight: about one bandwidth-delay product, plus a piece.
+
+        The floor is in link time too (unless `min_in_flight` is given): 256 KiB is
+        21 ms at 100 Mbit/s but 5 s at 0.4 Mbit/s, and a decode volume queued behind
+        what is in flight waits for all of it."""
+        bw = self.sched.link.bandwidth
         rtt = self.rtt_min if self.rtt_min is not None else self.sched.link.rtt
-        bdp = int(self.sched.link.bandwidth * rtt) + self.piece
-        return max(self.min_in_flight, min(self.max_in_flight, bdp))
+        piece = self.piece_bytes
+        floor = self.min_in_flight if self.min_in_flight is not None else \
+            min(MAX_PIECE, max(2 * piece, int(bw * MIN_IN_FLIGHT_TIME)))
+        bdp = int(bw * rtt) + piece
+        return max(floor, min(self.max_in_flight, bdp))
 
     def submit(self, data: bytes, kind: str) -> int:
         if self.failed:
@@ -149,8 +170,9 @@ class LinkSender:
                         if s is None:
                             break
                         data = self._data[s.volume_id]
-                        for off in range(s.offset, s.offset + s.length, self.piece):
-                            end = min(off + self.piece, s.offset + s.length)
+                        piece = self.piece_bytes
+                        for off in range(s.offset, s.offset + s.length, piece):
+                            end = min(off + piece, s.offset + s.length)
                             self._committed.append((s.volume_id, s.kind, off, end, len(data)))
                         if s.last:
                             self._committed.append((s.volume_id, None, 0, 0, 0))  # release marker

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 MODES = ("fifo", "fixed", "jit")
+FIXED_CHUNK_TIME = 0.020     # s of link time: 256 KiB at 100 Mbit/s
+MIN_CHUNK_TIME = 0.0013      # s of link time: 16 KiB at 100 Mbit/s ...
+MIN_CHUNK_FLOOR = 2 << 10    # ... but never below 2 KiB
 
 
 @dataclass
@@ -76,8 +79,11 @@ class LinkEstimate:
 class LinkScheduler:
     mode: str = "jit"
     n_wait: int = 30                        # N: decode sends before a waiting prefill goes whole
-    fixed_chunk: int = 256 << 10            # bytes, "fixed" mode
-    min_chunk: int = 16 << 10               # never smaller: per-send overhead dominates below
+    # Byte sizes given here are used as such; left None they follow the measured
+    # bandwidth (a fixed byte count is 21 ms at 100 Mbit/s but seconds on a slow home
+    # uplink, where a decode would wait behind it for all that time).
+    fixed_chunk: int | None = None          # bytes, "fixed" mode (None: FIXED_CHUNK_TIME of link)
+    min_chunk: int | None = None            # never smaller: per-send overhead dominates below
     decode_time: Callable[[int], float] = lambda n: 0.02   # T_d(n): profiled decode execution time
     loop_time: float | None = None          # T_loop: given by the head, else learned
     link: LinkEstimate = field(default_factory=LinkEstimate)
@@ -152,9 +158,11 @@ class LinkScheduler:
         return t_f - now if t_f > now else td
 
     def chunk_size(self, now: float) -> int:
+        bw = self.link.bandwidth
         if self.mode == "fixed":
-            return self.fixed_chunk
-        return max(self.min_chunk, int(self.window(now) * self.link.bandwidth))
+            return self.fixed_chunk or max(MIN_CHUNK_FLOOR, int(bw * FIXED_CHUNK_TIME))
+        floor = self.min_chunk if self.min_chunk is not None else max(MIN_CHUNK_FLOOR, int(bw * MIN_CHUNK_TIME))
+        return max(floor, int(self.window(now) * bw))
 
     def next_send(self, now: float) -> Send | None:
         if self.mode == "fifo":

@@ -224,6 +224,8 @@ class StageServer:
 
     async def _data(self, ws):
         volumes = Reassembler()
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
+        worker = asyncio.ensure_future(self._work(inbox))
         try:
             async for data in ws:
                 try:
@@ -242,17 +244,31 @@ class StageServer:
                     log.warning("closing data connection: %s", exc)
                     await ws.close(1008, str(exc)[:120])
                     return
-                link = self._link
-                decode = not frame.meta.get("partial") and all(r[2] == 1 for r in frame.meta["rows"])
-                if link is not None and decode:
-                    link.sched.decode_compute_started(time.monotonic(), len(frame.meta["rows"]))
-                out = await self._run(self._compute, frame)
-                if link is not None and decode:
-                    link.sched.decode_compute_finished(time.monotonic())
-                if out is not None:
-                    await self._out.put(out)
+                await inbox.put(frame)  # bounded: a fast sender waits here, then in TCP
         except ConnectionClosed:
             pass
+        finally:
+            worker.cancel()
+
+    async def _work(self, inbox: asyncio.Queue):
+        """Computes frames in arrival order. Decode frames that queued up while the
+        previous step ran go through as one batch: decode is memory-bound, so two
+        micro-batches cost about what one does once they meet at a busy stage."""
+        while True:
+            frames = [await inbox.get()]
+            while _is_decode(frames[0]) and not inbox.empty() and _is_decode(inbox._queue[0]) \
+                    and sum(len(f.meta["rows"]) for f in frames) < MAX_MERGED_ROWS:
+                frames.append(inbox.get_nowait())
+            link = self._link
+            decode = _is_decode(frames[0])
+            if link is not None and decode:
+                link.sched.decode_compute_started(time.monotonic(), sum(len(f.meta["rows"]) for f in frames))
+            outs = await self._run(self._compute, frames)
+            if link is not None and decode:
+                link.sched.decode_compute_finished(time.monotonic())
+            for out in outs:
+                if out is not None:
+                    await self._out.put(out)
 
     def _check_frame(self, frame: wire.Frame):
         if self.stage is None:
@@ -266,8 +282,37 @@ class StageServer:
         elif frame.tensor.dtype != self.stage.dtype:
             raise wire.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
 
-    def _compute(self, frame: wire.Frame):
-        """Runs on the compute thread. Returns (kind, bytes) to send, or None."""
+    def _compute(self, frames: list[wire.Frame]) -> list:
+        """Runs on the compute thread: one output per frame (see _compute_one)."""
+        if len(frames) == 1:
+            return [self._compute_one(frames[0])]
+        stage = self.stage
+        rows = [r for f in frames for r in f.meta["rows"]]
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        try:
+            if stage.last:
+                unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
+                if unknown:
+                    raise ValueError(f"no sampling parameters for sequences {unknown}")
+            out = stage.forward(batch, torch.cat([f.tensor for f in frames]))
+        except (ValueError, SamplingError, RuntimeError):
+            return [self._compute_one(f) for f in frames]  # each frame reports its own error
+        results, o = [], 0
+        for f in frames:
+            ids = [r[0] for r in f.meta["rows"]]
+            part = out[o: o + len(ids)]
+            o += len(ids)
+            if stage.last:
+                meta = {"tokens": [[s, t] for s, t in zip(ids, self.sampler.sample(ids, part))]}
+                results.append(("head", wire.encode(wire.FrameType.TOKENS, f.micro_batch, f.step, meta)))
+            else:
+                q8 = self.compress == "all"
+                results.append(("next", wire.encode(wire.FrameType.ACTIVATIONS, f.micro_batch, f.step,
+                                                    f.meta, part, q8=q8), "decode"))
+        return results
+
+    def _compute_one(self, frame: wire.Frame):
+        """Returns ("head" | "next", bytes[, kind]) to send, or None."""
         stage = self.stage
         rows = frame.meta["rows"]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
@@ -321,6 +366,13 @@ class StageServer:
                 log.warning("%s connection closed while sending", where)
                 if where == "next":
                     return
+
+
+MAX_MERGED_ROWS = 64
+
+
+def _is_decode(frame: wire.Frame) -> bool:
+    return not frame.meta.get("partial") and all(r[2] == 1 for r in frame.meta["rows"])
 
 
 async def run_stage(host: str, port: int, pipeline: str = "local", device: str = "cpu",
