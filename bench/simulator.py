@@ -1,0 +1,792 @@
+"""Discrete-event simulator of a Potluck pipeline over weak links.
+
+Runs the real decision code on a simulated clock: one engine.link_scheduler.LinkScheduler
+per link, engine.microbatch.choose for the micro-batch count, engine.profile.interp for
+the compute curves. Everything else is a model, kept close to the engine's code:
+
+  compute    every stage (the head included) is one compute thread: steps run one at a
+             time in the order they were handed over. A step's time comes from its
+             stage's profile: T_d(rows) for a decode step, max(T_d(rows), T_p(tokens))
+             when it carries prompt tokens.
+  links      each hop is a serial FIFO wire: bandwidth B, one-way delay d. The sender is
+             engine/link.py's LinkSender (its own `cap` and `piece_bytes` code runs here):
+             the scheduler's decisions are cut into pieces (20 ms of link time) and
+             written while fewer than cap (about B_est x RTT_min + a piece) bytes are
+             unacknowledged; goodput (from acks) and RTT (1 s pings, which queue behind
+             the wire's backlog) feed the scheduler's LinkEstimate as they do live. By
+             default the estimates start at the true link figures (a warmed-up service).
+  receivers  stage_server.py: pieces are acknowledged on arrival; completed volumes queue
+             for the compute thread, which takes decode volumes that queued up together
+             as one batch (up to 64 rows). The last stage returns token frames to the
+             head over its own uplink (B, d; no scheduler).
+  the head   head.py: requests wait for KV budget (prompt + output tokens); K micro-batch
+             groups, each admitting up to its fair share (max 32) when idle, then cycling
+             head -> stages -> head; a new prompt streams in 64-token chunks ahead of its
+             step (finer when it is alone in the pipeline), each chunk computed on the
+             head, then queued as a prefill volume; with dynamic micro-batches K is
+             re-chosen (M..2M) at most every 0.5 s; compression as engine/compression.py
+             decides it (the real should_compress), bytes as engine/wire.py's int8 blocks.
+
+Policies (as bench/weaklink.py configures the head): fifo (whole volumes first come
+first served, whole prompts in the step: no chunking anywhere), fifo-chunk (FIFO links,
+prompts streamed in 64-token chunks), fixed and jit (decode-first link scheduling),
+dynamic (jit and K in M..2M), compress (dynamic and compress="auto": prefill volumes as
+int8 blocks while the link is slower than compute).
+
+Omitted: attention cost growing with context (a chunk's T_p does not depend on its
+position), sampling and tokenizer time, EOS (every request produces exactly n_out
+tokens), cancellations and errors, the bytes of control traffic (acks, pings, frees:
+the acks' timing is modelled), TCP itself (the emulated links terminate TCP and behave
+as ideal FIFO pipes, as engine/linkemu.py does), the stage inbox's 64-frame bound,
+compression's compute cost, and a discarded warm-up period (every request counts).
+
+    .venv/bin/python bench/simulator.py                     # 70B over home GPUs, all cells
+    .venv/bin/python bench/simulator.py --stages 4 --mbits 20 --loads medium
+    .venv/bin/python bench/simulator.py --validate results.json   # bench/weaklink.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine import microbatch, wire  # noqa: E402
+from engine.compression import should_compress  # noqa: E402
+from engine.link import LinkSender  # noqa: E402
+from engine.link_scheduler import LinkScheduler  # noqa: E402
+from engine.profile import interp  # noqa: E402
+from engine.stage_server import MAX_MERGED_ROWS  # noqa: E402
+
+# ---- workload ---------------------------------------------------------------------------
+# Lengths shaped like the Azure LLM inference trace's conversation requests as MoLink uses
+# it (prompts broad, median ~1k tokens, many under 500; outputs mostly under 200), with
+# its filter: prompts over 2048 and outputs over 1024 tokens are dropped (redrawn here).
+IN_MEDIAN, IN_SIGMA, IN_MAX = 900, 0.8, 2048
+OUT_MEDIAN, OUT_SIGMA, OUT_MAX = 130, 1.0, 1024
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, hi: int) -> int:
+    while True:
+        x = round(rng.lognormvariate(math.log(median), sigma))
+        if 1 <= x <= hi:
+            return x
+
+
+def workload(rate: float, n: int, seed: int = 0, scale: float = 1.0) -> list[tuple[float, int, int]]:
+    """n requests as (arrival time s, prompt tokens, output tokens): Poisson arrivals at
+    `rate` requests/s; `scale` multiplies both lengths (e.g. 0.25 for a CPU-sized run).
+    The same (rate, n, seed, scale) gives the same requests everywhere."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        n_in = _lognormal(rng, IN_MEDIAN, IN_SIGMA, IN_MAX)
+        n_out = _lognormal(rng, OUT_MEDIAN, OUT_SIGMA, OUT_MAX)
+        out.append((t, max(1, round(n_in * scale)), max(1, round(n_out * scale))))
+    return out
+
+
+# ---- what is simulated ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Policy:
+    link: str = "jit"                 # LinkScheduler mode: fifo | fixed | jit
+    prompt_chunk: int | None = 64     # the head streams prompts in chunks of this many tokens
+    dynamic: bool = False             # K from microbatch.choose (else fixed) ...
+    micro_batches: int | None = None  # ... the fixed K (None: the number of stages)
+    compress: str = "off"             # engine/compression.py policy: off | auto | prefill | all
+
+
+POLICIES = {
+    "fifo": Policy("fifo", prompt_chunk=None),        # whole volumes, first come first served
+    "fifo-chunk": Policy("fifo"),                     # ... of prompts computed in 64-token chunks
+    "fixed": Policy("fixed"),                         # decode first, fixed prefill chunks (20 ms of link)
+    "jit": Policy("jit"),                             # decode first, just-in-time chunks
+    "dynamic": Policy("jit", dynamic=True),           # ... and K in M..2M
+    "compress": Policy("jit", dynamic=True, compress="auto"),
+}
+ALIASES = {"jit+dyn": "dynamic", "+compress": "compress"}   # bench/weaklink.py's names
+
+
+def q8_factor(dtype_bytes: int) -> float:
+    """Bytes of wire.quantize_q8's int8 blocks (values + a float32 scale) per byte of dtype."""
+    return wire._Q8_ROW / wire.Q8_BLOCK / dtype_bytes
+
+
+@dataclass
+class Pipeline:
+    profiles: list[dict]              # per stage, head first: {"decode": [[rows, s]..], "prefill": [[tokens, s]..]}
+    bandwidth: float                  # bytes/s of every stage's uplink
+    delay: float                      # one-way seconds
+    hidden_bytes: int                 # activation bytes per token per hop
+    dtype_bytes: int = 2              # bytes per activation value (compression's ratio)
+    kv_capacity: int = 1 << 18        # tokens of KV the pipeline holds (min over stages)
+    max_batch: int = 32
+    piece: int | None = None          # LinkSender's piece and in-flight floor in bytes
+    min_in_flight: int | None = None  # (None: they follow the measured bandwidth, as live)
+    n_wait: int = 30
+    warm: bool = True                 # links start with their bandwidth and RTT measured
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.profiles)
+
+
+# wire overheads (bytes): frame header, per row in the meta, a new sequence's prompt ids
+# and sampling parameters in the meta, a CHUNK frame's own header per piece
+FRAME_HEADER, ROW_META, PROMPT_META, NEW_META, PIECE_HEADER = 64, 20, 6, 120, 80
+
+
+class Curve:
+    """engine.profile.interp through a profile's points, remembered per n (it is called a lot)."""
+
+    def __init__(self, points: list):
+        self.points, self._memo = points, {}
+
+    def __call__(self, n: float) -> float:
+        t = self._memo.get(n)
+        if t is None:
+            t = self._memo[n] = interp(self.points, n)
+        return t
+
+
+def step_time(decode: Curve, prefill: Curve, rows: list) -> float:
+    n_rows = len(rows)
+    tokens = sum(n for _, n in rows)
+    t = decode(n_rows)
+    if tokens > n_rows:
+        t = max(t, prefill(tokens))
+    return t
+
+
+# ---- the event loop ---------------------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self.stopped = False
+        self._q: list = []
+        self._n = itertools.count()
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._q, (t, next(self._n), fn, args))
+
+    def run(self) -> None:
+        while self._q and not self.stopped:
+            self.now, _, fn, args = heapq.heappop(self._q)
+            fn(*args)
+
+
+class Wire:
+    """A serial FIFO pipe: bytes leave one after another at `bandwidth`, arrive `delay` later."""
+
+    def __init__(self, clock: Clock, bandwidth: float, delay: float):
+        self.clock, self.bandwidth, self.delay = clock, bandwidth, delay
+        self.free_at = 0.0
+        self.bytes = 0
+
+    def put(self, nbytes: int, fn, *args) -> None:
+        self.free_at = max(self.clock.now, self.free_at) + nbytes / self.bandwidth
+        self.bytes += nbytes
+        self.clock.at(self.free_at + self.delay, fn, *args)
+
+    def backlog(self) -> float:
+        return max(0.0, self.free_at - self.clock.now)
+
+
+@dataclass(eq=False)
+class Seq:
+    id: int
+    arrival: float
+    n_in: int
+    n_out: int
+    pos: int = 0
+    in_flight: int = 0
+    opened: bool = False
+    generated: int = 0
+    first: float | None = None
+    last: float | None = None
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Group:
+    id: int
+    seqs: list = field(default_factory=list)
+    in_flight: bool = False
+    retiring: bool = False
+
+
+@dataclass(eq=False)
+class Step:
+    """What one volume carries: rows of (sequence, tokens) of a group's step, or a prompt chunk."""
+    group: Group
+    rows: list
+    partial: bool
+    meta: int       # meta bytes
+
+    @property
+    def decode(self) -> bool:
+        return not self.partial and all(n == 1 for _, n in self.rows)
+
+
+class Link:
+    """engine/link.py's LinkSender on a Wire: decisions cut into pieces, a capped number of
+    unacknowledged bytes, goodput and RTT measured and fed to the scheduler."""
+
+    # the sender's own sizing code: it reads sched, piece, min_in_flight, max_in_flight, rtt_min
+    cap = LinkSender.cap
+    piece_bytes = LinkSender.piece_bytes
+
+    def __init__(self, clock: Clock, sched: LinkScheduler, wire: Wire, receiver: "Stage", piece: int | None,
+                 min_in_flight: int | None, warm: bool, max_in_flight: int = 16 << 20, ping_interval: float = 1.0):
+        self.clock, self.sched, self.wire, self.receiver = clock, sched, wire, receiver
+        self.piece, self.min_in_flight, self.max_in_flight = piece, min_in_flight, max_in_flight
+        self.ping_interval = ping_interval
+        self._ids = itertools.count(1)
+        self._steps: dict[int, Step] = {}
+        self.committed: deque = deque()
+        self.in_flight = 0
+        self.rtt_min: float | None = None
+        self._gp_start: float | None = None
+        self._gp_bytes = 0
+        if warm:
+            sched.link.observe_goodput(wire.bandwidth)
+            sched.link.observe_rtt(2 * wire.delay)
+            self.rtt_min = 2 * wire.delay
+        clock.at(ping_interval, self._ping)
+
+    def submit(self, nbytes: int, kind: str, step: Step) -> None:
+        vid = next(self._ids)
+        self._steps[vid] = step
+        self.sched.enqueue(vid, kind, nbytes, self.clock.now)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self.in_flight < self.cap:
+            if not self.committed:
+                s = self.sched.next_send(self.clock.now)
+                if s is None:
+                    break
+                end, piece = s.offset + s.length, self.piece_bytes
+                for off in range(s.offset, end, piece):
+                    n = min(piece, end - off)
+                    done = self._steps.pop(s.volume_id) if s.last and off + n == end else None
+                    self.committed.append((n, done))
+            n, done = self.committed.popleft()
+            self.in_flight += n
+            self.wire.put(n + PIECE_HEADER, self.receiver.piece_arrived, self, n, done)
+
+    def on_ack(self, nbytes: int) -> None:
+        self.in_flight -= nbytes
+        now = self.clock.now
+        backlog = self.sched.pending or self.committed or self.in_flight >= self.cap // 2
+        if self._gp_start is None:
+            self._gp_start, self._gp_bytes = now, 0
+        else:
+            self._gp_bytes += nbytes
+            span = now - self._gp_start
+            if span >= 0.05:
+                self.sched.link.observe_goodput(self._gp_bytes / span)
+                self._gp_start, self._gp_bytes = now, 0
+        if not backlog:
+            self._gp_start = None
+        self._pump()
+
+    def _ping(self) -> None:
+        rtt = 2 * self.wire.delay + self.wire.backlog()   # the ping queues behind the wire's bytes
+        self.clock.at(self.clock.now + rtt, self._pong, rtt)
+
+    def _pong(self, rtt: float) -> None:
+        self.sched.link.observe_rtt(rtt)
+        self.rtt_min = rtt if self.rtt_min is None else min(self.rtt_min * 1.01, rtt)
+        self.clock.at(self.clock.now + self.ping_interval, self._ping)
+
+
+class Stage:
+    """A stage server: pieces are acknowledged as they arrive; completed volumes wait for
+    the compute thread, which takes decode volumes that queued up together as one batch;
+    outputs go to the next link (or, from the last stage, token frames to the head)."""
+
+    def __init__(self, sim: "Simulation", index: int):
+        self.sim, self.index = sim, index
+        self.decode, self.prefill = sim.curves[index]
+        self.out: Link | None = None
+        self.inbox: deque = deque()
+        self.busy = False
+
+    def piece_arrived(self, link: Link, nbytes: int, step: Step | None) -> None:
+        self.sim.clock.at(self.sim.clock.now + link.wire.delay, link.on_ack, nbytes)
+        if step is not None:
+            self.inbox.append(step)
+            self._serve()
+
+    def _serve(self) -> None:
+        if self.busy or not self.inbox:
+            return
+        steps = [self.inbox.popleft()]
+        while (steps[0].decode and self.inbox and self.inbox[0].decode
+               and sum(len(x.rows) for x in steps) < MAX_MERGED_ROWS):
+            steps.append(self.inbox.popleft())
+        rows = [r for x in steps for r in x.rows]
+        self.busy = True
+        now = self.sim.clock.now
+        if steps[0].decode and self.out is not None:
+            self.out.sched.decode_compute_started(now, len(rows))
+        self.sim.clock.at(now + step_time(self.decode, self.prefill, rows), self._done, steps, now)
+
+    def _done(self, steps: list, started: float) -> None:
+        self.busy = False
+        now = self.sim.clock.now
+        if self.out is not None and steps[0].decode:
+            self.out.sched.decode_compute_finished(now)
+        for step in steps:
+            if self.out is not None:
+                kind = "decode" if step.decode else "prefill"
+                self.out.submit(self.sim.volume_bytes(step, kind, self.out, now - started), kind, step)
+            elif not step.partial:
+                self.sim.back.put(FRAME_HEADER + ROW_META * len(step.rows), self.sim.head.on_tokens, step)
+        self._serve()
+
+
+class Head:
+    """head.py's scheduling: KV admission, K groups, fair share, prompt streaming, retuning."""
+
+    def __init__(self, sim: "Simulation"):
+        self.sim = sim
+        self.pipe, self.policy = sim.pipe, sim.policy
+        self.decode, self.prefill = sim.curves[0]
+        self.link: Link | None = None
+        self.waiting: list[Seq] = []
+        self.micro_batches = self.policy.micro_batches or self.pipe.n_stages
+        self.groups = [Group(i) for i in range(self.micro_batches)]
+        self.reserved = 0
+        self.remaining = 0
+        self._retuned_at = -math.inf
+        self.k_samples: list[int] = []
+        self._jobs: deque = deque()          # the head's one compute thread
+        self._busy = False
+
+    # -- the compute thread: generators yield seconds of compute, resumed when it is done
+    def _drive(self, gen) -> None:
+        try:
+            seconds = next(gen)
+        except StopIteration:
+            return
+        self._jobs.append((seconds, gen))
+        self._next_job()
+
+    def _next_job(self) -> None:
+        if not self._busy and self._jobs:
+            seconds, gen = self._jobs.popleft()
+            self._busy = True
+            self.sim.clock.at(self.sim.clock.now + seconds, self._job_done, gen)
+
+    def _job_done(self, gen) -> None:
+        self._busy = False
+        self._drive(gen)
+        self._next_job()
+
+    # -- requests and scheduling
+    def arrive(self, s: Seq) -> None:
+        self.waiting.append(s)
+        self._kick()
+
+    def _retune(self) -> None:
+        now = self.sim.clock.now
+        if not self.policy.dynamic or now - self._retuned_at < 0.5:
+            return
+        self._retuned_at = now
+        m = self.pipe.n_stages
+        n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
+        est = self.link.sched.link
+        hop = self.pipe.hidden_bytes
+        curves = [d for d, _ in self.sim.curves]
+        busy = [(lambda b: b * hop / est.bandwidth)] * (m - 1)
+        k = microbatch.choose(m, n_seqs, curves, busy, [est.rtt / 2] * m)
+        self.k_samples.append(k)
+        for g in self.groups:
+            g.retiring = g.id >= k
+        while len(self.groups) < k:
+            self.groups.append(Group(len(self.groups)))
+        while len(self.groups) > k and not self.groups[-1].seqs and not self.groups[-1].in_flight:
+            self.groups.pop()
+        self.micro_batches = len([g for g in self.groups if not g.retiring])
+
+    def _kick(self) -> None:
+        self._retune()
+        for g in self.groups:
+            if g.in_flight:
+                continue
+            self._admit(g)
+            if g.seqs:
+                g.in_flight = True
+                self._drive(self._launch(g))
+
+    def _admit(self, g: Group) -> None:
+        if g.retiring:
+            return
+        active = sum(len(x.seqs) for x in self.groups) + len(self.waiting)
+        limit = min(max(1, math.ceil(active / max(1, self.micro_batches))), self.pipe.max_batch)
+        while self.waiting and len(g.seqs) < limit:
+            s = self.waiting[0]
+            if self.reserved + s.n_in + s.n_out > self.pipe.kv_capacity:
+                break
+            self.waiting.pop(0)
+            self.reserved += s.n_in + s.n_out
+            g.seqs.append(s)
+
+    def _launch(self, g: Group):
+        for s in list(g.seqs):
+            if not s.opened:
+                s.in_flight = s.n_in - s.pos
+                c = self.policy.prompt_chunk
+                if c and sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
+                    c = min(c, max(16, math.ceil(s.n_in / (2 * self.pipe.n_stages))))  # alone: finer
+                while c and s.n_in - s.pos > c:
+                    chunk = Step(g, [(s, c)], True, FRAME_HEADER + ROW_META)
+                    t0 = self.sim.clock.now
+                    yield step_time(self.decode, self.prefill, chunk.rows)
+                    nbytes = self.sim.volume_bytes(chunk, "prefill", self.link, self.sim.clock.now - t0)
+                    self.link.submit(nbytes, "prefill", chunk)
+                    s.pos += c
+                    s.in_flight -= c
+        rows, meta = [], FRAME_HEADER
+        for s in g.seqs:
+            if not s.opened:
+                n = s.n_in - s.pos
+                meta += NEW_META + PROMPT_META * s.n_in
+                s.opened = True
+            else:
+                n = 1
+            s.in_flight = n
+            rows.append((s, n))
+            meta += ROW_META
+        step = Step(g, rows, False, meta)
+        sched = self.link.sched
+        t0 = self.sim.clock.now
+        if step.decode:   # head.py tells the scheduler when it hands the step to its thread
+            sched.decode_compute_started(t0, len(rows))
+        yield step_time(self.decode, self.prefill, rows)
+        if step.decode:
+            sched.decode_compute_finished(self.sim.clock.now)
+        kind = "decode" if step.decode else "prefill"
+        self.link.submit(self.sim.volume_bytes(step, kind, self.link, self.sim.clock.now - t0), kind, step)
+
+    def on_tokens(self, step: Step) -> None:
+        now = self.sim.clock.now
+        g = step.group
+        for s, _ in step.rows:
+            s.pos += s.in_flight
+            s.in_flight = 0
+            s.generated += 1
+            s.first = now if s.first is None else s.first
+            s.last = now
+            if s.generated >= s.n_out:
+                s.done = True
+                self.reserved -= s.n_in + s.n_out
+                self.remaining -= 1
+        g.seqs = [s for s in g.seqs if not s.done]
+        g.in_flight = False
+        if self.remaining == 0:
+            self.sim.clock.stopped = True
+            return
+        self._kick()
+
+
+class Simulation:
+    def __init__(self, pipe: Pipeline, policy: Policy):
+        if pipe.n_stages < 2:
+            raise ValueError("a pipeline to simulate has at least two stages")
+        self.pipe, self.policy = pipe, policy
+        self.clock = Clock()
+        self.curves = [(Curve(p["decode"]), Curve(p["prefill"])) for p in pipe.profiles]
+        self.head = Head(self)
+        self.stages = [Stage(self, i) for i in range(1, pipe.n_stages)]
+        self.links = []     # link i leaves stage i (the head is stage 0) for stage i + 1
+        for i, receiver in enumerate(self.stages):
+            sched = LinkScheduler(mode=policy.link, n_wait=pipe.n_wait, decode_time=self.curves[i][0])
+            link = Link(self.clock, sched, Wire(self.clock, pipe.bandwidth, pipe.delay), receiver,
+                        pipe.piece, pipe.min_in_flight, pipe.warm)
+            if i == 0:
+                self.head.link = link
+            else:
+                self.stages[i - 1].out = link
+            self.links.append(link)
+        self.back = Wire(self.clock, pipe.bandwidth, pipe.delay)   # last stage -> head: tokens
+
+    def volume_bytes(self, step: Step, kind: str, link: Link, compute_seconds: float) -> int:
+        tensor = sum(n for _, n in step.rows) * self.pipe.hidden_bytes
+        if should_compress(self.policy.compress, kind, tensor, link.sched.link.bandwidth, compute_seconds):
+            tensor = math.ceil(tensor * q8_factor(self.pipe.dtype_bytes))
+        return tensor + step.meta
+
+    def run(self, requests: list[tuple[float, int, int]]) -> list[Seq]:
+        seqs = [Seq(i, t, n_in, n_out) for i, (t, n_in, n_out) in enumerate(requests)]
+        too_big = [s.id for s in seqs if s.n_in + s.n_out > self.pipe.kv_capacity]
+        if too_big:
+            raise ValueError(f"requests {too_big[:5]} need more KV than the pipeline's {self.pipe.kv_capacity} tokens")
+        self.head.remaining = len(seqs)
+        for s in seqs:
+            self.clock.at(s.arrival, self.head.arrive, s)
+        self.clock.at(max(s.arrival for s in seqs) + 1e6, self._stuck)
+        self.clock.run()
+        return seqs
+
+    def _stuck(self) -> None:
+        raise RuntimeError(f"simulation stuck: {self.head.remaining} requests unfinished 1e6 s after the last arrival")
+
+
+def simulate(pipe: Pipeline, policy: Policy | str, requests: list[tuple[float, int, int]],
+             counted: list[bool] | None = None) -> dict:
+    """Runs the requests through the pipeline; returns summary metrics (see summarize) over
+    all requests, or over those marked in `counted` (all of them still load the pipeline)."""
+    if isinstance(policy, str):
+        policy = POLICIES[ALIASES.get(policy, policy)]
+    sim = Simulation(pipe, policy)
+    seqs = sim.run(requests)
+    out = summarize([s for i, s in enumerate(seqs) if counted is None or counted[i]])
+    ks = sim.head.k_samples
+    out["k_mean"] = sum(ks) / len(ks) if ks else float(sim.head.micro_batches)
+    out["link_bytes"] = [link.wire.bytes for link in sim.links]
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = q * (len(xs) - 1)
+    lo = math.floor(i)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
+
+
+def summarize(seqs: list[Seq]) -> dict:
+    """TTFT = first token - arrival; TPOT = (last - first) / (n_out - 1) over requests
+    with two or more tokens; latency = last token - arrival; throughput = output tokens /
+    (last token - first arrival)."""
+    ttft = [s.first - s.arrival for s in seqs]
+    tpot = [(s.last - s.first) / (s.n_out - 1) for s in seqs if s.n_out > 1]
+    lat = [s.last - s.arrival for s in seqs]
+    span = max(s.last for s in seqs) - min(s.arrival for s in seqs)
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"ttft_mean": mean(ttft), "ttft_p90": _pct(ttft, 0.9),
+            "tpot_mean": mean(tpot), "tpot_p90": _pct(tpot, 0.9),
+            "latency_mean": mean(lat), "latency_p90": _pct(lat, 0.9),
+            "throughput": sum(s.n_out for s in seqs) / span, "n": len(seqs)}
+
+
+# ---- scenario 1: a 70B Llama over home GPUs ----------------------------------------------
+def roofline_profile(params: float, weight_bytes: float, kv_bytes_per_row: float,
+                     mem_bw: float = 1e12, flops: float = 150e12) -> dict:
+    """A stage's curves from a roofline: a step reads all weights (mem_bw) or is compute
+    bound (2 x params FLOPs per token at `flops`), whichever is slower; a decode row also
+    reads its KV cache."""
+    w = weight_bytes / mem_bw
+    per_token = 2 * params / flops
+    knee = max(2, round(w / per_token))
+    decode = [[n, max(w, per_token * n) + n * kv_bytes_per_row / mem_bw] for n in (1, 2, 4, 8, 16, 32, 64, 128)]
+    prefill = [[n, max(w, per_token * n)] for n in sorted({16, 64, knee, 256, 512, 1024, 2048, 4096})]
+    return {"decode": decode, "prefill": prefill}
+
+
+def llama70b(n_stages: int, bandwidth_bps: float, delay: float, weight_bytes: float = 2.0,
+             context: int = 1024) -> Pipeline:
+    """Llama-70B-shaped (80 layers, hidden 8192, 8 KV heads of 128) split evenly over
+    RTX 4090-class GPUs (1 TB/s, 150 TFLOP/s effective), fp16 activations."""
+    params = 70e9 / n_stages
+    kv_row = 80 / n_stages * 2 * 8 * 128 * 2 * context
+    prof = roofline_profile(params, params * weight_bytes, kv_row)
+    return Pipeline([prof] * n_stages, bandwidth_bps / 8, delay, hidden_bytes=8192 * 2, dtype_bytes=2)
+
+
+def mean_lengths(scale: float = 1.0) -> tuple[float, float]:
+    reqs = workload(1.0, 20000, seed=12345, scale=scale)
+    return sum(r[1] for r in reqs) / len(reqs), sum(r[2] for r in reqs) / len(reqs)
+
+
+LOADS = {"low": 0.3, "medium": 0.6, "high": 0.9}
+
+
+def _run_cell(args) -> dict:
+    m, mbits, delay, weight_bytes, rate, n, seed, policy = args
+    return simulate(llama70b(m, mbits * 1e6, delay, weight_bytes), policy, workload(rate, n, seed))
+
+
+def scenario(stages: list[int], mbits: list[float], loads: list[str], policies: list[str], n: int,
+             seed: int, delay: float, weight_bytes: float, jobs: int = 1) -> None:
+    mean_in, mean_out = mean_lengths()
+    print(f"workload: Poisson arrivals, {n} requests, seed {seed}; prompt mean {mean_in:.0f} tokens, "
+          f"output mean {mean_out:.0f} tokens (Azure-conversation-like, lognormal)")
+    print("load = fraction of one uplink's capacity for fp16 activations of (prompt + output) tokens;\n"
+          "(x%) = ratio to fifo; times in seconds; K = mean micro-batch count\n")
+    cells = {}
+    for m in stages:
+        for mb in mbits:
+            cap = mb * 1e6 / 8 / ((mean_in + mean_out) * 8192 * 2)
+            for load in loads:
+                for pol in policies:
+                    cells[m, mb, load, pol] = (m, mb, delay, weight_bytes, LOADS[load] * cap, n, seed, pol)
+    if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(jobs) as ex:
+            results = dict(zip(cells, ex.map(_run_cell, cells.values())))
+    else:
+        results = {k: _run_cell(v) for k, v in cells.items()}
+    for m in stages:
+        for mb in mbits:
+            td1 = llama70b(m, mb * 1e6, delay, weight_bytes).profiles[0]["decode"][0][1]
+            print(f"== Llama-70B, {m} stages x 4090-class (decode step {td1 * 1e3:.0f} ms/stage), "
+                  f"{mb:g} Mbit/s uplinks, {delay * 1e3:.0f} ms one-way ==")
+            print(f"{'load':<7}{'req/s':>6}  {'policy':<11}{'TTFT':>13}{'p90':>7}{'TPOT':>14}{'p90':>7}"
+                  f"{'latency':>14}{'p90':>7}{'tok/s':>7}{'K':>5}")
+            for load in loads:
+                base = results.get((m, mb, load, "fifo"))
+                for j, pol in enumerate(policies):
+                    r = results[m, mb, load, pol]
+
+                    def val(key, fmt):
+                        v = fmt.format(r[key])
+                        return v + (f" ({r[key] / base[key]:3.0%})" if base is not None and pol != "fifo" else "      ")
+                    rate = cells[m, mb, load, pol][4]
+                    lead = f"{load:<7}{rate:>6.3f}" if j == 0 else " " * 13
+                    print(f"{lead}  {pol:<11}{val('ttft_mean', '{:.1f}'):>13}{r['ttft_p90']:>7.1f}"
+                          f"{val('tpot_mean', '{:.2f}'):>14}{r['tpot_p90']:>7.2f}{val('latency_mean', '{:.0f}'):>14}"
+                          f"{r['latency_p90']:>7.0f}{r['throughput']:>7.1f}{r['k_mean']:>5.1f}")
+            print()
+    base, others = "fifo-chunk", [p for p in policies if p not in ("fifo", "fifo-chunk")]
+    if base not in policies or not others:
+        return
+    print(f"Paper-shaped summary: ratio of mean TTFT / TPOT / latency to {base} (prompts chunked, links FIFO:\n"
+          "the analogue of vLLM or Helix with chunked prefill, what the scheduler alone adds)")
+    print(f"{'stages':>6}{'Mbit/s':>7}  {'load':<7}" + "".join(f"{p:>19}" for p in others))
+    for m in stages:
+        for mb in mbits:
+            for load in loads:
+                b = results[m, mb, load, base]
+                cols = ["/".join(f"{results[m, mb, load, p][k] / b[k]:.0%}"
+                                 for k in ("ttft_mean", "tpot_mean", "latency_mean")) for p in others]
+                print(f"{m:>6}{mb:>7g}  {load:<7}" + "".join(f"{c:>19}" for c in cols))
+
+
+# ---- validation against bench/weaklink.py --json -----------------------------------------
+def load_cells(path: str) -> list[dict]:
+    """Measured cells, normalised. Two formats:
+
+    * the agreed one: a list of cells with stages, bandwidth_bps, delay_s, policy, rate_rps,
+      n_requests, seed, scale (the requests are workload(rate_rps, n_requests, seed, scale)),
+      profiles, hidden_bytes_per_token and the measured ttft_mean, tpot_mean, latency_mean;
+    * bench/weaklink.py --json as written: {"bytes_per_token", "cells": [{stages, config,
+      head_args, rate_bps, delay_s, arrival_rate, profiles, per_request, ttft, tpot, lat}]};
+      the requests are the cell's own (submit time, n_in, n_out); the simulated means cover
+      the requests the measured ones do (those that finished), all of them load the pipeline.
+    Optional in both: head_args (Head's link_mode / micro_batches / prefill_chunk / compress),
+    dtype_bytes (default 4: the head's default float32), kv_capacity_tokens, max_batch."""
+    data = json.loads(Path(path).read_text())
+    out = []
+    if isinstance(data, list):
+        for c in data:
+            out.append(dict(c, requests=workload(c["rate_rps"], c["n_requests"], c["seed"], c["scale"]),
+                            measured={k: c.get(k) for k in ("ttft_mean", "tpot_mean", "latency_mean")}))
+        return out
+    for c in data["cells"]:
+        if not c.get("done") or not c.get("profiles") or not c.get("per_request"):
+            continue    # a cell that failed or was skipped
+        per = sorted((r for r in c["per_request"] if r), key=lambda r: r["submit"])
+        reqs = [(r["submit"], r["n_in"], r["n_out"]) for r in per]
+        out.append(dict(c, bandwidth_bps=c["rate_bps"], policy=c["config"], rate_rps=c.get("arrival_rate") or 0,
+                        n_requests=len(reqs), requests=reqs, hidden_bytes_per_token=data["bytes_per_token"],
+                        counted=[r.get("finish") == "length" for r in per],  # what its means cover
+                        measured={"ttft_mean": c.get("ttft"), "tpot_mean": c.get("tpot"),
+                                  "latency_mean": c.get("lat")}))
+    return out
+
+
+def pipeline_for_cell(cell: dict) -> tuple[Pipeline, Policy]:
+    """A measured cell's pipeline and policy (head_args override the named policy)."""
+    pol = POLICIES[ALIASES.get(cell["policy"], cell["policy"])]
+    args = cell.get("head_args") or {}
+    over = {}
+    if "link_mode" in args:
+        over["link"] = args["link_mode"]
+    if "prefill_chunk" in args:
+        over["prompt_chunk"] = args["prefill_chunk"]
+    if "micro_batches" in args:
+        over["dynamic"] = args["micro_batches"] is None
+        over["micro_batches"] = args["micro_batches"]
+    if "compress" in args:
+        over["compress"] = args["compress"]
+    if over:
+        pol = Policy(**{**pol.__dict__, **over})
+    if len(cell["profiles"]) != cell["stages"]:
+        raise ValueError(f"cell has {cell['stages']} stages but {len(cell['profiles'])} profiles")
+    pipe = Pipeline(cell["profiles"], cell["bandwidth_bps"] / 8, cell["delay_s"], cell["hidden_bytes_per_token"],
+                    dtype_bytes=cell.get("dtype_bytes", 4), kv_capacity=cell.get("kv_capacity_tokens", 1 << 18),
+                    max_batch=cell.get("max_batch", 32))
+    return pipe, pol
+
+
+def validate(path: str, tolerance: float = 0.15) -> list[dict]:
+    cells = load_cells(path)
+    synthetic = any(c.get("synthetic") for c in cells)
+    print(f"validation against {path}" + (" (SYNTHETIC measurements, not from weaklink.py)" if synthetic else ""))
+    print(f"{'stages':>6}{'Mbit/s':>8}{'ms':>6}  {'policy':<10}{'req/s':>6}{'n':>5} |"
+          f"{'TTFT sim':>9}{'meas':>8}{'err':>6}    |{'TPOT sim':>9}{'meas':>8}{'err':>6}    |"
+          f"{'lat sim':>8}{'meas':>8}{'err':>6}")
+    rows = []
+    for c in cells:
+        pipe, pol = pipeline_for_cell(c)
+        r = simulate(pipe, pol, c["requests"], c.get("counted"))
+        out = {"cell": c, "sim": r}
+        n = sum(c["counted"]) if c.get("counted") else c["n_requests"]
+        line = (f"{c['stages']:>6}{c['bandwidth_bps'] / 1e6:>8.3g}{c['delay_s'] * 1e3:>6.1f}  {c['policy']:<10}"
+                f"{c['rate_rps']:>6.3g}{n:>5} |")
+        for key, width in (("ttft_mean", 9), ("tpot_mean", 9), ("latency_mean", 8)):
+            pred, meas = r[key], c["measured"].get(key)
+            if meas is None:
+                line += f"{pred:>{width}.3f}{'-':>8}{'':>6}    |"
+                continue
+            err = (pred - meas) / meas
+            ok = abs(err) <= tolerance
+            out[key] = {"sim": pred, "measured": meas, "error": err, "ok": ok}
+            line += f"{pred:>{width}.3f}{meas:>8.3f}{err:>+6.0%} {'ok ' if ok else 'OFF'}|"
+        print(line.rstrip("|"))
+        rows.append(out)
+    checked = [row[k]["ok"] for row in rows for k in ("ttft_mean", "tpot_mean") if k in row]
+    print(f"TTFT and TPOT within {tolerance:.0%}: {sum(checked)} of {len(checked)}")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--validate", metavar="FILE.json", help="compare with bench/weaklink.py --json results")
+    ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--mbits", type=float, nargs="+", default=[20, 50, 100])
+    ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--delay-ms", type=float, default=30.0)
+    ap.add_argument("--weight-bits", type=float, default=16, help="bits per weight (decode reads them all)")
+    ap.add_argument("-n", "--requests", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-j", "--jobs", type=int, default=2, help="processes for the scenario cells")
+    a = ap.parse_args(argv)
+    if a.validate:
+        validate(a.validate)
+        return 0
+    policies = ["fifo"] + [p for p in a.policies if p != "fifo"]
+    scenario(a.stages, a.mbits, a.loads, policies, a.requests, a.seed, a.delay_ms / 1e3, a.weight_bits / 8,
+             a.jobs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

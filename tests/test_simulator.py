@@ -1,0 +1,121 @@
+"""The pipeline simulator (bench/simulator.py): exact on an idle pipeline, the link
+scheduler's effect where it must show, deterministic per seed."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import simulator as sim  # noqa: E402
+from simulator import (FRAME_HEADER, NEW_META, PIECE_HEADER, PROMPT_META, ROW_META,  # noqa: E402
+                       Pipeline, Simulation, simulate, workload)
+
+PROFILE = {"decode": [[1, 0.010], [16, 0.020]], "prefill": [[32, 0.040], [256, 0.180]]}
+
+
+def lin(points, n):
+    (x0, y0), (x1, y1) = points
+    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+
+def run_one(pipe, policy, request):
+    s = Simulation(pipe, sim.POLICIES[policy])
+    (seq,) = s.run([request])
+    return seq
+
+
+@pytest.mark.parametrize("policy", ["fifo", "jit"])
+def test_single_request_ttft_is_compute_plus_transfer_plus_delays(policy):
+    B, d, hb, n_in = 1e6, 0.025, 1000, 10      # 10 tokens: no prompt chunks
+    pipe = Pipeline([PROFILE, PROFILE], B, d, hb)
+    seq = run_one(pipe, policy, (0.5, n_in, 1))
+    t_compute = max(0.010, lin(PROFILE["prefill"], n_in))          # each stage: T_p(10)
+    volume = n_in * hb + FRAME_HEADER + NEW_META + PROMPT_META * n_in + ROW_META
+    # fifo sends it whole; jit in chunks of T_d(1) x B (no decode has run: the window is
+    # one decode step), written back to back since all fit in flight
+    pieces = 1 if policy == "fifo" else math.ceil(volume / (0.010 * B))
+    expected = (t_compute + (volume + pieces * PIECE_HEADER) / B + d   # head computes, sends to stage 1
+                + t_compute + (FRAME_HEADER + ROW_META) / B + d)      # stage 1 computes, token back
+    assert seq.first - seq.arrival == pytest.approx(expected, abs=1e-9)
+
+
+def test_before_the_rtt_is_known_a_volume_goes_one_piece_per_round_trip():
+    # a cold link with 256 KiB pieces and floor: cap = one piece until the first ping
+    # (1 s) measures the RTT, so three pieces wait twice for an acknowledgement
+    B, d, hb, n_in = 10e6, 0.02, 1000, 600
+    pipe = Pipeline([PROFILE, PROFILE], B, d, hb, piece=256 << 10, min_in_flight=256 << 10, warm=False)
+    seq = run_one(pipe, "fifo", (0.0, n_in, 1))
+    t_compute = lin(PROFILE["prefill"], n_in)
+    volume = n_in * hb + FRAME_HEADER + NEW_META + PROMPT_META * n_in + ROW_META
+    piece = 256 << 10
+    last = volume - 2 * piece
+    arrives = t_compute + 2 * (piece + PIECE_HEADER) / B + (last + PIECE_HEADER) / B + 5 * d
+    expected = arrives + t_compute + (FRAME_HEADER + ROW_META) / B + d
+    assert seq.first == pytest.approx(expected, abs=1e-9)
+
+
+def test_a_huge_prefill_blocks_decode_under_fifo_not_under_jit():
+    pipe = Pipeline([PROFILE, PROFILE], 10e6, 0.01, 16384)
+    requests = [(0.0, 10, 40),         # decoding when ...
+                (0.3, 2000, 1)]        # ... a 32 MB prefill (3.3 s of link) arrives
+    fifo = simulate(pipe, "fifo", requests)
+    jit = simulate(pipe, "jit", requests)
+    # TPOT counts the 40-token request only
+    assert fifo["tpot_mean"] > 3.2 / 39              # it waited behind the whole prefill
+    assert jit["tpot_mean"] < 0.6 * fifo["tpot_mean"]
+    assert jit["ttft_p90"] < fifo["ttft_p90"] + 1    # and the prefill was not starved
+
+
+def test_decode_waits_behind_what_is_in_flight_so_pieces_follow_the_bandwidth():
+    # at 8 Mbit/s a 256 KiB piece and in-flight floor put 0.26 s of queue in front of every
+    # decode volume; the sender's default (20 ms of link time) lets the jit chunks decide
+    requests = [(0.0, 10, 40), (0.3, 2000, 1)]
+    fixed_bytes = Pipeline([PROFILE, PROFILE], 1e6, 0.01, 4096, piece=256 << 10, min_in_flight=256 << 10)
+    by_time = Pipeline([PROFILE, PROFILE], 1e6, 0.01, 4096)
+    assert simulate(by_time, "jit", requests)["tpot_mean"] < 0.5 * simulate(fixed_bytes, "jit", requests)["tpot_mean"]
+
+
+def test_the_same_seed_gives_the_same_requests_and_results():
+    a, b = workload(0.5, 40, seed=3, scale=0.25), workload(0.5, 40, seed=3, scale=0.25)
+    assert a == b and a != workload(0.5, 40, seed=4, scale=0.25)
+    assert all(t1 > t0 for (t0, *_), (t1, *_) in zip(a, a[1:]))
+    full = workload(1.0, 2000, seed=0)
+    assert all(1 <= n_in <= 2048 and 1 <= n_out <= 1024 for _, n_in, n_out in full)
+    assert 0.9 < len(full) / full[-1][0] < 1.1      # Poisson at 1 request/s
+    pipe = Pipeline([PROFILE] * 3, 2.5e6, 0.03, 2304)
+    assert simulate(pipe, "dynamic", a) == simulate(pipe, "dynamic", a)
+
+
+def test_compression_shrinks_prefill_bytes_only():
+    pipe = Pipeline([PROFILE, PROFILE], 2.5e6, 0.03, 2304, dtype_bytes=4)
+    reqs = workload(0.5, 20, seed=1, scale=0.25)
+    plain = simulate(pipe, sim.Policy("jit", dynamic=True), reqs)
+    q8 = simulate(pipe, sim.Policy("jit", dynamic=True, compress="prefill"), reqs)
+    n_in, n_out = sum(r[1] for r in reqs), sum(r[2] for r in reqs)
+    # prefill tensor bytes x (16 int8 + a float32 scale) / (16 float32) = 0.3125; decode
+    # bytes (one row per output token after the first) unchanged
+    assert sim.q8_factor(4) == 20 / 64
+    saved = plain["link_bytes"][0] - q8["link_bytes"][0]
+    assert saved == pytest.approx((1 - 20 / 64) * n_in * 2304, rel=0.02)
+    assert q8["link_bytes"][0] > (n_out - len(reqs)) * 2304
+    assert q8["ttft_mean"] < plain["ttft_mean"]
+
+
+def test_validation_reads_the_agreed_format(tmp_path, capsys):
+    cell = {"stages": 2, "bandwidth_bps": 20e6, "delay_s": 0.03, "policy": "jit", "rate_rps": 0.5,
+            "n_requests": 10, "seed": 0, "scale": 0.25, "profiles": [PROFILE, PROFILE],
+            "hidden_bytes_per_token": 2304, "ttft_mean": 1.0, "tpot_mean": 0.1, "latency_mean": 5.0}
+    path = tmp_path / "cells.json"
+    path.write_text(json.dumps([cell]))
+    (row,) = sim.validate(str(path))
+    assert row["ttft_mean"]["measured"] == 1.0 and "ok" in row["tpot_mean"]
+    assert "TTFT and TPOT within 15%" in capsys.readouterr().out
+
+
+def test_the_example_file_validates():
+    rows = sim.validate(str(Path(sim.__file__).with_name("sim_example.json")))
+    assert rows and all("ttft_mean" in r and "tpot_mean" in r for r in rows)
