@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from .stage_model import StageBatch, StageModel
-
 DECODE_BATCHES = (1, 4, 16)
 PREFILL_LENGTHS = (32, 256)
 _PROBE_ID = 1 << 50  # far from any real sequence id
 
 
-def measure(stage: StageModel, repeats: int = 2) -> dict:
+def measure(stage, repeats: int = 2) -> dict:
+    # torch only here: interp() stays importable by the simulator without it
+    import torch
+
+    from .stage_model import StageBatch
     def run(batch: StageBatch) -> float:
         if stage.first:
             x = torch.zeros(batch.n_tokens, dtype=torch.long)
