@@ -18,6 +18,14 @@ class ProgressBar:
     def __init__(self, stream=sys.stderr):
         self.stream = stream
         self.last = 0.0
+        self.open = False
+        self.open_stage = None
+
+    def finish(self):
+        """End a line left open by a bar that never reached its total."""
+        if self.open:
+            self.stream.write("\n")
+            self.open = False
 
     def __call__(self, stage: int, done: int, total: int, what: str):
         now = time.monotonic()
@@ -27,7 +35,10 @@ class ProgressBar:
         width = 30
         filled = int(width * done / max(total, 1))
         bar = "#" * filled + "-" * (width - filled)
+        if self.open and stage != self.open_stage:
+            self.stream.write("\n")
         self.stream.write(f"\r  stage {stage}: {what:<18} [{bar}] {done}/{total}   ")
+        self.open, self.open_stage = done < total, stage
         if done >= total:
             self.stream.write("\n")
         self.stream.flush()
@@ -105,7 +116,9 @@ async def _chat(args) -> int:
 
     print(f"Loading {args.model} on {args.stages if not args.stage_addr else len(args.stage_addr) + 1} stage(s)...",
           file=sys.stderr)
-    head = await build_head(args, ProgressBar())
+    bar = ProgressBar()
+    head = await build_head(args, bar)
+    bar.finish()
     runner = None
     try:
         print(f"Ready: {_describe(head)}", file=sys.stderr)

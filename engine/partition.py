@@ -15,6 +15,9 @@ def layer_bytes_estimate(cfg, bytes_per_param: int) -> int:
     return (4 * h * h + mlp) * bytes_per_param
 
 
+SAME_SPEED = 1.3
+
+
 def partition(n_layers: int, speeds: list[float], capacities: list[int] | None = None) -> list[tuple[int, int]]:
     """Split n_layers into contiguous ranges, one per stage, in stage order.
 
@@ -36,6 +39,10 @@ def partition(n_layers: int, speeds: list[float], capacities: list[int] | None =
             "add a machine or choose a smaller model"
         )
     speeds = [max(float(s), 1e-9) for s in speeds]
+    if max(speeds) < SAME_SPEED * min(speeds):
+        # a short matmul probe is noisy (and stages on one machine measure each other's
+        # load): differences this small are not worth an unequal split
+        speeds = [1.0] * n
     counts = [1] * n
     # hand out the remaining layers one at a time to the stage that would finish soonest
     for _ in range(n_layers - n):
