@@ -130,6 +130,10 @@ class LinkScheduler:
         if self._last_decode_end is not None and self._decode_started is not None:
             # the gap between decode executions is what the next prediction needs
             period = now - self._last_decode_end
+            if self._loop_ewma is not None:
+                # an idle pipeline or a stretch of prefill-only steps is not the decode
+                # cadence: one such gap (seconds) would size the next chunks to seconds
+                period = min(period, 2 * self._loop_ewma)
             if period > 0:
                 self._loop_ewma = period if self._loop_ewma is None else 0.75 * self._loop_ewma + 0.25 * period
         self._last_decode_end = now
