@@ -117,7 +117,7 @@ class StageModel:
         self._progress = progress or (lambda done, total, what: None)
         with _BUILD_LOCK:
             self.model = self._load(cfg)
-        self.model.eval()
+        self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
         self._inject: torch.Tensor | None = None
         self._layers[0].register_forward_pre_hook(self._inject_hook, with_kwargs=True)
