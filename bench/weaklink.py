@@ -41,7 +41,7 @@ Configurations (the head's link_mode / micro_batches / prefill_chunk):
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
 (n_out - 1); latency = submit -> done. Per cell: mean and p90 of each, throughput =
 generated tokens / (first submit -> last done), and the ratio to FIFO's value. Also:
-M = the micro-batch count at the end; dwait = p90 of how long a decode volume waited on
+M = the micro-batch count at the end; dwait = mean of how long a decode volume waited on
 the head's outbound link (queued -> last byte handed to the socket: the head-of-line
 blocking the scheduler removes); other = CPU cores used by processes not ours.
 Arrival rates are fractions of a measured saturation throughput (a burst through the
@@ -448,7 +448,7 @@ def print_cells(title: str, cells: list[dict]):
               f"{fmt(c['tpot']):>7} {fmt(c['tpot_p90']):>7} {fmt(c['lat']):>7} {fmt(c['lat_p90']):>7} "
               f"{fmt(c['tput'], '.1f'):>6} | {pct(r.get('ttft')):>6} {pct(r.get('tpot')):>6} {pct(r.get('lat')):>6} "
               f"{pct(r.get('tput')):>6} | {str(c.get('final_micro_batches', '')):>2} "
-              f"{fmt(c.get('head_link_waits', {}).get('decode', {}).get('wait_p90')):>6} {fmt(c.get('cpu_other'), '.2f'):>5}"
+              f"{fmt(c.get('head_link_waits', {}).get('decode', {}).get('wait_mean')):>6} {fmt(c.get('cpu_other'), '.2f'):>5}"
               + (f"  [{c['error']}]" if c.get("error") else ""))
 
 
@@ -633,11 +633,11 @@ def report(cells: list[dict], names: list[str]):
               "+compress": "+ compression"}
     if ref:
         print("\n## Ablation (paper Table 5 style): 2 stages, ~100 Mbit/s, ~30 ms, medium load")
-        print(f"{'':<30} {'TTFT (s)':>9} {'TPOT (s)':>9} {'latency (s)':>12} {'tok/s':>7}")
+        print(f"{'':<36} {'TTFT (s)':>9} {'TPOT (s)':>9} {'latency (s)':>12} {'tok/s':>7}")
         for c in ref:
-            print(f"{labels[c['config']]:<30} {c['ttft']:>9.3f} {c['tpot']:>9.3f} {c['lat']:>12.3f} {c['tput']:>7.1f}")
+            print(f"{labels[c['config']]:<36} {c['ttft']:>9.3f} {c['tpot']:>9.3f} {c['lat']:>12.3f} {c['tput']:>7.1f}")
         if "+compress" in names and not any(c["config"] == "+compress" for c in ref):
-            print(f"{labels['+compress']:<30}   (skipped: Head has no `compress` option)")
+            print(f"{labels['+compress']:<36}   (skipped: Head has no `compress` option)")
 
     print("\n## Target check")
     groups: dict[tuple, list] = {}

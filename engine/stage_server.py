@@ -340,7 +340,7 @@ class StageServer:
             toks = self.sampler.sample(batch.seq_ids, out)
             meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}
             return ("head", wire.encode(wire.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
-        kind = "prefill" if frame.meta.get("partial") or any(r[2] > 1 for r in rows) else "decode"
+        kind = "decode" if _is_decode(frame) else "prefill"
         bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
         q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
         return ("next", wire.encode(wire.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
@@ -372,7 +372,10 @@ MAX_MERGED_ROWS = 64
 
 
 def _is_decode(frame: wire.Frame) -> bool:
-    return not frame.meta.get("partial") and all(r[2] == 1 for r in frame.meta["rows"])
+    # a step that opens a sequence is prefill even when its last prompt piece is one
+    # token: sent as decode it could overtake that sequence's own queued prompt chunks
+    return not frame.meta.get("partial") and not frame.meta.get("new") \
+        and all(r[2] == 1 for r in frame.meta["rows"])
 
 
 async def run_stage(host: str, port: int, pipeline: str = "local", device: str = "cpu",
