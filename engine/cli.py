@@ -215,6 +215,11 @@ async def _stage(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["app"]:  # the GUI process must not import transformers or torch
+        from app.main import main as app_main
+
+        return app_main(argv[1:])
     parser = argparse.ArgumentParser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -241,6 +246,13 @@ def main(argv=None) -> int:
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
 
+    from .node import add_node_args
+
+    p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
+    add_node_args(p)
+
+    sub.add_parser("app", help="the desktop app (tray icon, chat window); see `potluck-app --help`", add_help=False)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -258,7 +270,12 @@ def main(argv=None) -> int:
             print(f"potluck: {exc}", file=sys.stderr)
             return 2
         return 0
-    fn = {"chat": _chat, "serve": _serve, "stage": _stage}[args.cmd]
+    if args.cmd == "node":
+        from .node import run_node
+
+        fn = run_node
+    else:
+        fn = {"chat": _chat, "serve": _serve, "stage": _stage}[args.cmd]
     try:
         return asyncio.run(fn(args))
     except KeyboardInterrupt:
