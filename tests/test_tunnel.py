@@ -1,0 +1,371 @@
+"""Invites, the Noise handshake, the tunnel and the relay, over real loopback sockets.
+
+Everything here runs in one process (host, joiner and relay are asyncio objects) with
+an echo server standing in for a stage; tests/test_across_homes.py runs the real
+processes in network namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from websockets.asyncio.client import connect
+
+os.environ["POTLUCK_KEYSTORE"] = "file"
+
+from engine import invite as inv  # noqa: E402
+from engine import noise  # noqa: E402
+from engine.identity import load_or_create_identity  # noqa: E402
+from engine.relay import Limits, Relay  # noqa: E402
+from engine.tunnel import TunnelError, TunnelHost, open_session  # noqa: E402
+
+
+# ---- invite codes -----------------------------------------------------------------------
+def _invite(**over):
+    fields = dict(pipeline=os.urandom(8), invite_id=os.urandom(8), secret=os.urandom(16),
+                  host_key=os.urandom(32), expires=int(time.time()) + 3600, max_uses=3,
+                  relay="ws://relay.example:8765", direct=["ws://10.0.0.2:7870", "ws://[::1]:7870"])
+    fields.update(over)
+    return inv.Invite(**fields)
+
+
+def test_invite_round_trip_case_and_separators():
+    i = _invite()
+    code = inv.encode(i)
+    assert inv.parse(code) == i
+    assert inv.parse(code.lower()) == i
+    assert inv.parse("  " + code.replace("-", " ") + "\n") == i
+    # Crockford: O reads as 0, I and L as 1
+    assert inv.parse(code.replace("0", "o").replace("1", "l")) == i
+    assert set(code) <= set(inv.ALPHABET + "-")
+
+
+def test_invite_typos_are_reported_as_typos():
+    code = inv.encode(_invite())
+    chars = list(code)
+    for pos in range(0, len(chars), 7):
+        if chars[pos] == "-":
+            continue
+        wrong = list(chars)
+        wrong[pos] = "7" if chars[pos] != "7" else "8"
+        with pytest.raises(inv.InviteError, match="typo"):
+            inv.parse("".join(wrong))
+    with pytest.raises(inv.InviteError, match="typo"):
+        inv.parse(code[:-3])                      # truncated
+    with pytest.raises(inv.InviteError, match="typo"):
+        inv.parse(code.replace(code[5], "U", 1) if code[5] != "-" else "U" + code)   # not in the alphabet
+    swapped = code[:12] + code[13] + code[12] + code[14:]   # two neighbours swapped
+    if swapped != code:
+        with pytest.raises(inv.InviteError, match="typo"):
+            inv.parse(swapped)
+    with pytest.raises(inv.InviteError):
+        inv.parse("")
+
+
+def test_host_state_expiry_uses_and_revocation(tmp_path):
+    st = inv.HostState(tmp_path)
+    host_key = os.urandom(32)
+    i, code = st.create_invite(host_key, relay="ws://r:1", max_uses=2)
+    assert inv.parse(code).invite_id == i.invite_id
+    assert st.invite_psk(i.invite_id) == i.psk()
+    st.record_join(i.invite_id, b"a" * 32, "alice")
+    st.record_join(i.invite_id, b"b" * 32, "bob")
+    with pytest.raises(inv.InviteError, match="used up"):
+        st.invite_psk(i.invite_id)
+    assert st.check_member(b"a" * 32)["name"] == "alice"
+    with pytest.raises(inv.InviteError, match="unknown node key"):
+        st.check_member(b"c" * 32)
+    st.revoke(st.check_member(b"a" * 32)["node_id"])
+    with pytest.raises(inv.InviteError, match="revoked"):
+        st.check_member(b"a" * 32)
+    old, _ = st.create_invite(host_key, relay="ws://r:1", ttl_s=-1)
+    with pytest.raises(inv.InviteError, match="expired"):
+        st.invite_psk(old.invite_id)
+    with pytest.raises(inv.InviteError, match="expired"):
+        old.check_fresh()
+    third, _ = st.create_invite(host_key, relay="ws://r:1")
+    st.revoke(third.invite_id.hex())
+    with pytest.raises(inv.InviteError, match="revoked"):
+        st.invite_psk(third.invite_id)
+    with pytest.raises(inv.InviteError, match="unknown invite"):
+        st.invite_psk(os.urandom(8))
+    assert oct(os.stat(st.path).st_mode & 0o777) == "0o600"
+
+
+def test_identity_file_fallback(tmp_path):
+    a = load_or_create_identity(tmp_path)
+    b = load_or_create_identity(tmp_path)
+    assert a.public == b.public and a.store == "file" and len(a.node_id) == 10
+    assert oct(os.stat(tmp_path / "node_key").st_mode & 0o777) == "0o600"
+
+
+# ---- Noise ------------------------------------------------------------------------------
+def _pair(psk_i=None, psk_r=None, host=None, rs=None):
+    host = host or X25519PrivateKey.generate()
+    joiner = X25519PrivateKey.generate()
+    ini = noise.Initiator(joiner, rs or noise.public_bytes(host), b"pro", psk=psk_i)
+    res = noise.Responder(host, b"pro", psk=psk_r)
+    return ini, res, joiner
+
+
+def test_handshake_and_transport():
+    psk = os.urandom(32)
+    ini, res, joiner = _pair(psk, psk)
+    assert res.read_1(ini.write_1(b"hi")) == b"hi"
+    assert res.remote_static == noise.public_bytes(joiner)
+    assert ini.read_2(res.write_2(b"yo")) == b"yo"
+    assert ini.handshake_hash == res.handshake_hash
+    (i_tx, i_rx), (r_tx, r_rx) = ini.keys(), res.keys()
+    a, b = noise.TransportCipher(i_tx), noise.TransportCipher(r_rx)
+    f1, f2 = a.encrypt(b"one"), a.encrypt(b"two")
+    assert b.decrypt(f1) == b"one"
+    with pytest.raises(noise.NoiseError, match="replayed"):
+        b.decrypt(f1)
+    tampered = bytearray(f2)
+    tampered[-1] ^= 1
+    with pytest.raises(noise.NoiseError, match="tampered"):
+        b.decrypt(bytes(tampered))
+    assert b.decrypt(f2) == b"two"
+    with pytest.raises(noise.NoiseError, match="out of order"):
+        b.decrypt(a.encrypt(b"x") and a.encrypt(b"y"))
+
+
+def test_handshake_rejections():
+    ini, res, _ = _pair(os.urandom(32), os.urandom(32))
+    with pytest.raises(noise.NoiseError, match="wrong join secret"):
+        res.read_1(ini.write_1(b""))
+    # a relay (or anyone) without the host's private key cannot read message 1
+    ini, res, _ = _pair(None, None, rs=noise.public_bytes(X25519PrivateKey.generate()))
+    with pytest.raises(noise.NoiseError, match="not encrypted to this host"):
+        res.read_1(ini.write_1(b""))
+    # an impostor answering message 2 without the host key
+    host = X25519PrivateKey.generate()
+    ini, _, _ = _pair(None, None, host=host)
+    m1 = ini.write_1(b"")
+    impostor = noise.Responder(X25519PrivateKey.generate(), b"pro")
+    impostor.re, impostor.remote_static = m1[:32], noise.public_bytes(X25519PrivateKey.generate())
+    with pytest.raises(noise.NoiseError, match="not from the host"):
+        ini.read_2(impostor.write_2(b""))
+
+
+def test_interoperates_with_noiseprotocol():
+    """Byte-for-byte agreement with an established Noise implementation."""
+    conn = pytest.importorskip("noise.connection")
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+    def raw(k):
+        return k.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+    for psk in (None, os.urandom(32)):
+        hs, js = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+        ours = noise.Initiator(js, noise.public_bytes(hs), b"pro", psk)
+        lib = conn.NoiseConnection.from_name(noise.protocol_name(psk is not None))
+        lib.set_as_responder()
+        lib.set_prologue(b"pro")
+        lib.set_keypair_from_private_bytes(conn.Keypair.STATIC, raw(hs))
+        if psk:
+            lib.set_psks(psk=psk)
+        lib.start_handshake()
+        assert lib.read_message(ours.write_1(b"hello")) == b"hello"
+        assert ours.read_2(lib.write_message(b"world")) == b"world"
+        tx, rx = ours.keys()
+        assert ChaCha20Poly1305(rx).decrypt(noise._nonce(0), lib.encrypt(b"z"), b"") == b"z"
+        assert lib.decrypt(ChaCha20Poly1305(tx).encrypt(noise._nonce(0), b"x", b"")) == b"x"
+
+        lib = conn.NoiseConnection.from_name(noise.protocol_name(psk is not None))
+        lib.set_as_initiator()
+        lib.set_prologue(b"pro")
+        lib.set_keypair_from_private_bytes(conn.Keypair.STATIC, raw(js))
+        lib.set_keypair_from_public_bytes(conn.Keypair.REMOTE_STATIC, noise.public_bytes(hs))
+        if psk:
+            lib.set_psks(psk=psk)
+        lib.start_handshake()
+        ours = noise.Responder(hs, b"pro", psk)
+        assert ours.read_1(lib.write_message(b"a")) == b"a"
+        assert ours.remote_static == noise.public_bytes(js)
+        assert lib.read_message(ours.write_2(b"b")) == b"b"
+        tx, _ = ours.keys()
+        assert lib.decrypt(ChaCha20Poly1305(tx).encrypt(noise._nonce(0), b"y", b"")) == b"y"
+
+
+# ---- the tunnel, direct and through the relay -----------------------------------------------
+async def _echo_server():
+    async def echo(r, w):
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+class Home:
+    """A host (TunnelHost + identity + state) in a temp folder."""
+
+    def __init__(self, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.identity = load_or_create_identity(folder)
+        self.state = inv.HostState(folder)
+        self.host = TunnelHost(self.identity, self.state)
+
+
+async def _roundtrip(peer, size=200_000):
+    r, w = await asyncio.open_connection("127.0.0.1", peer.port)
+    payload = os.urandom(size)
+    w.write(payload)
+    await w.drain()
+    got = await asyncio.wait_for(r.readexactly(size), 30)
+    w.close()
+    return got == payload
+
+
+async def test_direct_and_relay_tunnels_carry_streams(tmp_path):
+    seen: list[bytes] = []
+    relay = await Relay(dump=seen.append).start("127.0.0.1", 0)
+    echo, echo_port = await _echo_server()
+    home = Home(tmp_path / "host")
+    try:
+        await home.host.use_relay(f"ws://127.0.0.1:{relay.port}")
+        await home.host.listen("127.0.0.1", 0)
+        for _ in range(100):
+            if relay.pipelines:
+                break
+            await asyncio.sleep(0.05)
+        code = home.host.invite(uses=2)
+        invite = inv.parse(code)
+        me = load_or_create_identity(tmp_path / "joiner")
+        s1 = await open_session(invite, me, ("127.0.0.1", echo_port), name="bob", prefer="direct")
+        peer = await asyncio.wait_for(home.host.wait_peer(), 10)
+        assert s1.path == "direct" and peer.path == "direct" and peer.name == "bob"
+        assert await _roundtrip(peer)
+        await s1.close("test")
+        assert seen == []                       # direct: the relay saw nothing
+        # the same key again, now through the relay, as an allowlisted member
+        s2 = await open_session(invite, me, ("127.0.0.1", echo_port), prefer="relay", member=True)
+        assert s2.path == "relay"
+        for _ in range(100):
+            if peer.session is not None and peer.session.path == "relay" and not peer.session.closed.is_set():
+                break
+            await asyncio.sleep(0.05)
+        marker = b"PLAINTEXT-MARKER-" * 100
+        r, w = await asyncio.open_connection("127.0.0.1", peer.port)
+        w.write(marker)
+        assert await asyncio.wait_for(r.readexactly(len(marker)), 30) == marker
+        w.close()
+        assert seen and not any(b"PLAINTEXT-MARKER" in f for f in seen)
+        assert relay.stats["paired"] == 1
+        await s2.close("test")
+    finally:
+        await home.host.close()
+        await relay.close()
+        echo.close()
+
+
+async def test_refusals_have_clear_reasons(tmp_path):
+    echo, echo_port = await _echo_server()
+    home = Home(tmp_path / "host")
+    await home.host.listen("127.0.0.1", 0)
+    try:
+        target = ("127.0.0.1", echo_port)
+        me = load_or_create_identity(tmp_path / "joiner")
+        good = inv.parse(home.host.invite(uses=1))
+        # wrong secret
+        bad = inv.Invite(**{**good.__dict__, "secret": os.urandom(16)})
+        with pytest.raises(TunnelError, match="wrong join secret"):
+            await open_session(bad, me, target)
+        # a code whose host key is not this host's (a relay impersonating the host)
+        other = inv.Invite(**{**good.__dict__, "host_key": noise.public_bytes(X25519PrivateKey.generate())})
+        with pytest.raises(TunnelError, match="not encrypted to this host"):
+            await open_session(other, me, target)
+        # unknown key asking as a member
+        with pytest.raises(TunnelError, match="unknown node key"):
+            await open_session(good, me, target, member=True)
+        s = await open_session(good, me, target)
+        await s.close("done")
+        # used up
+        other_me = load_or_create_identity(tmp_path / "joiner2")
+        with pytest.raises(TunnelError, match="used up"):
+            await open_session(good, other_me, target)
+        # expired
+        old = inv.parse(home.host.invite(uses=1))
+        data = home.state.data()
+        data["invites"][old.invite_id.hex()]["expires"] = 0
+        home.state.path.write_text(__import__("json").dumps(data))
+        with pytest.raises(TunnelError, match="expired"):
+            await open_session(old, other_me, target)
+        # revoked member: refused at reconnect, and its live session is closed
+        s = await open_session(good, me, target, member=True)
+        home.state.revoke(me.node_id)
+        await asyncio.wait_for(s.closed.wait(), 15)
+        assert "revoked" in s.close_reason
+        with pytest.raises(TunnelError, match="revoked"):
+            await open_session(good, me, target, member=True)
+        assert home.host.rejected
+    finally:
+        await home.host.close()
+        echo.close()
+
+
+async def test_relay_limits():
+    relay = await Relay(Limits(max_frame=1024, max_channels=1, pair_timeout=1.0, idle_timeout=1.0,
+                               rate=100_000, burst=10_000)).start("127.0.0.1", 0)
+    base = f"ws://127.0.0.1:{relay.port}/v1"
+    pid = os.urandom(8).hex()
+    try:
+        async with connect(f"{base}/join/{pid}") as ws:          # nobody hosts it
+            with pytest.raises(Exception):
+                await asyncio.wait_for(ws.recv(), 5)
+            assert ws.close_reason == "no host online for this pipeline"
+        async with connect(f"{base}/join/not-an-id") as ws:
+            with pytest.raises(Exception):
+                await ws.recv()
+            assert ws.close_reason == "bad pipeline id"
+        async with connect(f"{base}/host/{pid}") as host:
+            async with connect(f"{base}/host/{pid}") as dup:
+                with pytest.raises(Exception):
+                    await dup.recv()
+                assert "already registered" in dup.close_reason
+            async with connect(f"{base}/join/{pid}") as j1:       # the host never accepts
+                note = await host.recv()
+                assert "incoming" in note
+                async with connect(f"{base}/join/{pid}") as j2:   # over the channel limit
+                    with pytest.raises(Exception):
+                        await j2.recv()
+                    assert "too many" in j2.close_reason
+                with pytest.raises(Exception):
+                    await asyncio.wait_for(j1.recv(), 10)
+                assert "did not accept" in j1.close_reason
+            # paired: frame size, text frames, idle time and rate
+            async with connect(f"{base}/join/{pid}") as j:
+                sid = __import__("json").loads(await host.recv())["session"]
+                async with connect(f"{base}/accept/{pid}/{sid}") as acc:
+                    await j.send(b"x" * 500)
+                    assert await acc.recv() == b"x" * 500
+                    t0 = time.monotonic()
+                    for _ in range(60):                           # 60 KB at 100 KB/s, 10 KB burst
+                        await j.send(b"y" * 1000)
+                    for _ in range(60):
+                        await acc.recv()
+                    assert time.monotonic() - t0 >= 0.4
+                    await j.send(b"z" * 5000)                     # over max_frame
+                    with pytest.raises(Exception):
+                        await asyncio.wait_for(acc.recv(), 10)
+            async with connect(f"{base}/join/{pid}") as j:
+                sid = __import__("json").loads(await host.recv())["session"]
+                async with connect(f"{base}/accept/{pid}/{sid}") as acc:
+                    with pytest.raises(Exception):
+                        await asyncio.wait_for(acc.recv(), 10)    # idle: closed after 1 s
+        async with connect(f"{base}/accept/{pid}/{'0' * 32}") as ws:
+            with pytest.raises(Exception):
+                await ws.recv()
+            assert ws.close_reason == "no such waiting joiner"
+    finally:
+        await relay.close()
