@@ -1,4 +1,4 @@
-"""`potluck` command line: chat, serve (OpenAI API), stage."""
+"""`potluck` command line: chat, serve (OpenAI API), stage; host, join, invites, relay (engine/homes.py)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ async def build_head(args, progress=None):
         torch.set_num_threads(threads)
     head = Head(source, addrs, layers=layers, micro_batches=args.micro_batches, dtype=args.dtype,
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
-                link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"))
+                link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
+                pipeline=getattr(args, "pipeline", "local"))
     try:
         await head.start()
     except BaseException:
@@ -246,6 +247,10 @@ def main(argv=None) -> int:
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
 
+    from . import homes
+
+    homes.add_args(sub, _add_pipeline_args)
+
     from .node import add_node_args
 
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
@@ -274,8 +279,11 @@ def main(argv=None) -> int:
         from .node import run_node
 
         fn = run_node
+    elif args.cmd == "invites":
+        return homes.invites(args)
     else:
-        fn = {"chat": _chat, "serve": _serve, "stage": _stage}[args.cmd]
+        fn = {"chat": _chat, "serve": _serve, "stage": _stage, "host": homes.host, "join": homes.join,
+              "relay": homes.relay}[args.cmd]
     try:
         return asyncio.run(fn(args))
     except KeyboardInterrupt:

@@ -211,6 +211,11 @@ class HostState:
     def pipeline(self) -> bytes:
         return bytes.fromhex(self._read()["pipeline"])
 
+    def set_routes(self, relay: str, direct: list[str]):
+        """Remember how friends reach this host (for `potluck invites --new`)."""
+        with self._locked() as data:
+            data["routes"] = {"relay": relay, "direct": list(direct)}
+
     def create_invite(self, host_key: bytes, relay: str = "", direct: list[str] | None = None,
                       ttl_s: float = 24 * 3600, max_uses: int = 1) -> tuple[Invite, str]:
         if not 1 <= max_uses <= 65535:
