@@ -1,0 +1,431 @@
+"""The chat window: conversations on the left, the transcript, and the message box.
+
+Replies stream in; the view is refreshed by a timer (every FLUSH_MS) from what has
+arrived, not once per token. While a reply streams, Send becomes Stop. When a reply
+completes its text is rendered as markdown and its time to first token and tokens/s
+appear under it. The header shows the model, which computer holds which layers, the
+OpenAI-compatible URL, loading progress, and plain-language problems (with a Restart
+button when the engine has stopped).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
+                               QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton,
+                               QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
+
+from .client import ChatStream
+from .store import DamagedConversation, Message
+
+FLUSH_MS = 80
+MAX_MESSAGE_CHARS = 100_000
+
+
+class MessageView(QFrame):
+    def __init__(self, role: str, text: str = "", parent=None):
+        super().__init__(parent)
+        self.role = role
+        self.setObjectName("msg_" + role)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(10, 6, 10, 6)
+        who = QLabel("You" if role == "user" else "Potluck")
+        who.setStyleSheet("font-weight: bold; color: %s;" % ("#2563eb" if role == "user" else "#b45309"))
+        self.body = QLabel()
+        self.body.setWordWrap(True)
+        self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
+        self.body.setOpenExternalLinks(True)
+        self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
+        self.stats = QLabel()
+        self.stats.setStyleSheet("color: #6b7280; font-size: 11px;")
+        self.stats.hide()
+        lay.addWidget(who)
+        lay.addWidget(self.body)
+        lay.addWidget(self.stats)
+        self.setStyleSheet("QFrame#msg_user { background: #eff6ff; border-radius: 8px; }"
+                           "QFrame#msg_assistant { background: #fffbeb; border-radius: 8px; }")
+        self.set_plain(text)
+
+    def set_plain(self, text: str):
+        self.body.setTextFormat(Qt.PlainText)
+        self.body.setText(text)
+
+    def set_markdown(self, text: str):
+        self.body.setTextFormat(Qt.MarkdownText)
+        self.body.setText(text)
+
+    def set_stats(self, text: str, error: bool = False):
+        self.stats.setText(text)
+        self.stats.setStyleSheet("color: %s; font-size: 11px;" % ("#b91c1c" if error else "#6b7280"))
+        self.stats.show()
+
+
+def stats_line(m: Message) -> str:
+    parts = []
+    if m.ttft is not None:
+        parts.append(f"first token after {m.ttft:.2f} s")
+    if m.tokens_per_s is not None:
+        parts.append(f"{m.tokens_per_s:.1f} tokens/s")
+    if m.tokens:
+        parts.append(f"{m.tokens} tokens")
+    return " · ".join(parts)
+
+
+class ChatWindow(QMainWindow):
+    restartRequested = Signal()
+
+    def __init__(self, controller, actions=None, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        self.setWindowTitle("Potluck — chat")
+        self.resize(980, 680)
+        self.conversation_id: int | None = None
+        self.messages: list[Message] = []
+        self.stream: ChatStream | None = None
+        self.reply_view: MessageView | None = None
+        self.reply_text = ""
+        self._pending: list[str] = []
+        self.render_count = 0          # view refreshes during the current reply (tests: batched)
+        self.delta_count = 0           # deltas received during the current reply
+        self.last_error: str | None = None
+
+        if actions is not None:
+            menu = self.menuBar().addMenu("&Potluck")
+            for a in actions:
+                if a is None:
+                    menu.addSeparator()
+                else:
+                    menu.addAction(a)
+
+        # ---- left: conversations
+        left = QWidget()
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(6, 6, 6, 6)
+        self.new_button = QPushButton("New chat")
+        self.new_button.clicked.connect(self.new_conversation)
+        self.conv_list = QListWidget()
+        self.conv_list.itemClicked.connect(self._open_item)
+        self.delete_all_button = QPushButton("Delete all history")
+        self.delete_all_button.clicked.connect(self.delete_all)
+        ll.addWidget(self.new_button)
+        ll.addWidget(self.conv_list, 1)
+        ll.addWidget(self.delete_all_button)
+
+        # ---- right: header, transcript, input
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(6, 6, 6, 6)
+        self.model_label = QLabel("Starting the Potluck engine…")
+        self.model_label.setStyleSheet("font-weight: bold; font-size: 14px;")
+        self.pipeline_label = QLabel("")
+        self.pipeline_label.setWordWrap(True)
+        self.pipeline_label.setStyleSheet("color: #374151;")
+        url_row = QHBoxLayout()
+        url_row.addWidget(QLabel("OpenAI-compatible URL:"))
+        self.url_field = QLineEdit()
+        self.url_field.setReadOnly(True)
+        self.url_field.setPlaceholderText("(available once a pipeline is running)")
+        url_row.addWidget(self.url_field, 1)
+        self.progress_box = QWidget()
+        self.progress_layout = QVBoxLayout(self.progress_box)
+        self.progress_layout.setContentsMargins(0, 0, 0, 0)
+        self.progress_bars: dict[str, QProgressBar] = {}
+        self.progress_box.hide()
+
+        self.banner = QFrame()
+        self.banner.setObjectName("banner")
+        self.banner.setStyleSheet("QFrame#banner { background: #fef2f2; border: 1px solid #fca5a5; "
+                                  "border-radius: 6px; }")
+        bl = QHBoxLayout(self.banner)
+        self.banner_label = QLabel()
+        self.banner_label.setWordWrap(True)
+        self.restart_button = QPushButton("Restart")
+        self.restart_button.clicked.connect(self.restartRequested.emit)
+        bl.addWidget(self.banner_label, 1)
+        bl.addWidget(self.restart_button)
+        self.banner.hide()
+
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.transcript = QWidget()
+        self.tl = QVBoxLayout(self.transcript)
+        self.tl.addStretch(1)
+        self.scroll.setWidget(self.transcript)
+
+        self.input = QPlainTextEdit()
+        self.input.setPlaceholderText("Type a message (Ctrl+Enter sends)")
+        self.input.setFixedHeight(90)
+        self.send_button = QPushButton("Send")
+        self.send_button.setMinimumWidth(90)
+        self.send_button.clicked.connect(self.send_or_stop)
+        send_shortcut = QAction(self)
+        send_shortcut.setShortcuts([QKeySequence("Ctrl+Return"), QKeySequence("Ctrl+Enter")])
+        send_shortcut.triggered.connect(self.send_or_stop)
+        self.addAction(send_shortcut)
+        self.hint = QLabel("")
+        self.hint.setStyleSheet("color: #b91c1c;")
+        self.hint.setWordWrap(True)
+        il = QHBoxLayout()
+        il.addWidget(self.input, 1)
+        il.addWidget(self.send_button)
+
+        rl.addWidget(self.model_label)
+        rl.addWidget(self.pipeline_label)
+        rl.addLayout(url_row)
+        rl.addWidget(self.progress_box)
+        rl.addWidget(self.banner)
+        rl.addWidget(self.scroll, 1)
+        rl.addWidget(self.hint)
+        rl.addLayout(il)
+
+        split = QSplitter()
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setStretchFactor(1, 1)
+        split.setSizes([220, 760])
+        self.setCentralWidget(split)
+
+        self.flush_timer = QTimer(self)
+        self.flush_timer.setInterval(FLUSH_MS)
+        self.flush_timer.timeout.connect(self._flush)
+
+        controller.statusChanged.connect(self.on_status)
+        controller.nodeLost.connect(self.on_node_lost)
+        controller.nodeStarted.connect(self.on_node_started)
+        self.reload_conversations()
+        for p in controller.history.problems:
+            self.show_hint(p)
+
+    # ---- status ------------------------------------------------------------------
+    def on_status(self, st: dict):
+        hosting = st.get("hosting")
+        state = st.get("state")
+        if st.get("error") and state == "error" and not self.c.lost:
+            self.show_banner(st["error"], restart=False)
+        elif not self.c.lost:
+            self.banner.hide()
+        loading = st.get("loading")
+        if loading:
+            self.model_label.setText(loading.get("message") or "Loading…")
+            self._show_progress(loading.get("stages") or {})
+        else:
+            self.progress_box.hide()
+        if hosting:
+            self.model_label.setText(f"{hosting['model']} — ready")
+            parts = []
+            for i, s in enumerate(hosting["stages"]):
+                a, b = s["layers"]
+                where = "this computer (head)" if i == 0 else s["address"]
+                kv = f", {s['kv_tokens']} KV tokens" if s.get("kv_tokens") is not None else ""
+                parts.append(f"layers {a}–{b - 1}: {where}{kv}")
+            parts.append(f"{hosting.get('tokens_served', 0)} tokens served")
+            self.pipeline_label.setText("  ·  ".join(parts))
+            self.url_field.setText(hosting.get("openai_url") or "")
+        elif not loading:
+            self.url_field.clear()
+            if state != "error":
+                self.model_label.setText("No pipeline is running")
+                self.pipeline_label.setText("Choose “Host a pipeline…” in the Potluck menu to start one.")
+
+    def _show_progress(self, stages: dict):
+        self.progress_box.show()
+        for key, p in sorted(stages.items()):
+            bar = self.progress_bars.get(key)
+            if bar is None:
+                bar = self.progress_bars[key] = QProgressBar()
+                self.progress_layout.addWidget(bar)
+            bar.setMaximum(max(1, int(p["total"])))
+            bar.setValue(int(p["done"]))
+            bar.setFormat(f"stage {key}: {p['what']} %p%")
+
+    def show_banner(self, text: str, restart: bool):
+        self.banner_label.setText(text)
+        self.restart_button.setVisible(restart)
+        self.banner.show()
+
+    def on_node_lost(self, why: str):
+        self.show_banner(why + " Your conversations are safe.", restart=True)
+        self.model_label.setText("The Potluck engine is not running")
+        self.url_field.clear()
+        if self.stream is not None:
+            self.stream.stop()
+
+    def on_node_started(self):
+        self.banner.hide()
+
+    def show_hint(self, text: str):
+        self.last_error = text
+        self.hint.setText(text)
+
+    # ---- conversations -----------------------------------------------------------------
+    def reload_conversations(self):
+        self.conv_list.clear()
+        for conv in self.c.history.conversations():
+            item = QListWidgetItem(conv.title + ("  (damaged)" if conv.damaged else ""))
+            item.setData(Qt.UserRole, conv.id)
+            if conv.damaged:
+                item.setForeground(Qt.red)
+            self.conv_list.addItem(item)
+
+    def _open_item(self, item: QListWidgetItem):
+        self.open_conversation(item.data(Qt.UserRole))
+
+    def open_conversation(self, cid: int) -> bool:
+        if self.stream is not None:
+            return False
+        try:
+            conv = self.c.history.load(cid)
+        except DamagedConversation as exc:
+            self.show_hint(f"{exc}. Your other conversations are not affected.")
+            self.reload_conversations()
+            return False
+        self._clear_view()
+        self.conversation_id = cid
+        self.messages = list(conv.messages)
+        for m in self.messages:
+            v = self._add_view(m.role, "")
+            if m.role == "assistant":
+                v.set_markdown(m.content)
+                line = stats_line(m)
+                if m.error:
+                    v.set_stats(m.error, error=True)
+                elif line:
+                    v.set_stats(line)
+            else:
+                v.set_plain(m.content)
+        self.hint.clear()
+        return True
+
+    def new_conversation(self):
+        if self.stream is not None:
+            return
+        self._clear_view()
+        self.conversation_id = None
+        self.messages = []
+        self.hint.clear()
+
+    def delete_all(self, confirm: bool = True):
+        if confirm and QMessageBox.question(self, "Delete all history",
+                                            "Delete every conversation? This cannot be undone.") != QMessageBox.Yes:
+            return
+        self.c.history.delete_all()
+        self.new_conversation()
+        self.reload_conversations()
+
+    def _clear_view(self):
+        while self.tl.count() > 1:
+            w = self.tl.takeAt(0).widget()
+            if w is not None:
+                w.deleteLater()
+
+    def _add_view(self, role: str, text: str) -> MessageView:
+        v = MessageView(role, text)
+        self.tl.insertWidget(self.tl.count() - 1, v)
+        QTimer.singleShot(0, self._scroll_down)
+        return v
+
+    def _scroll_down(self):
+        bar = self.scroll.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    # ---- sending -----------------------------------------------------------------------
+    def send_or_stop(self):
+        if self.stream is not None:
+            self.stop()
+        else:
+            self.send()
+
+    def send(self, text: str | None = None) -> bool:
+        text = self.input.toPlainText() if text is None else text
+        if not text.strip():
+            self.show_hint("Type a message first.")
+            return False
+        if len(text) > MAX_MESSAGE_CHARS:
+            self.show_hint(f"This message is too long ({len(text):,} characters; at most "
+                           f"{MAX_MESSAGE_CHARS:,}). Shorten it or split it up.")
+            return False
+        if self.c.lost:
+            self.show_hint("The Potluck engine is not running. Press Restart above.")
+            return False
+        hosting = (self.c.status or {}).get("hosting")
+        if not hosting or not hosting.get("openai_url"):
+            if (self.c.status or {}).get("loading"):
+                self.show_hint("The pipeline is still loading; try again in a moment.")
+            else:
+                self.show_hint("No pipeline is running. Choose “Host a pipeline…” in the Potluck menu first.")
+            return False
+        self.hint.clear()
+        self.input.clear()
+        user = Message("user", text)
+        if self.conversation_id is None:
+            title = " ".join(text.split())[:60]
+            self.conversation_id = self.c.history.new_conversation(title)
+            self.reload_conversations()
+        self.c.history.add_message(self.conversation_id, user)
+        self.messages.append(user)
+        self._add_view("user", text)
+        self.reply_view = self._add_view("assistant", "…")
+        self.reply_text = ""
+        self._pending = []
+        self.render_count = self.delta_count = 0
+        convo = [{"role": m.role, "content": m.content} for m in self.messages if not m.error]
+        self.stream = ChatStream(self.c.worker, hosting["openai_url"], hosting["model"], convo,
+                                 self.c.settings.max_tokens, self.c.settings.temperature, self)
+        self.stream.delta.connect(self._on_delta)
+        self.stream.finished.connect(self._on_finished)
+        self.send_button.setText("Stop")
+        self.flush_timer.start()
+        self.stream.start()
+        return True
+
+    def stop(self):
+        if self.stream is not None:
+            self.stream.stop()
+
+    def _on_delta(self, text: str):
+        self._pending.append(text)
+        self.delta_count += 1
+
+    def _flush(self):
+        if not self._pending or self.reply_view is None:
+            return
+        self.reply_text += "".join(self._pending)
+        self._pending.clear()
+        self.reply_view.set_plain(self.reply_text)
+        self.render_count += 1
+        self._scroll_down()
+
+    def _on_finished(self, info: dict):
+        self._flush()
+        self.flush_timer.stop()
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.deleteLater()
+        self.send_button.setText("Send")
+        m = Message("assistant", self.reply_text, info.get("ttft"), info.get("tokens_per_s"), info.get("tokens"),
+                    info.get("error"))
+        view = self.reply_view
+        if info.get("finish_reason") == "error":
+            if not self.reply_text:
+                view.set_plain("(no reply)")
+            view.set_stats(info.get("error") or "The reply failed.", error=True)
+            self.show_hint(info.get("error") or "The reply failed.")
+        else:
+            view.set_markdown(self.reply_text or "(empty reply)")
+            line = stats_line(m)
+            if info.get("finish_reason") == "cancelled":
+                line = (line + " · " if line else "") + "stopped"
+            elif info.get("finish_reason") == "length":
+                line = (line + " · " if line else "") + "cut off at the length limit"
+            view.set_stats(line)
+        if self.reply_text or not m.error:
+            self.messages.append(m)
+            if self.conversation_id is not None:
+                self.c.history.add_message(self.conversation_id, m)
+        self.reply_view = None
+        self.last_finish = info
+
+    @property
+    def generating(self) -> bool:
+        return self.stream is not None

@@ -1,0 +1,221 @@
+"""Networking for the GUI: an asyncio loop in a worker thread, talking to widgets only
+through Qt signals.
+
+PySide6's QtAsyncio cannot carry aiohttp, so the loop runs in its own thread. Every
+result comes back to the GUI thread as a queued signal; widgets are never touched
+from the worker. `NodeClient.call()` runs one control-API request and hands the
+result to a callback on the GUI thread; `ChatStream` streams one chat completion from
+the head's OpenAI-compatible API and can be stopped (closing the HTTP stream makes the
+head cancel the sequence and free its KV on every stage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import aiohttp
+from PySide6.QtCore import QObject, Signal, Slot
+
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=15)
+
+
+class AsyncWorker:
+    """One asyncio loop on a daemon thread."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._session: aiohttp.ClientSession | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="potluck-net")
+        self.thread.start()
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    def close(self):
+        async def shutdown():
+            if self._session is not None:
+                await self._session.close()
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+
+        try:
+            self.submit(shutdown()).result(5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class NodeError(Exception):
+    """The node answered with an error (message is the node's, meant for people)."""
+
+
+class NodeClient(QObject):
+    """The node's control API. Callbacks run on the GUI thread: cb(result, error)."""
+
+    _done = Signal(object, object, object)
+
+    def __init__(self, worker: AsyncWorker, parent=None):
+        super().__init__(parent)
+        self.worker = worker
+        self.base: str | None = None
+        self.token: str | None = None
+        self._done.connect(self._deliver)
+
+    def attach(self, base: str, token: str):
+        self.base, self.token = base, token
+
+    @Slot(object, object, object)
+    def _deliver(self, cb, result, error):
+        if cb is not None:
+            cb(result, error)
+
+    async def request(self, method: str, path: str, body: dict | None = None, timeout=CONTROL_TIMEOUT):
+        if not self.base:
+            raise NodeError("the Potluck engine is not running")
+        session = await self.worker.session()
+        try:
+            async with session.request(method, self.base + path, json=body, timeout=timeout,
+                                       headers={"Authorization": f"Bearer {self.token}"}) as resp:
+                try:
+                    data = await resp.json(content_type=None)
+                except (ValueError, aiohttp.ContentTypeError):
+                    data = None
+                if resp.status >= 400:
+                    msg = data.get("error") if isinstance(data, dict) else None
+                    raise NodeError(msg or f"the engine answered HTTP {resp.status}")
+                return data
+        except asyncio.TimeoutError:
+            raise NodeError("the Potluck engine is not answering") from None
+        except aiohttp.ClientConnectionError:
+            raise NodeError("cannot reach the Potluck engine") from None
+
+    def call(self, method: str, path: str, body: dict | None = None, cb=None, timeout=CONTROL_TIMEOUT):
+        async def run():
+            try:
+                result = await self.request(method, path, body, timeout)
+            except NodeError as exc:
+                self._done.emit(cb, None, str(exc))
+            except Exception as exc:  # never lose a callback
+                self._done.emit(cb, None, f"unexpected error: {exc}")
+            else:
+                self._done.emit(cb, result, None)
+
+        return self.worker.submit(run())
+
+
+def plain_error(status: int | None, message: str) -> str:
+    """What the head said, in words for people."""
+    low = message.lower()
+    if "context window" in low or "context_length" in low:
+        return f"This message is too long for the model. {message}"
+    if "disconnected" in low or "closed" in low or "link to stage" in low:
+        return ("A computer in the pipeline dropped out, so the reply stopped. Restart hosting from the tray "
+                f"menu (Host a pipeline…) to continue. ({message})")
+    if status == 503 or "not serving" in low:
+        return f"The pipeline is not ready. {message}"
+    return message
+
+
+class ChatStream(QObject):
+    """One streamed reply. Signals arrive on the GUI thread."""
+
+    delta = Signal(str)
+    finished = Signal(dict)   # {finish_reason, ttft, tokens, tokens_per_s, error, seconds}
+
+    def __init__(self, worker: AsyncWorker, url: str, model: str, messages: list[dict],
+                 max_tokens: int, temperature: float, parent=None):
+        super().__init__(parent)
+        self.worker = worker
+        self.url, self.model, self.messages = url, model, messages
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self._future = None
+        self._task: asyncio.Task | None = None
+        self.stopped = False
+
+    def start(self):
+        self._future = self.worker.submit(self._main())
+
+    def stop(self):
+        """Close the stream: the head cancels the sequence and frees its KV everywhere."""
+        self.stopped = True
+        if self._task is not None:
+            self.worker.loop.call_soon_threadsafe(self._task.cancel)
+
+    async def _main(self):
+        self._task = asyncio.current_task()
+        if self.stopped:
+            self.finished.emit({"finish_reason": "cancelled", "ttft": None, "tokens": 0, "tokens_per_s": None,
+                                "error": None, "seconds": 0.0})
+            return
+        t0 = time.perf_counter()
+        info = {"finish_reason": None, "ttft": None, "tokens": 0, "tokens_per_s": None, "error": None}
+        t_first = None
+        chunks = 0
+        try:
+            session = await self.worker.session()
+            body = {"model": self.model, "messages": self.messages, "stream": True,
+                    "stream_options": {"include_usage": True}, "max_tokens": self.max_tokens,
+                    "temperature": self.temperature}
+            async with session.post(self.url.rstrip("/") + "/chat/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:
+                if resp.status >= 400:
+                    try:
+                        err = (await resp.json(content_type=None))["error"]["message"]
+                    except Exception:
+                        err = f"HTTP {resp.status}"
+                    info.update(finish_reason="error", error=plain_error(resp.status, err))
+                    return
+                async for raw in resp.content:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        info.update(finish_reason="error", error=plain_error(None, obj["error"].get("message", "")))
+                        continue
+                    if obj.get("usage"):
+                        info["tokens"] = obj["usage"]["completion_tokens"]
+                    for ch in obj.get("choices") or []:
+                        text = (ch.get("delta") or {}).get("content")
+                        if text:
+                            if t_first is None:
+                                t_first = time.perf_counter()
+                            chunks += 1
+                            self.delta.emit(text)
+                        if ch.get("finish_reason"):
+                            info["finish_reason"] = ch["finish_reason"]
+        except asyncio.CancelledError:
+            info["finish_reason"] = "cancelled"
+        except aiohttp.ClientConnectionError:
+            info.update(finish_reason="error",
+                        error="The pipeline is not running. Host one from the tray menu (Host a pipeline…).")
+        except Exception as exc:
+            info.update(finish_reason="error", error=f"The reply failed: {exc}")
+        finally:
+            t1 = time.perf_counter()
+            info["tokens"] = info["tokens"] or chunks  # no usage line when stopped: one chunk per token
+            if t_first is not None:
+                info["ttft"] = t_first - t0
+                if info["tokens"] and t1 > t_first and info["tokens"] > 1:
+                    info["tokens_per_s"] = (info["tokens"] - 1) / (t1 - t_first)
+            info["seconds"] = t1 - t0
+            if info["finish_reason"] is None:
+                info["finish_reason"] = "cancelled" if self.stopped else "stop"
+            self.finished.emit(info)

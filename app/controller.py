@@ -1,0 +1,176 @@
+"""The app's brain, without widgets: it owns the node process, polls its status, and
+turns the user's actions (host, share, join, stop) into control-API calls.
+
+Widgets connect to its signals; tests drive it directly. If the node dies, `nodeLost`
+says so and `restart()` brings it back (hosting again what was hosted).
+"""
+
+from __future__ import annotations
+
+import os
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from . import paths
+from .client import AsyncWorker, NodeClient
+from .nodeproc import NodeProcess, NodeStartError
+from .settings import Settings
+from .store import History
+
+POLL_MS = 1000
+
+
+class Controller(QObject):
+    statusChanged = Signal(dict)
+    nodeLost = Signal(str)          # plain-language reason
+    nodeStarted = Signal()
+    notice = Signal(str)            # something to tell the user (history damage, failed action)
+
+    def __init__(self, settings: Settings | None = None, node_args: list[str] | None = None,
+                 history: History | None = None, host_on_start: bool | None = None, parent=None):
+        super().__init__(parent)
+        self.settings = settings or Settings.load()
+        self.node_args = list(node_args or [])
+        self.history = history or History(paths.data_dir() / "history.sqlite3", keep=self.settings.keep_history)
+        self.host_on_start = self.settings.host_on_start if host_on_start is None else host_on_start
+        self.worker = AsyncWorker()
+        self.client = NodeClient(self.worker, self)
+        self.node: NodeProcess | None = None
+        self.status: dict = {"state": "idle"}
+        self.last_host: dict | None = None
+        self.lost: str | None = None
+        self._closing = False
+        self._polling = False
+        self._fails = 0
+        self._exit_relay = _ExitRelay(self)
+        self._exit_relay.exited.connect(self._on_exit)
+        self.timer = QTimer(self)
+        self.timer.setInterval(POLL_MS)
+        self.timer.timeout.connect(self.poll)
+
+    # ---- node lifecycle ---------------------------------------------------------------
+    def start_node(self) -> bool:
+        args = ["--share-port", str(self.settings.share_port), "--pipeline", self.settings.pipeline_name,
+                "--limits", _json(self.settings.limits)] + self.node_args
+        env = dict(os.environ)
+        try:
+            from .secrets_store import get_secret
+
+            hf = get_secret("hf_token")
+            if hf:
+                env["HF_TOKEN"] = hf  # the node's environment is readable by this user only
+        except Exception:
+            pass
+        self.node = NodeProcess(args, env=env, on_exit=self._exit_relay.exited.emit)
+        try:
+            self.node.start()
+        except (NodeStartError, OSError) as exc:
+            self._lose(f"The Potluck engine could not start: {exc}")
+            return False
+        self.client.attach(self.node.url, self.node.token)
+        self.lost = None
+        self._fails = 0
+        self.timer.start()
+        self.nodeStarted.emit()
+        if self.last_host is not None:
+            self.host(self.last_host)
+        elif self.host_on_start:
+            self.host({"model": self.settings.default_model, "stages": self.settings.local_stages})
+        if self.settings.share_on_start:
+            self.set_share(True)
+        self.poll()
+        return True
+
+    def restart(self) -> bool:
+        if self.node is not None:
+            self.node.stop()
+        return self.start_node()
+
+    def _on_exit(self, code: int):
+        if not self._closing:
+            self._lose(f"The Potluck engine stopped unexpectedly (exit code {code}).")
+
+    def _lose(self, why: str):
+        self.timer.stop()
+        self.lost = why
+        self.status = {"state": "error", "error": why}
+        self.statusChanged.emit(self.status)
+        self.nodeLost.emit(why)
+
+    def shutdown(self):
+        """Quit: stop the node and everything it started; leaves no process behind."""
+        self._closing = True
+        self.timer.stop()
+        if self.node is not None:
+            self.node.stop()
+        self.worker.close()
+        self.history.close()
+
+    # ---- status ----------------------------------------------------------------------
+    def poll(self):
+        if self._polling or self.node is None or self.lost:
+            return
+        self._polling = True
+
+        def done(result, error):
+            self._polling = False
+            if self.lost or self._closing:
+                return
+            if error:
+                self._fails += 1
+                if not self.node.alive():
+                    return  # _on_exit reports it
+                if self._fails >= 3:
+                    self._lose(f"The Potluck engine is not answering ({error}).")
+                return
+            self._fails = 0
+            self.status = result
+            self.statusChanged.emit(result)
+
+        self.client.call("GET", "/status", cb=done)
+
+    # ---- actions -----------------------------------------------------------------------
+    def _act(self, method, path, body=None, cb=None):
+        def done(result, error):
+            if error:
+                self.notice.emit(error)
+            if cb:
+                cb(result, error)
+            self.poll()
+
+        self.client.call(method, path, body, cb=done)
+
+    def host(self, request: dict, cb=None):
+        self.last_host = dict(request)
+        self._act("POST", "/host", request, cb)
+
+    def plan(self, request: dict, cb):
+        self.client.call("POST", "/plan", request, cb=cb)
+
+    def stop_hosting(self, cb=None):
+        self.last_host = None
+        self._act("POST", "/stop", {"what": "host"}, cb)
+
+    def set_share(self, on: bool, cb=None):
+        self._act("POST", "/share", {"on": bool(on)}, cb)
+
+    def join(self, code: str | None = None, pipeline: str | None = None, port: int | None = None, cb=None):
+        body = {"code": code} if code else {"pipeline": pipeline or ""}
+        if port is not None:
+            body["port"] = port
+        self._act("POST", "/join", body, cb)
+
+    def set_limits(self, limits: dict, cb=None):
+        self._act("POST", "/limits", limits, cb)
+
+
+class _ExitRelay(QObject):
+    """Carries the node's exit code from its watcher thread to the GUI thread."""
+
+    exited = Signal(int)
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj)

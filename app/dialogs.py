@@ -1,0 +1,345 @@
+"""Host, Join, Settings and Pipeline-status dialogs. Thin: the work is the node's."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
+                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
+                               QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
+                               QVBoxLayout)
+
+DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
+MODEL_CHOICES = [DEFAULT_CHOICE, "Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+                 "meta-llama/Llama-3.1-8B-Instruct"]
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class HostDialog(QDialog):
+    """Pick a model, see memory needed vs available and the split, start, follow the loading."""
+
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        self.setWindowTitle("Host a pipeline")
+        self.resize(620, 520)
+        lay = QVBoxLayout(self)
+        form = QFormLayout()
+        self.model = QComboBox()
+        self.model.setEditable(True)
+        self.model.addItems(MODEL_CHOICES)
+        self.model.setCurrentIndex(0)
+        self.model.setToolTip("A Hugging Face model id, a local folder or a .gguf file")
+        form.addRow("Model:", self.model)
+        self.stages = QSpinBox()
+        self.stages.setRange(1, 8)
+        self.stages.setValue(controller.settings.local_stages)
+        form.addRow("Stages on this computer:", self.stages)
+        self.friends = QPlainTextEdit()
+        self.friends.setPlaceholderText("Friends' GPUs, one address per line (ws://friend:7860) — "
+                                        "they get it from “Join with invite code…”")
+        self.friends.setFixedHeight(60)
+        form.addRow("Friends' GPUs:", self.friends)
+        lay.addLayout(form)
+        self.check_button = QPushButton("Check memory and split")
+        self.check_button.clicked.connect(self.check)
+        lay.addWidget(self.check_button)
+        self.plan_label = QLabel("")
+        self.plan_label.setWordWrap(True)
+        lay.addWidget(self.plan_label)
+        self.split_table = QTableWidget(0, 2)
+        self.split_table.setHorizontalHeaderLabels(["Computer", "Layers"])
+        self.split_table.horizontalHeader().setStretchLastSection(True)
+        lay.addWidget(self.split_table, 1)
+        self.progress = QProgressBar()
+        self.progress.hide()
+        lay.addWidget(self.progress)
+        self.result = QLabel("")
+        self.result.setWordWrap(True)
+        self.result.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        lay.addWidget(self.result)
+        self.buttons = QDialogButtonBox()
+        self.start_button = self.buttons.addButton("Start hosting", QDialogButtonBox.AcceptRole)
+        self.buttons.addButton(QDialogButtonBox.Close)
+        self.start_button.clicked.connect(self.start)
+        self.buttons.rejected.connect(self.reject)
+        lay.addWidget(self.buttons)
+        self.last_plan: dict | None = None
+        self.last_error: str | None = None
+        self.started = False
+        controller.statusChanged.connect(self.on_status)
+
+    def request(self) -> dict:
+        text = self.model.currentText().strip()
+        model = "default" if text == DEFAULT_CHOICE or not text else text
+        addrs = [a.strip() for a in self.friends.toPlainText().splitlines() if a.strip()]
+        return {"model": model, "stages": self.stages.value(), "stage_addr": addrs}
+
+    def check(self):
+        self.plan_label.setText("Checking…")
+        self.c.plan(self.request(), self._show_plan)
+
+    def _show_plan(self, plan, error):
+        if error:
+            self.last_error = error
+            self.plan_label.setText(f"<span style='color:#b91c1c'>{error}</span>")
+            self.split_table.setRowCount(0)
+            return
+        self.last_plan = plan
+        self.last_error = None
+        color = "#15803d" if plan["fits"] else "#b91c1c"
+        self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
+                                f"Needed here: {_gib(plan['needed_here_bytes'])} · available: "
+                                f"{_gib(plan['available_bytes'])} · {plan['layers']} layers")
+        self.split_table.setRowCount(len(plan["split"]))
+        for i, s in enumerate(plan["split"]):
+            a, b = s["layers"]
+            self.split_table.setItem(i, 0, QTableWidgetItem(s["where"]))
+            self.split_table.setItem(i, 1, QTableWidgetItem(f"{a}–{b - 1} ({b - a} layers)"))
+
+    def start(self):
+        self.result.setText("Starting…")
+
+        def done(result, error):
+            if error:
+                self.last_error = error
+                self.result.setText(f"<span style='color:#b91c1c'>{error}</span>")
+                return
+            self.started = True
+            self._show_plan(result["plan"], None)
+            self.progress.show()
+            self.start_button.setEnabled(False)
+
+        self.c.host(self.request(), done)
+
+    def on_status(self, st: dict):
+        if not self.started:
+            return
+        loading = st.get("loading")
+        if loading and loading.get("stages"):
+            done = sum(p["done"] for p in loading["stages"].values())
+            total = sum(p["total"] for p in loading["stages"].values())
+            self.progress.setMaximum(max(1, total))
+            self.progress.setValue(done)
+            self.progress.setFormat("Loading layers %p%")
+        hosting = st.get("hosting")
+        if hosting:
+            self.progress.setValue(self.progress.maximum())
+            self.result.setText(
+                f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "
+                f"<code>{hosting.get('openai_url')}</code>.<br>Friends join by choosing “Join with invite code…” "
+                f"and sending you the address it shows; add it above and start again.")
+        elif st.get("state") == "error" and st.get("error"):
+            self.result.setText(f"<span style='color:#b91c1c'>{st['error']}</span>")
+
+
+class JoinDialog(QDialog):
+    """Paste the invite (or, until invite codes exist, the pipeline's name), see what is used, accept."""
+
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        self.setWindowTitle("Join a friend's pipeline")
+        self.resize(560, 420)
+        lay = QVBoxLayout(self)
+        lay.addWidget(QLabel("Paste the invite code your friend sent you:"))
+        self.code = QLineEdit()
+        self.code.setPlaceholderText("invite code, or the pipeline's name")
+        lay.addWidget(self.code)
+        form = QFormLayout()
+        self.port = QSpinBox()
+        self.port.setRange(0, 65535)
+        self.port.setValue(controller.settings.share_port)
+        form.addRow("Port friends reach this computer on:", self.port)
+        lay.addLayout(form)
+        box = QGroupBox("What will be used of this computer")
+        bl = QVBoxLayout(box)
+        self.usage = QLabel("")
+        self.usage.setWordWrap(True)
+        bl.addWidget(self.usage)
+        lay.addWidget(box)
+        self.result = QLabel("")
+        self.result.setWordWrap(True)
+        self.result.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        lay.addWidget(self.result, 1)
+        self.buttons = QDialogButtonBox()
+        self.accept_button = self.buttons.addButton("Accept and share", QDialogButtonBox.AcceptRole)
+        self.buttons.addButton(QDialogButtonBox.Cancel)
+        self.accept_button.clicked.connect(self.join)
+        self.buttons.rejected.connect(self.reject)
+        lay.addWidget(self.buttons)
+        self.last_error: str | None = None
+        self.describe(controller.status)
+
+    def describe(self, st: dict):
+        gpu = (st or {}).get("gpu") or {}
+        cap = self.c.settings.limits.get("vram_cap_mb")
+        self.usage.setText(
+            f"• Compute: {gpu.get('message', 'checking…')}<br>"
+            f"• Layers: the host assigns a slice that fits your memory"
+            f"{f' (at most {cap:.0f} MB of VRAM, your cap)' if cap else ''}.<br>"
+            "• Disk: only the weight files of your layers are downloaded.<br>"
+            "• Traffic: a few KB per generated token, a few MB per long prompt.<br>"
+            "• You can switch sharing off from the tray at any moment; it pauses by itself when the GPU runs "
+            "hot or a game needs it.")
+
+    def join(self):
+        text = self.code.text().strip()
+        if not text:
+            self.last_error = "Paste the invite code first."
+            self.result.setText(f"<span style='color:#b91c1c'>{self.last_error}</span>")
+            return
+
+        def done(result, error):
+            if error:
+                self.last_error = error
+                self.result.setText(f"<span style='color:#b91c1c'>{error}</span>")
+                return
+            addr = (result.get("sharing") or {}).get("address")
+            self.result.setText(f"<b>Sharing is on.</b> Send your friend this address: <code>{addr}</code>")
+
+        looks_like_code = len(text) > 40 or text.count("-") >= 3
+        if looks_like_code:
+            self.c.join(code=text, port=self.port.value(), cb=done)
+        else:
+            self.c.join(pipeline=text, port=self.port.value(), cb=done)
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        s = controller.settings
+        lim = s.limits
+        self.setWindowTitle("Potluck settings")
+        lay = QVBoxLayout(self)
+        chat = QGroupBox("Chat")
+        cf = QFormLayout(chat)
+        self.keep_history = QCheckBox("Keep chat history on this computer")
+        self.keep_history.setChecked(s.keep_history)
+        cf.addRow(self.keep_history)
+        self.delete_all = QPushButton("Delete all history")
+        self.delete_all.clicked.connect(self._delete_all)
+        cf.addRow(self.delete_all)
+        self.host_on_start = QCheckBox("Host the default model when Potluck starts")
+        self.host_on_start.setChecked(s.host_on_start)
+        cf.addRow(self.host_on_start)
+        self.hf_token = QLineEdit()
+        self.hf_token.setEchoMode(QLineEdit.Password)
+        self.hf_token.setPlaceholderText("only for gated models (kept in the system keyring)")
+        cf.addRow("Hugging Face token:", self.hf_token)
+        lay.addWidget(chat)
+        share = QGroupBox("Sharing this GPU")
+        sf = QFormLayout(share)
+        self.vram_cap = QSpinBox()
+        self.vram_cap.setRange(0, 1_000_000)
+        self.vram_cap.setSuffix(" MB")
+        self.vram_cap.setSpecialValueText("no cap")
+        self.vram_cap.setValue(int(lim.get("vram_cap_mb") or 0))
+        sf.addRow("VRAM Potluck may use:", self.vram_cap)
+        self.temp_pause = QDoubleSpinBox()
+        self.temp_pause.setRange(40, 110)
+        self.temp_pause.setSuffix(" °C")
+        self.temp_pause.setValue(lim.get("temp_pause_c") or 83)
+        self.temp_resume = QDoubleSpinBox()
+        self.temp_resume.setRange(30, 105)
+        self.temp_resume.setSuffix(" °C")
+        self.temp_resume.setValue(lim.get("temp_resume_c") or 75)
+        sf.addRow("Pause at:", self.temp_pause)
+        sf.addRow("Resume below:", self.temp_resume)
+        self.other = QCheckBox("Pause while another program (a game) uses the GPU heavily")
+        self.other.setChecked(bool(lim.get("pause_for_other_processes", True)))
+        sf.addRow(self.other)
+        self.idle = QCheckBox("Share only while I am away from this computer")
+        self.idle.setChecked(bool(lim.get("only_when_idle")))
+        sf.addRow(self.idle)
+        lay.addWidget(share)
+        self.error = QLabel("")
+        self.error.setStyleSheet("color: #b91c1c;")
+        lay.addWidget(self.error)
+        buttons = QDialogButtonBox(QDialogButtonBox.Save | QDialogButtonBox.Cancel)
+        buttons.accepted.connect(self.save)
+        buttons.rejected.connect(self.reject)
+        lay.addWidget(buttons)
+
+    def _delete_all(self):
+        if QMessageBox.question(self, "Delete all history", "Delete every conversation?") == QMessageBox.Yes:
+            self.c.history.delete_all()
+            self.c.notice.emit("All chat history was deleted.")
+
+    def save(self):
+        if self.temp_resume.value() >= self.temp_pause.value():
+            self.error.setText("The resume temperature must be below the pause temperature.")
+            return
+        s = self.c.settings
+        s.keep_history = self.keep_history.isChecked()
+        s.host_on_start = self.host_on_start.isChecked()
+        s.limits.update(vram_cap_mb=float(self.vram_cap.value()) or None, temp_pause_c=self.temp_pause.value(),
+                        temp_resume_c=self.temp_resume.value(), pause_for_other_processes=self.other.isChecked(),
+                        only_when_idle=self.idle.isChecked())
+        s.save()
+        self.c.history.set_keep(s.keep_history)
+        if self.hf_token.text():
+            from .secrets_store import set_secret
+
+            set_secret("hf_token", self.hf_token.text())
+        self.c.set_limits(s.limits)
+        self.accept()
+
+
+class StatusDialog(QDialog):
+    """Pipeline status: who holds which layers, KV use, sharing, the GPU panel."""
+
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Pipeline status")
+        self.resize(600, 460)
+        lay = QVBoxLayout(self)
+        self.view = QTextBrowser()
+        lay.addWidget(self.view)
+        row = QHBoxLayout()
+        close = QPushButton("Close")
+        close.clicked.connect(self.accept)
+        row.addStretch(1)
+        row.addWidget(close)
+        lay.addLayout(row)
+        controller.statusChanged.connect(self.on_status)
+        self.on_status(controller.status)
+
+    def on_status(self, st: dict):
+        self.view.setHtml(status_html(st))
+
+
+def status_html(st: dict) -> str:
+    st = st or {}
+    out = [f"<h3>State: {st.get('state', 'unknown')}</h3>"]
+    if st.get("error"):
+        out.append(f"<p style='color:#b91c1c'>{st['error']}</p>")
+    h = st.get("hosting")
+    if h:
+        out.append(f"<p><b>Hosting {h['model']}</b> — {h.get('tokens_served', 0)} tokens served, "
+                   f"{h.get('running', 0)} running, {h.get('waiting', 0)} waiting, KV "
+                   f"{h.get('kv_used_tokens')}/{h.get('kv_capacity_tokens')} tokens<br>"
+                   f"OpenAI URL: <code>{h.get('openai_url')}</code></p><table border=1 cellpadding=4>"
+                   "<tr><th>Computer</th><th>Layers</th><th>KV tokens</th></tr>")
+        for s in h["stages"]:
+            a, b = s["layers"]
+            out.append(f"<tr><td>{s['address']}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
+        out.append("</table>")
+    sh = st.get("sharing") or {}
+    if sh.get("on"):
+        line = f"<p><b>Sharing this GPU</b> on {sh.get('address') or '(not listening)'}"
+        if sh.get("paused"):
+            line += f" — paused: {sh.get('reason')}"
+        out.append(line + "</p>")
+    else:
+        out.append("<p>Sharing this GPU: off</p>")
+    gpu = st.get("gpu") or {}
+    out.append(f"<p><b>GPU:</b> {gpu.get('message', '')}</p>")
+    for g in gpu.get("gpus") or []:
+        power = f", {g['power_w']:.0f} W" if g.get("power_w") is not None else ""
+        out.append(f"<p>{g['name']}: {g['utilization_pct']:.0f}% · {g['memory_used_mb']:.0f}/"
+                   f"{g['memory_total_mb']:.0f} MB · {g['temperature_c']:.0f} °C{power}</p>")
+    return "".join(out)

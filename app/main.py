@@ -1,0 +1,138 @@
+"""`potluck-app` (or `potluck app`): the tray app.
+
+It starts this machine's node process, hosts the default model (unless told not to)
+so the chat answers right away, and sits in the tray. One instance per user: a second
+launch asks the first to show its chat window and exits. With no display it says so
+and runs the terminal chat (`potluck chat`) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+SERVER_NAME = "potluck-app"
+
+
+def has_display() -> bool:
+    if sys.platform in ("win32", "darwin"):
+        return True
+    if os.environ.get("QT_QPA_PLATFORM", "").split(":")[0] in ("offscreen", "minimal", "vnc", "eglfs",
+                                                                 "linuxfb"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def terminal_fallback(args) -> int:
+    print("potluck-app: no display found (DISPLAY and WAYLAND_DISPLAY are unset), so the tray app cannot "
+          "open; starting the terminal chat instead (`potluck chat`).", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "engine", "chat", "--model", args.model or "default",
+           "--stages", str(args.stages)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 130
+
+
+class SingleInstance:
+    """A QLockFile per user; the running instance listens on a QLocalServer for "show"."""
+
+    def __init__(self, name: str = SERVER_NAME, lock_dir=None):
+        from PySide6.QtCore import QLockFile
+
+        from . import paths
+
+        self.name = f"{name}-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        self.lock = QLockFile(str((lock_dir or paths.runtime_dir()) / f"{name}.lock"))
+        self.lock.setStaleLockTime(0)
+        self.server = None
+
+    def acquire(self, on_show) -> bool:
+        from PySide6.QtNetwork import QLocalServer
+
+        if not self.lock.tryLock(100):
+            return False
+        QLocalServer.removeServer(self.name)
+        self.server = QLocalServer()
+        self.server.newConnection.connect(lambda: self._serve(on_show))
+        self.server.listen(self.name)
+        return True
+
+    def _serve(self, on_show):
+        sock = self.server.nextPendingConnection()
+        if sock is not None:
+            sock.readyRead.connect(lambda: (sock.readAll(), on_show()))
+            sock.disconnected.connect(sock.deleteLater)
+
+    def notify_running(self) -> bool:
+        from PySide6.QtNetwork import QLocalSocket
+
+        sock = QLocalSocket()
+        sock.connectToServer(self.name)
+        if not sock.waitForConnected(2000):
+            return False
+        sock.write(b"show\n")
+        sock.waitForBytesWritten(1000)
+        sock.disconnectFromServer()
+        return True
+
+    def release(self):
+        if self.server is not None:
+            self.server.close()
+        self.lock.unlock()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="potluck-app", description="Potluck desktop app (tray icon and chat window)")
+    p.add_argument("--model", default=None, help="model to host at start (default: the settings', 'default')")
+    p.add_argument("--stages", type=int, default=None, help="local stages when hosting (default 2)")
+    p.add_argument("--no-host", action="store_true", help="do not host a model at start")
+    p.add_argument("--no-tray", action="store_true", help="open the chat window instead of a tray icon")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per engine process")
+    args = p.parse_args(argv)
+    if not has_display():
+        args.stages = args.stages or 2
+        return terminal_fallback(args)
+
+    from PySide6.QtWidgets import QApplication
+
+    from .controller import Controller
+    from .settings import Settings
+    from .tray import Shell, state_icon
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Potluck")
+    app.setWindowIcon(state_icon("serving"))
+    single = SingleInstance()
+    shell_ref = {}
+    if not single.acquire(lambda: shell_ref["shell"].open_chat() if "shell" in shell_ref else None):
+        if single.notify_running():
+            print("Potluck is already running; its chat window was brought up.", file=sys.stderr)
+            return 0
+        print("potluck-app: another instance holds the lock but does not answer.", file=sys.stderr)
+        return 1
+    settings = Settings.load()
+    if args.model:
+        settings.default_model = args.model
+    if args.stages:
+        settings.local_stages = args.stages
+    node_args = ["--threads", str(args.threads)] if args.threads else []
+    host = False if args.no_host else bool(args.model) or settings.host_on_start
+    controller = Controller(settings, node_args=node_args, host_on_start=host)
+    shell = Shell(controller, use_tray=False if args.no_tray else None)
+    shell_ref["shell"] = shell
+    app.setQuitOnLastWindowClosed(shell.tray is None)
+    app.aboutToQuit.connect(lambda: controller._closing or controller.shutdown())
+    controller.start_node()
+    if shell.tray is not None:
+        shell.open_chat()  # first launch: show where the chat is
+    try:
+        return app.exec()
+    finally:
+        single.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

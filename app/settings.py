@@ -1,0 +1,76 @@
+"""The app's settings: one JSON file in the OS's config folder, written atomically.
+
+Unknown keys are ignored and bad values fall back to defaults, so a hand-edited or
+half-written file never stops the app from starting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from . import paths
+
+FILE = "settings.json"
+
+
+def default_limits() -> dict:
+    # mirrors engine/guest.py Limits (the GUI does not import the engine)
+    return {"vram_cap_mb": None, "temp_pause_c": 83.0, "temp_resume_c": 75.0,
+            "pause_for_other_processes": True, "other_process_mb": 1024.0, "other_grace_s": 30.0,
+            "only_when_idle": False, "idle_after_s": 300.0}
+
+
+@dataclass
+class Settings:
+    keep_history: bool = True
+    host_on_start: bool = True
+    default_model: str = "default"
+    local_stages: int = 2
+    share_on_start: bool = False
+    share_port: int = 7860
+    pipeline_name: str = "potluck"
+    max_tokens: int = 512
+    temperature: float = 0.7
+    limits: dict = field(default_factory=default_limits)
+
+    @classmethod
+    def load(cls, folder: Path | None = None) -> "Settings":
+        path = (folder or paths.config_dir()) / FILE
+        s = cls()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return s
+        if not isinstance(raw, dict):
+            return s
+        for f in fields(cls):
+            if f.name in raw:
+                v, default = raw[f.name], getattr(s, f.name)
+                if f.name == "limits" and isinstance(v, dict):
+                    setattr(s, f.name, {**default_limits(), **{k: v[k] for k in v if k in default_limits()}})
+                elif type(v) is type(default) or (isinstance(default, float) and isinstance(v, int)
+                                                   and not isinstance(v, bool)):
+                    setattr(s, f.name, v)
+        return s
+
+    def save(self, folder: Path | None = None) -> Path:
+        folder = folder or paths.config_dir()
+        path = folder / FILE
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".settings-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(self), f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return path

@@ -1,0 +1,164 @@
+"""The tray icon, its menu, and the shell that ties the windows to the controller.
+
+Everything important sits in the context menu: on Linux, clicks other than the one
+that opens the menu may never reach the app. Where no tray exists (stock GNOME) the
+chat window opens instead, with the same actions in its menu bar.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject
+from PySide6.QtGui import QAction, QIcon
+from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
+
+from . import paths
+from .chat import ChatWindow
+from .dialogs import HostDialog, JoinDialog, SettingsDialog, StatusDialog
+
+STATES = ("idle", "loading", "sharing", "serving", "paused", "error")
+
+
+def state_icon(state: str) -> QIcon:
+    name = state if state in STATES else "idle"
+    path = paths.assets_dir() / f"tray-{name}.svg"
+    return QIcon(str(path)) if path.exists() else QIcon(str(paths.assets_dir() / "potluck.svg"))
+
+
+def tooltip(st: dict) -> str:
+    lines = [f"Potluck — {st.get('state', 'starting')}"]
+    if st.get("error"):
+        lines.append(st["error"][:120])
+    h = st.get("hosting")
+    if h:
+        lines.append(f"Hosting {h['model']} on {len(h['stages'])} stage(s); {h.get('tokens_served', 0)} tokens served")
+    sh = st.get("sharing") or {}
+    if sh.get("on"):
+        if sh.get("paused"):
+            lines.append(f"Sharing paused: {sh.get('reason')}")
+        elif sh.get("layers"):
+            a, b = sh["layers"]
+            lines.append(f"Sharing: layers {a}–{b - 1}, {sh.get('kv_tokens', 0)} KV tokens")
+        else:
+            lines.append("Sharing: waiting for a friend's pipeline")
+    gpu = st.get("gpu") or {}
+    if gpu.get("gpus"):
+        g = gpu["gpus"][0]
+        lines.append(f"GPU {g['utilization_pct']:.0f}% · {g['temperature_c']:.0f} °C")
+    elif gpu.get("message"):
+        lines.append("No NVIDIA GPU: serving on the CPU")
+    return "\n".join(lines)
+
+
+class Shell(QObject):
+    """Actions, tray, chat window and dialogs around one Controller."""
+
+    def __init__(self, controller, use_tray: bool | None = None, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        self.share_action = QAction("Share this GPU", self, checkable=True)
+        self.share_action.toggled.connect(self._share_toggled)
+        self.chat_action = QAction("Open chat", self, triggered=self.open_chat)
+        self.host_action = QAction("Host a pipeline…", self, triggered=self.open_host)
+        self.join_action = QAction("Join with invite code…", self, triggered=self.open_join)
+        self.status_action = QAction("Pipeline status", self, triggered=self.open_status)
+        self.settings_action = QAction("Settings", self, triggered=self.open_settings)
+        self.quit_action = QAction("Quit", self, triggered=self.quit)
+        self.actions = [self.share_action, None, self.chat_action, self.host_action, self.join_action,
+                        self.status_action, None, self.settings_action, self.quit_action]
+        self.menu = QMenu()
+        for a in self.actions:
+            if a is None:
+                self.menu.addSeparator()
+            else:
+                self.menu.addAction(a)
+        self.chat = ChatWindow(controller, self.actions)
+        self.chat.restartRequested.connect(self.restart)
+        self.dialogs: dict[str, object] = {}
+        if use_tray is None:
+            use_tray = QSystemTrayIcon.isSystemTrayAvailable()
+        self.tray = None
+        if use_tray:
+            self.tray = QSystemTrayIcon(state_icon("idle"), self)
+            self.tray.setContextMenu(self.menu)
+            self.tray.activated.connect(self._activated)
+            self.tray.setToolTip("Potluck — starting")
+            self.tray.show()
+        else:
+            self.chat.show()  # no tray: the window holds everything (its menu bar has the actions)
+        controller.statusChanged.connect(self.on_status)
+        controller.nodeLost.connect(self.on_lost)
+        controller.notice.connect(self.on_notice)
+        self.state = "idle"
+
+    # ---- status --------------------------------------------------------------------
+    def on_status(self, st: dict):
+        self.state = st.get("state", "idle")
+        sh = st.get("sharing") or {}
+        self.share_action.blockSignals(True)
+        self.share_action.setChecked(bool(sh.get("on")))
+        self.share_action.blockSignals(False)
+        if self.tray is not None:
+            self.tray.setIcon(state_icon(self.state))
+            self.tray.setToolTip(tooltip(st))
+        self.chat.setWindowIcon(state_icon(self.state))
+
+    def on_lost(self, why: str):
+        if self.tray is not None:
+            self.tray.showMessage("Potluck", why + " Open the chat window to restart it.",
+                                  QSystemTrayIcon.Warning)
+
+    def on_notice(self, text: str):
+        self.chat.show_hint(text)
+        if self.tray is not None and not self.chat.isVisible():
+            self.tray.showMessage("Potluck", text)
+
+    def _activated(self, reason):
+        if reason in (QSystemTrayIcon.Trigger, QSystemTrayIcon.DoubleClick):
+            self.open_chat()
+
+    # ---- actions -----------------------------------------------------------------
+    def _share_toggled(self, on: bool):
+        self.c.set_share(on)
+
+    def open_chat(self):
+        self.chat.show()
+        self.chat.raise_()
+        self.chat.activateWindow()
+
+    def _dialog(self, key, cls):
+        d = self.dialogs.get(key)
+        if d is None or not d.isVisible():
+            d = self.dialogs[key] = cls(self.c)
+        d.show()
+        d.raise_()
+        d.activateWindow()
+        return d
+
+    def open_host(self):
+        return self._dialog("host", HostDialog)
+
+    def open_join(self):
+        return self._dialog("join", JoinDialog)
+
+    def open_status(self):
+        return self._dialog("status", StatusDialog)
+
+    def open_settings(self):
+        return self._dialog("settings", SettingsDialog)
+
+    def restart(self):
+        self.chat.banner_label.setText("Restarting the Potluck engine…")
+        self.chat.restart_button.hide()
+        QApplication.processEvents()
+        self.c.restart()
+
+    def quit(self):
+        if self.chat.stream is not None:
+            self.chat.stream.stop()
+        for d in self.dialogs.values():
+            d.close()
+        self.chat.close()
+        if self.tray is not None:
+            self.tray.hide()
+        self.c.shutdown()
+        QApplication.quit()
