@@ -18,6 +18,7 @@ from .settings import Settings
 from .store import History
 
 POLL_MS = 1000
+STATUS_TIMEOUT_S = 5.0
 
 
 class Controller(QObject):
@@ -42,6 +43,7 @@ class Controller(QObject):
         self._closing = False
         self._polling = False
         self._fails = 0
+        self.status_timeout = STATUS_TIMEOUT_S
         self._exit_relay = _ExitRelay(self)
         self._exit_relay.exited.connect(self._on_exit)
         self.timer = QTimer(self)
@@ -108,7 +110,7 @@ class Controller(QObject):
 
     # ---- status ----------------------------------------------------------------------
     def poll(self):
-        if self._polling or self.node is None or self.lost:
+        if self._polling or not self.client.base or self.lost or self._closing:
             return
         self._polling = True
 
@@ -118,7 +120,7 @@ class Controller(QObject):
                 return
             if error:
                 self._fails += 1
-                if not self.node.alive():
+                if self.node is not None and not self.node.alive():
                     return  # _on_exit reports it
                 if self._fails >= 3:
                     self._lose(f"The Potluck engine is not answering ({error}).")
@@ -127,7 +129,9 @@ class Controller(QObject):
             self.status = result
             self.statusChanged.emit(result)
 
-        self.client.call("GET", "/status", cb=done)
+        import aiohttp
+
+        self.client.call("GET", "/status", cb=done, timeout=aiohttp.ClientTimeout(total=self.status_timeout))
 
     # ---- actions -----------------------------------------------------------------------
     def _act(self, method, path, body=None, cb=None):

@@ -1,0 +1,205 @@
+"""The node process and its control API, as the app drives it: a real process, real
+sockets. Hosting a model is exercised by the GUI tests (tests/test_app_gui.py); here:
+authentication, the token's path into the process, planning, bad input, the share
+toggle, joining, pausing by the owner's limits and exiting with the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "test-token-" + "x" * 24
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    return env
+
+
+def start_node(*extra, token_stdin=True):
+    args = [sys.executable, "-m", "engine", "node", "--share-host", "127.0.0.1", "--share-port", "0",
+            "--threads", "1", "--poll", "0.3", *extra]
+    if token_stdin:
+        args.append("--token-stdin")
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_env(), cwd=ROOT)
+    if token_stdin:
+        proc.stdin.write((TOKEN + "\n").encode())
+        proc.stdin.flush()
+    line = proc.stdout.readline().decode()
+    assert line.startswith("POTLUCK_NODE_PORT="), line + proc.stderr.read().decode()
+    return proc, int(line.split("=")[1])
+
+
+def call(port, method, path, body=None, token=TOKEN, timeout=60):
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_status(port, pred, timeout=30):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        st = call(port, "GET", "/status")[1]
+        if pred(st):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"status never matched: {st}")
+
+
+def can_connect(address: str) -> bool:
+    host, port = address.removeprefix("ws://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def node():
+    proc, port = start_node()
+    yield port
+    proc.stdin.close()
+    assert proc.wait(30) == 0
+
+
+def test_every_request_needs_the_token(node):
+    assert call(node, "GET", "/status", token=None)[0] == 401
+    assert call(node, "GET", "/status", token="wrong")[0] == 401
+    assert call(node, "POST", "/share", {"on": True}, token="x" * 40)[0] == 401
+    status, st = call(node, "GET", "/status")
+    assert status == 200 and st["state"] == "idle" and st["hosting"] is None
+
+
+def test_control_api_is_loopback_only(node):
+    # bound to 127.0.0.1: another interface of this machine does not answer
+    addrs = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
+    for a in addrs:
+        with pytest.raises(OSError):
+            socket.create_connection((a, node), timeout=1).close()
+
+
+def test_token_never_on_the_command_line(node):
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        assert TOKEN not in " ".join(p.info["cmdline"] or [])
+
+
+def test_no_gpu_panel_says_so(node):
+    st = call(node, "GET", "/status")[1]
+    assert "gpu" in st and isinstance(st["gpu"]["message"], str)
+    if not st["gpu"]["available"]:
+        assert "No NVIDIA GPU" in st["gpu"]["message"]
+
+
+@pytest.mark.parametrize("body,words", [
+    (b"{not json", "not valid JSON"),
+    ([1, 2], "JSON object"),
+    ({"model": 5}, "'model'"),
+    ({"stages": 0}, "'stages'"),
+    ({"stages": True}, "'stages'"),
+    ({"stage_addr": ["http://x"]}, "ws://"),
+    ({"memory_limit_mb": -1}, "memory_limit_mb"),
+    ({"layers": "0:10,12:30"}, "gap"),
+])
+def test_bad_plan_requests(node, body, words):
+    status, r = call(node, "POST", "/plan", body)
+    assert status == 400 and words.lower() in r["error"].lower(), r
+
+
+def test_plan_for_the_default_model(node):
+    status, plan = call(node, "POST", "/plan", {"model": "default", "stages": 3})
+    assert status == 200 and plan["fits"] and plan["layers"] == 30
+    assert [s["layers"] for s in plan["split"]] == [[0, 10], [10, 20], [20, 30]]
+    assert plan["needed_bytes"] > 100e6 and plan["available_bytes"] > plan["needed_bytes"]
+
+
+def test_nonexistent_model_is_refused_with_a_message(node):
+    status, r = call(node, "POST", "/host", {"model": "no-such-user/no-such-model-xyz"})
+    assert status == 400 and "Could not find model" in r["error"]
+    assert call(node, "GET", "/status")[1]["state"] == "idle"
+
+
+def test_model_that_does_not_fit_is_refused(node):
+    status, r = call(node, "POST", "/host", {"model": "default", "memory_limit_mb": 64})
+    assert status == 400 and "does not fit" in r["error"]
+    assert call(node, "GET", "/status")[1]["hosting"] is None
+
+
+def test_share_toggle(node):
+    st = call(node, "POST", "/share", {"on": True})[1]
+    st = wait_status(node, lambda s: s["sharing"]["running"])
+    addr = st["sharing"]["address"]
+    assert st["state"] == "sharing" and can_connect(addr)
+    st = call(node, "POST", "/share", {"on": False})[1]
+    assert st["state"] == "idle" and not st["sharing"]["on"] and not st["sharing"]["running"]
+    assert not can_connect(addr)  # off: nothing of a friend's reaches this machine
+    assert call(node, "POST", "/share", {"on": "yes"})[0] == 400
+
+
+def test_pause_by_limits_and_resume(node):
+    call(node, "POST", "/share", {"on": True})
+    wait_status(node, lambda s: s["sharing"]["running"])
+    # only when idle, and the node cannot tell: sharing pauses and the stage goes away
+    status, lim = call(node, "POST", "/limits", {"only_when_idle": True, "idle_after_s": 60})
+    assert status == 200 and lim["only_when_idle"]
+    st = wait_status(node, lambda s: s["state"] == "paused")
+    assert not st["sharing"]["running"] and "away" in st["sharing"]["reason"]
+    call(node, "POST", "/activity", {"idle_seconds": 3600})
+    st = wait_status(node, lambda s: s["state"] == "sharing" and s["sharing"]["running"])
+    assert call(node, "POST", "/limits", {"temp_pause_c": 50, "temp_resume_c": 60})[0] == 400
+    assert call(node, "POST", "/activity", {"idle_seconds": -1})[0] == 400
+    call(node, "POST", "/limits", {"only_when_idle": False})
+    call(node, "POST", "/stop", {"what": "share"})
+    assert call(node, "GET", "/status")[1]["state"] == "idle"
+
+
+def test_join(node):
+    assert call(node, "POST", "/join", {})[0] == 400
+    assert call(node, "POST", "/join", {"pipeline": "friends", "port": 99999})[0] == 400
+    status, r = call(node, "POST", "/join", {"code": "   "})
+    assert status == 400
+    status, st = call(node, "POST", "/join", {"pipeline": "friends-pipeline"})
+    assert status == 200 and st["sharing"]["on"] and st["sharing"]["pipeline"] == "friends-pipeline"
+    assert can_connect(st["sharing"]["address"])
+    call(node, "POST", "/stop", {"what": "all"})
+
+
+def test_standalone_node_writes_a_private_token_file(tmp_path):
+    path = tmp_path / "sub" / "token"
+    proc, port = start_node("--token-file", str(path), token_stdin=False)
+    try:
+        token = path.read_text()
+        assert len(token) >= 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert call(port, "GET", "/status", token=token)[0] == 200
+        assert call(port, "GET", "/status")[0] == 401
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def test_node_exits_when_its_parent_goes():
+    proc, port = start_node()
+    call(port, "POST", "/share", {"on": True})
+    proc.stdin.close()  # what the kernel does for us when the app dies, even by SIGKILL
+    assert proc.wait(30) == 0
