@@ -43,6 +43,7 @@ class Limits:
     idle_timeout: float = 120.0         # seconds without a frame on a channel
     rate: float = 20e6                  # bytes per second per pipeline (both ways together)
     burst: float = 4e6
+    handshake_timeout: float = 10.0     # seconds for a new connection to send its request
 
 
 class _Bucket:
@@ -76,11 +77,12 @@ class Relay:
         self.stats: Counter = Counter()
         self.refused: Counter = Counter()
         self.dump = dump        # a callable(bytes) that sees every forwarded frame (tests)
+        self._served: set[int] = set()
         self.runner: web.AppRunner | None = None
         self.port = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4096)
+        app = web.Application(client_max_size=4096, middlewares=[self._mark_served])
         app.router.add_get("/", self.index)
         app.router.add_get("/v1/stats", self.stats_view)
         app.router.add_get("/v1/host/{pipeline}", self.host)
@@ -89,14 +91,44 @@ class Relay:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Relay":
+        _quiet_bad_requests()
         self.runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self._sweeper = asyncio.ensure_future(self._sweep())
         return self
 
+    async def _sweep(self):
+        """aiohttp waits forever for a request that never ends: every connection gets
+        `handshake_timeout` seconds to make one (after that the WebSocket's own idle
+        timeout applies)."""
+        first_seen: dict = {}
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            conns = dict(getattr(self.runner.server, "_connections", {}) or {})
+            for handler, transport in conns.items():
+                t0 = first_seen.setdefault(handler, now)
+                if now - t0 > self.limits.handshake_timeout and id(transport) not in self._served \
+                        and not transport.is_closing():
+                    self.refused["no request within the handshake timeout"] += 1
+                    transport.close()
+            for handler in list(first_seen):
+                if handler not in conns:
+                    del first_seen[handler]
+            live = {id(t) for t in conns.values()}
+            self._served &= live
+
+    @web.middleware
+    async def _mark_served(self, request, handler):
+        self._served.add(id(request.transport))
+        return await handler(request)
+
     async def close(self):
+        if getattr(self, "_sweeper", None) is not None:
+            self._sweeper.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -227,6 +259,26 @@ class Relay:
                 return
             else:           # CLOSE, CLOSING, CLOSED
                 return
+
+
+class _BadRequestFilter(logging.Filter):
+    """aiohttp logs a malformed request (a port scan, garbage) as an ERROR with a
+    traceback; it has answered 400 already. One line at INFO is enough."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc, HttpProcessingError):
+            log.info("bad request refused: %s", str(exc).splitlines()[0][:120])
+            return False
+        return True
+
+
+def _quiet_bad_requests():
+    lg = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _BadRequestFilter) for f in lg.filters):
+        lg.addFilter(_BadRequestFilter())
 
 
 async def serve_relay(host: str, port: int, limits: Limits | None = None, dump=None) -> Relay:

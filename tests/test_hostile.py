@@ -1,0 +1,119 @@
+"""Hostile inputs: fuzzed parsers (hypothesis) and a short run of bench/hostile.py.
+
+The bench script attacks a live relay + host + joiner pipeline on loopback (garbage,
+truncated and oversized frames to the relay, the host's tunnel port and the joiner's
+stage; wrong-secret join floods; bad credentials; replayed handshakes; tampered and
+replayed tunnel frames; slow connections that never finish a handshake) while a
+client keeps chatting. Everything must be rejected, nothing may crash, and the chat
+must keep completing.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ["POTLUCK_KEYSTORE"] = "file"
+
+from engine import invite as inv  # noqa: E402
+from engine import noise, tunnel  # noqa: E402
+
+FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+CODE = inv.encode(inv.Invite(b"p" * 8, b"i" * 8, b"s" * 16, b"k" * 32, int(time.time()) + 3600, 2,
+                             "ws://relay:8765", ["ws://10.0.0.1:7870"]))
+
+
+@FUZZ
+@given(st.one_of(st.text(max_size=400),
+                 st.binary(max_size=300).map(lambda b: b.decode("latin-1")),
+                 st.tuples(st.integers(0, len(CODE) - 1), st.characters()).map(
+                     lambda e: CODE[:e[0]] + e[1] + CODE[e[0] + 1:]),
+                 st.integers(0, len(CODE) - 1).map(lambda k: CODE[:k])))
+def test_invite_parser_never_crashes(text):
+    try:
+        got = inv.parse(text)
+    except inv.InviteError as exc:
+        assert str(exc)
+    else:   # only the code itself (up to case, separators and Crockford's aliases) parses
+        assert got == inv.parse(CODE)
+
+
+def _body(fields: bytes) -> str:
+    """A code whose checksum is right but whose fields are whatever hypothesis makes."""
+    import hashlib
+
+    data = fields + hashlib.sha256(fields).digest()[:4]
+    return inv._b32encode(data)
+
+
+@FUZZ
+@given(st.binary(min_size=0, max_size=400))
+def test_invite_fields_with_a_valid_checksum(fields):
+    try:
+        inv.parse(_body(b"\x01" + fields))
+    except inv.InviteError as exc:
+        assert str(exc)
+
+
+HOST = X25519PrivateKey.generate()
+PSK = os.urandom(32)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=300),
+                 st.binary(max_size=200).map(lambda b: tunnel.MAGIC + b"\x01" + b"p" * 16 + b),
+                 st.binary(max_size=200).map(lambda b: tunnel.MAGIC + b"\x02" + b"p" * 16 + b)))
+def test_handshake_parser_and_responder_never_crash(msg):
+    try:
+        mode, _, _, prologue, msg1 = tunnel.parse_hello(msg)
+        noise.Responder(HOST, prologue, psk=PSK if mode == 1 else None).read_1(msg1)
+    except noise.NoiseError as exc:
+        assert str(exc)
+
+
+KEY = os.urandom(32)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200),
+                 st.tuples(st.integers(0, 2 ** 64 - 1), st.binary(max_size=100)).map(
+                     lambda t: struct.pack("<Q", t[0]) + t[1])))
+def test_transport_and_inner_frames_never_crash(frame):
+    try:
+        tunnel.parse_inner(noise.TransportCipher(KEY).decrypt(frame))
+    except noise.NoiseError as exc:
+        assert str(exc)
+    else:
+        pytest.fail("a random frame authenticated")
+
+
+@FUZZ
+@given(st.binary(max_size=64))
+def test_inner_frame_parser(data):
+    try:
+        kind, stream, payload = tunnel.parse_inner(data)
+        assert tunnel.CONFIRM <= kind <= tunnel.BYE
+    except noise.NoiseError as exc:
+        assert str(exc)
+
+
+@pytest.mark.slow
+async def test_hostile_suite_keeps_the_pipeline_serving(tmp_path):
+    from bench.hostile import run_suite, summary
+
+    res = await run_suite(scale=0.1, log=lambda *a: None, folder=tmp_path)
+    print(summary(res))
+    assert res["crashes"] == 0, summary(res)
+    assert res["not_rejected"] == 0, summary(res)
+    assert res["tried"] > 300
+    assert res["legit_completed"] >= 1 and res["legit_failed"] == 0, summary(res)
+    assert res["final_chat_ok"], summary(res)
