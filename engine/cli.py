@@ -88,6 +88,7 @@ async def build_head(args, progress=None):
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
                 link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
                 pipeline=getattr(args, "pipeline", "local"))
+    head.next_addresses = getattr(args, "next_addresses", None)
     try:
         await head.start()
     except BaseException:

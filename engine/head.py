@@ -157,6 +157,9 @@ class Head:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_lock = asyncio.Lock()
         self.pipeline = pipeline
+        # how remote stage i reaches stage i+1 when that differs from how the head
+        # reaches it (stages in other homes, behind tunnels: engine/tunnel.py)
+        self.next_addresses: list[str] | None = None
         self.progress = progress or (lambda stage, done, total, what: None)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
         self._ids = itertools.count(1)
@@ -215,7 +218,8 @@ class Head:
             r.range = rng
 
         async def configure(i, r):
-            nxt = self.remotes[i + 1].address if i + 1 < len(self.remotes) else None
+            nxt = (self.next_addresses[i] if self.next_addresses else self.remotes[i + 1].address) \
+                if i + 1 < len(self.remotes) else None
             await r.ws.send(wire.control(
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,

@@ -87,6 +87,8 @@ async def host(args) -> int:
         for i, p in enumerate(peers):
             _say(f"stage {i + 1}: {p.name or 'unnamed'} (node {p.node_id}) via {p.path}")
         args.stage_addr = [p.address for p in peers]
+        # stage i -> stage i+1 across two other homes: through both tunnels, via this host
+        args.next_addresses = [await tunnels.open_hop(a, b) for a, b in zip(peers, peers[1:])] + [None]
         args.pipeline = state.pipeline.hex()
         bar = ProgressBar()
         head = await build_head(args, bar)

@@ -19,12 +19,17 @@ Channel messages (WebSocket binary frames):
 
 The joiner's first inner frame is CONFIRM (proof it holds the session keys; only then
 does the host count an invite use and allowlist the key), the host answers READY or
-BYE(reason). Only the host opens streams, and a joiner's end of a stream connects to
-its own stage server and nowhere else: a peer never names an address to connect to.
+BYE(reason). A stream's far end connects only to a target that end registered: a
+joiner's own stage server, or on the host a hop it set up; a peer never names an
+address to connect to.
 
 Three or more homes: stage i must reach stage i+1, which lives in another home. The
-plan is host-relayed streams (OPEN with a target peer, forwarded by the host) or a
-second peer-to-peer tunnel between the two joiners; not built yet (see README).
+host asks the first joiner (LISTEN) for a loopback port whose connections it opens as
+streams to a *hop* the host registered; the host connects each such stream to the
+second joiner's loopback port on the host, i.e. into the second tunnel. Stage-to-stage
+traffic thus goes through the host's machine (both tunnels encrypted end to end with
+the host); a direct joiner-to-joiner tunnel would save that detour and is not built.
+The head tells each stage its next hop's address (Head.next_addresses).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ DEAD_AFTER = 60.0
 MAX_STREAMS = 32
 WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
 
-CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE = range(1, 9)
+CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING = range(1, 11)
+STAGE = 0                        # OPEN's target on a joiner: its own stage server
 _INNER = struct.Struct("<BI")
 
 
@@ -77,7 +83,7 @@ def parse_inner(data: bytes) -> tuple[int, int, bytes]:
     if len(data) < _INNER.size:
         raise NoiseError("inner frame shorter than its header")
     kind, stream = _INNER.unpack_from(data)
-    if not CONFIRM <= kind <= BYE:
+    if not CONFIRM <= kind <= LISTENING:
         raise NoiseError(f"unknown inner frame type {kind}")
     return kind, stream, bytes(data[_INNER.size:])
 
@@ -105,7 +111,14 @@ class Session:
         self.streams: dict[int, asyncio.StreamWriter] = {}
         self._pumps: dict[int, asyncio.Task] = {}
         self._send_lock = asyncio.Lock()
-        self._next_stream = 1
+        # stream ids: odd from the host, even from the joiner
+        self._next_stream = 1 if role == "host" else 2
+        # what the peer may open streams to: target id -> (host, port) on this machine.
+        # A joiner offers its stage (STAGE); the host offers hops it set up (see
+        # TunnelHost.open_hop), nothing else.
+        self.targets: dict[int, tuple[str, int]] = {STAGE: target} if target else {}
+        self._hop_listeners: dict[int, asyncio.AbstractServer] = {}
+        self._listening: dict[int, asyncio.Future] = {}
         self.closed = asyncio.Event()
         self._closing = False
         self.close_reason = ""
@@ -152,6 +165,11 @@ class Session:
         for w in self.streams.values():
             w.close()
         self.streams.clear()
+        for srv in self._hop_listeners.values():
+            srv.close()
+        for fut in self._listening.values():
+            if not fut.done():
+                fut.cancel()
 
     async def _keepalive(self):
         while not self.closed.is_set():
@@ -175,7 +193,14 @@ class Session:
                         w.write(payload)
                         await w.drain()
                 elif kind == OPEN:
-                    await self._on_open(sid)
+                    await self._on_open(sid, payload)
+                elif kind == LISTEN:
+                    await self._on_listen(sid)
+                elif kind == LISTENING:
+                    fut = self._listening.pop(sid, None)
+                    if fut is None or len(payload) != 2:
+                        raise NoiseError("unexpected LISTENING frame")
+                    fut.set_result(struct.unpack("<H", payload)[0])
                 elif kind == CLOSE:
                     w = self.streams.pop(sid, None)
                     if w is not None:
@@ -197,17 +222,44 @@ class Session:
             self.close_reason = self.close_reason or f"channel closed ({exc})"
         await self.close(self.close_reason or "closed")
 
-    async def _on_open(self, sid: int):
-        if self.role != "joiner" or self.target is None:
-            raise NoiseError("this end does not accept streams")
-        if sid in self.streams or len(self.streams) >= MAX_STREAMS:
-            raise NoiseError("stream id reused or too many streams")
+    async def _on_open(self, sid: int, payload: bytes):
+        target_id = struct.unpack("<I", payload)[0] if len(payload) == 4 else (STAGE if not payload else -1)
+        target = self.targets.get(target_id)
+        if target is None:
+            raise NoiseError("this end does not accept streams" if not self.targets
+                             else f"no stream target {target_id} here")
+        mine = 1 if self.role == "host" else 0
+        if sid % 2 == mine or sid in self.streams or len(self.streams) >= MAX_STREAMS:
+            raise NoiseError("bad stream id, or too many streams")
         try:
-            reader, writer = await asyncio.open_connection(*self.target)
+            reader, writer = await asyncio.open_connection(*target)
         except OSError as exc:
             await self.send(CLOSE, sid, f"cannot reach the local stage: {exc}".encode())
             return
         self._add_stream(sid, reader, writer)
+
+    async def _on_listen(self, hop: int):
+        """The host asks this joiner for a loopback port whose connections become
+        streams to hop `hop` (the next stage, in another home, reached via the host)."""
+        if self.role != "joiner" or hop in self._hop_listeners or len(self._hop_listeners) >= 4:
+            raise NoiseError("unexpected LISTEN frame")
+
+        async def on_conn(reader, writer):
+            await self.open_stream(reader, writer, target=hop)
+
+        srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+        self._hop_listeners[hop] = srv
+        await self.send(LISTENING, hop, struct.pack("<H", srv.sockets[0].getsockname()[1]))
+
+    async def request_listener(self, hop: int, target: tuple[str, int], timeout: float = 30.0) -> int:
+        """Host side: accept streams to `hop` from this peer (they go to `target`, a
+        loopback port on the host) and have the peer listen for them; returns the
+        peer's local port."""
+        self.targets[hop] = target
+        fut = asyncio.get_running_loop().create_future()
+        self._listening[hop] = fut
+        await self.send(LISTEN, hop)
+        return await asyncio.wait_for(fut, timeout)
 
     def _add_stream(self, sid, reader, writer):
         _nodelay(writer)
@@ -235,15 +287,16 @@ class Session:
                     except (ConnectionClosed, OSError):
                         pass
 
-    async def open_stream(self, reader, writer):
-        """Host side: carry this local connection to the peer's stage server."""
+    async def open_stream(self, reader, writer, target: int = STAGE):
+        """Carry this local connection to the peer's `target` (host side: the peer's
+        stage server; joiner side: a hop the host set up)."""
         if self.closed.is_set():
             writer.close()
             return
         sid = self._next_stream
-        self._next_stream += 1
+        self._next_stream += 2
         self._add_stream(sid, reader, writer)
-        await self.send(OPEN, sid)
+        await self.send(OPEN, sid, b"" if target == STAGE else struct.pack("<I", target))
 
 
 def _nodelay(writer):
@@ -304,6 +357,7 @@ class TunnelHost:
         self._relay_task: asyncio.Task | None = None
         self._tasks: set = set()
         self._revoke_watch: asyncio.Task | None = None
+        self._hops = 0
 
     # -- setup
     async def listen(self, host: str = "0.0.0.0", port: int = 0, advertise: list[str] | None = None):
@@ -499,6 +553,14 @@ class TunnelHost:
             await self._joined.put(peer)
             if self.on_peer:
                 self.on_peer(peer)
+
+    async def open_hop(self, src: Peer, dst: Peer) -> str:
+        """Stage on `src` -> stage on `dst`, both in other homes: `src` gets a loopback
+        port whose connections travel src -> host -> dst inside the two tunnels.
+        Returns the address the stage on `src` should use for its next stage."""
+        self._hops += 1
+        port = await src.session.request_listener(self._hops, ("127.0.0.1", dst.port))
+        return f"ws://127.0.0.1:{port}"
 
     def _watch_revocations(self):
         if self._revoke_watch is None:

@@ -161,3 +161,33 @@ def test_chat_over_a_direct_link(homes, tmp_path):
     assert "stage 1 via direct" in host_err, host_err
     assert "via direct" in joiner_out, joiner_out
     assert not dump.exists() or dump.stat().st_size == 0
+
+
+def test_three_homes_through_the_relay(tmp_path):
+    """Host + two joiners (stages 1 and 2), each in its own home, the relay in a fourth
+    namespace; stage 1 -> stage 2 travels through both tunnels via the host."""
+    py = sys.executable
+    with emulated_network(4, "star", subnet=SUBNET + 1) as net:
+        dump = tmp_path / "relay.bin"
+        relay = net.popen(1, [py, "-m", "engine", "relay", "--port", "8765", "--dump", str(dump)],
+                          env=_env(tmp_path, "relay"), text=True)
+        Lines(relay.stdout).wait_for(lambda s: s.startswith("Relay listening"), 60)
+        host = net.popen(0, [py, "-m", "engine", "host", "--relay", f"ws://{net.addr(1)}:8765", "--peers", "2",
+                             "--threads", "1", "--prompt", PROMPT, "--max-tokens", "16"],
+                         env=_env(tmp_path, "host3"), text=True)
+        out, err = Lines(host.stdout), Lines(host.stderr)
+        out.wait_for(lambda s: s.startswith("Invite code"), 120)
+        code = out.wait_for(lambda s: s.strip() != "", 10).strip()
+        joiners = []
+        for i, node in enumerate((2, 3)):
+            joiners.append(net.popen(node, [py, "-m", "engine", "join", code, "--threads", "1", "--name", f"f{i}"],
+                                     env=_env(tmp_path, f"joiner3-{i}"), text=True))
+            err.wait_for(lambda s, i=i: f"(f{i})" in s and "connected via relay" in s, 60)
+        answer = out.wait_for(lambda s: s.startswith("bot>"), 300)
+        out.wait_for(lambda s: "via relay" in s, 10)
+        assert host.wait(60) == 0
+        assert "Paris" in answer, answer
+        assert "3 stages (stage 1 via relay, stage 2 via relay)" in err.text(), err.text()
+        seen = dump.read_bytes()
+        for plain in (PROMPT.encode(), b"Paris", b"PTLK", b'"type"', b"configure"):
+            assert plain not in seen, f"the relay saw {plain!r}"

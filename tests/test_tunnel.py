@@ -369,3 +369,33 @@ async def test_relay_limits():
             assert ws.close_reason == "no such waiting joiner"
     finally:
         await relay.close()
+
+
+async def test_hop_between_two_joiners_goes_through_the_host(tmp_path):
+    """Three homes: stage 1 (joiner A) reaches stage 2 (joiner B) through the host."""
+    echo, echo_port = await _echo_server()
+    home = Home(tmp_path / "host")
+    await home.host.listen("127.0.0.1", 0)
+    try:
+        invite = inv.parse(home.host.invite(uses=2))
+        a = await open_session(invite, load_or_create_identity(tmp_path / "a"), ("127.0.0.1", 9), name="a")
+        pa = await asyncio.wait_for(home.host.wait_peer(), 10)
+        b = await open_session(invite, load_or_create_identity(tmp_path / "b"), ("127.0.0.1", echo_port), name="b")
+        pb = await asyncio.wait_for(home.host.wait_peer(), 10)
+        addr = await home.host.open_hop(pa, pb)
+        port = int(addr.rsplit(":", 1)[1])
+        # a connection on A's machine to that port ends at B's stage (here: an echo)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        payload = os.urandom(100_000)
+        w.write(payload)
+        assert await asyncio.wait_for(r.readexactly(len(payload)), 30) == payload
+        w.close()
+        # B cannot use A's hop: the host accepts streams only for the hops it gave out
+        b_sid = b._next_stream
+        await b.send(__import__("engine.tunnel", fromlist=["OPEN"]).OPEN, b_sid, (1).to_bytes(4, "little"))
+        await asyncio.wait_for(b.closed.wait(), 10)
+        assert "does not accept streams" in b.close_reason
+        await a.close("done")
+    finally:
+        await home.host.close()
+        echo.close()
