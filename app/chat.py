@@ -423,6 +423,14 @@ class ChatWindow(QMainWindow):
             self.messages.append(m)
             if self.conversation_id is not None:
                 self.c.history.add_message(self.conversation_id, m)
+        elif self.messages and self.messages[-1].role == "user":
+            # nothing came back: the question leaves the conversation (it would fail again with
+            # every later message) and goes back into the box to be edited
+            user = self.messages.pop()
+            if user.id is not None:
+                self.c.history.delete_message(user.id)
+            if len(user.content) <= 20_000 and not self.input.toPlainText():
+                self.input.setPlainText(user.content)
         self.reply_view = None
         self.last_finish = info
 

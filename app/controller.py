@@ -145,8 +145,13 @@ class Controller(QObject):
         self.client.call(method, path, body, cb=done)
 
     def host(self, request: dict, cb=None):
-        self.last_host = dict(request)
-        self._act("POST", "/host", request, cb)
+        def done(result, error):
+            if not error:
+                self.last_host = dict(request)  # what a restart hosts again
+            if cb:
+                cb(result, error)
+
+        self._act("POST", "/host", request, done)
 
     def plan(self, request: dict, cb):
         self.client.call("POST", "/plan", request, cb=cb)

@@ -176,6 +176,10 @@ class History:
         m.id = cur.lastrowid
         return cur.lastrowid
 
+    def delete_message(self, mid: int):
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE id=?", (mid,))
+
     def delete_conversation(self, cid: int):
         with self.db:
             self.db.execute("DELETE FROM messages WHERE conversation_id=?", (cid,))

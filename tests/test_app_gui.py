@@ -1,0 +1,417 @@
+"""The desktop app, driven through its real widgets (pytest-qt, QT_QPA_PLATFORM=offscreen)
+against a real node process hosting the default model on a local 2-stage pipeline.
+
+One node is shared by the live tests (loading the model is the slow part); the test
+that kills it runs near the end and restarts it, the last one quits the app and checks
+that no process is left behind. Waits are generous: CI machines are small and busy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("PySide6")
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import Qt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LOAD_MS = 300_000      # start a node and load the default model, on a busy 2-core machine
+REPLY_MS = 180_000
+NODE_ARGS = ["--threads", "1", "--share-host", "127.0.0.1", "--share-port", "0", "--poll", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """The app's files go to a temporary folder; secrets to a file, never a real keyring."""
+    old = {k: os.environ.get(k) for k in ("POTLUCK_HOME", "POTLUCK_KEYSTORE")}
+    path = tmp_path_factory.mktemp("potluck-home")
+    os.environ["POTLUCK_HOME"] = str(path)
+    os.environ["POTLUCK_KEYSTORE"] = "file"
+    yield path
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def make_settings(**over):
+    from app.settings import Settings
+
+    s = Settings(temperature=0.0, max_tokens=400, share_port=0, local_stages=2)
+    for k, v in over.items():
+        setattr(s, k, v)
+    return s
+
+
+def can_connect(address: str) -> bool:
+    host, port = address.removeprefix("ws://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    p = psutil.Process(pid)
+    return [p] + p.children(recursive=True)
+
+
+def gone(procs) -> bool:
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+# ---- without a node ---------------------------------------------------------------------
+
+def test_gui_process_never_imports_torch(home):
+    code = (
+        "import sys, os\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "qa = QApplication([])\n"
+        "import app.main, app.tray, app.chat, app.dialogs, app.controller\n"
+        "from app.controller import Controller\n"
+        "from app.settings import Settings\n"
+        "from app.tray import Shell\n"
+        "c = Controller(Settings(host_on_start=False))\n"
+        "s = Shell(c, use_tray=True)\n"
+        "s.open_chat(); s.open_host(); s.open_join(); s.open_status(); s.open_settings()\n"
+        "qa.processEvents()\n"
+        "c.shutdown()\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'numpy', 'engine.head') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY=\n" in out.stdout, out.stdout
+
+
+def test_tray_menu_icons_and_tooltip(qtbot, home):
+    from PySide6.QtWidgets import QSystemTrayIcon
+
+    from app.controller import Controller
+    from app.tray import STATES, Shell, state_icon, tooltip
+
+    c = Controller(make_settings(host_on_start=False))
+    try:
+        shell = Shell(c, use_tray=True)
+        texts = [a.text() for a in shell.menu.actions() if not a.isSeparator()]
+        assert texts == ["Share this GPU", "Open chat", "Host a pipeline…", "Join with invite code…",
+                         "Pipeline status", "Settings", "Quit"]
+        assert shell.share_action.isCheckable()
+        assert isinstance(shell.tray, QSystemTrayIcon)
+        for s in STATES:
+            assert not state_icon(s).isNull()
+            assert (ROOT / "assets" / f"tray-{s}.svg").exists()
+        st = {"state": "serving", "hosting": {"model": "SmolLM2", "stages": [{}, {}], "tokens_served": 12},
+              "sharing": {"on": True, "paused": True, "reason": "the GPU is hot (85 °C)"},
+              "gpu": {"available": True, "gpus": [{"utilization_pct": 40.0, "temperature_c": 85.0}]}}
+        tip = tooltip(st)
+        assert "12 tokens served" in tip and "paused: the GPU is hot" in tip and "GPU 40% · 85 °C" in tip
+        shell.on_status(st)
+        assert shell.share_action.isChecked() and shell.state == "serving"
+        # every menu entry is also in the chat window's menu bar (for desktops without a tray)
+        bar = [a.text() for a in shell.chat.menuBar().actions()[0].menu().actions() if not a.isSeparator()]
+        assert bar == texts
+    finally:
+        c.shutdown()
+
+
+def test_without_a_tray_the_window_opens(qtbot, home):
+    from app.controller import Controller
+    from app.tray import Shell
+
+    c = Controller(make_settings(host_on_start=False))
+    try:
+        shell = Shell(c, use_tray=False)
+        assert shell.tray is None and shell.chat.isVisible()
+    finally:
+        shell.chat.close()
+        c.shutdown()
+
+
+def test_single_instance(qtbot, tmp_path):
+    from app.main import SingleInstance
+
+    shown = []
+    first = SingleInstance(f"potluck-test-{os.getpid()}", lock_dir=tmp_path)
+    assert first.acquire(lambda: shown.append(1))
+    second = SingleInstance(f"potluck-test-{os.getpid()}", lock_dir=tmp_path)
+    assert not second.acquire(lambda: None)
+    assert second.notify_running()
+    qtbot.waitUntil(lambda: bool(shown), timeout=10_000)
+    first.release()
+    third = SingleInstance(f"potluck-test-{os.getpid()}", lock_dir=tmp_path)
+    assert third.acquire(lambda: None)
+    third.release()
+
+
+def test_no_display_falls_back_to_terminal_chat(home):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-m", "engine", "app", "--stages", "1"], input="/quit\n",
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert "no display found" in out.stderr
+    assert "Ready:" in out.stderr, out.stderr[-2000:]  # the terminal chat loaded the model and answered /quit
+    assert out.returncode == 0
+
+
+def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.store import History, Message
+
+    path = tmp_path / "history.sqlite3"
+    h = History(path)
+    ids = []
+    for i in range(3):
+        cid = h.new_conversation(f"conversation {i}")
+        h.add_message(cid, Message("user", f"hello {i}"))
+        h.add_message(cid, Message("assistant", f"*hi* {i}"))
+        ids.append(cid)
+    h.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE messages SET role = 'bogus' WHERE conversation_id = ?", (ids[0],))
+    db.commit()
+    db.close()
+
+    hist = History(path)
+    hist.check()
+    c = Controller(make_settings(host_on_start=False), history=hist)
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        assert "damaged" in w.hint.text() and "others are fine" in w.hint.text()
+        items = [w.conv_list.item(i).text() for i in range(w.conv_list.count())]
+        assert sum("(damaged)" in t for t in items) == 1 and len(items) == 3
+        assert not w.open_conversation(ids[0])
+        assert "damaged" in w.hint.text() and "other conversations are not affected" in w.hint.text()
+        assert w.open_conversation(ids[2])
+        assert w.tl.count() - 1 == 2  # two messages shown
+
+        # a file that is not a database at all: moved aside, a fresh history, the window opens
+        c.history.close()
+        path.write_bytes(b"\x00garbage" * 500)
+        c.history = History(path)
+        w2 = ChatWindow(c)
+        qtbot.addWidget(w2)
+        assert "could not be read" in w2.hint.text() and w2.conv_list.count() == 0
+    finally:
+        c.shutdown()
+
+
+def test_node_that_does_not_answer(qtbot, home):
+    from app.chat import ChatWindow
+    from app.controller import Controller
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts connections, never answers
+    c = Controller(make_settings(host_on_start=False))
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        c.client.attach(f"http://127.0.0.1:{silent.getsockname()[1]}", "token")
+        c.status_timeout = 0.5
+        c.timer.setInterval(200)
+        c.timer.start()
+        qtbot.waitUntil(lambda: bool(c.lost is not None), timeout=60_000)
+        assert "not answering" in c.lost
+        assert w.banner.isVisibleTo(w) and w.restart_button.isVisibleTo(w)
+        assert not w.send("hello")
+        assert "not running" in w.hint.text()
+    finally:
+        c.shutdown()
+        silent.close()
+
+
+# ---- against a real node ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live(qapp, home):
+    from app.controller import Controller
+    from app.tray import Shell
+
+    c = Controller(make_settings(), node_args=NODE_ARGS)
+    shell = Shell(c, use_tray=False)
+    assert c.start_node(), c.lost
+    deadline = time.time() + LOAD_MS / 1000
+    while time.time() < deadline and not ((c.status.get("hosting") or {}).get("openai_url")):
+        qapp.processEvents()
+        time.sleep(0.05)
+        assert not c.lost, c.lost
+    assert (c.status.get("hosting") or {}).get("openai_url"), c.status
+    yield shell
+    if not c._closing:
+        shell.quit()
+
+
+def wait_reply(qtbot, chat):
+    qtbot.waitUntil(lambda: bool(not chat.generating), timeout=REPLY_MS)
+    return chat.last_finish
+
+
+def test_send_and_see_the_streamed_reply(qtbot, live):
+    chat = live.chat
+    chat.new_conversation()
+    qtbot.keyClicks(chat.input, "What is the capital of France?")
+    qtbot.mouseClick(chat.send_button, Qt.LeftButton)
+    assert chat.generating and chat.send_button.text() == "Stop"
+    qtbot.waitUntil(lambda: bool(chat.render_count >= 1), timeout=REPLY_MS)
+    assert chat.reply_view.body.textFormat() == Qt.PlainText  # streaming: plain text
+    info = wait_reply(qtbot, chat)
+    assert info["finish_reason"] in ("stop", "length") and info["error"] is None
+    assert "Paris" in chat.reply_text
+    assert chat.send_button.text() == "Send"
+    # batched: never more view refreshes than deltas (usually far fewer)
+    assert 1 <= chat.render_count <= chat.delta_count
+    view = chat.tl.itemAt(chat.tl.count() - 2).widget()
+    assert view.body.textFormat() == Qt.MarkdownText  # rendered once complete
+    assert "first token after" in view.stats.text() and "tokens/s" in view.stats.text()
+    conv = chat.c.history.load(chat.conversation_id)
+    assert [m.role for m in conv.messages] == ["user", "assistant"] and conv.messages[1].ttft is not None
+    qtbot.waitUntil(lambda: bool(chat.c.status["hosting"]["tokens_served"] > 0), timeout=30_000)
+    shown = chat.pipeline_label.text()  # which computer holds which layers
+    assert "layers 0–" in shown and "this computer (head)" in shown and "–29: ws://127.0.0.1:" in shown
+    assert chat.url_field.text().startswith("http://127.0.0.1:")
+
+
+def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
+    chat, c = live.chat, live.c
+    chat.new_conversation()
+    assert chat.send("Write a very long story about a dragon who learns to bake bread. Use at least 400 words.")
+    qtbot.waitUntil(lambda: bool(chat.delta_count >= 5), timeout=REPLY_MS)
+    qtbot.waitUntil(lambda: bool((c.status["hosting"].get("kv_used_tokens") or 0) > 0), timeout=REPLY_MS)
+    assert chat.generating
+    qtbot.mouseClick(chat.send_button, Qt.LeftButton)  # Stop
+    info = wait_reply(qtbot, chat)
+    assert info["finish_reason"] == "cancelled"
+
+    def freed():
+        h = c.status.get("hosting") or {}
+        return (h.get("kv_used_tokens") == 0 and h.get("running") == 0
+                and all(s.get("kv_tokens") == 0 for s in h.get("stages", [])))
+
+    qtbot.waitUntil(freed, timeout=60_000)
+    assert "stopped" in chat.tl.itemAt(chat.tl.count() - 2).widget().stats.text()
+    # the conversation goes on
+    assert chat.send("Say hello.")
+    assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
+
+
+def test_bad_messages(qtbot, live):
+    chat = live.chat
+    chat.new_conversation()
+    assert not chat.send("   \n  ")
+    assert "Type a message first" in chat.hint.text() and not chat.generating
+    assert not chat.send("x" * 150_000)
+    assert "too long" in chat.hint.text() and not chat.generating
+    # within the box's limit but beyond the model's context window: the head refuses, in words
+    assert chat.send("word " * 9000)
+    info = wait_reply(qtbot, chat)
+    assert info["finish_reason"] == "error" and "too long for the model" in chat.hint.text()
+    # the refused message left the conversation: the next one works
+    chat.input.clear()
+    assert chat.send("What is 2 + 2?")
+    assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
+
+
+def test_host_dialog(qtbot, live):
+    d = live.open_host()
+    assert d.model.currentIndex() == 0 and "default" in d.model.currentText()  # preselected
+    d.check()
+    qtbot.waitUntil(lambda: bool(d.last_plan is not None), timeout=60_000)
+    assert d.split_table.rowCount() == 2 and "GiB" in d.plan_label.text()
+    d.model.setEditText("no-such-user/no-such-model-xyz")
+    d.start()
+    qtbot.waitUntil(lambda: bool(d.last_error is not None), timeout=60_000)
+    assert "Could not find model" in d.result.text()
+    # a model that does not fit in the memory Potluck may use
+    d.last_error = None
+    live.c.set_limits({"vram_cap_mb": 64})
+    d.model.setCurrentIndex(0)
+    qtbot.waitUntil(lambda: bool(live.c.status.get("limits", {}).get("vram_cap_mb") == 64), timeout=30_000)
+    d.check()
+    qtbot.waitUntil(lambda: bool(d.last_error is not None or (d.last_plan and not d.last_plan["fits"])), timeout=60_000)
+    assert "does not fit" in d.plan_label.text()
+    live.c.set_limits({"vram_cap_mb": None})
+    qtbot.waitUntil(lambda: bool(live.c.status.get("limits", {}).get("vram_cap_mb") is None), timeout=30_000)
+    d.close()
+    assert live.c.status["hosting"]  # still serving the default model
+
+
+def test_join_dialog_and_share_toggle(qtbot, live):
+    c = live.c
+    d = live.open_join()
+    assert "Compute:" in d.usage.text()
+    d.join()
+    assert "Paste the invite code" in d.result.text()
+    d.code.setText("friends-pipeline")
+    d.port.setValue(0)
+    d.join()
+    qtbot.waitUntil(lambda: bool("ws://" in d.result.text()), timeout=60_000)
+    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
+    assert live.share_action.isChecked()
+    addr = c.status["sharing"]["address"]
+    assert can_connect(addr)
+    d.close()
+    live.share_action.trigger()  # the tray's checkbox: off
+    qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
+    assert not live.share_action.isChecked() and not can_connect(addr)
+    live.share_action.trigger()  # and on again
+    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
+    assert live.share_action.isChecked() and can_connect(c.status["sharing"]["address"])
+    live.share_action.trigger()
+    qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
+
+
+def test_status_dialog(qtbot, live):
+    d = live.open_status()
+    qtbot.waitUntil(lambda: bool("Hosting" in d.view.toPlainText()), timeout=30_000)
+    text = d.view.toPlainText()
+    assert "OpenAI URL" in text and "GPU:" in text
+    d.close()
+
+
+def test_kill_the_node_then_restart(qtbot, live):
+    c, chat = live.c, live.chat
+    old = process_tree(c.node.pid)
+    assert len(old) >= 2  # the node and its stage process
+    os.kill(c.node.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: bool(c.lost is not None), timeout=30_000)
+    assert "stopped unexpectedly" in chat.banner_label.text()
+    assert chat.banner.isVisibleTo(chat) and chat.restart_button.isVisibleTo(chat)
+    qtbot.waitUntil(lambda: bool(gone(old)), timeout=60_000)  # its stage process followed it
+    assert not chat.send("hello?") and "not running" in chat.hint.text()
+    qtbot.mouseClick(chat.restart_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: bool((c.status.get("hosting") or {}).get("openai_url")), timeout=LOAD_MS)
+    assert c.lost is None and not chat.banner.isVisibleTo(chat)
+    chat.new_conversation()
+    assert chat.send("What is the capital of Italy?")
+    assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
+
+
+def test_quit_leaves_no_process_behind(qtbot, live):
+    procs = process_tree(live.c.node.pid)
+    assert len(procs) >= 2
+    live.quit()
+    qtbot.waitUntil(lambda: bool(gone(procs)), timeout=60_000)
