@@ -29,9 +29,12 @@ def add_args(sub, add_pipeline_args):
     p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
     p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--short", action="store_true",
+                   help="also print a short code to read out (one use, 10 minutes; needs --relay)")
 
     p = sub.add_parser("join", help="contribute this machine to a friend's pipeline with their invite code")
-    p.add_argument("code")
+    p.add_argument("code", help="the invite code, or a short code (4821-917305) with --relay")
+    p.add_argument("--relay", default="", help="the host's relay, for a short code")
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
     p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
                    help="auto: a direct address from the code first, then the relay")
@@ -81,6 +84,22 @@ async def host(args) -> int:
     _say(f"Host node {me.node_id} (key in {me.store}); pipeline {state.pipeline.hex()}")
     print(f"Invite code (valid {args.expires:g} h, {args.uses or args.peers} use(s)):\n{code}", flush=True)
     _say(f"Waiting for {args.peers} friend(s): on their machine, `potluck join <code>`")
+    short_task = None
+    if args.short and args.relay:
+        from . import shortcode
+
+        channel, password = shortcode.make()
+        print(f"Short code (one use, 10 minutes): {channel}-{password}  "
+              f"(`potluck join {channel}-{password} --relay {args.relay}`)", flush=True)
+
+        async def offer():
+            try:
+                await shortcode.offer(args.relay, channel, password, code)
+                _say("  short code used: the invite code was handed over")
+            except shortcode.ShortCodeError as exc:
+                _say(f"  short code: {exc}")
+
+        short_task = asyncio.ensure_future(offer())
     runner = head = None
     try:
         peers = [await tunnels.wait_peer() for _ in range(args.peers)]
@@ -112,6 +131,8 @@ async def host(args) -> int:
         print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1", flush=True)
         await asyncio.Event().wait()
     finally:
+        if short_task is not None:
+            short_task.cancel()
         if runner is not None:
             await runner.cleanup()
         if head is not None:
@@ -124,8 +145,21 @@ async def join(args) -> int:
     from .stage_server import StageServer
     from .tunnel import Joiner, TunnelError, default_name
 
+    from . import shortcode
+
+    code = args.code
+    if shortcode.is_short(code):
+        if not args.relay:
+            _say("potluck: a short code needs the host's relay: --relay ws://...")
+            return 2
+        try:
+            code = await shortcode.redeem(args.relay, code)
+        except shortcode.ShortCodeError as exc:
+            _say(f"potluck: {exc}")
+            return 2
+        _say("  short code accepted: received the invite code")
     try:
-        invite = parse(args.code)
+        invite = parse(code)
         invite.check_fresh()
     except InviteError as exc:
         _say(f"potluck: {exc}")

@@ -32,6 +32,7 @@ log = logging.getLogger("potluck.relay")
 
 _ID = re.compile(r"^[0-9a-f]{16}$")
 _SID = re.compile(r"^[0-9a-f]{32}$")
+_CHANNEL = re.compile(r"^[0-9]{4}$")
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Limits:
     rate: float = 20e6                  # bytes per second per pipeline (both ways together)
     burst: float = 4e6
     handshake_timeout: float = 10.0     # seconds for a new connection to send its request
+    pake_timeout: float = 600.0         # seconds a short-code mailbox waits for its other side
+    max_mailboxes: int = 1000
 
 
 class _Bucket:
@@ -78,6 +81,7 @@ class Relay:
         self.refused: Counter = Counter()
         self.dump = dump        # a callable(bytes) that sees every forwarded frame (tests)
         self._served: set[int] = set()
+        self.mailboxes: dict[str, asyncio.Future] = {}
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -88,6 +92,7 @@ class Relay:
         app.router.add_get("/v1/host/{pipeline}", self.host)
         app.router.add_get("/v1/join/{pipeline}", self.join)
         app.router.add_get("/v1/accept/{pipeline}/{session}", self.accept)
+        app.router.add_get("/v1/pake/{channel}", self.pake)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Relay":
@@ -227,6 +232,48 @@ class Relay:
         done = asyncio.Event()
         fut.set_result((ws, done))
         await done.wait()       # the joiner's handler forwards both ways, then sets it
+        return ws
+
+    async def pake(self, request):
+        """Short codes (engine/shortcode.py): the first two connections on a 4-digit
+        channel are paired for one SPAKE2 exchange; small frames only, then it is gone."""
+        ch = request.match_info["channel"]
+        if not _CHANNEL.match(ch):
+            return await self._refuse(request, "bad channel")
+        waiting = self.mailboxes.get(ch)
+        if waiting is not None and waiting.done():
+            return await self._refuse(request, "channel busy")
+        if waiting is None and len(self.mailboxes) >= self.limits.max_mailboxes:
+            return await self._refuse(request, "relay full")
+        ws = web.WebSocketResponse(max_msg_size=4096, heartbeat=30.0, compress=False)
+        await ws.prepare(request)
+        if waiting is not None:                 # the second side: pair and forward both ways
+            done = asyncio.Event()
+            waiting.set_result((ws, done))
+            await done.wait()
+            return ws
+        fut = asyncio.get_running_loop().create_future()
+        self.mailboxes[ch] = fut
+        try:
+            other, done = await asyncio.wait_for(fut, self.limits.pake_timeout)
+        except asyncio.TimeoutError:
+            await ws.close(code=4408, message=b"nobody came")
+            return ws
+        finally:
+            if self.mailboxes.get(ch) is fut:
+                del self.mailboxes[ch]
+        self.stats["pake"] += 1
+        bucket = _Bucket(64 << 10, 64 << 10)
+        try:
+            a = asyncio.ensure_future(self._forward(ws, other, bucket))
+            b = asyncio.ensure_future(self._forward(other, ws, bucket))
+            _, pending = await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+        finally:
+            await ws.close()
+            await other.close()
+            done.set()
         return ws
 
     async def _forward(self, src: web.WebSocketResponse, dst: web.WebSocketResponse, bucket: _Bucket):

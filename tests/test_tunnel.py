@@ -399,3 +399,32 @@ async def test_hop_between_two_joiners_goes_through_the_host(tmp_path):
     finally:
         await home.host.close()
         echo.close()
+
+
+async def test_short_code_hands_over_the_invite_through_the_relay():
+    from engine import shortcode
+
+    seen: list[bytes] = []
+    relay = await Relay(dump=seen.append).start("127.0.0.1", 0)
+    url = f"ws://127.0.0.1:{relay.port}"
+    full = inv.encode(_invite())
+    try:
+        ch, pw = shortcode.make()
+        host = asyncio.ensure_future(shortcode.offer(url, ch, pw, full, timeout=30))
+        await asyncio.sleep(0.2)
+        assert await shortcode.redeem(url, f"{ch}-{pw}") == full
+        assert await host == "delivered"
+        assert seen and not any(full.encode() in f or full.replace("-", "").encode() in f for f in seen)
+        # wrong digits: the joiner is told, the host's code is spent
+        ch, pw = shortcode.make()
+        host = asyncio.ensure_future(shortcode.offer(url, ch, pw, full, timeout=30))
+        await asyncio.sleep(0.2)
+        wrong = f"{int(pw) ^ 1:06d}"
+        with pytest.raises(shortcode.ShortCodeError, match="wrong short code"):
+            await shortcode.redeem(url, f"{ch}-{wrong}")
+        with pytest.raises(shortcode.ShortCodeError):
+            await host
+        with pytest.raises(shortcode.ShortCodeError, match="4 digits"):
+            await shortcode.redeem(url, "12-34")
+    finally:
+        await relay.close()
