@@ -50,7 +50,9 @@ class HostDialog(QDialog):
         self.plan_label.setWordWrap(True)
         lay.addWidget(self.plan_label)
         self.split_table = QTableWidget(0, 2)
-        self.split_table.setHorizontalHeaderLabels(["Computer", "Layers"])
+        self.split_table.setHorizontalHeaderLabels(["Computer", "Layers (proposed)"])
+        self.split_table.setToolTip("When the pipeline starts, the head adjusts the split to each computer's "
+                                    "measured speed and free memory")
         self.split_table.horizontalHeader().setStretchLastSection(True)
         lay.addWidget(self.split_table, 1)
         self.progress = QProgressBar()
