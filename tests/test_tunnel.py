@@ -428,3 +428,32 @@ async def test_short_code_hands_over_the_invite_through_the_relay():
             await shortcode.redeem(url, "12-34")
     finally:
         await relay.close()
+
+
+async def test_joiner_reconnects_as_a_member_after_the_host_restarts(tmp_path):
+    from conftest import free_port
+    from engine.tunnel import Joiner
+
+    echo, echo_port = await _echo_server()
+    port = free_port()
+    home = Home(tmp_path / "host")
+    await home.host.listen("127.0.0.1", port)
+    code = home.host.invite(uses=1)
+    joiner = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", echo_port), name="j")
+    await joiner.connect()
+    keep = asyncio.ensure_future(joiner.run())
+    try:
+        peer = await asyncio.wait_for(home.host.wait_peer(), 10)
+        assert await _roundtrip(peer, 1000)
+        await home.host.close()                       # the host goes away...
+        again = Home(tmp_path / "host")               # ...and comes back: same key, same record
+        await again.host.listen("127.0.0.1", port)
+        try:
+            peer = await asyncio.wait_for(again.host.wait_peer(), 60)   # the invite is used up: as a member
+            assert peer.name == "j" and await _roundtrip(peer, 1000)
+            assert not keep.done()
+        finally:
+            await again.host.close()
+    finally:
+        keep.cancel()
+        echo.close()
