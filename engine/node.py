@@ -9,7 +9,7 @@ through a small control API:
     POST /plan   {model, stages, memory_limit_mb?}   memory needed vs available, split
     POST /host   {model, stages, stage_addr?, layers?, memory_limit_mb?}  start a head
     POST /share  {on}          the Share-this-GPU toggle
-    POST /join   {code | pipeline, port?}  contribute this GPU to a friend's pipeline
+    POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
     POST /limits {...}         the owner's limits (guest.Limits fields)
     POST /stop   {what: host|share|all}
 
@@ -59,15 +59,6 @@ def _local_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _invite_decoder():
-    """Invite codes come from engine/invite.py (the invites work); None until it exists."""
-    try:
-        from . import invite  # noqa: F401
-    except ImportError:
-        return None
-    return getattr(invite, "decode", None) or getattr(invite, "parse", None)
-
-
 class Node:
     def __init__(self, token: str, *, share_host: str = "127.0.0.1", share_port: int = 0,
                  api_port: int = 0, pipeline: str = "potluck", threads: int | None = None,
@@ -90,6 +81,10 @@ class Node:
         self.share_wanted = False
         self.stage_server = None
         self.share_pipeline = pipeline
+        self.invite = None                  # set by /join with an invite code: share through a tunnel
+        self.joiner = None
+        self.joiner_task: asyncio.Task | None = None
+        self.join_events: list[str] = []
         self.paused_reason: str | None = None
         self.gpu: dict = {"available": False, "gpus": [], "message": "not read yet"}
         self.idle_seconds: float | None = None
@@ -166,20 +161,15 @@ class Node:
 
     async def h_join(self, request):
         body = await self._body(request)
-        pipeline = body.get("pipeline")
         code = body.get("code")
         if code is not None:
-            if not isinstance(code, str) or not code.strip():
-                raise NodeError("'code' must be a non-empty string")
-            decode = _invite_decoder()
-            if decode is None:
-                raise NodeError("invite codes are not supported by this version yet; ask the host for the "
-                                "pipeline name and give them this machine's address", 501)
-            try:
-                invite = decode(code.strip())
-            except Exception as exc:
-                raise NodeError(f"that invite code is not valid: {exc}") from None
-            pipeline = getattr(invite, "pipeline_id", None) or getattr(invite, "pipeline", None) or pipeline
+            if not isinstance(code, str) or not code.strip() or len(code) > 4000:
+                raise NodeError("'code' must be the invite code your friend sent")
+            relay = body.get("relay") or ""
+            if not isinstance(relay, str):
+                raise NodeError("'relay' must be a ws:// address")
+            return web.json_response(await self.join_invite(code.strip(), relay.strip()))
+        pipeline = body.get("pipeline")
         if not isinstance(pipeline, str) or not pipeline.strip() or len(pipeline) > 200:
             raise NodeError("give an invite code or the host's pipeline name")
         port = body.get("port", self.share_port)
@@ -187,9 +177,42 @@ class Node:
             raise NodeError("'port' must be a TCP port number")
         async with self._lock:
             await self._stop_share("joining another pipeline")
+            self.invite = self.joiner = None
             self.share_pipeline, self.share_port = pipeline.strip(), port
         await self.set_share(True)
         return web.json_response(await self.status())
+
+    async def join_invite(self, code: str, relay: str = "") -> dict:
+        """Contribute this machine through the host's tunnel (engine/tunnel.py): a stage on
+        loopback, reached only through the end-to-end encrypted session the invite opens."""
+        from . import shortcode
+        from .invite import InviteError, parse
+
+        if shortcode.is_short(code):
+            if not relay:
+                raise NodeError("a short code needs the host's relay address (ws://...) too")
+            try:
+                code = await shortcode.redeem(relay, code)
+            except shortcode.ShortCodeError as exc:
+                raise NodeError(str(exc)) from None
+        try:
+            invite = parse(code)
+            invite.check_fresh()
+        except InviteError as exc:
+            raise NodeError(f"that invite code cannot be used: {exc}") from None
+        async with self._lock:
+            await self._stop_share("joining another pipeline")
+            self.invite, self.joiner = invite, None
+            self.share_pipeline = invite.pipeline_id
+            self.share_wanted = True
+            self.error = None
+            if not self._decide().paused:
+                try:
+                    await self._start_share()
+                except NodeError:
+                    self.share_wanted, self.invite = False, None
+                    raise
+        return await self.status()
 
     async def h_limits(self, request):
         body = await self._body(request)
@@ -263,6 +286,12 @@ class Node:
                 sharing["seqs"] = len(srv.stage.kv.seqs)
                 sharing["kv_tokens"] = srv.stage.kv.used_tokens
             sharing["connected"] = srv._control_ws is not None
+            if self.invite is not None:
+                sess = self.joiner.session if self.joiner is not None else None
+                sharing["address"] = None  # loopback only: friends reach it through the tunnel
+                sharing["joined"] = {"pipeline": self.invite.pipeline_id,
+                                     "via": getattr(sess, "path", None) if sess is not None else None,
+                                     "events": self.join_events[-5:]}
         return {"state": self.state(), "pid": os.getpid(), "uptime": time.time() - self.started,
                 "error": self.error, "loading": self.loading, "hosting": hosting, "sharing": sharing,
                 "openai_url": self.openai_url if self.head is not None else None,
@@ -398,10 +427,47 @@ class Node:
     async def _start_share(self):
         from .stage_server import StageServer
 
-        if self.stage_server is None:
+        if self.stage_server is not None:
+            return
+        if self.invite is None:
             self.stage_server = await StageServer(self.share_host, self.share_port, pipeline=self.share_pipeline,
                                                   device=self.device, threads=self.threads).start()
             log.info("sharing on ws://%s:%d", self.share_host, self.stage_server.port)
+            return
+        from .tunnel import Joiner, TunnelError, default_name
+
+        srv = await StageServer("127.0.0.1", 0, pipeline=self.invite.pipeline_id, device=self.device,
+                                threads=self.threads).start()
+        if self.joiner is None:
+            from .identity import config_dir, load_or_create_identity
+
+            me = load_or_create_identity(config_dir())
+            self.joiner = Joiner(self.invite, me, ("127.0.0.1", srv.port), name=default_name(),
+                                 on_event=self._join_event)
+        else:
+            self.joiner.target = ("127.0.0.1", srv.port)  # a resume after a pause: a new stage server
+        try:
+            await self.joiner.connect()
+        except (TunnelError, OSError) as exc:
+            await srv.close()
+            raise NodeError(f"could not reach the host's pipeline: {exc}", 502) from None
+        self.stage_server = srv
+        self.joiner_task = asyncio.ensure_future(self._keep_joined(self.joiner))
+
+    def _join_event(self, text: str):
+        self.join_events.append(text)
+        del self.join_events[:-20]
+        log.info("join: %s", text)
+
+    async def _keep_joined(self, joiner):
+        try:
+            await joiner.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # revoked, or the host refuses us now
+            self.error = f"The host's pipeline ended this machine's membership: {exc}"
+            self.share_wanted = False
+            await self._stop_share("membership ended")
 
     async def _stop_share(self, why: str, drain: bool = False):
         srv, self.stage_server = self.stage_server, None
@@ -422,12 +488,27 @@ class Node:
                 await ws.close(1001, why[:120])  # the head hears why before the server goes
             except Exception:
                 pass
+        task, self.joiner_task = self.joiner_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if self.joiner is not None and self.joiner.session is not None:
+            try:
+                await self.joiner.session.close(why[:120])
+            except Exception:
+                pass
         await srv.close()
+        if srv._server is not None:  # close() only starts closing: wait until the port is free
+            try:
+                await asyncio.wait_for(srv._server.wait_closed(), 10)
+            except asyncio.TimeoutError:
+                log.warning("the shared stage's server took long to close")
+
+    def _decide(self, reading=None):
+        return self.policy.evaluate(reading, own_pids(), self.idle_seconds, time.monotonic())
 
     async def _apply_policy(self):
         gpus, _why = await asyncio.get_running_loop().run_in_executor(None, read_gpus)
-        reading = gpus[0] if gpus else None
-        decision = self.policy.evaluate(reading, own_pids(), self.idle_seconds, time.monotonic())
+        decision = self._decide(gpus[0] if gpus else None)
         async with self._lock:
             self.paused_reason = decision.reason if decision.paused else None
             if not self.share_wanted:
@@ -437,8 +518,8 @@ class Node:
             elif not decision.paused and self.stage_server is None:
                 try:
                     await self._start_share()
-                except OSError as exc:
-                    self.error = f"Could not share this GPU: {exc}"
+                except (OSError, NodeError) as exc:
+                    self.error = f"Could not share this GPU: {getattr(exc, 'message', exc)}"
                     self.share_wanted = False
 
     async def _policy_loop(self):

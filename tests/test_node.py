@@ -203,3 +203,44 @@ def test_node_exits_when_its_parent_goes():
     call(port, "POST", "/share", {"on": True})
     proc.stdin.close()  # what the kernel does for us when the app dies, even by SIGKILL
     assert proc.wait(30) == 0
+
+
+def test_join_with_an_invite_code(tmp_path):
+    """`potluck host` prints an invite; the node joins with it through the tunnel, and the
+    host's pipeline answers with this node holding its second stage."""
+    host_env = dict(_env(), POTLUCK_HOME=str(tmp_path / "host"), POTLUCK_KEYSTORE="file")
+    host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--listen", "127.0.0.1:0", "--peers", "1",
+                             "--threads", "1", "--max-tokens", "8", "--prompt", "What is the capital of France?"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=host_env, cwd=ROOT)
+    old_home = os.environ.get("POTLUCK_HOME")
+    os.environ["POTLUCK_HOME"] = str(tmp_path / "joiner")
+    os.environ["POTLUCK_KEYSTORE"] = "file"
+    try:
+        proc, port = start_node()
+    finally:
+        os.environ.pop("POTLUCK_KEYSTORE")
+        if old_home is None:
+            os.environ.pop("POTLUCK_HOME")
+        else:
+            os.environ["POTLUCK_HOME"] = old_home
+    try:
+        line = ""
+        while not line.startswith("Invite code"):
+            line = host.stdout.readline()
+            assert line, host.stderr.read()
+        code = host.stdout.readline().strip()
+        assert call(port, "POST", "/join", {"code": code[:-3] + "AAA"})[0] == 400  # a typo is reported
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200, st
+        assert st["state"] == "sharing" and st["sharing"]["joined"]["via"] == "direct"
+        assert st["sharing"]["address"] is None  # the stage listens on loopback only
+        out, err = host.communicate(timeout=300)
+        assert host.returncode == 0, err[-2000:]
+        assert "Paris" in out
+        call(port, "POST", "/share", {"on": False})
+        assert call(port, "GET", "/status")[1]["state"] == "idle"
+    finally:
+        if host.poll() is None:
+            host.kill()
+        proc.stdin.close()
+        assert proc.wait(30) == 0
