@@ -134,7 +134,7 @@ class Controller(QObject):
         self.client.call("GET", "/status", cb=done, timeout=aiohttp.ClientTimeout(total=self.status_timeout))
 
     # ---- actions -----------------------------------------------------------------------
-    def _act(self, method, path, body=None, cb=None):
+    def _act(self, method, path, body=None, cb=None, timeout=None):
         def done(result, error):
             if error:
                 self.notice.emit(error)
@@ -142,7 +142,12 @@ class Controller(QObject):
                 cb(result, error)
             self.poll()
 
-        self.client.call(method, path, body, cb=done)
+        if timeout is None:
+            self.client.call(method, path, body, cb=done)
+        else:
+            import aiohttp
+
+            self.client.call(method, path, body, cb=done, timeout=aiohttp.ClientTimeout(total=timeout))
 
     def host(self, request: dict, cb=None):
         def done(result, error):
@@ -163,11 +168,14 @@ class Controller(QObject):
     def set_share(self, on: bool, cb=None):
         self._act("POST", "/share", {"on": bool(on)}, cb)
 
-    def join(self, code: str | None = None, pipeline: str | None = None, port: int | None = None, cb=None):
+    def join(self, code: str | None = None, pipeline: str | None = None, port: int | None = None,
+             relay: str | None = None, cb=None):
         body = {"code": code} if code else {"pipeline": pipeline or ""}
-        if port is not None:
+        if relay:
+            body["relay"] = relay
+        if port is not None and not code:
             body["port"] = port
-        self._act("POST", "/join", body, cb)
+        self._act("POST", "/join", body, cb, timeout=180)  # a tunnel to the host can take a while
 
     def set_limits(self, limits: dict, cb=None):
         self._act("POST", "/limits", limits, cb)

@@ -148,13 +148,17 @@ class JoinDialog(QDialog):
         lay = QVBoxLayout(self)
         lay.addWidget(QLabel("Paste the invite code your friend sent you:"))
         self.code = QLineEdit()
-        self.code.setPlaceholderText("invite code, or the pipeline's name")
+        self.code.setPlaceholderText("invite code, short code (with the relay below), or the pipeline's name")
         lay.addWidget(self.code)
         form = QFormLayout()
+        self.relay = QLineEdit()
+        self.relay.setPlaceholderText("only for a short code like 4821-917305: the host's relay, ws://…")
+        form.addRow("Relay:", self.relay)
         self.port = QSpinBox()
         self.port.setRange(0, 65535)
         self.port.setValue(controller.settings.share_port)
-        form.addRow("Port friends reach this computer on:", self.port)
+        self.port.setToolTip("Only when joining by pipeline name: the host then connects to this port")
+        form.addRow("Port (joining by name):", self.port)
         lay.addLayout(form)
         box = QGroupBox("What will be used of this computer")
         bl = QVBoxLayout(box)
@@ -188,6 +192,7 @@ class JoinDialog(QDialog):
             "hot or a game needs it.")
 
     def join(self):
+        self.last_error = None
         text = self.code.text().strip()
         if not text:
             self.last_error = "Paste the invite code first."
@@ -199,14 +204,28 @@ class JoinDialog(QDialog):
                 self.last_error = error
                 self.result.setText(f"<span style='color:#b91c1c'>{error}</span>")
                 return
-            addr = (result.get("sharing") or {}).get("address")
-            self.result.setText(f"<b>Sharing is on.</b> Send your friend this address: <code>{addr}</code>")
+            sharing = result.get("sharing") or {}
+            joined = sharing.get("joined")
+            if joined:
+                self.result.setText(f"<b>Joined.</b> This computer is part of pipeline {joined['pipeline'][:8]}… "
+                                    f"(connected {joined.get('via') or '…'}); the host assigns its layers.")
+            elif sharing.get("paused"):
+                self.result.setText(f"<b>Sharing is on but paused:</b> {sharing.get('reason')}")
+            else:
+                self.result.setText(f"<b>Sharing is on.</b> Send your friend this address: "
+                                    f"<code>{sharing.get('address')}</code>")
 
-        looks_like_code = len(text) > 40 or text.count("-") >= 3
-        if looks_like_code:
-            self.c.join(code=text, port=self.port.value(), cb=done)
+        self.result.setText("Connecting…")
+        if looks_like_code(text):
+            self.c.join(code=text, relay=self.relay.text().strip() or None, cb=done)
         else:
             self.c.join(pipeline=text, port=self.port.value(), cb=done)
+
+
+def looks_like_code(text: str) -> bool:
+    """Invite codes are long; short codes are digits with a dash; a pipeline name is neither."""
+    compact = text.replace(" ", "")
+    return len(compact) > 40 or (compact.replace("-", "").isdigit() and "-" in compact)
 
 
 class SettingsDialog(QDialog):

@@ -149,6 +149,13 @@ def test_without_a_tray_the_window_opens(qtbot, home):
         c.shutdown()
 
 
+def test_join_dialog_tells_codes_from_names():
+    from app.dialogs import looks_like_code
+
+    assert looks_like_code("4821-917305") and looks_like_code("ABCD" * 20)
+    assert not looks_like_code("alices-pipeline") and not looks_like_code("friends")
+
+
 def test_single_instance(qtbot, tmp_path):
     from app.main import SingleInstance
 
@@ -369,6 +376,10 @@ def test_join_dialog_and_share_toggle(qtbot, live):
     assert "Compute:" in d.usage.text()
     d.join()
     assert "Paste the invite code" in d.result.text()
+    d.code.setText("B" * 80)  # looks like an invite code, but is not one
+    d.join()
+    qtbot.waitUntil(lambda: bool(d.last_error), timeout=60_000)
+    assert "cannot be used" in d.result.text()
     d.code.setText("friends-pipeline")
     d.port.setValue(0)
     d.join()
