@@ -50,7 +50,9 @@ class NodeProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        args = [sys.executable, "-m", "engine", "node", "--token-stdin"] + self.extra_args
+        # a PyInstaller bundle's executable is `potluck` itself (build.spec)
+        launcher = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "engine"]
+        args = launcher + ["node", "--token-stdin"] + self.extra_args
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, start_new_session=False)
         self.proc.stdin.write((self.token + "\n").encode())
