@@ -174,6 +174,51 @@ def test_pause_by_limits_and_resume(node):
     assert call(node, "GET", "/status")[1]["state"] == "idle"
 
 
+def test_pausing_drains_in_flight_work_then_tells_the_head(node):
+    """A head uses this node's shared stage; the owner's limits pause sharing mid-reply:
+    the reply still completes, then the stage leaves (the head hears it) and the node is paused."""
+    import asyncio
+
+    from conftest import pipeline_args
+
+    call(node, "POST", "/share", {"on": True})
+    addr = wait_status(node, lambda s: s["sharing"]["running"])["sharing"]["address"]
+
+    async def run():
+        from engine.cli import build_head, close_head
+        from engine.head import Delta
+        from engine.sampling import SamplingParams
+
+        head = await build_head(pipeline_args(stage_addr=[addr], pipeline="potluck"))
+        loop = asyncio.get_running_loop()
+        try:
+            handle = head.submit(head.chat_prompt([{"role": "user", "content": "Tell me a long story."}]),
+                                 SamplingParams(temperature=0, max_tokens=40, greedy=True))
+            deltas, paused = 0, None
+            async for ev in handle:
+                if isinstance(ev, Delta):
+                    deltas += 1
+                    if deltas == 3:  # the owner's limits change mid-reply
+                        paused = loop.run_in_executor(None, call, node, "POST", "/limits", {"only_when_idle": True})
+                else:
+                    done = ev
+            assert done.finish_reason == "length" and done.error is None and done.completion_tokens == 40
+            assert (await paused)[0] == 200
+            for _ in range(150):
+                if head.error:
+                    break
+                await asyncio.sleep(0.2)
+            assert head.error and "disconnected" in head.error
+        finally:
+            await close_head(head)
+
+    asyncio.run(run())
+    st = wait_status(node, lambda s: s["state"] == "paused")
+    assert not st["sharing"]["running"]
+    call(node, "POST", "/limits", {"only_when_idle": False})
+    call(node, "POST", "/stop", {"what": "share"})
+
+
 def test_join(node):
     assert call(node, "POST", "/join", {})[0] == 400
     assert call(node, "POST", "/join", {"pipeline": "friends", "port": 99999})[0] == 400
