@@ -74,12 +74,16 @@ async def build_head(args, progress=None):
     local = None
     addrs = list(args.stage_addr)
     threads = args.threads
+    cores = None
     if not addrs and args.stages > 1:
         # Stage processes on one machine split its cores: OpenMP threads that outnumber
         # cores stall each other at every barrier (measured: 400x slower small ops).
-        threads = threads or max(1, (os.cpu_count() or 1) // args.stages)
-        local = LocalStages(args.stages - 1, threads=threads)
+        # Unless --threads fixes it, each process owns its share and borrows idle
+        # cores for big steps (engine/cores.py).
+        local = LocalStages(args.stages - 1, threads=threads, share_cores=not threads)
         addrs = await local.start()
+        cores = local.head_cores
+        threads = threads or max(1, (os.cpu_count() or 1) // args.stages)
     if threads:
         import torch
 
@@ -87,7 +91,8 @@ async def build_head(args, progress=None):
     head = Head(source, addrs, layers=layers, micro_batches=args.micro_batches, dtype=args.dtype,
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
                 link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
-                pipeline=getattr(args, "pipeline", "local"))
+                pipeline=getattr(args, "pipeline", "local"),
+                cores=cores)
     head.next_addresses = getattr(args, "next_addresses", None)
     try:
         await head.start()
@@ -199,8 +204,13 @@ async def _stage(args) -> int:
     from .local import ANNOUNCE
     from .stage_server import StageServer
 
+    cores = None
+    if args.core_lease:
+        from .cores import CoreLease
+
+        cores = CoreLease.from_spec(args.core_lease)
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
-                               threads=args.threads).start()
+                               threads=args.threads, cores=cores).start()
     if args.announce:
         print(f"{ANNOUNCE}{server.port}", flush=True)
         # our parent holds our stdin: when it goes, we go
@@ -245,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/cores.py
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
 

@@ -29,7 +29,7 @@ from . import microbatch
 from .compression import POLICIES as COMPRESS_POLICIES
 from .compression import should_compress
 from .link import LinkSender, open_link
-from .partition import layer_bytes_estimate, partition
+from .partition import layer_bytes_estimate, lm_head_layers_estimate, partition
 from .profile import interp, measure
 from .sampling import Sampler, SamplingParams
 from .stage_model import StageBatch, StageModel, check_partition
@@ -130,8 +130,10 @@ class Head:
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
-                 prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off"):
+                 prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
+                 cores=None):
         self.source = source
+        self.cores = cores  # a CoreLease when local stage processes share this CPU
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
@@ -213,7 +215,9 @@ class Head:
             mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
             per_layer = layer_bytes_estimate(cfg, self.dtype.itemsize)
             caps = [max(1, int(m * 0.6 // per_layer)) for m in mems]
-            self.ranges = partition(n_layers, speeds, caps)
+            extra = [0.0] * self.n_stages
+            extra[-1] = lm_head_layers_estimate(cfg)
+            self.ranges = partition(n_layers, speeds, caps, extra)
         for r, rng in zip(self.remotes, self.ranges[1:]):
             r.range = rng
 
@@ -238,7 +242,7 @@ class Head:
         def load_local():
             budget = self.kv_budget_override or kv_budget_tokens_for(cfg, self.ranges[0], self.dtype, self.device)
             stage = StageModel(self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
-                               kv_budget_tokens=budget,
+                               kv_budget_tokens=budget, cores=self.cores,
                                progress=lambda d, t, w: self.progress(0, d, t, w))
             return stage, measure(stage)
 
@@ -453,6 +457,11 @@ class Head:
         if not c:
             return
         if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
+            if self.cores is not None:
+                # alone, with stages sharing this CPU: the whole prompt in one step,
+                # each stage in turn borrowing every core (cores.py), beats chunks
+                # that each pay a step's fixed cost (reading the weights) again
+                return
             # alone in the pipeline: cut the prompt finer so every stage works on it at
             # once (time to first token), though each chunk pays a step's fixed cost
             c = min(c, max(16, math.ceil(len(s.prompt) / (2 * self.n_stages))))

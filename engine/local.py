@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
+import tempfile
+
+from .cores import CoreLease, home_cores
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
 
 
 class LocalStages:
-    def __init__(self, count: int, threads: int | None = None, pipeline: str = "local", device: str = "cpu"):
+    def __init__(self, count: int, threads: int | None = None, pipeline: str = "local", device: str = "cpu",
+                 share_cores: bool = False):
         self.count = count
         self.threads = threads
+        # share_cores: the children and the head (process 0, which holds stage 0) lease
+        # this machine's cores from one another (engine/cores.py); head_cores is the
+        # head's lease
+        self._core_dir = tempfile.mkdtemp(prefix="potluck-cores-") if share_cores else None
+        self._n_cores = os.cpu_count() or 1
+        self.head_cores = None
+        if self._core_dir:
+            self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
         self.pipeline = pipeline
         self.device = device
         self.procs: list[asyncio.subprocess.Process] = []
@@ -28,10 +41,14 @@ class LocalStages:
         env.setdefault("PYTHONUNBUFFERED", "1")
         src_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = src_root + os.pathsep + env.get("PYTHONPATH", "")
-        for _ in range(self.count):
+        for i in range(1, self.count + 1):
             args = [sys.executable, "-m", "engine", "stage", "--host", "127.0.0.1", "--port", "0",
                     "--announce", "--pipeline", self.pipeline, "--device", self.device]
-            if self.threads:
+            if self._core_dir:
+                home = home_cores(i, self.count + 1, self._n_cores)
+                args += ["--threads", str(len(home)),
+                         "--core-lease", CoreLease.spec(self._core_dir, home, self._n_cores)]
+            elif self.threads:
                 args += ["--threads", str(self.threads)]
             proc = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
@@ -70,3 +87,9 @@ class LocalStages:
                 proc.kill()
                 await proc.wait()
         self.procs.clear()
+        if self.head_cores is not None:
+            self.head_cores.close()
+            self.head_cores = None
+        if self._core_dir:
+            shutil.rmtree(self._core_dir, ignore_errors=True)
+            self._core_dir = None

@@ -102,8 +102,10 @@ def check_partition(ranges: list[tuple[int, int]], n_layers: int) -> None:
 
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", kv_budget_tokens: int = 1 << 16, progress=None):
+                 device: str = "cpu", kv_budget_tokens: int = 1 << 16, progress=None, cores=None):
         self.source = source
+        # a CoreLease (engine/cores.py) when stage processes share this machine's CPU
+        self.cores = cores
         cfg = copy.deepcopy(source.config())
         self.n_layers_total = cfg.num_hidden_layers
         validate_range(start, end, self.n_layers_total)
@@ -121,6 +123,9 @@ class StageModel:
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
         self._inject: torch.Tensor | None = None
         self._layers[0].register_forward_pre_hook(self._inject_hook, with_kwargs=True)
+        if cores is not None:
+            for layer in self._layers:  # a borrowed core goes back between layers
+                layer.register_forward_pre_hook(lambda *_: cores.checkpoint())
         self._plan_masks()
 
     # ---- construction -------------------------------------------------------
@@ -299,6 +304,12 @@ class StageModel:
         """
         if inputs.shape[0] != batch.n_tokens or len(batch.ns) != len(batch.seq_ids):
             raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
+        if self.cores is None:
+            return self._step(batch, inputs)
+        with self.cores.hold(batch.n_tokens):
+            return self._step(batch, inputs)
+
+    def _step(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
         self.kv.reserve(list(zip(batch.seq_ids, batch.starts, batch.ns)))
         decode = [i for i, n in enumerate(batch.ns) if n == 1]
         if not decode or len(decode) == len(batch.ns):

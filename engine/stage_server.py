@@ -54,8 +54,9 @@ def kv_budget_tokens_for(cfg, layer_range, dtype, device: str) -> int:
 
 class StageServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
-                 device: str = "cpu", threads: int | None = None):
+                 device: str = "cpu", threads: int | None = None, cores=None):
         self.host, self.port = host, port
+        self.cores = cores  # a CoreLease when this machine's cores are shared (engine/cores.py)
         self.pipeline = pipeline
         self.device = device
         if threads:
@@ -178,7 +179,7 @@ class StageServer:
                 source.config(), (msg["start"], msg["end"]), dtype, self.device)
             self.stage = None
             stage = StageModel(source, msg["start"], msg["end"], dtype=dtype, device=self.device,
-                               kv_budget_tokens=budget, progress=progress)
+                               kv_budget_tokens=budget, progress=progress, cores=self.cores)
             return stage, fp, measure(stage)
 
         link_mode = msg["link"] or "jit"

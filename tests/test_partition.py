@@ -49,6 +49,27 @@ def test_split_is_proportional_to_speed():
     assert sum(c) == 33 and abs(c[0] / c[1] - 3) < 0.35
 
 
+def test_lm_head_work_counts_against_the_last_stage():
+    # SmolLM2-135M: the LM head is ~8 layers' worth of weights read every decode step
+    from transformers import LlamaConfig
+
+    from engine.partition import lm_head_layers_estimate
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152,
+                      num_attention_heads=9, num_key_value_heads=3)
+    head = lm_head_layers_estimate(cfg)
+    assert 7 < head < 9
+    assert counts(partition(30, [1, 1], extra=[0, head])) == [19, 11]
+    c = counts(partition(30, [1, 1, 1], extra=[0, 0, head]))
+    assert c[2] < c[0] and sum(c) == 30
+    # a head small next to the layers (Llama-2-7B: 0.65 layers) barely moves the split
+    big = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, vocab_size=32000)
+    assert counts(partition(32, [1, 1], extra=[0, lm_head_layers_estimate(big)])) == [16, 16]
+    # the last stage still gets a layer, and capacities still bind
+    assert counts(partition(4, [1, 1], extra=[0, 50])) == [3, 1]
+    assert counts(partition(30, [1, 1], [12, 30], extra=[0, head])) == [12, 18]
+
+
 def test_slow_stage_still_gets_one_layer():
     assert counts(partition(10, [1000, 0.001])) == [9, 1]
     assert counts(partition(10, [1, 0, -5])) == [8, 1, 1]  # non-positive speeds: only the minimum

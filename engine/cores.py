@@ -1,0 +1,150 @@
+"""Stage processes on one machine share its cores: each owns some, borrows idle ones.
+
+A local pipeline (`potluck chat`, the tests, bench/overhead.py) runs its stages as
+processes on the same CPU. Giving each a fixed share of the cores (1 thread each for
+2 stages on 2 cores) keeps OpenMP threads from outnumbering cores -- they stall each
+other at every barrier when they do -- but wastes half the machine whenever only one
+stage has work: a lone prompt passes the stages one after another, each on one core,
+and time to first token came out 1.5-1.8x the single process's (bench/overhead.py).
+
+So the cores are leases. Core i is a lock file; a process holds its *home* cores
+while it computes a step and, for a step big enough to gain from more threads, also
+takes whichever other cores are free at that moment (non-blocking), running the step
+with one thread per core held. Decode steps of a few rows do not borrow: they are
+bound by reading weights, which a second thread barely speeds up here (measured: 26
+vs 26 ms).
+
+A borrowed core goes back as soon as its owner wants it, not at the end of the step:
+an owner that finds its core lent out raises a flag (holds want-i.lock) and waits;
+the borrower checks the flags before each decoder layer (`checkpoint`) and drops the
+wanted core, finishing its step with fewer threads. So a stage with decode work waits
+at most one layer for a neighbour's prompt, and the pipeline's cadence holds.
+The thread count changes at most a few times per step (switching it before every
+layer measured 1.5x slower: OpenMP re-forms its team each time).
+
+Locks are flock(2) on files in a directory the pipeline's parent creates; a process
+that dies releases its locks with its file descriptors.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+
+BORROW_MIN_TOKENS = 16
+
+
+def home_cores(index: int, processes: int, n_cores: int) -> list[int]:
+    """Cores owned by process `index` of `processes` sharing n_cores.
+
+    With at least a core each, the cores are dealt out in contiguous runs; with more
+    processes than cores, processes share a home core (and so take turns on it).
+    """
+    if processes <= n_cores:
+        per = n_cores // processes
+        return list(range(index * per, (index + 1) * per))
+    return [index % n_cores]
+
+
+class CoreLease:
+    def __init__(self, directory: str, home: list[int], n_cores: int,
+                 borrow_min_tokens: int = BORROW_MIN_TOKENS, set_threads=None):
+        if not home or any(not 0 <= c < n_cores for c in home):
+            raise ValueError(f"home cores {home} outside 0..{n_cores - 1}")
+        self.home = sorted(set(home))
+        self.others = [c for c in range(n_cores) if c not in self.home]
+        self.borrow_min_tokens = borrow_min_tokens
+        def lock_file(name):
+            return os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o600)
+
+        self._fds = {c: lock_file(f"core-{c}.lock") for c in range(n_cores)}
+        self._want = {c: lock_file(f"want-{c}.lock") for c in range(n_cores)}
+        self._borrowed: list[int] = []
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self._set_threads = set_threads
+        self._threads = None
+        self.borrowed_steps = 0   # steps that ran with borrowed cores
+        self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "CoreLease":
+        """'DIR:HOME:N' as passed on a stage's command line (HOME: comma-separated)."""
+        directory, home, n = spec.rsplit(":", 2)
+        return cls(directory, [int(c) for c in home.split(",")], int(n))
+
+    @staticmethod
+    def spec(directory: str, home: list[int], n_cores: int) -> str:
+        return f"{directory}:{','.join(map(str, home))}:{n_cores}"
+
+    @contextmanager
+    def hold(self, n_tokens: int):
+        """Hold this process's cores (and idle ones, for a big step) while computing."""
+        held = []
+        try:
+            for c in self.home:
+                self._take_home(c)
+                held.append(c)
+            if n_tokens >= self.borrow_min_tokens:
+                for c in self.others:
+                    try:
+                        fcntl.flock(self._fds[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue
+                    self._borrowed.append(c)
+            if self._borrowed:
+                self.borrowed_steps += 1
+            self._threads_for(len(held) + len(self._borrowed))
+            yield len(held) + len(self._borrowed)
+        finally:
+            for c in self._borrowed:
+                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+            self._borrowed.clear()
+            for c in reversed(held):
+                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+
+    def checkpoint(self) -> None:
+        """Between layers: hand back every borrowed core whose owner is waiting for it."""
+        if not self._borrowed:
+            return
+        keep = []
+        for c in self._borrowed:
+            try:
+                fcntl.flock(self._want[c], fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # the owner holds its want flag: give the core back
+                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+                self.returned_cores += 1
+                continue
+            fcntl.flock(self._want[c], fcntl.LOCK_UN)
+            keep.append(c)
+        if len(keep) != len(self._borrowed):
+            self._borrowed = keep
+            self._threads_for(len(self.home) + len(keep))
+
+    def _take_home(self, c: int) -> None:
+        try:
+            fcntl.flock(self._fds[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        # lent out (or, with more processes than cores, in a co-owner's turn): raise
+        # the flag so a borrower returns it at its next layer, then wait for it
+        fcntl.flock(self._want[c], fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fds[c], fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(self._want[c], fcntl.LOCK_UN)
+
+    def _threads_for(self, n: int) -> None:
+        if n != self._threads:
+            self._set_threads(n)
+            self._threads = n
+
+    def close(self):
+        for fd in (*self._fds.values(), *self._want.values()):
+            os.close(fd)
+        self._fds.clear()
+        self._want.clear()

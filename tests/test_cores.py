@@ -1,0 +1,82 @@
+"""Co-located stage processes lease cores from one another (engine/cores.py).
+
+flock(2) locks belong to open file descriptions, so two CoreLease objects in one
+process contend exactly as two processes do.
+"""
+
+import threading
+
+import pytest
+
+from engine.cores import CoreLease, home_cores
+
+
+def lease(tmp_path, home, n=2, log=None):
+    return CoreLease(str(tmp_path), home, n, borrow_min_tokens=16,
+                     set_threads=(log.append if log is not None else (lambda t: None)))
+
+
+def test_home_cores_deal_out_the_machine():
+    assert home_cores(0, 2, 2) == [0] and home_cores(1, 2, 2) == [1]
+    assert home_cores(0, 2, 8) == [0, 1, 2, 3] and home_cores(1, 2, 8) == [4, 5, 6, 7]
+    assert [home_cores(i, 3, 2) for i in range(3)] == [[0], [1], [0]]  # more stages than cores: share
+
+
+def test_big_step_borrows_an_idle_core_small_step_does_not(tmp_path):
+    log = []
+    a = lease(tmp_path, [0], log=log)
+    lease(tmp_path, [1])  # the other process, idle
+    with a.hold(64) as threads:
+        assert threads == 2
+    with a.hold(4) as threads:
+        assert threads == 1
+    assert log == [2, 1] and a.borrowed_steps == 1
+
+
+def test_a_busy_core_is_not_borrowed(tmp_path):
+    a, b = lease(tmp_path, [0]), lease(tmp_path, [1])
+    with b.hold(1):
+        with a.hold(64) as threads:
+            assert threads == 1
+
+
+def test_owner_gets_a_lent_core_back_at_the_borrowers_next_layer(tmp_path):
+    log = []
+    a, b = lease(tmp_path, [0], log=log), lease(tmp_path, [1])
+    got = threading.Event()
+    with a.hold(64) as threads:
+        assert threads == 2  # holds b's core too
+        a.checkpoint()  # nobody waiting: keeps it
+        assert log == [2]
+
+        def owner():
+            with b.hold(1):
+                got.set()
+
+        t = threading.Thread(target=owner)
+        t.start()
+        assert not got.wait(0.3)  # b waits while its core is lent out...
+        a.checkpoint()  # ...until a's next layer boundary
+        assert got.wait(10)
+        assert log == [2, 1] and a.returned_cores == 1  # a finishes its step on one thread
+        t.join()
+    with a.hold(64) as threads:  # b is idle again: borrowable
+        assert threads == 2
+
+
+def test_processes_sharing_a_home_core_take_turns(tmp_path):
+    a, c = lease(tmp_path, [0]), lease(tmp_path, [0])
+    inside = []
+    with a.hold(1):
+        t = threading.Thread(target=lambda: c.hold(1).__enter__() and inside.append(1))
+        t.daemon = True
+        t.start()
+        t.join(0.3)
+        assert not inside
+
+
+def test_bad_home_is_refused(tmp_path):
+    with pytest.raises(ValueError):
+        CoreLease(str(tmp_path), [2], 2, set_threads=lambda t: None)
+    spec = CoreLease.spec(str(tmp_path), [1], 2)
+    assert CoreLease.from_spec(spec).home == [1]
