@@ -218,6 +218,11 @@ class ChatWindow(QMainWindow):
                 a, b = s["layers"]
                 where = "this computer (head)" if i == 0 else s["address"]
                 kv = f", {s['kv_tokens']} KV tokens" if s.get("kv_tokens") is not None else ""
+                link = s.get("link") or {}
+                if link.get("rtt_ms") is not None:
+                    kv += f", link {link['rtt_ms']:.1f} ms"
+                    if link.get("mbit_s"):
+                        kv += f" / {link['mbit_s']:.0f} Mbit/s"
                 parts.append(f"layers {a}–{b - 1}: {where}{kv}")
             parts.append(f"{hosting.get('tokens_served', 0)} tokens served")
             self.pipeline_label.setText("  ·  ".join(parts))

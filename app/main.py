@@ -125,6 +125,21 @@ def main(argv=None) -> int:
     shell_ref["shell"] = shell
     app.setQuitOnLastWindowClosed(shell.tray is None)
     app.aboutToQuit.connect(lambda: controller._closing or controller.shutdown())
+    # Ctrl+C or SIGTERM quits cleanly (the node and its stages with it); the timer lets
+    # Python run its signal handlers while Qt's loop waits
+    import signal
+
+    from PySide6.QtCore import QTimer
+
+    def _on_signal(*_):
+        # a signal may arrive before the event loop runs (while the node starts): queue the quit
+        QTimer.singleShot(0, shell.quit)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    tick = QTimer()
+    tick.timeout.connect(lambda: None)
+    tick.start(250)
     controller.start_node()
     if shell.tray is not None:
         shell.open_chat()  # first launch: show where the chat is

@@ -161,4 +161,4 @@ class Shell(QObject):
         if self.tray is not None:
             self.tray.hide()
         self.c.shutdown()
-        QApplication.quit()
+        QApplication.exit(0)  # quit() may be vetoed by a window; leaving is not optional here

@@ -272,6 +272,11 @@ class Node:
                 for st, k in zip(info["stages"], kv):
                     st.update(seqs=k["seqs"], kv_tokens=k["kv_tokens"])
             info["kv_used_tokens"] = sum(k["kv_tokens"] for k in kv) if kv else None
+            est = getattr(getattr(getattr(self.head, "link", None), "sched", None), "link", None)
+            if est is not None and len(info["stages"]) > 1:  # the head's link to stage 1, as measured
+                bw, rtt = getattr(est, "bandwidth", None), getattr(est, "rtt", None)
+                info["stages"][1]["link"] = {"rtt_ms": None if not rtt else rtt * 1000,
+                                             "mbit_s": None if not bw else bw * 8 / 1e6}
             info["openai_url"] = self.openai_url
             hosting = info
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,

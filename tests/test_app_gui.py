@@ -173,6 +173,36 @@ def test_single_instance(qtbot, tmp_path):
     third.release()
 
 
+def test_app_runs_once_and_quits_cleanly(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen", POTLUCK_HOME=str(tmp_path),
+               POTLUCK_KEYSTORE="file")
+    cmd = [sys.executable, "-m", "app.main", "--no-host", "--threads", "1"]
+    log = open(tmp_path / "app.log", "w")
+    first = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # its node is up
+            if any("node" in (c.cmdline() or []) for c in psutil.Process(first.pid).children()):
+                break
+            assert first.poll() is None, (tmp_path / "app.log").read_text()
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the app started no node")
+        second = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0 and "already running" in second.stderr
+        procs = process_tree(first.pid)
+        first.send_signal(signal.SIGTERM)  # as a session logout does
+        assert first.wait(120) == 0, (tmp_path / "app.log").read_text()[-3000:]
+        deadline = time.time() + 60
+        while not gone(procs) and time.time() < deadline:
+            time.sleep(0.2)
+        assert gone(procs)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log.close()
+
+
 def test_no_display_falls_back_to_terminal_chat(home):
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
     env["PYTHONPATH"] = str(ROOT)

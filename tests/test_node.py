@@ -170,6 +170,7 @@ def test_pause_by_limits_and_resume(node):
     assert call(node, "POST", "/limits", {"temp_pause_c": 50, "temp_resume_c": 60})[0] == 400
     assert call(node, "POST", "/activity", {"idle_seconds": -1})[0] == 400
     call(node, "POST", "/limits", {"only_when_idle": False})
+    call(node, "POST", "/activity", {"idle_seconds": None})
     call(node, "POST", "/stop", {"what": "share"})
     assert call(node, "GET", "/status")[1]["state"] == "idle"
 
@@ -181,6 +182,7 @@ def test_pausing_drains_in_flight_work_then_tells_the_head(node):
 
     from conftest import pipeline_args
 
+    call(node, "POST", "/activity", {"idle_seconds": None})  # the owner is here (or we cannot tell)
     call(node, "POST", "/share", {"on": True})
     addr = wait_status(node, lambda s: s["sharing"]["running"])["sharing"]["address"]
 
