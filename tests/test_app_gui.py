@@ -257,6 +257,40 @@ def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
         c.shutdown()
 
 
+def test_settings_dialog(qtbot, home):
+    from app.controller import Controller
+    from app.dialogs import SettingsDialog
+    from app.secrets_store import get_secret
+    from app.settings import Settings
+    from app.store import History, Message
+
+    c = Controller(make_settings(host_on_start=False), history=History(home / "settings-test.sqlite3"))
+    try:
+        d = SettingsDialog(c)
+        qtbot.addWidget(d)
+        d.temp_pause.setValue(70)
+        d.temp_resume.setValue(75)
+        d.save()
+        assert "below the pause temperature" in d.error.text()  # refused, nothing saved
+        d.temp_pause.setValue(85)
+        d.temp_resume.setValue(70)
+        d.vram_cap.setValue(6000)
+        d.keep_history.setChecked(False)
+        d.hf_token.setText("hf_secret_value")
+        d.save()
+        saved = Settings.load()
+        assert saved.limits["vram_cap_mb"] == 6000 and saved.limits["temp_pause_c"] == 85
+        assert saved.keep_history is False and "hf_secret" not in (home / "settings.json").read_text()
+        assert get_secret("hf_token") == "hf_secret_value"
+        cid = c.history.new_conversation("not kept")  # "don't keep history": memory only
+        c.history.add_message(cid, Message("user", "ephemeral"))
+        assert not (home / "settings-test.sqlite3").exists() or b"ephemeral" not in (
+            home / "settings-test.sqlite3").read_bytes()
+    finally:
+        c.shutdown()
+        Settings().save()
+
+
 def test_node_that_does_not_answer(qtbot, home):
     from app.chat import ChatWindow
     from app.controller import Controller
