@@ -285,7 +285,12 @@ def fuzz(t: Tally, n: int, code: str):
                          lambda e: code[:e[0]] + e[1] + code[e[0] + 1:]),
                      st.integers(1, len(code) - 1).map(lambda k: code[:k])))
     def f1(s):
-        if s.replace("-", "").upper() == code.replace("-", "").upper():
+        try:
+            same = inv.parse(s) == valid
+        except inv.InviteError:
+            same = False
+        if same:    # the same code spelled another way (case, O/0, I/L/1, spaces): not a typo
+            t.row("fuzz: invite parser").reasons["(same code, other spelling; not counted)"] += 1
             return
         g(s)
 
@@ -495,7 +500,7 @@ async def attack_relay(t: Tally, w: dict, n: int, flood: int, folder: Path):
     join_url = f"{base}/v1/join/{pid}"
     samples = [os.urandom(random.randint(1, 5000)) for _ in range(max(3, n // 4))]
     samples += ["text frame", os.urandom(200 << 10)]
-    for kind, reason in await gather_limited([ws_exchange(join_url, s) for s in samples], 4):
+    for kind, reason in await gather_limited([ws_exchange(join_url, s) for s in samples], 3):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
 
     name = "relay: wrong-secret join flood"
@@ -511,7 +516,9 @@ async def attack_relay(t: Tally, w: dict, n: int, flood: int, folder: Path):
         await s.close("oops")
         return None
 
-    for reason in await gather_limited([wrong_secret() for _ in range(flood)], 12):
+    # under the relay's 8 channels per pipeline (the legitimate joiner holds one), so
+    # that the attempts reach the host; beyond it the relay refuses them itself
+    for reason in await gather_limited([wrong_secret() for _ in range(flood)], 5):
         (t.rejected if reason else t.accepted)(name, reason or "joined")
 
 
@@ -604,7 +611,10 @@ async def run_suite(scale: float = 1.0, log=print, folder: Path | None = None) -
     try:
         await asyncio.get_running_loop().run_in_executor(None, fuzz, t, max(50, int(1000 * scale)), w["code"])
         await asyncio.gather(attack_host(t, w, n, flood, folder), attack_relay(t, w, n, flood, folder),
-                             attack_stage(t, w, n), slow(t, w, n))
+                             attack_stage(t, w, n))
+        # slow handshakes hold relay channels for the host's 10 s: on their own, so that
+        # the relay attacks above get through to the host
+        await slow(t, w, n)
     finally:
         legit.stop.set()
         await traffic
