@@ -216,7 +216,8 @@ class ChatWindow(QMainWindow):
             parts = []
             for i, s in enumerate(hosting["stages"]):
                 a, b = s["layers"]
-                where = "this computer (head)" if i == 0 else s["address"]
+                where = "this computer (head)" if i == 0 else (
+                    f"{s['name']} (via {s.get('via')})" if s.get("name") else s["address"])
                 kv = f", {s['kv_tokens']} KV tokens" if s.get("kv_tokens") is not None else ""
                 link = s.get("link") or {}
                 if link.get("rtt_ms") is not None:

@@ -37,11 +37,21 @@ class HostDialog(QDialog):
         self.stages.setRange(1, 8)
         self.stages.setValue(controller.settings.local_stages)
         form.addRow("Stages on this computer:", self.stages)
+        self.invitees = QSpinBox()
+        self.invitees.setRange(0, 8)
+        self.invitees.setToolTip("How many friends' computers join with the invite code")
+        form.addRow("Friends to invite:", self.invitees)
+        self.listen = QLineEdit("0.0.0.0:7870")
+        self.listen.setToolTip("Where friends reach this computer directly (your router may need a port forward)")
+        form.addRow("Accept friends on:", self.listen)
+        self.relay = QLineEdit()
+        self.relay.setPlaceholderText("optional: ws://relay:8765, reachable from both homes")
+        form.addRow("Relay:", self.relay)
         self.friends = QPlainTextEdit()
-        self.friends.setPlaceholderText("Friends' GPUs, one address per line (ws://friend:7860) — "
-                                        "they get it from “Join with invite code…”")
-        self.friends.setFixedHeight(60)
-        form.addRow("Friends' GPUs:", self.friends)
+        self.friends.setPlaceholderText("or friends' stage addresses, one per line (ws://friend:7860), "
+                                        "from “Join with invite code…” with a pipeline name")
+        self.friends.setFixedHeight(50)
+        form.addRow("Friends' addresses:", self.friends)
         lay.addLayout(form)
         self.check_button = QPushButton("Check memory and split")
         self.check_button.clicked.connect(self.check)
@@ -62,6 +72,11 @@ class HostDialog(QDialog):
         self.result.setWordWrap(True)
         self.result.setTextInteractionFlags(Qt.TextSelectableByMouse)
         lay.addWidget(self.result)
+        self.invite = QLineEdit()
+        self.invite.setReadOnly(True)
+        self.invite.setPlaceholderText("the invite code appears here: send it to your friends")
+        self.invite.hide()
+        lay.addWidget(self.invite)
         self.buttons = QDialogButtonBox()
         self.start_button = self.buttons.addButton("Start hosting", QDialogButtonBox.AcceptRole)
         self.buttons.addButton(QDialogButtonBox.Close)
@@ -77,7 +92,11 @@ class HostDialog(QDialog):
         text = self.model.currentText().strip()
         model = "default" if text == DEFAULT_CHOICE or not text else text
         addrs = [a.strip() for a in self.friends.toPlainText().splitlines() if a.strip()]
-        return {"model": model, "stages": self.stages.value(), "stage_addr": addrs}
+        req = {"model": model, "stages": self.stages.value(), "stage_addr": addrs}
+        if self.invitees.value():
+            req.update(friends=self.invitees.value(), listen=self.listen.text().strip(),
+                       relay=self.relay.text().strip())
+        return req
 
     def check(self):
         self.plan_label.setText("Checking…")
@@ -120,6 +139,12 @@ class HostDialog(QDialog):
         if not self.started:
             return
         loading = st.get("loading")
+        code = (loading or {}).get("invite") or (st.get("hosting") or {}).get("invite")
+        if code:
+            self.invite.setText(code)
+            self.invite.show()
+        if loading and loading.get("message"):
+            self.result.setText(loading["message"])
         if loading and loading.get("stages"):
             done = sum(p["done"] for p in loading["stages"].values())
             total = sum(p["total"] for p in loading["stages"].values())
@@ -131,8 +156,10 @@ class HostDialog(QDialog):
             self.progress.setValue(self.progress.maximum())
             self.result.setText(
                 f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "
-                f"<code>{hosting.get('openai_url')}</code>.<br>Friends join by choosing “Join with invite code…” "
-                f"and sending you the address it shows; add it above and start again.")
+                f"<code>{hosting.get('openai_url')}</code>." + (
+                    "" if hosting.get("friends") else
+                    "<br>To add friends' GPUs, set “Friends to invite” and start again: they paste the "
+                    "invite code into “Join with invite code…”."))
         elif st.get("state") == "error" and st.get("error"):
             self.result.setText(f"<span style='color:#b91c1c'>{st['error']}</span>")
 
@@ -347,7 +374,8 @@ def status_html(st: dict) -> str:
                    "<tr><th>Computer</th><th>Layers</th><th>KV tokens</th></tr>")
         for s in h["stages"]:
             a, b = s["layers"]
-            out.append(f"<tr><td>{s['address']}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
+            who = f"{s['name']} (via {s.get('via')})" if s.get("name") else s["address"]
+            out.append(f"<tr><td>{who}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
         out.append("</table>")
     sh = st.get("sharing") or {}
     if sh.get("on"):

@@ -7,7 +7,8 @@ through a small control API:
 
     GET  /status               state (idle|loading|serving|sharing|paused|error), what runs
     POST /plan   {model, stages, memory_limit_mb?}   memory needed vs available, split
-    POST /host   {model, stages, stage_addr?, layers?, memory_limit_mb?}  start a head
+    POST /host   {model, stages, stage_addr?, layers?, memory_limit_mb?, friends?, relay?, listen?}
+                               start a head; with friends, hand out an invite and wait for them
     POST /share  {on}          the Share-this-GPU toggle
     POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
     POST /limits {...}         the owner's limits (guest.Limits fields)
@@ -76,6 +77,9 @@ class Node:
         self.openai_url: str | None = None
         self.host_task: asyncio.Task | None = None
         self.host_request: dict | None = None
+        self.tunnels = None                 # friends invited to the pipeline we host (engine/tunnel.py)
+        self.invite_code: str | None = None
+        self.friends: list[dict] = []
         self.loading: dict | None = None
         self.error: str | None = None
         self.share_wanted = False
@@ -278,6 +282,11 @@ class Node:
                 info["stages"][1]["link"] = {"rtt_ms": None if not rtt else rtt * 1000,
                                              "mbit_s": None if not bw else bw * 8 / 1e6}
             info["openai_url"] = self.openai_url
+            info["invite"] = self.invite_code
+            info["friends"] = self.friends
+            for st, f in zip(info["stages"][1:], self.friends):
+                st["name"] = f["name"] or f["node_id"]
+                st["via"] = f["via"]
             hosting = info
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,
@@ -317,13 +326,27 @@ class Node:
         layers = body.get("layers")
         if layers is not None and not isinstance(layers, str):
             raise NodeError("'layers' must be text like '0:10,10:30'")
+        friends = body.get("friends", 0)
+        if isinstance(friends, bool) or not isinstance(friends, int) or not (0 <= friends <= 8):
+            raise NodeError("'friends' must be a whole number from 0 to 8")
+        relay = body.get("relay") or ""
+        listen = body.get("listen") or ""
+        if not isinstance(relay, str) or (relay and not relay.startswith(("ws://", "wss://"))):
+            raise NodeError("'relay' must be a ws:// address")
+        if not isinstance(listen, str) or (listen and ":" not in listen):
+            raise NodeError("'listen' must be HOST:PORT, e.g. 0.0.0.0:7870")
+        if friends and not (relay or listen):
+            raise NodeError("friends need a way in: give a relay address and/or a listen address")
+        if friends and addrs:
+            raise NodeError("invite friends or give stage addresses, not both")
         limit = body.get("memory_limit_mb", self.policy.limits.vram_cap_mb)
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
             raise NodeError("'memory_limit_mb' must be a positive number")
         return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
-                "memory_limit_mb": limit}
+                "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen}
 
-    async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb) -> dict:
+    async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
+                   relay: str = "", listen: str = "") -> dict:
         """Memory needed vs available and the proposed split, before anything loads."""
         from .models import ModelError, resolve
 
@@ -338,6 +361,8 @@ class Node:
         from .partition import layer_bytes_estimate, parse_layers
 
         n = cfg.num_hidden_layers
+        if friends:  # friends' stages: known once they join, planned as placeholders
+            stage_addr = [f"friend {i + 1} (joins with the invite)" for i in range(friends)]
         per_layer = layer_bytes_estimate(cfg, 4)
         embed = cfg.vocab_size * cfg.hidden_size * 4 * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
         needed = per_layer * n + embed
@@ -383,6 +408,8 @@ class Node:
                        kv_budget_tokens=None, link="jit", compress="off")
         head = None
         try:
+            if args.get("friends"):
+                await self._wait_for_friends(args, ns)
             head = await build_head(ns, progress)
             self.api_runner = await serve_api(head, "127.0.0.1", self.api_port)
             port = self.api_runner.addresses[0][1]
@@ -397,8 +424,43 @@ class Node:
             log.exception("hosting failed")
             if head is not None:
                 await close_head(head)
+            if self.tunnels is not None:
+                tunnels, self.tunnels = self.tunnels, None
+                await tunnels.close()
             self.loading = None
             self.error = f"Could not start the pipeline: {exc}"
+
+    async def _wait_for_friends(self, args: dict, ns: Namespace):
+        """Invite friends through engine/tunnel.py and wait for them; they become the stages."""
+        from .identity import config_dir, load_or_create_identity
+        from .invite import HostState
+        from .tunnel import TunnelHost
+
+        folder = config_dir()
+        me = load_or_create_identity(folder)
+        state = HostState(folder)
+        self.tunnels = TunnelHost(me, state, on_event=lambda t: log.info("host: %s", t))
+        if args["listen"]:
+            h, _, port = args["listen"].rpartition(":")
+            await self.tunnels.listen(h or "0.0.0.0", int(port or 0))
+        if args["relay"]:
+            await self.tunnels.use_relay(args["relay"])
+        state.set_routes(self.tunnels.relay_url, self.tunnels.direct_addresses)
+        n = args["friends"]
+        code = self.tunnels.invite(ttl_s=24 * 3600, uses=n)
+        self.invite_code = code
+        peers = []
+        while len(peers) < n:
+            self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
+                                friends=[p.name or p.node_id for p in peers])
+            peers.append(await self.tunnels.wait_peer())
+        self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path} for p in peers]
+        self.loading.update(message=f"Loading {args['model']} across {n + 1} computers…",
+                            friends=[p.name or p.node_id for p in peers])
+        ns.stage_addr = [p.address for p in peers]
+        # stage i -> stage i+1 across two other homes: through both tunnels, via this host
+        ns.next_addresses = [await self.tunnels.open_hop(a, b) for a, b in zip(peers, peers[1:])] + [None]
+        ns.pipeline = state.pipeline.hex()
 
     async def _stop_host(self):
         from .cli import close_head
@@ -418,6 +480,10 @@ class Node:
             await close_head(head)
         self.openai_url = None
         self.loading = None
+        if self.tunnels is not None:
+            tunnels, self.tunnels = self.tunnels, None
+            await tunnels.close()
+        self.invite_code, self.friends = None, []
 
     # ---- sharing ------------------------------------------------------------------
     async def set_share(self, on: bool):

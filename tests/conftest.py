@@ -111,3 +111,16 @@ async def spare_stages():
         yield await local.start()
     finally:
         await local.stop()
+
+
+# Long synchronous tests (the desktop app's, the node's: real processes, Qt's event loop)
+# run after everything that uses the session's asyncio loop. While no async test runs
+# that loop is idle, so the shared pipeline's head cannot answer its stages' WebSocket
+# pings; a few idle minutes in the middle of the session and the stages hang up on it.
+LATE_MODULES = ("test_app_gui", "test_node")
+
+
+def pytest_collection_modifyitems(config, items):
+    late = [i for i in items if i.module.__name__.rsplit(".", 1)[-1] in LATE_MODULES]
+    if late:
+        items[:] = [i for i in items if i not in late] + late

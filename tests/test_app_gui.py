@@ -431,6 +431,14 @@ def test_host_dialog(qtbot, live):
     assert "does not fit" in d.plan_label.text()
     live.c.set_limits({"vram_cap_mb": None})
     qtbot.waitUntil(lambda: bool(live.c.status.get("limits", {}).get("vram_cap_mb") is None), timeout=30_000)
+    d.invitees.setValue(2)
+    d.listen.setText("0.0.0.0:7870")
+    req = d.request()
+    assert req["friends"] == 2 and req["listen"] == "0.0.0.0:7870" and req["model"] == "default"
+    d.invitees.setValue(1)
+    d.check()  # friends' stages are planned as placeholders until they join
+    qtbot.waitUntil(lambda: bool(d.split_table.rowCount() == 2 and d.split_table.item(1, 0)
+                                 and "friend 1" in d.split_table.item(1, 0).text()), timeout=60_000)
     d.close()
     assert live.c.status["hosting"]  # still serving the default model
 
