@@ -131,9 +131,12 @@ class Head:
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
-                 cores=None):
+                 cores=None, cpu_shares: list[float] | None = None):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
+        # when they do, each stage's share of it stands in for the speed probes (which
+        # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5
+        self.cpu_shares = cpu_shares
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
@@ -211,7 +214,10 @@ class Head:
         if self.layers_override:
             self.ranges = list(self.layers_override)
         else:
-            speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
+            if self.cpu_shares:
+                speeds = list(self.cpu_shares)
+            else:
+                speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
             mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
             per_layer = layer_bytes_estimate(cfg, self.dtype.itemsize)
             caps = [max(1, int(m * 0.6 // per_layer)) for m in mems]

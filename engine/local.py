@@ -29,6 +29,9 @@ class LocalStages:
         self._core_dir = tempfile.mkdtemp(prefix="potluck-cores-") if share_cores else None
         self._n_cores = os.cpu_count() or 1
         self.head_cores = None
+        homes = [home_cores(i, count + 1, self._n_cores) for i in range(count + 1)]
+        # each process's share of the CPU: its home cores, split among their co-owners
+        self.cpu_shares = [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
         if self._core_dir:
             self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
         self.pipeline = pipeline

@@ -80,3 +80,13 @@ def test_bad_home_is_refused(tmp_path):
         CoreLease(str(tmp_path), [2], 2, set_threads=lambda t: None)
     spec = CoreLease.spec(str(tmp_path), [1], 2)
     assert CoreLease.from_spec(spec).home == [1]
+
+
+def test_local_pipeline_cpu_shares():
+    from engine.local import LocalStages
+
+    n = __import__("os").cpu_count() or 1
+    shares = LocalStages(2, share_cores=False).cpu_shares  # 3 processes
+    assert len(shares) == 3 and abs(sum(shares) - n) < 1e-9
+    if n == 2:
+        assert shares == [0.5, 1.0, 0.5]  # head and stage 2 take turns on core 0
