@@ -87,6 +87,6 @@ def test_local_pipeline_cpu_shares():
 
     n = __import__("os").cpu_count() or 1
     shares = LocalStages(2, share_cores=False).cpu_shares  # 3 processes
-    assert len(shares) == 3 and abs(sum(shares) - n) < 1e-9
+    assert len(shares) == 3 and sum(shares) <= n + 1e-9 and min(shares) > 0
     if n == 2:
         assert shares == [0.5, 1.0, 0.5]  # head and stage 2 take turns on core 0
