@@ -463,10 +463,12 @@ class Head:
         if not c:
             return
         if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
-            if self.cores is not None:
-                # alone, with stages sharing this CPU: the whole prompt in one step,
-                # each stage in turn borrowing every core (cores.py), beats chunks
-                # that each pay a step's fixed cost (reading the weights) again
+            if self.cores is not None and self._crosses_quickly(len(s.prompt) - s.pos):
+                # alone, with stages sharing this CPU and a link that is no bottleneck:
+                # the whole prompt in one step, each stage in turn borrowing every
+                # core (cores.py), beats chunks that each pay a step's fixed cost
+                # (reading the weights) again. Over a slow link chunks still pay:
+                # stage 1 computes one while the next is on the wire.
                 return
             # alone in the pipeline: cut the prompt finer so every stage works on it at
             # once (time to first token), though each chunk pays a step's fixed cost
@@ -486,6 +488,12 @@ class Head:
             s.pos += c
             s.in_flight -= c
             self.link.submit(frame, "prefill")
+
+    def _crosses_quickly(self, n_tokens: int) -> bool:
+        """Whether n tokens' activations cross to stage 1 in well under its compute time."""
+        est = self.link.sched.link
+        seconds = n_tokens * self.config.hidden_size * self.dtype.itemsize / est.bandwidth + est.rtt / 2
+        return seconds < 0.25 * interp(self.profiles[1]["prefill"], n_tokens)
 
     def _q8(self, kind: str, out: torch.Tensor, compute_seconds: float) -> bool:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),
