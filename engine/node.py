@@ -279,6 +279,8 @@ class Node:
             est = getattr(getattr(getattr(self.head, "link", None), "sched", None), "link", None)
             if est is not None and len(info["stages"]) > 1:  # the head's link to stage 1, as measured
                 bw, rtt = getattr(est, "bandwidth", None), getattr(est, "rtt", None)
+                if not getattr(est, "samples", 0):
+                    bw = None  # still the scheduler's prior, not a measurement
                 info["stages"][1]["link"] = {"rtt_ms": None if not rtt else rtt * 1000,
                                              "mbit_s": None if not bw else bw * 8 / 1e6}
             info["openai_url"] = self.openai_url
