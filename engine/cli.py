@@ -92,7 +92,8 @@ async def build_head(args, progress=None):
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
                 link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
                 pipeline=getattr(args, "pipeline", "local"),
-                cores=cores, cpu_shares=local.cpu_shares if cores else None)
+                cores=cores, cpu_shares=local.cpu_shares if cores else None,
+                core_groups=local.core_groups if cores else None)
     head.next_addresses = getattr(args, "next_addresses", None)
     try:
         await head.start()

@@ -131,7 +131,8 @@ class Head:
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
-                 cores=None, cpu_shares: list[float] | None = None):
+                 cores=None, cpu_shares: list[float] | None = None,
+                 core_groups: list[list[int]] | None = None):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
         # when they do, each stage's share of it stands in for the speed probes (which
@@ -140,7 +141,14 @@ class Head:
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
-        self.micro_batches = micro_batches or self.n_stages
+        # Stages that take turns on the same CPU cores (local stage processes, more of
+        # them than cores: cores.py) are one compute resource, not several: keeping
+        # each busy needs one micro-batch per resource, and every extra micro-batch
+        # re-reads all the weights (3 stages on 2 cores, 8 requests: 3 micro-batches
+        # gave 0.48x the single process's decode rate). On separate machines every
+        # stage is its own group and this is the number of stages.
+        self.core_groups = core_groups or [[i] for i in range(self.n_stages)]
+        self.micro_batches = micro_batches or len(self.core_groups)
         # with no fixed count, the controller (microbatch.py) picks M..2M from the
         # measured compute and link figures, and re-picks as they change
         self.dynamic_micro_batches = micro_batches is None and self.n_stages > 1
@@ -350,10 +358,12 @@ class Head:
         n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
         est = self.link.sched.link
         hop_bytes = self.config.hidden_size * self.dtype.itemsize
-        stage_curves = [(lambda b, p=p: interp(p["decode"], b)) for p in self.profiles]
+        # one curve per compute resource: stages sharing cores add up
+        stage_curves = [(lambda b, ps=[self.profiles[i] for i in grp]: sum(interp(p["decode"], b) for p in ps))
+                        for grp in self.core_groups]
         busy = [(lambda b: b * hop_bytes / est.bandwidth)] * (self.n_stages - 1)
         latency = [est.rtt / 2] * self.n_stages  # the last hop carries tokens: a few bytes
-        k = microbatch.choose(self.n_stages, n_seqs, stage_curves, busy, latency)
+        k = microbatch.choose(len(self.core_groups), n_seqs, stage_curves, busy, latency)
         for g in self.groups:
             g.retiring = g.id >= k
         while len(self.groups) < k:

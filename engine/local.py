@@ -32,6 +32,9 @@ class LocalStages:
         homes = [home_cores(i, count + 1, self._n_cores) for i in range(count + 1)]
         # each process's share of the CPU: its home cores, split among their co-owners
         self.cpu_shares = [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
+        # processes that take turns on the same cores: one compute resource to the head
+        self.core_groups = [[i for i, h in enumerate(homes) if tuple(h) == home]
+                            for home in dict.fromkeys(tuple(h) for h in homes)]
         if self._core_dir:
             self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
         self.pipeline = pipeline

@@ -140,6 +140,37 @@ async def test_default_model_matches_transformers(pipeline, default_reference):
     await wait_freed(pipeline)
 
 
+async def test_stages_sharing_cores_match_transformers(default_reference):
+    """Stage processes leasing this CPU's cores (no --threads): same tokens, alone and batched.
+
+    3 stages on 2 cores: the head and stage 2 take turns on one core, so the head keeps
+    2 micro-batches (one per core group) and splits layers by CPU share.
+    """
+    from conftest import pipeline_args
+    from engine.cli import build_head, close_head
+
+    head = await build_head(pipeline_args(threads=None))
+    try:
+        assert head.cores is not None
+        n = os.cpu_count() or 1
+        if n == 2:
+            assert head.core_groups == [[0, 2], [1]] and head.micro_batches == 2
+        max_new = 8
+        prompts = [head.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
+        toks, _, done = await collect(head.submit(prompts[3], greedy(max_new)))  # alone
+        assert done.error is None
+        assert toks == reference_generate(default_reference, prompts[3], max_new, head.eos_ids)
+        if n >= 2:
+            assert head.cores.borrowed_steps > 0  # a lone prompt ran on more than its own core
+        results = await asyncio.gather(*(collect(head.submit(p, greedy(max_new))) for p in prompts))
+        for prompt, (toks, _, done) in zip(prompts, results):
+            assert done.error is None
+            assert toks == reference_generate(default_reference, prompt, max_new, head.eos_ids)
+        await wait_freed(head)
+    finally:
+        await close_head(head)
+
+
 TINY_PROMPT_LENS = (5, 17, 70, 150)  # the longer ones stream in several prefill chunks
 
 
