@@ -362,7 +362,9 @@ class Head:
         stage_curves = [(lambda b, ps=[self.profiles[i] for i in grp]: sum(interp(p["decode"], b) for p in ps))
                         for grp in self.core_groups]
         busy = [(lambda b: b * hop_bytes / est.bandwidth)] * (self.n_stages - 1)
-        latency = [est.rtt / 2] * self.n_stages  # the last hop carries tokens: a few bytes
+        # path delay only: queueing behind our own volumes is what `busy` models
+        one_way = (est.rtt_min if est.rtt_min != float("inf") else est.rtt) / 2
+        latency = [one_way] * self.n_stages  # the last hop carries tokens: a few bytes
         k = microbatch.choose(len(self.core_groups), n_seqs, stage_curves, busy, latency)
         for g in self.groups:
             g.retiring = g.id >= k

@@ -62,6 +62,9 @@ class LinkEstimate:
     rtt: float = 0.0
     alpha: float = 0.25
     samples: int = 0
+    # the smallest RTT seen: the path's own delay, without the queueing a busy link
+    # adds to pings (which the EWMA includes)
+    rtt_min: float = float("inf")
 
     def observe_goodput(self, bytes_per_s: float) -> None:
         if bytes_per_s <= 0:
@@ -73,6 +76,7 @@ class LinkEstimate:
     def observe_rtt(self, rtt: float) -> None:
         if rtt >= 0:
             self.rtt = rtt if self.rtt == 0 else (1 - self.alpha) * self.rtt + self.alpha * rtt
+            self.rtt_min = min(self.rtt_min, rtt)
 
 
 @dataclass
