@@ -19,6 +19,7 @@ from .store import History
 
 POLL_MS = 1000
 STATUS_TIMEOUT_S = 5.0
+ACTIVITY_EVERY = 5   # polls between idle-time reports to the node
 
 
 class Controller(QObject):
@@ -28,7 +29,8 @@ class Controller(QObject):
     notice = Signal(str)            # something to tell the user (history damage, failed action)
 
     def __init__(self, settings: Settings | None = None, node_args: list[str] | None = None,
-                 history: History | None = None, host_on_start: bool | None = None, parent=None):
+                 history: History | None = None, host_on_start: bool | None = None, parent=None,
+                 idle_reader=None):
         super().__init__(parent)
         self.settings = settings or Settings.load()
         self.node_args = list(node_args or [])
@@ -44,6 +46,10 @@ class Controller(QObject):
         self._polling = False
         self._fails = 0
         self.status_timeout = STATUS_TIMEOUT_S
+        if idle_reader is None:
+            from .idle import owner_idle_seconds as idle_reader
+        self.idle_reader = idle_reader  # the owner's idle time (app/idle.py), for only-when-idle
+        self._polls = 0
         self._exit_relay = _ExitRelay(self)
         self._exit_relay.exited.connect(self._on_exit)
         self.timer = QTimer(self)
@@ -113,6 +119,9 @@ class Controller(QObject):
         if self._polling or not self.client.base or self.lost or self._closing:
             return
         self._polling = True
+        self._polls += 1
+        if self._polls % ACTIVITY_EVERY == 1:
+            self.report_activity()
 
         def done(result, error):
             self._polling = False
@@ -132,6 +141,14 @@ class Controller(QObject):
         import aiohttp
 
         self.client.call("GET", "/status", cb=done, timeout=aiohttp.ClientTimeout(total=self.status_timeout))
+
+    def report_activity(self):
+        """Tell the node how long the owner has been away (None: cannot tell)."""
+        try:
+            idle = self.idle_reader()
+        except Exception:
+            idle = None
+        self.client.call("POST", "/activity", {"idle_seconds": idle}, cb=lambda result, error: None)
 
     # ---- actions -----------------------------------------------------------------------
     def _act(self, method, path, body=None, cb=None, timeout=None):

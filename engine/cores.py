@@ -47,6 +47,18 @@ def home_cores(index: int, processes: int, n_cores: int) -> list[int]:
     return [index % n_cores]
 
 
+def cpu_shares(processes: int, n_cores: int) -> list[float]:
+    """Each process's share of the CPU: its home cores, split among their co-owners."""
+    homes = [home_cores(i, processes, n_cores) for i in range(processes)]
+    return [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
+
+
+def core_groups(processes: int, n_cores: int) -> list[list[int]]:
+    """Processes that take turns on the same cores: one compute resource to the head."""
+    homes = [tuple(home_cores(i, processes, n_cores)) for i in range(processes)]
+    return [[i for i, h in enumerate(homes) if h == home] for home in dict.fromkeys(homes)]
+
+
 class CoreLease:
     def __init__(self, directory: str, home: list[int], n_cores: int,
                  borrow_min_tokens: int = BORROW_MIN_TOKENS, set_threads=None):

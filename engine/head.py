@@ -187,6 +187,8 @@ class Head:
         self.capacity = 0
         self.ranges: list[tuple[int, int]] = []
         self.error: str | None = None
+        self.pausing: str | None = None  # a stage said it is going (wire "pausing")
+        self._kick_pending = False
         self.tokens_served = 0
 
     # ---- setup --------------------------------------------------------------
@@ -306,6 +308,7 @@ class Head:
             "running": sum(len(g.seqs) for g in self.groups),
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
+            "pausing": self.pausing,
             "error": self.error,
         }
 
@@ -333,8 +336,17 @@ class Head:
                              f"holds at most {self.capacity}; lower max_tokens or shorten the prompt")
         self.seqs[seq.id] = seq
         self.waiting.append(seq)
-        self._kick()
+        # kick on the loop's next turn, once: requests submitted together (a burst, a
+        # client's batch) then start in one step instead of the first alone and the
+        # rest prefilling a step later alongside its decode
+        if not self._kick_pending:
+            self._kick_pending = True
+            asyncio.get_running_loop().call_soon(self._deferred_kick)
         return RequestHandle(self, seq)
+
+    def _deferred_kick(self):
+        self._kick_pending = False
+        self._kick()
 
     def cancel(self, seq_id: int):
         seq = self.seqs.get(seq_id)
@@ -386,7 +398,7 @@ class Head:
                 asyncio.ensure_future(self._launch(g))
 
     def _admit(self, g: Group):
-        if g.retiring:
+        if g.retiring or self.pausing:
             return
         active = sum(len(x.seqs) for x in self.groups) + len(self.waiting)
         fair = max(1, math.ceil(active / max(1, self.micro_batches)))
@@ -475,12 +487,13 @@ class Head:
         if not c:
             return
         if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
-            if self.cores is not None and self._crosses_quickly(len(s.prompt) - s.pos):
-                # alone, with stages sharing this CPU and a link that is no bottleneck:
-                # the whole prompt in one step, each stage in turn borrowing every
-                # core (cores.py), beats chunks that each pay a step's fixed cost
-                # (reading the weights) again. Over a slow link chunks still pay:
-                # stage 1 computes one while the next is on the wire.
+            if self.cores is not None:
+                # alone, with stages sharing this CPU (so on one machine, over loopback):
+                # the whole prompt in one step, each stage in turn borrowing every core
+                # (cores.py), beats chunks that each pay a step's fixed cost (reading
+                # the weights) again. (A first try kept chunks when the measured link
+                # looked slow, but goodput measured from small acked volumes reads far
+                # below loopback's rate, and TTFT went from 1.08x to 1.4x.)
                 return
             # alone in the pipeline: cut the prompt finer so every stage works on it at
             # once (time to first token), though each chunk pays a step's fixed cost
@@ -501,12 +514,6 @@ class Head:
             s.in_flight -= c
             self.link.submit(frame, "prefill")
 
-    def _crosses_quickly(self, n_tokens: int) -> bool:
-        """Whether n tokens' activations cross to stage 1 in well under its compute time."""
-        est = self.link.sched.link
-        seconds = n_tokens * self.config.hidden_size * self.dtype.itemsize / est.bandwidth + est.rtt / 2
-        return seconds < 0.25 * interp(self.profiles[1]["prefill"], n_tokens)
-
     def _q8(self, kind: str, out: torch.Tensor, compute_seconds: float) -> bool:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),
                                self.link.sched.link.bandwidth, compute_seconds)
@@ -525,6 +532,10 @@ class Head:
                     msg = wire.parse_control(data)
                     if msg["type"] == "error":
                         log.warning("stage %d: %s", index, msg["message"])
+                    elif msg["type"] == "pausing":
+                        # its owner is taking the stage back: let what runs finish, admit nothing new
+                        self.pausing = f"stage {index} is being paused by its owner: {msg['reason']}"
+                        log.warning("%s", self.pausing)
                     elif msg["type"] == "stats":
                         fut = self._stats_waiters.pop(index, None)
                         if fut is not None and not fut.done():
@@ -538,10 +549,12 @@ class Head:
         except wire.FrameError as exc:
             await r.ws.close(1008, str(exc)[:120])
             self._pipeline_failed(f"stage {index} sent a bad frame: {exc}")
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as exc:
+            reason = exc.rcvd.reason if exc.rcvd is not None else ""
+            if reason and not self.pausing:
+                self.pausing = f"stage {index}: {reason}"
         if not self.error:
-            self._pipeline_failed(f"stage {index} ({r.address}) disconnected")
+            self._pipeline_failed(self.pausing or f"stage {index} ({r.address}) disconnected")
 
     def _pipeline_failed(self, why: str):
         if self.error:

@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from .cores import CoreLease, home_cores
+from .cores import CoreLease, core_groups, cpu_shares, home_cores
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
 
@@ -29,12 +29,8 @@ class LocalStages:
         self._core_dir = tempfile.mkdtemp(prefix="potluck-cores-") if share_cores else None
         self._n_cores = os.cpu_count() or 1
         self.head_cores = None
-        homes = [home_cores(i, count + 1, self._n_cores) for i in range(count + 1)]
-        # each process's share of the CPU: its home cores, split among their co-owners
-        self.cpu_shares = [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
-        # processes that take turns on the same cores: one compute resource to the head
-        self.core_groups = [[i for i, h in enumerate(homes) if tuple(h) == home]
-                            for home in dict.fromkeys(tuple(h) for h in homes)]
+        self.cpu_shares = cpu_shares(count + 1, self._n_cores)
+        self.core_groups = core_groups(count + 1, self._n_cores)
         if self._core_dir:
             self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
         self.pipeline = pipeline

@@ -360,7 +360,8 @@ class Node:
             raise NodeError(str(exc)) from None
         except Exception as exc:  # a broken config, an unreadable folder
             raise NodeError(f"cannot read model '{model}': {exc}") from None
-        from .partition import layer_bytes_estimate, parse_layers
+        from .cores import cpu_shares
+        from .partition import layer_bytes_estimate, lm_head_layers_estimate, parse_layers, partition
 
         n = cfg.num_hidden_layers
         if friends:  # friends' stages: known once they join, planned as placeholders
@@ -384,7 +385,15 @@ class Node:
             if len(split) != total_stages:
                 raise NodeError(f"{len(split)} layer ranges for {total_stages} stages")
         else:
-            split = [(i * n // total_stages, (i + 1) * n // total_stages) for i in range(total_stages)]
+            # what the head will do: the LM head weighs on the last stage; local stage
+            # processes split by their share of this CPU (friends: unknown until they join)
+            extra = [0.0] * total_stages
+            extra[-1] = lm_head_layers_estimate(cfg)
+            speeds = [1.0] * total_stages if stage_addr else cpu_shares(total_stages, os.cpu_count() or 1)
+            try:
+                split = partition(n, speeds, None, extra)
+            except Exception as exc:
+                raise NodeError(str(exc)) from None
         where = ["this machine"] * (total_stages if not stage_addr else 1) + list(stage_addr)
         gib = 2**30
         message = (f"{source.name} needs about {local_needed / gib:.2f} GiB here; "
@@ -547,7 +556,9 @@ class Node:
         if srv is None:
             return
         if drain and srv.stage is not None:
-            # let the sequences in flight finish before the head is told we are going
+            # tell the head first (it stops admitting), then let the sequences in flight
+            # finish before the connection goes
+            await srv.notify_pausing(why)
             deadline = time.monotonic() + DRAIN_SECONDS
             self._draining = True
             try:

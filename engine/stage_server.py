@@ -91,6 +91,17 @@ class StageServer:
                 await ws.close()
         self._closed.set()
 
+    async def notify_pausing(self, reason: str) -> bool:
+        """Tell the head this stage is going away once its sequences in flight finish."""
+        ws = self._control_ws
+        if ws is None:
+            return False
+        try:
+            await ws.send(wire.control("pausing", reason=reason[:500]))
+        except ConnectionClosed:
+            return False
+        return True
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 

@@ -255,6 +255,9 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
                    "profile": _DICT},
     "error": {"message": _STR},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT},
+    # the stage's owner is taking it away (sharing off, GPU too hot...): it finishes
+    # what is in flight, then goes; the head admits nothing new meanwhile
+    "pausing": {"reason": _STR},
     # receiver -> sender on a data link: a volume piece arrived
     "ack": {"v": _INT, "bytes": _INT},
 }

@@ -472,6 +472,33 @@ def test_join_dialog_and_share_toggle(qtbot, live):
     qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
 
 
+def test_share_only_while_the_owner_is_away(qtbot, live, monkeypatch):
+    """The app reads the owner's idle time (app/idle.py) and reports it; the node pauses
+    sharing while the owner is at the keyboard and resumes once they are away."""
+    c = live.c
+    away = {"s": 0.0}
+    monkeypatch.setattr(c, "idle_reader", lambda: away["s"])
+    c.set_limits({"only_when_idle": True, "idle_after_s": 60})
+    c.set_share(True)
+    c.report_activity()
+    qtbot.waitUntil(lambda: bool(c.status.get("state") == "paused"), timeout=30_000)
+    assert "away" in (c.status.get("sharing") or {}).get("reason", "")
+    away["s"] = 3600.0
+    c.report_activity()
+    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
+    c.set_limits({"only_when_idle": False})
+    c.set_share(False)
+    qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
+
+
+def test_idle_time_unknown_without_a_display(monkeypatch):
+    from app.idle import owner_idle_seconds
+
+    monkeypatch.delenv("DISPLAY", raising=False)
+    if sys.platform.startswith("linux"):
+        assert owner_idle_seconds() is None  # cannot tell: the policy treats the owner as present
+
+
 def test_status_dialog(qtbot, live):
     d = live.open_status()
     qtbot.waitUntil(lambda: bool("Hosting" in d.view.toPlainText()), timeout=30_000)

@@ -305,6 +305,7 @@ async def test_admission_waits_for_kv_budget(tiny_folder, spare_stages):
         # a waiting request can be cancelled
         first = head.submit(prompts[0], greedy(120))
         second = head.submit(prompts[1], greedy(120))
+        await asyncio.sleep(0.05)  # submissions start on the loop's next turn
         assert head.info()["waiting"] == 1
         second.cancel()
         assert (await collect(second))[2].finish_reason == "cancelled"
@@ -414,6 +415,36 @@ async def test_silent_connection_times_out(inproc_stage, monkeypatch):
     assert time.monotonic() - t0 < 4
     assert "hello" in reason
     assert server.rejected_frames == 1
+
+
+async def test_a_pausing_stage_is_drained_and_the_head_told_first(inproc_stage, tiny_folder):
+    """The owner takes a stage back: the head hears it before the stage goes, admits
+    nothing new, lets the reply in flight finish, and then reports the owner's reason."""
+    server, addr = inproc_stage
+    folder, _ = tiny_folder("llama", seed=0)
+    head = await start_head(resolve(str(folder)), [addr])
+    head.eos_ids = set()
+    try:
+        a = head.submit(list(range(5, 15)), greedy(30))
+        deadline = time.monotonic() + 30
+        while not a.seq.generated:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert await server.notify_pausing("GPU too hot (85 C)")
+        while not head.pausing:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        b = head.submit([5, 6, 7], greedy(5))
+        toks_a, _, done_a = await collect(a)
+        assert done_a.error is None and len(toks_a) == 30  # in flight: finished
+        assert b.seq in head.waiting and not b.seq.generated  # new: not admitted
+        assert head.info()["pausing"] and "GPU too hot" in head.info()["pausing"]
+        await server._control_ws.close(1001, "paused by the GPU owner: GPU too hot (85 C)")
+        _, _, done_b = await collect(b)
+        assert done_b.error and "GPU too hot" in done_b.error
+        assert "GPU too hot" in head.error
+    finally:
+        await head.close()
 
 
 async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, spare_stages):
