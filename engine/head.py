@@ -192,6 +192,7 @@ class Head:
         self.error: str | None = None
         self.pausing: str | None = None  # a stage said it is going (wire "pausing")
         self._kick_pending = False
+        self._last_steps: dict[int, int] = {}  # step counters of removed micro-batches (stale frames)
         self.tokens_served = 0
 
     # ---- setup --------------------------------------------------------------
@@ -391,10 +392,27 @@ class Head:
 
     def _kick(self):
         self._retune()
-        for g in self.groups:
-            if g.in_flight:
-                continue
+        # Trailing micro-batches beyond the count, empty and idle, go (ids stay valid).
+        while len(self.groups) > max(1, self.micro_batches) and not self.groups[-1].seqs \
+                and not self.groups[-1].in_flight:
+            self._last_steps[self.groups[-1].id] = self.groups[-1].step
+            self.groups.pop()
+        idle = [g for g in self.groups if not g.in_flight]
+        # A newcomer that joins a decoding micro-batch holds its members' next token
+        # until its whole prompt has crossed every link and stage (on a weak link,
+        # most of a second, once per newcomer). So newcomers fill empty micro-batches
+        # first, and when every micro-batch is decoding, a dynamic count (M..2M) opens
+        # one more for them: it fills the links' bubbles meanwhile and leaves when its
+        # requests finish. (A fixed count -- the FIFO baseline, --micro-batches, stages
+        # sharing this CPU -- keeps vLLM's behaviour: newcomers join decoding batches.)
+        if self.waiting and not self.pausing and self.dynamic_micro_batches \
+                and all(g.seqs and not g.retiring for g in self.groups) and len(self.groups) < 2 * self.n_stages:
+            g = Group(len(self.groups), step=self._last_steps.get(len(self.groups), 0))
+            self.groups.append(g)
+            idle.append(g)
+        for g in sorted(idle, key=lambda g: bool(g.seqs)):
             self._admit(g)
+        for g in idle:
             if g.seqs:
                 g.in_flight = True
                 g.step += 1

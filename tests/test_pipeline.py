@@ -171,6 +171,35 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
         await close_head(head)
 
 
+async def test_newcomer_gets_its_own_micro_batch_when_all_are_decoding(pipeline, default_reference):
+    """With every micro-batch decoding, a new request opens one more (up to 2M) instead of
+    holding a decoding batch's next token behind its prompt; it leaves when done."""
+    if not pipeline.dynamic_micro_batches:
+        pytest.skip("a fixed micro-batch count keeps newcomers in decoding batches")
+    prompts = [pipeline.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
+    m = len(pipeline.groups)
+    first = [pipeline.submit(pipeline.chat_prompt(STORY), greedy(60)) for _ in range(m)]
+    deadline = time.monotonic() + 60
+    while not all(h.seq.generated for h in first):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    assert all(g.seqs for g in pipeline.groups[:m])
+    late = pipeline.submit(prompts[3], greedy(12))
+    while not late.seq.opened:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+    holder = [g for g in pipeline.groups if late.seq in g.seqs]
+    assert holder and holder[0].id >= m and len(holder[0].seqs) == 1  # a micro-batch of its own
+    toks, _, done = await collect(late)
+    assert done.error is None
+    assert toks == reference_generate(default_reference, prompts[3], 12, pipeline.eos_ids)
+    for h in first:
+        assert (await collect(h))[2].error is None
+    await wait_freed(pipeline)
+    pipeline._kick()
+    assert len(pipeline.groups) <= max(m, pipeline.micro_batches)  # the extra one left
+
+
 TINY_PROMPT_LENS = (5, 17, 70, 150)  # the longer ones stream in several prefill chunks
 
 
