@@ -14,8 +14,9 @@ Runs the default model (SmolLM2-135M-Instruct, float32, CPU) through
               what a user would otherwise reach for;
 
 on the same chat prompts, greedy, at 1 concurrent request (the prompts one after
-another) and at 8 (all submitted at once). Every system runs in its own fresh
-process (no thread-pool or allocator state leaks from one to the next), does a
+another) and at 8 (all submitted at once). Every run of a system is a fresh process
+(no thread-pool or allocator state leaks from one to the next), the systems take
+turns round by round (so a slow minute of this shared machine hits them all), does a
 warm-up first, and generates exactly --tokens tokens per request: EOS does not stop
 generation (the head's eos_ids are cleared; HF runs with eos_token_id=None), so all
 systems do the same work and their token ids can be compared one for one.
@@ -413,6 +414,12 @@ def engine_version() -> str:
 
 
 def worker_main(a) -> int:
+    if a.worker != "hf":
+        # as `potluck chat` does before torch loads (engine/cli.py): a pipeline's
+        # processes take turns on the cores, so OpenMP's idle threads spin only briefly
+        from engine.cores import apply_openmp_env
+
+        apply_openmp_env(os.environ)
     from engine.models import DEFAULT_MODEL, resolve
 
     version = engine_version()
@@ -431,11 +438,11 @@ def worker_main(a) -> int:
 
 
 # ---- driver -------------------------------------------------------------------
-def run_system(system: str, a) -> dict:
+def run_system(system: str, a, repeat: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--out", str(out),
-               "--tokens", str(a.tokens), "--prompts", str(a.prompts), "--repeat", str(a.repeat),
+               "--tokens", str(a.tokens), "--prompts", str(a.prompts), "--repeat", str(repeat),
                "--max-foreign", str(a.max_foreign), "--retries", str(a.retries), "--wait-quiet", str(a.wait_quiet), "--split", a.split]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=str(ROOT))
@@ -610,10 +617,21 @@ def main(argv=None) -> int:
     from engine.models import DEFAULT_MODEL, resolve
 
     resolve(DEFAULT_MODEL)  # convert the default model once, before the workers race to
+    # Repeats take turns (single, pipe2, ..., single, pipe2, ...), each in a fresh
+    # worker: this machine's speed drifts by 10% and more over minutes (other tenants'
+    # memory traffic), and a system measured all at once would carry its own minutes'
+    # luck into every ratio.
     results = {}
-    for s in systems:
-        print(f"running {LABELS[s]}...", file=sys.stderr, flush=True)
-        results[s] = run_system(s, a)
+    for rep in range(a.repeat):
+        for s in systems:
+            print(f"running {LABELS[s]} (round {rep + 1} of {a.repeat})...", file=sys.stderr, flush=True)
+            res = run_system(s, a, 1)
+            if s not in results:
+                results[s] = res
+                continue
+            for c, runs in res["runs"].items():
+                results[s]["runs"][c] += runs
+            results[s]["seconds"] += res["seconds"]
     if a.json:
         Path(a.json).write_text(json.dumps({k: v for k, v in results.items()}, default=str))
     report(results, a)

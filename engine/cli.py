@@ -92,8 +92,7 @@ async def build_head(args, progress=None):
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
                 link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
                 pipeline=getattr(args, "pipeline", "local"),
-                cores=cores, cpu_shares=local.cpu_shares if cores else None,
-                core_groups=local.core_groups if cores else None)
+                cores=cores, cpu_shares=local.cpu_shares if cores else None)
     head.next_addresses = getattr(args, "next_addresses", None)
     try:
         await head.start()
@@ -233,6 +232,11 @@ def main(argv=None) -> int:
         from app.main import main as app_main
 
         return app_main(argv[1:])
+    # before torch is imported: this process and the stage processes it may start take
+    # turns on the CPU's cores, and OpenMP's idle threads must not spin on them (cores.py)
+    from .cores import apply_openmp_env
+
+    apply_openmp_env(os.environ)
     parser = argparse.ArgumentParser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="cmd", required=True)

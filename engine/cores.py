@@ -10,9 +10,13 @@ and time to first token came out 1.5-1.8x the single process's (bench/overhead.p
 So the cores are leases. Core i is a lock file; a process holds its *home* cores
 while it computes a step and, for a step big enough to gain from more threads, also
 takes whichever other cores are free at that moment (non-blocking), running the step
-with one thread per core held. Decode steps of a few rows do not borrow: they are
-bound by reading weights, which a second thread barely speeds up here (measured: 26
-vs 26 ms).
+with one thread per core held. A decode step of one to three rows does not borrow: it
+is bound by reading weights, which a second thread barely speeds up here (the default
+model, 1 row: 56 vs 55 ms); from four rows on it does (8 rows: 104 ms on one thread,
+89 on two). So the head gives such a pipeline one micro-batch: each stage in turn runs
+it on every core, as one process would (bench/overhead.py: 8 concurrent requests,
+2 micro-batches of one core each decoded at 0.75x the single process, one micro-batch
+on both cores at ~1x).
 
 A borrowed core goes back as soon as its owner wants it, not at the end of the step:
 an owner that finds its core lent out raises a flag (holds want-i.lock) and waits;
@@ -21,6 +25,16 @@ wanted core, finishing its step with fewer threads. So a stage with decode work 
 at most one layer for a neighbour's prompt, and the pipeline's cadence holds.
 The thread count changes at most a few times per step (switching it before every
 layer measured 1.5x slower: OpenMP re-forms its team each time).
+
+Taking turns needs OpenMP's idle threads to get out of the way. libgomp's worker
+threads spin for a while after each parallel region (300,000 iterations by default,
+milliseconds) before they sleep: a stage that has just handed its step on keeps both
+cores busy spinning while the next stage computes on them, and every barrier of that
+stage waits behind the spinners (8 requests, 2 stages: 0.68x the single process). A
+short spin still covers the gaps between one step's operators (microseconds) but ends
+long before the hop to the next stage does (`OPENMP_ENV`: 0.97x, the same as no spin
+at all would give between steps without its cost inside them: passive waiting made
+each step slower, 0.8x).
 
 Locks are flock(2) on files in a directory the pipeline's parent creates; a process
 that dies releases its locks with its file descriptors.
@@ -32,7 +46,17 @@ import fcntl
 import os
 from contextlib import contextmanager
 
-BORROW_MIN_TOKENS = 16
+BORROW_MIN_TOKENS = 4
+
+# For every process of a pipeline that shares this CPU, set before torch is imported
+# (libgomp reads it once, at load). A setting of the user's own wins.
+OPENMP_ENV = {"GOMP_SPINCOUNT": "20000"}
+
+
+def apply_openmp_env(env) -> None:
+    """Put OPENMP_ENV into `env` (os.environ, or a child's environment) unless set there."""
+    for k, v in OPENMP_ENV.items():
+        env.setdefault(k, v)
 
 
 def home_cores(index: int, processes: int, n_cores: int) -> list[int]:
@@ -51,12 +75,6 @@ def cpu_shares(processes: int, n_cores: int) -> list[float]:
     """Each process's share of the CPU: its home cores, split among their co-owners."""
     homes = [home_cores(i, processes, n_cores) for i in range(processes)]
     return [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
-
-
-def core_groups(processes: int, n_cores: int) -> list[list[int]]:
-    """Processes that take turns on the same cores: one compute resource to the head."""
-    homes = [tuple(home_cores(i, processes, n_cores)) for i in range(processes)]
-    return [[i for i, h in enumerate(homes) if h == home] for home in dict.fromkeys(homes)]
 
 
 class CoreLease:

@@ -131,8 +131,7 @@ class Head:
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
-                 cores=None, cpu_shares: list[float] | None = None,
-                 core_groups: list[list[int]] | None = None):
+                 cores=None, cpu_shares: list[float] | None = None):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
         # when they do, each stage's share of it stands in for the speed probes (which
@@ -141,14 +140,13 @@ class Head:
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
-        # Stages that take turns on the same CPU cores (local stage processes, more of
-        # them than cores: cores.py) are one compute resource, not several: keeping
-        # each busy needs one micro-batch per resource, and every extra micro-batch
-        # re-reads all the weights (3 stages on 2 cores, 8 requests: 3 micro-batches
-        # gave 0.48x the single process's decode rate). On separate machines every
-        # stage is its own group and this is the number of stages.
-        self.core_groups = core_groups or [[i] for i in range(self.n_stages)]
-        self.micro_batches = micro_batches or len(self.core_groups)
+        # Stage processes that lease this CPU's cores (cores.py) are one compute
+        # resource: a step of a few rows or more runs on every core, so one micro-batch
+        # keeps the whole CPU busy, stage after stage, and every extra micro-batch only
+        # re-reads the weights (8 requests on 2 local stages: 2 micro-batches of one
+        # core each decoded at 0.75x the single process, one on both cores at ~1x). On
+        # separate machines each stage is its own resource: as many as there are stages.
+        self.micro_batches = micro_batches or (1 if cores is not None else self.n_stages)
         # with no fixed count, the controller (microbatch.py) picks M..2M from the
         # measured compute and link figures, and re-picks as they change
         # Not for stages sharing this CPU: they talk over loopback, so there are no
@@ -374,14 +372,12 @@ class Head:
         n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
         est = self.link.sched.link
         hop_bytes = self.config.hidden_size * self.dtype.itemsize
-        # one curve per compute resource: stages sharing cores add up
-        stage_curves = [(lambda b, ps=[self.profiles[i] for i in grp]: sum(interp(p["decode"], b) for p in ps))
-                        for grp in self.core_groups]
+        stage_curves = [(lambda b, p=p: interp(p["decode"], b)) for p in self.profiles]
         busy = [(lambda b: b * hop_bytes / est.bandwidth)] * (self.n_stages - 1)
         # path delay only: queueing behind our own volumes is what `busy` models
         one_way = (est.rtt_min if est.rtt_min != float("inf") else est.rtt) / 2
         latency = [one_way] * self.n_stages  # the last hop carries tokens: a few bytes
-        k = microbatch.choose(len(self.core_groups), n_seqs, stage_curves, busy, latency)
+        k = microbatch.choose(self.n_stages, n_seqs, stage_curves, busy, latency)
         for g in self.groups:
             g.retiring = g.id >= k
         while len(self.groups) < k:

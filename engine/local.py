@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from .cores import CoreLease, core_groups, cpu_shares, home_cores
+from .cores import CoreLease, apply_openmp_env, cpu_shares, home_cores
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
 
@@ -30,7 +30,6 @@ class LocalStages:
         self._n_cores = os.cpu_count() or 1
         self.head_cores = None
         self.cpu_shares = cpu_shares(count + 1, self._n_cores)
-        self.core_groups = core_groups(count + 1, self._n_cores)
         if self._core_dir:
             self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
         self.pipeline = pipeline
@@ -41,6 +40,8 @@ class LocalStages:
     async def start(self) -> list[str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self._core_dir:
+            apply_openmp_env(env)  # the stages take turns on the cores (cores.py)
         src_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = src_root + os.pathsep + env.get("PYTHONPATH", "")
         for i in range(1, self.count + 1):
