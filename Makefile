@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 qt-libs:
-	@if ! $(BIN)/python -c "import PySide6.QtWidgets" 2>/dev/null; then \
+	@if ! $(BIN)/python -c "import PySide6.QtWidgets, app.main as m; raise SystemExit(bool(m.missing_x11_packages()))" 2>/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "Installing Qt's system libraries (apt-get)"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(QT_LIBS) >/dev/null; \

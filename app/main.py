@@ -25,9 +25,31 @@ def has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def terminal_fallback(args) -> int:
-    print("potluck-app: no display found (DISPLAY and WAYLAND_DISPLAY are unset), so the tray app cannot "
-          "open; starting the terminal chat instead (`potluck chat`).", file=sys.stderr, flush=True)
+# Qt 6.5+ aborts the whole process (it cannot be caught) when its X11 plugin lacks a
+# system library; these are the ones a stock desktop may not have (Ubuntu 22.04 lacks
+# libxcb-cursor0), with the Debian/Ubuntu package that brings each.
+X11_LIBS = {"xcb-cursor": "libxcb-cursor0", "xkbcommon-x11": "libxkbcommon-x11-0", "xcb-icccm": "libxcb-icccm4",
+            "xcb-keysyms": "libxcb-keysyms1", "xcb-shape": "libxcb-shape0", "xcb-render-util": "libxcb-render-util0",
+            "xcb-image": "libxcb-image0"}
+
+
+def on_x11() -> bool:
+    """Whether Qt will use its X11 (xcb) plugin here."""
+    if sys.platform != "linux" or os.environ.get("WAYLAND_DISPLAY") or not os.environ.get("DISPLAY"):
+        return False
+    return os.environ.get("QT_QPA_PLATFORM", "xcb").split(":")[0] == "xcb"
+
+
+def missing_x11_packages() -> list[str]:
+    """Packages of X11_LIBS whose library this (Linux) machine cannot find."""
+    import ctypes.util
+
+    return [pkg for lib, pkg in X11_LIBS.items() if ctypes.util.find_library(lib) is None]
+
+
+def terminal_fallback(args, why: str | None = None) -> int:
+    why = why or "no display found (DISPLAY and WAYLAND_DISPLAY are unset), so the tray app cannot open"
+    print(f"potluck-app: {why}; starting the terminal chat instead (`potluck chat`).", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "engine", "chat", "--model", args.model or "default",
            "--stages", str(args.stages)]
     try:
@@ -95,6 +117,12 @@ def main(argv=None) -> int:
     if not has_display():
         args.stages = args.stages or 2
         return terminal_fallback(args)
+    missing = missing_x11_packages() if on_x11() else []
+    if missing:
+        args.stages = args.stages or 2
+        return terminal_fallback(args, "Qt's X11 support needs system libraries this machine lacks; install them "
+                                       f"with `sudo apt-get install -y {' '.join(missing)}` (or `make qt-libs` as "
+                                       "root) and start Potluck again")
 
     from PySide6.QtWidgets import QApplication
 

@@ -170,11 +170,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     xvfb = None
     if not args.use_display:
-        if shutil.which("Xvfb") is None and args.install:
+        from .main import missing_x11_packages
+
+        if (shutil.which("Xvfb") is None or missing_x11_packages()) and args.install:
             subprocess.check_call(["apt-get", "update", "-qq"])
             subprocess.check_call(["apt-get", "install", "-y", "-qq", *APT])
-        if shutil.which("Xvfb") is None:
-            print("app.screenshots: Xvfb is not installed. Install it with\n"
+        if shutil.which("Xvfb") is None or missing_x11_packages():
+            print("app.screenshots: Xvfb or Qt's X11 libraries are not installed. Install them with\n"
                   f"  sudo apt-get install -y {' '.join(APT)}\n"
                   "or run with --install (as root), or --use-display on a desktop.", file=sys.stderr)
             return 2
