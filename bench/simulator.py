@@ -115,7 +115,7 @@ POLICIES = {
     "dynamic": Policy("jit", dynamic=True),           # ... and K in M..2M
     "compress": Policy("jit", dynamic=True, compress="auto"),
 }
-ALIASES = {"jit+dyn": "dynamic", "+compress": "compress"}   # bench/weaklink.py's names
+ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+compress": "compress"}   # bench/weaklink.py's names
 
 
 def q8_factor(dtype_bytes: int) -> float:
