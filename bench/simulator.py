@@ -161,11 +161,14 @@ class Curve:
 
 
 def step_time(decode: Curve, prefill: Curve, rows: list) -> float:
-    n_rows = len(rows)
-    tokens = sum(n for _, n in rows)
-    t = decode(n_rows)
-    if tokens > n_rows:
-        t = max(t, prefill(tokens))
+    """A step's compute as the stage runs it (StageModel._step): decode rows and prompt
+    rows go as two sub-batches one after the other, prompt rows left-padded to the
+    longest of them."""
+    n_decode = sum(1 for _, n in rows if n == 1)
+    prompts = [n for _, n in rows if n > 1]
+    t = decode(n_decode) if n_decode else 0.0
+    if prompts:
+        t += prefill(len(prompts) * max(prompts))
     return t
 
 

@@ -119,3 +119,13 @@ def test_validation_reads_the_agreed_format(tmp_path, capsys):
 def test_the_example_file_validates():
     rows = sim.validate(str(Path(sim.__file__).with_name("sim_example.json")))
     assert rows and all("ttft_mean" in r and "tpot_mean" in r for r in rows)
+
+
+def test_a_mixed_step_costs_its_decode_and_its_padded_prompts_one_after_the_other():
+    """As StageModel._step runs it: decode rows, then prompt rows left-padded to the longest."""
+    decode = sim.Curve([[1, 0.010], [8, 0.020]])
+    prefill = sim.Curve([[1, 0.001], [1000, 1.0]])
+    only_decode = sim.step_time(decode, prefill, [(1, 1), (2, 1)])
+    assert only_decode == pytest.approx(decode(2))
+    mixed = sim.step_time(decode, prefill, [(1, 1), (2, 1), (3, 100), (4, 300)])
+    assert mixed == pytest.approx(decode(2) + prefill(2 * 300))
