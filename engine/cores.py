@@ -16,7 +16,8 @@ model, 1 row: 56 vs 55 ms); from four rows on it does (8 rows: 104 ms on one thr
 89 on two). So the head gives such a pipeline one micro-batch: each stage in turn runs
 it on every core, as one process would (bench/overhead.py: 8 concurrent requests,
 2 micro-batches of one core each decoded at 0.75x the single process, one micro-batch
-on both cores at ~1x).
+on both cores at 0.86-0.95x; in-process, its step period was within 1% of the single
+process's).
 
 A borrowed core goes back as soon as its owner wants it, not at the end of the step:
 an owner that finds its core lent out raises a flag (holds want-i.lock) and waits;
@@ -31,10 +32,10 @@ threads spin for a while after each parallel region (300,000 iterations by defau
 milliseconds) before they sleep: a stage that has just handed its step on keeps both
 cores busy spinning while the next stage computes on them, and every barrier of that
 stage waits behind the spinners (8 requests, 2 stages: 0.68x the single process). A
-short spin still covers the gaps between one step's operators (microseconds) but ends
-long before the hop to the next stage does (`OPENMP_ENV`: 0.97x, the same as no spin
-at all would give between steps without its cost inside them: passive waiting made
-each step slower, 0.8x).
+short spin (`OPENMP_ENV`) still covers the gaps between one step's operators
+(microseconds) but ends long before the hop to the next stage does: 0.86-0.97x in
+bench/overhead.py runs (this machine drifts by that much). Not spinning at all
+(OMP_WAIT_POLICY=passive) made every step's operators slower too.
 
 Locks are flock(2) on files in a directory the pipeline's parent creates; a process
 that dies releases its locks with its file descriptors.

@@ -144,7 +144,7 @@ class Head:
         # resource: a step of a few rows or more runs on every core, so one micro-batch
         # keeps the whole CPU busy, stage after stage, and every extra micro-batch only
         # re-reads the weights (8 requests on 2 local stages: 2 micro-batches of one
-        # core each decoded at 0.75x the single process, one on both cores at ~1x). On
+        # core each decoded at 0.75x the single process, one on both cores 0.86-0.95x). On
         # separate machines each stage is its own resource: as many as there are stages.
         self.micro_batches = micro_batches or (1 if cores is not None else self.n_stages)
         # with no fixed count, the controller (microbatch.py) picks M..2M from the
