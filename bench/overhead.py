@@ -438,11 +438,12 @@ def worker_main(a) -> int:
 
 
 # ---- driver -------------------------------------------------------------------
-def run_system(system: str, a, repeat: int) -> dict:
+def run_system(system: str, a) -> dict:
+    """One round of `system` (one run per concurrency) in a fresh worker process."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--out", str(out),
-               "--tokens", str(a.tokens), "--prompts", str(a.prompts), "--repeat", str(repeat),
+               "--tokens", str(a.tokens), "--prompts", str(a.prompts), "--repeat", "1",
                "--max-foreign", str(a.max_foreign), "--retries", str(a.retries), "--wait-quiet", str(a.wait_quiet), "--split", a.split]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=str(ROOT))
@@ -625,7 +626,7 @@ def main(argv=None) -> int:
     for rep in range(a.repeat):
         for s in systems:
             print(f"running {LABELS[s]} (round {rep + 1} of {a.repeat})...", file=sys.stderr, flush=True)
-            res = run_system(s, a, 1)
+            res = run_system(s, a)
             if s not in results:
                 results[s] = res
                 continue

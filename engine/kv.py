@@ -143,7 +143,7 @@ class BatchCache:
         # or a burst that started together) writes with a plain slice: advanced-index
         # writes cost ~10 us each, twice per layer per step
         self._slice_pos = starts[0] if self._decode and self._contiguous and len(set(starts)) == 1 else None
-        if self._decode:
+        if self._decode and self._slice_pos is None:
             self._pos_idx = torch.tensor(starts, dtype=torch.long, device=dev)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
