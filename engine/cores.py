@@ -8,16 +8,16 @@ stage has work: a lone prompt passes the stages one after another, each on one c
 and time to first token came out 1.5-1.8x the single process's (bench/overhead.py).
 
 So the cores are leases. Core i is a lock file; a process holds its *home* cores
-while it computes a step and, for a step big enough to gain from more threads, also
-takes whichever other cores are free at that moment (non-blocking), running the step
-with one thread per core held. A decode step of one to three rows does not borrow: it
-is bound by reading weights, which a second thread barely speeds up here (the default
-model, 1 row: 56 vs 55 ms); from four rows on it does (8 rows: 104 ms on one thread,
-89 on two). So the head gives such a pipeline one micro-batch: each stage in turn runs
-it on every core, as one process would (bench/overhead.py: 8 concurrent requests,
-2 micro-batches of one core each decoded at 0.75x the single process, one micro-batch
-on both cores at 0.86-0.95x; in-process, its step period was within 1% of the single
-process's).
+while it computes a step and also takes whichever other cores are free at that
+moment (non-blocking), running the step with one thread per core held. Every step
+borrows, decode steps of one row included: with the small-batch matrix products of
+engine/cpu_linear.py a second thread speeds a 1-row decode step of the default model
+from 52 to 46 ms (and 8 rows from 85 to 73 ms; the plain x @ W^T gained nothing from
+it, and steps under four rows did not borrow before: a 3-stage pipeline's 1-request
+step period went from 58-59 to 52-54 ms with this). So the head gives such a pipeline
+one micro-batch: each stage in turn runs it on every core, as one process would
+(bench/overhead.py: 8 concurrent requests, 2 micro-batches of one core each decoded
+at 0.75x the single process, one micro-batch on both cores at 0.86-0.95x).
 
 A borrowed core goes back as soon as its owner wants it, not at the end of the step:
 an owner that finds its core lent out raises a flag (holds want-i.lock) and waits;
@@ -47,7 +47,8 @@ import fcntl
 import os
 from contextlib import contextmanager
 
-BORROW_MIN_TOKENS = 4
+# steps of at least this many tokens borrow idle cores (all of them: see above)
+BORROW_MIN_TOKENS = 1
 
 # For every process of a pipeline that shares this CPU, set before torch is imported
 # (libgomp reads it once, at load). A setting of the user's own wins.

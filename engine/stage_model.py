@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .cpu_linear import use_small_batch_linear
 from .kv import BatchCache, KVStore, build_masks, position_ids
 from .models import ModelError, ModelSource
 
@@ -67,24 +68,6 @@ class ZeroEmbedding(nn.Module):
 
     def forward(self, ids):
         return torch.zeros((*ids.shape, self.dim), dtype=self.dtype, device=ids.device)
-
-
-def _pad_rows(module, args):
-    x = args[0]
-    rows = x.numel() // x.shape[-1]
-    if rows != 3:
-        return None
-    flat = x.reshape(rows, x.shape[-1])
-    module._potluck_rows = (rows, x.shape)
-    return (torch.cat([flat, flat.new_zeros(1, x.shape[-1])]),) + tuple(args[1:])
-
-
-def _unpad_rows(module, args, out):
-    saved = module.__dict__.pop("_potluck_rows", None)
-    if saved is None:
-        return None
-    rows, shape = saved
-    return out[:rows].reshape(*shape[:-1], out.shape[-1])
 
 
 @dataclass
@@ -141,13 +124,10 @@ class StageModel:
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
         self._inject: torch.Tensor | None = None
         self._layers[0].register_forward_pre_hook(self._inject_hook, with_kwargs=True)
-        head = self.model.get_output_embeddings() if self.last else None
-        if head is not None and self.device.type == "cpu":
-            # MKL's sgemm streams a big matrix badly for 3 rows: the default model's LM
-            # head (49k x 576) took 55-59 ms for 3 rows, 25-31 ms for 4 and 15 for 1
-            # (bench: a 3-stage pipeline's micro-batches of 3). Pad to 4, drop after.
-            head.register_forward_pre_hook(_pad_rows)
-            head.register_forward_hook(_unpad_rows)
+        if self.device.type == "cpu":
+            # decode steps' few rows: W @ x^T streams each weight matrix instead of
+            # packing it per call (engine/cpu_linear.py: 1.3-3x per matrix here)
+            use_small_batch_linear(self.model)
         if cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
                 layer.register_forward_pre_hook(lambda *_: cores.checkpoint())

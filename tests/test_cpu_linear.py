@@ -1,0 +1,67 @@
+"""Small-batch linear layers on CPU (engine/cpu_linear.py): same results, batch-invariant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from engine.cpu_linear import SMALL_ROWS, SmallBatchLinear, small_batch_linear, use_small_batch_linear  # noqa: E402
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, SMALL_ROWS, SMALL_ROWS + 1, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_nn_linear(rows, bias, two_threads):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 96, generator=g)
+    b = torch.randn(300, generator=g) if bias else None
+    x = torch.randn(2, rows, 96, generator=g)  # 3-D, as a model's hidden states come
+    out = small_batch_linear(x, w, b)
+    assert out.shape == (2, rows, 300) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_its_batch_mates(two_threads):
+    # a sequence decoded in a batch of up to 8 gets what it would get alone (MKL
+    # switches kernels from 12 columns on; nn.Linear itself differs from 1 row to 3)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 128, generator=g)
+    x = torch.randn(8, 128, generator=g)
+    alone = small_batch_linear(x[:1], w, None)
+    for rows in range(2, 9):
+        assert torch.equal(small_batch_linear(x[:rows], w, None)[:1], alone), rows
+
+
+def test_one_thread_keeps_the_plain_product():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        w, x = torch.randn(64, 32), torch.randn(3, 32)
+        assert torch.equal(small_batch_linear(x, w, None), F.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_switch_covers_float32_linears_only_and_keeps_the_state_dict():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4).to(torch.bfloat16), nn.Embedding(10, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert use_small_batch_linear(model) == 1
+    assert type(model[0]) is SmallBatchLinear and type(model[2]) is nn.Linear
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
