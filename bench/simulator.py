@@ -6,8 +6,11 @@ the compute curves. Everything else is a model, kept close to the engine's code:
 
   compute    every stage (the head included) is one compute thread: steps run one at a
              time in the order they were handed over. A step's time comes from its
-             stage's profile: T_d(rows) for a decode step, max(T_d(rows), T_p(tokens))
-             when it carries prompt tokens.
+             stage's profile: T_d(decode rows) + T_p(padded prompt tokens), the two
+             sub-batches one after the other (StageModel._step). Stages have a machine
+             each, or (validating against bench/weaklink.py, whose stage processes
+             share one CPU) share its cores: steps that overlap slow each other by the
+             contention bench/contention.py measures (Cpu, processor sharing).
   links      each hop is a serial FIFO wire: bandwidth B, one-way delay d. The sender is
              engine/link.py's LinkSender (its own `cap` and `piece_bytes` code runs here):
              the scheduler's decisions are cut into pieces (20 ms of link time) and
@@ -52,6 +55,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 import random
 import sys
 from collections import deque
@@ -136,6 +140,8 @@ class Pipeline:
     min_in_flight: int | None = None  # (None: they follow the measured bandwidth, as live)
     n_wait: int = 30
     warm: bool = True                 # links start with their bandwidth and RTT measured
+    cores: int | None = None          # compute threads share this many cores (None: a machine each)
+    contention: float = 0.0           # slowdown per extra step running at once (shared memory bus)
 
     @property
     def n_stages(self) -> int:
@@ -206,6 +212,58 @@ class Wire:
         return max(0.0, self.free_at - self.clock.now)
 
 
+class Cpu:
+    """The compute threads' processors. Each stage (the head too) owns one by default:
+    a job of w seconds (its profile, measured alone) ends w seconds after it starts.
+
+    On one machine -- bench/weaklink.py's stage processes, one torch thread each, on
+    a 2-core box -- the threads share `cores` and one memory bus: while n jobs run at
+    once, each progresses at rate(n) = min(1, cores / n) / (1 + contention * (m - 1)),
+    m = min(n, cores) of them on a core at a time (processor sharing). `contention`
+    is measured (measure_contention): decode steps are bound by reading weights, and
+    two at once share the bus."""
+
+    def __init__(self, clock: Clock, cores: int | None = None, contention: float = 0.0):
+        self.clock, self.cores, self.contention = clock, cores, contention
+        self.shared = cores is not None
+        self._jobs: list[list] = []   # [remaining work, version, fn, args]
+        self._t = 0.0
+
+    def rate(self, n: int) -> float:
+        if n <= 1 or not self.shared:
+            return 1.0
+        m = min(n, self.cores)
+        return min(1.0, self.cores / n) / (1 + self.contention * (m - 1))
+
+    def run(self, work: float, fn, *args) -> None:
+        if not self.shared:
+            self.clock.at(self.clock.now + work, fn, *args)
+            return
+        self._advance()
+        self._jobs.append([work, 0, fn, args])
+        self._reschedule()
+
+    def _advance(self) -> None:
+        done = (self.clock.now - self._t) * self.rate(len(self._jobs))
+        for j in self._jobs:
+            j[0] = max(0.0, j[0] - done)
+        self._t = self.clock.now
+
+    def _reschedule(self) -> None:
+        r = self.rate(len(self._jobs))
+        for j in self._jobs:
+            j[1] += 1   # earlier finish events of this job are stale now
+            self.clock.at(self.clock.now + j[0] / r, self._finish, j, j[1])
+
+    def _finish(self, job: list, version: int) -> None:
+        if version != job[1] or job not in self._jobs:
+            return
+        self._advance()
+        self._jobs.remove(job)
+        self._reschedule()
+        job[2](*job[3])
+
+
 @dataclass(eq=False)
 class Seq:
     id: int
@@ -249,6 +307,7 @@ class Link:
     # the sender's own sizing code: it reads sched, piece, min_in_flight, max_in_flight, rtt_min
     cap = LinkSender.cap
     piece_bytes = LinkSender.piece_bytes
+    piece_for = LinkSender.piece_for
 
     def __init__(self, clock: Clock, sched: LinkScheduler, wire: Wire, receiver: "Stage", piece: int | None,
                  min_in_flight: int | None, warm: bool, max_in_flight: int = 16 << 20, ping_interval: float = 1.0):
@@ -280,7 +339,7 @@ class Link:
                 s = self.sched.next_send(self.clock.now)
                 if s is None:
                     break
-                end, piece = s.offset + s.length, self.piece_bytes
+                end, piece = s.offset + s.length, self.piece_for(s.kind)
                 for off in range(s.offset, end, piece):
                     n = min(piece, end - off)
                     done = self._steps.pop(s.volume_id) if s.last and off + n == end else None
@@ -345,7 +404,7 @@ class Stage:
         now = self.sim.clock.now
         if steps[0].decode and self.out is not None:
             self.out.sched.decode_compute_started(now, len(rows))
-        self.sim.clock.at(now + step_time(self.decode, self.prefill, rows), self._done, steps, now)
+        self.sim.cpu.run(step_time(self.decode, self.prefill, rows), self._done, steps, now)
 
     def _done(self, steps: list, started: float) -> None:
         self.busy = False
@@ -392,7 +451,7 @@ class Head:
         if not self._busy and self._jobs:
             seconds, gen = self._jobs.popleft()
             self._busy = True
-            self.sim.clock.at(self.sim.clock.now + seconds, self._job_done, gen)
+            self.sim.cpu.run(seconds, self._job_done, gen)
 
     def _job_done(self, gen) -> None:
         self._busy = False
@@ -512,6 +571,7 @@ class Simulation:
             raise ValueError("a pipeline to simulate has at least two stages")
         self.pipe, self.policy = pipe, policy
         self.clock = Clock()
+        self.cpu = Cpu(self.clock, pipe.cores, pipe.contention)
         self.curves = [(Curve(p["decode"]), Curve(p["prefill"])) for p in pipe.profiles]
         self.head = Head(self)
         self.stages = [Stage(self, i) for i in range(1, pipe.n_stages)]
@@ -706,7 +766,7 @@ def load_cells(path: str) -> list[dict]:
             continue    # a cell that failed or was skipped
         per = sorted((r for r in c["per_request"] if r), key=lambda r: r["submit"])
         reqs = [(r["submit"], r["n_in"], r["n_out"]) for r in per]
-        out.append(dict(c, bandwidth_bps=c["rate_bps"], policy=c["config"], rate_rps=c.get("arrival_rate") or 0,
+        out.append(dict(c, cpu=c.get("cpu", data.get("cpu")), bandwidth_bps=c["rate_bps"], policy=c["config"], rate_rps=c.get("arrival_rate") or 0,
                         n_requests=len(reqs), requests=reqs, hidden_bytes_per_token=data["bytes_per_token"],
                         counted=[r.get("finish") == "length" for r in per],  # what its means cover
                         measured={"ttft_mean": c.get("ttft"), "tpot_mean": c.get("tpot"),
@@ -732,16 +792,27 @@ def pipeline_for_cell(cell: dict) -> tuple[Pipeline, Policy]:
         pol = Policy(**{**pol.__dict__, **over})
     if len(cell["profiles"]) != cell["stages"]:
         raise ValueError(f"cell has {cell['stages']} stages but {len(cell['profiles'])} profiles")
+    cpu = cell.get("cpu") or {}
     pipe = Pipeline(cell["profiles"], cell["bandwidth_bps"] / 8, cell["delay_s"], cell["hidden_bytes_per_token"],
                     dtype_bytes=cell.get("dtype_bytes", 4), kv_capacity=cell.get("kv_capacity_tokens", 1 << 18),
-                    max_batch=cell.get("max_batch", 32))
+                    max_batch=cell.get("max_batch", 32), cores=cpu.get("cores"),
+                    contention=cpu.get("contention", 0.0))
     return pipe, pol
 
 
-def validate(path: str, tolerance: float = 0.15) -> list[dict]:
+def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None) -> list[dict]:
+    """cpu: {"cores", "contention"} to model the stages sharing one machine (None: as the
+    file says -- weaklink.py records what bench/contention.py measured -- or dedicated)."""
     cells = load_cells(path)
+    if cpu is not None:
+        cells = [dict(c, cpu=cpu) for c in cells]
     synthetic = any(c.get("synthetic") for c in cells)
     print(f"validation against {path}" + (" (SYNTHETIC measurements, not from weaklink.py)" if synthetic else ""))
+    shared = {(c.get("cpu") or {}).get("cores") for c in cells}
+    for desc in sorted(shared, key=str):
+        some = next(c for c in cells if (c.get("cpu") or {}).get("cores") == desc)
+        print("compute: " + ("a machine per stage" if desc is None else
+                             f"stages share {desc} cores, contention {some['cpu']['contention']:.3f}"))
     print(f"{'stages':>6}{'Mbit/s':>8}{'ms':>6}  {'policy':<10}{'req/s':>6}{'n':>5} |"
           f"{'TTFT sim':>9}{'meas':>8}{'err':>6}    |{'TPOT sim':>9}{'meas':>8}{'err':>6}    |"
           f"{'lat sim':>8}{'meas':>8}{'err':>6}")
@@ -781,9 +852,17 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-j", "--jobs", type=int, default=2, help="processes for the scenario cells")
+    ap.add_argument("--contention", type=float, default=None,
+                    help="with --validate: the stages share this machine's cores with this slowdown per "
+                         "concurrent step (bench/contention.py measures it; weaklink.py --json records it)")
+    ap.add_argument("--dedicated", action="store_true",
+                    help="with --validate: model every stage on a machine of its own (no shared cores)")
     a = ap.parse_args(argv)
     if a.validate:
-        validate(a.validate)
+        cpu = {"cores": None, "contention": 0.0} if a.dedicated else None
+        if a.contention is not None:
+            cpu = {"cores": os.cpu_count(), "contention": a.contention}
+        validate(a.validate, cpu=cpu)
         return 0
     policies = ["fifo"] + [p for p in a.policies if p != "fifo"]
     scenario(a.stages, a.mbits, a.loads, policies, a.requests, a.seed, a.delay_ms / 1e3, a.weight_bits / 8,

@@ -481,6 +481,17 @@ async def main(a):
           f"{n_layers} layers, float32 -> {bytes_tok} B/token/hop; seed {a.seed}; "
           f"{os.cpu_count()} CPU cores (shared: see 'other'); 1 torch thread per process")
     print(f"# Head(compress=...) {'available' if compress_ok else 'NOT available: the +compress column is skipped'}")
+    cpu = None
+    if a.json:
+        # for bench/simulator.py --validate: what the stages' steps cost each other on
+        # this shared CPU (measured before anything else runs)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from contention import measure
+
+        cpu = measure()
+        cpu = {"cores": cpu["cores"], "contention": cpu["contention"]}
+        print(f"# stage processes on this CPU slow each other by {cpu['contention']:.0%} per concurrent step "
+              f"(bench/contention.py; recorded for bench/simulator.py --validate)")
     try:
         for n in stage_counts:
             ls = LocalStages(n - 1, threads=1)
@@ -587,7 +598,7 @@ async def main(a):
 
         def dump():
             if a.json:
-                out = dict(model=source.name, bytes_per_token=bytes_tok, scale=a.scale, seed=a.seed,
+                out = dict(model=source.name, bytes_per_token=bytes_tok, scale=a.scale, seed=a.seed, cpu=cpu,
                            decode_step_s=td, decode_step_used_s=td_mean, capacity_req_s=capacity, rates=rates,
                            bandwidths_bps=bws, delays_s={str(k): v for k, v in delays.items()}, workload=[
                                dict(gap=r["gap"], n_in=r["n_in"], n_out=r["n_out"]) for r in reqs],

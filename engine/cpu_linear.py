@@ -11,9 +11,11 @@ matrix-vector product. The decoder layers' matrices gain 1.3-2.7x the same way.
 A whole decode step of the default model on 2 threads: 46 vs 52 ms for 1 row, 73
 vs 85 ms for 8 (`python -m engine.cpu_linear` prints the per-matrix comparison).
 
-On one thread it loses (1 row: 68 vs 52 ms; 8 rows: 119 vs 108): x @ W^T is not
-slow there, it just gains nothing from a second thread. So the switch is made per
-call, on torch's thread count -- a pipeline stage's changes as it borrows cores.
+On one thread the whole step loses (1 row: 68 vs 52 ms; 8 rows: 119 vs 108): the
+decoder layers' x @ W^T is not slow there, it just gains nothing from a second
+thread. Only the LM head, vocabulary-wide, still gains (2-8 rows: 9-17 vs 17-26 ms),
+so on one thread it alone switches. The choice is made per call, on torch's thread
+count -- a pipeline stage's changes as it borrows cores.
 
 Up to 11 rows MKL computes every column with the same arithmetic, so a sequence
 decoded in a batch of up to 8 gets bit for bit what it would get alone
@@ -33,16 +35,25 @@ from torch import nn
 SMALL_ROWS = 32
 # fewer rows are padded to this many: MKL's kernel for 1-3 columns is slower than for 4
 PAD_ROWS = 4
+# on one thread, only matrices with at least this many outputs (an LM head) switch
+WIDE_OUT = 16384
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= SMALL_ROWS or torch.get_num_threads() < 2:
+    if not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
+    pad = PAD_ROWS
+    if torch.get_num_threads() < 2:
+        # one thread: only a vocabulary-wide matrix gains (the LM head, 2-8 rows:
+        # 9-17 vs 17-26 ms), and padding a lone row would just do 4 rows' work
+        if rows < 2 or weight.shape[0] < WIDE_OUT:
+            return F.linear(x, weight, bias)
+        pad = 0
     flat = x.reshape(rows, k)
-    if rows < PAD_ROWS:
-        flat = torch.cat([flat, flat.new_zeros(PAD_ROWS - rows, k)])
+    if rows < pad:
+        flat = torch.cat([flat, flat.new_zeros(pad - rows, k)])
     out = torch.mm(weight, flat.t())[:, :rows].t().contiguous()
     if bias is not None:
         out += bias

@@ -104,6 +104,12 @@ class LinkSender:
             return self.piece
         return max(MIN_PIECE, min(MAX_PIECE, int(self.sched.link.bandwidth * PIECE_TIME)))
 
+    def piece_for(self, kind: str) -> int:
+        """Pieces let decode overtake a prefill; a decode volume itself goes whole (up
+        to MAX_PIECE): cut in two, 8 rows of the default model paid a second frame and
+        acknowledgement on every hop."""
+        return MAX_PIECE if kind == "decode" else self.piece_bytes
+
     @property
     def cap(self) -> int:
         """Bytes allowed in flight: about one bandwidth-delay product, plus a piece.
@@ -170,7 +176,7 @@ class LinkSender:
                         if s is None:
                             break
                         data = self._data[s.volume_id]
-                        piece = self.piece_bytes
+                        piece = self.piece_for(s.kind)
                         for off in range(s.offset, s.offset + s.length, piece):
                             end = min(off + piece, s.offset + s.length)
                             self._committed.append((s.volume_id, s.kind, off, end, len(data)))

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from engine.cpu_linear import SMALL_ROWS, SmallBatchLinear, small_batch_linear, use_small_batch_linear  # noqa: E402
+from engine.cpu_linear import SMALL_ROWS, WIDE_OUT, SmallBatchLinear, small_batch_linear, use_small_batch_linear  # noqa: E402
 
 
 @pytest.fixture
@@ -46,12 +46,15 @@ def test_a_row_does_not_depend_on_its_batch_mates(two_threads):
         assert torch.equal(small_batch_linear(x[:rows], w, None)[:1], alone), rows
 
 
-def test_one_thread_keeps_the_plain_product():
+def test_one_thread_switches_only_vocabulary_wide_matrices():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         w, x = torch.randn(64, 32), torch.randn(3, 32)
-        assert torch.equal(small_batch_linear(x, w, None), F.linear(x, w))
+        assert torch.equal(small_batch_linear(x, w, None), F.linear(x, w))  # a layer's matrix
+        head = torch.randn(WIDE_OUT, 32)
+        assert torch.equal(small_batch_linear(x[:1], head, None), F.linear(x[:1], head))  # one row
+        torch.testing.assert_close(small_batch_linear(x, head, None), F.linear(x, head), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
 

@@ -129,3 +129,32 @@ def test_a_mixed_step_costs_its_decode_and_its_padded_prompts_one_after_the_othe
     assert only_decode == pytest.approx(decode(2))
     mixed = sim.step_time(decode, prefill, [(1, 1), (2, 1), (3, 100), (4, 300)])
     assert mixed == pytest.approx(decode(2) + prefill(2 * 300))
+
+
+def test_shared_cores_slow_overlapping_steps_by_processor_sharing():
+    clock = sim.Clock()
+    cpu = sim.Cpu(clock, cores=2, contention=0.25)
+    done = {}
+
+    def finish(name):
+        done[name] = clock.now
+
+    # a 1.0 s job alone until 0.5 s, then beside a 0.5 s job: both at rate 1/1.25
+    cpu.run(1.0, finish, "a")
+    clock.at(0.5, lambda: cpu.run(0.5, finish, "b"))
+    clock.run()
+    assert done["a"] == pytest.approx(0.5 + 0.5 * 1.25)
+    assert done["b"] == pytest.approx(0.5 + 0.5 * 1.25)
+    # three 1-thread jobs on two cores: a core's worth shared by three, plus contention
+    assert cpu.rate(3) == pytest.approx((2 / 3) / 1.25)
+    # a machine per stage (the default): jobs never slow each other
+    alone = sim.Cpu(clock)
+    assert alone.rate(5) == 1.0
+
+
+def test_shared_cores_lengthen_a_pipeline_whose_stages_overlap():
+    reqs = workload(2.0, 12, seed=3, scale=1 / 8)
+    base = Pipeline([PROFILE, PROFILE], 2e6, 0.01, 1000)
+    shared = Pipeline([PROFILE, PROFILE], 2e6, 0.01, 1000, cores=2, contention=0.3)
+    a, b = simulate(base, "jit", reqs), simulate(shared, "jit", reqs)
+    assert b["tpot_mean"] > a["tpot_mean"] and b["latency_mean"] > a["latency_mean"]
