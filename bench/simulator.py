@@ -220,7 +220,7 @@ class Cpu:
     a 2-core box -- the threads share `cores` and one memory bus: while n jobs run at
     once, each progresses at rate(n) = min(1, cores / n) / (1 + contention * (m - 1)),
     m = min(n, cores) of them on a core at a time (processor sharing). `contention`
-    is measured (measure_contention): decode steps are bound by reading weights, and
+    is measured (bench/contention.py): decode steps are bound by reading weights, and
     two at once share the bus."""
 
     def __init__(self, clock: Clock, cores: int | None = None, contention: float = 0.0):
@@ -808,11 +808,10 @@ def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None) -> lis
         cells = [dict(c, cpu=cpu) for c in cells]
     synthetic = any(c.get("synthetic") for c in cells)
     print(f"validation against {path}" + (" (SYNTHETIC measurements, not from weaklink.py)" if synthetic else ""))
-    shared = {(c.get("cpu") or {}).get("cores") for c in cells}
-    for desc in sorted(shared, key=str):
-        some = next(c for c in cells if (c.get("cpu") or {}).get("cores") == desc)
-        print("compute: " + ("a machine per stage" if desc is None else
-                             f"stages share {desc} cores, contention {some['cpu']['contention']:.3f}"))
+    for cores, contention in sorted({((c.get("cpu") or {}).get("cores"), (c.get("cpu") or {}).get("contention"))
+                                     for c in cells}, key=str):
+        print("compute: " + ("a machine per stage" if cores is None else
+                             f"stages share {cores} cores, contention {contention:.3f}"))
     print(f"{'stages':>6}{'Mbit/s':>8}{'ms':>6}  {'policy':<10}{'req/s':>6}{'n':>5} |"
           f"{'TTFT sim':>9}{'meas':>8}{'err':>6}    |{'TPOT sim':>9}{'meas':>8}{'err':>6}    |"
           f"{'lat sim':>8}{'meas':>8}{'err':>6}")

@@ -488,8 +488,7 @@ async def main(a):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from contention import measure
 
-        cpu = measure()
-        cpu = {"cores": cpu["cores"], "contention": cpu["contention"]}
+        cpu = {k: v for k, v in measure().items() if k in ("cores", "contention")}
         print(f"# stage processes on this CPU slow each other by {cpu['contention']:.0%} per concurrent step "
               f"(bench/contention.py; recorded for bench/simulator.py --validate)")
     try:

@@ -47,7 +47,7 @@ import fcntl
 import os
 from contextlib import contextmanager
 
-# steps of at least this many tokens borrow idle cores (all of them: see above)
+# steps of at least this many tokens borrow idle cores: every step does (see above)
 BORROW_MIN_TOKENS = 1
 
 # For every process of a pipeline that shares this CPU, set before torch is imported

@@ -141,7 +141,7 @@ class Head:
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
         # Stage processes that lease this CPU's cores (cores.py) are one compute
-        # resource: a step of a few rows or more runs on every core, so one micro-batch
+        # resource: every step runs on all the idle cores, so one micro-batch
         # keeps the whole CPU busy, stage after stage, and every extra micro-batch only
         # re-reads the weights (8 requests on 2 local stages: 2 micro-batches of one
         # core each decoded at 0.75x the single process, one on both cores 0.86-0.95x). On

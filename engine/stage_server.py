@@ -242,14 +242,12 @@ class StageServer:
             async for data in ws:
                 try:
                     frame = wire.decode(data)
-                    ack = None
                     if frame.type == wire.FrameType.CHUNK:
                         piece = memoryview(data)[len(data) - frame.tensor.numel():]
                         done = volumes.feed(frame.micro_batch, frame.meta, piece)
                         # acknowledge on arrival: the sender measures the link by these
-                        ack = wire.control("ack", v=frame.micro_batch, bytes=len(piece))
+                        await ws.send(wire.control("ack", v=frame.micro_batch, bytes=len(piece)))
                         if done is None:
-                            await ws.send(ack)
                             continue
                         frame = wire.decode(done[1])
                     self._check_frame(frame)
@@ -259,10 +257,6 @@ class StageServer:
                     await ws.close(1008, str(exc)[:120])
                     return
                 await inbox.put(frame)  # bounded: a fast sender waits here, then in TCP
-                if ack is not None:
-                    # a volume's last piece: acknowledged once its step is queued, so
-                    # the compute thread starts without waiting on the ack's write
-                    await ws.send(ack)
         except ConnectionClosed:
             pass
         finally:
