@@ -71,6 +71,7 @@ from engine.link import LinkSender  # noqa: E402
 from engine.link_scheduler import LinkScheduler  # noqa: E402
 from engine.profile import interp  # noqa: E402
 from engine.stage_server import MAX_MERGED_ROWS  # noqa: E402
+from engine.step_gate import MAX_CUT_INS  # noqa: E402
 
 # ---- workload ---------------------------------------------------------------------------
 # Lengths shaped like the Azure LLM inference trace's conversation requests as MoLink uses
@@ -109,6 +110,7 @@ class Policy:
     dynamic: bool = False             # K from microbatch.choose (else fixed) ...
     micro_batches: int | None = None  # ... the fixed K (None: the number of stages)
     compress: str = "off"             # engine/compression.py policy: off | auto | prefill | all
+    cut_in: bool = False              # decode steps cut into prompt steps (Head compute="decode-first")
 
 
 POLICIES = {
@@ -117,9 +119,11 @@ POLICIES = {
     "fixed": Policy("fixed"),                         # decode first, fixed prefill chunks (20 ms of link)
     "jit": Policy("jit"),                             # decode first, just-in-time chunks
     "dynamic": Policy("jit", dynamic=True),           # ... and K in M..2M
-    "compress": Policy("jit", dynamic=True, compress="auto"),
+    "cut-in": Policy("jit", dynamic=True, cut_in=True),   # ... and decode steps cut into prompt steps
+    "compress": Policy("jit", dynamic=True, cut_in=True, compress="auto"),
 }
-ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+compress": "compress"}   # bench/weaklink.py's names
+ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+cut-in": "cut-in",
+           "+compress": "compress"}   # bench/weaklink.py's names
 
 
 def q8_factor(dtype_bytes: int) -> float:
@@ -235,25 +239,42 @@ class Cpu:
         m = min(n, self.cores)
         return min(1.0, self.cores / n) / (1 + self.contention * (m - 1))
 
-    def run(self, work: float, fn, *args) -> None:
-        if not self.shared:
-            self.clock.at(self.clock.now + work, fn, *args)
-            return
+    def run(self, work: float, fn, *args) -> list:
+        """Start a job; returns its handle (for suspend/resume)."""
         self._advance()
-        self._jobs.append([work, 0, fn, args])
+        job = [work, 0, fn, args, False]   # remaining work, version, callback, args, suspended
+        self._jobs.append(job)
+        self._reschedule()
+        return job
+
+    def suspend(self, job: list) -> None:
+        """A prompt step parked at a layer while a decode step cuts in (step_gate.py)."""
+        self._advance()
+        job[4] = True
         self._reschedule()
 
+    def resume(self, job: list) -> None:
+        self._advance()
+        job[4] = False
+        self._reschedule()
+
+    def _running(self) -> list:
+        return [j for j in self._jobs if not j[4]]
+
     def _advance(self) -> None:
-        done = (self.clock.now - self._t) * self.rate(len(self._jobs))
-        for j in self._jobs:
+        running = self._running()
+        done = (self.clock.now - self._t) * (self.rate(len(running)) if self.shared else 1.0)
+        for j in running:
             j[0] = max(0.0, j[0] - done)
         self._t = self.clock.now
 
     def _reschedule(self) -> None:
-        r = self.rate(len(self._jobs))
+        running = self._running()
+        r = self.rate(len(running)) if self.shared else 1.0
         for j in self._jobs:
             j[1] += 1   # earlier finish events of this job are stale now
-            self.clock.at(self.clock.now + j[0] / r, self._finish, j, j[1])
+            if not j[4]:
+                self.clock.at(self.clock.now + j[0] / r, self._finish, j, j[1])
 
     def _finish(self, job: list, version: int) -> None:
         if version != job[1] or job not in self._jobs:
@@ -374,6 +395,65 @@ class Link:
         self.clock.at(self.clock.now + self.ping_interval, self._ping)
 
 
+def _merge(steps: list) -> list:
+    """Decode steps that queued up together go as one batch, up to MAX_MERGED_ROWS rows."""
+    out = steps[:1]
+    for x in steps[1:]:
+        if sum(len(y.rows) for y in out) >= MAX_MERGED_ROWS:
+            break
+        out.append(x)
+    return out
+
+
+class Compute:
+    """A stage's compute (the head's too), as stage_server.py and head.py run it.
+
+    In order (compute="in-order", and every FIFO configuration): one step at a time,
+    in the order handed over. With cut-ins (engine/step_gate.py): decode steps go
+    before waiting prompt steps, and one that arrives while a prompt step runs cuts
+    in -- the prompt step is suspended and resumes once no decode step waits (at most
+    MAX_CUT_INS per prompt step). The engine parks a prompt step at its next layer
+    boundary; here it parks at once (a layer of a 64-token chunk is ~3 ms on this CPU).
+    """
+
+    def __init__(self, sim: "Simulation"):
+        self.sim, self.cut_in = sim, sim.policy.cut_in
+        self.running: list | None = None     # the Cpu job computing now
+        self.running_decode = False
+        self.parked: list | None = None      # a prompt step a decode step cut into
+        self.cut_ins = 0
+
+    def next_kind(self, decode_waits: bool, any_waits: bool) -> bool | None:
+        """What to start now: True (the waiting decode steps), False (the first waiting
+        step), or None (nothing: busy, or nothing waits). Parks or resumes a prompt step."""
+        if not self.cut_in:
+            return None if self.running is not None or not any_waits else False
+        if self.running is None and self.parked is None:
+            return True if decode_waits else (False if any_waits else None)
+        if self.running is None:                      # a prompt step is parked
+            if decode_waits and self.cut_ins < MAX_CUT_INS:
+                self.cut_ins += 1
+                return True
+            self.sim.cpu.resume(self.parked)
+            self.running, self.parked, self.running_decode = self.parked, None, False
+            return None
+        if decode_waits and not self.running_decode and self.cut_ins < MAX_CUT_INS:
+            self.sim.cpu.suspend(self.running)
+            self.parked, self.running = self.running, None
+            self.cut_ins += 1
+            return True
+        return None
+
+    def start(self, seconds: float, decode: bool, fn, *args) -> None:
+        if not decode:
+            self.cut_ins = 0                  # a new prompt step
+        self.running_decode = decode
+        self.running = self.sim.cpu.run(seconds, fn, *args)
+
+    def finished(self) -> None:
+        self.running, self.running_decode = None, False
+
+
 class Stage:
     """A stage server: pieces are acknowledged as they arrive; completed volumes wait for
     the compute thread, which takes decode volumes that queued up together as one batch;
@@ -384,7 +464,7 @@ class Stage:
         self.decode, self.prefill = sim.curves[index]
         self.out: Link | None = None
         self.inbox: deque = deque()
-        self.busy = False
+        self.compute = Compute(sim)
 
     def piece_arrived(self, link: Link, nbytes: int, step: Step | None) -> None:
         self.sim.clock.at(self.sim.clock.now + link.wire.delay, link.on_ack, nbytes)
@@ -393,21 +473,27 @@ class Stage:
             self._serve()
 
     def _serve(self) -> None:
-        if self.busy or not self.inbox:
+        pick = self.compute.next_kind(any(x.decode for x in self.inbox), bool(self.inbox))
+        if pick is None:
             return
-        steps = [self.inbox.popleft()]
-        while (steps[0].decode and self.inbox and self.inbox[0].decode
-               and sum(len(x.rows) for x in steps) < MAX_MERGED_ROWS):
-            steps.append(self.inbox.popleft())
+        if pick:   # the decode lane: every decode step queued
+            steps = [x for x in self.inbox if x.decode]
+        else:      # the first waiting step, and decode steps queued right behind a decode step
+            steps = [self.inbox[0]]
+            if steps[0].decode:
+                steps += itertools.takewhile(lambda x: x.decode, itertools.islice(self.inbox, 1, None))
+        steps = _merge(steps)
+        for x in steps:
+            self.inbox.remove(x)
+        decode = steps[0].decode
         rows = [r for x in steps for r in x.rows]
-        self.busy = True
         now = self.sim.clock.now
-        if steps[0].decode and self.out is not None:
+        if decode and self.out is not None:
             self.out.sched.decode_compute_started(now, len(rows))
-        self.sim.cpu.run(step_time(self.decode, self.prefill, rows), self._done, steps, now)
+        self.compute.start(step_time(self.decode, self.prefill, rows), decode, self._done, steps, now)
 
     def _done(self, steps: list, started: float) -> None:
-        self.busy = False
+        self.compute.finished()
         now = self.sim.clock.now
         if self.out is not None and steps[0].decode:
             self.out.sched.decode_compute_finished(now)
@@ -435,26 +521,28 @@ class Head:
         self.remaining = 0
         self._retuned_at = -math.inf
         self.k_samples: list[int] = []
-        self._jobs: deque = deque()          # the head's one compute thread
-        self._busy = False
+        self._jobs: deque = deque()          # the head's compute: (seconds, decode?, generator)
+        self.compute = Compute(sim)
 
-    # -- the compute thread: generators yield seconds of compute, resumed when it is done
+    # -- the compute: generators yield (seconds of compute, decode?), resumed when it is done
     def _drive(self, gen) -> None:
         try:
-            seconds = next(gen)
+            seconds, decode = next(gen)
         except StopIteration:
             return
-        self._jobs.append((seconds, gen))
+        self._jobs.append((seconds, decode, gen))
         self._next_job()
 
     def _next_job(self) -> None:
-        if not self._busy and self._jobs:
-            seconds, gen = self._jobs.popleft()
-            self._busy = True
-            self.sim.cpu.run(seconds, self._job_done, gen)
+        pick = self.compute.next_kind(any(j[1] for j in self._jobs), bool(self._jobs))
+        if pick is None:
+            return
+        job = next(j for j in self._jobs if j[1]) if pick else self._jobs[0]
+        self._jobs.remove(job)
+        self.compute.start(job[0], job[1], self._job_done, job[2])
 
     def _job_done(self, gen) -> None:
-        self._busy = False
+        self.compute.finished()
         self._drive(gen)
         self._next_job()
 
@@ -517,7 +605,7 @@ class Head:
                 while c and s.n_in - s.pos > c:
                     chunk = Step(g, [(s, c)], True, FRAME_HEADER + ROW_META)
                     t0 = self.sim.clock.now
-                    yield step_time(self.decode, self.prefill, chunk.rows)
+                    yield step_time(self.decode, self.prefill, chunk.rows), False
                     nbytes = self.sim.volume_bytes(chunk, "prefill", self.link, self.sim.clock.now - t0)
                     self.link.submit(nbytes, "prefill", chunk)
                     s.pos += c
@@ -538,7 +626,7 @@ class Head:
         t0 = self.sim.clock.now
         if step.decode:   # head.py tells the scheduler when it hands the step to its thread
             sched.decode_compute_started(t0, len(rows))
-        yield step_time(self.decode, self.prefill, rows)
+        yield step_time(self.decode, self.prefill, rows), step.decode
         if step.decode:
             sched.decode_compute_finished(self.sim.clock.now)
         kind = "decode" if step.decode else "prefill"
@@ -788,6 +876,8 @@ def pipeline_for_cell(cell: dict) -> tuple[Pipeline, Policy]:
         over["micro_batches"] = args["micro_batches"]
     if "compress" in args:
         over["compress"] = args["compress"]
+    if args:   # files from before Head(compute=...) computed in order
+        over["cut_in"] = args.get("compute") == "decode-first"
     if over:
         pol = Policy(**{**pol.__dict__, **over})
     if len(cell["profiles"]) != cell["stages"]:

@@ -27,14 +27,19 @@ decode step and pick the bandwidth giving the same ratio for our (scaled) median
 prompt; 60/100/200 Mbit/s in the paper map to ratios ~45/27/13. Delays map the same way
 (10 ms and 30 ms relative to a 25 ms decode step).
 
-Configurations (the head's link_mode / micro_batches / prefill_chunk):
+Configurations (the head's link_mode / micro_batches / prefill_chunk / compute), each
+adding one thing to the one before, as the paper's Table 5 does:
     fifo      whole volumes first-come-first-served (vLLM, Helix): link_mode=fifo,
-              micro_batches=M (= stages), prefill_chunk=None
+              micro_batches=M (= stages), prefill_chunk=None; every stage computes its
+              steps in arrival order (compute="in-order"), as vLLM does
     fifo+c64  FIFO links, but prompts computed and sent in 64-token chunks as the
               others do: separates the link scheduling from the compute chunking
     fixed     decode-first, fixed-size prefill chunks: link_mode=fixed, M, chunk 64
     jit       decode-first, just-in-time chunks: link_mode=jit, M, chunk 64
     jit+dyn   + dynamic micro-batch count (M..2M): link_mode=jit, micro_batches=None
+    +cut-in   + decode first on the compute too: a decode step cuts into a running
+              prompt step between two layers (compute="decode-first", engine/step_gate.py;
+              the Head's default with decode-first links)
     +compress + activation compression (compress="auto": int8 prefill volumes while the
               link is the bottleneck), only if Head takes a `compress` argument
 
@@ -91,6 +96,12 @@ OUT_MEDIAN, OUT_SIGMA, OUT_MAX = 200, 0.8, 1024
 # is already 2-6x its light-load value (Table 2: 0.50 s and 1.69 s vs 0.28 s), i.e. well
 # into the loaded regime, not a lightly used pipeline.
 LOADS = {"low": 0.25, "medium": 0.6, "high": 0.9}
+# Requests in the saturation burst. A burst's throughput is requests / makespan, and its
+# makespan ends with a nearly empty pipeline draining the longest outputs: 8 requests
+# read 0.567 req/s where 24 read 0.783 (2 stages, the reference link, one machine, one
+# session), and at "0.9x" of the 8-request figure FIFO's TPOT was only 1.7x its
+# light-load value and its latency 1.3x medium's -- not a pipeline near saturation.
+CALIB_REQUESTS = 24
 
 
 def paper_ratio(rate_bps: float) -> float:
@@ -207,13 +218,16 @@ class Proxies:
 
 # ---- configurations ----------------------------------------------------------------------
 def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict]]:
+    in_order = dict(compute="in-order")
     table = {
-        "fifo": dict(link_mode="fifo", micro_batches=m, prefill_chunk=None),
-        "fifo+c64": dict(link_mode="fifo", micro_batches=m, prefill_chunk=64),
-        "fixed": dict(link_mode="fixed", micro_batches=m, prefill_chunk=64),
-        "jit": dict(link_mode="jit", micro_batches=m, prefill_chunk=64),
-        "jit+dyn": dict(link_mode="jit", micro_batches=None, prefill_chunk=64),
-        "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compress="auto"),
+        "fifo": dict(link_mode="fifo", micro_batches=m, prefill_chunk=None, **in_order),
+        "fifo+c64": dict(link_mode="fifo", micro_batches=m, prefill_chunk=64, **in_order),
+        "fixed": dict(link_mode="fixed", micro_batches=m, prefill_chunk=64, **in_order),
+        "jit": dict(link_mode="jit", micro_batches=m, prefill_chunk=64, **in_order),
+        "jit+dyn": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, **in_order),
+        "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first"),
+        "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first",
+                          compress="auto"),
     }
     return [(n, table[n]) for n in names if n != "+compress" or compress_ok]
 
@@ -579,15 +593,15 @@ async def main(a):
         # -- the plan, most important first: the full ablation at the paper's reference
         # point, 3 stages there, the bandwidth x delay grid, then the other loads
         if a.quick:
-            names = ["fifo", "jit"]
+            names = ["fifo", "+cut-in"]
             plan = [(2, "100", 30, "medium", names)]
         else:
-            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress"]
-            grid = ["fifo", "jit+dyn", "+compress"]
-            plan = [(2, "100", 30, "medium", names), (3, "100", 30, "medium", ["fifo", "jit", "jit+dyn"])]
+            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+cut-in", "+compress"]
+            grid = ["fifo", "+cut-in", "+compress"]
+            plan = [(2, "100", 30, "medium", names), (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in"])]
             plan += [(2, bw, d, "medium", grid) for d in PAPER_DELAYS_MS for bw in ("60", "100", "200")
                      if (bw, d) != ("100", 30)]
-            plan += [(2, "100", 30, "high", ["fifo", "jit+dyn"]), (2, "100", 30, "low", ["fifo", "jit+dyn"])]
+            plan += [(2, "100", 30, "high", ["fifo", "+cut-in"]), (2, "100", 30, "low", ["fifo", "+cut-in"])]
         if a.only:
             plan = plan[:a.only]
         if a.configs:
@@ -640,7 +654,7 @@ def report(cells: list[dict], names: list[str]):
     labels = {"fifo": "no optimizations (FIFO)", "fifo+c64": "FIFO links, 64-token prompt chunks",
               "fixed": "+ decode-first, fixed chunks",
               "jit": "+ just-in-time chunks", "jit+dyn": "+ dynamic micro-batches",
-              "+compress": "+ compression"}
+              "+cut-in": "+ decode steps cut in (compute)", "+compress": "+ compression"}
     if ref:
         print("\n## Ablation (paper Table 5 style): 2 stages, ~100 Mbit/s, ~30 ms, medium load")
         print(f"{'':<36} {'TTFT (s)':>9} {'TPOT (s)':>9} {'latency (s)':>12} {'tok/s':>7}")
@@ -688,9 +702,10 @@ if __name__ == "__main__":
         sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 stages, ~100 Mbit/s / ~30 ms equivalent, medium "
-                    "load, FIFO vs JIT (~3-5 min)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 24 full, 20 quick)")
-    ap.add_argument("--calib", type=int, default=None, help="requests in the saturation burst")
+                    "load, FIFO vs all of ours but compression (~3-5 min)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16 full, 12 quick)")
+    ap.add_argument("--calib", type=int, default=None, help=f"requests in the saturation burst "
+                    f"(default {CALIB_REQUESTS})")
     ap.add_argument("--scale", type=float, default=1 / 8, help="length scale vs the trace (default 1/8)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate", type=float, default=None, help="skip calibration: this arrival rate (req/s), "
@@ -704,11 +719,11 @@ if __name__ == "__main__":
     ap.add_argument("--wait-quiet", type=float, default=10.0, help="before each cell, wait up to this many "
                     "seconds for other processes to use < 0.3 cores (0: don't)")
     ap.add_argument("--configs", default=None, help="comma-separated configurations for every group "
-                    "(fifo,fifo+c64,fixed,jit,jit+dyn,+compress)")
+                    "(fifo,fifo+c64,fixed,jit,jit+dyn,+cut-in,+compress)")
     ap.add_argument("--json", default=None, help="write per-cell metrics here")
     a = ap.parse_args()
-    a.requests = a.requests or (12 if a.quick else 10)
-    a.calib = a.calib or 8
+    a.requests = a.requests or (12 if a.quick else 16)
+    a.calib = a.calib or CALIB_REQUESTS
     a.budget = a.budget or (420 if a.quick else 2400)
     a.cap = a.cap or (100.0 if a.quick else 120.0)
     import logging

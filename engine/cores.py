@@ -170,6 +170,12 @@ class CoreLease:
         finally:
             fcntl.flock(self._want[c], fcntl.LOCK_UN)
 
+    def sync_threads(self) -> None:
+        """Set this thread's torch thread count to the lease's (torch keeps one per
+        thread: a decode step cutting into a parked step runs on another thread)."""
+        if self._threads is not None:
+            self._set_threads(self._threads)
+
     def _threads_for(self, n: int) -> None:
         if n != self._threads:
             self._set_threads(n)

@@ -33,6 +33,7 @@ from .partition import layer_bytes_estimate, lm_head_layers_estimate, partition
 from .profile import interp, measure
 from .sampling import Sampler, SamplingParams
 from .stage_model import StageBatch, StageModel, check_partition
+from .step_gate import COMPUTE_ORDERS
 from .stage_server import DTYPES, PROTOCOL_VERSION, WS_OPTIONS, kv_budget_tokens_for
 
 log = logging.getLogger("potluck.head")
@@ -131,6 +132,7 @@ class Head:
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
+                 compute: str | None = None,
                  cores=None, cpu_shares: list[float] | None = None):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
@@ -166,6 +168,11 @@ class Head:
         if compress not in COMPRESS_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESS_POLICIES}")
         self.compress = compress            # off | auto | prefill | all (see compression.py)
+        # decode-first: decode steps cut into prompt steps (step_gate.py); in-order: steps
+        # in arrival order, as vLLM computes. Default: decode-first unless the links are FIFO.
+        if compute not in COMPUTE_ORDERS + (None,):
+            raise ValueError(f"compute order must be one of {COMPUTE_ORDERS}")
+        self.compute = compute or ("in-order" if link_mode == "fifo" else "decode-first")
         self.link: LinkSender | None = None
         self.profiles: list[dict] = []
         self._stats_waiters: dict[int, asyncio.Future] = {}
@@ -176,6 +183,9 @@ class Head:
         self.next_addresses: list[str] | None = None
         self.progress = progress or (lambda stage, done, total, what: None)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
+        # decode steps' own thread: with decode-first links they cut into prompt steps
+        # between layers, as on the stages (engine/step_gate.py)
+        self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="head-decode")
         self._ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []
@@ -196,6 +206,17 @@ class Head:
     # ---- setup --------------------------------------------------------------
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    async def _step0(self, decode: bool, batch: StageBatch, x: torch.Tensor) -> torch.Tensor:
+        """Stage 0's share of a step: decode steps cut into prompt steps (compute
+        "decode-first"), or everything in arrival order ("in-order")."""
+        cut_in = decode and self.compute == "decode-first"
+
+        def run():
+            with self.stage0.gate.step(decode=cut_in):
+                return self.stage0.forward(batch, x)
+
+        return await asyncio.get_running_loop().run_in_executor(self._decode_exec if cut_in else self._exec, run)
 
     async def start(self) -> "Head":
         cfg = self.source.config()
@@ -246,7 +267,7 @@ class Head:
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
                 kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
-                compress=self.compress))
+                compress=self.compress, compute=self.compute))
             while True:
                 msg = wire.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -298,6 +319,7 @@ class Head:
         for s in list(self.seqs.values()):
             self._finish(s, "error", "pipeline closed", free=False)
         self._exec.shutdown(wait=False, cancel_futures=True)
+        self._decode_exec.shutdown(wait=False, cancel_futures=True)
 
     def info(self) -> dict:
         return {
@@ -481,7 +503,7 @@ class Head:
                 t0 = time.monotonic()
                 if decode:
                     self.link.sched.decode_compute_started(t0, len(rows))
-                out = await self._run(self.stage0.forward, batch, x)
+                out = await self._step0(decode, batch, x)
                 t1 = time.monotonic()
                 if decode:
                     self.link.sched.decode_compute_finished(t1)
@@ -520,7 +542,7 @@ class Head:
             x = torch.tensor(s.prompt[s.pos: s.pos + c], dtype=torch.long)
             try:
                 t0 = time.monotonic()
-                out = await self._run(self.stage0.forward, batch, x)
+                out = await self._step0(False, batch, x)
             except (ValueError, RuntimeError) as exc:
                 self._finish(s, "error", str(exc))
                 raise
@@ -679,14 +701,15 @@ class Head:
                 self._stats_waiters[i] = fut
                 await r.ws.send(wire.control("get_stats"))
                 msg = await asyncio.wait_for(fut, 30)
-                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected")})
+                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected", "cut_ins")})
             return out
 
     async def _free_everywhere(self, ids: list[int]):
         def local():
-            for i in ids:
-                self.stage0.free(i)
-                self.sampler.close(i)
+            with self.stage0.gate.step(decode=False):  # never under a parked step's feet
+                for i in ids:
+                    self.stage0.free(i)
+                    self.sampler.close(i)
 
         await self._run(local)
         for r in self.remotes:

@@ -31,6 +31,7 @@ from torch import nn
 
 from .cpu_linear import use_small_batch_linear
 from .kv import BatchCache, KVStore, build_masks, position_ids
+from .step_gate import StepGate
 from .models import ModelError, ModelSource
 
 # accelerate's init_empty_weights patches torch's module constructors process-wide, so
@@ -122,8 +123,13 @@ class StageModel:
             self.model = self._load(cfg)
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
-        self._inject: torch.Tensor | None = None
+        # the hidden states a step hands its first layer: per thread, as a decode step
+        # may run while a prompt step waits at one of its layers (step_gate.py)
+        self._injected = threading.local()
         self._layers[0].register_forward_pre_hook(self._inject_hook, with_kwargs=True)
+        self.gate = StepGate()
+        for layer in self._layers[1:]:  # a decode step may cut in before any later layer
+            layer.register_forward_pre_hook(self._gate_hook)
         if self.device.type == "cpu":
             # decode steps' few rows: W @ x^T streams each weight matrix instead of
             # packing it per call (engine/cpu_linear.py: a decode step 1.14-1.16x here)
@@ -282,13 +288,18 @@ class StageModel:
             self._mask_windows = {"full_attention": window if uses_sliding else None}
             self._mask_dict = False
 
+    def _gate_hook(self, *_):
+        if self.gate.checkpoint() and self.cores is not None:
+            self.cores.sync_threads()  # the decode step may have handed back a borrowed core
+
     def _inject_hook(self, module, args, kwargs):
-        if self._inject is None:
+        h = getattr(self._injected, "h", None)
+        if h is None:
             return None
         if args:
-            return (self._inject,) + tuple(args[1:]), kwargs
+            return (h,) + tuple(args[1:]), kwargs
         kwargs = dict(kwargs)
-        kwargs["hidden_states"] = self._inject
+        kwargs["hidden_states"] = h
         return args, kwargs
 
     # ---- running ------------------------------------------------------------
@@ -310,6 +321,10 @@ class StageModel:
         if inputs.shape[0] != batch.n_tokens or len(batch.ns) != len(batch.seq_ids):
             raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
         if self.cores is None:
+            return self._step(batch, inputs)
+        if self.gate.cut_in_here():
+            # the parked step holds this process's cores: compute on them as they are
+            self.cores.sync_threads()
             return self._step(batch, inputs)
         with self.cores.hold(batch.n_tokens):
             return self._step(batch, inputs)
@@ -364,7 +379,7 @@ class StageModel:
             kwargs["input_ids"] = padded.to(self.device)
         else:
             h = padded.to(self.device, self.dtype)
-            self._inject = h
+            self._injected.h = h
             kwargs["inputs_embeds"] = h
         try:
             if self.last:
@@ -372,7 +387,7 @@ class StageModel:
             else:
                 out = self.model.base_model(**kwargs).last_hidden_state
         finally:
-            self._inject = None
+            self._injected.h = None
         for seq_id, _, n in rows:
             kv.seqs[seq_id].length += n
         if self.last:

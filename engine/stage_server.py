@@ -34,6 +34,7 @@ from .volumes import Reassembler
 from .models import ModelError, resolve
 from .sampling import Sampler, SamplingError, SamplingParams
 from .stage_model import StageBatch, StageModel
+from .step_gate import COMPUTE_ORDERS
 
 log = logging.getLogger("potluck.stage")
 
@@ -62,6 +63,10 @@ class StageServer:
         if threads:
             torch.set_num_threads(threads)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        # decode steps' own thread: with decode-first links they cut into prompt steps
+        # between layers (engine/step_gate.py); with FIFO links everything runs in order
+        self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="decode")
+        self.decode_first = True
         self.stage: StageModel | None = None
         self.sampler = Sampler()
         self._control_ws = None
@@ -154,7 +159,8 @@ class StageServer:
                     kv = self.stage.kv if self.stage is not None else None
                     await ws.send(wire.control("stats", seqs=len(kv.seqs) if kv else 0,
                                                kv_tokens=kv.used_tokens if kv else 0,
-                                               rejected=self.rejected_frames))
+                                               rejected=self.rejected_frames,
+                                               cut_ins=self.stage.gate.cut_ins if self.stage else 0))
                 elif kind == "shutdown":
                     await self.close()
                     return
@@ -202,6 +208,11 @@ class StageServer:
             await ws.send(wire.control("error", message=f"unknown compression policy {compress!r}"))
             return
         self.compress = compress
+        compute = msg["compute"] or ("in-order" if link_mode == "fifo" else "decode-first")
+        if compute not in COMPUTE_ORDERS:
+            await ws.send(wire.control("error", message=f"unknown compute order {compute!r}"))
+            return
+        self.decode_first = compute == "decode-first"
         try:
             self.stage, fp, self.profile = await self._run(load)
         except (ModelError, OSError, ValueError) as exc:
@@ -229,15 +240,24 @@ class StageServer:
                                    n_layers=self.stage.end - self.stage.start, profile=self.profile))
 
     def _free(self, seq_ids):
-        for s in seq_ids:
-            if self.stage is not None:
+        if self.stage is None:
+            for s in seq_ids:
+                self.sampler.close(s)
+            return
+        with self.stage.gate.step(decode=False):  # never under a parked step's feet
+            for s in seq_ids:
                 self.stage.free(s)
-            self.sampler.close(s)
+                self.sampler.close(s)
 
     async def _data(self, ws):
         volumes = Reassembler()
+        # one lane in arrival order (FIFO links, as vLLM computes), or decode frames in
+        # a lane of their own whose steps cut into prompt steps (decode-first links)
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
-        worker = asyncio.ensure_future(self._work(inbox))
+        decodes: asyncio.Queue = asyncio.Queue(maxsize=64) if self.decode_first else inbox
+        workers = [asyncio.ensure_future(self._work(inbox, self._exec, cut_in=False))]
+        if decodes is not inbox:
+            workers.append(asyncio.ensure_future(self._work(decodes, self._decode_exec, cut_in=True)))
         try:
             async for data in ws:
                 try:
@@ -256,16 +276,19 @@ class StageServer:
                     log.warning("closing data connection: %s", exc)
                     await ws.close(1008, str(exc)[:120])
                     return
-                await inbox.put(frame)  # bounded: a fast sender waits here, then in TCP
+                # bounded: a fast sender waits here, then in TCP
+                await (decodes if _is_decode(frame) else inbox).put(frame)
         except ConnectionClosed:
             pass
         finally:
-            worker.cancel()
+            for w in workers:
+                w.cancel()
 
-    async def _work(self, inbox: asyncio.Queue):
-        """Computes frames in arrival order. Decode frames that queued up while the
-        previous step ran go through as one batch: decode is memory-bound, so two
+    async def _work(self, inbox: asyncio.Queue, executor, cut_in: bool):
+        """Computes a lane's frames in arrival order. Decode frames that queued up while
+        the previous step ran go through as one batch: decode is memory-bound, so two
         micro-batches cost about what one does once they meet at a busy stage."""
+        loop = asyncio.get_running_loop()
         while True:
             frames = [await inbox.get()]
             while _is_decode(frames[0]) and not inbox.empty() and _is_decode(inbox._queue[0]) \
@@ -275,7 +298,7 @@ class StageServer:
             decode = _is_decode(frames[0])
             if link is not None and decode:
                 link.sched.decode_compute_started(time.monotonic(), sum(len(f.meta["rows"]) for f in frames))
-            outs = await self._run(self._compute, frames)
+            outs = await loop.run_in_executor(executor, self._gated_compute, frames, cut_in)
             if link is not None and decode:
                 link.sched.decode_compute_finished(time.monotonic())
             for out in outs:
@@ -293,6 +316,10 @@ class StageServer:
             frame.tensor = frame.tensor.to(self.stage.dtype)  # int8 blocks, dequantized by wire
         elif frame.tensor.dtype != self.stage.dtype:
             raise wire.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
+
+    def _gated_compute(self, frames: list[wire.Frame], cut_in: bool) -> list:
+        with self.stage.gate.step(decode=cut_in):
+            return self._compute(frames)
 
     def _compute(self, frames: list[wire.Frame]) -> list:
         """Runs on the compute thread: one output per frame (see _compute_one)."""

@@ -244,7 +244,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "hello": {"role": _STR, "version": _INT, "pipeline": _STR},
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
-                  "link": _OPT_STR, "compress": _OPT_STR},
+                  "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},
@@ -254,7 +254,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
                    "profile": _DICT},
     "error": {"message": _STR},
-    "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT},
+    "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT, "cut_ins": _INT},
     # the stage's owner is taking it away (sharing off, GPU too hot...): it finishes
     # what is in flight, then goes; the head admits nothing new meanwhile
     "pausing": {"reason": _STR},

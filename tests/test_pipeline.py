@@ -488,7 +488,7 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
         await ws.send(hello(role="control"))
         assert wire.parse_control(await ws.recv())["type"] == "welcome"
         configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
-                         kv_budget_tokens=None, threads=None, link=None, compress=None)
+                         kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None)
         await ws.send(wire.control("configure", fingerprint=fp_a, **configure))
         msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "error" and "fingerprint" in msg["message"], msg

@@ -158,3 +158,42 @@ def test_shared_cores_lengthen_a_pipeline_whose_stages_overlap():
     shared = Pipeline([PROFILE, PROFILE], 2e6, 0.01, 1000, cores=2, contention=0.3)
     a, b = simulate(base, "jit", reqs), simulate(shared, "jit", reqs)
     assert b["tpot_mean"] > a["tpot_mean"] and b["latency_mean"] > a["latency_mean"]
+
+
+def test_a_suspended_job_keeps_its_remaining_work():
+    clock = sim.Clock()
+    cpu = sim.Cpu(clock)
+    done = {}
+    job = cpu.run(1.0, lambda: done.setdefault("prompt", clock.now))
+    clock.at(0.25, lambda: (cpu.suspend(job), cpu.run(0.5, lambda: (done.setdefault("decode", clock.now),
+                                                                      cpu.resume(job)))))
+    clock.run()
+    assert done["decode"] == pytest.approx(0.75)          # ran at once, alone
+    assert done["prompt"] == pytest.approx(1.5)           # 0.75 s left after the cut-in
+
+
+def test_a_decode_step_cuts_into_a_long_prompt_step():
+    # one request decoding (a 10 ms step per stage) when a 2000-token prompt's 64-token
+    # chunks start taking ~60 ms each on both stages: in order, its steps wait behind
+    # whole chunks; with cut-ins they go first and the newcomer pays for it
+    pipe = Pipeline([PROFILE, PROFILE], 50e6, 0.01, 1000)
+    requests = [(0.0, 10, 80), (0.2, 2000, 2)]
+    in_order = simulate(pipe, "dynamic", requests)
+    cut_in = simulate(pipe, "cut-in", requests)
+    assert cut_in["tpot_mean"] < 0.9 * in_order["tpot_mean"]
+    assert cut_in["ttft_p90"] >= in_order["ttft_p90"]
+
+
+def test_cut_ins_per_prompt_step_are_bounded():
+    comp = Simulation(Pipeline([PROFILE, PROFILE], 1e6, 0.01, 1000), sim.POLICIES["cut-in"]).stages[0].compute
+    comp.start(1.0, False, lambda: None)
+    kinds = []
+    for _ in range(sim.MAX_CUT_INS + 2):
+        kinds.append(comp.next_kind(True, True))
+        if kinds[-1]:
+            comp.start(0.01, True, lambda: None)
+            comp.finished()
+    # every cut-in parks the prompt step and runs; past the bound the prompt step resumes
+    assert kinds[: sim.MAX_CUT_INS] == [True] * sim.MAX_CUT_INS
+    assert kinds[sim.MAX_CUT_INS] is None and comp.running is not None and comp.parked is None
+    assert comp.next_kind(True, True) is None     # the resumed prompt step is not cut into again
