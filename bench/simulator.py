@@ -4,9 +4,10 @@ Runs the real decision code on a simulated clock: one engine.link_scheduler.Link
 per link, engine.microbatch.choose for the micro-batch count, engine.profile.interp for
 the compute curves. Everything else is a model, kept close to the engine's code:
 
-  compute    every stage (the head included) is one compute thread: steps run one at a
-             time in the order they were handed over. A step's time comes from its
-             stage's profile: T_d(decode rows) + T_p(padded prompt tokens), the two
+  compute    every stage (the head included) computes one step at a time: in the order
+             they were handed over, or (policy cut_in, engine/step_gate.py) decode steps
+             first, cutting into a running prompt step (class Compute). A step's time
+             comes from its stage's profile: T_d(decode rows) + T_p(padded prompt tokens), the two
              sub-batches one after the other (StageModel._step). Stages have a machine
              each, or (validating against bench/weaklink.py, whose stage processes
              share one CPU) share its cores: steps that overlap slow each other by the
@@ -33,8 +34,9 @@ the compute curves. Everything else is a model, kept close to the engine's code:
 Policies (as bench/weaklink.py configures the head): fifo (whole volumes first come
 first served, whole prompts in the step: no chunking anywhere), fifo-chunk (FIFO links,
 prompts streamed in 64-token chunks), fixed and jit (decode-first link scheduling),
-dynamic (jit and K in M..2M), compress (dynamic and compress="auto": prefill volumes as
-int8 blocks while the link is slower than compute).
+dynamic (jit and K in M..2M), cut-in (dynamic, and decode steps cut into prompt steps),
+compress (cut-in and compress="auto": prefill volumes as int8 blocks while the link is
+slower than compute).
 
 Omitted: attention cost growing with context (a chunk's T_p does not depend on its
 position), sampling and tokenizer time, EOS (every request produces exactly n_out
@@ -840,7 +842,8 @@ def load_cells(path: str) -> list[dict]:
       head_args, rate_bps, delay_s, arrival_rate, profiles, per_request, ttft, tpot, lat}]};
       the requests are the cell's own (submit time, n_in, n_out); the simulated means cover
       the requests the measured ones do (those that finished), all of them load the pipeline.
-    Optional in both: head_args (Head's link_mode / micro_batches / prefill_chunk / compress),
+    Optional in both: head_args (Head's link_mode / micro_batches / prefill_chunk / compress /
+    compute; files without compute are from an engine that computed in order),
     dtype_bytes (default 4: the head's default float32), kv_capacity_tokens, max_batch."""
     data = json.loads(Path(path).read_text())
     out = []
