@@ -34,9 +34,9 @@ the compute curves. Everything else is a model, kept close to the engine's code:
 Policies (as bench/weaklink.py configures the head): fifo (whole volumes first come
 first served, whole prompts in the step: no chunking anywhere), fifo-chunk (FIFO links,
 prompts streamed in 64-token chunks), fixed and jit (decode-first link scheduling),
-dynamic (jit and K in M..2M), cut-in (dynamic, and decode steps cut into prompt steps),
-compress (cut-in and compress="auto": prefill volumes as int8 blocks while the link is
-slower than compute).
+dynamic (jit and K in M..2M), compress (dynamic and compress="auto": prefill volumes as
+int8 blocks while the link is slower than compute), cut-in (dynamic, and decode steps
+cut into prompt steps).
 
 Omitted: attention cost growing with context (a chunk's T_p does not depend on its
 position), sampling and tokenizer time, EOS (every request produces exactly n_out
@@ -121,8 +121,8 @@ POLICIES = {
     "fixed": Policy("fixed"),                         # decode first, fixed prefill chunks (20 ms of link)
     "jit": Policy("jit"),                             # decode first, just-in-time chunks
     "dynamic": Policy("jit", dynamic=True),           # ... and K in M..2M
-    "cut-in": Policy("jit", dynamic=True, cut_in=True),   # ... and decode steps cut into prompt steps
-    "compress": Policy("jit", dynamic=True, cut_in=True, compress="auto"),
+    "compress": Policy("jit", dynamic=True, compress="auto"),
+    "cut-in": Policy("jit", dynamic=True, cut_in=True),   # dynamic, and decode steps cut into prompt steps
 }
 ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+cut-in": "cut-in",
            "+compress": "compress"}   # bench/weaklink.py's names

@@ -37,11 +37,13 @@ adding one thing to the one before, as the paper's Table 5 does:
     fixed     decode-first, fixed-size prefill chunks: link_mode=fixed, M, chunk 64
     jit       decode-first, just-in-time chunks: link_mode=jit, M, chunk 64
     jit+dyn   + dynamic micro-batch count (M..2M): link_mode=jit, micro_batches=None
-    +cut-in   + decode first on the compute too: a decode step cuts into a running
-              prompt step between two layers (compute="decode-first", engine/step_gate.py;
-              the Head's default with decode-first links)
+              (the Head's defaults)
     +compress + activation compression (compress="auto": int8 prefill volumes while the
               link is the bottleneck), only if Head takes a `compress` argument
+and one beside the chain:
+    +cut-in   jit+dyn, and decode first on the compute too: a decode step cuts into a
+              running prompt step between two layers (compute="decode-first",
+              engine/step_gate.py; an option, not the default: it trades TTFT for TPOT)
 
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
 (n_out - 1); latency = submit -> done. Per cell: mean and p90 of each, throughput =
@@ -225,9 +227,8 @@ def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict
         "fixed": dict(link_mode="fixed", micro_batches=m, prefill_chunk=64, **in_order),
         "jit": dict(link_mode="jit", micro_batches=m, prefill_chunk=64, **in_order),
         "jit+dyn": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, **in_order),
+        "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compress="auto", **in_order),
         "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first"),
-        "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first",
-                          compress="auto"),
     }
     return [(n, table[n]) for n in names if n != "+compress" or compress_ok]
 
@@ -593,15 +594,16 @@ async def main(a):
         # -- the plan, most important first: the full ablation at the paper's reference
         # point, 3 stages there, the bandwidth x delay grid, then the other loads
         if a.quick:
-            names = ["fifo", "+cut-in"]
+            names = ["fifo", "jit+dyn"]
             plan = [(2, "100", 30, "medium", names)]
         else:
-            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+cut-in", "+compress"]
-            grid = ["fifo", "+cut-in", "+compress"]
+            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in"]
+            grid = ["fifo", "jit+dyn", "+compress"]
             plan = [(2, "100", 30, "medium", names), (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in"])]
             plan += [(2, bw, d, "medium", grid) for d in PAPER_DELAYS_MS for bw in ("60", "100", "200")
                      if (bw, d) != ("100", 30)]
-            plan += [(2, "100", 30, "high", ["fifo", "+cut-in"]), (2, "100", 30, "low", ["fifo", "+cut-in"])]
+            plan += [(2, "100", 30, "high", ["fifo", "jit+dyn", "+cut-in"]),
+                     (2, "100", 30, "low", ["fifo", "jit+dyn", "+cut-in"])]
         if a.only:
             plan = plan[:a.only]
         if a.configs:
@@ -654,7 +656,7 @@ def report(cells: list[dict], names: list[str]):
     labels = {"fifo": "no optimizations (FIFO)", "fifo+c64": "FIFO links, 64-token prompt chunks",
               "fixed": "+ decode-first, fixed chunks",
               "jit": "+ just-in-time chunks", "jit+dyn": "+ dynamic micro-batches",
-              "+cut-in": "+ decode steps cut in (compute)", "+compress": "+ compression"}
+              "+compress": "+ compression", "+cut-in": "jit+dyn, decode steps cut in"}
     if ref:
         print("\n## Ablation (paper Table 5 style): 2 stages, ~100 Mbit/s, ~30 ms, medium load")
         print(f"{'':<36} {'TTFT (s)':>9} {'TPOT (s)':>9} {'latency (s)':>12} {'tok/s':>7}")
@@ -702,7 +704,7 @@ if __name__ == "__main__":
         sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 stages, ~100 Mbit/s / ~30 ms equivalent, medium "
-                    "load, FIFO vs all of ours but compression (~3-5 min)")
+                    "load, FIFO vs jit+dyn (~3-5 min)")
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16 full, 12 quick)")
     ap.add_argument("--calib", type=int, default=None, help=f"requests in the saturation burst "
                     f"(default {CALIB_REQUESTS})")
@@ -719,7 +721,7 @@ if __name__ == "__main__":
     ap.add_argument("--wait-quiet", type=float, default=10.0, help="before each cell, wait up to this many "
                     "seconds for other processes to use < 0.3 cores (0: don't)")
     ap.add_argument("--configs", default=None, help="comma-separated configurations for every group "
-                    "(fifo,fifo+c64,fixed,jit,jit+dyn,+cut-in,+compress)")
+                    "(fifo,fifo+c64,fixed,jit,jit+dyn,+compress,+cut-in)")
     ap.add_argument("--json", default=None, help="write per-cell metrics here")
     a = ap.parse_args()
     a.requests = a.requests or (12 if a.quick else 16)

@@ -59,6 +59,9 @@ def _add_pipeline_args(p):
                    help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
     p.add_argument("--compress", default="off", choices=["off", "auto", "prefill", "all"],
                    help="int8 activations on links: auto = prefill volumes while the link is the bottleneck")
+    p.add_argument("--compute", default="in-order", choices=["in-order", "decode-first"],
+                   help="stages compute steps in arrival order (default), or decode steps cut into prompt "
+                        "steps between layers: lower time per token, later first tokens")
 
 
 async def build_head(args, progress=None):
@@ -91,6 +94,7 @@ async def build_head(args, progress=None):
     head = Head(source, addrs, layers=layers, micro_batches=args.micro_batches, dtype=args.dtype,
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
                 link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
+                compute=getattr(args, "compute", "in-order"),
                 pipeline=getattr(args, "pipeline", "local"),
                 cores=cores, cpu_shares=local.cpu_shares if cores else None)
     head.next_addresses = getattr(args, "next_addresses", None)

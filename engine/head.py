@@ -132,7 +132,7 @@ class Head:
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
-                 compute: str | None = None,
+                 compute: str = "in-order",
                  cores=None, cpu_shares: list[float] | None = None):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
@@ -168,11 +168,12 @@ class Head:
         if compress not in COMPRESS_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESS_POLICIES}")
         self.compress = compress            # off | auto | prefill | all (see compression.py)
-        # decode-first: decode steps cut into prompt steps (step_gate.py); in-order: steps
-        # in arrival order, as vLLM computes. Default: decode-first unless the links are FIFO.
-        if compute not in COMPUTE_ORDERS + (None,):
+        # in-order: steps in arrival order, as vLLM computes; decode-first: decode steps cut
+        # into prompt steps between layers (step_gate.py). bench/weaklink.py at the paper's
+        # reference point: time per token 0.135 -> 0.127 s, first token 1.13 -> 1.24 s.
+        if compute not in COMPUTE_ORDERS:
             raise ValueError(f"compute order must be one of {COMPUTE_ORDERS}")
-        self.compute = compute or ("in-order" if link_mode == "fifo" else "decode-first")
+        self.compute = compute
         self.link: LinkSender | None = None
         self.profiles: list[dict] = []
         self._stats_waiters: dict[int, asyncio.Future] = {}
@@ -691,11 +692,13 @@ class Head:
         self._kick()
 
     async def stage_stats(self) -> list[dict]:
-        """KV use on every stage (head first): sequences held and tokens cached."""
+        """Every stage (head first): sequences held, tokens cached, frames refused,
+        decode steps that cut into prompt steps."""
         # one query at a time: answers carry no id, so two callers would take each other's
         async with self._stats_lock:
             kv = self.stage0.kv
-            out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0}]
+            out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0,
+                    "cut_ins": self.stage0.gate.cut_ins}]
             for i, r in enumerate(self.remotes, start=1):
                 fut = asyncio.get_running_loop().create_future()
                 self._stats_waiters[i] = fut

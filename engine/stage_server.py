@@ -208,7 +208,7 @@ class StageServer:
             await ws.send(wire.control("error", message=f"unknown compression policy {compress!r}"))
             return
         self.compress = compress
-        compute = msg["compute"] or ("in-order" if link_mode == "fifo" else "decode-first")
+        compute = msg["compute"] or "in-order"
         if compute not in COMPUTE_ORDERS:
             await ws.send(wire.control("error", message=f"unknown compute order {compute!r}"))
             return

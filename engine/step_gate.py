@@ -8,8 +8,9 @@ all of it, on every stage, once per chunk (bench/simulator.py, 2 stages at the
 paper's 100 Mbit/s / 30 ms point: TPOT 0.134 s with steps in arrival order, 0.123 s
 when a decode step goes ahead of a running prompt step).
 
-So a stage computes on two threads that take turns through this gate: prompt steps
-on one, decode steps on the other. One step computes at a time. A decode step that
+So with Head(compute="decode-first") (`--compute decode-first`) a stage computes on
+two threads that take turns through this gate: prompt steps on one, decode steps on
+the other. One step computes at a time. A decode step that
 arrives while a prompt step runs raises `wants`; the prompt step's thread checks it
 before each decoder layer (`checkpoint`, a layer pre-hook of StageModel) and parks
 there until the decode step is done. A waiting prompt step starts only when no decode
@@ -22,6 +23,13 @@ store only grows while they interleave (growth copies what the parked step wrote
 kv.py `_ensure`), and frees, which can shrink it, take the gate as an exclusive step.
 Anything that is not a decode step (frees included) is exclusive: it waits for the
 gate to be free and lets decode steps cut in only at its checkpoints.
+
+The price is the first token: a prompt step that decode steps cut into finishes
+later, and decode steps that would have queued up behind it and gone as one batch
+now go one by one. bench/weaklink.py at the paper's reference point (2 stages,
+~100 Mbit/s, ~30 ms, medium load): TPOT 0.135 -> 0.127 s, TTFT 1.13 -> 1.24 s,
+latency 5.19 -> 5.05 s. So it is not the default (compute="in-order"); a host
+whose users read long answers may want it.
 """
 
 from __future__ import annotations

@@ -593,3 +593,36 @@ async def test_stage_process_dies(tiny_folder):
         if head is not None:
             await head.close()
         await local.stop()
+
+
+# ---- decode steps cutting into prompt steps (Head(compute="decode-first")) --------------
+
+async def test_decode_first_compute_cuts_in_and_keeps_every_token(default_source, spare_stages):
+    """A request decodes while a 400-token prompt is computed in one step on every stage:
+    with compute="decode-first" its decode steps cut into that prompt step (counted on
+    the head and the stages), and both requests' tokens equal an in-order run's."""
+    g = torch.Generator().manual_seed(11)
+    short = torch.randint(200, 40000, (20,), generator=g).tolist()
+    long = torch.randint(200, 40000, (400,), generator=g).tolist()
+
+    async def run(compute):
+        head = await start_head(default_source, spare_stages, compute=compute, prefill_chunk=None)
+        try:
+            head.eos_ids = set()
+            task = asyncio.ensure_future(collect(head.submit(short, greedy(40))))
+            while head.seqs and not any(s.generated for s in head.seqs.values()):
+                await asyncio.sleep(0.01)
+            results = await asyncio.gather(task, collect(head.submit(long, greedy(4))))
+            stats = await head.stage_stats()
+            cut_ins = sum(s["cut_ins"] for s in stats)
+            await wait_freed(head)
+            return [r[0] for r in results], cut_ins
+        finally:
+            await head.close()
+
+    in_order, none = await run("in-order")
+    decode_first, cut_ins = await run("decode-first")
+    assert none == 0
+    assert cut_ins > 0, "no decode step cut into the 400-token prompt step"
+    assert decode_first == in_order
+    assert len(in_order[0]) == 40 and len(in_order[1]) == 4
