@@ -595,7 +595,8 @@ async def main(a):
         # point, 3 stages there, the bandwidth x delay grid, then the other loads
         if a.quick:
             names = ["fifo", "jit+dyn"]
-            plan = [(2, "100", 30, "medium", names)]
+            bw, d = a.point.split("/") if a.point else ("100", "30")
+            plan = [(2, bw, int(d), "medium", names)]
         else:
             names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in"]
             grid = ["fifo", "jit+dyn", "+compress"]
@@ -705,6 +706,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 stages, ~100 Mbit/s / ~30 ms equivalent, medium "
                     "load, FIFO vs jit+dyn (~3-5 min)")
+    ap.add_argument("--point", default=None, choices=[f"{b}/{d}" for b in PAPER_RATES_MBIT for d in PAPER_DELAYS_MS],
+                    help="with --quick: the paper's link as MBIT/MS (default 100/30)")
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16 full, 12 quick)")
     ap.add_argument("--calib", type=int, default=None, help=f"requests in the saturation burst "
                     f"(default {CALIB_REQUESTS})")
