@@ -184,8 +184,8 @@ class Head:
         self.next_addresses: list[str] | None = None
         self.progress = progress or (lambda stage, done, total, what: None)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
-        # decode steps' own thread: with decode-first links they cut into prompt steps
-        # between layers, as on the stages (engine/step_gate.py)
+        # decode steps' own thread, with compute="decode-first": they cut into prompt
+        # steps between layers, as on the stages (engine/step_gate.py)
         self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="head-decode")
         self._ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}

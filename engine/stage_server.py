@@ -63,10 +63,10 @@ class StageServer:
         if threads:
             torch.set_num_threads(threads)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
-        # decode steps' own thread: with decode-first links they cut into prompt steps
-        # between layers (engine/step_gate.py); with FIFO links everything runs in order
+        # decode steps' own thread, with compute="decode-first": they cut into prompt
+        # steps between layers (engine/step_gate.py); by default everything runs in order
         self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="decode")
-        self.decode_first = True
+        self.decode_first = False
         self.stage: StageModel | None = None
         self.sampler = Sampler()
         self._control_ws = None
@@ -251,8 +251,8 @@ class StageServer:
 
     async def _data(self, ws):
         volumes = Reassembler()
-        # one lane in arrival order (FIFO links, as vLLM computes), or decode frames in
-        # a lane of their own whose steps cut into prompt steps (decode-first links)
+        # one lane in arrival order (compute="in-order", the default, as vLLM computes),
+        # or decode frames in a lane of their own whose steps cut into prompt steps
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
         decodes: asyncio.Queue = asyncio.Queue(maxsize=64) if self.decode_first else inbox
         workers = [asyncio.ensure_future(self._work(inbox, self._exec, cut_in=False))]

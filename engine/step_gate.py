@@ -10,10 +10,10 @@ when a decode step goes ahead of a running prompt step).
 
 So with Head(compute="decode-first") (`--compute decode-first`) a stage computes on
 two threads that take turns through this gate: prompt steps on one, decode steps on
-the other. One step computes at a time. A decode step that
-arrives while a prompt step runs raises `wants`; the prompt step's thread checks it
-before each decoder layer (`checkpoint`, a layer pre-hook of StageModel) and parks
-there until the decode step is done. A waiting prompt step starts only when no decode
+the other. One step computes at a time. A decode step that arrives while a prompt
+step runs raises `wants`; the prompt step's thread checks it before each of its
+decoder layers but the first (`checkpoint`, a layer pre-hook of StageModel) and
+parks there until the decode step is done. A waiting prompt step starts only when no decode
 step waits. After MAX_CUT_INS decode steps a prompt step stops yielding, so a steady
 stream of decode steps cannot starve it.
 
@@ -28,7 +28,8 @@ The price is the first token: a prompt step that decode steps cut into finishes
 later, and decode steps that would have queued up behind it and gone as one batch
 now go one by one. bench/weaklink.py at the paper's reference point (2 stages,
 ~100 Mbit/s, ~30 ms, medium load): TPOT 0.135 -> 0.127 s, TTFT 1.13 -> 1.24 s,
-latency 5.19 -> 5.05 s. So it is not the default (compute="in-order"); a host
+latency 5.19 -> 5.05 s; in a run while the machine was slower, TPOT 0.195 -> 0.185 s
+and TTFT 1.25 -> 1.74 s. So it is not the default (compute="in-order"); a host
 whose users read long answers may want it.
 """
 
