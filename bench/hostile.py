@@ -59,6 +59,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from engine import invite as inv  # noqa: E402
 from engine import noise, tunnel, wire  # noqa: E402
 from engine.identity import load_or_create_identity  # noqa: E402
+from engine.stage_server import PROTOCOL_VERSION  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
@@ -531,7 +532,7 @@ async def attack_stage(t: Tally, w: dict, n: int):
     url = f"ws://127.0.0.1:{port}"
     pid = inv.parse(w["code"]).pipeline.hex()
     name = "stage: bad hellos and frames"
-    data_hello = wire.control("hello", role="data", version=1, pipeline=pid)
+    data_hello = wire.control("hello", role="data", version=PROTOCOL_VERSION, pipeline=pid)
 
     async def data_then(frame):
         try:
@@ -557,8 +558,8 @@ async def attack_stage(t: Tally, w: dict, n: int):
     for kind, reason in await gather_limited([data_then(f) for f in frames], 8):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
     hellos = [os.urandom(50), "not json", json.dumps({"type": "hello"}),
-              wire.control("hello", role="data", version=1, pipeline="someone-else"),
-              wire.control("hello", role="control", version=1, pipeline=pid)]     # a second head
+              wire.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="someone-else"),
+              wire.control("hello", role="control", version=PROTOCOL_VERSION, pipeline=pid)]     # a second head
     for kind, reason in await gather_limited([ws_exchange(url, h, wait=10) for h in hellos * max(1, n // 20)]):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
 

@@ -7,8 +7,8 @@ the compute curves. Everything else is a model, kept close to the engine's code:
   compute    every stage (the head included) computes one step at a time: in the order
              they were handed over, or (policy cut_in, engine/step_gate.py) decode steps
              first, cutting into a running prompt step (class Compute). A step's time
-             comes from its stage's profile: T_d(decode rows) + T_p(padded prompt tokens), the two
-             sub-batches one after the other (StageModel._step). Stages have a machine
+             comes from its stage's profile: T_d(decode rows) + T_p(padded prompt
+             tokens), the two sub-batches one after the other (StageModel._step). Stages have a machine
              each, or (validating against bench/weaklink.py, whose stage processes
              share one CPU) share its cores: steps that overlap slow each other by the
              contention bench/contention.py measures (Cpu, processor sharing).
@@ -232,7 +232,7 @@ class Cpu:
     def __init__(self, clock: Clock, cores: int | None = None, contention: float = 0.0):
         self.clock, self.cores, self.contention = clock, cores, contention
         self.shared = cores is not None
-        self._jobs: list[list] = []   # [remaining work, version, fn, args]
+        self._jobs: list[list] = []   # [remaining work, version, fn, args, suspended]
         self._t = 0.0
 
     def rate(self, n: int) -> float:
@@ -415,7 +415,8 @@ class Compute:
     before waiting prompt steps, and one that arrives while a prompt step runs cuts
     in -- the prompt step is suspended and resumes once no decode step waits (at most
     MAX_CUT_INS per prompt step). The engine parks a prompt step at its next layer
-    boundary; here it parks at once (a layer of a 64-token chunk is ~3 ms on this CPU).
+    boundary; here it parks at once (a layer of a 64-token chunk is ~7-11 ms on this CPU:
+bench/weaklink.py's profile, 108 tokens in 184-290 ms over 15 layers).
     """
 
     def __init__(self, sim: "Simulation"):

@@ -10,6 +10,7 @@ import sys
 import time
 
 from .models import DEFAULT_MODEL, ModelError
+from .step_gate import COMPUTE_ORDERS
 
 
 class ProgressBar:
@@ -59,7 +60,7 @@ def _add_pipeline_args(p):
                    help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
     p.add_argument("--compress", default="off", choices=["off", "auto", "prefill", "all"],
                    help="int8 activations on links: auto = prefill volumes while the link is the bottleneck")
-    p.add_argument("--compute", default="in-order", choices=["in-order", "decode-first"],
+    p.add_argument("--compute", default="in-order", choices=COMPUTE_ORDERS,
                    help="stages compute steps in arrival order (default), or decode steps cut into prompt "
                         "steps between layers: lower time per token, later first tokens")
 

@@ -38,7 +38,9 @@ from .step_gate import COMPUTE_ORDERS
 
 log = logging.getLogger("potluck.stage")
 
-PROTOCOL_VERSION = 1
+# 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
+# refused at hello with the version named, not later with a schema error.
+PROTOCOL_VERSION = 2
 HELLO_TIMEOUT = 10.0
 WS_OPTIONS = dict(compression=None, max_size=wire.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)

@@ -4,18 +4,18 @@ The link scheduler (link_scheduler.py) keeps a decode volume from waiting behind
 prompt's activations on the wire; at the stage the same volume then met the same
 head-of-line blocking on the compute thread: a 64-token prompt chunk takes 3-4 decode
 steps' time on a CPU stage, and every decode step that arrived meanwhile waited for
-all of it, on every stage, once per chunk (bench/simulator.py, 2 stages at the
-paper's 100 Mbit/s / 30 ms point: TPOT 0.134 s with steps in arrival order, 0.123 s
-when a decode step goes ahead of a running prompt step).
+all of it, on every stage, once per chunk (bench/simulator.py on a cell measured at
+the paper's 100 Mbit/s / 30 ms point, 2 stages: TPOT 0.134 s with steps in arrival
+order, 0.123 s when a decode step goes ahead of a running prompt step).
 
 So with Head(compute="decode-first") (`--compute decode-first`) a stage computes on
 two threads that take turns through this gate: prompt steps on one, decode steps on
 the other. One step computes at a time. A decode step that arrives while a prompt
 step runs raises `wants`; the prompt step's thread checks it before each of its
 decoder layers but the first (`checkpoint`, a layer pre-hook of StageModel) and
-parks there until the decode step is done. A waiting prompt step starts only when no decode
-step waits. After MAX_CUT_INS decode steps a prompt step stops yielding, so a steady
-stream of decode steps cannot starve it.
+parks there until the decode step is done. A waiting prompt step starts only when no
+decode step waits. After MAX_CUT_INS decode steps a prompt step stops yielding, so a
+steady stream of decode steps cannot starve it.
 
 Why this is safe: the two steps never share a sequence (a sequence's decode step
 exists only once its prompt has passed every stage and its token came back), the KV
