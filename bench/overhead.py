@@ -14,14 +14,15 @@ Runs the default model (SmolLM2-135M-Instruct, float32, CPU) through
               what a user would otherwise reach for;
 
 on the same chat prompts, greedy, at 1 concurrent request (the prompts one after
-another) and at 8 (all submitted at once). Every run of a system is a fresh process
-(no thread-pool or allocator state leaks from one to the next), the systems take
-turns round by round (so a slow minute of this shared machine hits them all), does a
-warm-up first, and generates exactly --tokens tokens per request: EOS does not stop
-generation (the head's eos_ids are cleared; HF runs with eos_token_id=None), so all
-systems do the same work and their token ids can be compared one for one.
+another) and at 8 (all submitted at once). Each system runs in a worker process of its
+own, loaded once and kept up for the whole run; the systems take turns one
+measurement at a time (so a slow minute of this shared machine hits them all, and a
+ratio is taken between measurements seconds apart), each does a warm-up first, and
+every request generates exactly --tokens tokens: EOS does not stop generation (the
+head's eos_ids are cleared; HF runs with eos_token_id=None), so all systems do the
+same work and their token ids can be compared one for one.
 
-Metrics, per system and concurrency (median over --repeat runs):
+Metrics, per system and concurrency (median over --repeat rounds):
   decode tok/s  tokens after each request's first one, over the time during which some
                 request was decoding (the union of its [first token, last token] spans)
   steady tok/s  the same, counted only while every request of a burst has its first
@@ -29,7 +30,8 @@ Metrics, per system and concurrency (median over --repeat runs):
   TTFT          mean over requests of submit -> first token
   e2e tok/s     all generated tokens over first submit -> last token
 Greedy outputs are checked token for token against our single-process engine at
-concurrency 1 (the reference).
+concurrency 1 (the reference). Ratios are printed two ways: of the median figures, and
+paired (the median over rounds of each round's ratio); the verdicts use paired.
 
 On a shared machine, other processes' CPU use is measured around every run (the
 "other load" column): a run is repeated (--retries) when it exceeded --max-foreign
@@ -37,8 +39,8 @@ cores, after waiting up to --wait-quiet seconds for the machine to go quiet, and
 quietest attempt is kept. Two OpenMP threads sharing a core with a foreign process
 stall at every barrier, so this matters more than it seems.
 
-    .venv/bin/python bench/overhead.py            # full: 8 prompts, 64 tokens, 3 repeats
-    .venv/bin/python bench/overhead.py --quick    # smoke run: 4 prompts, 16 tokens, 1 repeat
+    .venv/bin/python bench/overhead.py            # full: 8 prompts, 64 tokens, 5 rounds
+    .venv/bin/python bench/overhead.py --quick    # smoke run: 4 prompts, 16 tokens, 1 round
 """
 
 from __future__ import annotations
@@ -219,8 +221,8 @@ def keep_quiet_attempt(attempts: list[tuple[float, list[dict]]]) -> dict:
     return {"foreign": foreign, "attempts": len(attempts), "recs": recs}
 
 
-async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, repeat: int,
-                        max_foreign: float, retries: int, max_wait: float, split: str) -> dict:
+async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, max_foreign: float,
+                        retries: int, max_wait: float, split: str, channel: "Channel") -> dict:
     import torch
 
     from engine import cli
@@ -271,7 +273,6 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, re
             return {"tokens": list(seq.generated), "t_submit": seq.t_submit, "times": times}
 
         rounds = itertools.count()
-
         busy_groups = {c: 0 for c in CONCURRENCY}  # most micro-batches seen holding requests at once
 
         async def watch(c: int):
@@ -294,32 +295,32 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, re
         await round_([0], min(8, n_tokens))
         await round_(list(range(len(prompts))), 4)
         busy_groups.update({c: 0 for c in CONCURRENCY})
-        runs = {c: [] for c in CONCURRENCY}
-        for rep in range(repeat):
-            for c in CONCURRENCY:
-                attempts = []
-                while True:
-                    await wait_quiet_async(probe, max_foreign, max_wait)
-                    a0 = probe.sample()
-                    recs = []
-                    for idx in requests_for(c, len(prompts)):
-                        recs += await round_(idx, n_tokens)
-                    attempts.append((CpuProbe.foreign(a0, probe.sample()), recs))
-                    report_attempt(system, rep, c, attempts)
-                    if attempts[-1][0] <= max_foreign or len(attempts) > retries:
-                        break
-                runs[c].append(keep_quiet_attempt(attempts))
+
+        async def measure(c: int, rep: int) -> dict:
+            attempts = []
+            while True:
+                await wait_quiet_async(probe, max_foreign, max_wait)
+                a0 = probe.sample()
+                recs = []
+                for idx in requests_for(c, len(prompts)):
+                    recs += await round_(idx, n_tokens)
+                attempts.append((CpuProbe.foreign(a0, probe.sample()), recs))
+                report_attempt(system, rep, c, attempts)
+                if attempts[-1][0] <= max_foreign or len(attempts) > retries:
+                    return keep_quiet_attempt(attempts)
+
+        await channel.serve_async(measure)
         info = {"processes": stages, "threads": head_threads,
                 "stage_threads": None if stages == 1 else head.local_stages.threads,
                 "micro_batches": busy_groups.get(max(CONCURRENCY)),
                 "layers": [tuple(s["layers"]) for s in head.info()["stages"]]}
     finally:
         await close_head(head)
-    return {"info": info, "runs": runs}
+    return {"info": info}
 
 
-def hf_worker(prompts: list[list[int]], n_tokens: int, repeat: int, max_foreign: float, retries: int,
-              max_wait: float) -> dict:
+def hf_worker(prompts: list[list[int]], n_tokens: int, max_foreign: float, retries: int,
+              max_wait: float, channel: "Channel") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
     from transformers.utils import logging as hf_logging
@@ -376,24 +377,24 @@ def hf_worker(prompts: list[list[int]], n_tokens: int, repeat: int, max_foreign:
     round_([0], min(8, n_tokens))
     round_(list(range(len(prompts))), 4)
     probe = CpuProbe()
-    runs = {c: [] for c in CONCURRENCY}
-    for rep in range(repeat):
-        for c in CONCURRENCY:
-            attempts = []
-            while True:
-                wait_quiet(probe, max_foreign, max_wait)
-                a0 = probe.sample()
-                recs = []
-                for idx in requests_for(c, len(prompts)):
-                    recs += round_(idx, n_tokens)
-                attempts.append((CpuProbe.foreign(a0, probe.sample()), recs))
-                report_attempt("hf", rep, c, attempts)
-                if attempts[-1][0] <= max_foreign or len(attempts) > retries:
-                    break
-            runs[c].append(keep_quiet_attempt(attempts))
+
+    def measure(c: int, rep: int) -> dict:
+        attempts = []
+        while True:
+            wait_quiet(probe, max_foreign, max_wait)
+            a0 = probe.sample()
+            recs = []
+            for idx in requests_for(c, len(prompts)):
+                recs += round_(idx, n_tokens)
+            attempts.append((CpuProbe.foreign(a0, probe.sample()), recs))
+            report_attempt("hf", rep, c, attempts)
+            if attempts[-1][0] <= max_foreign or len(attempts) > retries:
+                return keep_quiet_attempt(attempts)
+
+    channel.serve(measure)
     return {"info": {"processes": 1, "threads": torch.get_num_threads(), "stage_threads": None,
                      "micro_batches": None,
-                     "layers": [(0, model.config.num_hidden_layers)]}, "runs": runs}
+                     "layers": [(0, model.config.num_hidden_layers)]}}
 
 
 def engine_version() -> str:
@@ -413,6 +414,39 @@ def engine_version() -> str:
     return f"{head or '?'}{' + uncommitted engine changes' if dirty else ''} (engine/*.py sha1 {h.hexdigest()[:10]})"
 
 
+REPLY = "@@overhead-worker "  # marks the worker's replies among anything else on its stdout
+
+
+class Channel:
+    """The worker's side: commands ("C REP": measure concurrency C, or "quit") come on
+    stdin; each reply is a JSON file in the run's folder, named on a stdout line."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+        self._n = itertools.count()
+
+    def reply(self, obj) -> None:
+        path = self.folder / f"reply-{os.getpid()}-{next(self._n)}.json"
+        path.write_text(json.dumps(obj))
+        print(REPLY + str(path), flush=True)
+
+    @staticmethod
+    def _command(line: str):
+        parts = line.split()
+        return None if not parts or parts[0] == "quit" else (int(parts[0]), int(parts[1]))
+
+    def serve(self, measure) -> None:
+        self.reply("ready")
+        while (cmd := self._command(sys.stdin.readline())) is not None:
+            self.reply(measure(*cmd))
+
+    async def serve_async(self, measure) -> None:
+        loop = asyncio.get_running_loop()
+        self.reply("ready")
+        while (cmd := self._command(await loop.run_in_executor(None, sys.stdin.readline))) is not None:
+            self.reply(await measure(*cmd))
+
+
 def worker_main(a) -> int:
     if a.worker != "hf":
         # as `potluck chat` does before torch loads (engine/cli.py): a pipeline's
@@ -423,36 +457,66 @@ def worker_main(a) -> int:
     from engine.models import DEFAULT_MODEL, resolve
 
     version = engine_version()
-
+    channel = Channel(a.out)
     tok = resolve(DEFAULT_MODEL).tokenizer()
     prompts = [chat_ids(tok, t) for t in workload(a.prompts)]
     if a.worker == "hf":
-        res = hf_worker(prompts, a.tokens, a.repeat, a.max_foreign, a.retries, a.wait_quiet)
+        res = hf_worker(prompts, a.tokens, a.max_foreign, a.retries, a.wait_quiet, channel)
     else:
-        res = asyncio.run(engine_worker(a.worker, prompts, a.tokens, a.repeat, a.max_foreign, a.retries,
-                                        a.wait_quiet, a.split))
+        res = asyncio.run(engine_worker(a.worker, prompts, a.tokens, a.max_foreign, a.retries,
+                                        a.wait_quiet, a.split, channel))
     res["prompt_lens"] = [len(p) for p in prompts]
     res["engine"] = version
-    Path(a.out).write_text(json.dumps(res))
+    channel.reply(res)
     return 0
 
 
 # ---- driver -------------------------------------------------------------------
-def run_system(system: str, a) -> dict:
-    """One round of `system` (one run per concurrency) in a fresh worker process."""
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--out", str(out),
-               "--tokens", str(a.tokens), "--prompts", str(a.prompts), "--repeat", "1",
-               "--max-foreign", str(a.max_foreign), "--retries", str(a.retries), "--wait-quiet", str(a.wait_quiet), "--split", a.split]
+class Worker:
+    """One system's worker process, kept up for the whole run: loaded once, then told
+    to measure one concurrency at a time, taking turns with the other systems."""
+
+    def __init__(self, system: str, a, folder: str):
+        self.system = system
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--out", folder,
+               "--tokens", str(a.tokens), "--prompts", str(a.prompts),
+               "--max-foreign", str(a.max_foreign), "--retries", str(a.retries), "--wait-quiet", str(a.wait_quiet),
+               "--split", a.split]
+        self.seconds = 0.0
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=str(ROOT))
-        if proc.returncode != 0:
-            raise SystemExit(f"the {system} worker failed (exit {proc.returncode})")
-        res = json.loads(out.read_text())
-        res["runs"] = {int(c): v for c, v in res["runs"].items()}
-        res["seconds"] = time.perf_counter() - t0
+        self.proc = subprocess.Popen(cmd, cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._read() != "ready":
+            raise SystemExit(f"the {system} worker did not start")
+        self.seconds += time.perf_counter() - t0
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(Path(line[len(REPLY):].strip()).read_text())
+            sys.stderr.write(line)  # anything else the worker printed
+        raise SystemExit(f"the {self.system} worker exited (code {self.proc.wait()})")
+
+    def ask(self, line: str):
+        t0 = time.perf_counter()
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        try:
+            return self._read()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def measure(self, c: int, rep: int) -> dict:
+        return self.ask(f"{c} {rep}")
+
+    def finish(self) -> dict:
+        res = self.ask("quit")
+        self.proc.wait()
         return res
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def table(headers: list[str], rows: list[list[str]], align: str | None = None) -> str:
@@ -539,15 +603,22 @@ def report(results: dict, a) -> None:
     def ratio(name, num, den, target=None, higher_better=True):
         if num not in med or den not in med:
             return
+        key = "decode_tps" if higher_better else "ttft"
         if higher_better:
             v, vs = (med[num][k] / med[den][k] for k in ("decode_tps", "steady_tps"))
         else:
             v = vs = med[num]["ttft"] / med[den]["ttft"]
+        # paired: the ratio within each round (the two measured minutes apart at most),
+        # then the median over rounds; drift between rounds cancels out of it
+        pairs = [metrics(x["recs"])[key] / metrics(y["recs"])[key]
+                 for x, y in zip(results[num[0]]["runs"][num[1]], results[den[0]]["runs"][den[1]])]
+        paired = statistics.median(pairs)
+        spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if len(pairs) > 1 else ""
         if target is None:
-            rows.append([name, f"{num[1]}", f"{v:.2f}", f"{vs:.2f}", "", "(info)"])
+            rows.append([name, f"{num[1]}", f"{v:.2f}", f"{paired:.2f}", spread, f"{vs:.2f}", "", "(info)"])
             return
-        ok = v >= target if higher_better else v <= target
-        rows.append([name, f"{num[1]}", f"{v:.2f}", f"{vs:.2f}",
+        ok = paired >= target if higher_better else paired <= target
+        rows.append([name, f"{num[1]}", f"{v:.2f}", f"{paired:.2f}", spread, f"{vs:.2f}",
                      ("≥ " if higher_better else "≤ ") + f"{target:.2f}", "PASS" if ok else "MISS"])
 
     for p in ("pipe2", "pipe3"):
@@ -562,8 +633,10 @@ def report(results: dict, a) -> None:
         for c in CONCURRENCY:
             ratio(f"{p} / single 1-thread decode tok/s", (p, c), ("single1t", c))
     print()
-    print(table(["ratio", "conc", "decode", "steady", "target", ""], rows, "lrrrrl"))
-    print("(verdicts use the decode column; at 1 request a pipeline has one stage busy at a time, so its "
+    print(table(["ratio", "conc", "of medians", "paired", "rounds", "steady", "target", ""], rows, "lrrrrrrl"))
+    print("(of medians: the ratio of the systems' median figures; paired: the median over rounds of the ratio "
+          "within a\nround (rounds: its range); verdicts use paired (decode tok/s, or TTFT for TTFT rows); steady: "
+          "of medians,\nsteady tok/s. At 1 request a pipeline has one stage busy at a time, so its "
           "decode row is\ninformational. Against the 1-thread single process, a pipeline's ideal is 1.0 at "
           "1 request and its\nprocess count at 8: the shortfall is transport and scheduling.)")
 
@@ -586,7 +659,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 16 tokens, 1 repeat, 1 retry")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 64; quick 16)")
     p.add_argument("--prompts", type=int, default=None, help=f"prompts used (default {len(PROMPTS)}; quick 4)")
-    p.add_argument("--repeat", type=int, default=None, help="runs per measurement, median reported (default 3; quick 1)")
+    p.add_argument("--repeat", type=int, default=None, help="rounds: measurements per system and concurrency, median reported (default 5; quick 1)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--max-foreign", type=float, default=0.25,
                    help="retry a measurement when other processes used more than this many cores meanwhile")
@@ -603,7 +676,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.tokens = a.tokens or (16 if a.quick else 64)
     a.prompts = min(a.prompts or (4 if a.quick else len(PROMPTS)), len(PROMPTS))
-    a.repeat = a.repeat or (1 if a.quick else 3)
+    a.repeat = a.repeat or (1 if a.quick else 5)
     a.retries = a.retries if a.retries is not None else (1 if a.quick else 2)
     a.wait_quiet = a.wait_quiet if a.wait_quiet is not None else (10.0 if a.quick else 30.0)
     if a.worker:
@@ -618,21 +691,32 @@ def main(argv=None) -> int:
     from engine.models import DEFAULT_MODEL, resolve
 
     resolve(DEFAULT_MODEL)  # convert the default model once, before the workers race to
-    # Repeats take turns (single, pipe2, ..., single, pipe2, ...), each in a fresh
-    # worker: this machine's speed drifts by 10% and more over minutes (other tenants'
-    # memory traffic), and a system measured all at once would carry its own minutes'
-    # luck into every ratio.
-    results = {}
-    for rep in range(a.repeat):
-        for s in systems:
-            print(f"running {LABELS[s]} (round {rep + 1} of {a.repeat})...", file=sys.stderr, flush=True)
-            res = run_system(s, a)
-            if s not in results:
-                results[s] = res
-                continue
-            for c, runs in res["runs"].items():
-                results[s]["runs"][c] += runs
-            results[s]["seconds"] += res["seconds"]
+    # Every system's worker stays up for the whole run, and the systems take turns one
+    # measurement at a time (single @1, pipe2 @1, ..., single @8, pipe2 @8, ..., then the
+    # next repeat, in a rotated order): this machine's speed drifts by 10-50% over
+    # minutes (other tenants' memory traffic), so a ratio is taken between measurements
+    # seconds apart, and a system measured all at once would carry its own minutes' luck
+    # into every ratio. Idle workers wait on a pipe: their processes take no CPU.
+    results = {s: {"runs": {c: [] for c in CONCURRENCY}} for s in systems}
+    workers: dict[str, Worker] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            for s in systems:
+                print(f"starting {LABELS[s]}...", file=sys.stderr, flush=True)
+                workers[s] = Worker(s, a, folder)
+            for rep in range(a.repeat):
+                order = systems[rep % len(systems):] + systems[:rep % len(systems)]
+                for c in CONCURRENCY:
+                    for s in order:
+                        print(f"measuring {LABELS[s]} at {c} concurrent (round {rep + 1} of {a.repeat})...",
+                              file=sys.stderr, flush=True)
+                        results[s]["runs"][c].append(workers[s].measure(c, rep))
+            for s, w in workers.items():
+                results[s].update(w.finish())
+                results[s]["seconds"] = w.seconds
+        finally:
+            for w in workers.values():
+                w.kill()
     if a.json:
         Path(a.json).write_text(json.dumps({k: v for k, v in results.items()}, default=str))
     report(results, a)
