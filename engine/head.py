@@ -23,6 +23,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from . import wire
+from .detok import Detokenizer
 from .device import free_memory, speed_score
 from .models import ModelError, ModelSource
 from . import microbatch
@@ -73,6 +74,7 @@ class Sequence:
     done: bool = False
     needs_free: bool = False     # finished while a step was in flight: free when it returns
     text: str = ""               # decoded so far (emitted)
+    detok: Detokenizer | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
 
@@ -651,15 +653,16 @@ class Head:
             self._finish(s, "stop")
             return
         s.generated.append(tok)
-        text = self.tokenizer.decode(s.generated, skip_special_tokens=True)
+        if s.detok is None:
+            s.detok = Detokenizer(self.tokenizer)
+        # "" while the token ends inside a UTF-8 character: it comes with the next one
+        text = s.text + s.detok.add(tok)
         reason = None
         for stop in s.params.stop:
             at = text.find(stop, max(0, len(s.text) - len(stop)))
             if at != -1:
                 text, reason = text[:at], "stop"
                 break
-        if reason is None and text.endswith("\ufffd"):
-            text = s.text  # an incomplete UTF-8 character: wait for the next token
         delta = text[len(s.text):]
         s.text = text
         if delta or reason is None:

@@ -257,7 +257,11 @@ class StageServer:
         # or decode frames in a lane of their own whose steps cut into prompt steps
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
         decodes: asyncio.Queue = asyncio.Queue(maxsize=64) if self.decode_first else inbox
-        workers = [asyncio.ensure_future(self._work(inbox, self._exec, cut_in=False))]
+        # Acknowledgements go out from a task of their own, in order: a decode volume's
+        # step is handed to the compute thread first, and its ack is sent meanwhile.
+        acks: asyncio.Queue = asyncio.Queue()
+        workers = [asyncio.ensure_future(self._work(inbox, self._exec, cut_in=False)),
+                   asyncio.ensure_future(self._send_acks(ws, acks))]
         if decodes is not inbox:
             workers.append(asyncio.ensure_future(self._work(decodes, self._decode_exec, cut_in=True)))
         try:
@@ -268,7 +272,7 @@ class StageServer:
                         piece = memoryview(data)[len(data) - frame.tensor.numel():]
                         done = volumes.feed(frame.micro_batch, frame.meta, piece)
                         # acknowledge on arrival: the sender measures the link by these
-                        await ws.send(wire.control("ack", v=frame.micro_batch, bytes=len(piece)))
+                        acks.put_nowait(wire.control("ack", v=frame.micro_batch, bytes=len(piece)))
                         if done is None:
                             continue
                         frame = wire.decode(done[1])
@@ -285,6 +289,14 @@ class StageServer:
         finally:
             for w in workers:
                 w.cancel()
+
+    @staticmethod
+    async def _send_acks(ws, acks: asyncio.Queue):
+        try:
+            while True:
+                await ws.send(await acks.get())
+        except ConnectionClosed:
+            pass
 
     async def _work(self, inbox: asyncio.Queue, executor, cut_in: bool):
         """Computes a lane's frames in arrival order. Decode frames that queued up while
@@ -304,7 +316,13 @@ class StageServer:
             if link is not None and decode:
                 link.sched.decode_compute_finished(time.monotonic())
             for out in outs:
-                if out is not None:
+                if out is None:
+                    continue
+                if out[0] == "next" and link is not None and self._out.empty():
+                    # straight onto the link (nothing queued ahead of it to keep in order):
+                    # a decode volume saves the sender task's turn of the event loop
+                    self._submit_next(out[1], out[2])
+                else:
                     await self._out.put(out)
 
     def _check_frame(self, frame: wire.Frame):
@@ -387,15 +405,18 @@ class StageServer:
         return ("next", wire.encode(wire.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
                                     frame.meta, out, q8=q8), kind)
 
+    def _submit_next(self, data: bytes, kind: str):
+        try:
+            self._link.submit(data, kind)
+        except RuntimeError as exc:
+            log.warning("cannot forward: %s", exc)
+
     async def _sender(self, queue: asyncio.Queue, next_ws):
         """Sends in order; a separate task so computing the next step overlaps sending."""
         while True:
             where, data, *kind = await queue.get()
             if where == "next" and self._link is not None:
-                try:
-                    self._link.submit(data, kind[0])
-                except RuntimeError as exc:
-                    log.warning("cannot forward: %s", exc)
+                self._submit_next(data, kind[0])
                 continue
             ws = self._control_ws if where == "head" else next_ws
             if ws is None:
