@@ -35,7 +35,7 @@ Policies (as bench/weaklink.py configures the head): fifo (whole volumes first c
 first served, whole prompts in the step: no chunking anywhere), fifo-chunk (FIFO links,
 prompts streamed in 64-token chunks), fixed and jit (decode-first link scheduling),
 dynamic (jit and K in M..2M), compress (dynamic and compress="auto": prefill volumes as
-int8 blocks while the link is slower than compute), cut-in (dynamic, and decode steps
+int8 blocks while the link is clearly slower than compute), cut-in (dynamic, and decode steps
 cut into prompt steps).
 
 Omitted: attention cost growing with context (a chunk's T_p does not depend on its

@@ -2,8 +2,9 @@
 
 Policies, chosen by the host per pipeline:
   off      exact activations everywhere (the default: outputs match single-process)
-  auto     prefill volumes go int8 while this link is the bottleneck: when sending
-           the volume would take longer than computing it did
+  auto     prefill volumes go int8 while this link is clearly the bottleneck: when
+           sending the volume would take more than AUTO_MARGIN times as long as
+           computing it did
   prefill  prefill volumes always int8
   all      decode volumes too (the host opts in to inexact decode)
 Decode volumes are tiny and latency-bound, so only `all` touches them.
@@ -14,6 +15,16 @@ from __future__ import annotations
 POLICIES = ("off", "auto", "prefill", "all")
 
 
+# Prompt chunks are computed and sent in a pipeline: the next chunk computes while this
+# one travels, so a prompt's pace is max(send, compute) per chunk. Where sending takes
+# about as long as computing, int8 (~0.27x the bytes) barely moves that maximum but
+# still costs exactness: the weak-link bench's fastest link (~200 Mbit/s equivalent,
+# send/compute ~1.1-1.6 for a 64-token chunk) had +compress no faster to first token
+# than exact activations, and its TPOT 7% worse than FIFO's. Twice as long: the link
+# is the bottleneck by a margin that a noisy bandwidth estimate does not flip.
+AUTO_MARGIN = 2.0
+
+
 def should_compress(policy: str, kind: str, nbytes: int, bandwidth: float, compute_seconds: float) -> bool:
     if policy == "all":
         return True
@@ -21,4 +32,4 @@ def should_compress(policy: str, kind: str, nbytes: int, bandwidth: float, compu
         return False
     if policy == "prefill":
         return True
-    return nbytes / max(bandwidth, 1.0) > compute_seconds  # auto: the link is slower than compute
+    return nbytes / max(bandwidth, 1.0) > AUTO_MARGIN * compute_seconds  # auto: link-bound

@@ -52,5 +52,8 @@ def test_policy():
     assert not should_compress("auto", "decode", 10**9, 1.0, 0.0)       # decode stays exact
     assert should_compress("auto", "prefill", 10_000_000, 1e6, 1.0)     # 10 s to send, 1 s to compute
     assert not should_compress("auto", "prefill", 100_000, 1e9, 1.0)    # a fast link: exact
+    # sending about as long as computing: int8 would not speed the prompt up, stays exact
+    assert not should_compress("auto", "prefill", 1_500_000, 1e6, 1.0)
+    assert should_compress("auto", "prefill", 2_500_000, 1e6, 1.0)
     assert should_compress("prefill", "prefill", 1, 1e12, 1.0)
     assert should_compress("all", "decode", 1, 1e12, 1.0)
