@@ -16,8 +16,9 @@ Runs the default model (SmolLM2-135M-Instruct, float32, CPU) through
 on the same chat prompts, greedy, at 1 concurrent request (the prompts one after
 another) and at 8 (all submitted at once). Each system runs in a worker process of its
 own, loaded once and kept up for the whole run; the systems take turns one
-measurement at a time (so a slow minute of this shared machine hits them all, and a
-ratio is taken between measurements seconds apart), each does a warm-up first, and
+measurement at a time, the single process first and last in each round (so a slow
+minute of this shared machine hits them all, and a ratio is taken between measurements
+seconds apart, bracketed by the reference), each does a warm-up first, and
 every request generates exactly --tokens tokens: EOS does not stop generation (the
 head's eos_ids are cleared; HF runs with eos_token_id=None), so all systems do the
 same work and their token ids can be compared one for one.
@@ -543,7 +544,7 @@ def report(results: dict, a) -> None:
     lens = next(iter(results.values()))["prompt_lens"]
     print(f"\nModel: SmolLM2-135M-Instruct (float32, CPU), {os.cpu_count()} cores; {len(lens)} prompts of "
           f"{min(lens)}-{max(lens)} tokens ({', '.join(map(str, lens))}); {a.tokens} new tokens per "
-          f"request, greedy, EOS ignored; median of {a.repeat} run(s) after a warm-up.\n")
+          f"request, greedy, EOS ignored; median of {a.repeat} round(s) after a warm-up.\n")
 
     versions = sorted({r.get("engine", "?") for r in results.values()})
     print(f"Engine: {versions[0]}" if len(versions) == 1 else
@@ -608,10 +609,14 @@ def report(results: dict, a) -> None:
             v, vs = (med[num][k] / med[den][k] for k in ("decode_tps", "steady_tps"))
         else:
             v = vs = med[num]["ttft"] / med[den]["ttft"]
-        # paired: the ratio within each round (the two measured minutes apart at most),
-        # then the median over rounds; drift between rounds cancels out of it
-        pairs = [metrics(x["recs"])[key] / metrics(y["recs"])[key]
-                 for x, y in zip(results[num[0]]["runs"][num[1]], results[den[0]]["runs"][den[1]])]
+        # paired: the ratio within each round (the single process measured at its start
+        # and its end: their mean), then the median over rounds; drift cancels out of it
+        def in_round(system, c, rnd):
+            return statistics.mean(metrics(x["recs"])[key] for i, x in enumerate(results[system]["runs"][c])
+                                   if x.get("round", i) == rnd)
+
+        rounds = sorted({x.get("round", i) for i, x in enumerate(results[num[0]]["runs"][num[1]])})
+        pairs = [in_round(*num, r) / in_round(*den, r) for r in rounds]
         paired = statistics.median(pairs)
         spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if len(pairs) > 1 else ""
         if target is None:
@@ -634,11 +639,12 @@ def report(results: dict, a) -> None:
             ratio(f"{p} / single 1-thread decode tok/s", (p, c), ("single1t", c))
     print()
     print(table(["ratio", "conc", "of medians", "paired", "rounds", "steady", "target", ""], rows, "lrrrrrrl"))
-    print("(of medians: the ratio of the systems' median figures; paired: the median over rounds of the ratio "
-          "within a\nround (rounds: its range); verdicts use paired (decode tok/s, or TTFT for TTFT rows); steady: "
-          "of medians,\nsteady tok/s. At 1 request a pipeline has one stage busy at a time, so its "
-          "decode row is\ninformational. Against the 1-thread single process, a pipeline's ideal is 1.0 at "
-          "1 request and its\nprocess count at 8: the shortfall is transport and scheduling.)")
+    print("(of medians: the ratio of the systems' median figures; paired: the median over rounds of the\n"
+          "ratio within a round, the single process measured at the round's start and end (rounds: the\n"
+          "range); verdicts use paired (decode tok/s, or TTFT for TTFT rows); steady: of medians, steady\n"
+          "tok/s. At 1 request a pipeline has one stage busy at a time, so its decode row is informational.\n"
+          "Against the 1-thread single process, a pipeline's ideal is 1.0 at 1 request and its process\n"
+          "count at 8: the shortfall is transport and scheduling.)")
 
     # per-prompt token agreement (first run of each)
     rows = []
@@ -704,13 +710,19 @@ def main(argv=None) -> int:
             for s in systems:
                 print(f"starting {LABELS[s]}...", file=sys.stderr, flush=True)
                 workers[s] = Worker(s, a, folder)
+            others = [s for s in systems if s != "single"]
             for rep in range(a.repeat):
-                order = systems[rep % len(systems):] + systems[:rep % len(systems)]
+                # the reference brackets each round (measured first and last), so a
+                # drift during the round moves both sides of a paired ratio alike
+                k = rep % max(1, len(others))
+                order = ["single"] + others[k:] + others[:k] + ["single"]
                 for c in CONCURRENCY:
                     for s in order:
                         print(f"measuring {LABELS[s]} at {c} concurrent (round {rep + 1} of {a.repeat})...",
                               file=sys.stderr, flush=True)
-                        results[s]["runs"][c].append(workers[s].measure(c, rep))
+                        run = workers[s].measure(c, rep)
+                        run["round"] = rep
+                        results[s]["runs"][c].append(run)
             for s, w in workers.items():
                 results[s].update(w.finish())
                 results[s]["seconds"] = w.seconds
