@@ -18,10 +18,11 @@ POLICIES = ("off", "auto", "prefill", "all")
 # Prompt chunks are computed and sent in a pipeline: the next chunk computes while this
 # one travels, so a prompt's pace is max(send, compute) per chunk. Where sending takes
 # about as long as computing, int8 (~0.27x the bytes) barely moves that maximum but
-# still costs exactness: the weak-link bench's fastest link (~200 Mbit/s equivalent,
-# send/compute ~1.1-1.6 for a 64-token chunk) had +compress no faster to first token
-# than exact activations, and its TPOT 7% worse than FIFO's. Twice as long: the link
-# is the bottleneck by a margin that a noisy bandwidth estimate does not flip.
+# still costs exactness: at the weak-link bench's fastest link (~200 Mbit/s equivalent,
+# where by the bench's link mapping a 64-token chunk takes about as long to send as to
+# compute) +compress was no faster to first token than exact activations (0.88 vs
+# 0.81 s) and its TPOT 7% worse than FIFO's. Twice as long: the link is the bottleneck
+# by a margin that a noisy bandwidth estimate does not flip.
 AUTO_MARGIN = 2.0
 
 
