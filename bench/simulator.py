@@ -38,8 +38,10 @@ dynamic (jit and K in M..2M), compress (dynamic and compress="auto": prefill vol
 int8 blocks while the link is clearly slower than compute), cut-in (dynamic, and decode steps
 cut into prompt steps).
 
-Omitted: attention cost growing with context (a chunk's T_p does not depend on its
-position), sampling and tokenizer time, EOS (every request produces exactly n_out
+Context: a decode row attending to c tokens costs ctx_cost x T_d(1) x (c - 8) more than
+the profile's (its probes attend to 8 tokens); bench/weaklink.py measures ctx_cost
+(engine.profile.context_cost) and records it. Omitted: the same for prompt chunks (a
+chunk's T_p does not depend on its position), sampling and tokenizer time, EOS (every request produces exactly n_out
 tokens), cancellations and errors, the bytes of control traffic (acks, pings, frees:
 the acks' timing is modelled), TCP itself (the emulated links terminate TCP and behave
 as ideal FIFO pipes, as engine/linkemu.py does), the stage inbox's 64-frame bound,
@@ -148,6 +150,7 @@ class Pipeline:
     warm: bool = True                 # links start with their bandwidth and RTT measured
     cores: int | None = None          # compute threads share this many cores (None: a machine each)
     contention: float = 0.0           # slowdown per extra step running at once (shared memory bus)
+    ctx_cost: float = 0.0             # decode cost of context (engine.profile.context_cost; 0: ignored)
 
     @property
     def n_stages(self) -> int:
@@ -172,16 +175,25 @@ class Curve:
         return t
 
 
-def step_time(decode: Curve, prefill: Curve, rows: list) -> float:
+def step_time(decode: Curve, prefill: Curve, rows: list, ctx_cost: float = 0.0) -> float:
     """A step's compute as the stage runs it (StageModel._step): decode rows and prompt
     rows go as two sub-batches one after the other, prompt rows left-padded to the
-    longest of them."""
+    longest of them. The decode profile was taken at a context of PROFILE_CONTEXT
+    tokens; each decode row's longer context adds ctx_cost (engine.profile.context_cost)
+    of a 1-row step per token."""
     n_decode = sum(1 for _, n in rows if n == 1)
     prompts = [n for _, n in rows if n > 1]
     t = decode(n_decode) if n_decode else 0.0
+    if ctx_cost and n_decode:
+        extra = sum(max(0, s.n_in + s.generated - PROFILE_CONTEXT) for s, n in rows if n == 1)
+        t += ctx_cost * decode(1) * extra
     if prompts:
         t += prefill(len(prompts) * max(prompts))
     return t
+
+
+# engine/profile.py's decode probes attend to this many tokens
+PROFILE_CONTEXT = 8
 
 
 # ---- the event loop ---------------------------------------------------------------------
@@ -493,7 +505,7 @@ class Stage:
         now = self.sim.clock.now
         if decode and self.out is not None:
             self.out.sched.decode_compute_started(now, len(rows))
-        self.compute.start(step_time(self.decode, self.prefill, rows), decode, self._done, steps, now)
+        self.compute.start(step_time(self.decode, self.prefill, rows, self.sim.pipe.ctx_cost), decode, self._done, steps, now)
 
     def _done(self, steps: list, started: float) -> None:
         self.compute.finished()
@@ -629,7 +641,7 @@ class Head:
         t0 = self.sim.clock.now
         if step.decode:   # head.py tells the scheduler when it hands the step to its thread
             sched.decode_compute_started(t0, len(rows))
-        yield step_time(self.decode, self.prefill, rows), step.decode
+        yield step_time(self.decode, self.prefill, rows, self.pipe.ctx_cost), step.decode
         if step.decode:
             sched.decode_compute_finished(self.sim.clock.now)
         kind = "decode" if step.decode else "prefill"
@@ -861,6 +873,7 @@ def load_cells(path: str) -> list[dict]:
         out.append(dict(c, cpu=c.get("cpu", data.get("cpu")), bandwidth_bps=c["rate_bps"], policy=c["config"], rate_rps=c.get("arrival_rate") or 0,
                         n_requests=len(reqs), requests=reqs, hidden_bytes_per_token=data["bytes_per_token"],
                         counted=[r.get("finish") == "length" for r in per],  # what its means cover
+                        ctx_cost=c.get("ctx_cost", data.get("ctx_cost", 0.0)),
                         measured={"ttft_mean": c.get("ttft"), "tpot_mean": c.get("tpot"),
                                   "latency_mean": c.get("lat")}))
     return out
@@ -890,14 +903,22 @@ def pipeline_for_cell(cell: dict) -> tuple[Pipeline, Policy]:
     pipe = Pipeline(cell["profiles"], cell["bandwidth_bps"] / 8, cell["delay_s"], cell["hidden_bytes_per_token"],
                     dtype_bytes=cell.get("dtype_bytes", 4), kv_capacity=cell.get("kv_capacity_tokens", 1 << 18),
                     max_batch=cell.get("max_batch", 32), cores=cpu.get("cores"),
-                    contention=cpu.get("contention", 0.0))
+                    contention=cpu.get("contention", 0.0), ctx_cost=cell.get("ctx_cost") or 0.0)
     return pipe, pol
 
 
-def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None) -> list[dict]:
+def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None,
+             ctx_cost: float | None = None) -> list[dict]:
     """cpu: {"cores", "contention"} to model the stages sharing one machine (None: as the
-    file says -- weaklink.py records what bench/contention.py measured -- or dedicated)."""
+    file says -- weaklink.py records what bench/contention.py measured -- or dedicated).
+    ctx_cost: decode cost of context (None: as the file says; files from before
+    weaklink.py measured it say nothing, and the context is then ignored)."""
     cells = load_cells(path)
+    if ctx_cost is not None:
+        cells = [dict(c, ctx_cost=ctx_cost) for c in cells]
+    costs = sorted({c.get("ctx_cost") or 0.0 for c in cells})
+    print("decode cost of context: " + (", ".join(f"{x:.2e}" for x in costs) + " of a 1-row step per row and "
+                                         "context token" if any(costs) else "not modelled (no ctx_cost)"))
     if cpu is not None:
         cells = [dict(c, cpu=cpu) for c in cells]
     synthetic = any(c.get("synthetic") for c in cells)
@@ -950,12 +971,15 @@ def main(argv=None) -> int:
                          "concurrent step (bench/contention.py measures it; weaklink.py --json records it)")
     ap.add_argument("--dedicated", action="store_true",
                     help="with --validate: model every stage on a machine of its own (no shared cores)")
+    ap.add_argument("--ctx-cost", type=float, default=None,
+                    help="with --validate: decode cost of context, per row and context token, as a fraction "
+                         "of a 1-row step (engine.profile.context_cost; weaklink.py --json records it)")
     a = ap.parse_args(argv)
     if a.validate:
         cpu = {"cores": None, "contention": 0.0} if a.dedicated else None
         if a.contention is not None:
             cpu = {"cores": os.cpu_count(), "contention": a.contention}
-        validate(a.validate, cpu=cpu)
+        validate(a.validate, cpu=cpu, ctx_cost=a.ctx_cost)
         return 0
     policies = ["fifo"] + [p for p in a.policies if p != "fifo"]
     scenario(a.stages, a.mbits, a.loads, policies, a.requests, a.seed, a.delay_ms / 1e3, a.weight_bits / 8,

@@ -541,6 +541,12 @@ async def main(a):
         from engine.profile import measure
         td0 = [interp(measure(probe.stage0)["decode"], 1) for _ in range(3)]
         td = [min(td0)] + td[1:] if min(td0) < td[0] else td
+        # what a row's context adds to a decode step (the profiles attend to 8 tokens):
+        # bench/simulator.py --validate models it from this figure
+        from engine.profile import context_cost
+        ctx_cost = statistics.median(context_cost(probe.stage0) for _ in range(3))
+        print(f"decode cost of context: {ctx_cost:.2e} of a 1-row step per row and token of context "
+              f"(16 rows of 256 tokens: +{ctx_cost * 16 * 248 * td[0] * 1e3:.0f} ms on the head's stage)")
         await probe.close()
         await asyncio.sleep(0.5)
         td_mean = a.decode_ms / 1e3 if a.decode_ms else min(td)
@@ -615,7 +621,7 @@ async def main(a):
         def dump():
             if a.json:
                 out = dict(model=source.name, bytes_per_token=bytes_tok, scale=a.scale, seed=a.seed, cpu=cpu,
-                           decode_step_s=td, decode_step_used_s=td_mean, capacity_req_s=capacity, rates=rates,
+                           decode_step_s=td, decode_step_used_s=td_mean, ctx_cost=ctx_cost, capacity_req_s=capacity, rates=rates,
                            bandwidths_bps=bws, delays_s={str(k): v for k, v in delays.items()}, workload=[
                                dict(gap=r["gap"], n_in=r["n_in"], n_out=r["n_out"]) for r in reqs],
                            cells=all_cells)

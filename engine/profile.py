@@ -48,6 +48,44 @@ def measure(stage, repeats: int = 2) -> dict:
     return prof
 
 
+def context_cost(stage, rows: int = 16, context: int = 256, repeats: int = 3) -> float:
+    """What attending to a longer context adds to a decode step, per row and per token of
+    context, as a fraction of a 1-row step. measure() profiles decode steps at a context
+    of 8 tokens; real rows attend to their prompt and output so far, and at 16 rows of
+    256 tokens a step of the default model took 19% longer than at 8 (this machine, one
+    thread). bench/simulator.py adds it to its decode steps (Pipeline.ctx_cost)."""
+    import torch
+
+    from .stage_model import StageBatch
+
+    def x(n):
+        if stage.first:
+            return torch.zeros(n, dtype=torch.long)
+        return torch.zeros((n, stage.hidden_size), dtype=stage.dtype)
+
+    def step(n: int, ctx: int) -> float:
+        ids = [_PROBE_ID + i for i in range(n)]
+        try:
+            stage.forward(StageBatch(ids, [0] * n, [ctx] * n), x(n * ctx))
+            ts = []
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                stage.forward(StageBatch(ids, [ctx + r] * n, [1] * n), x(n))
+                ts.append(time.perf_counter() - t0)
+        finally:
+            for i in ids:
+                stage.free(i)
+        return sorted(ts)[len(ts) // 2]
+
+    budget = stage.kv.budget_tokens
+    stage.kv.budget_tokens = 1 << 40
+    try:
+        one, short, long = step(1, 8), step(rows, 8), step(rows, context)
+    finally:
+        stage.kv.budget_tokens = budget
+    return max(0.0, (long - short) / (rows * (context - 8) * one))
+
+
 def interp(points: list, n: float) -> float:
     """Piecewise-linear in n through measured (n, seconds); linear beyond the ends."""
     pts = sorted((float(a), float(b)) for a, b in points)

@@ -197,3 +197,42 @@ def test_cut_ins_per_prompt_step_are_bounded():
     assert kinds[: sim.MAX_CUT_INS] == [True] * sim.MAX_CUT_INS
     assert kinds[sim.MAX_CUT_INS] is None and comp.running is not None and comp.parked is None
     assert comp.next_kind(True, True) is None     # the resumed prompt step is not cut into again
+
+
+def test_a_decode_row_pays_for_the_context_it_attends_to():
+    """The decode profile attends to PROFILE_CONTEXT tokens; a row with more context adds
+    ctx_cost of a 1-row step per extra token (engine.profile.context_cost measures it)."""
+    decode = sim.Curve([[1, 0.010], [8, 0.020]])
+    prefill = sim.Curve([[1, 0.001], [1000, 1.0]])
+    a, b = sim.Seq(1, 0.0, 100, 10, generated=5), sim.Seq(2, 0.0, 3, 10, generated=1)
+    rows = [(a, 1), (b, 1)]
+    assert sim.step_time(decode, prefill, rows) == pytest.approx(decode(2))   # no cost: as profiled
+    extra = (100 + 5 - sim.PROFILE_CONTEXT) + 0        # b's 4 tokens are under the profile's 8
+    got = sim.step_time(decode, prefill, rows, ctx_cost=1e-3)
+    assert got == pytest.approx(decode(2) + 1e-3 * decode(1) * extra)
+    # a prompt's rows keep their profiled cost
+    c = sim.Seq(3, 0.0, 300, 10)
+    assert sim.step_time(decode, prefill, [(c, 300)], ctx_cost=1e-3) == pytest.approx(prefill(300))
+
+
+def test_context_cost_lengthens_decode_in_a_whole_run():
+    pipe = Pipeline([PROFILE, PROFILE], 1e7, 0.005, 100)
+    plain = run_one(pipe, "jit", (0.0, 200, 40))
+    pipe.ctx_cost = 2e-3
+    costly = run_one(pipe, "jit", (0.0, 200, 40))
+    tpot = lambda s: (s.last - s.first) / (s.n_out - 1)   # noqa: E731
+    # each of the two stages' 1-row steps (10 ms) grows by 2e-3 x 10 ms per context token
+    # beyond 8: ~200-240 tokens -> +4-5 ms per stage per token
+    assert tpot(costly) - tpot(plain) == pytest.approx(2 * 2e-3 * 0.010 * (200 + 20 - 8), rel=0.1)
+    assert costly.first == pytest.approx(plain.first)      # the prompt is not a decode step
+
+
+def test_validation_takes_the_context_cost_from_the_file_or_the_command_line(tmp_path, capsys):
+    cells = json.loads(Path(sim.__file__).with_name("sim_example.json").read_text())
+    path = tmp_path / "cells.json"
+    path.write_text(json.dumps([dict(c, ctx_cost=1e-3) for c in cells]))
+    with_cost = sim.validate(str(path))
+    assert "1.00e-03" in capsys.readouterr().out
+    without = sim.validate(str(path), ctx_cost=0.0)
+    assert "not modelled" in capsys.readouterr().out
+    assert all(w["sim"]["tpot_mean"] > o["sim"]["tpot_mean"] for w, o in zip(with_cost, without))
