@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from contextlib import contextmanager
 
 # steps of at least this many tokens borrow idle cores: every step does (see above)
@@ -98,7 +99,10 @@ class CoreLease:
 
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
+        # torch keeps a thread count per thread (OpenMP's nthreads-var): the lease grants
+        # a count, and each thread that computes applies it to itself when it differs
         self._threads = None
+        self._applied = threading.local()
         self.borrowed_steps = 0   # steps that ran with borrowed cores
         self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
 
@@ -171,15 +175,19 @@ class CoreLease:
             fcntl.flock(self._want[c], fcntl.LOCK_UN)
 
     def sync_threads(self) -> None:
-        """Set this thread's torch thread count to the lease's (torch keeps one per
-        thread: a decode step cutting into a parked step runs on another thread)."""
+        """Set this thread's torch thread count to the lease's (a decode step cutting
+        into a parked step runs on another thread, with the parked step's cores)."""
         if self._threads is not None:
-            self._set_threads(self._threads)
+            self._apply()
 
     def _threads_for(self, n: int) -> None:
-        if n != self._threads:
-            self._set_threads(n)
-            self._threads = n
+        self._threads = n
+        self._apply()
+
+    def _apply(self) -> None:
+        if getattr(self._applied, "n", None) != self._threads:
+            self._set_threads(self._threads)
+            self._applied.n = self._threads
 
     def close(self):
         for fd in (*self._fds.values(), *self._want.values()):
