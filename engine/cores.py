@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import threading
 from contextlib import contextmanager
 
 # steps of at least this many tokens borrow idle cores: every step does (see above)
@@ -99,10 +98,7 @@ class CoreLease:
 
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
-        # torch keeps a thread count per thread (OpenMP's nthreads-var): the lease grants
-        # a count, and each thread that computes applies it to itself when it differs
         self._threads = None
-        self._applied = threading.local()
         self.borrowed_steps = 0   # steps that ran with borrowed cores
         self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
 
@@ -175,19 +171,15 @@ class CoreLease:
             fcntl.flock(self._want[c], fcntl.LOCK_UN)
 
     def sync_threads(self) -> None:
-        """Set this thread's torch thread count to the lease's (a decode step cutting
-        into a parked step runs on another thread, with the parked step's cores)."""
+        """Set this thread's torch thread count to the lease's (torch keeps one per
+        thread: a decode step cutting into a parked step runs on another thread)."""
         if self._threads is not None:
-            self._apply()
+            self._set_threads(self._threads)
 
     def _threads_for(self, n: int) -> None:
-        self._threads = n
-        self._apply()
-
-    def _apply(self) -> None:
-        if getattr(self._applied, "n", None) != self._threads:
-            self._set_threads(self._threads)
-            self._applied.n = self._threads
+        if n != self._threads:
+            self._set_threads(n)
+            self._threads = n
 
     def close(self):
         for fd in (*self._fds.values(), *self._want.values()):

@@ -219,13 +219,6 @@ class Head:
             with self.stage0.gate.step(decode=cut_in):
                 return self.stage0.forward(batch, x)
 
-        if decode and not cut_in and self.cores is not None:
-            # local stages take turns on this CPU: a decode step computes on the event
-            # loop, as the stage servers' do (stage_server.py), after one turn of it for
-            # the clients the last tokens woke -- unless a step holds the compute
-            await asyncio.sleep(0)
-            if self.stage0.gate.idle():
-                return run()
         return await asyncio.get_running_loop().run_in_executor(self._decode_exec if cut_in else self._exec, run)
 
     async def start(self) -> "Head":

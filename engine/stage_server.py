@@ -312,18 +312,7 @@ class StageServer:
             decode = _is_decode(frames[0])
             if link is not None and decode:
                 link.sched.decode_compute_started(time.monotonic(), sum(len(f.meta["rows"]) for f in frames))
-            outs = None
-            if decode and not cut_in and self.cores is not None:
-                # Stages sharing this CPU take turns on all of it (cores.py), so nothing
-                # else here runs meanwhile anyway: a decode step computes on the event
-                # loop and skips two thread hand-offs. First one turn of the loop, for
-                # the acknowledgements already queued; a step holding the compute (a
-                # free) keeps it on the compute thread, not to block the loop.
-                await asyncio.sleep(0)
-                if self.stage.gate.idle():
-                    outs = self._gated_compute(frames, cut_in)
-            if outs is None:
-                outs = await loop.run_in_executor(executor, self._gated_compute, frames, cut_in)
+            outs = await loop.run_in_executor(executor, self._gated_compute, frames, cut_in)
             if link is not None and decode:
                 link.sched.decode_compute_finished(time.monotonic())
             for out in outs:

@@ -114,11 +114,6 @@ class StepGate:
                 self._parked = False
         return True
 
-    def idle(self) -> bool:
-        """No step holds or waits for the compute (an unlocked read: a hint for callers
-        that would rather not block their thread on step())."""
-        return self._owner is None and not self._decoding and not self._wants
-
     def cut_in_here(self) -> bool:
         """Is this thread's step a decode step cut into a parked one?"""
         return getattr(self._local, "cut_in", False)

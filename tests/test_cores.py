@@ -90,24 +90,3 @@ def test_local_pipeline_cpu_shares():
     assert len(shares) == 3 and sum(shares) <= n + 1e-9 and min(shares) > 0
     if n == 2:
         assert shares == [0.5, 1.0, 0.5]  # head and stage 2 take turns on core 0
-
-
-def test_each_computing_thread_gets_the_granted_thread_count(tmp_path):
-    """torch keeps a thread count per thread: a step computed on another thread (the
-    event loop's decode steps, a compute thread's prompt steps) must set its own."""
-    calls = []
-    a = CoreLease(str(tmp_path), [0], 2, borrow_min_tokens=16,
-                  set_threads=lambda t: calls.append((threading.current_thread().name, t)))
-    lease(tmp_path, [1])  # idle: borrowable
-    with a.hold(64):
-        pass
-    def other():
-        with a.hold(64):
-            pass
-
-    t = threading.Thread(target=other, name="other")
-    t.start()
-    t.join()
-    with a.hold(64):   # this thread already runs with 2: nothing to set
-        pass
-    assert calls == [("MainThread", 2), ("other", 2)]
