@@ -151,6 +151,8 @@ class Pipeline:
     cores: int | None = None          # compute threads share this many cores (None: a machine each)
     contention: float = 0.0           # slowdown per extra step running at once (shared memory bus)
     ctx_cost: float = 0.0             # decode cost of context (engine.profile.context_cost; 0: ignored)
+    work_profiles: list[dict] | None = None  # what steps take, if not what `profiles` (the head's
+                                             # and schedulers' view) say: see validate()
 
     @property
     def n_stages(self) -> int:
@@ -476,7 +478,7 @@ class Stage:
 
     def __init__(self, sim: "Simulation", index: int):
         self.sim, self.index = sim, index
-        self.decode, self.prefill = sim.curves[index]
+        self.decode, self.prefill = sim.work[index]
         self.out: Link | None = None
         self.inbox: deque = deque()
         self.compute = Compute(sim)
@@ -527,7 +529,7 @@ class Head:
     def __init__(self, sim: "Simulation"):
         self.sim = sim
         self.pipe, self.policy = sim.pipe, sim.policy
-        self.decode, self.prefill = sim.curves[0]
+        self.decode, self.prefill = sim.work[0]
         self.link: Link | None = None
         self.waiting: list[Seq] = []
         self.micro_batches = self.policy.micro_batches or self.pipe.n_stages
@@ -675,7 +677,11 @@ class Simulation:
         self.pipe, self.policy = pipe, policy
         self.clock = Clock()
         self.cpu = Cpu(self.clock, pipe.cores, pipe.contention)
+        # decisions (micro-batch count, just-in-time windows) from the profiles the head
+        # was given; step durations from work_profiles where the machine ran otherwise
         self.curves = [(Curve(p["decode"]), Curve(p["prefill"])) for p in pipe.profiles]
+        self.work = [(Curve(p["decode"]), Curve(p["prefill"])) for p in pipe.work_profiles] \
+            if pipe.work_profiles else self.curves
         self.head = Head(self)
         self.stages = [Stage(self, i) for i in range(1, pipe.n_stages)]
         self.links = []     # link i leaves stage i (the head is stage 0) for stage i + 1
@@ -903,20 +909,54 @@ def pipeline_for_cell(cell: dict) -> tuple[Pipeline, Policy]:
     pipe = Pipeline(cell["profiles"], cell["bandwidth_bps"] / 8, cell["delay_s"], cell["hidden_bytes_per_token"],
                     dtype_bytes=cell.get("dtype_bytes", 4), kv_capacity=cell.get("kv_capacity_tokens", 1 << 18),
                     max_batch=cell.get("max_batch", 32), cores=cpu.get("cores"),
-                    contention=cpu.get("contention", 0.0), ctx_cost=cell.get("ctx_cost") or 0.0)
+                    contention=cpu.get("contention", 0.0), ctx_cost=cell.get("ctx_cost") or 0.0,
+                    work_profiles=cell.get("work_profiles"))
     return pipe, pol
 
 
+def run_median_profiles(cells: list[dict]) -> dict:
+    """Per pipeline length, each stage's profile point by point: the median over the
+    run's cells. Every cell profiles its stages afresh at its start, twice per point
+    (engine/profile.py); on a machine whose speed swings by a third within minutes such
+    a snapshot can read 50-80% slow (bench/weaklink.py's JSON), while the cell runs at
+    whatever speed the minutes after bring."""
+    import statistics
+
+    out = {}
+    for n in sorted({c["stages"] for c in cells}):
+        group = [c["profiles"] for c in cells if c["stages"] == n]
+        med = []
+        for i in range(n):
+            prof = {}
+            for key in ("decode", "prefill"):
+                xs = [tuple(x for x, _ in p[i][key]) for p in group]
+                if len(set(xs)) != 1:
+                    return {}   # different probe points: nothing to pool
+                prof[key] = [[x, statistics.median(p[i][key][j][1] for p in group)]
+                             for j, x in enumerate(xs[0])]
+            med.append(prof)
+        out[n] = med
+    return out
+
+
 def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None,
-             ctx_cost: float | None = None) -> list[dict]:
+             ctx_cost: float | None = None, work: str = "cell") -> list[dict]:
     """cpu: {"cores", "contention"} to model the stages sharing one machine (None: as the
     file says -- weaklink.py records what bench/contention.py measured -- or dedicated).
     ctx_cost: decode cost of context (None: as the file says; files from before
-    weaklink.py measured it say nothing, and the context is then ignored)."""
+    weaklink.py measured it say nothing, and the context is then ignored).
+    work: what the simulated steps take -- "cell": each cell's own startup profiles (what
+    its head decided from, too); "run": the median over the run's cells (run_median_profiles),
+    while decisions still follow the cell's own."""
     cells = load_cells(path)
+    if work == "run":
+        med = run_median_profiles(cells)
+        cells = [dict(c, work_profiles=med.get(c["stages"])) for c in cells]
     if ctx_cost is not None:
         cells = [dict(c, ctx_cost=ctx_cost) for c in cells]
     costs = sorted({c.get("ctx_cost") or 0.0 for c in cells})
+    print("step durations from " + ("each cell's own startup profiles" if work == "cell" else
+                                     "the run's median profiles (decisions from each cell's own)"))
     print("decode cost of context: " + (", ".join(f"{x:.2e}" for x in costs) + " of a 1-row step per row and "
                                          "context token" if any(costs) else "not modelled (no ctx_cost)"))
     if cpu is not None:
@@ -974,12 +1014,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx-cost", type=float, default=None,
                     help="with --validate: decode cost of context, per row and context token, as a fraction "
                          "of a 1-row step (engine.profile.context_cost; weaklink.py --json records it)")
+    ap.add_argument("--work", choices=("cell", "run"), default="cell",
+                    help="with --validate: step durations from each cell's startup profiles (default) or "
+                         "from their median over the run (run_median_profiles)")
     a = ap.parse_args(argv)
     if a.validate:
         cpu = {"cores": None, "contention": 0.0} if a.dedicated else None
         if a.contention is not None:
             cpu = {"cores": os.cpu_count(), "contention": a.contention}
-        validate(a.validate, cpu=cpu, ctx_cost=a.ctx_cost)
+        validate(a.validate, cpu=cpu, ctx_cost=a.ctx_cost, work=a.work)
         return 0
     policies = ["fifo"] + [p for p in a.policies if p != "fifo"]
     scenario(a.stages, a.mbits, a.loads, policies, a.requests, a.seed, a.delay_ms / 1e3, a.weight_bits / 8,

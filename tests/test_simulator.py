@@ -236,3 +236,24 @@ def test_validation_takes_the_context_cost_from_the_file_or_the_command_line(tmp
     without = sim.validate(str(path), ctx_cost=0.0)
     assert "not modelled" in capsys.readouterr().out
     assert all(w["sim"]["tpot_mean"] > o["sim"]["tpot_mean"] for w, o in zip(with_cost, without))
+
+
+def test_run_median_profiles_pool_each_point_over_the_runs_cells():
+    def cell(n, d1, p256):
+        prof = {"decode": [[1, d1], [16, 2 * d1]], "prefill": [[32, 0.03], [256, p256]]}
+        return {"stages": n, "profiles": [prof] * n}
+    cells = [cell(2, 0.010, 0.20), cell(2, 0.030, 0.60), cell(2, 0.012, 0.22), cell(3, 0.5, 0.5)]
+    med = sim.run_median_profiles(cells)
+    assert med[2][0]["decode"] == [[1, 0.012], [16, 0.024]]
+    assert med[2][1]["prefill"] == [[32, 0.03], [256, 0.22]]
+    assert med[3][0]["decode"][0] == [1, 0.5]      # pooled per pipeline length
+
+
+def test_steps_take_the_work_profiles_while_decisions_follow_the_profiles():
+    slow = {"decode": [[1, 0.020], [16, 0.040]], "prefill": [[32, 0.080], [256, 0.360]]}
+    request = (0.5, 10, 3)
+    as_slow = run_one(Pipeline([slow, slow], 1e6, 0.025, 1000), "fifo", request)
+    split = run_one(Pipeline([PROFILE, PROFILE], 1e6, 0.025, 1000, work_profiles=[slow, slow]), "fifo", request)
+    fast = run_one(Pipeline([PROFILE, PROFILE], 1e6, 0.025, 1000), "fifo", request)
+    assert split.first == pytest.approx(as_slow.first) and split.last == pytest.approx(as_slow.last)
+    assert fast.last < split.last
