@@ -37,6 +37,15 @@ short spin (`OPENMP_ENV`) still covers the gaps between one step's operators
 bench/overhead.py runs (this machine drifts by that much). Not spinning at all
 (OMP_WAIT_POLICY=passive) made every step's operators slower too.
 
+Each process computes on one thread (its compute executor's). libgomp gives every
+thread that starts a parallel region a worker pool of its own, and once a process
+manages more OpenMP threads than there are cores it cuts spinning short: after a
+second thread had run one 2-thread matrix product, a stage's decode step went from
+46-49 to 58-67 ms (scratch micro-benchmark). Computing decode steps on the event loop
+to save two thread hand-offs did exactly that: bench/overhead.py measured pipe2 /
+pipe3 at 0.86 / 0.83 of the single process, against 0.91 / 0.87-0.91 before, and
+the change was reverted.
+
 Locks are flock(2) on files in a directory the pipeline's parent creates; a process
 that dies releases its locks with its file descriptors.
 """
