@@ -41,8 +41,8 @@ cut into prompt steps).
 Context: a decode row attending to c tokens costs ctx_cost x T_d(1) x (c - 8) more than
 the profile's (its probes attend to 8 tokens); bench/weaklink.py measures ctx_cost
 (engine.profile.context_cost) and records it. Omitted: the same for prompt chunks (a
-chunk's T_p does not depend on its position), sampling and tokenizer time, EOS (every request produces exactly n_out
-tokens), cancellations and errors, the bytes of control traffic (acks, pings, frees:
+chunk's T_p does not depend on its position), sampling and tokenizer time, EOS (every
+request produces exactly n_out tokens), cancellations and errors, the bytes of control traffic (acks, pings, frees:
 the acks' timing is modelled), TCP itself (the emulated links terminate TCP and behave
 as ideal FIFO pipes, as engine/linkemu.py does), the stage inbox's 64-frame bound,
 compression's compute cost, and a discarded warm-up period (every request counts).
@@ -73,7 +73,7 @@ from engine import microbatch, wire  # noqa: E402
 from engine.compression import should_compress  # noqa: E402
 from engine.link import LinkSender  # noqa: E402
 from engine.link_scheduler import LinkScheduler  # noqa: E402
-from engine.profile import interp  # noqa: E402
+from engine.profile import PROFILE_CONTEXT, interp  # noqa: E402
 from engine.stage_server import MAX_MERGED_ROWS  # noqa: E402
 from engine.step_gate import MAX_CUT_INS  # noqa: E402
 
@@ -192,10 +192,6 @@ def step_time(decode: Curve, prefill: Curve, rows: list, ctx_cost: float = 0.0) 
     if prompts:
         t += prefill(len(prompts) * max(prompts))
     return t
-
-
-# engine/profile.py's decode probes attend to this many tokens
-PROFILE_CONTEXT = 8
 
 
 # ---- the event loop ---------------------------------------------------------------------
@@ -951,6 +947,9 @@ def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None,
     cells = load_cells(path)
     if work == "run":
         med = run_median_profiles(cells)
+        if not med:
+            print("the run's cells profiled different points: step durations from each cell's own")
+            work = "cell"
         cells = [dict(c, work_profiles=med.get(c["stages"])) for c in cells]
     if ctx_cost is not None:
         cells = [dict(c, ctx_cost=ctx_cost) for c in cells]

@@ -543,10 +543,11 @@ async def main(a):
         td = [min(td0)] + td[1:] if min(td0) < td[0] else td
         # what a row's context adds to a decode step (the profiles attend to 8 tokens):
         # bench/simulator.py --validate models it from this figure
-        from engine.profile import context_cost
+        from engine.profile import PROFILE_CONTEXT, context_cost
         ctx_cost = statistics.median(context_cost(probe.stage0) for _ in range(3))
         print(f"decode cost of context: {ctx_cost:.2e} of a 1-row step per row and token of context "
-              f"(16 rows of 256 tokens: +{ctx_cost * 16 * 248 * td[0] * 1e3:.0f} ms on the head's stage)")
+              f"(16 rows of 256 tokens: +{ctx_cost * 16 * (256 - PROFILE_CONTEXT) * td[0] * 1e3:.0f} ms "
+              f"on the head's stage)")
         await probe.close()
         await asyncio.sleep(0.5)
         td_mean = a.decode_ms / 1e3 if a.decode_ms else min(td)

@@ -5,18 +5,22 @@ the head sizes its micro-batches from everyone's."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 DECODE_BATCHES = (1, 4, 16)
 PREFILL_LENGTHS = (32, 256)
+PROFILE_CONTEXT = 8  # tokens each decode probe's rows attend to (bench/simulator.py reads it)
 _PROBE_ID = 1 << 50  # far from any real sequence id
 
 
-def measure(stage, repeats: int = 2) -> dict:
+@contextmanager
+def _probing(stage):
+    """Probe sequences live outside the KV budget (tiny, freed at once) and are all
+    freed afterwards, whatever happens; yields run(batch) -> seconds of one forward."""
     # torch only here: interp() stays importable by the simulator without it
     import torch
 
-    from .stage_model import StageBatch
-    def run(batch: StageBatch) -> float:
+    def run(batch) -> float:
         if stage.first:
             x = torch.zeros(batch.n_tokens, dtype=torch.long)
         else:
@@ -25,65 +29,57 @@ def measure(stage, repeats: int = 2) -> dict:
         stage.forward(batch, x)
         return time.perf_counter() - t0
 
-    prof = {"decode": [], "prefill": []}
     budget = stage.kv.budget_tokens
-    stage.kv.budget_tokens = 1 << 40  # probes are tiny and freed at once: outside the budget
+    stage.kv.budget_tokens = 1 << 40
     try:
-        for n in DECODE_BATCHES:
-            ids = [_PROBE_ID + i for i in range(n)]
-            run(StageBatch(ids, [0] * n, [8] * n))  # a little context to attend to
-            best = min(run(StageBatch(ids, [8 + r] * n, [1] * n)) for r in range(repeats))
-            prof["decode"].append([n, best])
-            for i in ids:
-                stage.free(i)
-        for n in PREFILL_LENGTHS:
-            t = run(StageBatch([_PROBE_ID], [0], [n]))
-            stage.free(_PROBE_ID)
-            prof["prefill"].append([n, t])
+        yield run
     finally:
         stage.kv.budget_tokens = budget
         for i in list(stage.kv.seqs):
             if i >= _PROBE_ID:
                 stage.free(i)
+
+
+def _decode_step(run, stage, rows: int, context: int, repeats: int) -> list[float]:
+    """Times of `repeats` decode steps of `rows` rows that attend to `context` tokens."""
+    from .stage_model import StageBatch
+
+    ids = [_PROBE_ID + i for i in range(rows)]
+    run(StageBatch(ids, [0] * rows, [context] * rows))
+    ts = [run(StageBatch(ids, [context + r] * rows, [1] * rows)) for r in range(repeats)]
+    for i in ids:
+        stage.free(i)
+    return ts
+
+
+def measure(stage, repeats: int = 2) -> dict:
+    from .stage_model import StageBatch
+
+    prof = {"decode": [], "prefill": []}
+    with _probing(stage) as run:
+        for n in DECODE_BATCHES:
+            prof["decode"].append([n, min(_decode_step(run, stage, n, PROFILE_CONTEXT, repeats))])
+        for n in PREFILL_LENGTHS:
+            t = run(StageBatch([_PROBE_ID], [0], [n]))
+            stage.free(_PROBE_ID)
+            prof["prefill"].append([n, t])
     return prof
 
 
 def context_cost(stage, rows: int = 16, context: int = 256, repeats: int = 3) -> float:
     """What attending to a longer context adds to a decode step, per row and per token of
-    context, as a fraction of a 1-row step. measure() profiles decode steps at a context
-    of 8 tokens; real rows attend to their prompt and output so far, and at 16 rows of
-    256 tokens a step of the default model took 19% longer than at 8 (this machine, one
-    thread). bench/simulator.py adds it to its decode steps (Pipeline.ctx_cost)."""
-    import torch
-
-    from .stage_model import StageBatch
-
-    def x(n):
-        if stage.first:
-            return torch.zeros(n, dtype=torch.long)
-        return torch.zeros((n, stage.hidden_size), dtype=stage.dtype)
-
-    def step(n: int, ctx: int) -> float:
-        ids = [_PROBE_ID + i for i in range(n)]
-        try:
-            stage.forward(StageBatch(ids, [0] * n, [ctx] * n), x(n * ctx))
-            ts = []
-            for r in range(repeats):
-                t0 = time.perf_counter()
-                stage.forward(StageBatch(ids, [ctx + r] * n, [1] * n), x(n))
-                ts.append(time.perf_counter() - t0)
-        finally:
-            for i in ids:
-                stage.free(i)
+    context beyond PROFILE_CONTEXT, as a fraction of a 1-row step. measure() profiles
+    decode steps at PROFILE_CONTEXT tokens; real rows attend to their prompt and output
+    so far, and at 16 rows of 256 tokens a step of the default model took 19% longer
+    than at 8 (this machine, one thread). bench/simulator.py adds it to its decode steps
+    (Pipeline.ctx_cost)."""
+    def median(ts):
         return sorted(ts)[len(ts) // 2]
 
-    budget = stage.kv.budget_tokens
-    stage.kv.budget_tokens = 1 << 40
-    try:
-        one, short, long = step(1, 8), step(rows, 8), step(rows, context)
-    finally:
-        stage.kv.budget_tokens = budget
-    return max(0.0, (long - short) / (rows * (context - 8) * one))
+    with _probing(stage) as run:
+        one, short, long = (median(_decode_step(run, stage, n, c, repeats))
+                            for n, c in ((1, PROFILE_CONTEXT), (rows, PROFILE_CONTEXT), (rows, context)))
+    return max(0.0, (long - short) / (rows * (context - PROFILE_CONTEXT) * one))
 
 
 def interp(points: list, n: float) -> float:
