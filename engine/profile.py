@@ -7,7 +7,11 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-DECODE_BATCHES = (1, 4, 16)
+# Decode cost is not linear in rows between 1 and 4: on one thread (bench/weaklink.py's
+# stages) a step of the default model's second half took 37 / 49 / 58 / 53 ms for
+# 1 / 2 / 3 / 4 rows, where a line through 1 and 4 says 42 and 48. Steps of 2-3 rows
+# are what a weak link's micro-batches carry, so each of those counts is measured.
+DECODE_BATCHES = (1, 2, 3, 4, 8, 16)
 PREFILL_LENGTHS = (32, 256)
 PROFILE_CONTEXT = 8  # tokens each decode probe's rows attend to (bench/simulator.py reads it)
 _PROBE_ID = 1 << 50  # far from any real sequence id
