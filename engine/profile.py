@@ -4,6 +4,8 @@ the head sizes its micro-batches from everyone's."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -15,6 +17,35 @@ DECODE_BATCHES = (1, 2, 3, 4, 8, 16)
 PREFILL_LENGTHS = (32, 256)
 PROFILE_CONTEXT = 8  # tokens each decode probe's rows attend to (bench/simulator.py reads it)
 _PROBE_ID = 1 << 50  # far from any real sequence id
+
+
+@contextmanager
+def machine_turn(exclusive: bool, path: str | None = None):
+    """Take this machine's turn for loading (shared) or profiling (exclusive).
+
+    A profile times this machine's compute, so it must run alone on it. Stages on
+    separate machines never meet here; stages that share one CPU (a local pipeline,
+    bench/weaklink.py's emulated homes) otherwise load and profile all at once: with
+    3 one-thread stages on 2 cores the profiles read up to 2x slow, at random points
+    (one 3-stage run: a stage's 1-row step 63 ms, its 2-row step 41), and every
+    decision taken from them with it. Loads share the lock, so stages still load side
+    by side; a profile waits until no other process on the machine is loading or
+    profiling. flock(2) on a file in the temp directory (released if a process dies);
+    where there is no flock (Windows), stages on one machine are not this product's
+    setup, and the turn is free.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    path = path or os.path.join(tempfile.gettempdir(), f"potluck-profile-{os.getuid()}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 @contextmanager

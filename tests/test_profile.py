@@ -1,6 +1,7 @@
 """Startup profiling (engine/profile.py): the probes leave the stage as they found it."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -25,3 +26,37 @@ def test_interp_is_piecewise_linear_and_extrapolates():
     assert interp(pts, 1) == pytest.approx(0.01) and interp(pts, 16) == pytest.approx(0.04)
     assert interp(pts, 8.5) == pytest.approx(0.025)
     assert interp(pts, 31) == pytest.approx(0.07) and interp([[4, 0.02]], 8) == pytest.approx(0.04)
+
+
+def test_a_profile_waits_for_the_machine_and_loads_share_it(tmp_path):
+    """machine_turn: loads (shared) run side by side; a profile (exclusive) waits until
+    no load or profile holds the machine, and holds off the next one meanwhile."""
+    import threading
+
+    from engine.profile import machine_turn
+
+    path = str(tmp_path / "turn.lock")
+    events = []
+    loading, profiling = threading.Event(), threading.Event()
+    with machine_turn(exclusive=False, path=path):
+        with machine_turn(exclusive=False, path=path):  # a second load: no wait
+            events.append("two loads")
+
+        def profile():
+            loading.set()
+            with machine_turn(exclusive=True, path=path):
+                events.append("profile")
+                profiling.set()
+                time.sleep(0.2)
+            events.append("profile done")
+
+        t = threading.Thread(target=profile)
+        t.start()
+        loading.wait()
+        time.sleep(0.2)
+        events.append("load done")  # the profile is still waiting for this load
+    assert profiling.wait(30)
+    with machine_turn(exclusive=False, path=path):  # waits for the running profile
+        events.append("next load")
+    t.join()
+    assert events == ["two loads", "load done", "profile", "profile done", "next load"]
