@@ -40,7 +40,8 @@ def machine_turn(exclusive: bool, path: str | None = None):
         yield
         return
     path = path or os.path.join(tempfile.gettempdir(), f"potluck-profile-{os.getuid()}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    # a shared temp directory: never follow a link someone else put at that name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
