@@ -31,7 +31,7 @@ from .compression import POLICIES as COMPRESS_POLICIES
 from .compression import should_compress
 from .link import LinkSender, open_link
 from .partition import layer_bytes_estimate, lm_head_layers_estimate, partition
-from .profile import interp, machine_turn, measure
+from .profile import interp, load_and_measure
 from .sampling import Sampler, SamplingParams
 from .stage_model import StageBatch, StageModel, check_partition
 from .step_gate import COMPUTE_ORDERS
@@ -283,12 +283,10 @@ class Head:
 
         def load_local():
             budget = self.kv_budget_override or kv_budget_tokens_for(cfg, self.ranges[0], self.dtype, self.device)
-            with machine_turn(exclusive=False):
-                stage = StageModel(self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
-                                   kv_budget_tokens=budget, cores=self.cores,
-                                   progress=lambda d, t, w: self.progress(0, d, t, w))
-            with machine_turn(exclusive=True):  # profiles time the machine: one at a time
-                return stage, measure(stage)
+            return load_and_measure(lambda: StageModel(
+                self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
+                kv_budget_tokens=budget, cores=self.cores,
+                progress=lambda d, t, w: self.progress(0, d, t, w)))
 
         try:
             results = await asyncio.gather(self._run(load_local),

@@ -49,6 +49,15 @@ def machine_turn(exclusive: bool, path: str | None = None):
         os.close(fd)  # closing releases the lock
 
 
+def load_and_measure(build):
+    """build() a stage side by side with other loads on this machine, then profile it
+    alone (machine_turn); returns (stage, profile)."""
+    with machine_turn(exclusive=False):
+        stage = build()
+    with machine_turn(exclusive=True):
+        return stage, measure(stage)
+
+
 @contextmanager
 def _probing(stage):
     """Probe sequences live outside the KV budget (tiny, freed at once) and are all

@@ -29,7 +29,7 @@ from .compression import should_compress
 from .device import free_memory, speed_score
 from .link import LinkSender, open_link
 from .link_scheduler import MODES as LINK_MODES
-from .profile import interp, machine_turn, measure
+from .profile import interp, load_and_measure
 from .volumes import Reassembler
 from .models import ModelError, resolve
 from .sampling import Sampler, SamplingError, SamplingParams
@@ -197,11 +197,10 @@ class StageServer:
             budget = msg["kv_budget_tokens"] or kv_budget_tokens_for(
                 source.config(), (msg["start"], msg["end"]), dtype, self.device)
             self.stage = None
-            with machine_turn(exclusive=False):
-                stage = StageModel(source, msg["start"], msg["end"], dtype=dtype, device=self.device,
-                                   kv_budget_tokens=budget, progress=progress, cores=self.cores)
-            with machine_turn(exclusive=True):  # profiles time the machine: one at a time
-                return stage, fp, measure(stage)
+            stage, prof = load_and_measure(lambda: StageModel(
+                source, msg["start"], msg["end"], dtype=dtype, device=self.device,
+                kv_budget_tokens=budget, progress=progress, cores=self.cores))
+            return stage, fp, prof
 
         link_mode = msg["link"] or "jit"
         if link_mode not in LINK_MODES:

@@ -48,7 +48,7 @@ def test_a_profile_waits_for_the_machine_and_loads_share_it(tmp_path):
                 events.append("profile")
                 profiling.set()
                 time.sleep(0.2)
-            events.append("profile done")
+                events.append("profile done")  # before the next load can get in
 
         t = threading.Thread(target=profile)
         t.start()
