@@ -310,6 +310,7 @@ class Seq:
     first: float | None = None
     last: float | None = None
     done: bool = False
+    times: list = field(default_factory=list)   # each token's time (to compare timelines)
 
 
 @dataclass(eq=False)
@@ -654,6 +655,7 @@ class Head:
             s.generated += 1
             s.first = now if s.first is None else s.first
             s.last = now
+            s.times.append(now)
             if s.generated >= s.n_out:
                 s.done = True
                 self.reserved -= s.n_in + s.n_out

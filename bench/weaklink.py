@@ -329,17 +329,20 @@ async def run_requests(head, reqs: list[dict], rate: float | None, cap_s: float)
     async def consume(i, h, t_sub):
         t_first = None
         n = 0
+        arrivals = []   # (time, tokens) per streamed event: where a request's time went
         async for ev in h:
             now = time.perf_counter()
             if hasattr(ev, "token_ids"):
                 n += len(ev.token_ids)
+                arrivals.append((now, len(ev.token_ids)))
                 if t_first is None:
                     t_first = now
             else:
                 if t_first is None and ev.completion_tokens:
                     t_first = now
                 results[i] = dict(t_submit=t_sub, t_first=t_first, t_done=now, n_in=reqs[i]["n_in"],
-                                  n_out=ev.completion_tokens, finish=ev.finish_reason, error=ev.error)
+                                  n_out=ev.completion_tokens, finish=ev.finish_reason, error=ev.error,
+                                  arrivals=arrivals)
 
     t0 = time.perf_counter()
     tasks = []
@@ -422,7 +425,8 @@ async def run_cell(ctx, n_stages: int, cfg_name: str, cfg: dict, rate_bps: float
             None if r is None else dict(n_in=r["n_in"], n_out=r["n_out"], finish=r["finish"],
                                         submit=r["t_submit"] - run["t0"],
                                         ttft=None if r["t_first"] is None else r["t_first"] - r["t_submit"],
-                                        latency=r["t_done"] - r["t_submit"], error=r["error"])
+                                        latency=r["t_done"] - r["t_submit"], error=r["error"],
+                                        tokens=[[round(t - r["t_submit"], 4), k] for t, k in r["arrivals"]])
             for r in run["requests"]]
         cell["final_micro_batches"] = head.micro_batches
         if head.link is not None:
