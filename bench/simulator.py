@@ -938,15 +938,30 @@ def run_median_profiles(cells: list[dict]) -> dict:
 
 
 def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None,
-             ctx_cost: float | None = None, work: str = "cell") -> list[dict]:
+             ctx_cost: float | None = None, work: str = "auto") -> list[dict]:
     """cpu: {"cores", "contention"} to model the stages sharing one machine (None: as the
     file says -- weaklink.py records what bench/contention.py measured -- or dedicated).
     ctx_cost: decode cost of context (None: as the file says; files from before
     weaklink.py measured it say nothing, and the context is then ignored).
     work: what the simulated steps take -- "cell": each cell's own startup profiles (what
     its head decided from, too); "run": the median over the run's cells (run_median_profiles),
-    while decisions still follow the cell's own."""
+    while decisions still follow the cell's own; "observed": the profiles the cell's stages
+    reported in service (engine.profile.StepLog; weaklink.py records their median over the
+    cell as profiles_observed), for decisions and durations alike, as the live head used
+    them. Those times already include what sharing the CPU and attending to the cell's
+    contexts cost, so the contention and context models are off. "auto": observed where
+    every cell has them, else cell."""
     cells = load_cells(path)
+    if work == "auto":
+        work = "observed" if cells and all(c.get("profiles_observed") for c in cells) else "cell"
+    if work == "observed":
+        if not all(c.get("profiles_observed") for c in cells):
+            print("some cells have no profiles_observed (a weaklink.py file from before them): "
+                  "step durations from each cell's own startup profiles")
+            work = "cell"
+        else:
+            cells = [dict(c, profiles=c["profiles_observed"], ctx_cost=0.0,
+                          cpu=dict(c.get("cpu") or {}, contention=0.0)) for c in cells]
     if work == "run":
         med = run_median_profiles(cells)
         if not med:
@@ -956,8 +971,10 @@ def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None,
     if ctx_cost is not None:
         cells = [dict(c, ctx_cost=ctx_cost) for c in cells]
     costs = sorted({c.get("ctx_cost") or 0.0 for c in cells})
-    print("step durations from " + ("each cell's own startup profiles" if work == "cell" else
-                                     "the run's median profiles (decisions from each cell's own)"))
+    print("step durations from " + {"cell": "each cell's own startup profiles",
+                                     "run": "the run's median profiles (decisions from each cell's own)",
+                                     "observed": "the profiles each cell's stages reported in service "
+                                                 "(decisions too; contention and context costs are in them)"}[work])
     print("decode cost of context: " + (", ".join(f"{x:.2e}" for x in costs) + " of a 1-row step per row and "
                                          "context token" if any(costs) else "not modelled (no ctx_cost)"))
     if cpu is not None:
@@ -1015,9 +1032,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx-cost", type=float, default=None,
                     help="with --validate: decode cost of context, per row and context token, as a fraction "
                          "of a 1-row step (engine.profile.context_cost; weaklink.py --json records it)")
-    ap.add_argument("--work", choices=("cell", "run"), default="cell",
-                    help="with --validate: step durations from each cell's startup profiles (default) or "
-                         "from their median over the run (run_median_profiles)")
+    ap.add_argument("--work", choices=("auto", "observed", "cell", "run"), default="auto",
+                    help="with --validate: step durations from the profiles the stages reported in service "
+                         "(observed; the default where the file has them), each cell's startup profiles "
+                         "(cell), or their median over the run (run_median_profiles)")
     a = ap.parse_args(argv)
     if a.validate:
         cpu = {"cores": None, "contention": 0.0} if a.dedicated else None

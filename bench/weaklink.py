@@ -368,6 +368,26 @@ async def run_requests(head, reqs: list[dict], rate: float | None, cap_s: float)
     return dict(t0=t0, requests=[r for r in results], submitted=len(tasks))
 
 
+async def sample_profiles(head, out: list, every: float = 1.0) -> None:
+    """Append a copy of the head's view of every stage's profile each `every` seconds."""
+    while True:
+        await asyncio.sleep(every)
+        out.append(json.loads(json.dumps(head.profiles)))
+
+
+def median_profiles(samples: list) -> list:
+    """Point by point median over samples of [profile per stage] (same points each)."""
+    if not samples:
+        return []
+    out = []
+    for i, first in enumerate(samples[0]):
+        prof = {}
+        for kind, curve in first.items():
+            prof[kind] = [[n, statistics.median(s[i][kind][j][1] for s in samples)] for j, (n, _) in enumerate(curve)]
+        out.append(prof)
+    return out
+
+
 def summarize(run: dict, n_total: int) -> dict:
     import numpy as np
 
@@ -416,8 +436,14 @@ async def run_cell(ctx, n_stages: int, cfg_name: str, cfg: dict, rate_bps: float
         await run_requests(head, warmup, None, 120)          # the link gets measured, as in service
         ctx["trace"].attach(head)
         meter.start()
+        samples: list = []
+        sampler = asyncio.ensure_future(sample_profiles(head, samples))
         run = await run_requests(head, reqs, rate, cap_s)
+        sampler.cancel()
         ours, other = meter.stop()
+        # the stages' profiles as their steps timed them in service (profile.StepLog),
+        # the median of a sample a second: what bench/simulator.py --validate runs on
+        cell["profiles_observed"] = median_profiles(samples) or None
         cell["head_link_waits"] = ctx["trace"].summary()
         cell.update(summarize(run, run["submitted"]))
         cell["cpu_ours"], cell["cpu_other"] = ours, other

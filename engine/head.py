@@ -302,7 +302,7 @@ class Head:
             self._data_ws = await connect(self.remotes[0].address, **WS_OPTIONS)
             await self._data_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
-            self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(profile0["decode"], n),
+            self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
                                   on_failed=lambda why: self._pipeline_failed(f"link to stage 1: {why}"))
             for i, r in enumerate(self.remotes):
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r)))
@@ -391,9 +391,14 @@ class Head:
     def _retune(self):
         """Re-pick the micro-batch count at most twice a second."""
         now = time.monotonic()
-        if not self.dynamic_micro_batches or now - self._retuned_at < 0.5 or self.link is None:
+        if now - self._retuned_at < 0.5:
             return
         self._retuned_at = now
+        log = self.stage0.step_log if self.stage0 is not None else None
+        if log is not None and log.steps:   # the head's own stage, as its steps time it
+            self.profiles[0] = log.profile()
+        if not self.dynamic_micro_batches or self.link is None:
+            return
         n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
         est = self.link.sched.link
         hop_bytes = self.config.hidden_size * self.dtype.itemsize
@@ -578,6 +583,8 @@ class Head:
                         # its owner is taking the stage back: let what runs finish, admit nothing new
                         self.pausing = f"stage {index} is being paused by its owner: {msg['reason']}"
                         log.warning("%s", self.pausing)
+                    elif msg["type"] == "profile":   # checked point by point by parse_control
+                        self.profiles[index] = msg["profile"]
                     elif msg["type"] == "stats":
                         fut = self._stats_waiters.pop(index, None)
                         if fut is not None and not fut.done():

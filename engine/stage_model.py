@@ -24,6 +24,7 @@ import copy
 import inspect
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,9 @@ class StageModel:
         self._injected = threading.local()
         self._layers[0].register_forward_pre_hook(self._inject_hook, with_kwargs=True)
         self.gate = StepGate()
+        # a profile.StepLog once profiled (load_and_measure): every step it times
+        # keeps this stage's profile true to the machine as it runs
+        self.step_log = None
         for layer in self._layers[1:]:  # a decode step may cut in before any later layer
             layer.register_forward_pre_hook(self._gate_hook)
         if self.device.type == "cpu":
@@ -320,6 +324,21 @@ class StageModel:
         """
         if inputs.shape[0] != batch.n_tokens or len(batch.ns) != len(batch.seq_ids):
             raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
+        log = self.step_log
+        if log is None:
+            return self._held_step(batch, inputs)
+        cut_ins, t0 = self.gate.cut_ins, time.perf_counter()
+        out = self._held_step(batch, inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time, not its launch's
+        seconds = time.perf_counter() - t0
+        if all(n == 1 for n in batch.ns):
+            log.observe("decode", len(batch.ns), seconds)
+        elif len(batch.ns) == 1 and self.gate.cut_ins == cut_ins:  # a prompt step nothing cut into
+            log.observe("prefill", batch.ns[0], seconds)
+        return out
+
+    def _held_step(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
         if self.cores is None:
             return self._step(batch, inputs)
         if self.gate.cut_in_here():

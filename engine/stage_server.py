@@ -29,7 +29,7 @@ from .compression import should_compress
 from .device import free_memory, speed_score
 from .link import LinkSender, open_link
 from .link_scheduler import MODES as LINK_MODES
-from .profile import interp, load_and_measure
+from .profile import differs, interp, load_and_measure
 from .volumes import Reassembler
 from .models import ModelError, resolve
 from .sampling import Sampler, SamplingError, SamplingParams
@@ -40,8 +40,9 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3   # 3: stages send "profile" updates
 HELLO_TIMEOUT = 10.0
+PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=wire.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,7 +75,9 @@ class StageServer:
         self._control_ws = None
         self._next_ws = None
         self._link: LinkSender | None = None
-        self.profile: dict = {}
+        self.profile: dict = {}        # what the head was last told (startup, then StepLog's)
+        self._profile_sent_at = 0.0
+        self._profile_refreshed = False
         self.compress = "off"
         self._server = None
         self._closed = asyncio.Event()
@@ -218,6 +221,7 @@ class StageServer:
         self.decode_first = compute == "decode-first"
         try:
             self.stage, fp, self.profile = await self._run(load)
+            self._profile_refreshed = False
         except (ModelError, OSError, ValueError) as exc:
             await ws.send(wire.control("error", message=str(exc)))
             return
@@ -231,8 +235,8 @@ class StageServer:
             self._next_ws = await connect(msg["next"], **WS_OPTIONS)
             await self._next_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
-            decode_points = self.profile["decode"]
-            self._link = open_link(self._next_ws, link_mode, lambda n: interp(decode_points, n),
+            # the profile as last reported: the scheduler's windows follow it too
+            self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
                                    on_failed=lambda why: log.error("link to the next stage failed: %s", why))
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone
@@ -316,6 +320,7 @@ class StageServer:
             outs = await loop.run_in_executor(executor, self._gated_compute, frames, cut_in)
             if link is not None and decode:
                 link.sched.decode_compute_finished(time.monotonic())
+            self._report_profile()
             for out in outs:
                 if out is None:
                     continue
@@ -325,6 +330,28 @@ class StageServer:
                     self._submit_next(out[1], out[2])
                 else:
                     await self._out.put(out)
+
+    def _report_profile(self):
+        """Tell the head this stage's profile as its steps time it (profile.StepLog), at
+        most every PROFILE_REPORT_S and only when a point moved by more than 5%: its
+        micro-batch count and this stage's link scheduler decide from it."""
+        stage, ws = self.stage, self._control_ws
+        log = stage.step_log if stage is not None else None
+        now = time.monotonic()
+        if log is None or ws is None or not log.steps or now - self._profile_sent_at < PROFILE_REPORT_S:
+            return
+        current = log.profile()
+        if self._profile_refreshed and not differs(current, self.profile):
+            return
+        self._profile_sent_at, self._profile_refreshed, self.profile = now, True, current
+        asyncio.ensure_future(self._send_quietly(ws, wire.control("profile", profile=current)))
+
+    @staticmethod
+    async def _send_quietly(ws, message):
+        try:
+            await ws.send(message)
+        except ConnectionClosed:
+            pass   # the head is gone; its control task cleans up
 
     def _check_frame(self, frame: wire.Frame):
         if self.stage is None:

@@ -22,6 +22,8 @@ from enum import IntEnum
 
 import torch
 
+from .profile import check_profile
+
 MAGIC = b"PTLK"
 VERSION = 1
 _HEAD = struct.Struct("<4sBBHIIIBBH")
@@ -238,6 +240,7 @@ def _check_meta(f: Frame) -> None:
 # ---- control messages (JSON text frames) ------------------------------------
 
 _STR, _INT, _OPT_STR, _OPT_INT, _LIST_INT, _NUM, _DICT = "str", "int", "str?", "int?", "[int]", "num", "dict"
+_PROFILE = "profile"   # a stage's compute profile, checked point by point (profile.check_profile)
 
 CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     # head -> stage
@@ -252,7 +255,9 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM},
     "progress": {"done": _INT, "total": _INT, "what": _STR},
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
-                   "profile": _DICT},
+                   "profile": _PROFILE},
+    # the stage's profile as its steps in service time it (profile.StepLog)
+    "profile": {"profile": _PROFILE},
     "error": {"message": _STR},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT, "cut_ins": _INT},
     # the stage's owner is taking it away (sharing off, GPU too hot...): it finishes
@@ -279,6 +284,12 @@ def _type_ok(v, kind: str) -> bool:
         return isinstance(v, list) and len(v) <= MAX_ROWS and all(_is_uint(x) for x in v)
     if kind == _DICT:
         return isinstance(v, dict)
+    if kind == _PROFILE:
+        try:
+            check_profile(v)
+        except ValueError:
+            return False
+        return True
     return False
 
 

@@ -626,3 +626,40 @@ async def test_decode_first_compute_cuts_in_and_keeps_every_token(default_source
     assert cut_ins > 0, "no decode step cut into the 400-token prompt step"
     assert decode_first == in_order
     assert len(in_order[0]) == 40 and len(in_order[1]) == 4
+
+
+async def test_profiles_follow_the_steps_in_service(inproc_stage, tiny_folder, monkeypatch):
+    """A stage times its steps and tells the head when its profile moved; the head's own
+    stage refreshes too. Both start from a profile 1000x too slow (as if the machine had
+    been busy at startup): after one request the head decides from what the steps took."""
+    import engine.stage_server as ss
+    from engine.profile import StepLog
+
+    monkeypatch.setattr(ss, "PROFILE_REPORT_S", 0.0)
+    server, addr = inproc_stage
+    folder, _ = tiny_folder("llama", seed=0)
+    head = await start_head(resolve(str(folder)), [addr])
+    head.eos_ids = set()
+    try:
+        def slow(p):
+            return {k: [[n, s * 1000] for n, s in v] for k, v in p.items()}
+
+        remote, local = slow(server.profile), slow(head.profiles[0])
+        server.stage.step_log, server.profile, head.profiles[1] = StepLog(remote), remote, remote
+        head.stage0.step_log, head.profiles[0] = StepLog(local), local
+        toks, _, done = await collect(head.submit(list(range(5, 25)), greedy(40)))
+        assert done.error is None and len(toks) == 40
+        deadline = time.monotonic() + 10
+        while head.profiles[1] == remote and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        head._retuned_at = 0.0
+        head._retune()
+        for p, slow_p, log in ((head.profiles[1], remote, server.stage.step_log),
+                               (head.profiles[0], local, head.stage0.step_log)):
+            assert log.steps >= 39     # every decode step was timed
+            one_row = p["decode"][0]
+            assert one_row[0] == 1 and one_row[1] < slow_p["decode"][0][1] / 50
+            assert one_row[1] == pytest.approx(sorted(log._exact[1])[len(log._exact[1]) // 2], rel=0.5)
+        assert head.profiles[1] == server.profile   # what the stage last reported
+    finally:
+        await head.close()
