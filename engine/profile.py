@@ -5,6 +5,7 @@ the head sizes its micro-batches from everyone's."""
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager
@@ -210,21 +211,15 @@ class StepLog:
         if len(xs) > self.window:
             del xs[0]
 
-    @staticmethod
-    def _median(xs: list[float]) -> float:
-        s = sorted(xs)
-        k = len(s) // 2
-        return s[k] if len(s) % 2 else (s[k - 1] + s[k]) / 2
-
     def profile(self) -> dict:
         out = {}
         for kind, curve in self.startup.items():
             ratios = self._ratio.get(kind, [])
-            scale = self._median(ratios) if len(ratios) >= self.min_steps else 1.0
+            scale = statistics.median(ratios) if len(ratios) >= self.min_steps else 1.0
             pts = []
             for n, s in curve:
                 own = self._exact.get(n, []) if kind == "decode" else []
-                pts.append([n, self._median(own) if len(own) >= self.min_steps else s * scale])
+                pts.append([n, statistics.median(own) if len(own) >= self.min_steps else s * scale])
             out[kind] = pts
         return out
 

@@ -77,7 +77,6 @@ class StageServer:
         self._link: LinkSender | None = None
         self.profile: dict = {}        # what the head was last told (startup, then StepLog's)
         self._profile_sent_at = 0.0
-        self._profile_refreshed = False
         self.compress = "off"
         self._server = None
         self._closed = asyncio.Event()
@@ -221,7 +220,6 @@ class StageServer:
         self.decode_first = compute == "decode-first"
         try:
             self.stage, fp, self.profile = await self._run(load)
-            self._profile_refreshed = False
         except (ModelError, OSError, ValueError) as exc:
             await ws.send(wire.control("error", message=str(exc)))
             return
@@ -341,9 +339,9 @@ class StageServer:
         if log is None or ws is None or not log.steps or now - self._profile_sent_at < PROFILE_REPORT_S:
             return
         current = log.profile()
-        if self._profile_refreshed and not differs(current, self.profile):
+        if not differs(current, self.profile):   # nothing the head does not know
             return
-        self._profile_sent_at, self._profile_refreshed, self.profile = now, True, current
+        self._profile_sent_at, self.profile = now, current
         asyncio.ensure_future(self._send_quietly(ws, wire.control("profile", profile=current)))
 
     @staticmethod
