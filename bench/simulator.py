@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine import microbatch, wire  # noqa: E402
 from engine.compression import should_compress  # noqa: E402
+from engine.prompt_chunk import prompt_chunk_tokens  # noqa: E402
 from engine.link import LinkSender  # noqa: E402
 from engine.link_scheduler import LinkScheduler  # noqa: E402
 from engine.profile import PROFILE_CONTEXT, interp  # noqa: E402
@@ -110,7 +111,8 @@ def workload(rate: float, n: int, seed: int = 0, scale: float = 1.0) -> list[tup
 @dataclass(frozen=True)
 class Policy:
     link: str = "jit"                 # LinkScheduler mode: fifo | fixed | jit
-    prompt_chunk: int | None = 64     # the head streams prompts in chunks of this many tokens
+    prompt_chunk: int | str | None = 64  # the head streams prompts in chunks of this many tokens
+                                         # ("auto": engine/prompt_chunk.py's)
     dynamic: bool = False             # K from microbatch.choose (else fixed) ...
     micro_batches: int | None = None  # ... the fixed K (None: the number of stages)
     compress: str = "off"             # engine/compression.py policy: off | auto | prefill | all
@@ -126,13 +128,11 @@ POLICIES = {
     "compress": Policy("jit", dynamic=True, compress="auto"),
     "cut-in": Policy("jit", dynamic=True, cut_in=True),   # dynamic, and decode steps cut into prompt steps
 }
-ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+cut-in": "cut-in",
+ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+auto-chunk": "dynamic", "+cut-in": "cut-in",
            "+compress": "compress"}   # bench/weaklink.py's names
 
 
-def q8_factor(dtype_bytes: int) -> float:
-    """Bytes of wire.quantize_q8's int8 blocks (values + a float32 scale) per byte of dtype."""
-    return wire._Q8_ROW / wire.Q8_BLOCK / dtype_bytes
+q8_factor = wire.q8_ratio   # bytes of wire.quantize_q8's int8 blocks per byte of dtype
 
 
 @dataclass
@@ -614,6 +614,10 @@ class Head:
             if not s.opened:
                 s.in_flight = s.n_in - s.pos
                 c = self.policy.prompt_chunk
+                if c == "auto":
+                    c = prompt_chunk_tokens(self.pipe.profiles[0]["prefill"], self.pipe.hidden_bytes,
+                                            self.pipe.dtype_bytes, self.link.sched.link.bandwidth,
+                                            compress=self.policy.compress)
                 if c and sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
                     c = min(c, max(16, math.ceil(s.n_in / (2 * self.pipe.n_stages))))  # alone: finer
                 while c and s.n_in - s.pos > c:

@@ -44,6 +44,8 @@ and one beside the chain:
     +cut-in   jit+dyn, and decode first on the compute too: a decode step cuts into a
               running prompt step between two layers (compute="decode-first",
               engine/step_gate.py; an option, not the default: it trades TTFT for TPOT)
+    +auto-chunk jit+dyn with prompt chunks sized to the measured link
+              (prefill_chunk="auto", engine/prompt_chunk.py; only with --configs)
 
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
 (n_out - 1); latency = submit -> done. Per cell: mean and p90 of each, throughput =
@@ -229,6 +231,9 @@ def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict
         "jit+dyn": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, **in_order),
         "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compress="auto", **in_order),
         "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first"),
+        # beside the chain: jit+dyn with prompt chunks sized to the measured link
+        # (engine/prompt_chunk.py), not the default yet (see README)
+        "+auto-chunk": dict(link_mode="jit", micro_batches=None, prefill_chunk="auto", **in_order),
     }
     return [(n, table[n]) for n in names if n != "+compress" or compress_ok]
 
@@ -694,7 +699,8 @@ def report(cells: list[dict], names: list[str]):
     labels = {"fifo": "no optimizations (FIFO)", "fifo+c64": "FIFO links, 64-token prompt chunks",
               "fixed": "+ decode-first, fixed chunks",
               "jit": "+ just-in-time chunks", "jit+dyn": "+ dynamic micro-batches",
-              "+compress": "+ compression", "+cut-in": "jit+dyn, decode steps cut in"}
+              "+compress": "+ compression", "+cut-in": "jit+dyn, decode steps cut in",
+              "+auto-chunk": "jit+dyn, chunks sized to the link"}
     if ref:
         print("\n## Ablation (paper Table 5 style): 2 stages, ~100 Mbit/s, ~30 ms, medium load")
         print(f"{'':<36} {'TTFT (s)':>9} {'TPOT (s)':>9} {'latency (s)':>12} {'tok/s':>7}")

@@ -32,6 +32,7 @@ from .compression import should_compress
 from .link import LinkSender, open_link
 from .partition import layer_bytes_estimate, lm_head_layers_estimate, partition
 from .profile import interp, load_and_measure
+from . import prompt_chunk
 from .sampling import Sampler, SamplingParams
 from .stage_model import StageBatch, StageModel, check_partition
 from .step_gate import COMPUTE_ORDERS
@@ -133,7 +134,7 @@ class Head:
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
-                 prefill_chunk: int | None = 64, link_mode: str = "jit", compress: str = "off",
+                 prefill_chunk: int | str | None = 64, link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order",
                  cores=None, cpu_shares: list[float] | None = None):
         self.source = source
@@ -165,6 +166,10 @@ class Head:
         self.max_batch = max_batch
         # Long prompts travel in chunks so stage 1 computes chunk k while the head
         # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
+        # "auto": sized to the measured link, prompt by prompt (prompt_chunk.py).
+        if not (prefill_chunk is None or prefill_chunk == "auto"
+                or (isinstance(prefill_chunk, int) and prefill_chunk > 0)):
+            raise ValueError("prefill_chunk must be a positive number of tokens, 'auto' or None")
         self.prefill_chunk = prefill_chunk if stage_addresses else None
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
         if compress not in COMPRESS_POLICIES:
@@ -533,6 +538,12 @@ class Head:
         c = self.prefill_chunk
         if not c:
             return
+        if c == "auto":
+            c = prompt_chunk.CAP
+            if self.cores is None and self.link is not None:   # a real link between machines
+                c = prompt_chunk.prompt_chunk_tokens(
+                    self.profiles[0]["prefill"], self.config.hidden_size * self.dtype.itemsize,
+                    self.dtype.itemsize, self.link.sched.link.bandwidth, compress=self.compress)
         if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
             if self.cores is not None:
                 # alone, with stages sharing this CPU (so on one machine, over loopback):

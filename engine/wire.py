@@ -81,6 +81,11 @@ def dequantize_q8(packed: torch.Tensor) -> torch.Tensor:
     return (q * scale).reshape(n, -1)
 
 
+def q8_ratio(dtype_bytes: int) -> float:
+    """Wire bytes of quantize_q8's blocks per byte of activations of dtype_bytes per value."""
+    return _Q8_ROW / Q8_BLOCK / dtype_bytes
+
+
 def can_q8(tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and tensor.is_floating_point() and tensor.shape[1] % Q8_BLOCK == 0
 
