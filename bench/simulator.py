@@ -132,9 +132,6 @@ ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+auto-chunk": "dynam
            "+compress": "compress"}   # bench/weaklink.py's names
 
 
-q8_factor = wire.q8_ratio   # bytes of wire.quantize_q8's int8 blocks per byte of dtype
-
-
 @dataclass
 class Pipeline:
     profiles: list[dict]              # per stage, head first: {"decode": [[rows, s]..], "prefill": [[tokens, s]..]}
@@ -701,7 +698,7 @@ class Simulation:
     def volume_bytes(self, step: Step, kind: str, link: Link, compute_seconds: float) -> int:
         tensor = sum(n for _, n in step.rows) * self.pipe.hidden_bytes
         if should_compress(self.policy.compress, kind, tensor, link.sched.link.bandwidth, compute_seconds):
-            tensor = math.ceil(tensor * q8_factor(self.pipe.dtype_bytes))
+            tensor = math.ceil(tensor * wire.q8_ratio(self.pipe.dtype_bytes))
         return tensor + step.meta
 
     def run(self, requests: list[tuple[float, int, int]]) -> list[Seq]:

@@ -168,7 +168,7 @@ class Head:
         # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
         # "auto": sized to the measured link, prompt by prompt (prompt_chunk.py).
         if not (prefill_chunk is None or prefill_chunk == "auto"
-                or (isinstance(prefill_chunk, int) and prefill_chunk > 0)):
+                or (type(prefill_chunk) is int and prefill_chunk > 0)):
             raise ValueError("prefill_chunk must be a positive number of tokens, 'auto' or None")
         self.prefill_chunk = prefill_chunk if stage_addresses else None
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)

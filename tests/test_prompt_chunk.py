@@ -2,12 +2,14 @@
 cap on a fast one, larger where compression shortens the link time; and what that buys
 a pipeline on a slow link (the simulator, which runs the same function)."""
 
+import argparse
 import sys
 from pathlib import Path
 
 import pytest
 
 from engine import prompt_chunk, wire
+from engine.cli import _prompt_chunk
 from engine.head import Head
 from engine.profile import interp
 from engine.prompt_chunk import CAP, FLOOR, HEADROOM, prompt_chunk_tokens
@@ -56,7 +58,7 @@ def test_without_a_profile_or_a_link_figure_the_cap_stands(prefill, bw, cap):
     assert prompt_chunk_tokens(prefill, BPT, 4, bw, cap=cap) == cap
 
 
-@pytest.mark.parametrize("bad", [0, -64, "fast", 2.5])
+@pytest.mark.parametrize("bad", [0, -64, "fast", 2.5, True])
 def test_the_head_refuses_a_chunk_that_is_not_tokens_auto_or_none(bad):
     with pytest.raises(ValueError, match="prefill_chunk"):
         Head(None, ["ws://127.0.0.1:1"], prefill_chunk=bad)
@@ -75,3 +77,10 @@ def test_on_a_slow_link_chunks_sized_to_it_bring_first_tokens_sooner():
         assert prompt_chunk.prompt_chunk_tokens(PREFILL, BPT, 4, pipe.bandwidth) < 64
         assert auto["ttft_mean"] < 0.97 * fixed["ttft_mean"], (stages, auto, fixed)
         assert auto["tpot_mean"] < 1.05 * fixed["tpot_mean"], (stages, auto, fixed)
+
+
+def test_the_cli_takes_auto_or_tokens_and_says_what_it_wants_otherwise():
+    assert _prompt_chunk("auto") == "auto" and _prompt_chunk("32") == 32
+    for bad in ("0", "-8", "big", "2.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number of tokens"):
+            _prompt_chunk(bad)
