@@ -45,7 +45,7 @@ and one beside the chain:
               running prompt step between two layers (compute="decode-first",
               engine/step_gate.py; an option, not the default: it trades TTFT for TPOT)
     +auto-chunk jit+dyn with prompt chunks sized to the measured link
-              (prefill_chunk="auto", engine/prompt_chunk.py; only with --configs)
+              (prefill_chunk="auto", engine/prompt_chunk.py; at the reference point only)
 
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
 (n_out - 1); latency = submit -> done. Per cell: mean and p90 of each, throughput =
@@ -640,9 +640,10 @@ async def main(a):
             bw, d = a.point.split("/") if a.point else ("100", "30")
             plan = [(2, bw, int(d), "medium", names)]
         else:
-            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in"]
+            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in", "+auto-chunk"]
             grid = ["fifo", "jit+dyn", "+compress"]
-            plan = [(2, "100", 30, "medium", names), (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in"])]
+            plan = [(2, "100", 30, "medium", names),
+                    (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in", "+auto-chunk"])]
             plan += [(2, bw, d, "medium", grid) for d in PAPER_DELAYS_MS for bw in ("60", "100", "200")
                      if (bw, d) != ("100", 30)]
             plan += [(2, "100", 30, "high", ["fifo", "jit+dyn", "+cut-in"]),
