@@ -37,7 +37,7 @@ adding one thing to the one before, as the paper's Table 5 does:
     fixed     decode-first, fixed-size prefill chunks: link_mode=fixed, M, chunk 64
     jit       decode-first, just-in-time chunks: link_mode=jit, M, chunk 64
     jit+dyn   + dynamic micro-batch count (M..2M): link_mode=jit, micro_batches=None
-              (the Head's defaults)
+              (the Head's defaults, but fixed 64-token prompt chunks)
     +compress + activation compression (compress="auto": int8 prefill volumes while the
               link is the bottleneck), only if Head takes a `compress` argument
 and one beside the chain:
@@ -45,7 +45,8 @@ and one beside the chain:
               running prompt step between two layers (compute="decode-first",
               engine/step_gate.py; an option, not the default: it trades TTFT for TPOT)
     +auto-chunk jit+dyn with prompt chunks sized to the measured link
-              (prefill_chunk="auto", engine/prompt_chunk.py; at the reference point only)
+              (prefill_chunk="auto", engine/prompt_chunk.py: the Head's default since it
+              beat 64-token chunks here; at the reference point only)
 
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
 (n_out - 1); latency = submit -> done. Per cell: mean and p90 of each, throughput =

@@ -71,9 +71,9 @@ def _add_pipeline_args(p):
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
     p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
                    help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
-    p.add_argument("--prompt-chunk", default=64, type=_prompt_chunk,
-                   help="tokens of a long prompt computed per step before it goes on (default 64); "
-                        "auto = sized to the measured link, smaller over a slow one")
+    p.add_argument("--prompt-chunk", default="auto", type=_prompt_chunk,
+                   help="tokens of a long prompt computed per step before it goes on: auto (default) = "
+                        "sized to the measured link, 16-64, smaller over a slow one; or a fixed number")
     p.add_argument("--compress", default="off", choices=["off", "auto", "prefill", "all"],
                    help="int8 activations on links: auto = prefill volumes while the link is the bottleneck")
     p.add_argument("--compute", default="in-order", choices=COMPUTE_ORDERS,
@@ -111,7 +111,7 @@ async def build_head(args, progress=None):
     head = Head(source, addrs, layers=layers, micro_batches=args.micro_batches, dtype=args.dtype,
                 kv_budget_tokens=args.kv_budget_tokens, progress=progress,
                 link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
-                prefill_chunk=getattr(args, "prompt_chunk", 64),
+                prefill_chunk=getattr(args, "prompt_chunk", "auto"),
                 compute=getattr(args, "compute", "in-order"),
                 pipeline=getattr(args, "pipeline", "local"),
                 cores=cores, cpu_shares=local.cpu_shares if cores else None)

@@ -134,7 +134,7 @@ class Head:
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
-                 prefill_chunk: int | str | None = 64, link_mode: str = "jit", compress: str = "off",
+                 prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order",
                  cores=None, cpu_shares: list[float] | None = None):
         self.source = source
@@ -166,7 +166,8 @@ class Head:
         self.max_batch = max_batch
         # Long prompts travel in chunks so stage 1 computes chunk k while the head
         # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
-        # "auto": sized to the measured link, prompt by prompt (prompt_chunk.py).
+        # "auto" (the default): sized to the measured link, prompt by prompt
+        # (prompt_chunk.py); 64 tokens where there is no link to measure.
         if not (prefill_chunk is None or prefill_chunk == "auto"
                 or (type(prefill_chunk) is int and prefill_chunk > 0)):
             raise ValueError("prefill_chunk must be a positive number of tokens, 'auto' or None")
@@ -535,15 +536,9 @@ class Head:
 
     async def _stream_prompt(self, g: Group, s: Sequence):
         """Send all but the last chunk of a new prompt ahead of its micro-batch step."""
-        c = self.prefill_chunk
+        c = self.prompt_chunk_tokens()
         if not c:
             return
-        if c == "auto":
-            c = prompt_chunk.CAP
-            if self.cores is None and self.link is not None:   # a real link between machines
-                c = prompt_chunk.prompt_chunk_tokens(
-                    self.profiles[0]["prefill"], self.config.hidden_size * self.dtype.itemsize,
-                    self.dtype.itemsize, self.link.sched.link.bandwidth, compress=self.compress)
         if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
             if self.cores is not None:
                 # alone, with stages sharing this CPU (so on one machine, over loopback):
@@ -571,6 +566,17 @@ class Head:
             s.pos += c
             s.in_flight -= c
             self.link.submit(frame, "prefill")
+
+    def prompt_chunk_tokens(self) -> int | None:
+        """Tokens per prompt chunk for the next prompt (None: whole prompts)."""
+        c = self.prefill_chunk
+        if c != "auto":
+            return c
+        if self.cores is None and self.link is not None:   # a real link between machines
+            return prompt_chunk.prompt_chunk_tokens(
+                self.profiles[0]["prefill"], self.config.hidden_size * self.dtype.itemsize,
+                self.dtype.itemsize, self.link.sched.link.bandwidth, compress=self.compress)
+        return prompt_chunk.CAP
 
     def _q8(self, kind: str, out: torch.Tensor, compute_seconds: float) -> bool:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),

@@ -127,7 +127,9 @@ async def test_default_model_matches_transformers(pipeline, default_reference):
     max_new = 16
     prompts = [pipeline.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
     assert len({len(p) for p in prompts}) == len(prompts)
-    assert max(len(p) for p in prompts) > 2 * pipeline.prefill_chunk
+    # stages sharing this CPU: "auto" (the default) keeps 64-token chunks, no link to size them to
+    assert pipeline.prefill_chunk == "auto" and pipeline.prompt_chunk_tokens() == 64
+    assert max(len(p) for p in prompts) > 2 * pipeline.prompt_chunk_tokens()
     handles = [pipeline.submit(p, greedy(max_new)) for p in prompts]
     results = await asyncio.gather(*(collect(h) for h in handles))
     for prompt, (toks, text, done) in zip(prompts, results):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import prompt_chunk, wire
-from engine.cli import _prompt_chunk
+from engine.cli import _add_pipeline_args, _prompt_chunk
 from engine.head import Head
 from engine.profile import interp
 from engine.prompt_chunk import CAP, FLOOR, HEADROOM, prompt_chunk_tokens
@@ -81,6 +81,9 @@ def test_on_a_slow_link_chunks_sized_to_it_bring_first_tokens_sooner():
 
 def test_the_cli_takes_auto_or_tokens_and_says_what_it_wants_otherwise():
     assert _prompt_chunk("auto") == "auto" and _prompt_chunk("32") == 32
+    p = argparse.ArgumentParser()
+    _add_pipeline_args(p)
+    assert p.parse_args([]).prompt_chunk == "auto"   # the default: sized to the link
     for bad in ("0", "-8", "big", "2.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number of tokens"):
             _prompt_chunk(bad)
