@@ -158,6 +158,11 @@ class Head:
         # transmission bubbles to fill, and each extra micro-batch re-reads the weights
         # (measured: the controller went to 3 on 2 local stages, decode 0.48x single).
         self.dynamic_micro_batches = micro_batches is None and self.n_stages > 1 and cores is None
+        # Data links acknowledge every piece so the sender can measure the link, except
+        # between processes sharing this CPU: over loopback there is nothing to measure,
+        # and each ack is a message handled on two ends while the cores compute a step
+        # (bench/overhead.py, 3 stages, 8 requests: see README).
+        self.acks = cores is None
         self._retuned_at = 0.0
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
@@ -276,7 +281,7 @@ class Head:
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
                 kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
-                compress=self.compress, compute=self.compute))
+                compress=self.compress, compute=self.compute, acks=self.acks))
             while True:
                 msg = wire.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -309,7 +314,8 @@ class Head:
             await self._data_ws.send(wire.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
             self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
-                                  on_failed=lambda why: self._pipeline_failed(f"link to stage 1: {why}"))
+                                  on_failed=lambda why: self._pipeline_failed(f"link to stage 1: {why}"),
+                                  acked=self.acks)
             for i, r in enumerate(self.remotes):
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r)))
         self.groups = [Group(i) for i in range(self.micro_batches)]

@@ -62,7 +62,7 @@ class LinkSender:
     def __init__(self, ws, scheduler: LinkScheduler | None = None, *, piece: int | None = None,
                  min_in_flight: int | None = None, max_in_flight: int = 16 << 20,
                  stall_timeout: float = 60.0, ping_interval: float = 1.0, clock=time.monotonic,
-                 on_failed=None):
+                 on_failed=None, acked: bool = True):
         self.ws = ws
         self.sched = scheduler or LinkScheduler()
         self.piece = piece
@@ -72,6 +72,11 @@ class LinkSender:
         self.ping_interval = ping_interval
         self.clock = clock
         self.on_failed = on_failed or (lambda reason: None)
+        # acked=False: the receiver sends no acks (processes sharing one CPU over
+        # loopback, engine/cores.py): nothing to measure there, and each ack is a
+        # message handled on both ends while the cores compute. Then nothing counts as
+        # in flight: TCP back-pressure and the receiver's bounded queue hold the sender.
+        self.acked = acked
         self._ids = itertools.count(1)
         self._data: dict[int, bytes] = {}
         self._committed: deque = deque()      # pieces decided but not yet written
@@ -187,8 +192,9 @@ class LinkSender:
                         self._data.pop(vid, None)
                         continue
                     piece = memoryview(self._data[vid])[off:end]
-                    self._sent.append((vid, end - off))
-                    self.in_flight += end - off
+                    if self.acked:
+                        self._sent.append((vid, end - off))
+                        self.in_flight += end - off
                     self.bytes_sent += end - off
                     # a peer that stops reading blocks this write (TCP back-pressure)
                     await asyncio.wait_for(self.ws.send(encode_chunk(vid, kind, off, total, piece)),
@@ -215,7 +221,8 @@ class LinkSender:
 
 
 def open_link(ws, mode: str, decode_time, on_failed=None, **kw) -> LinkSender:
-    """A started LinkSender on `ws`, plus the task that reads the receiver's acks."""
+    """A started LinkSender on `ws`, plus the task that reads the receiver's acks (with
+    acked=False, one that refuses any: the receiver was told to send none)."""
     link = LinkSender(ws, LinkScheduler(mode=mode, decode_time=decode_time), on_failed=on_failed, **kw).start()
 
     async def read_acks():

@@ -40,7 +40,7 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 3   # 3: stages send "profile" updates
+PROTOCOL_VERSION = 4   # 3: stages send "profile" updates; 4: configure carries `acks`
 HELLO_TIMEOUT = 10.0
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=wire.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
@@ -78,6 +78,7 @@ class StageServer:
         self.profile: dict = {}        # what the head was last told (startup, then StepLog's)
         self._profile_sent_at = 0.0
         self.compress = "off"
+        self.acks = True               # until configured (see _configure)
         self._server = None
         self._closed = asyncio.Event()
         self._out: asyncio.Queue | None = None
@@ -218,6 +219,9 @@ class StageServer:
             await ws.send(wire.control("error", message=f"unknown compute order {compute!r}"))
             return
         self.decode_first = compute == "decode-first"
+        # whether data links acknowledge pieces (off between processes sharing one CPU:
+        # nothing to measure over loopback, and every ack costs the cores the stages compute on)
+        self.acks = msg["acks"]
         try:
             self.stage, fp, self.profile = await self._run(load)
         except (ModelError, OSError, ValueError) as exc:
@@ -235,7 +239,8 @@ class StageServer:
                                                   pipeline=self.pipeline))
             # the profile as last reported: the scheduler's windows follow it too
             self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
-                                   on_failed=lambda why: log.error("link to the next stage failed: %s", why))
+                                   on_failed=lambda why: log.error("link to the next stage failed: %s", why),
+                                   acked=self.acks)
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone
         self._out = asyncio.Queue()
@@ -275,7 +280,8 @@ class StageServer:
                         piece = memoryview(data)[len(data) - frame.tensor.numel():]
                         done = volumes.feed(frame.micro_batch, frame.meta, piece)
                         # acknowledge on arrival: the sender measures the link by these
-                        acks.put_nowait(wire.control("ack", v=frame.micro_batch, bytes=len(piece)))
+                        if self.acks:
+                            acks.put_nowait(wire.control("ack", v=frame.micro_batch, bytes=len(piece)))
                         if done is None:
                             continue
                         frame = wire.decode(done[1])

@@ -245,6 +245,7 @@ def _check_meta(f: Frame) -> None:
 # ---- control messages (JSON text frames) ------------------------------------
 
 _STR, _INT, _OPT_STR, _OPT_INT, _LIST_INT, _NUM, _DICT = "str", "int", "str?", "int?", "[int]", "num", "dict"
+_BOOL = "bool"
 _PROFILE = "profile"   # a stage's compute profile, checked point by point (profile.check_profile)
 
 CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
@@ -252,7 +253,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "hello": {"role": _STR, "version": _INT, "pipeline": _STR},
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
-                  "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR},
+                  "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR, "acks": _BOOL},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},
@@ -283,6 +284,8 @@ def _type_ok(v, kind: str) -> bool:
         return isinstance(v, str) and len(v) <= 4096
     if kind == _INT:
         return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**53
+    if kind == _BOOL:
+        return isinstance(v, bool)
     if kind == _NUM:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if kind == _LIST_INT:

@@ -22,7 +22,7 @@ RATE = 40e6          # bit/s: 5 MB/s, so 10 MB takes 2 s
 PREFILL = 10 << 20
 
 
-async def start_receiver(read=True):
+async def start_receiver(read=True, ack=True):
     arrivals: dict[int, float] = {}
 
     async def handler(ws):
@@ -33,7 +33,8 @@ async def start_receiver(read=True):
             f = wire.decode(data)
             piece = memoryview(data)[len(data) - f.tensor.numel():]
             done = r.feed(f.micro_batch, f.meta, piece)
-            await ws.send(wire.control("ack", v=f.micro_batch, bytes=len(piece)))
+            if ack:
+                await ws.send(wire.control("ack", v=f.micro_batch, bytes=len(piece)))
             if done is not None:
                 arrivals[f.micro_batch] = time.monotonic()
 
@@ -101,5 +102,46 @@ async def test_ack_for_something_never_sent_is_a_protocol_error():
             with pytest.raises(wire.FrameError, match="never sent"):
                 link.on_ack(12345, 10)
             await link.close()
+    finally:
+        server.close()
+
+
+async def test_an_unacknowledged_link_delivers_everything_in_order_and_refuses_acks():
+    """Between processes sharing one CPU the receiver sends no acks (acked=False): the
+    sender counts nothing in flight, so it never waits for acks that will not come."""
+    server, port, arrivals = await start_receiver(ack=False)
+    try:
+        async with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+            link = open_link(ws, "jit", decode_time=lambda n: 0.02, ping_interval=0, acked=False)
+            vids = [link.submit(bytes([i]) * (256 << 10), "prefill" if i % 2 else "decode") for i in range(40)]
+            for _ in range(200):                       # 10 MB, far more than an acked cap
+                if len(arrivals) == len(vids):
+                    break
+                await asyncio.sleep(0.05)
+            assert set(arrivals) == set(vids)
+            assert link.in_flight == 0 and link.sched.link.samples == 0 and not link.failed
+            with pytest.raises(wire.FrameError, match="never sent"):
+                link.on_ack(vids[0], 256 << 10)         # it was told there would be none
+            await link.close()
+    finally:
+        server.close()
+
+
+async def test_an_unacknowledged_link_to_a_peer_that_stops_reading_still_fails():
+    server, port, _ = await start_receiver(read=False, ack=False)
+    failures = []
+    try:
+        async with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+            link = open_link(ws, "jit", decode_time=lambda n: 0.02, stall_timeout=1.0,
+                             on_failed=failures.append, ping_interval=0, acked=False)
+            for _ in range(20):
+                link.submit(b"x" * (2 << 20), "prefill")   # 40 MB offered
+            for _ in range(150):
+                if failures:
+                    break
+                await asyncio.sleep(0.1)
+            assert failures and "stopped reading" in failures[0]
+            # TCP back-pressure held it: socket buffers' worth written, not 40 MB
+            assert link.bytes_sent < 20 << 20
     finally:
         server.close()

@@ -127,7 +127,7 @@ async def test_default_model_matches_transformers(pipeline, default_reference):
     max_new = 16
     prompts = [pipeline.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
     assert len({len(p) for p in prompts}) == len(prompts)
-    # stages sharing this CPU: "auto" (the default) keeps 64-token chunks, no link to size them to
+    # "auto" (the default) keeps 64-token chunks over loopback: the measured link is fast
     assert pipeline.prefill_chunk == "auto" and pipeline.prompt_chunk_tokens() == 64
     assert max(len(p) for p in prompts) > 2 * pipeline.prompt_chunk_tokens()
     handles = [pipeline.submit(p, greedy(max_new)) for p in prompts]
@@ -157,6 +157,8 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
         assert head.cores is not None
         n = os.cpu_count() or 1
         assert head.micro_batches == 1 and not head.dynamic_micro_batches
+        # links between processes sharing this CPU carry no acks (see Head.acks)
+        assert head.acks is False and head.link.acked is False
         max_new = 8
         prompts = [head.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
         toks, _, done = await collect(head.submit(prompts[3], greedy(max_new)))  # alone
@@ -168,6 +170,8 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
         for prompt, (toks, _, done) in zip(prompts, results):
             assert done.error is None
             assert toks == reference_generate(default_reference, prompt, max_new, head.eos_ids)
+        # no ack came back (an unexpected one fails the link), so nothing was measured
+        assert head.link.sched.link.samples == 0 and not head.link.failed and head.link.in_flight == 0
         await wait_freed(head)
     finally:
         await close_head(head)
@@ -490,7 +494,8 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
         await ws.send(hello(role="control"))
         assert wire.parse_control(await ws.recv())["type"] == "welcome"
         configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
-                         kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None)
+                         kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None,
+                         acks=True)
         await ws.send(wire.control("configure", fingerprint=fp_a, **configure))
         msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "error" and "fingerprint" in msg["message"], msg
