@@ -546,8 +546,9 @@ def report(results: dict, a) -> None:
           f"{min(lens)}-{max(lens)} tokens ({', '.join(map(str, lens))}); {a.tokens} new tokens per "
           f"request, greedy, EOS ignored; median of {a.repeat} round(s) after a warm-up.\n")
 
-    versions = sorted({r.get("engine", "?") for r in results.values()})
-    print(f"Engine: {versions[0]}" if len(versions) == 1 else
+    # the hash of engine/*.py decides: a commit elsewhere (README, tests) during the run is no change
+    versions = sorted({r.get("engine", "?").rsplit("(", 1)[-1] for r in results.values()})
+    print(f"Engine: {next(iter(results.values())).get('engine', '?')}" if len(versions) == 1 else
           "WARNING: the engine changed between systems (someone edited engine/ during the run):\n  "
           + "\n  ".join(f"{LABELS[s]}: {r.get('engine', '?')}" for s, r in results.items()))
     print()
