@@ -233,7 +233,7 @@ def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict
         "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compress="auto", **in_order),
         "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first"),
         # beside the chain: jit+dyn with prompt chunks sized to the measured link
-        # (engine/prompt_chunk.py), not the default yet (see README)
+        # (engine/prompt_chunk.py), the Head's default (see README)
         "+auto-chunk": dict(link_mode="jit", micro_batches=None, prefill_chunk="auto", **in_order),
     }
     return [(n, table[n]) for n in names if n != "+compress" or compress_ok]
