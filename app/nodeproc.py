@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-ANNOUNCE = "POTLUCK_NODE_PORT="   # engine/node.py prints this (the GUI does not import the engine)
+ANNOUNCE = "POTLUCK_NODE_PORT="   # engine/node/control.py prints this (the GUI does not import the engine)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

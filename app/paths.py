@@ -3,7 +3,7 @@
 Linux: ~/.config/potluck (settings), ~/.local/share/potluck (chat history);
 macOS: ~/Library/Application Support/Potluck; Windows: %APPDATA%\\Potluck.
 POTLUCK_HOME puts everything in one folder instead (tests, portable installs) — the
-same variable engine/identity.py honours for the node key.
+same variable engine/wire/identity.py honours for the node key.
 """
 
 from __future__ import annotations

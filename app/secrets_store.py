@@ -2,7 +2,7 @@
 
 Headless Linux has no keyring backend; there the secret goes to
 `<config_dir>/secrets.json` with mode 0600. POTLUCK_KEYSTORE=file forces the file,
-as engine/identity.py does for the node key (tests never touch a person's keyring).
+as engine/wire/identity.py does for the node key (tests never touch a person's keyring).
 """
 
 from __future__ import annotations

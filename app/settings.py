@@ -18,7 +18,7 @@ FILE = "settings.json"
 
 
 def default_limits() -> dict:
-    # mirrors engine/guest.py Limits (the GUI does not import the engine)
+    # mirrors engine/node/sharing.py Limits (the GUI does not import the engine)
     return {"vram_cap_mb": None, "temp_pause_c": 83.0, "temp_resume_c": 75.0,
             "pause_for_other_processes": True, "other_process_mb": 1024.0, "other_grace_s": 30.0,
             "only_when_idle": False, "idle_after_s": 300.0}

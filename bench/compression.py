@@ -21,9 +21,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from engine import wire  # noqa: E402
-from engine.models import resolve  # noqa: E402
-from engine.stage_model import StageBatch, StageModel  # noqa: E402
+from engine.wire import frames
+from engine.model.sources import resolve  # noqa: E402
+from engine.model.stage import StageBatch, StageModel  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
@@ -39,7 +39,7 @@ def run(s0, s1, prompt, sid, q8, tokens):
     batch = StageBatch([sid], [0], [len(prompt)])
     h = s0.forward(batch, torch.tensor(prompt))
     if q8:
-        h = wire.dequantize_q8(wire.quantize_q8(h))
+        h = frames.dequantize_q8(frames.quantize_q8(h))
     logits = s1.forward(batch, h)
     first_logits = logits[0].clone()
     out, pos = [int(logits.argmax(-1))], len(prompt)
@@ -84,7 +84,7 @@ def main():
     print(f"  max |logit error| at prompt end {max_err:.4f} (max relative {max(rel_errs):.4%})")
     print("\nbytes per token per hop and a 1,000-token prefill's transfer time")
     print(f"  {'format':<10}{'B/token':>9}{'20 Mbit/s':>12}{'50 Mbit/s':>12}{'100 Mbit/s':>12}")
-    q8 = hidden // wire.Q8_BLOCK * (wire.Q8_BLOCK + 4)
+    q8 = hidden // frames.Q8_BLOCK * (frames.Q8_BLOCK + 4)
     for name, per in [("float32", 4 * hidden), ("bf16", 2 * hidden), ("int8+scale", q8)]:
         cells = "".join(f"{1000 * per * 8 / r:>11.2f}s" for r in (20e6, 50e6, 100e6))
         print(f"  {name:<10}{per:>9}{cells}")

@@ -33,8 +33,8 @@ def _worker(half: int, kind: str, seconds: float, barrier, out) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from engine.models import DEFAULT_MODEL, resolve
-    from engine.stage_model import StageBatch, StageModel
+    from engine.model.sources import DEFAULT_MODEL, resolve
+    from engine.model.stage import StageBatch, StageModel
 
     source = resolve(DEFAULT_MODEL)
     n = source.config().num_hidden_layers

@@ -56,10 +56,12 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey  #
 from websockets.asyncio.client import connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus  # noqa: E402
 
-from engine import invite as inv  # noqa: E402
-from engine import noise, tunnel, wire  # noqa: E402
-from engine.identity import load_or_create_identity  # noqa: E402
-from engine.stage_server import PROTOCOL_VERSION  # noqa: E402
+from engine.wire import invite as inv
+from engine.wire import noise
+from engine.wire import tunnel
+from engine.wire import frames
+from engine.wire.identity import load_or_create_identity  # noqa: E402
+from engine.pipeline.stage_server import PROTOCOL_VERSION  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
@@ -297,10 +299,10 @@ def fuzz(t: Tally, n: int, code: str):
 
     f1()
 
-    g = guard("fuzz: stage frame decoder", wire.decode, wire.FrameError)
+    g = guard("fuzz: stage frame decoder", frames.decode, frames.FrameError)
     import torch
 
-    good = wire.encode(wire.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, 2]]}, torch.zeros(2, 8))
+    good = frames.encode(frames.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, 2]]}, torch.zeros(2, 8))
 
     @cfg
     @given(st.one_of(st.binary(max_size=400),
@@ -311,8 +313,8 @@ def fuzz(t: Tally, n: int, code: str):
         if b == good:
             return
         try:
-            wire.decode(b)
-        except wire.FrameError as exc:
+            frames.decode(b)
+        except frames.FrameError as exc:
             t.rejected("fuzz: stage frame decoder", str(exc))
         except Exception as exc:  # noqa: BLE001
             t.crash("fuzz: stage frame decoder", f"{type(exc).__name__}: {exc}")
@@ -532,7 +534,7 @@ async def attack_stage(t: Tally, w: dict, n: int):
     url = f"ws://127.0.0.1:{port}"
     pid = inv.parse(w["code"]).pipeline.hex()
     name = "stage: bad hellos and frames"
-    data_hello = wire.control("hello", role="data", version=PROTOCOL_VERSION, pipeline=pid)
+    data_hello = frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline=pid)
 
     async def data_then(frame):
         try:
@@ -550,16 +552,16 @@ async def attack_stage(t: Tally, w: dict, n: int):
 
     import torch
 
-    good = wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10 ** 6, 0, 1]]}, torch.zeros(1, 576))
+    good = frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10 ** 6, 0, 1]]}, torch.zeros(1, 576))
     frames = [os.urandom(random.randint(0, 3000)) for _ in range(n)]
     frames += [good[:30], good[:-1], good + b"\0", good[:20] + b"\xff\xff\xff\x7f" + good[24:],
-               wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[1, 0, 1]]}, torch.zeros(1, 7)),
+               frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[1, 0, 1]]}, torch.zeros(1, 7)),
                os.urandom(4 << 20)]
     for kind, reason in await gather_limited([data_then(f) for f in frames], 8):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
     hellos = [os.urandom(50), "not json", json.dumps({"type": "hello"}),
-              wire.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="someone-else"),
-              wire.control("hello", role="control", version=PROTOCOL_VERSION, pipeline=pid)]     # a second head
+              frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="someone-else"),
+              frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline=pid)]     # a second head
     for kind, reason in await gather_limited([ws_exchange(url, h, wait=10) for h in hellos * max(1, n // 20)]):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
 

@@ -2,14 +2,14 @@
 
 For a few settings (Mbit/s / one-way ms) it measures, on loopback:
 
-  * ShapedLink (engine.linkemu): bulk goodput of a one-way transfer of ~2 s worth of
+  * ShapedLink (testkit.linkemu): bulk goodput of a one-way transfer of ~2 s worth of
     bytes (up direction; with --bidir both directions at once, each reported), and the
     median round-trip time of 64-byte messages through a tiny echo server (expected:
     2 x delay);
-  * tbf in network namespaces (engine.netns; root only, skipped where unavailable):
+  * tbf in network namespaces (testkit.netns; root only, skipped where unavailable):
     goodput between two namespaces over a veth shaped by tbf (rate only: netem is
     not available, so the RTT is the bare veth's), and the same with an
-    engine.linkemu proxy inside the sending namespace adding the delay (its own rate
+    testkit.linkemu proxy inside the sending namespace adding the delay (its own rate
     set far above the tbf rate, so tbf shapes and the proxy delays).
 
 Goodput = payload bytes * 8 / (time from the first byte sent to the last byte
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.linkemu import ShapedLink  # noqa: E402
+from testkit.linkemu import ShapedLink  # noqa: E402
 
 QUEUE = 256 * 1024
 
@@ -196,8 +196,8 @@ def _ready(proc) -> None:
 def netns_goodput(net, nbytes: int, *, src: int = 0, dst: int = 1, delay_s: float = 0.0,
                   port: int = 5001) -> float:
     """Payload goodput (bit/s) of one TCP transfer from node src to node dst of a
-    built engine.netns Network. With delay_s, the sender goes through an
-    engine.linkemu proxy in its own namespace that adds that one-way delay (rate far
+    built testkit.netns Network. With delay_s, the sender goes through an
+    testkit.linkemu proxy in its own namespace that adds that one-way delay (rate far
     above any tbf rate). Times come from time.time() in both namespaces (one clock)."""
     py = sys.executable
     sink = net.popen(dst, [py, "-c", SINK, net.addr(dst), port], text=True)
@@ -222,7 +222,7 @@ def netns_goodput(net, nbytes: int, *, src: int = 0, dst: int = 1, delay_s: floa
 def netns_rtt(net, n: int = 10, *, src: int = 0, dst: int = 1, delay_s: float = 0.0,
               port: int = 5002) -> list[float]:
     """RTTs of 64-byte messages from node src to an echo server in node dst (through
-    a delaying engine.linkemu proxy in src's namespace when delay_s)."""
+    a delaying testkit.linkemu proxy in src's namespace when delay_s)."""
     py = sys.executable
     echo = net.popen(dst, [py, "-c", ECHO, net.addr(dst), port], text=True)
     _ready(echo)
@@ -264,7 +264,7 @@ async def run_shaped(settings, seconds, bidir):
 
 
 def run_netns(settings, seconds):
-    from engine.netns import emulated_network, netns_available
+    from testkit.netns import emulated_network, netns_available
 
     ok, why = netns_available()
     if not ok:

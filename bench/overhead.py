@@ -7,9 +7,9 @@ Runs the default model (SmolLM2-135M-Instruct, float32, CPU) through
   * single1t  the same with 1 torch thread: what each stage process of a pipeline on a
               2-core machine gets, so the pipelines' pure transport cost shows;
   * pipe2/3   a 2- and a 3-stage pipeline on loopback, built exactly as `potluck chat`
-              builds it (engine.cli.build_head: LocalStages + Head; the machine's cores
+              builds it (engine/pipeline/launch.py: LocalStages + Head; the machine's cores
               are split between the stage processes, threads = max(1, cores // stages);
-              layers split by build_head's speed measurement, or evenly with --split even);
+              layers split by launch's speed measurement, or evenly with --split even);
   * hf        transformers' own `generate` (greedy, left-padded batch), all cores:
               what a user would otherwise reach for;
 
@@ -227,23 +227,23 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
     import torch
 
     from engine import cli
-    from engine.cli import build_head, close_head
-    from engine.head import Done
-    from engine.models import DEFAULT_MODEL, resolve
-    from engine.sampling import SamplingParams
+    from engine.pipeline.launch import launch
+    from engine.pipeline.head import Done
+    from engine.model.sources import DEFAULT_MODEL, resolve
+    from engine.core.sampling import SamplingParams
 
     stages = {"single": 1, "single1t": 1, "pipe2": 2, "pipe3": 3}[system]
     cores = os.cpu_count() or 1
     # the single process uses every core (single1t: one, as each stage of a pipeline on a
-    # 2-core machine has); pipelines keep build_head's own split of the cores
+    # 2-core machine has); pipelines keep launch's own split of the cores
     threads = {"single": cores, "single1t": 1}.get(system)
-    layers = None  # --split auto: build_head's own speed-proportional partition
+    layers = None  # --split auto: launch's own speed-proportional partition
     if split == "even" and stages > 1:
         n = resolve(DEFAULT_MODEL).config().num_hidden_layers
         layers = ",".join(str(n // stages + (i < n % stages)) for i in range(stages))
     # the CLI's own options and defaults, as `potluck chat --stages N` would get them
     parser = argparse.ArgumentParser()
-    cli._add_pipeline_args(parser)
+    cli.add_pipeline_args(parser)
     argv = ["--model", DEFAULT_MODEL, "--stages", str(stages), "--dtype", "float32"]
     argv += ["--threads", str(threads)] if threads else []
     argv += ["--layers", layers] if layers else []
@@ -251,7 +251,8 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
     probe = CpuProbe()
     await wait_quiet_async(probe, max_foreign, max_wait)  # the stage split is measured at start
     t0 = time.perf_counter()
-    head = await build_head(args)
+    pipe = await launch(cli.pipeline_config(args))
+    head = pipe.head
     log(f"{system}: pipeline up in {time.perf_counter() - t0:.1f}s: {head.info()['stages']}")
     try:
         head.eos_ids = set()  # run every request to max_tokens: equal work, comparable ids
@@ -312,11 +313,11 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
 
         await channel.serve_async(measure)
         info = {"processes": stages, "threads": head_threads,
-                "stage_threads": None if stages == 1 else head.local_stages.threads,
+                "stage_threads": None if stages == 1 else pipe.local.threads,
                 "micro_batches": busy_groups.get(max(CONCURRENCY)),
                 "layers": [tuple(s["layers"]) for s in head.info()["stages"]]}
     finally:
-        await close_head(head)
+        await pipe.close()
     return {"info": info}
 
 
@@ -326,7 +327,7 @@ def hf_worker(prompts: list[list[int]], n_tokens: int, max_foreign: float, retri
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
     from transformers.utils import logging as hf_logging
 
-    from engine.models import DEFAULT_MODEL, resolve
+    from engine.model.sources import DEFAULT_MODEL, resolve
 
     hf_logging.set_verbosity_error()
     cores = os.cpu_count() or 1
@@ -452,10 +453,10 @@ def worker_main(a) -> int:
     if a.worker != "hf":
         # as `potluck chat` does before torch loads (engine/cli.py): a pipeline's
         # processes take turns on the cores, so OpenMP's idle threads spin only briefly
-        from engine.cores import apply_openmp_env
+        from engine.model.cores import apply_openmp_env
 
         apply_openmp_env(os.environ)
-    from engine.models import DEFAULT_MODEL, resolve
+    from engine.model.sources import DEFAULT_MODEL, resolve
 
     version = engine_version()
     channel = Channel(a.out)
@@ -676,7 +677,7 @@ def main(argv=None) -> int:
                    help="before each measurement, wait up to this many seconds for the machine to go quiet "
                         "(default 30; quick 10)")
     p.add_argument("--split", choices=["auto", "even"], default="auto",
-                   help="pipeline layer split: auto (build_head's speed-based partition, the default) or even")
+                   help="pipeline layer split: auto (launch's speed-based partition, the default) or even")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -695,7 +696,7 @@ def main(argv=None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown system(s): {', '.join(sorted(unknown))}")
-    from engine.models import DEFAULT_MODEL, resolve
+    from engine.model.sources import DEFAULT_MODEL, resolve
 
     resolve(DEFAULT_MODEL)  # convert the default model once, before the workers race to
     # Every system's worker stays up for the whole run, and the systems take turns one

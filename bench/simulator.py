@@ -1,11 +1,11 @@
 """Discrete-event simulator of a Potluck pipeline over weak links.
 
-Runs the real decision code on a simulated clock: one engine.link_scheduler.LinkScheduler
-per link, engine.microbatch.choose for the micro-batch count, engine.profile.interp for
+Runs the real decision code on a simulated clock: one engine.core.link_scheduler.LinkScheduler
+per link, engine.core.microbatch.choose for the micro-batch count, engine.core.profile.interp for
 the compute curves. Everything else is a model, kept close to the engine's code:
 
   compute    every stage (the head included) computes one step at a time: in the order
-             they were handed over, or (policy cut_in, engine/step_gate.py) decode steps
+             they were handed over, or (policy cut_in, engine/core/step_gate.py) decode steps
              first, cutting into a running prompt step (class Compute). A step's time
              comes from its stage's profile: T_d(decode rows) + T_p(padded prompt
              tokens), the two sub-batches one after the other (StageModel._step). Stages have a machine
@@ -13,7 +13,7 @@ the compute curves. Everything else is a model, kept close to the engine's code:
              share one CPU) share its cores: steps that overlap slow each other by the
              contention bench/contention.py measures (Cpu, processor sharing).
   links      each hop is a serial FIFO wire: bandwidth B, one-way delay d. The sender is
-             engine/link.py's LinkSender (its own `cap` and `piece_bytes` code runs here):
+             engine/pipeline/link.py's LinkSender (its own `cap` and `piece_bytes` code runs here):
              the scheduler's decisions are cut into pieces (20 ms of link time) and
              written while fewer than cap (about B_est x RTT_min + a piece) bytes are
              unacknowledged; goodput (from acks) and RTT (1 s pings, which queue behind
@@ -28,8 +28,8 @@ the compute curves. Everything else is a model, kept close to the engine's code:
              head -> stages -> head; a new prompt streams in 64-token chunks ahead of its
              step (finer when it is alone in the pipeline), each chunk computed on the
              head, then queued as a prefill volume; with dynamic micro-batches K is
-             re-chosen (M..2M) at most every 0.5 s; compression as engine/compression.py
-             decides it (the real should_compress), bytes as engine/wire.py's int8 blocks.
+             re-chosen (M..2M) at most every 0.5 s; compression as engine/core/compression.py
+             decides it (the real should_compress), bytes as engine/wire/frames.py's int8 blocks.
 
 Policies (as bench/weaklink.py configures the head): fifo (whole volumes first come
 first served, whole prompts in the step: no chunking anywhere), fifo-chunk (FIFO links,
@@ -40,11 +40,11 @@ cut into prompt steps).
 
 Context: a decode row attending to c tokens costs ctx_cost x T_d(1) x (c - 8) more than
 the profile's (its probes attend to 8 tokens); bench/weaklink.py measures ctx_cost
-(engine.profile.context_cost) and records it. Omitted: the same for prompt chunks (a
+(engine.core.profile.context_cost) and records it. Omitted: the same for prompt chunks (a
 chunk's T_p does not depend on its position), sampling and tokenizer time, EOS (every
 request produces exactly n_out tokens), cancellations and errors, the bytes of control traffic (acks, pings, frees:
 the acks' timing is modelled), TCP itself (the emulated links terminate TCP and behave
-as ideal FIFO pipes, as engine/linkemu.py does), the stage inbox's 64-frame bound,
+as ideal FIFO pipes, as testkit/linkemu.py does), the stage inbox's 64-frame bound,
 compression's compute cost, and a discarded warm-up period (every request counts).
 
     .venv/bin/python bench/simulator.py                     # 70B over home GPUs, all cells
@@ -70,13 +70,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import microbatch, wire  # noqa: E402
-from engine.compression import should_compress  # noqa: E402
-from engine.prompt_chunk import prompt_chunk_tokens  # noqa: E402
-from engine.link import LinkSender  # noqa: E402
-from engine.link_scheduler import LinkScheduler  # noqa: E402
-from engine.profile import PROFILE_CONTEXT, interp  # noqa: E402
-from engine.stage_server import MAX_MERGED_ROWS  # noqa: E402
-from engine.step_gate import MAX_CUT_INS  # noqa: E402
+from engine.core.compression import should_compress  # noqa: E402
+from engine.core.prompt_chunk import prompt_chunk_tokens  # noqa: E402
+from engine.pipeline.link import LinkSender  # noqa: E402
+from engine.core.link_scheduler import LinkScheduler  # noqa: E402
+from engine.core.profile import PROFILE_CONTEXT, interp  # noqa: E402
+from engine.pipeline.stage_server import MAX_MERGED_ROWS  # noqa: E402
+from engine.core.step_gate import MAX_CUT_INS  # noqa: E402
 
 # ---- workload ---------------------------------------------------------------------------
 # Lengths shaped like the Azure LLM inference trace's conversation requests as MoLink uses
@@ -112,10 +112,10 @@ def workload(rate: float, n: int, seed: int = 0, scale: float = 1.0) -> list[tup
 class Policy:
     link: str = "jit"                 # LinkScheduler mode: fifo | fixed | jit
     prompt_chunk: int | str | None = 64  # the head streams prompts in chunks of this many tokens
-                                         # ("auto": engine/prompt_chunk.py's)
+                                         # ("auto": engine/core/prompt_chunk.py's)
     dynamic: bool = False             # K from microbatch.choose (else fixed) ...
     micro_batches: int | None = None  # ... the fixed K (None: the number of stages)
-    compress: str = "off"             # engine/compression.py policy: off | auto | prefill | all
+    compress: str = "off"             # engine/core/compression.py policy: off | auto | prefill | all
     cut_in: bool = False              # decode steps cut into prompt steps (Head compute="decode-first")
 
 
@@ -147,7 +147,7 @@ class Pipeline:
     warm: bool = True                 # links start with their bandwidth and RTT measured
     cores: int | None = None          # compute threads share this many cores (None: a machine each)
     contention: float = 0.0           # slowdown per extra step running at once (shared memory bus)
-    ctx_cost: float = 0.0             # decode cost of context (engine.profile.context_cost; 0: ignored)
+    ctx_cost: float = 0.0             # decode cost of context (engine.core.profile.context_cost; 0: ignored)
     work_profiles: list[dict] | None = None  # what steps take, if not what `profiles` (the head's
                                              # and schedulers' view) say: see validate()
 
@@ -162,7 +162,7 @@ FRAME_HEADER, ROW_META, PROMPT_META, NEW_META, PIECE_HEADER = 64, 20, 6, 120, 80
 
 
 class Curve:
-    """engine.profile.interp through a profile's points, remembered per n (it is called a lot)."""
+    """engine.core.profile.interp through a profile's points, remembered per n (it is called a lot)."""
 
     def __init__(self, points: list):
         self.points, self._memo = points, {}
@@ -178,7 +178,7 @@ def step_time(decode: Curve, prefill: Curve, rows: list, ctx_cost: float = 0.0) 
     """A step's compute as the stage runs it (StageModel._step): decode rows and prompt
     rows go as two sub-batches one after the other, prompt rows left-padded to the
     longest of them. The decode profile was taken at a context of PROFILE_CONTEXT
-    tokens; each decode row's longer context adds ctx_cost (engine.profile.context_cost)
+    tokens; each decode row's longer context adds ctx_cost (engine.core.profile.context_cost)
     of a 1-row step per token."""
     n_decode = sum(1 for _, n in rows if n == 1)
     prompts = [n for _, n in rows if n > 1]
@@ -332,7 +332,7 @@ class Step:
 
 
 class Link:
-    """engine/link.py's LinkSender on a Wire: decisions cut into pieces, a capped number of
+    """engine/pipeline/link.py's LinkSender on a Wire: decisions cut into pieces, a capped number of
     unacknowledged bytes, goodput and RTT measured and fed to the scheduler."""
 
     # the sender's own sizing code: it reads sched, piece, min_in_flight, max_in_flight, rtt_min
@@ -419,7 +419,7 @@ class Compute:
     """A stage's compute (the head's too), as stage_server.py and head.py run it.
 
     In order (compute="in-order", and every FIFO configuration): one step at a time,
-    in the order handed over. With cut-ins (engine/step_gate.py): decode steps go
+    in the order handed over. With cut-ins (engine/core/step_gate.py): decode steps go
     before waiting prompt steps, and one that arrives while a prompt step runs cuts
     in -- the prompt step is suspended and resumes once no decode step waits (at most
     MAX_CUT_INS per prompt step). The engine parks a prompt step at its next layer
@@ -916,7 +916,7 @@ def pipeline_for_cell(cell: dict) -> tuple[Pipeline, Policy]:
 def run_median_profiles(cells: list[dict]) -> dict:
     """Per pipeline length, each stage's profile point by point: the median over the
     run's cells. Every cell profiles its stages afresh at its start, twice per point
-    (engine/profile.py); on a machine whose speed swings by a third within minutes such
+    (engine/core/profile.py); on a machine whose speed swings by a third within minutes such
     a snapshot can read 50-80% slow (bench/weaklink.py's JSON), while the cell runs at
     whatever speed the minutes after bring."""
     import statistics
@@ -947,7 +947,7 @@ def validate(path: str, tolerance: float = 0.15, cpu: dict | None = None,
     work: what the simulated steps take -- "cell": each cell's own startup profiles (what
     its head decided from, too); "run": the median over the run's cells (run_median_profiles),
     while decisions still follow the cell's own; "observed": the profiles the cell's stages
-    reported in service (engine.profile.StepLog; weaklink.py records their median over the
+    reported in service (engine.core.profile.StepLog; weaklink.py records their median over the
     cell as profiles_observed), for decisions and durations alike, as the live head used
     them. Those times already include what sharing the CPU and attending to the cell's
     contexts cost, so the contention and context models are off. "auto": observed where
@@ -1032,7 +1032,7 @@ def main(argv=None) -> int:
                     help="with --validate: model every stage on a machine of its own (no shared cores)")
     ap.add_argument("--ctx-cost", type=float, default=None,
                     help="with --validate: decode cost of context, per row and context token, as a fraction "
-                         "of a 1-row step (engine.profile.context_cost; weaklink.py --json records it)")
+                         "of a 1-row step (engine.core.profile.context_cost; weaklink.py --json records it)")
     ap.add_argument("--work", choices=("auto", "observed", "cell", "run"), default="auto",
                     help="with --validate: step durations from the profiles the stages reported in service "
                          "(observed; the default where the file has them), each cell's startup profiles "

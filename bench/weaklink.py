@@ -3,7 +3,7 @@
 The MoLink setting (shared/reference/molink-transmission-paper-analysis.txt), scaled to
 this CPU: a pipeline of 2 or 3 stages on the default model (SmolLM2-135M, float32:
 576 x 4 = 2304 bytes per token per hop), every inter-stage byte crossing an emulated
-link (engine/linkemu.py ShapedLink: rate, one-way delay, FIFO queue):
+link (testkit/linkemu.py ShapedLink: rate, one-way delay, FIFO queue):
 
     head --proxy1--> stage1 --proxy2--> stage2 ... ; last stage --proxyN(down)--> head
 
@@ -43,9 +43,9 @@ adding one thing to the one before, as the paper's Table 5 does:
 and one beside the chain:
     +cut-in   jit+dyn, and decode first on the compute too: a decode step cuts into a
               running prompt step between two layers (compute="decode-first",
-              engine/step_gate.py; an option, not the default: it trades TTFT for TPOT)
+              engine/core/step_gate.py; an option, not the default: it trades TTFT for TPOT)
     +auto-chunk jit+dyn with prompt chunks sized to the measured link
-              (prefill_chunk="auto", engine/prompt_chunk.py: the Head's default since it
+              (prefill_chunk="auto", engine/core/prompt_chunk.py: the Head's default since it
               beat 64-token chunks here; at the reference point only)
 
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
@@ -173,7 +173,7 @@ async def wait_quiet(pids_fn, max_wait: float, threshold: float) -> float:
 
 # ---- proxies in a child process ----------------------------------------------------------
 async def proxy_host(spec: dict):
-    from engine.linkemu import ShapedLink
+    from testkit.linkemu import ShapedLink
 
     links = []
     for port in spec["targets"]:
@@ -233,7 +233,7 @@ def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict
         "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compress="auto", **in_order),
         "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first"),
         # beside the chain: jit+dyn with prompt chunks sized to the measured link
-        # (engine/prompt_chunk.py), the Head's default (see README)
+        # (engine/core/prompt_chunk.py), the Head's default (see README)
         "+auto-chunk": dict(link_mode="jit", micro_batches=None, prefill_chunk="auto", **in_order),
     }
     return [(n, table[n]) for n in names if n != "+compress" or compress_ok]
@@ -251,7 +251,7 @@ class LinkTrace:
     the scheduler is there to remove (stage-to-stage links live in the stage processes)."""
 
     def __init__(self):
-        import engine.link as L
+        import engine.pipeline.link as L
 
         self.queued: dict[int, tuple[str, float, int]] = {}
         self.written: dict[int, float] = {}
@@ -309,7 +309,7 @@ class LinkTrace:
 
 # ---- one cell ----------------------------------------------------------------------------
 async def start_head(source, addrs, layers, cfg: dict):
-    from engine.head import Head, PipelineError
+    from engine.pipeline.head import Head, PipelineError
 
     last = None
     for attempt in range(4):
@@ -327,7 +327,7 @@ async def start_head(source, addrs, layers, cfg: dict):
 
 async def run_requests(head, reqs: list[dict], rate: float | None, cap_s: float) -> dict:
     """Submit reqs (Poisson at `rate`, or all at once when rate is None); time them."""
-    from engine.sampling import SamplingParams
+    from engine.core.sampling import SamplingParams
 
     results = [None] * len(reqs)
     handles = []
@@ -516,9 +516,9 @@ def pct(v):
 
 # ---- main --------------------------------------------------------------------------------
 async def main(a):
-    from engine.head import Head
-    from engine.local import LocalStages
-    from engine.models import resolve
+    from engine.pipeline.head import Head
+    from engine.pipeline.local import LocalStages
+    from engine.model.sources import resolve
 
     t_start = time.monotonic()
     source = resolve("default")
@@ -569,17 +569,18 @@ async def main(a):
         # -- decode time on this CPU -> link settings with the paper's ratios
         probe = await start_head(source, ctx["stages"][2].addresses, even_layers(n_layers, 2),
                                  dict(link_mode="jit", micro_batches=2))
-        from engine.profile import interp
+        from engine.core.profile import interp
         td = [interp(p["decode"], 1) for p in probe.profiles]
         tp = [interp(p["prefill"], med_in) for p in probe.profiles]
         # the startup profiles ran while every process was loading; the head's stage again,
         # alone and idle, is the better figure for the decode step (best of 3 x 2 repeats)
-        from engine.profile import measure
+        from engine.model.measure import measure
         td0 = [interp(measure(probe.stage0)["decode"], 1) for _ in range(3)]
         td = [min(td0)] + td[1:] if min(td0) < td[0] else td
         # what a row's context adds to a decode step (the profiles attend to 8 tokens):
         # bench/simulator.py --validate models it from this figure
-        from engine.profile import PROFILE_CONTEXT, context_cost
+        from engine.core.profile import PROFILE_CONTEXT
+        from engine.model.measure import context_cost
         ctx_cost = statistics.median(context_cost(probe.stage0) for _ in range(3))
         print(f"decode cost of context: {ctx_cost:.2e} of a 1-row step per row and token of context "
               f"(16 rows of 256 tokens: +{ctx_cost * 16 * (256 - PROFILE_CONTEXT) * td[0] * 1e3:.0f} ms "

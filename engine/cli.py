@@ -1,4 +1,6 @@
-"""`potluck` command line: chat, serve (OpenAI API), stage; host, join, invites, relay (engine/homes.py)."""
+"""`potluck` command line: argument parsing, and calls into the layers below with typed
+configs (engine/pipeline/launch.py's PipelineConfig, engine/node/homes.py for pipelines
+across homes). Nothing here decides how a pipeline runs."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import os
 import sys
 import time
 
-from .models import DEFAULT_MODEL, ModelError
-from .step_gate import COMPUTE_ORDERS
+from dataclasses import fields
+
+from engine.core.errors import ModelError
+from engine.core.step_gate import COMPUTE_ORDERS
+from engine.model.sources import DEFAULT_MODEL
 
 
 class ProgressBar:
@@ -45,7 +50,7 @@ class ProgressBar:
         self.stream.flush()
 
 
-def _prompt_chunk(text: str):
+def prompt_chunk_arg(text: str):
     """--prompt-chunk: 'auto' or a positive number of tokens."""
     if text == "auto":
         return text
@@ -58,7 +63,7 @@ def _prompt_chunk(text: str):
     return n
 
 
-def _add_pipeline_args(p):
+def add_pipeline_args(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face id, a local folder or a .gguf file")
     p.add_argument("--stages", type=int, default=2, help="stage processes on this machine, head included (default 2)")
@@ -71,7 +76,7 @@ def _add_pipeline_args(p):
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
     p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
                    help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
-    p.add_argument("--prompt-chunk", default="auto", type=_prompt_chunk,
+    p.add_argument("--prompt-chunk", default="auto", type=prompt_chunk_arg,
                    help="tokens of a long prompt computed per step before it goes on: auto (default) = "
                         "sized to the measured link, 16-64, smaller over a slow one; or a fixed number")
     p.add_argument("--compress", default="off", choices=["off", "auto", "prefill", "all"],
@@ -81,56 +86,16 @@ def _add_pipeline_args(p):
                         "steps between layers: lower time per token, later first tokens")
 
 
-async def build_head(args, progress=None):
-    """Start local stage processes (or reach remote ones) and a head over them."""
-    from .head import Head
-    from .local import LocalStages
-    from .models import resolve
-    from .partition import parse_layers
+def pipeline_config(args, **over):
+    """The PipelineConfig a command's arguments describe."""
+    from engine.pipeline.launch import PipelineConfig
 
-    source = resolve(args.model)
-    # a bad --layers is reported before any stage process starts
-    layers = parse_layers(args.layers, source.config().num_hidden_layers) if args.layers else None
-    local = None
-    addrs = list(args.stage_addr)
-    threads = args.threads
-    cores = None
-    if not addrs and args.stages > 1:
-        # Stage processes on one machine split its cores: OpenMP threads that outnumber
-        # cores stall each other at every barrier (measured: 400x slower small ops).
-        # Unless --threads fixes it, each process owns its share and borrows idle
-        # cores for big steps (engine/cores.py).
-        local = LocalStages(args.stages - 1, threads=threads, share_cores=not threads)
-        addrs = await local.start()
-        cores = local.head_cores
-        threads = threads or max(1, (os.cpu_count() or 1) // args.stages)
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    head = Head(source, addrs, layers=layers, micro_batches=args.micro_batches, dtype=args.dtype,
-                kv_budget_tokens=args.kv_budget_tokens, progress=progress,
-                link_mode=getattr(args, "link", "jit"), compress=getattr(args, "compress", "off"),
-                prefill_chunk=getattr(args, "prompt_chunk", "auto"),
-                compute=getattr(args, "compute", "in-order"),
-                pipeline=getattr(args, "pipeline", "local"),
-                cores=cores, cpu_shares=local.cpu_shares if cores else None)
-    head.next_addresses = getattr(args, "next_addresses", None)
-    try:
-        await head.start()
-    except BaseException:
-        await head.close()  # its connections to the stages and its compute thread
-        if local:
-            await local.stop()
-        raise
-    head.local_stages = local
-    return head
+    given = {f.name: getattr(args, f.name) for f in fields(PipelineConfig) if hasattr(args, f.name)}
+    return PipelineConfig(**{**given, **over})
 
 
-async def close_head(head):
-    await head.close()
-    if getattr(head, "local_stages", None):
-        await head.local_stages.stop()
+def _say(text: str):
+    print(text, file=sys.stderr, flush=True)
 
 
 def _describe(head) -> str:
@@ -139,96 +104,51 @@ def _describe(head) -> str:
 
 
 async def _chat(args) -> int:
-    from .api import serve_api
-    from .head import Delta
-    from .sampling import SamplingParams
+    from engine.pipeline.api import serve_api
+    from engine.pipeline.launch import launch
+    from engine.pipeline.terminal import chat_loop
 
-    print(f"Loading {args.model} on {args.stages if not args.stage_addr else len(args.stage_addr) + 1} stage(s)...",
-          file=sys.stderr)
+    _say(f"Loading {args.model} on {args.stages if not args.stage_addr else len(args.stage_addr) + 1} stage(s)...")
     bar = ProgressBar()
-    head = await build_head(args, bar)
+    pipe = await launch(pipeline_config(args), bar)
     bar.finish()
     runner = None
     try:
-        print(f"Ready: {_describe(head)}", file=sys.stderr)
+        _say(f"Ready: {_describe(pipe.head)}")
         if args.api_port:
-            runner = await serve_api(head, "127.0.0.1", args.api_port)
-            print(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1", file=sys.stderr)
-        print("Type a message and press Enter. /reset clears the conversation, /quit leaves.\n", file=sys.stderr)
-        messages: list[dict] = []
-        loop = asyncio.get_running_loop()
-        prompts = list(args.prompt or [])
-        while True:
-            if prompts:
-                line = prompts.pop(0)
-                print(f"you> {line}")
-            elif args.prompt:
-                break
-            else:
-                try:
-                    line = await loop.run_in_executor(None, lambda: input("you> "))
-                except EOFError:
-                    break
-            line = line.strip()
-            if not line:
-                continue
-            if line in ("/quit", "/exit"):
-                break
-            if line == "/reset":
-                messages.clear()
-                print("(conversation cleared)")
-                continue
-            messages.append({"role": "user", "content": line})
-            params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                    greedy=args.temperature == 0)
-            try:
-                handle = head.submit(head.chat_prompt(messages), params)
-            except ValueError as exc:
-                print(f"(cannot send: {exc})")
-                messages.pop()
-                continue
-            sys.stdout.write("bot> ")
-            parts = []
-            async for ev in handle:
-                if isinstance(ev, Delta):
-                    parts.append(ev.text)
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-                else:
-                    done = ev
-            rate = done.completion_tokens / max(done.seconds - (done.ttft or 0), 1e-6)
-            print(f"\n     [{done.completion_tokens} tokens, first after {done.ttft or 0:.2f}s, "
-                  f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}]")
-            messages.append({"role": "assistant", "content": "".join(parts)})
+            runner = await serve_api(pipe.head, "127.0.0.1", args.api_port)
+            _say(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1")
+        await chat_loop(pipe.head, args.prompt, args.temperature, args.max_tokens)
     finally:
         if runner is not None:
             await runner.cleanup()
-        await close_head(head)
+        await pipe.close()
     return 0
 
 
 async def _serve(args) -> int:
-    from .api import serve_api
+    from engine.pipeline.api import serve_api
+    from engine.pipeline.launch import launch
 
-    head = await build_head(args, ProgressBar())
-    runner = await serve_api(head, args.host, args.port)
-    print(f"Ready: {_describe(head)}", file=sys.stderr)
-    print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    pipe = await launch(pipeline_config(args), ProgressBar())
+    runner = await serve_api(pipe.head, args.host, args.port)
+    _say(f"Ready: {_describe(pipe.head)}")
+    _say(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1")
     try:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
-        await close_head(head)
+        await pipe.close()
     return 0
 
 
 async def _stage(args) -> int:
-    from .local import ANNOUNCE
-    from .stage_server import StageServer
+    from engine.pipeline.local import ANNOUNCE
+    from engine.pipeline.stage_server import StageServer
 
     cores = None
     if args.core_lease:
-        from .cores import CoreLease
+        from engine.model.cores import CoreLease
 
         cores = CoreLease.from_spec(args.core_lease)
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
@@ -243,35 +163,248 @@ async def _stage(args) -> int:
         closed = asyncio.ensure_future(server.wait_closed())
         await asyncio.wait([watcher, closed], return_when=asyncio.FIRST_COMPLETED)
     else:
-        print(f"Stage listening on ws://{args.host}:{server.port}", file=sys.stderr, flush=True)
+        _say(f"Stage listening on ws://{args.host}:{server.port}")
         await server.wait_closed()
     return 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["app"]:  # the GUI process must not import transformers or torch
-        from app.main import main as app_main
+async def _host(args) -> int:
+    """`potluck host`: invite friends, wait for them, run the pipeline over their stages."""
+    from engine.core.sampling import SamplingParams
+    from engine.node.homes import Friends, HomeError
+    from engine.pipeline.api import serve_api
+    from engine.pipeline.launch import launch
+    from engine.pipeline.terminal import ask, reply
+    from engine.wire import shortcode
 
-        return app_main(argv[1:])
-    # before torch is imported: this process and the stage processes it may start take
-    # turns on the CPU's cores, and OpenMP's idle threads must not spin on them (cores.py)
-    from .cores import apply_openmp_env
+    friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
+    try:
+        bound = await friends.open(args.relay, args.listen, args.advertise)
+    except HomeError as exc:
+        _say(f"potluck: {exc}")
+        await friends.close()
+        return 2
+    if bound is not None:
+        _say(f"Accepting friends directly on port {bound}: {', '.join(friends.direct_addresses)}")
+    uses = args.uses or args.peers
+    code = friends.invite(ttl_s=args.expires * 3600, uses=uses)
+    _say(f"Host node {friends.me.node_id} (key in {friends.me.store}); pipeline {friends.pipeline_id}")
+    print(f"Invite code (valid {args.expires:g} h, {uses} use(s)):\n{code}", flush=True)
+    _say(f"Waiting for {args.peers} friend(s): on their machine, `potluck join <code>`")
+    short_task = None
+    if args.short and args.relay:
+        channel, password = shortcode.make()
+        print(f"Short code (one use, 10 minutes): {channel}-{password}  "
+              f"(`potluck join {channel}-{password} --relay {args.relay}`)", flush=True)
 
-    apply_openmp_env(os.environ)
+        async def offer():
+            try:
+                await shortcode.offer(args.relay, channel, password, code)
+                _say("  short code used: the invite code was handed over")
+            except shortcode.ShortCodeError as exc:
+                _say(f"  short code: {exc}")
+
+        short_task = asyncio.ensure_future(offer())
+    runner = pipe = None
+    try:
+        peers = await friends.wait(args.peers)
+        for i, p in enumerate(peers):
+            _say(f"stage {i + 1}: {p.name or 'unnamed'} (node {p.node_id}) via {p.path}")
+        cfg = await friends.route(peers, pipeline_config(args))
+        bar = ProgressBar()
+        pipe = await launch(cfg, bar)
+        bar.finish()
+        paths = ", ".join(f"stage {i + 1} via {p.path}" for i, p in enumerate(peers))
+        _say(f"Ready: {pipe.head.source.name}, {len(peers) + 1} stages ({paths})")
+        if args.prompt:
+            for text in args.prompt:
+                params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, greedy=True)
+                answer, done = await reply(ask(pipe.head, [{"role": "user", "content": text}], params))
+                print(f"you> {text}\nbot> {answer}\n     [{done.completion_tokens} tokens, "
+                      f"{done.finish_reason}; {paths}]", flush=True)
+            return 0
+        runner = await serve_api(pipe.head, args.host, args.port)
+        print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        if short_task is not None:
+            short_task.cancel()
+        if runner is not None:
+            await runner.cleanup()
+        if pipe is not None:
+            await pipe.close()
+        await friends.close()
+    return 0
+
+
+async def _join(args) -> int:
+    """`potluck join CODE`: share this machine with a friend's pipeline until Ctrl+C."""
+    from engine.node.homes import HomeError, join_stage, redeem
+    from engine.wire import shortcode
+
+    try:
+        invite = await redeem(args.code, args.relay)
+        if shortcode.is_short(args.code):
+            _say("  short code accepted: received the invite code")
+        joined = await join_stage(invite, name=args.name, prefer=args.prefer, device=args.device,
+                                  threads=args.threads, config=args.config, on_event=lambda t: _say(f"  {t}"))
+    except HomeError as exc:
+        _say(f"potluck: {exc}")
+        return 2 if "code" in str(exc) else 1
+    print(f"Joined pipeline {invite.pipeline_id} as node {joined.joiner.identity.node_id} via "
+          f"{joined.joiner.session.path}; sharing this machine until you stop it (Ctrl+C)", flush=True)
+    keep = asyncio.ensure_future(joined.joiner.run())
+    closed = asyncio.ensure_future(joined.server.wait_closed())
+    try:
+        await asyncio.wait([keep, closed], return_when=asyncio.FIRST_COMPLETED)
+        if keep.done() and keep.exception() is not None:
+            _say(f"potluck: {keep.exception()}")
+            return 1
+    finally:
+        keep.cancel()
+        await joined.close("leaving")
+    return 0
+
+
+def _invites(args) -> int:
+    """`potluck invites`: list this host's invites and members; make or revoke one."""
+    from engine.wire.identity import config_dir, load_or_create_identity
+    from engine.wire.invite import HostState
+
+    folder = config_dir(args.config)
+    state = HostState(folder)
+    if args.revoke:
+        try:
+            print(f"revoked {state.revoke(args.revoke)}")
+        except KeyError as exc:
+            print(f"potluck: {exc.args[0]}", file=sys.stderr)
+            return 2
+        return 0
+    if args.new:
+        routes = state.data().get("routes") or {}
+        if not routes.get("relay") and not routes.get("direct"):
+            print("potluck: run `potluck host` once first (it records the relay and addresses)", file=sys.stderr)
+            return 2
+        me = load_or_create_identity(folder)
+        _, code = state.create_invite(me.public, routes.get("relay", ""), routes.get("direct", []),
+                                      ttl_s=args.expires * 3600, max_uses=args.uses)
+        print(code)
+        return 0
+    data = state.data()
+    now = time.time()
+    print(f"pipeline {data['pipeline']}")
+    print("invites:")
+    for iid, r in sorted(data["invites"].items(), key=lambda kv: kv[1]["created"]):
+        status = ("revoked" if r["revoked"] else "expired" if now > r["expires"]
+                  else "used up" if r["uses"] >= r["max_uses"] else "open")
+        print(f"  {iid}  {status:8} uses {r['uses']}/{r['max_uses']}  expires "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(r['expires']))}")
+    print("members:")
+    for key, m in sorted(data["members"].items(), key=lambda kv: kv[1]["joined"]):
+        print(f"  {m['node_id']}  {'revoked' if m['revoked'] else 'allowed':8} {m['name']}  joined "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(m['joined']))}")
+    return 0
+
+
+async def _relay(args) -> int:
+    from engine.wire.relay import Limits, Relay
+
+    dump = None
+    if args.dump:
+        f = open(args.dump, "ab", buffering=0)
+        dump = f.write
+    limits = Limits(max_frame=args.max_frame, max_channels=args.max_channels, idle_timeout=args.idle,
+                    rate=args.rate * 1e6, burst=max(args.rate * 1e6 / 5, 2 * args.max_frame))
+    r = await Relay(limits, dump=dump).start(args.host, args.port)
+    print(f"Relay listening on ws://{args.host}:{r.port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await r.close()
+    return 0
+
+
+async def _node(args) -> int:
+    from engine.node.control import run_node
+
+    return await run_node(args)
+
+
+def _add_homes_args(sub):
+    p = sub.add_parser("host", help="host a pipeline: print an invite code, wait for friends, serve the API")
+    add_pipeline_args(p)
+    p.add_argument("--relay", default="", help="ws://relay:port that both homes can reach")
+    p.add_argument("--listen", default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
+    p.add_argument("--advertise", action="append", default=[],
+                   help="address to put in the code for --listen (default: this machine's addresses)")
+    p.add_argument("--peers", type=int, default=1, help="friends to wait for, in pipeline order (default 1)")
+    p.add_argument("--uses", type=int, default=None, help="how many machines the code admits (default --peers)")
+    p.add_argument("--expires", type=float, default=24.0, help="hours until the code expires (default 24)")
+    p.add_argument("--host", default="127.0.0.1", help="API bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
+    p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--short", action="store_true",
+                   help="also print a short code to read out (one use, 10 minutes; needs --relay)")
+
+    p = sub.add_parser("join", help="contribute this machine to a friend's pipeline with their invite code")
+    p.add_argument("code", help="the invite code, or a short code (4821-917305) with --relay")
+    p.add_argument("--relay", default="", help="the host's relay, for a short code")
+    p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
+    p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
+                   help="auto: a direct address from the code first, then the relay")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--config", default=None)
+
+    p = sub.add_parser("invites", help="list this host's invites and members; make or revoke one")
+    p.add_argument("--revoke", metavar="ID", help="an invite id or a member's node id")
+    p.add_argument("--new", action="store_true", help="make a new code (with the host's last relay/addresses)")
+    p.add_argument("--uses", type=int, default=1)
+    p.add_argument("--expires", type=float, default=24.0, help="hours")
+    p.add_argument("--config", default=None)
+
+    p = sub.add_parser("relay", help="run a relay that pairs homes by pipeline id and forwards ciphertext")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--max-frame", type=int, default=128 << 10, help="bytes per frame")
+    p.add_argument("--max-channels", type=int, default=8, help="joiner connections per pipeline")
+    p.add_argument("--idle", type=float, default=120.0, help="seconds a channel may stay silent")
+    p.add_argument("--rate", type=float, default=20.0, help="MB/s per pipeline")
+    p.add_argument("--dump", default=None, help=argparse.SUPPRESS)  # tests: forwarded bytes
+
+
+def _add_node_args(p):
+    p.add_argument("--port", type=int, default=0, help="control API port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--token-stdin", action="store_true",
+                   help="read the API token from the first line of stdin and exit when stdin closes")
+    p.add_argument("--token-file", default=None, help="where to write the API token (mode 0600)")
+    p.add_argument("--share-host", default="0.0.0.0", help="address friends' heads reach this GPU on")
+    p.add_argument("--share-port", type=int, default=7860)
+    p.add_argument("--api-port", type=int, default=0, help="OpenAI API port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--pipeline", default="potluck", help="pipeline name a shared stage accepts")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--limits", default=None, help="JSON with the sharing limits (see engine/node/sharing.py)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
+    p.add_argument("--host-model", default=None, help="start hosting this model right away")
+    p.add_argument("--stages", type=int, default=2, help="local stages when hosting (head included)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("chat", help="terminal chat with a pipeline on this machine")
-    _add_pipeline_args(p)
+    add_pipeline_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--api-port", type=int, default=0, help="also serve the OpenAI API on this port")
     p.add_argument("--prompt", action="append", help="send this message instead of reading stdin (repeatable)")
 
     p = sub.add_parser("serve", help="run the head with an OpenAI-compatible API")
-    _add_pipeline_args(p)
+    add_pipeline_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
 
@@ -282,22 +415,32 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/cores.py
+    p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/model/cores.py
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
-
-    from . import homes
-
-    homes.add_args(sub, _add_pipeline_args)
-
-    from .node import add_node_args
-
+    _add_homes_args(sub)
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
-    add_node_args(p)
-
+    _add_node_args(p)
     sub.add_parser("app", help="the desktop app (tray icon, chat window); see `potluck-app --help`", add_help=False)
+    return parser
 
-    args = parser.parse_args(argv)
+
+COMMANDS = {"chat": _chat, "serve": _serve, "stage": _stage, "host": _host, "join": _join,
+            "relay": _relay, "node": _node}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["app"]:  # `potluck app` is dispatched by app/launcher.py, above the engine
+        print("potluck: the desktop app is `potluck app` (or `potluck-app`), not `python -m engine app`",
+              file=sys.stderr)
+        return 2
+    # before torch is imported: this process and the stage processes it may start take
+    # turns on the CPU's cores, and OpenMP's idle threads must not spin on them (cores.py)
+    from engine.model.cores import apply_openmp_env
+
+    apply_openmp_env(os.environ)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -306,7 +449,7 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if args.cmd == "prepare":
-        from .models import prepare_default
+        from engine.model.sources import prepare_default
 
         try:
             print(f"Default model ready at {prepare_default(log=lambda m: print(m, file=sys.stderr))}")
@@ -314,24 +457,17 @@ def main(argv=None) -> int:
             print(f"potluck: {exc}", file=sys.stderr)
             return 2
         return 0
-    if args.cmd == "node":
-        from .node import run_node
-
-        fn = run_node
-    elif args.cmd == "invites":
-        return homes.invites(args)
-    else:
-        fn = {"chat": _chat, "serve": _serve, "stage": _stage, "host": homes.host, "join": homes.join,
-              "relay": homes.relay}[args.cmd]
+    if args.cmd == "invites":
+        return _invites(args)
     try:
-        return asyncio.run(fn(args))
+        return asyncio.run(COMMANDS[args.cmd](args))
     except KeyboardInterrupt:
         return 130
     except ModelError as exc:
         print(f"potluck: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a clear line for the user; details with -v
-        from .head import PipelineError
+        from engine.pipeline.head import PipelineError
 
         if isinstance(exc, (PipelineError, OSError)):
             print(f"potluck: {exc}", file=sys.stderr)

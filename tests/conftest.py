@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,30 +35,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pipeline_args(**over) -> Namespace:
-    """What `potluck chat` would parse, for build_head."""
-    args = dict(model="default", stages=3, stage_addr=[], layers=None, micro_batches=None,
-                dtype="float32", threads=THREADS, kv_budget_tokens=None)
-    args.update(over)
-    return Namespace(**args)
+def pipeline_config(**over):
+    """The test pipeline: three stages of the default model, one torch thread each."""
+    from engine.pipeline.launch import PipelineConfig
+
+    return PipelineConfig(**{"model": "default", "stages": 3, "threads": THREADS, **over})
 
 
 @pytest.fixture(scope="session")
 async def pipeline():
-    from engine.cli import build_head, close_head
+    from engine.pipeline.launch import launch
 
-    head = await build_head(pipeline_args())
-    procs = list(head.local_stages.procs)
+    pipe = await launch(pipeline_config())
+    procs = list(pipe.local.procs)
     try:
-        yield head
+        yield pipe.head
     finally:
-        await close_head(head)
+        await pipe.close()
         assert all(p.returncode is not None for p in procs), "a stage process outlived the session"
 
 
 @pytest.fixture(scope="session")
 async def api_url(pipeline):
-    from engine.api import serve_api
+    from engine.pipeline.api import serve_api
 
     port = free_port()
     runner = await serve_api(pipeline, "127.0.0.1", port)
@@ -71,7 +69,7 @@ async def api_url(pipeline):
 
 @pytest.fixture(scope="session")
 def default_source():
-    from engine.models import resolve
+    from engine.model.sources import resolve
 
     return resolve("default")
 
@@ -84,7 +82,7 @@ def tiny_folder(tmp_path_factory, default_source):
     a copy of the default model's (its ids cover the tiny 256-token vocabulary).
     Tests submit token ids and clear the head's end-of-sequence ids.
     """
-    from tiny_models import build_tiny_model
+    from testkit.tiny_models import build_tiny_model
 
     cache: dict[tuple[str, int], tuple[Path, object]] = {}
 
@@ -104,7 +102,7 @@ def tiny_folder(tmp_path_factory, default_source):
 @pytest.fixture(scope="session")
 async def spare_stages():
     """Two more stage processes that tests configure with their own heads, one at a time."""
-    from engine.local import LocalStages
+    from engine.pipeline.local import LocalStages
 
     local = LocalStages(2, threads=THREADS)
     try:

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from engine.netns import emulated_network, netns_available
+from testkit.netns import emulated_network, netns_available
 
 ok, why = netns_available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from engine.head import Done
-from engine.sampling import SamplingParams
+from engine.pipeline.head import Done
+from engine.core.sampling import SamplingParams
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24

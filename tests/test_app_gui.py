@@ -96,7 +96,7 @@ def test_gui_process_never_imports_torch(home):
         "s.open_chat(); s.open_host(); s.open_join(); s.open_status(); s.open_settings()\n"
         "qa.processEvents()\n"
         "c.shutdown()\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'numpy', 'engine.head') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'numpy', 'engine.pipeline.head') if m in sys.modules)\n"
         "print('HEAVY=' + ','.join(heavy))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen")

@@ -5,20 +5,20 @@ import struct
 import pytest
 import torch
 
-from engine import wire
-from engine.compression import should_compress
+from engine.wire import frames
+from engine.core.compression import should_compress
 
 
 def frame(x, q8):
-    return wire.encode(wire.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, x.shape[0]]]}, x, q8=q8)
+    return frames.encode(frames.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, x.shape[0]]]}, x, q8=q8)
 
 
 def test_q8_roundtrip_error_is_bounded_per_block():
     torch.manual_seed(0)
     x = torch.randn(7, 576) * torch.logspace(-2, 2, 576)   # blocks with very different scales
-    f = wire.decode(frame(x, True))
+    f = frames.decode(frame(x, True))
     assert f.quantized and f.tensor.shape == x.shape
-    B = wire.Q8_BLOCK
+    B = frames.Q8_BLOCK
     blocks = x.view(7, 576 // B, B)
     bound = blocks.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-6   # half a quantization step
     assert ((f.tensor.view(7, 576 // B, B) - blocks).abs() <= bound).all()
@@ -26,8 +26,8 @@ def test_q8_roundtrip_error_is_bounded_per_block():
 
 
 def test_q8_skipped_when_hidden_is_not_a_block_multiple():
-    x = torch.randn(3, 100 + wire.Q8_BLOCK // 2)
-    f = wire.decode(frame(x, True))
+    x = torch.randn(3, 100 + frames.Q8_BLOCK // 2)
+    f = frames.decode(frame(x, True))
     assert not f.quantized and torch.equal(f.tensor, x)
 
 
@@ -36,15 +36,15 @@ def test_q8_frames_are_validated():
     good = bytearray(frame(x, True))
     bad_flags = bytearray(good)
     struct.pack_into("<H", bad_flags, 6, 0x8001)
-    with pytest.raises(wire.FrameError, match="flags"):
-        wire.decode(bytes(bad_flags))
+    with pytest.raises(frames.FrameError, match="flags"):
+        frames.decode(bytes(bad_flags))
     # an int8 tensor whose width is not whole blocks of 68 bytes
-    odd = wire.encode(wire.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, 2]]},
-                      torch.zeros(2, 3 * (wire.Q8_BLOCK + 4) + 1, dtype=torch.int8))
+    odd = frames.encode(frames.FrameType.ACTIVATIONS, 1, 1, {"rows": [[1, 0, 2]]},
+                      torch.zeros(2, 3 * (frames.Q8_BLOCK + 4) + 1, dtype=torch.int8))
     odd = bytearray(odd)
-    struct.pack_into("<H", odd, 6, wire.FLAG_Q8)
-    with pytest.raises(wire.FrameError, match="int8"):
-        wire.decode(bytes(odd))
+    struct.pack_into("<H", odd, 6, frames.FLAG_Q8)
+    with pytest.raises(frames.FrameError, match="int8"):
+        frames.decode(bytes(odd))
 
 
 def test_policy():

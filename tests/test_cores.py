@@ -1,4 +1,4 @@
-"""Co-located stage processes lease cores from one another (engine/cores.py).
+"""Co-located stage processes lease cores from one another (engine/model/cores.py).
 
 flock(2) locks belong to open file descriptions, so two CoreLease objects in one
 process contend exactly as two processes do.
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from engine.cores import CoreLease, home_cores
+from engine.model.cores import CoreLease, home_cores
 
 
 def lease(tmp_path, home, n=2, log=None):
@@ -83,7 +83,7 @@ def test_bad_home_is_refused(tmp_path):
 
 
 def test_local_pipeline_cpu_shares():
-    from engine.local import LocalStages
+    from engine.pipeline.local import LocalStages
 
     n = __import__("os").cpu_count() or 1
     shares = LocalStages(2, share_cores=False).cpu_shares  # 3 processes

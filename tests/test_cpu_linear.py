@@ -1,4 +1,4 @@
-"""Small-batch linear layers on CPU (engine/cpu_linear.py): same results, batch-invariant."""
+"""Small-batch linear layers on CPU (engine/model/cpu_linear.py): same results, batch-invariant."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from engine.cpu_linear import SMALL_ROWS, WIDE_OUT, SmallBatchLinear, small_batch_linear, use_small_batch_linear  # noqa: E402
+from engine.model.cpu_linear import SMALL_ROWS, WIDE_OUT, SmallBatchLinear, small_batch_linear, use_small_batch_linear  # noqa: E402
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.detok import MAX_SPLIT, Detokenizer  # noqa: E402
+from engine.model.detok import MAX_SPLIT, Detokenizer  # noqa: E402
 
 TEXTS = [
     "The capital of France is Paris.",

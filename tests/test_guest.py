@@ -1,4 +1,4 @@
-"""The sharing policy (engine/guest.py) and the NVML readings (engine/gpu.py).
+"""The sharing policy (engine/node/sharing.py) and the NVML readings (engine/node/gpu.py).
 
 No GPU exists here, so NVML is a fake module put in sys.modules: the policy is pure
 and is fed readings by hand.
@@ -11,9 +11,9 @@ import types
 
 import pytest
 
-from engine import gpu
-from engine.gpu import GpuReading, ProcessUse
-from engine.guest import Limits, SharePolicy
+from engine.node import gpu
+from engine.node.gpu import GpuReading, ProcessUse
+from engine.node.sharing import Limits, SharePolicy
 
 OWN = {100, 101}
 

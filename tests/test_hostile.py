@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["POTLUCK_KEYSTORE"] = "file"
 
-from engine import invite as inv  # noqa: E402
-from engine import noise, tunnel  # noqa: E402
+from engine.wire import invite as inv
+from engine.wire import noise
+from engine.wire import tunnel
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 CODE = inv.encode(inv.Invite(b"p" * 8, b"i" * 8, b"s" * 16, b"k" * 32, int(time.time()) + 3600, 2,

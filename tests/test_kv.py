@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.kv import BatchCache, KVCapacityError, KVStore, build_masks, position_ids  # noqa: E402
+from engine.model.kv import BatchCache, KVCapacityError, KVStore, build_masks, position_ids  # noqa: E402
 
 H, D = 2, 4  # kv heads, head dim
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.link_scheduler import LinkScheduler
+from engine.core.link_scheduler import LinkScheduler
 
 
 def drain(s, now=0.0, limit=10_000):

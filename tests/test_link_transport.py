@@ -1,6 +1,6 @@
 """The link scheduler on a real, slow link: decode overtakes a queued 10 MB prefill.
 
-A receiver behind an emulated 40 Mbit/s, 20 ms link (engine/linkemu.py) reassembles
+A receiver behind an emulated 40 Mbit/s, 20 ms link (testkit/linkemu.py) reassembles
 volumes and acknowledges pieces, as a stage does. FIFO (what vLLM and Helix do) makes a
 decode volume wait for the whole prefill; decode-first with just-in-time chunks lets it
 leave within about a chunk plus the small amount in flight.
@@ -13,10 +13,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 
-from engine import wire
-from engine.link import open_link
-from engine.linkemu import ShapedLink
-from engine.volumes import Reassembler
+from engine.wire import frames
+from engine.pipeline.link import open_link
+from testkit.linkemu import ShapedLink
+from engine.wire.volumes import Reassembler
 
 RATE = 40e6          # bit/s: 5 MB/s, so 10 MB takes 2 s
 PREFILL = 10 << 20
@@ -30,11 +30,11 @@ async def start_receiver(read=True, ack=True):
             await asyncio.sleep(3600)  # a peer that stops reading
         r = Reassembler()
         async for data in ws:
-            f = wire.decode(data)
+            f = frames.decode(data)
             piece = memoryview(data)[len(data) - f.tensor.numel():]
             done = r.feed(f.micro_batch, f.meta, piece)
             if ack:
-                await ws.send(wire.control("ack", v=f.micro_batch, bytes=len(piece)))
+                await ws.send(frames.control("ack", v=f.micro_batch, bytes=len(piece)))
             if done is not None:
                 arrivals[f.micro_batch] = time.monotonic()
 
@@ -104,7 +104,7 @@ async def test_ack_for_something_never_sent_is_a_protocol_error():
     try:
         async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
             link = open_link(ws, "jit", decode_time=lambda n: 0.02, ping_interval=0)
-            with pytest.raises(wire.FrameError, match="never sent"):
+            with pytest.raises(frames.FrameError, match="never sent"):
                 link.on_ack(12345, 10)
             await link.close()
     finally:
@@ -125,7 +125,7 @@ async def test_an_unacknowledged_link_delivers_everything_in_order_and_refuses_a
                 await asyncio.sleep(0.05)
             assert set(arrivals) == set(vids)
             assert link.in_flight == 0 and link.sched.link.samples == 0 and not link.failed
-            with pytest.raises(wire.FrameError, match="never sent"):
+            with pytest.raises(frames.FrameError, match="never sent"):
                 link.on_ack(vids[0], 256 << 10)         # it was told there would be none
             await link.close()
     finally:

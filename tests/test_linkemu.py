@@ -1,4 +1,4 @@
-"""Link emulation delivers its nominal rate and delay (engine.linkemu, engine.netns).
+"""Link emulation delivers its nominal rate and delay (testkit.linkemu, testkit.netns).
 
 Tolerances are for a loaded 2-core machine: rates within +-20 %, delays at or above
 nominal and under nominal + 30 ms.
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.linkcheck import (bulk_goodput, echo_rtt, netns_goodput, netns_rtt,  # noqa: E402
                              start_echo)
-from engine.linkemu import ShapedLink  # noqa: E402
-from engine.netns import NetnsError, emulated_network, netns_available, sh  # noqa: E402
+from testkit.linkemu import ShapedLink  # noqa: E402
+from testkit.netns import NetnsError, emulated_network, netns_available, sh  # noqa: E402
 
 RATE_TOL = 0.20
 DELAY_SLACK = 0.030

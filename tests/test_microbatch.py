@@ -1,6 +1,6 @@
 """The micro-batch count: more than the stages only when links leave bubbles."""
 
-from engine.microbatch import choose, predict_throughput
+from engine.core.microbatch import choose, predict_throughput
 
 
 def flat(seconds, per_seq=0.0):

@@ -183,18 +183,19 @@ def test_pausing_drains_in_flight_work_then_tells_the_head(node):
     the reply still completes, then the stage leaves (the head hears it) and the node is paused."""
     import asyncio
 
-    from conftest import pipeline_args
+    from conftest import pipeline_config
 
     call(node, "POST", "/activity", {"idle_seconds": None})  # the owner is here (or we cannot tell)
     call(node, "POST", "/share", {"on": True})
     addr = wait_status(node, lambda s: s["sharing"]["running"])["sharing"]["address"]
 
     async def run():
-        from engine.cli import build_head, close_head
-        from engine.head import Delta
-        from engine.sampling import SamplingParams
+        from engine.pipeline.launch import launch
+        from engine.pipeline.head import Delta
+        from engine.core.sampling import SamplingParams
 
-        head = await build_head(pipeline_args(stage_addr=[addr], pipeline="potluck"))
+        pipe = await launch(pipeline_config(stage_addr=[addr], pipeline="potluck"))
+        head = pipe.head
         loop = asyncio.get_running_loop()
         try:
             handle = head.submit(head.chat_prompt([{"role": "user", "content": "Tell me a long story."}]),
@@ -216,7 +217,7 @@ def test_pausing_drains_in_flight_work_then_tells_the_head(node):
             # told first (wire "pausing"), so the head reports the owner's reason
             assert head.error and "paused" in head.error and "away" in head.error, head.error
         finally:
-            await close_head(head)
+            await pipe.close()
 
     asyncio.run(run())
     st = wait_status(node, lambda s: s["state"] == "paused")

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.models import ModelError, resolve  # noqa: E402
-from engine.stage_model import StageBatch, StageModel  # noqa: E402
-from tiny_models import ARCHS, SLIDING_WINDOW, VOCAB, build_tiny_model  # noqa: E402
+from engine.model.sources import ModelError, resolve  # noqa: E402
+from engine.model.stage import StageBatch, StageModel  # noqa: E402
+from testkit.tiny_models import ARCHS, SLIDING_WINDOW, VOCAB, build_tiny_model  # noqa: E402
 
 MAX_NEW = 12
 PROMPT_LENS = (5, 11, 17)  # two of them longer than the sliding window

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.models import resolve  # noqa: E402
-from engine.stage_model import StageModel  # noqa: E402
-from tiny_models import build_tiny_model  # noqa: E402
+from engine.model.sources import resolve  # noqa: E402
+from engine.model.stage import StageModel  # noqa: E402
+from testkit.tiny_models import build_tiny_model  # noqa: E402
 
 N_LAYERS = 8
 N_STAGES = 4

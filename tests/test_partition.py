@@ -11,9 +11,9 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from engine.models import ModelError  # noqa: E402
-from engine.partition import SAME_SPEED, parse_layers, partition  # noqa: E402
-from engine.stage_model import check_partition, validate_range  # noqa: E402
+from engine.model.sources import ModelError  # noqa: E402
+from engine.core.partition import SAME_SPEED, parse_layers, partition  # noqa: E402
+from engine.core.partition import check_partition, validate_range  # noqa: E402
 
 
 def counts(ranges):
@@ -53,7 +53,7 @@ def test_lm_head_work_counts_against_the_last_stage():
     # SmolLM2-135M: the LM head is ~8 layers' worth of weights read every decode step
     from transformers import LlamaConfig
 
-    from engine.partition import lm_head_layers_estimate
+    from engine.core.partition import lm_head_layers_estimate
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152,
                       num_attention_heads=9, num_key_value_heads=3)

@@ -24,12 +24,12 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from conftest import THREADS, free_port
-from engine import wire
-from engine.head import Delta, Done, Head, PipelineError
-from engine.models import ModelError, ModelSource, resolve
-from engine.partition import parse_layers
-from engine.sampling import SamplingParams
-from engine.stage_server import PROTOCOL_VERSION, StageServer
+from engine.wire import frames
+from engine.pipeline.head import Delta, Done, Head, PipelineError
+from engine.model.sources import ModelError, ModelSource, resolve
+from engine.core.partition import parse_layers
+from engine.core.sampling import SamplingParams
+from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_CMD = ("engine", "stage", "--announce")
@@ -149,10 +149,11 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
     by CPU share; the stages are one compute resource (each borrows every idle core), so
     the head keeps one micro-batch.
     """
-    from conftest import pipeline_args
-    from engine.cli import build_head, close_head
+    from conftest import pipeline_config
+    from engine.pipeline.launch import launch
 
-    head = await build_head(pipeline_args(threads=None))
+    pipe = await launch(pipeline_config(threads=None))
+    head = pipe.head
     try:
         assert head.cores is not None
         n = os.cpu_count() or 1
@@ -174,7 +175,7 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
         assert head.link.sched.link.samples == 0 and not head.link.failed and head.link.in_flight == 0
         await wait_freed(head)
     finally:
-        await close_head(head)
+        await pipe.close()
 
 
 async def test_newcomer_gets_its_own_micro_batch_when_all_are_decoding(pipeline, default_reference):
@@ -347,7 +348,7 @@ async def test_admission_waits_for_kv_budget(tiny_folder, spare_stages):
         assert (await collect(first))[2].finish_reason == "length"
 
         # and the API says 400
-        from engine.api import serve_api
+        from engine.pipeline.api import serve_api
 
         port = free_port()
         runner = await serve_api(head, "127.0.0.1", port)
@@ -393,18 +394,18 @@ async def expect_policy_close(address: str, *messages, timeout: float = 10.0) ->
 async def test_bad_frames_close_only_that_connection(pipeline):
     before = await pipeline.stage_stats()
     hidden = pipeline.config.hidden_size
-    good = wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]}, torch.zeros(2, hidden))
+    good = frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]}, torch.zeros(2, hidden))
     bad_frames = {
         "garbage": b"\x00garbage bytes, not a frame",
         "bad magic": b"XXXX" + good[4:],
         "truncated": good[:-5],
-        "wrong hidden size": wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]},
+        "wrong hidden size": frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]},
                                          torch.zeros(2, hidden + 1)),
-        "wrong dtype": wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]},
+        "wrong dtype": frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 2]]},
                                    torch.zeros(2, hidden, dtype=torch.float16)),
-        "rows disagree with tensor": wire.encode(wire.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 3]]},
+        "rows disagree with tensor": frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10**6, 0, 3]]},
                                                  torch.zeros(2, hidden)),
-        "token frame": wire.encode(wire.FrameType.TOKENS, 0, 1, {"tokens": [[1, 2]]}),
+        "token frame": frames.encode(frames.FrameType.TOKENS, 0, 1, {"tokens": [[1, 2]]}),
         "text frame": "not binary",
     }
     n_bad = 0
@@ -441,7 +442,7 @@ async def inproc_stage():
 
 
 async def test_silent_connection_times_out(inproc_stage, monkeypatch):
-    import engine.stage_server as ss
+    import engine.pipeline.stage_server as ss
 
     monkeypatch.setattr(ss, "HELLO_TIMEOUT", 0.5)
     server, addr = inproc_stage
@@ -492,19 +493,19 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
     # raw: a configure whose fingerprint is not the stage's copy -> an error message
     async with connect(addr) as ws:
         await ws.send(hello(role="control"))
-        assert wire.parse_control(await ws.recv())["type"] == "welcome"
+        assert frames.parse_control(await ws.recv())["type"] == "welcome"
         configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
                          kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None,
                          acks=True)
-        await ws.send(wire.control("configure", fingerprint=fp_a, **configure))
-        msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
+        await ws.send(frames.control("configure", fingerprint=fp_a, **configure))
+        msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "error" and "fingerprint" in msg["message"], msg
         assert server.stage is None
         # the stage is unharmed: the right fingerprint configures it on the same connection
-        await ws.send(wire.control("configure", fingerprint=fp_b, **configure))
-        msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
+        await ws.send(frames.control("configure", fingerprint=fp_b, **configure))
+        msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
         while msg["type"] == "progress":
-            msg = wire.parse_control(await asyncio.wait_for(ws.recv(), 30))
+            msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "configured" and msg["fingerprint"] == fp_b, msg
 
     # a head whose weights (folder A) differ from what its stage processes load under
@@ -568,8 +569,8 @@ async def test_cli_chat_smoke():
 
 async def test_stage_process_dies(tiny_folder):
     """A stage that dies fails its requests with a reason; the head refuses new ones."""
-    from engine.api import serve_api
-    from engine.local import LocalStages
+    from engine.pipeline.api import serve_api
+    from engine.pipeline.local import LocalStages
 
     folder, _ = tiny_folder("llama")
     local = LocalStages(1, threads=THREADS)
@@ -639,8 +640,8 @@ async def test_profiles_follow_the_steps_in_service(inproc_stage, tiny_folder, m
     """A stage times its steps and tells the head when its profile moved; the head's own
     stage refreshes too. Both start from a profile 1000x too slow (as if the machine had
     been busy at startup): after one request the head decides from what the steps took."""
-    import engine.stage_server as ss
-    from engine.profile import StepLog
+    import engine.pipeline.stage_server as ss
+    from engine.core.profile import StepLog
 
     monkeypatch.setattr(ss, "PROFILE_REPORT_S", 0.0)
     server, addr = inproc_stage

@@ -1,4 +1,4 @@
-"""Startup profiling (engine/profile.py): the probes leave the stage as they found it."""
+"""Startup profiling (engine/core/profile.py): the probes leave the stage as they found it."""
 
 import math
 import time
@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from engine.profile import context_cost, interp, measure
-from engine.stage_model import StageModel
+from engine.core.profile import interp
+from engine.model.measure import context_cost, measure
+from engine.model.stage import StageModel
 
 
 def test_probes_leave_no_kv_and_the_budget_as_it_was(default_source):
@@ -33,7 +34,7 @@ def test_a_profile_waits_for_the_machine_and_loads_share_it(tmp_path):
     no load or profile holds the machine, and holds off the next one meanwhile."""
     import threading
 
-    from engine.profile import machine_turn
+    from engine.model.measure import machine_turn
 
     path = str(tmp_path / "turn.lock")
     events = []
@@ -63,7 +64,7 @@ def test_a_profile_waits_for_the_machine_and_loads_share_it(tmp_path):
 
 
 # ---- the profile in service (StepLog) ---------------------------------------------------
-from engine.profile import StepLog, check_profile, differs  # noqa: E402
+from engine.core.profile import StepLog, check_profile, differs  # noqa: E402
 
 STARTUP = {"decode": [[1, 0.030], [2, 0.045], [4, 0.050], [8, 0.060]], "prefill": [[32, 0.1], [256, 0.5]]}
 
@@ -113,12 +114,12 @@ def test_differs_by_more_than_five_percent():
     {"decode": [[1, "0.1"]], "prefill": [[1, 0.1]]}, {"decode": [[1]], "prefill": [[1, 0.1]]},
 ])
 def test_a_profile_from_the_network_is_checked_point_by_point(bad):
-    from engine import wire
+    from engine.wire import frames
 
     with pytest.raises(ValueError):
         check_profile(bad)
     text = '{"type": "profile", "profile": %s}' % __import__("json").dumps(bad)
-    with pytest.raises(wire.FrameError):
-        wire.parse_control(text)
+    with pytest.raises(frames.FrameError):
+        frames.parse_control(text)
     assert check_profile(STARTUP) is STARTUP
-    assert wire.parse_control(wire.control("profile", profile=STARTUP))["profile"] == STARTUP
+    assert frames.parse_control(frames.control("profile", profile=STARTUP))["profile"] == STARTUP

@@ -1,4 +1,4 @@
-"""Prompt chunks sized to the link (engine/prompt_chunk.py): small on a slow link, the
+"""Prompt chunks sized to the link (engine/core/prompt_chunk.py): small on a slow link, the
 cap on a fast one, larger where compression shortens the link time; and what that buys
 a pipeline on a slow link (the simulator, which runs the same function)."""
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import prompt_chunk, wire
-from engine.cli import _add_pipeline_args, _prompt_chunk
-from engine.head import Head
-from engine.profile import interp
-from engine.prompt_chunk import CAP, FLOOR, HEADROOM, prompt_chunk_tokens
+from engine.core import prompt_chunk
+from engine.wire import frames
+from engine.cli import add_pipeline_args, prompt_chunk_arg
+from engine.pipeline.head import Head
+from engine.core.profile import interp
+from engine.core.prompt_chunk import CAP, FLOOR, HEADROOM, prompt_chunk_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import simulator as sim  # noqa: E402
@@ -49,7 +50,7 @@ def test_compression_makes_the_link_faster_so_the_chunk_larger():
     packed = prompt_chunk_tokens(PREFILL, BPT, 4, bw, compress="auto")
     assert plain < packed < CAP
     # the chunk the rule picked is one compression would send as int8
-    nbytes = packed * BPT * wire.q8_ratio(4)
+    nbytes = packed * BPT * frames.q8_ratio(4)
     assert interp(PREFILL, packed) * HEADROOM <= nbytes / bw
 
 
@@ -80,10 +81,10 @@ def test_on_a_slow_link_chunks_sized_to_it_bring_first_tokens_sooner():
 
 
 def test_the_cli_takes_auto_or_tokens_and_says_what_it_wants_otherwise():
-    assert _prompt_chunk("auto") == "auto" and _prompt_chunk("32") == 32
+    assert prompt_chunk_arg("auto") == "auto" and prompt_chunk_arg("32") == 32
     p = argparse.ArgumentParser()
-    _add_pipeline_args(p)
+    add_pipeline_args(p)
     assert p.parse_args([]).prompt_chunk == "auto"   # the default: sized to the link
     for bad in ("0", "-8", "big", "2.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number of tokens"):
-            _prompt_chunk(bad)
+            prompt_chunk_arg(bad)

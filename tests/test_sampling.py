@@ -11,13 +11,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.sampling import (  # noqa: E402
+from engine.core.sampling import (  # noqa: E402
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
-    Sampler,
     SamplingError,
     SamplingParams,
 )
+from engine.model.sampler import Sampler  # noqa: E402
 
 VOCAB = 50
 

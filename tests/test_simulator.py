@@ -201,7 +201,7 @@ def test_cut_ins_per_prompt_step_are_bounded():
 
 def test_a_decode_row_pays_for_the_context_it_attends_to():
     """The decode profile attends to PROFILE_CONTEXT tokens; a row with more context adds
-    ctx_cost of a 1-row step per extra token (engine.profile.context_cost measures it)."""
+    ctx_cost of a 1-row step per extra token (engine.core.profile.context_cost measures it)."""
     decode = sim.Curve([[1, 0.010], [8, 0.020]])
     prefill = sim.Curve([[1, 0.001], [1000, 1.0]])
     a, b = sim.Seq(1, 0.0, 100, 10, generated=5), sim.Seq(2, 0.0, 3, 10, generated=1)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from engine.step_gate import StepGate
+from engine.core.step_gate import StepGate
 
 
 def _prompt_step(gate: StepGate, log: list, layers: int = 6, layer_s: float = 0.02):
@@ -104,7 +104,7 @@ def test_checkpoint_outside_a_gated_step_never_parks():
 
 
 def test_cut_in_on_the_default_model_gives_the_same_numbers(default_source):
-    from engine.stage_model import StageBatch, StageModel
+    from engine.model.stage import StageBatch, StageModel
 
     torch.manual_seed(0)
     hidden = default_source.config().hidden_size

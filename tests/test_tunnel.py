@@ -17,11 +17,11 @@ from websockets.asyncio.client import connect
 
 os.environ["POTLUCK_KEYSTORE"] = "file"
 
-from engine import invite as inv  # noqa: E402
-from engine import noise  # noqa: E402
-from engine.identity import load_or_create_identity  # noqa: E402
-from engine.relay import Limits, Relay  # noqa: E402
-from engine.tunnel import TunnelError, TunnelHost, open_session  # noqa: E402
+from engine.wire import invite as inv
+from engine.wire import noise
+from engine.wire.identity import load_or_create_identity  # noqa: E402
+from engine.wire.relay import Limits, Relay  # noqa: E402
+from engine.wire.tunnel import TunnelError, TunnelHost, open_session  # noqa: E402
 
 
 # ---- invite codes -----------------------------------------------------------------------
@@ -392,7 +392,7 @@ async def test_hop_between_two_joiners_goes_through_the_host(tmp_path):
         w.close()
         # B cannot use A's hop: the host accepts streams only for the hops it gave out
         b_sid = b._next_stream
-        await b.send(__import__("engine.tunnel", fromlist=["OPEN"]).OPEN, b_sid, (1).to_bytes(4, "little"))
+        await b.send(__import__("engine.wire.tunnel", fromlist=["OPEN"]).OPEN, b_sid, (1).to_bytes(4, "little"))
         await asyncio.wait_for(b.closed.wait(), 10)
         assert "does not accept streams" in b.close_reason
         await a.close("done")
@@ -402,7 +402,7 @@ async def test_hop_between_two_joiners_goes_through_the_host(tmp_path):
 
 
 async def test_short_code_hands_over_the_invite_through_the_relay():
-    from engine import shortcode
+    from engine.wire import shortcode
 
     seen: list[bytes] = []
     relay = await Relay(dump=seen.append).start("127.0.0.1", 0)
@@ -432,7 +432,7 @@ async def test_short_code_hands_over_the_invite_through_the_relay():
 
 async def test_joiner_reconnects_as_a_member_after_the_host_restarts(tmp_path):
     from conftest import free_port
-    from engine.tunnel import Joiner
+    from engine.wire.tunnel import Joiner
 
     echo, echo_port = await _echo_server()
     port = free_port()

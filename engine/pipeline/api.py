@@ -1,0 +1,268 @@
+"""OpenAI-compatible HTTP API on the head (aiohttp).
+
+POST /v1/chat/completions, POST /v1/completions (streaming SSE or not), GET /v1/models,
+and GET /v1/potluck/status for the app. Errors use OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}. Bound to loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from engine.pipeline.head import Delta, Done, Head, PipelineError
+from engine.core.sampling import SamplingError, SamplingParams
+
+MAX_BODY = 8 << 20
+DEFAULT_MAX_TOKENS = 256
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
+    v = body.get(name, default)
+    if v is None and allow_none:
+        return default
+    if isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ApiError(f"'{name}' has the wrong type", param=name, code="invalid_type")
+    if not isinstance(v, kinds):
+        raise ApiError(f"'{name}' has the wrong type", param=name, code="invalid_type")
+    return v
+
+
+class Api:
+    def __init__(self, head: Head):
+        self.head = head
+        self.names = {head.source.name, head.source.spec, "default", "potluck"}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/potluck/status", self.status)
+        return app
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return ApiError(exc.reason, code=str(exc.status), status=exc.status).response()
+            raise
+
+    # ---- endpoints ----------------------------------------------------------
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.head.source.name, "object": "model", "created": 0, "owned_by": "potluck"}]})
+
+    async def status(self, request):
+        return web.json_response(self.head.info())
+
+    async def chat(self, request):
+        body = await self._body(request)
+        messages = _field(body, "messages", list, allow_none=False)
+        if not messages:
+            raise ApiError("'messages' must not be empty", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+                raise ApiError(f"messages[{i}] needs a role of system, user or assistant", param="messages")
+            content = m.get("content", "")
+            if isinstance(content, list):  # content parts: text only
+                texts = []
+                for part in content:
+                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                        raise ApiError(f"messages[{i}]: only text content is supported", param="messages")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise ApiError(f"messages[{i}].content must be a string", param="messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            clean.append({"role": role, "content": content})
+        try:
+            prompt = self.head.chat_prompt(clean)
+        except Exception as exc:  # a template that refuses this conversation
+            raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from None
+        return await self._generate(request, body, prompt, chat=True)
+
+    async def completions(self, request):
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.head.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.head.config.vocab_size
+            if any(not (0 <= t < vocab) for t in prompt):
+                raise ApiError("prompt token ids must be within the vocabulary", param="prompt")
+            ids = prompt
+        else:
+            raise ApiError("'prompt' must be a string (or a list of token ids)", param="prompt")
+        return await self._generate(request, body, list(ids), chat=False)
+
+    # ---- shared -------------------------------------------------------------
+    async def _body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise ApiError("the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or model not in self.names):
+            raise ApiError(f"The model '{model}' does not exist; this server serves '{self.head.source.name}'",
+                           param="model", code="model_not_found")
+        return body
+
+    def _params(self, body: dict) -> SamplingParams:
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:  # absent or null: the older name
+            max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise ApiError("'max_tokens' must be an integer", param="max_tokens", code="invalid_type")
+        if max_tokens < 1:
+            raise ApiError("'max_tokens' must be at least 1", param="max_tokens", code="invalid_value")
+        if max_tokens > self.head.context_length:
+            raise ApiError(f"'max_tokens' is {max_tokens} but the context window is {self.head.context_length}",
+                           param="max_tokens", code="invalid_value")
+        n = _field(body, "n", int, 1)
+        if n != 1:
+            raise ApiError("only n=1 is supported", param="n")
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ApiError("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+        temperature = _field(body, "temperature", (int, float), 1.0)
+        try:
+            p = SamplingParams(
+                temperature=float(temperature),
+                top_p=float(_field(body, "top_p", (int, float), 1.0)),
+                top_k=_field(body, "top_k", int, 0),
+                repetition_penalty=float(_field(body, "repetition_penalty", (int, float), 1.0)),
+                seed=_field(body, "seed", int, None),
+                max_tokens=max_tokens,
+                stop=[s for s in (stop or []) if s],
+            )
+            p.validate()
+        except SamplingError as exc:
+            raise ApiError(str(exc), code="invalid_value") from None
+        return p
+
+    async def _generate(self, request, body, prompt: list[int], chat: bool):
+        params = self._params(body)
+        stream = _field(body, "stream", bool, False)
+        opts = _field(body, "stream_options", dict, {}) or {}
+        if len(prompt) >= self.head.context_length:
+            raise ApiError(f"the prompt is {len(prompt)} tokens; the context window is {self.head.context_length}",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        try:
+            handle = self.head.submit(prompt, params)
+        except PipelineError as exc:
+            raise ApiError(f"the pipeline is not serving: {exc}", status=503, type_="server_error") from None
+        except ValueError as exc:
+            raise ApiError(str(exc), code="invalid_value") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        model = self.head.source.name
+        try:
+            if stream:
+                return await self._stream(request, handle, rid, created, model, chat, bool(opts.get("include_usage")))
+            text, done = await handle.text()
+        except asyncio.CancelledError:
+            handle.cancel()  # the client went away
+            raise
+        if done.finish_reason == "error":
+            raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
+        usage = _usage(done)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": done.finish_reason, "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
+                                  "choices": [choice], "usage": usage})
+
+    async def _stream(self, request, handle, rid, created, model, chat, include_usage):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text=None, finish=None, first=False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else (
+                    {"content": delta_text} if delta_text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+        async def send(obj_):
+            await resp.write(b"data: " + json.dumps(obj_).encode() + b"\n\n")
+
+        try:
+            if chat:
+                await send(chunk(first=True))
+            async for ev in handle:
+                if isinstance(ev, Delta):
+                    if ev.text:
+                        await send(chunk(ev.text))
+                elif isinstance(ev, Done):
+                    if ev.finish_reason == "error":
+                        await send({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                              "param": None, "code": None}})
+                    else:
+                        await send(chunk(finish=ev.finish_reason))
+                    if include_usage:
+                        await send({"id": rid, "object": obj, "created": created, "model": model,
+                                    "choices": [], "usage": _usage(ev)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            handle.cancel()  # the client went away (handler cancellation)
+            raise
+        except ConnectionResetError:
+            # the client went away and a write noticed first: nobody to answer, nothing
+            # to log; aiohttp treats the closed transport as a finished response
+            handle.cancel()
+        return resp
+
+
+def _usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # cancels its generation -- otherwise a non-streaming request whose client gave
+    # up keeps its KV and its place in the pipeline until max_tokens.
+    runner = web.AppRunner(Api(head).app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner

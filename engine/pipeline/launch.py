@@ -1,0 +1,93 @@
+"""From a typed PipelineConfig to a running pipeline: stage processes on this machine
+(or friends' stages at given addresses) and a head over them.
+
+    pipe = await launch(PipelineConfig(model="default", stages=3), progress)
+    handle = pipe.head.submit(...)
+    await pipe.close()            # the head's connections, then the local stage processes
+
+The CLI, the node (the tray's engine) and the tests all start pipelines here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.core.partition import parse_layers
+from engine.model.sources import DEFAULT_MODEL, resolve
+from engine.pipeline.head import Head
+from engine.pipeline.local import LocalStages
+
+
+@dataclass
+class PipelineConfig:
+    model: str = DEFAULT_MODEL            # 'default', a hub id, a folder or a .gguf
+    stages: int = 2                       # stage processes on this machine, head included
+    stage_addr: list[str] = field(default_factory=list)   # remote stages in order (replaces `stages`)
+    # how remote stage i reaches stage i+1 when that differs from how the head reaches it
+    # (friends' stages behind tunnels: engine/wire/tunnel.py)
+    next_addresses: list[str | None] | None = None
+    layers: str | None = None             # '0:10,10:30' or '10,20' (None: split by speed and memory)
+    micro_batches: int | None = None      # None: the head picks (and re-picks) the count
+    dtype: str = "float32"
+    threads: int | None = None            # torch threads per process (None: split this CPU's cores)
+    kv_budget_tokens: int | None = None   # per stage (None: from free memory)
+    link: str = "jit"                     # jit | fixed | fifo (engine/core/link_scheduler.py)
+    prompt_chunk: int | str | None = "auto"
+    compress: str = "off"                 # off | auto | prefill | all (engine/core/compression.py)
+    compute: str = "in-order"             # in-order | decode-first (engine/core/step_gate.py)
+    pipeline: str = "local"               # the name stages check at hello
+
+
+@dataclass
+class Pipeline:
+    """A running head and the local stage processes it owns (if any)."""
+    head: Head
+    local: LocalStages | None = None
+
+    async def close(self):
+        await self.head.close()
+        if self.local is not None:
+            await self.local.stop()
+
+    async def __aenter__(self) -> "Pipeline":
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+async def launch(cfg: PipelineConfig, progress=None) -> Pipeline:
+    """Start local stage processes (or reach remote ones) and a head over them."""
+    source = resolve(cfg.model)
+    # a bad split is reported before any stage process starts
+    layers = parse_layers(cfg.layers, source.config().num_hidden_layers) if cfg.layers else None
+    local = None
+    addrs = list(cfg.stage_addr)
+    threads = cfg.threads
+    cores = None
+    if not addrs and cfg.stages > 1:
+        # Stage processes on one machine split its cores: OpenMP threads that outnumber
+        # cores stall each other at every barrier. Unless `threads` fixes it, each
+        # process owns its share and borrows idle cores for big steps (engine/model/cores.py).
+        local = LocalStages(cfg.stages - 1, threads=threads, share_cores=not threads)
+        addrs = await local.start()
+        cores = local.head_cores
+        threads = threads or max(1, (os.cpu_count() or 1) // cfg.stages)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    head = Head(source, addrs, layers=layers, micro_batches=cfg.micro_batches, dtype=cfg.dtype,
+                kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
+                compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
+                pipeline=cfg.pipeline, cores=cores, cpu_shares=local.cpu_shares if cores else None,
+                next_addresses=cfg.next_addresses)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()  # its connections to the stages and its compute thread
+        if local:
+            await local.stop()
+        raise
+    return Pipeline(head, local)

@@ -1,0 +1,99 @@
+"""Stage processes on this machine: a local pipeline for `potluck chat`, tests and benches.
+
+Each child is `python -m engine stage --port 0 --announce`; it prints the port it
+bound and exits when its stdin closes, so a parent that dies (even by SIGKILL) leaves
+no orphans behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+
+from engine.model.cores import CoreLease, apply_openmp_env, cpu_shares, home_cores
+
+ANNOUNCE = "POTLUCK_STAGE_PORT="
+
+
+class LocalStages:
+    def __init__(self, count: int, threads: int | None = None, pipeline: str = "local", device: str = "cpu",
+                 share_cores: bool = False):
+        self.count = count
+        self.threads = threads
+        # share_cores: the children and the head (process 0, which holds stage 0) lease
+        # this machine's cores from one another (engine/model/cores.py); head_cores is the
+        # head's lease
+        self._core_dir = tempfile.mkdtemp(prefix="potluck-cores-") if share_cores else None
+        self._n_cores = os.cpu_count() or 1
+        self.head_cores = None
+        self.cpu_shares = cpu_shares(count + 1, self._n_cores)
+        if self._core_dir:
+            self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
+        self.pipeline = pipeline
+        self.device = device
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.addresses: list[str] = []
+
+    async def start(self) -> list[str]:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self._core_dir:
+            apply_openmp_env(env)  # the stages take turns on the cores (cores.py)
+        # the folder that holds the engine package (this file is engine/pipeline/local.py)
+        src_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = src_root + os.pathsep + env.get("PYTHONPATH", "")
+        for i in range(1, self.count + 1):
+            args = [sys.executable, "-m", "engine", "stage", "--host", "127.0.0.1", "--port", "0",
+                    "--announce", "--pipeline", self.pipeline, "--device", self.device]
+            if self._core_dir:
+                home = home_cores(i, self.count + 1, self._n_cores)
+                args += ["--threads", str(len(home)),
+                         "--core-lease", CoreLease.spec(self._core_dir, home, self._n_cores)]
+            elif self.threads:
+                args += ["--threads", str(self.threads)]
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+            self.procs.append(proc)
+        try:
+            for proc in self.procs:
+                port = await asyncio.wait_for(self._read_port(proc), 120)
+                self.addresses.append(f"ws://127.0.0.1:{port}")
+        except BaseException:
+            await self.stop()  # the ones that did start must not outlive this failure
+            raise
+        return self.addresses
+
+    @staticmethod
+    async def _read_port(proc) -> int:
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a stage process exited before it was ready")
+            text = line.decode(errors="replace").strip()
+            if text.startswith(ANNOUNCE):
+                return int(text[len(ANNOUNCE):])
+
+    async def stop(self):
+        for proc in self.procs:
+            if proc.returncode is None:
+                try:
+                    proc.stdin.close()
+                    proc.terminate()
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        self.procs.clear()
+        if self.head_cores is not None:
+            self.head_cores.close()
+            self.head_cores = None
+        if self._core_dir:
+            shutil.rmtree(self._core_dir, ignore_errors=True)
+            self._core_dir = None

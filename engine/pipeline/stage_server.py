@@ -1,0 +1,492 @@
+"""A stage process: a WebSocket server that holds one slice of the model.
+
+Connections, each opened by a peer and introduced with a `hello`:
+  * control (from the head): configure / free / shutdown; the stage answers with
+    progress, configured, and — on the last stage — the sampled tokens;
+  * data (from the previous stage or the head): activation frames in, which are
+    computed in order and forwarded to the next stage.
+
+A frame that fails validation closes the connection that sent it, with the reason;
+the stage keeps serving. Torch work runs on one compute thread so the event loop
+stays free to move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from engine.wire import frames
+from engine.core.compression import POLICIES as COMPRESS_POLICIES
+from engine.core.compression import should_compress
+from engine.model.device import DTYPES, free_memory, kv_budget_tokens_for, speed_score
+from engine.pipeline.link import LinkSender, open_link
+from engine.core.link_scheduler import MODES as LINK_MODES
+from engine.core.profile import differs, interp
+from engine.model.measure import load_and_measure
+from engine.wire.volumes import Reassembler
+from engine.model.sources import ModelError, resolve
+from engine.core.sampling import SamplingError, SamplingParams
+from engine.model.sampler import Sampler
+from engine.model.stage import StageBatch, StageModel
+from engine.core.step_gate import COMPUTE_ORDERS
+
+log = logging.getLogger("potluck.stage")
+
+# 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
+# refused at hello with the version named, not later with a schema error.
+PROTOCOL_VERSION = 4   # 3: stages send "profile" updates; 4: configure carries `acks`
+HELLO_TIMEOUT = 10.0
+PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
+WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
+                  ping_timeout=60, max_queue=64)
+
+
+class Inbox(asyncio.Queue):
+    """A lane's queue of frames to compute, whose next frame can be looked at without
+    taking it: decode frames that queued up together are computed as one batch."""
+
+    def peek(self):
+        return self._queue[0]
+
+
+class StageServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
+                 device: str = "cpu", threads: int | None = None, cores=None):
+        self.host, self.port = host, port
+        self.cores = cores  # a CoreLease when this machine's cores are shared (engine/model/cores.py)
+        self.pipeline = pipeline
+        self.device = device
+        if threads:
+            torch.set_num_threads(threads)
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        # decode steps' own thread, with compute="decode-first": they cut into prompt
+        # steps between layers (engine/core/step_gate.py); by default everything runs in order
+        self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="decode")
+        self.decode_first = False
+        self.stage: StageModel | None = None
+        self.sampler = Sampler()
+        self._control_ws = None
+        self._next_ws = None
+        self._link: LinkSender | None = None
+        self.profile: dict = {}        # what the head was last told (startup, then StepLog's)
+        self._profile_sent_at = 0.0
+        self.compress = "off"
+        self.acks = True               # until configured (see _configure)
+        self._server = None
+        self._closed = asyncio.Event()
+        self._out: asyncio.Queue | None = None
+        self._sender_task: asyncio.Task | None = None
+        self.rejected_frames = 0
+
+    async def start(self):
+        self._server = await serve(self._handle, self.host, self.port, **WS_OPTIONS)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def wait_closed(self):
+        await self._closed.wait()
+
+    @property
+    def connected(self) -> bool:
+        """Whether a head holds this stage (its control connection is open)."""
+        return self._control_ws is not None
+
+    async def close(self, reason: str | None = None, wait_s: float = 0.0):
+        """Stop serving. With a reason, the head hears it first (close code 1001: going
+        away). With wait_s, wait up to that long until the port is free again."""
+        ws = self._control_ws
+        if reason and ws is not None:
+            try:
+                await ws.close(1001, reason[:120])
+            except Exception:  # the head may be gone already
+                pass
+        if self._server is not None:
+            self._server.close()
+        for ws in (self._next_ws,):
+            if ws is not None:
+                await ws.close()
+        self._closed.set()
+        if wait_s and self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), wait_s)
+            except asyncio.TimeoutError:
+                log.warning("the stage's server took long to close")
+
+    async def notify_pausing(self, reason: str) -> bool:
+        """Tell the head this stage is going away once its sequences in flight finish."""
+        ws = self._control_ws
+        if ws is None:
+            return False
+        try:
+            await ws.send(frames.control("pausing", reason=reason[:500]))
+        except ConnectionClosed:
+            return False
+        return True
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    # ---- connections --------------------------------------------------------
+    async def _handle(self, ws):
+        try:
+            try:
+                first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise frames.FrameError(f"no hello within {HELLO_TIMEOUT:g} s") from None
+            hello = frames.parse_control(first)
+            if hello["type"] != "hello" or hello["role"] not in ("control", "data"):
+                raise frames.FrameError("first message must be hello with role control or data")
+            if hello["version"] != PROTOCOL_VERSION:
+                raise frames.FrameError(f"protocol version {hello['version']} not supported")
+            if hello["pipeline"] != self.pipeline:
+                raise frames.FrameError("wrong pipeline")
+        except (frames.FrameError, ConnectionClosed) as exc:
+            log.warning("refused connection: %s", exc)
+            self.rejected_frames += 1
+            await ws.close(1008, str(exc)[:120] or "bad hello")
+            return
+        if hello["role"] == "control":
+            await self._control(ws)
+        else:
+            await self._data(ws)
+
+    async def _control(self, ws):
+        if self._control_ws is not None:
+            await ws.close(1008, "this stage already has a head")
+            return
+        self._control_ws = ws
+        try:
+            await ws.send(frames.control("welcome", version=PROTOCOL_VERSION,
+                                       free_memory=free_memory(self.device),
+                                       speed=await self._run(speed_score, self.device)))
+            async for text in ws:
+                try:
+                    msg = frames.parse_control(text)
+                except frames.FrameError as exc:
+                    log.warning("bad control message from head: %s", exc)
+                    await ws.close(1008, str(exc)[:120])
+                    return
+                kind = msg["type"]
+                if kind == "configure":
+                    await self._configure(ws, msg)
+                elif kind == "free":
+                    await self._run(self._free, msg["seq_ids"])
+                elif kind == "get_stats":
+                    kv = self.stage.kv if self.stage is not None else None
+                    await ws.send(frames.control("stats", seqs=len(kv.seqs) if kv else 0,
+                                               kv_tokens=kv.used_tokens if kv else 0,
+                                               rejected=self.rejected_frames,
+                                               cut_ins=self.stage.gate.cut_ins if self.stage else 0))
+                elif kind == "shutdown":
+                    await self.close()
+                    return
+        except ConnectionClosed:
+            pass
+        finally:
+            self._control_ws = None
+            # the head is gone: its sequences are gone too
+            if self.stage is not None:
+                await self._run(self._free, list(self.stage.kv.seqs))
+
+    async def _configure(self, ws, msg):
+        loop = asyncio.get_running_loop()
+
+        def progress(done, total, what):
+            loop.call_soon_threadsafe(
+                asyncio.ensure_future,
+                ws.send(frames.control("progress", done=done, total=total, what=what)),
+            )
+
+        def load():
+            source = resolve(msg["model"])
+            dtype = DTYPES.get(msg["dtype"])
+            if dtype is None:
+                raise ModelError(f"unsupported dtype {msg['dtype']}")
+            fp = source.fingerprint()
+            if msg["fingerprint"] and msg["fingerprint"] != fp:
+                raise ModelError(
+                    f"this stage's copy of {msg['model']} differs from the head's "
+                    f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model"
+                )
+            budget = msg["kv_budget_tokens"] or kv_budget_tokens_for(
+                source.config(), (msg["start"], msg["end"]), dtype, self.device)
+            self.stage = None
+            stage, prof = load_and_measure(lambda: StageModel(
+                source, msg["start"], msg["end"], dtype=dtype, device=self.device,
+                kv_budget_tokens=budget, progress=progress, cores=self.cores))
+            return stage, fp, prof
+
+        link_mode = msg["link"] or "jit"
+        if link_mode not in LINK_MODES:
+            await ws.send(frames.control("error", message=f"unknown link mode {link_mode!r}"))
+            return
+        compress = msg["compress"] or "off"
+        if compress not in COMPRESS_POLICIES:
+            await ws.send(frames.control("error", message=f"unknown compression policy {compress!r}"))
+            return
+        self.compress = compress
+        compute = msg["compute"] or "in-order"
+        if compute not in COMPUTE_ORDERS:
+            await ws.send(frames.control("error", message=f"unknown compute order {compute!r}"))
+            return
+        self.decode_first = compute == "decode-first"
+        # whether data links acknowledge pieces (off between processes sharing one CPU:
+        # nothing to measure over loopback, and every ack costs the cores the stages compute on)
+        self.acks = msg["acks"]
+        try:
+            self.stage, fp, self.profile = await self._run(load)
+        except (ModelError, OSError, ValueError) as exc:
+            await ws.send(frames.control("error", message=str(exc)))
+            return
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+        if self._next_ws is not None:
+            await self._next_ws.close()
+            self._next_ws = None
+        if msg["next"]:
+            self._next_ws = await connect(msg["next"], **WS_OPTIONS)
+            await self._next_ws.send(frames.control("hello", role="data", version=PROTOCOL_VERSION,
+                                                  pipeline=self.pipeline))
+            # the profile as last reported: the scheduler's windows follow it too
+            self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
+                                   on_failed=lambda why: log.error("link to the next stage failed: %s", why),
+                                   acked=self.acks)
+        if self._sender_task is not None:
+            self._sender_task.cancel()  # a reconfigure: the old route is gone
+        self._out = asyncio.Queue()
+        self._sender_task = asyncio.ensure_future(self._sender(self._out, self._next_ws))
+        await ws.send(frames.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
+                                   kv_budget_tokens=self.stage.kv.budget_tokens,
+                                   n_layers=self.stage.end - self.stage.start, profile=self.profile))
+
+    def _free(self, seq_ids):
+        if self.stage is None:
+            for s in seq_ids:
+                self.sampler.close(s)
+            return
+        with self.stage.gate.step(decode=False):  # never under a parked step's feet
+            for s in seq_ids:
+                self.stage.free(s)
+                self.sampler.close(s)
+
+    async def _data(self, ws):
+        volumes = Reassembler()
+        # one lane in arrival order (compute="in-order", the default, as vLLM computes),
+        # or decode frames in a lane of their own whose steps cut into prompt steps
+        inbox = Inbox(maxsize=64)
+        decodes = Inbox(maxsize=64) if self.decode_first else inbox
+        # Acknowledgements go out from a task of their own, in order: a decode volume's
+        # step is handed to the compute thread first, and its ack is sent meanwhile.
+        acks: asyncio.Queue = asyncio.Queue()
+        workers = [asyncio.ensure_future(self._work(inbox, self._exec, cut_in=False)),
+                   asyncio.ensure_future(self._send_acks(ws, acks))]
+        if decodes is not inbox:
+            workers.append(asyncio.ensure_future(self._work(decodes, self._decode_exec, cut_in=True)))
+        try:
+            async for data in ws:
+                try:
+                    frame = frames.decode(data)
+                    if frame.type == frames.FrameType.CHUNK:
+                        piece = memoryview(data)[len(data) - frame.tensor.numel():]
+                        done = volumes.feed(frame.micro_batch, frame.meta, piece)
+                        # acknowledge on arrival: the sender measures the link by these
+                        if self.acks:
+                            acks.put_nowait(frames.control("ack", v=frame.micro_batch, bytes=len(piece)))
+                        if done is None:
+                            continue
+                        frame = frames.decode(done[1])
+                    self._check_frame(frame)
+                except frames.FrameError as exc:
+                    self.rejected_frames += 1
+                    log.warning("closing data connection: %s", exc)
+                    await ws.close(1008, str(exc)[:120])
+                    return
+                # bounded: a fast sender waits here, then in TCP
+                await (decodes if _is_decode(frame) else inbox).put(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            for w in workers:
+                w.cancel()
+
+    @staticmethod
+    async def _send_acks(ws, acks: asyncio.Queue):
+        try:
+            while True:
+                await ws.send(await acks.get())
+        except ConnectionClosed:
+            pass
+
+    async def _work(self, inbox: "Inbox", executor, cut_in: bool):
+        """Computes a lane's frames in arrival order. Decode frames that queued up while
+        the previous step ran go through as one batch: decode is memory-bound, so two
+        micro-batches cost about what one does once they meet at a busy stage."""
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await inbox.get()]
+            while _is_decode(batch[0]) and not inbox.empty() and _is_decode(inbox.peek()) \
+                    and sum(len(f.meta["rows"]) for f in batch) < MAX_MERGED_ROWS:
+                batch.append(inbox.get_nowait())
+            link = self._link
+            decode = _is_decode(batch[0])
+            if link is not None and decode:
+                link.sched.decode_compute_started(time.monotonic(), sum(len(f.meta["rows"]) for f in batch))
+            outs = await loop.run_in_executor(executor, self._gated_compute, batch, cut_in)
+            if link is not None and decode:
+                link.sched.decode_compute_finished(time.monotonic())
+            self._report_profile()
+            for out in outs:
+                if out is None:
+                    continue
+                if out[0] == "next" and link is not None and self._out.empty():
+                    # straight onto the link (nothing queued ahead of it to keep in order):
+                    # a decode volume saves the sender task's turn of the event loop
+                    self._submit_next(out[1], out[2])
+                else:
+                    await self._out.put(out)
+
+    def _report_profile(self):
+        """Tell the head this stage's profile as its steps time it (profile.StepLog), at
+        most every PROFILE_REPORT_S and only when a point moved by more than 5%: its
+        micro-batch count and this stage's link scheduler decide from it."""
+        stage, ws = self.stage, self._control_ws
+        log = stage.step_log if stage is not None else None
+        now = time.monotonic()
+        if log is None or ws is None or not log.steps or now - self._profile_sent_at < PROFILE_REPORT_S:
+            return
+        current = log.profile()
+        if not differs(current, self.profile):   # nothing the head does not know
+            return
+        self._profile_sent_at, self.profile = now, current
+        asyncio.ensure_future(self._send_quietly(ws, frames.control("profile", profile=current)))
+
+    @staticmethod
+    async def _send_quietly(ws, message):
+        try:
+            await ws.send(message)
+        except ConnectionClosed:
+            pass   # the head is gone; its control task cleans up
+
+    def _check_frame(self, frame: frames.Frame):
+        if self.stage is None:
+            raise frames.FrameError("stage is not configured")
+        if frame.type != frames.FrameType.ACTIVATIONS:
+            raise frames.FrameError("data connections carry activations only")
+        if frame.tensor.shape[1] != self.stage.hidden_size:
+            raise frames.FrameError(f"hidden size {frame.tensor.shape[1]} != model's {self.stage.hidden_size}")
+        if frame.quantized:
+            frame.tensor = frame.tensor.to(self.stage.dtype)  # int8 blocks, dequantized by wire
+        elif frame.tensor.dtype != self.stage.dtype:
+            raise frames.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
+
+    def _gated_compute(self, frames: list[frames.Frame], cut_in: bool) -> list:
+        with self.stage.gate.step(decode=cut_in):
+            return self._compute(frames)
+
+    def _compute(self, frames: list[frames.Frame]) -> list:
+        """Runs on the compute thread: one output per frame (see _compute_one)."""
+        if len(frames) == 1:
+            return [self._compute_one(frames[0])]
+        stage = self.stage
+        rows = [r for f in frames for r in f.meta["rows"]]
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        try:
+            if stage.last:
+                unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
+                if unknown:
+                    raise ValueError(f"no sampling parameters for sequences {unknown}")
+            out = stage.forward(batch, torch.cat([f.tensor for f in frames]))
+        except (ValueError, SamplingError, RuntimeError):
+            return [self._compute_one(f) for f in frames]  # each frame reports its own error
+        results, o = [], 0
+        for f in frames:
+            ids = [r[0] for r in f.meta["rows"]]
+            part = out[o: o + len(ids)]
+            o += len(ids)
+            if stage.last:
+                meta = {"tokens": [[s, t] for s, t in zip(ids, self.sampler.sample(ids, part))]}
+                results.append(("head", frames.encode(frames.FrameType.TOKENS, f.micro_batch, f.step, meta)))
+            else:
+                q8 = self.compress == "all"
+                results.append(("next", frames.encode(frames.FrameType.ACTIVATIONS, f.micro_batch, f.step,
+                                                    f.meta, part, q8=q8), "decode"))
+        return results
+
+    def _compute_one(self, frame: frames.Frame):
+        """Returns ("head" | "next", bytes[, kind]) to send, or None."""
+        stage = self.stage
+        rows = frame.meta["rows"]
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        try:
+            if stage.last and not frame.meta.get("partial"):
+                for k, v in frame.meta.get("new", {}).items():
+                    if any(t >= stage.vocab_size for t in v["prompt"]):
+                        raise ValueError(f"sequence {k}: prompt token ids outside the vocabulary")
+                    self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
+                unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
+                if unknown:
+                    raise ValueError(f"no sampling parameters for sequences {unknown}")
+            t0 = time.perf_counter()
+            out = stage.forward(batch, frame.tensor)
+            compute_seconds = time.perf_counter() - t0
+        except (ValueError, SamplingError, RuntimeError) as exc:
+            log.warning("step failed: %s", exc)
+            meta = {"tokens": [], "errors": [[s, str(exc)[:500]] for s in batch.seq_ids]}
+            # step 0 tells the head this came from a prompt chunk, not its micro-batch's step
+            step = 0 if frame.meta.get("partial") else frame.step
+            return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta))
+        if stage.last and frame.meta.get("partial"):
+            return None  # a prompt chunk: nothing to sample yet
+        if stage.last:
+            toks = self.sampler.sample(batch.seq_ids, out)
+            meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}
+            return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
+        kind = "decode" if _is_decode(frame) else "prefill"
+        bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
+        q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
+        return ("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
+                                    frame.meta, out, q8=q8), kind)
+
+    def _submit_next(self, data: bytes, kind: str):
+        try:
+            self._link.submit(data, kind)
+        except RuntimeError as exc:
+            log.warning("cannot forward: %s", exc)
+
+    async def _sender(self, queue: asyncio.Queue, next_ws):
+        """Sends in order; a separate task so computing the next step overlaps sending."""
+        while True:
+            where, data, *kind = await queue.get()
+            if where == "next" and self._link is not None:
+                self._submit_next(data, kind[0])
+                continue
+            ws = self._control_ws if where == "head" else next_ws
+            if ws is None:
+                log.warning("dropping a %s frame: no connection", where)
+                continue
+            try:
+                await ws.send(data)
+            except ConnectionClosed:
+                log.warning("%s connection closed while sending", where)
+                if where == "next":
+                    return
+
+
+MAX_MERGED_ROWS = 64
+
+
+def _is_decode(frame: frames.Frame) -> bool:
+    # a step that opens a sequence is prefill even when its last prompt piece is one
+    # token: sent as decode it could overtake that sequence's own queued prompt chunks
+    return not frame.meta.get("partial") and not frame.meta.get("new") \
+        and all(r[2] == 1 for r in frame.meta["rows"])
+

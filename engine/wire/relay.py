@@ -1,0 +1,332 @@
+"""`potluck relay`: pairs a joiner with a host by pipeline id and forwards opaque frames.
+
+Both homes connect out to it (so it works behind NATs):
+
+    GET /v1/host/{pipeline}           the host's control connection (one per pipeline);
+                                      the relay sends {"type": "incoming", "session": id}
+    GET /v1/join/{pipeline}           a joiner; waits until the host accepts
+    GET /v1/accept/{pipeline}/{id}    the host's side of that joiner's channel
+    GET /v1/stats                     counters (JSON)
+
+After pairing it copies binary frames from one side to the other and never looks
+inside: the tunnel (engine/wire/tunnel.py) is end-to-end encrypted, so all it ever holds
+is ciphertext. Limits, each with a clear close reason: frame size, channels per
+pipeline, pipelines in all, time to pair, idle time, bytes per second per pipeline
+(throttled, not dropped: a fast sender waits, then TCP pushes back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import WSMsgType, web
+
+log = logging.getLogger("potluck.relay")
+
+_ID = re.compile(r"^[0-9a-f]{16}$")
+_SID = re.compile(r"^[0-9a-f]{32}$")
+_CHANNEL = re.compile(r"^[0-9]{4}$")
+
+
+@dataclass
+class Limits:
+    max_frame: int = 128 << 10          # bytes per frame
+    max_channels: int = 8               # paired or waiting joiner channels per pipeline
+    max_pipelines: int = 1000
+    pair_timeout: float = 15.0          # seconds a joiner waits for the host to accept
+    idle_timeout: float = 120.0         # seconds without a frame on a channel
+    rate: float = 20e6                  # bytes per second per pipeline (both ways together)
+    burst: float = 4e6
+    handshake_timeout: float = 10.0     # seconds for a new connection to send its request
+    pake_timeout: float = 600.0         # seconds a short-code mailbox waits for its other side
+    max_mailboxes: int = 1000
+
+
+class _Bucket:
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.t = burst, time.monotonic()
+
+    async def take(self, n: int):
+        while True:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+            self.t = now
+            if self.tokens >= min(n, self.burst):
+                self.tokens -= n
+                return
+            await asyncio.sleep((min(n, self.burst) - self.tokens) / self.rate)
+
+
+@dataclass
+class _Pipeline:
+    host: web.WebSocketResponse
+    bucket: _Bucket
+    pending: dict = field(default_factory=dict)     # session id -> Future[host side ws]
+    channels: int = 0
+
+
+class Relay:
+    def __init__(self, limits: Limits | None = None, dump=None):
+        self.limits = limits or Limits()
+        self.pipelines: dict[str, _Pipeline] = {}
+        self.stats: Counter = Counter()
+        self.refused: Counter = Counter()
+        self.dump = dump        # a callable(bytes) that sees every forwarded frame (tests)
+        self._served: set[int] = set()
+        self.mailboxes: dict[str, asyncio.Future] = {}
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=4096, middlewares=[self._mark_served])
+        app.router.add_get("/", self.index)
+        app.router.add_get("/v1/stats", self.stats_view)
+        app.router.add_get("/v1/host/{pipeline}", self.host)
+        app.router.add_get("/v1/join/{pipeline}", self.join)
+        app.router.add_get("/v1/accept/{pipeline}/{session}", self.accept)
+        app.router.add_get("/v1/pake/{channel}", self.pake)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Relay":
+        _quiet_bad_requests()
+        self.runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        self._sweeper = asyncio.ensure_future(self._sweep())
+        return self
+
+    async def _sweep(self):
+        """aiohttp waits forever for a request that never ends: every connection gets
+        `handshake_timeout` seconds to make one (after that the WebSocket's own idle
+        timeout applies)."""
+        first_seen: dict = {}
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            conns = dict(getattr(self.runner.server, "_connections", {}) or {})
+            for handler, transport in conns.items():
+                t0 = first_seen.setdefault(handler, now)
+                if now - t0 > self.limits.handshake_timeout and id(transport) not in self._served \
+                        and not transport.is_closing():
+                    self.refused["no request within the handshake timeout"] += 1
+                    transport.close()
+            for handler in list(first_seen):
+                if handler not in conns:
+                    del first_seen[handler]
+            live = {id(t) for t in conns.values()}
+            self._served &= live
+
+    @web.middleware
+    async def _mark_served(self, request, handler):
+        self._served.add(id(request.transport))
+        return await handler(request)
+
+    async def close(self):
+        if getattr(self, "_sweeper", None) is not None:
+            self._sweeper.cancel()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def _ws(self) -> web.WebSocketResponse:
+        return web.WebSocketResponse(max_msg_size=self.limits.max_frame, heartbeat=30.0, compress=False)
+
+    async def _refuse(self, request, reason: str, code: int = 4000):
+        self.refused[reason] += 1
+        ws = self._ws()
+        await ws.prepare(request)
+        await ws.close(code=code, message=reason.encode()[:120])
+        return ws
+
+    async def index(self, request):
+        return web.Response(text="potluck relay\n")
+
+    async def stats_view(self, request):
+        return web.json_response({"pipelines": len(self.pipelines), "counters": dict(self.stats),
+                                  "refused": dict(self.refused)})
+
+    async def host(self, request):
+        pid = request.match_info["pipeline"]
+        if not _ID.match(pid):
+            return await self._refuse(request, "bad pipeline id")
+        if pid in self.pipelines:
+            return await self._refuse(request, "a host is already registered for this pipeline")
+        if len(self.pipelines) >= self.limits.max_pipelines:
+            return await self._refuse(request, "relay full")
+        ws = self._ws()
+        await ws.prepare(request)
+        p = _Pipeline(ws, _Bucket(self.limits.rate, self.limits.burst))
+        self.pipelines[pid] = p
+        self.stats["hosts"] += 1
+        try:
+            async for msg in ws:        # the host sends nothing; anything else ends it
+                if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    await ws.close(code=4000, message=b"the control connection carries no frames")
+                    break
+        finally:
+            if self.pipelines.get(pid) is p:
+                del self.pipelines[pid]
+            for fut in p.pending.values():
+                if not fut.done():
+                    fut.cancel()
+        return ws
+
+    async def join(self, request):
+        pid = request.match_info["pipeline"]
+        if not _ID.match(pid):
+            return await self._refuse(request, "bad pipeline id")
+        p = self.pipelines.get(pid)
+        if p is None:
+            return await self._refuse(request, "no host online for this pipeline", 4404)
+        if p.channels >= self.limits.max_channels:
+            return await self._refuse(request, "too many connections for this pipeline", 4429)
+        ws = self._ws()
+        await ws.prepare(request)
+        sid = secrets.token_hex(16)
+        fut = asyncio.get_running_loop().create_future()
+        p.pending[sid] = fut
+        p.channels += 1
+        try:
+            try:
+                await p.host.send_str(json.dumps({"type": "incoming", "session": sid}))
+                other = await asyncio.wait_for(fut, self.limits.pair_timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError, ConnectionError, RuntimeError):
+                self.refused["the host did not accept in time"] += 1
+                await ws.close(code=4408, message=b"the host did not accept in time")
+                return ws
+            finally:
+                p.pending.pop(sid, None)
+            self.stats["paired"] += 1
+            host_ws, host_done = other
+            try:
+                a = asyncio.ensure_future(self._forward(ws, host_ws, p.bucket))
+                b = asyncio.ensure_future(self._forward(host_ws, ws, p.bucket))
+                _, pending = await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
+                for t in pending:
+                    t.cancel()
+            finally:
+                await ws.close(code=1000, message=b"the other side left")
+                await host_ws.close(code=1000, message=b"the other side left")
+                host_done.set()
+        finally:
+            p.channels -= 1
+        return ws
+
+    async def accept(self, request):
+        pid, sid = request.match_info["pipeline"], request.match_info["session"]
+        p = self.pipelines.get(pid) if _ID.match(pid) else None
+        fut = p.pending.get(sid) if (p is not None and _SID.match(sid)) else None
+        if fut is None or fut.done():
+            return await self._refuse(request, "no such waiting joiner")
+        ws = self._ws()
+        await ws.prepare(request)
+        done = asyncio.Event()
+        fut.set_result((ws, done))
+        await done.wait()       # the joiner's handler forwards both ways, then sets it
+        return ws
+
+    async def pake(self, request):
+        """Short codes (engine/wire/shortcode.py): the first two connections on a 4-digit
+        channel are paired for one SPAKE2 exchange; small frames only, then it is gone."""
+        ch = request.match_info["channel"]
+        if not _CHANNEL.match(ch):
+            return await self._refuse(request, "bad channel")
+        waiting = self.mailboxes.get(ch)
+        if waiting is not None and waiting.done():
+            return await self._refuse(request, "channel busy")
+        if waiting is None and len(self.mailboxes) >= self.limits.max_mailboxes:
+            return await self._refuse(request, "relay full")
+        ws = web.WebSocketResponse(max_msg_size=4096, heartbeat=30.0, compress=False)
+        await ws.prepare(request)
+        if waiting is not None:                 # the second side: pair and forward both ways
+            done = asyncio.Event()
+            waiting.set_result((ws, done))
+            await done.wait()
+            return ws
+        fut = asyncio.get_running_loop().create_future()
+        self.mailboxes[ch] = fut
+        try:
+            other, done = await asyncio.wait_for(fut, self.limits.pake_timeout)
+        except asyncio.TimeoutError:
+            await ws.close(code=4408, message=b"nobody came")
+            return ws
+        finally:
+            if self.mailboxes.get(ch) is fut:
+                del self.mailboxes[ch]
+        self.stats["pake"] += 1
+        bucket = _Bucket(64 << 10, 64 << 10)
+        try:
+            a = asyncio.ensure_future(self._forward(ws, other, bucket))
+            b = asyncio.ensure_future(self._forward(other, ws, bucket))
+            _, pending = await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+        finally:
+            await ws.close()
+            await other.close()
+            done.set()
+        return ws
+
+    async def _forward(self, src: web.WebSocketResponse, dst: web.WebSocketResponse, bucket: _Bucket):
+        lim = self.limits
+        while True:
+            try:
+                msg = await src.receive(timeout=lim.idle_timeout)
+            except asyncio.TimeoutError:
+                self.refused["idle"] += 1
+                await src.close(code=4408, message=b"idle for too long")
+                return
+            if msg.type == WSMsgType.BINARY:
+                await bucket.take(len(msg.data))
+                if self.dump is not None:
+                    self.dump(msg.data)
+                try:
+                    await dst.send_bytes(msg.data)
+                except (ConnectionError, RuntimeError):
+                    return
+                self.stats["frames"] += 1
+                self.stats["bytes"] += len(msg.data)
+            elif msg.type == WSMsgType.TEXT:
+                self.refused["text frame"] += 1
+                await src.close(code=4000, message=b"binary frames only")
+                return
+            elif msg.type == WSMsgType.ERROR:
+                exc = src.exception()
+                reason = "frame too large" if "size" in str(exc).lower() else "protocol error"
+                self.refused[reason] += 1
+                return
+            else:           # CLOSE, CLOSING, CLOSED
+                return
+
+
+class _BadRequestFilter(logging.Filter):
+    """aiohttp logs a malformed request (a port scan, garbage) as an ERROR with a
+    traceback; it has answered 400 already. One line at INFO is enough."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc, HttpProcessingError):
+            log.info("bad request refused: %s", str(exc).splitlines()[0][:120])
+            return False
+        return True
+
+
+def _quiet_bad_requests():
+    lg = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _BadRequestFilter) for f in lg.filters):
+        lg.addFilter(_BadRequestFilter())
+
+
+async def serve_relay(host: str, port: int, limits: Limits | None = None, dump=None) -> Relay:
+    return await Relay(limits, dump).start(host, port)

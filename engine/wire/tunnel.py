@@ -1,0 +1,708 @@
+"""Encrypted tunnels between homes: the head keeps talking to `ws://127.0.0.1:PORT`.
+
+A joiner (a friend's machine contributing a stage) runs an ordinary StageServer on
+its own loopback and reaches the host with an outbound WebSocket: straight to an
+address in the invite when one answers ("direct"), else through a relay ("relay").
+Over that channel the two run a Noise IK handshake (engine/wire/noise.py: psk1 with the
+invite's join secret the first time, the allowlisted node key after that) and then
+carry *streams*: for each TCP connection the head opens to the peer's loopback port
+on the host, one stream to the joiner's stage server. head.py and stage_server.py
+are unchanged; they see loopback addresses.
+
+Channel messages (WebSocket binary frames):
+
+    joiner -> host   "PLT1" | mode u8 (1 join, 2 member) | pipeline 8 B | invite id 8 B
+                     | Noise message 1   (the 21 bytes before it are the prologue)
+    host -> joiner   0x01 | Noise message 2      or      0x00 | reason (UTF-8, plaintext)
+    then both ways   TransportCipher frames: counter u64 | ChaCha20-Poly1305(inner)
+    inner            type u8 | stream u32 | payload
+
+The joiner's first inner frame is CONFIRM (proof it holds the session keys; only then
+does the host count an invite use and allowlist the key), the host answers READY or
+BYE(reason). A stream's far end connects only to a target that end registered: a
+joiner's own stage server, or on the host a hop it set up; a peer never names an
+address to connect to.
+
+Three or more homes: stage i must reach stage i+1, which lives in another home. The
+host asks the first joiner (LISTEN) for a loopback port whose connections it opens as
+streams to a *hop* the host registered; the host connects each such stream to the
+second joiner's loopback port on the host, i.e. into the second tunnel. Stage-to-stage
+traffic thus goes through the host's machine (both tunnels encrypted end to end with
+the host); a direct joiner-to-joiner tunnel would save that detour and is not built.
+The head tells each stage its next hop's address (Head.next_addresses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from engine.wire.identity import Identity, node_id
+from engine.wire.invite import HostState, Invite, InviteError
+from engine.wire.noise import Initiator, NoiseError, Responder, TransportCipher
+
+log = logging.getLogger("potluck.tunnel")
+
+MAGIC = b"PLT1"
+MODE_JOIN, MODE_MEMBER = 1, 2
+PROLOGUE_LEN = 4 + 1 + 8 + 8
+CHUNK = 32 << 10                 # bytes of a stream per DATA frame
+MAX_MESSAGE = 64 << 10           # channel messages beyond this are refused
+HANDSHAKE_TIMEOUT = 10.0
+CONNECT_TIMEOUT = 5.0
+PING_INTERVAL = 15.0
+DEAD_AFTER = 60.0
+MAX_STREAMS = 32
+WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
+
+CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING = range(1, 11)
+STAGE = 0                        # OPEN's target on a joiner: its own stage server
+_INNER = struct.Struct("<BI")
+
+
+class TunnelError(RuntimeError):
+    """A tunnel could not be set up or was refused; str() says why."""
+
+
+def pack_inner(kind: int, stream: int, payload: bytes = b"") -> bytes:
+    return _INNER.pack(kind, stream) + payload
+
+
+def parse_inner(data: bytes) -> tuple[int, int, bytes]:
+    if len(data) < _INNER.size:
+        raise NoiseError("inner frame shorter than its header")
+    kind, stream = _INNER.unpack_from(data)
+    if not CONFIRM <= kind <= LISTENING:
+        raise NoiseError(f"unknown inner frame type {kind}")
+    return kind, stream, bytes(data[_INNER.size:])
+
+
+def parse_hello(msg) -> tuple[int, bytes, bytes, bytes, bytes]:
+    """(mode, pipeline, invite id, prologue, noise message 1) of a joiner's first message."""
+    if not isinstance(msg, (bytes, bytearray)):
+        raise NoiseError("expected a binary handshake message")
+    msg = bytes(msg)
+    if len(msg) < PROLOGUE_LEN or msg[:4] != MAGIC:
+        raise NoiseError("not a Potluck tunnel handshake")
+    mode = msg[4]
+    if mode not in (MODE_JOIN, MODE_MEMBER):
+        raise NoiseError(f"unknown handshake mode {mode}")
+    return mode, msg[5:13], msg[13:21], msg[:PROLOGUE_LEN], msg[PROLOGUE_LEN:]
+
+
+# ---- a session: streams over one authenticated channel ------------------------------
+class Session:
+    def __init__(self, ws, send_key: bytes, recv_key: bytes, *, role: str, peer_key: bytes, path: str,
+                 target: tuple[str, int] | None = None, name: str = ""):
+        self.ws = ws
+        self.tx, self.rx = TransportCipher(send_key), TransportCipher(recv_key)
+        self.role, self.peer_key, self.path, self.target, self.name = role, peer_key, path, target, name
+        self.streams: dict[int, asyncio.StreamWriter] = {}
+        self._pumps: dict[int, asyncio.Task] = {}
+        self._send_lock = asyncio.Lock()
+        # stream ids: odd from the host, even from the joiner
+        self._next_stream = 1 if role == "host" else 2
+        # what the peer may open streams to: target id -> (host, port) on this machine.
+        # A joiner offers its stage (STAGE); the host offers hops it set up (see
+        # TunnelHost.open_hop), nothing else.
+        self.targets: dict[int, tuple[str, int]] = {STAGE: target} if target else {}
+        self._hop_listeners: dict[int, asyncio.AbstractServer] = {}
+        self._listening: dict[int, asyncio.Future] = {}
+        self.closed = asyncio.Event()
+        self._closing = False
+        self.close_reason = ""
+        self.last_rx = time.monotonic()
+        self.bytes_in = self.bytes_out = 0
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def peer_id(self) -> str:
+        return node_id(self.peer_key)
+
+    async def send(self, kind: int, stream: int = 0, payload: bytes = b""):
+        async with self._send_lock:  # counters must go out in the order they were taken
+            frame = self.tx.encrypt(pack_inner(kind, stream, payload))
+            self.bytes_out += len(frame)
+            await self.ws.send(frame)
+
+    async def recv_inner(self, timeout: float | None = None) -> tuple[int, int, bytes]:
+        data = await asyncio.wait_for(self.ws.recv(), timeout) if timeout else await self.ws.recv()
+        if not isinstance(data, (bytes, bytearray)):
+            raise NoiseError("text frame inside a tunnel")
+        self.bytes_in += len(data)
+        self.last_rx = time.monotonic()
+        return parse_inner(self.rx.decrypt(data))
+
+    def start(self):
+        self._tasks = [asyncio.ensure_future(self._reader()), asyncio.ensure_future(self._keepalive())]
+        return self
+
+    async def close(self, reason: str = "closed"):
+        if self._closing:
+            return
+        self._closing = True
+        self.close_reason = self.close_reason or reason
+        try:
+            await asyncio.wait_for(self.send(BYE, 0, reason.encode()[:200]), 2)
+        except Exception:   # noqa: BLE001  the channel may be gone already
+            pass
+        self.closed.set()
+        await self.ws.close()
+        for t in list(self._pumps.values()) + self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        for w in self.streams.values():
+            w.close()
+        self.streams.clear()
+        for srv in self._hop_listeners.values():
+            srv.close()
+        for fut in self._listening.values():
+            if not fut.done():
+                fut.cancel()
+
+    async def _keepalive(self):
+        while not self.closed.is_set():
+            await asyncio.sleep(PING_INTERVAL)
+            if time.monotonic() - self.last_rx > DEAD_AFTER:
+                await self.close(f"no traffic from the peer for {DEAD_AFTER:g} s")
+                return
+            try:
+                await self.send(PING)
+            except (ConnectionClosed, OSError):
+                await self.close("channel closed")
+                return
+
+    async def _reader(self):
+        try:
+            while True:
+                kind, sid, payload = await self.recv_inner()
+                if kind == DATA:
+                    w = self.streams.get(sid)
+                    if w is not None:
+                        w.write(payload)
+                        await w.drain()
+                elif kind == OPEN:
+                    await self._on_open(sid, payload)
+                elif kind == LISTEN:
+                    await self._on_listen(sid)
+                elif kind == LISTENING:
+                    fut = self._listening.pop(sid, None)
+                    if fut is None or len(payload) != 2:
+                        raise NoiseError("unexpected LISTENING frame")
+                    fut.set_result(struct.unpack("<H", payload)[0])
+                elif kind == CLOSE:
+                    w = self.streams.pop(sid, None)
+                    if w is not None:
+                        w.close()
+                    t = self._pumps.pop(sid, None)
+                    if t is not None:
+                        t.cancel()
+                elif kind == PING:
+                    await self.send(PONG)
+                elif kind == BYE:
+                    self.close_reason = f"the peer closed the tunnel: {payload.decode(errors='replace')[:200]}"
+                    break
+                elif kind in (CONFIRM, READY):
+                    raise NoiseError("handshake frame after the handshake")
+        except NoiseError as exc:
+            log.warning("tunnel from %s: %s", self.peer_id, exc)
+            self.close_reason = str(exc)
+        except (ConnectionClosed, OSError, ConnectionError) as exc:
+            self.close_reason = self.close_reason or f"channel closed ({exc})"
+        await self.close(self.close_reason or "closed")
+
+    async def _on_open(self, sid: int, payload: bytes):
+        target_id = struct.unpack("<I", payload)[0] if len(payload) == 4 else (STAGE if not payload else -1)
+        target = self.targets.get(target_id)
+        if target is None:
+            raise NoiseError("this end does not accept streams" if not self.targets
+                             else f"no stream target {target_id} here")
+        mine = 1 if self.role == "host" else 0
+        if sid % 2 == mine or sid in self.streams or len(self.streams) >= MAX_STREAMS:
+            raise NoiseError("bad stream id, or too many streams")
+        try:
+            reader, writer = await asyncio.open_connection(*target)
+        except OSError as exc:
+            await self.send(CLOSE, sid, f"cannot reach the local stage: {exc}".encode())
+            return
+        self._add_stream(sid, reader, writer)
+
+    async def _on_listen(self, hop: int):
+        """The host asks this joiner for a loopback port whose connections become
+        streams to hop `hop` (the next stage, in another home, reached via the host)."""
+        if self.role != "joiner" or hop in self._hop_listeners or len(self._hop_listeners) >= 4:
+            raise NoiseError("unexpected LISTEN frame")
+
+        async def on_conn(reader, writer):
+            await self.open_stream(reader, writer, target=hop)
+
+        srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+        self._hop_listeners[hop] = srv
+        await self.send(LISTENING, hop, struct.pack("<H", srv.sockets[0].getsockname()[1]))
+
+    async def request_listener(self, hop: int, target: tuple[str, int], timeout: float = 30.0) -> int:
+        """Host side: accept streams to `hop` from this peer (they go to `target`, a
+        loopback port on the host) and have the peer listen for them; returns the
+        peer's local port."""
+        self.targets[hop] = target
+        fut = asyncio.get_running_loop().create_future()
+        self._listening[hop] = fut
+        await self.send(LISTEN, hop)
+        return await asyncio.wait_for(fut, timeout)
+
+    def _add_stream(self, sid, reader, writer):
+        _nodelay(writer)
+        self.streams[sid] = writer
+        self._pumps[sid] = asyncio.ensure_future(self._pump(sid, reader))
+
+    async def _pump(self, sid: int, reader: asyncio.StreamReader):
+        """Local socket -> tunnel, until EOF."""
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    break
+                await self.send(DATA, sid, data)
+        except (ConnectionClosed, OSError, NoiseError):
+            pass
+        finally:
+            self._pumps.pop(sid, None)
+            w = self.streams.pop(sid, None)
+            if w is not None:
+                w.close()
+                if not self.closed.is_set():
+                    try:
+                        await self.send(CLOSE, sid)
+                    except (ConnectionClosed, OSError):
+                        pass
+
+    async def open_stream(self, reader, writer, target: int = STAGE):
+        """Carry this local connection to the peer's `target` (host side: the peer's
+        stage server; joiner side: a hop the host set up)."""
+        if self.closed.is_set():
+            writer.close()
+            return
+        sid = self._next_stream
+        self._next_stream += 2
+        self._add_stream(sid, reader, writer)
+        await self.send(OPEN, sid, b"" if target == STAGE else struct.pack("<I", target))
+
+
+def _nodelay(writer):
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+# ---- the host's side ------------------------------------------------------------------
+@dataclass
+class Peer:
+    key: bytes
+    name: str
+    session: Session | None = None
+    server: asyncio.AbstractServer | None = None
+    port: int = 0
+    joined: float = field(default_factory=time.time)
+
+    @property
+    def node_id(self) -> str:
+        return node_id(self.key)
+
+    @property
+    def address(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    @property
+    def path(self) -> str:
+        return self.session.path if self.session else "offline"
+
+
+class TunnelHost:
+    """Accepts joiners over direct WebSockets and through a relay.
+
+        host = TunnelHost(identity, HostState(folder), on_peer=callback)
+        await host.listen("0.0.0.0", 7870)        # direct, optional
+        await host.use_relay("ws://relay:8765")   # optional
+        code = host.invite(ttl_s=3600, uses=1)    # carries the relay and direct addresses
+        peer = await host.wait_peer()             # a Peer: peer.address is loopback
+    """
+
+    def __init__(self, identity: Identity, state: HostState, on_peer=None, on_event=None):
+        self.identity, self.state = identity, state
+        self.pipeline = state.pipeline
+        self.peers: dict[bytes, Peer] = {}
+        self.on_peer = on_peer
+        self.on_event = on_event or (lambda text: log.info(text))
+        self._joined: asyncio.Queue = asyncio.Queue()
+        self.rejected: Counter = Counter()
+        self.accepted = 0
+        self._seen_ephemeral: OrderedDict = OrderedDict()
+        self._server = None
+        self.direct_addresses: list[str] = []
+        self.relay_url = ""
+        self._relay_task: asyncio.Task | None = None
+        self._tasks: set = set()
+        self._revoke_watch: asyncio.Task | None = None
+        self._hops = 0
+
+    # -- setup
+    async def listen(self, host: str = "0.0.0.0", port: int = 0, advertise: list[str] | None = None):
+        self._server = await serve(lambda ws: self.accept(ws, "direct"), host, port, **WS_OPTIONS)
+        bound = self._server.sockets[0].getsockname()[1]
+        if advertise:
+            self.direct_addresses = [a if a.startswith("ws") else f"ws://{a}:{bound}" for a in advertise]
+        elif host not in ("0.0.0.0", "::"):
+            self.direct_addresses = [f"ws://{host}:{bound}"]
+        else:
+            self.direct_addresses = [f"ws://{a}:{bound}" for a in _local_addresses()]
+        self._watch_revocations()
+        return bound
+
+    async def use_relay(self, url: str):
+        self.relay_url = url.rstrip("/")
+        self._relay_task = asyncio.ensure_future(self._relay_loop())
+        self._watch_revocations()
+
+    def invite(self, ttl_s: float = 24 * 3600, uses: int = 1) -> str:
+        _, code = self.state.create_invite(self.identity.public, self.relay_url, self.direct_addresses,
+                                           ttl_s=ttl_s, max_uses=uses)
+        return code
+
+    async def wait_peer(self) -> Peer:
+        return await self._joined.get()
+
+    async def close(self):
+        if self._relay_task:
+            self._relay_task.cancel()
+        if self._revoke_watch:
+            self._revoke_watch.cancel()
+        if self._server is not None:
+            self._server.close()
+        for p in self.peers.values():
+            if p.session:
+                await p.session.close("host shutting down")
+            if p.server:
+                p.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+
+    # -- the relay
+    async def _relay_loop(self):
+        backoff = 1.0
+        url = f"{self.relay_url}/v1/host/{self.pipeline.hex()}"
+        while True:
+            try:
+                async with connect(url, open_timeout=CONNECT_TIMEOUT, max_size=4096, ping_interval=20) as ctl:
+                    self.on_event(f"relay: registered at {self.relay_url}")
+                    backoff = 1.0
+                    async for text in ctl:
+                        try:
+                            msg = json.loads(text)
+                            sid = str(msg["session"])
+                            if msg.get("type") != "incoming" or not sid.isalnum() or len(sid) > 64:
+                                continue
+                        except (ValueError, KeyError, TypeError):
+                            continue
+                        self._spawn(self._relay_accept(sid))
+                    self.on_event(f"relay: control connection closed ({ctl.close_reason or 'no reason'})")
+            except asyncio.CancelledError:
+                raise
+            except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as exc:
+                self.on_event(f"relay: cannot register at {self.relay_url}: {exc}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    async def _relay_accept(self, sid: str):
+        url = f"{self.relay_url}/v1/accept/{self.pipeline.hex()}/{sid}"
+        try:
+            ws = await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+        except (OSError, InvalidHandshake, asyncio.TimeoutError) as exc:
+            log.warning("relay accept %s failed: %s", sid, exc)
+            return
+        await self.accept(ws, "relay")
+
+    def _spawn(self, coro):
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # -- one joiner
+    async def _reject(self, ws, reason: str):
+        self.rejected[reason] += 1
+        log.info("refused a joiner: %s", reason)
+        try:
+            await asyncio.wait_for(ws.send(b"\x00" + reason.encode()[:500]), 2)
+        except Exception:   # noqa: BLE001
+            pass
+        await ws.close(1008, reason[:120])
+
+    async def accept(self, ws, path: str):
+        """Handles one channel (direct or relayed) until its session ends."""
+        try:
+            session = await self._handshake(ws, path)
+        except _Refused as exc:
+            await self._reject(ws, str(exc))
+            return
+        except (ConnectionClosed, OSError):
+            self.rejected["closed during the handshake"] += 1
+            return
+        except Exception as exc:   # noqa: BLE001  nothing a peer sends may take the host down
+            log.exception("unexpected error in a handshake")
+            await self._reject(ws, f"internal error: {type(exc).__name__}")
+            return
+        await session.closed.wait()
+        self.on_event(f"peer {session.peer_id} ({session.name}) disconnected: {session.close_reason}")
+
+    async def _handshake(self, ws, path: str) -> Session:
+        try:
+            first = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise _Refused(f"no handshake within {HANDSHAKE_TIMEOUT:g} s") from None
+        try:
+            mode, pipeline, invite_id, prologue, msg1 = parse_hello(first)
+        except NoiseError as exc:
+            raise _Refused(str(exc)) from None
+        if pipeline != self.pipeline:
+            raise _Refused("this host serves another pipeline")
+        psk = None
+        if mode == MODE_JOIN:
+            try:
+                psk = self.state.invite_psk(invite_id)
+            except InviteError as exc:
+                raise _Refused(str(exc)) from None
+        r = Responder(self.identity.private, prologue, psk=psk)
+        try:
+            payload = r.read_1(msg1)
+        except NoiseError as exc:
+            raise _Refused(str(exc)) from None
+        if r.re in self._seen_ephemeral:
+            raise _Refused("replayed handshake")
+        self._seen_ephemeral[r.re] = True
+        while len(self._seen_ephemeral) > 100_000:
+            self._seen_ephemeral.popitem(last=False)
+        key = r.remote_static
+        if mode == MODE_MEMBER:
+            try:
+                self.state.check_member(key)
+            except InviteError as exc:
+                raise _Refused(str(exc)) from None
+        try:
+            hello = json.loads(payload or b"{}")
+            name = str(hello.get("name", ""))[:64] if isinstance(hello, dict) else ""
+        except ValueError:
+            name = ""
+        await ws.send(b"\x01" + r.write_2(json.dumps({"pipeline": self.pipeline.hex()}).encode()))
+        send_key, recv_key = r.keys()
+        session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name)
+        try:
+            kind, _, _ = await session.recv_inner(HANDSHAKE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise _Refused("no confirmation within the handshake timeout") from None
+        except NoiseError as exc:
+            raise _Refused(str(exc)) from None
+        if kind != CONFIRM:
+            raise _Refused("expected a confirmation")
+        if mode == MODE_JOIN:
+            try:
+                self.state.record_join(invite_id, key, name)
+            except InviteError as exc:
+                await session.send(BYE, 0, str(exc).encode())
+                raise _Refused(str(exc)) from None
+        await session.send(READY)
+        self.accepted += 1
+        await self._attach(session)
+        return session
+
+    async def _attach(self, session: Session):
+        peer = self.peers.get(session.peer_key)
+        if peer is None:
+            peer = Peer(session.peer_key, session.name)
+            self.peers[session.peer_key] = peer
+
+            async def on_conn(reader, writer):
+                s = peer.session
+                if s is None or s.closed.is_set():
+                    writer.close()
+                    return
+                await s.open_stream(reader, writer)
+
+            peer.server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+            peer.port = peer.server.sockets[0].getsockname()[1]
+            fresh = True
+        else:
+            fresh = False
+            if peer.session is not None:
+                await peer.session.close("replaced by a new connection")
+        peer.session = session.start()
+        self.on_event(f"peer {peer.node_id} ({peer.name or 'unnamed'}) connected via {session.path}")
+        if fresh:
+            await self._joined.put(peer)
+            if self.on_peer:
+                self.on_peer(peer)
+
+    async def open_hop(self, src: Peer, dst: Peer) -> str:
+        """Stage on `src` -> stage on `dst`, both in other homes: `src` gets a loopback
+        port whose connections travel src -> host -> dst inside the two tunnels.
+        Returns the address the stage on `src` should use for its next stage."""
+        self._hops += 1
+        port = await src.session.request_listener(self._hops, ("127.0.0.1", dst.port))
+        return f"ws://127.0.0.1:{port}"
+
+    def _watch_revocations(self):
+        if self._revoke_watch is None:
+            self._revoke_watch = asyncio.ensure_future(self._revocations())
+
+    async def _revocations(self):
+        while True:
+            await asyncio.sleep(2.0)
+            for key, peer in list(self.peers.items()):
+                if peer.session is not None and not peer.session.closed.is_set():
+                    try:
+                        self.state.check_member(key)
+                    except InviteError as exc:
+                        self.on_event(f"peer {peer.node_id}: {exc}; disconnecting")
+                        await peer.session.close(str(exc))
+
+
+class _Refused(Exception):
+    pass
+
+
+def _local_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 addresses (for an invite's direct list)."""
+    import psutil
+
+    out = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                out.append(a.address)
+    return out
+
+
+# ---- the joiner's side ----------------------------------------------------------------
+def _hello_prefix(mode: int, pipeline: bytes, invite_id: bytes) -> bytes:
+    return MAGIC + bytes([mode]) + pipeline + invite_id
+
+
+async def open_session(invite: Invite, identity: Identity, target: tuple[str, int], *, name: str = "",
+                       member: bool = False, prefer: str = "auto", log_event=None) -> Session:
+    """Reach the host (direct addresses first, then the relay), authenticate, and
+    return a started Session whose streams lead to `target` (our stage server).
+    prefer: "auto", "direct" or "relay". Raises TunnelError with the reasons."""
+    say = log_event or (lambda text: log.info(text))
+    routes = []
+    if prefer in ("auto", "direct"):
+        routes += [("direct", a) for a in invite.direct]
+    if prefer in ("auto", "relay") and invite.relay:
+        routes.append(("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}"))
+    if not routes:
+        raise TunnelError(f"the code offers no {prefer} route")
+    errors = []
+    for path, url in routes:
+        try:
+            ws = await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+        except (OSError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as exc:
+            errors.append(f"{path} {url}: {exc or type(exc).__name__}")
+            say(f"{path} route {url} unreachable ({exc or type(exc).__name__})")
+            continue
+        try:
+            return await _client_handshake(ws, invite, identity, target, name, member, path)
+        except TunnelError:
+            await ws.close()
+            raise           # the host answered and refused: another route would too
+        except (ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
+            await ws.close()
+            reason = getattr(exc, "rcvd", None)
+            reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
+            errors.append(f"{path} {url}: {reason}")
+            say(f"{path} route {url} failed ({reason})")
+    raise TunnelError("cannot reach the host: " + "; ".join(errors))
+
+
+async def _client_handshake(ws, invite: Invite, identity: Identity, target, name, member, path) -> Session:
+    mode = MODE_MEMBER if member else MODE_JOIN
+    prologue = _hello_prefix(mode, invite.pipeline, b"\x00" * 8 if member else invite.invite_id)
+    ini = Initiator(identity.private, invite.host_key, prologue, psk=None if member else invite.psk())
+    await ws.send(prologue + ini.write_1(json.dumps({"name": name[:64], "t": int(time.time())}).encode()))
+    answer = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT * 2)
+    if not isinstance(answer, (bytes, bytearray)) or not answer:
+        raise TunnelError("the host answered something that is not a handshake")
+    if answer[0] == 0:
+        raise TunnelError(f"the host refused: {bytes(answer[1:]).decode(errors='replace')[:500]}")
+    try:
+        ini.read_2(answer[1:])
+    except NoiseError as exc:
+        raise TunnelError(str(exc)) from None
+    send_key, recv_key = ini.keys()
+    session = Session(ws, send_key, recv_key, role="joiner", peer_key=invite.host_key, path=path,
+                      target=target, name=name)
+    await session.send(CONFIRM)
+    try:
+        kind, _, payload = await session.recv_inner(HANDSHAKE_TIMEOUT * 2)
+    except NoiseError as exc:
+        raise TunnelError(str(exc)) from None
+    if kind == BYE:
+        raise TunnelError(f"the host refused: {payload.decode(errors='replace')[:500]}")
+    if kind != READY:
+        raise TunnelError("the host did not confirm the session")
+    return session.start()
+
+
+class Joiner:
+    """Keeps this machine's stage connected to the host: the first session joins with
+    the invite; after a drop it reconnects as a member (its key is allowlisted)."""
+
+    def __init__(self, invite: Invite, identity: Identity, target: tuple[str, int], name: str = "",
+                 prefer: str = "auto", on_event=None):
+        self.invite, self.identity, self.target, self.name, self.prefer = invite, identity, target, name, prefer
+        self.on_event = on_event or (lambda text: log.info(text))
+        self.session: Session | None = None
+        self.member = False
+
+    async def connect(self) -> Session:
+        self.session = await open_session(self.invite, self.identity, self.target, name=self.name,
+                                          member=self.member, prefer=self.prefer, log_event=self.on_event)
+        self.member = True
+        self.on_event(f"connected to the host via {self.session.path}")
+        return self.session
+
+    async def run(self):
+        """Reconnects until the host refuses us (revoked) or is gone for good."""
+        if self.session is None:
+            await self.connect()
+        delay = 1.0
+        while True:
+            await self.session.closed.wait()
+            self.on_event(f"tunnel closed: {self.session.close_reason}")
+            if "revoked" in self.session.close_reason:
+                raise TunnelError(self.session.close_reason)
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    await self.connect()
+                    delay = 1.0
+                    break
+                except TunnelError as exc:
+                    if "refused" in str(exc):
+                        raise
+                    self.on_event(f"reconnect failed: {exc}")
+                    delay = min(delay * 2, 30.0)
+
+
+def default_name() -> str:
+    return os.environ.get("POTLUCK_NAME") or socket.gethostname()[:64]
