@@ -346,7 +346,7 @@ def fuzz(t: Tally, n: int, code: str):
 
     key = os.urandom(32)
     sender = noise.TransportCipher(key)
-    frames = [sender.encrypt(tunnel.pack_inner(tunnel.DATA, 1, os.urandom(20))) for _ in range(3)]
+    sealed = [sender.encrypt(tunnel.pack_inner(tunnel.DATA, 1, os.urandom(20))) for _ in range(3)]
 
     def transport(b):
         rx = noise.TransportCipher(key)
@@ -355,9 +355,9 @@ def fuzz(t: Tally, n: int, code: str):
     g = guard("fuzz: tunnel transport", transport, noise.NoiseError)
 
     @cfg
-    @given(st.one_of(st.binary(max_size=200), st.sampled_from(frames[1:]),
-                     st.tuples(st.integers(0, len(frames[0]) - 1), st.integers(1, 255)).map(
-                         lambda e: frames[0][:e[0]] + bytes([frames[0][e[0]] ^ e[1]]) + frames[0][e[0] + 1:])))
+    @given(st.one_of(st.binary(max_size=200), st.sampled_from(sealed[1:]),
+                     st.tuples(st.integers(0, len(sealed[0]) - 1), st.integers(1, 255)).map(
+                         lambda e: sealed[0][:e[0]] + bytes([sealed[0][e[0]] ^ e[1]]) + sealed[0][e[0] + 1:])))
     def f4(b):
         g(b)
 
@@ -553,11 +553,11 @@ async def attack_stage(t: Tally, w: dict, n: int):
     import torch
 
     good = frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[10 ** 6, 0, 1]]}, torch.zeros(1, 576))
-    frames = [os.urandom(random.randint(0, 3000)) for _ in range(n)]
-    frames += [good[:30], good[:-1], good + b"\0", good[:20] + b"\xff\xff\xff\x7f" + good[24:],
+    blobs = [os.urandom(random.randint(0, 3000)) for _ in range(n)]
+    blobs += [good[:30], good[:-1], good + b"\0", good[:20] + b"\xff\xff\xff\x7f" + good[24:],
                frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[1, 0, 1]]}, torch.zeros(1, 7)),
                os.urandom(4 << 20)]
-    for kind, reason in await gather_limited([data_then(f) for f in frames], 8):
+    for kind, reason in await gather_limited([data_then(f) for f in blobs], 8):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
     hellos = [os.urandom(50), "not json", json.dumps({"type": "hello"}),
               frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="someone-else"),

@@ -128,7 +128,7 @@ async def test_default_model_matches_transformers(pipeline, default_reference):
     prompts = [pipeline.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
     assert len({len(p) for p in prompts}) == len(prompts)
     # "auto" (the default) keeps 64-token chunks over loopback: the measured link is fast
-    assert pipeline.prefill_chunk == "auto" and pipeline.prompt_chunk_tokens() == 64
+    assert pipeline.sched.prefill_chunk == "auto" and pipeline.prompt_chunk_tokens() == 64
     assert max(len(p) for p in prompts) > 2 * pipeline.prompt_chunk_tokens()
     handles = [pipeline.submit(p, greedy(max_new)) for p in prompts]
     results = await asyncio.gather(*(collect(h) for h in handles))
@@ -660,8 +660,7 @@ async def test_profiles_follow_the_steps_in_service(inproc_stage, tiny_folder, m
         deadline = time.monotonic() + 10
         while head.profiles[1] == remote and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        head._retuned_at = 0.0
-        head._retune()
+        head.refresh_own_profile()
         for p, slow_p, log in ((head.profiles[1], remote, server.stage.step_log),
                                (head.profiles[0], local, head.stage0.step_log)):
             assert log.steps >= 39     # every decode step was timed

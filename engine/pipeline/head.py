@@ -1,11 +1,10 @@
 """The head: owns the requests, runs stage 0, and keeps every stage busy.
 
-Requests wait in a queue until the pipeline's KV budget can hold them (prompt +
-max_tokens on every stage), then join one of K micro-batches at an iteration
-boundary (continuous batching). Each micro-batch cycles head -> stage 1 -> ... ->
-last stage -> head; with K >= number of stages every stage has work while the others
-compute. Tokens stream to each request's queue as they arrive; a finished or
-cancelled sequence is freed on every stage.
+A thin asyncio driver around the core scheduler (engine/core/scheduler.py), which
+decides admission, micro-batches and prompt chunks: the head connects the stages,
+computes stage 0's share of each step, hands volumes to the link, streams tokens to
+each request's queue as they arrive, and frees a finished or cancelled sequence on
+every stage.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,14 +24,13 @@ from engine.wire import frames
 from engine.model.detok import Detokenizer
 from engine.model.device import DTYPES, free_memory, kv_budget_tokens_for, speed_score
 from engine.model.sources import ModelError, ModelSource
-from engine.core import microbatch
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.partition import layer_bytes_estimate, lm_head_layers_estimate, partition
 from engine.core.profile import interp
+from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
-from engine.core import prompt_chunk
 from engine.core.sampling import SamplingParams
 from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
@@ -64,27 +61,19 @@ class Done:
     seconds: float = 0.0
 
 
-@dataclass
-class Sequence:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    queue: asyncio.Queue
+@dataclass(eq=False)
+class Sequence(Seq):
+    """A request: the scheduler's view of it (core Seq) and what the head streams."""
+    prompt: list[int] = field(kw_only=True)
+    params: SamplingParams = field(kw_only=True)
+    queue: asyncio.Queue = field(kw_only=True)
     generated: list[int] = field(default_factory=list)
-    pos: int = 0                 # tokens cached on the stages
-    in_flight: int = 0           # tokens of the step now in the pipeline (0: none)
-    opened: bool = False         # the last stage has its sampling parameters
     cancelled: bool = False
-    done: bool = False
     needs_free: bool = False     # finished while a step was in flight: free when it returns
     text: str = ""               # decoded so far (emitted)
     detok: Detokenizer | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
-
-    @property
-    def reservation(self) -> int:
-        return len(self.prompt) + self.params.max_tokens
 
 
 class RequestHandle:
@@ -115,15 +104,6 @@ class RequestHandle:
 
 
 @dataclass
-class Group:
-    id: int
-    seqs: list[Sequence] = field(default_factory=list)
-    in_flight: bool = False
-    step: int = 0
-    retiring: bool = False       # the controller wants fewer micro-batches: admit nobody
-
-
-@dataclass
 class RemoteStage:
     address: str
     ws: object = None
@@ -149,45 +129,21 @@ class Head:
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
-        # Stage processes that lease this CPU's cores (cores.py) are one compute
-        # resource: every step runs on all the idle cores, so one micro-batch
-        # keeps the whole CPU busy, stage after stage, and every extra micro-batch only
-        # re-reads the weights (8 requests on 2 local stages: 2 micro-batches of one
-        # core each decoded at 0.75x the single process, one on both cores 0.86-0.95x). On
-        # separate machines each stage is its own resource: as many as there are stages.
-        self.micro_batches = micro_batches or (1 if cores is not None else self.n_stages)
-        # with no fixed count, the controller (microbatch.py) picks M..2M from the
-        # measured compute and link figures, and re-picks as they change
-        # Not for stages sharing this CPU: they talk over loopback, so there are no
-        # transmission bubbles to fill, and each extra micro-batch re-reads the weights
-        # (measured: the controller went to 3 on 2 local stages, decode 0.48x single).
-        self.dynamic_micro_batches = micro_batches is None and self.n_stages > 1 and cores is None
         # Data links acknowledge every piece so the sender can measure the link, except
         # between processes sharing this CPU: over loopback there is nothing to measure,
-        # and each ack is a message handled on two ends while the cores compute a step
-        # (bench/overhead.py, 3 stages, 8 requests: see README).
+        # and each ack is a message handled on two ends while the cores compute a step.
         self.acks = cores is None
-        self._retuned_at = 0.0
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.device = device
         self.kv_budget_override = kv_budget_tokens
-        self.max_batch = max_batch
-        # Long prompts travel in chunks so stage 1 computes chunk k while the head
-        # computes chunk k+1 (None: whole prompts). Pointless without remote stages.
-        # "auto" (the default): sized to the measured link, prompt by prompt
-        # (prompt_chunk.py); 64 tokens where there is no link to measure.
-        if not (prefill_chunk is None or prefill_chunk == "auto"
-                or (type(prefill_chunk) is int and prefill_chunk > 0)):
-            raise ValueError("prefill_chunk must be a positive number of tokens, 'auto' or None")
-        self.prefill_chunk = prefill_chunk if stage_addresses else None
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
         if compress not in COMPRESS_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESS_POLICIES}")
         self.compress = compress            # off | auto | prefill | all (see compression.py)
         # in-order: steps in arrival order, as vLLM computes; decode-first: decode steps cut
-        # into prompt steps between layers (step_gate.py). bench/weaklink.py at the paper's
-        # reference point: time per token 0.135 -> 0.127 s, first token 1.13 -> 1.24 s.
+        # into prompt steps between layers (core/step_gate.py): lower time per token for
+        # later first tokens (bench/weaklink.py's +cut-in measures the trade)
         if compute not in COMPUTE_ORDERS:
             raise ValueError(f"compute order must be one of {COMPUTE_ORDERS}")
         self.compute = compute
@@ -206,19 +162,17 @@ class Head:
         self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="head-decode")
         self._ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}
-        self.waiting: list[Sequence] = []
-        self.groups: list[Group] = []
+        # the decisions: who runs, in which micro-batch, how prompts are cut (sans-I/O)
+        self.sched = Scheduler(self.n_stages, micro_batches=micro_batches, shared_cpu=cores is not None,
+                               max_batch=max_batch, prompt_chunk=prefill_chunk,
+                               dtype_bytes=self.dtype.itemsize, compress=compress)
         self.sampler = Sampler()   # used when the head is also the last stage
         self.stage0: StageModel | None = None
         self._data_ws = None
         self._readers: list[asyncio.Task] = []
-        self.reserved = 0
-        self.capacity = 0
         self.ranges: list[tuple[int, int]] = []
         self.error: str | None = None
-        self.pausing: str | None = None  # a stage said it is going (wire "pausing")
         self._kick_pending = False
-        self._last_steps: dict[int, int] = {}  # step counters of removed micro-batches (stale frames)
         self.tokens_served = 0
 
     # ---- setup --------------------------------------------------------------
@@ -311,7 +265,8 @@ class Head:
         self.stage0, profile0 = results[0]
         self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
         budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
-        self.capacity = min(budgets)
+        self.sched.capacity = min(budgets)
+        self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
 
         if self.remotes:
             self._data_ws = await connect(self.remotes[0].address, **WS_OPTIONS)
@@ -322,8 +277,41 @@ class Head:
                                   acked=self.acks)
             for i, r in enumerate(self.remotes):
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r)))
-        self.groups = [Group(i) for i in range(self.micro_batches)]
         return self
+
+    # the scheduler's state, as the rest of the engine and the tests read it
+    @property
+    def groups(self) -> list[Group]:
+        return self.sched.groups
+
+    @property
+    def waiting(self) -> list[Seq]:
+        return self.sched.waiting
+
+    @property
+    def micro_batches(self) -> int:
+        return self.sched.micro_batches
+
+    @property
+    def dynamic_micro_batches(self) -> bool:
+        return self.sched.dynamic
+
+    @property
+    def capacity(self) -> int:
+        return self.sched.capacity
+
+    @property
+    def reserved(self) -> int:
+        return self.sched.reserved
+
+    @property
+    def pausing(self) -> str | None:
+        """Why admission is held: a stage said it is going (wire "pausing")."""
+        return self.sched.pausing
+
+    @pausing.setter
+    def pausing(self, why: str | None):
+        self.sched.pausing = why
 
     async def close(self):
         for t in self._readers:
@@ -348,7 +336,7 @@ class Head:
             "micro_batches": self.micro_batches,
             "kv_capacity_tokens": self.capacity,
             "kv_reserved_tokens": self.reserved,
-            "running": sum(len(g.seqs) for g in self.groups),
+            "running": self.sched.running(),
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
             "pausing": self.pausing,
@@ -373,12 +361,13 @@ class Head:
             raise PipelineError(self.error)
         # never reserve beyond the context window: generation stops there anyway
         params.max_tokens = min(params.max_tokens, self.context_length - len(prompt))
-        seq = Sequence(next(self._ids), list(prompt), params, asyncio.Queue())
+        seq = Sequence(next(self._ids), len(prompt), params.max_tokens, prompt=list(prompt), params=params,
+                       queue=asyncio.Queue())
         if seq.reservation > self.capacity:
             raise ValueError(f"this request needs {seq.reservation} tokens of KV cache but the pipeline "
                              f"holds at most {self.capacity}; lower max_tokens or shorten the prompt")
         self.seqs[seq.id] = seq
-        self.waiting.append(seq)
+        self.sched.add(seq)
         # kick on the loop's next turn, once: requests submitted together (a burst, a
         # client's batch) then start in one step instead of the first alone and the
         # rest prefilling a step later alongside its decode
@@ -396,83 +385,26 @@ class Head:
         if seq is None or seq.done:
             return
         seq.cancelled = True
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        if self.sched.withdraw(seq):
             self._finish(seq, "cancelled", free=False)
         elif not seq.in_flight:
             self._finish(seq, "cancelled")
         # else: finished when its step comes back
 
     # ---- scheduling ---------------------------------------------------------
-    def _retune(self):
-        """Re-pick the micro-batch count at most twice a second."""
-        now = time.monotonic()
-        if now - self._retuned_at < 0.5:
-            return
-        self._retuned_at = now
-        log = self.stage0.step_log if self.stage0 is not None else None
-        if log is not None and log.steps:   # the head's own stage, as its steps time it
-            self.profiles[0] = log.profile()
-        if not self.dynamic_micro_batches or self.link is None:
-            return
-        n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
-        est = self.link.sched.link
-        hop_bytes = self.config.hidden_size * self.dtype.itemsize
-        stage_curves = [(lambda b, p=p: interp(p["decode"], b)) for p in self.profiles]
-        busy = [(lambda b: b * hop_bytes / est.bandwidth)] * (self.n_stages - 1)
-        # path delay only: queueing behind our own volumes is what `busy` models
-        one_way = (est.rtt_min if est.rtt_min != float("inf") else est.rtt) / 2
-        latency = [one_way] * self.n_stages  # the last hop carries tokens: a few bytes
-        k = microbatch.choose(self.n_stages, n_seqs, stage_curves, busy, latency)
-        for g in self.groups:
-            g.retiring = g.id >= k
-        while len(self.groups) < k:
-            self.groups.append(Group(len(self.groups)))
-        while len(self.groups) > k and not self.groups[-1].seqs and not self.groups[-1].in_flight:
-            self.groups.pop()  # only trailing ones: ids of groups in flight stay valid
-        self.micro_batches = len([g for g in self.groups if not g.retiring])
-
     def _kick(self):
-        self._retune()
-        # Trailing micro-batches beyond the count, empty and idle, go (ids stay valid).
-        while len(self.groups) > max(1, self.micro_batches) and not self.groups[-1].seqs \
-                and not self.groups[-1].in_flight:
-            self._last_steps[self.groups[-1].id] = self.groups[-1].step
-            self.groups.pop()
-        idle = [g for g in self.groups if not g.in_flight]
-        # A newcomer that joins a decoding micro-batch holds its members' next token
-        # until its whole prompt has crossed every link and stage (on a weak link,
-        # most of a second, once per newcomer). So newcomers fill empty micro-batches
-        # first, and when every micro-batch is decoding, a dynamic count (M..2M) opens
-        # one more for them: it fills the links' bubbles meanwhile and leaves when its
-        # requests finish. (A fixed count -- the FIFO baseline, --micro-batches, stages
-        # sharing this CPU -- keeps vLLM's behaviour: newcomers join decoding batches.)
-        if self.waiting and not self.pausing and self.dynamic_micro_batches \
-                and all(g.seqs and not g.retiring for g in self.groups) and len(self.groups) < 2 * self.n_stages:
-            g = Group(len(self.groups), step=self._last_steps.get(len(self.groups), 0))
-            self.groups.append(g)
-            idle.append(g)
-        for g in sorted(idle, key=lambda g: bool(g.seqs)):
-            self._admit(g)
-        for g in idle:
-            if g.seqs:
-                g.in_flight = True
-                g.step += 1
-                asyncio.ensure_future(self._launch(g))
+        now = time.monotonic()
+        if self.sched.retune_due(now):
+            self.refresh_own_profile()
+            self.sched.retune(now, self.profiles, self.link.sched.link if self.link is not None else None)
+        for g in self.sched.schedule():
+            asyncio.ensure_future(self._launch(g))
 
-    def _admit(self, g: Group):
-        if g.retiring or self.pausing:
-            return
-        active = sum(len(x.seqs) for x in self.groups) + len(self.waiting)
-        fair = max(1, math.ceil(active / max(1, self.micro_batches)))
-        limit = min(fair, self.max_batch)
-        while self.waiting and len(g.seqs) < limit:
-            seq = self.waiting[0]
-            if self.reserved + seq.reservation > self.capacity:
-                break  # wait for KV memory to come back
-            self.waiting.pop(0)
-            self.reserved += seq.reservation
-            g.seqs.append(seq)
+    def refresh_own_profile(self):
+        """Stage 0's profile as its steps in service time it (core/profile.py StepLog)."""
+        step_log = self.stage0.step_log if self.stage0 is not None else None
+        if step_log is not None and step_log.steps:
+            self.profiles[0] = step_log.profile()
 
     async def _launch(self, g: Group):
         try:
@@ -497,19 +429,14 @@ class Head:
         # (needs_free: it rides along unsent and is freed when this step returns).
         g.seqs = [s for s in g.seqs if not s.done or s.needs_free]
         rows, inputs, new = [], [], {}
-        for s in g.seqs:
-            if s.done:
-                continue
-            if not s.opened:
-                n = len(s.prompt) - s.pos
+        for r in self.sched.step_rows(g):
+            s = r.seq
+            if r.new:
                 inputs.extend(s.prompt[s.pos:])
                 new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": s.prompt}
-                s.opened = True
             else:
-                n = 1
                 inputs.append(s.generated[-1])
-            s.in_flight = n
-            rows.append([s.id, s.pos, n])
+            rows.append([s.id, r.pos, r.n])
         if not rows:
             for s in g.seqs:  # no step to trail behind: free now
                 if s.needs_free:
@@ -546,21 +473,9 @@ class Head:
 
     async def _stream_prompt(self, g: Group, s: Sequence):
         """Send all but the last chunk of a new prompt ahead of its micro-batch step."""
-        c = self.prompt_chunk_tokens()
+        c = self.sched.prompt_chunk(s, self.profiles[0]["prefill"], self._bandwidth())
         if not c:
             return
-        if sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
-            if self.cores is not None:
-                # alone, with stages sharing this CPU (so on one machine, over loopback):
-                # the whole prompt in one step, each stage in turn borrowing every core
-                # (cores.py), beats chunks that each pay a step's fixed cost (reading
-                # the weights) again. (A first try kept chunks when the measured link
-                # looked slow, but goodput measured from small acked volumes reads far
-                # below loopback's rate, and TTFT went from 1.08x to 1.4x.)
-                return
-            # alone in the pipeline: cut the prompt finer so every stage works on it at
-            # once (time to first token), though each chunk pays a step's fixed cost
-            c = min(c, max(16, math.ceil(len(s.prompt) / (2 * self.n_stages))))
         while len(s.prompt) - s.pos > c and not s.done:
             batch = StageBatch([s.id], [s.pos], [c])
             x = torch.tensor(s.prompt[s.pos: s.pos + c], dtype=torch.long)
@@ -579,14 +494,11 @@ class Head:
 
     def prompt_chunk_tokens(self) -> int | None:
         """Tokens per prompt chunk for the next prompt (None: whole prompts)."""
-        c = self.prefill_chunk
-        if c != "auto":
-            return c
-        if self.cores is None and self.link is not None:   # a real link between machines
-            return prompt_chunk.prompt_chunk_tokens(
-                self.profiles[0]["prefill"], self.config.hidden_size * self.dtype.itemsize,
-                self.dtype.itemsize, self.link.sched.link.bandwidth, compress=self.compress)
-        return prompt_chunk.CAP
+        return self.sched.chunk_size(self.profiles[0]["prefill"] if self.profiles else None, self._bandwidth())
+
+    def _bandwidth(self) -> float | None:
+        """The first link's measured bandwidth (None: no link to another stage)."""
+        return self.link.sched.link.bandwidth if self.link is not None else None
 
     def _q8(self, kind: str, out: torch.Tensor, compute_seconds: float) -> bool:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),
@@ -664,19 +576,16 @@ class Head:
             s = members.get(sid)
             if s is None or s.done or not s.in_flight:
                 continue
-            s.pos += s.in_flight
-            s.in_flight = 0
+            self.sched.advance(s)
             if s.cancelled:
                 self._finish(s, "cancelled")
                 continue
             self._append(s, tok)
         for s in g.seqs:
-            s.in_flight = 0
             if s.needs_free:
                 s.needs_free = False
                 asyncio.ensure_future(self._free_everywhere([s.id]))
-        g.seqs = [s for s in g.seqs if not s.done]
-        g.in_flight = False
+        self.sched.on_result(g)
         self._kick()
 
     def _append(self, s: Sequence, tok: int):
@@ -712,12 +621,7 @@ class Head:
             return
         s.done = True
         self.seqs.pop(s.id, None)
-        in_group = any(s in g.seqs for g in self.groups)
-        if in_group:
-            self.reserved -= s.reservation
-            for g in self.groups:
-                if s in g.seqs and not g.in_flight:
-                    g.seqs.remove(s)
+        in_group = self.sched.release(s)
         if free and in_group:
             if s.in_flight:
                 s.needs_free = True  # its step is still on some stage

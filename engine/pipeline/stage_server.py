@@ -388,27 +388,27 @@ class StageServer:
         elif frame.tensor.dtype != self.stage.dtype:
             raise frames.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
 
-    def _gated_compute(self, frames: list[frames.Frame], cut_in: bool) -> list:
+    def _gated_compute(self, queued: list[frames.Frame], cut_in: bool) -> list:
         with self.stage.gate.step(decode=cut_in):
-            return self._compute(frames)
+            return self._compute(queued)
 
-    def _compute(self, frames: list[frames.Frame]) -> list:
+    def _compute(self, queued: list[frames.Frame]) -> list:
         """Runs on the compute thread: one output per frame (see _compute_one)."""
-        if len(frames) == 1:
-            return [self._compute_one(frames[0])]
+        if len(queued) == 1:
+            return [self._compute_one(queued[0])]
         stage = self.stage
-        rows = [r for f in frames for r in f.meta["rows"]]
+        rows = [r for f in queued for r in f.meta["rows"]]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         try:
             if stage.last:
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")
-            out = stage.forward(batch, torch.cat([f.tensor for f in frames]))
+            out = stage.forward(batch, torch.cat([f.tensor for f in queued]))
         except (ValueError, SamplingError, RuntimeError):
-            return [self._compute_one(f) for f in frames]  # each frame reports its own error
+            return [self._compute_one(f) for f in queued]  # each frame reports its own error
         results, o = [], 0
-        for f in frames:
+        for f in queued:
             ids = [r[0] for r in f.meta["rows"]]
             part = out[o: o + len(ids)]
             o += len(ids)
