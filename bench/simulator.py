@@ -1,8 +1,9 @@
 """Discrete-event simulator of a Potluck pipeline over weak links.
 
-Runs the real decision code on a simulated clock: one engine.core.link_scheduler.LinkScheduler
-per link, engine.core.microbatch.choose for the micro-batch count, engine.core.profile.interp for
-the compute curves. Everything else is a model, kept close to the engine's code:
+Runs the real decision code on a simulated clock: the head's own scheduler
+(engine.core.scheduler.Scheduler: admission, micro-batch count and formation, prompt
+chunks), one engine.core.link_scheduler.LinkScheduler per link, engine.core.profile.interp
+for the compute curves. Everything else is a model, kept close to the engine's code:
 
   compute    every stage (the head included) computes one step at a time: in the order
              they were handed over, or (policy cut_in, engine/core/step_gate.py) decode steps
@@ -23,13 +24,10 @@ the compute curves. Everything else is a model, kept close to the engine's code:
              for the compute thread, which takes decode volumes that queued up together
              as one batch (up to 64 rows). The last stage returns token frames to the
              head over its own uplink (B, d; no scheduler).
-  the head   head.py: requests wait for KV budget (prompt + output tokens); K micro-batch
-             groups, each admitting up to its fair share (max 32) when idle, then cycling
-             head -> stages -> head; a new prompt streams in 64-token chunks ahead of its
-             step (finer when it is alone in the pipeline), each chunk computed on the
-             head, then queued as a prefill volume; with dynamic micro-batches K is
-             re-chosen (M..2M) at most every 0.5 s; compression as engine/core/compression.py
-             decides it (the real should_compress), bytes as engine/wire/frames.py's int8 blocks.
+  the head   engine/pipeline/head.py around the same Scheduler: its decisions are the
+             engine's; here each step's compute is a job on the head's simulated CPU and
+             each volume goes to the head's Link; compression as engine/core/compression.py
+             decides it (the real should_compress), bytes as its int8 blocks.
 
 Policies (as bench/weaklink.py configures the head): fifo (whole volumes first come
 first served, whole prompts in the step: no chunking anywhere), fifo-chunk (FIFO links,
@@ -69,14 +67,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import microbatch, wire  # noqa: E402
-from engine.core.compression import should_compress  # noqa: E402
-from engine.core.prompt_chunk import prompt_chunk_tokens  # noqa: E402
-from engine.pipeline.link import LinkSender  # noqa: E402
+from engine.core import scheduler as core  # noqa: E402
+from engine.core.compression import q8_ratio, should_compress  # noqa: E402
 from engine.core.link_scheduler import LinkScheduler  # noqa: E402
 from engine.core.profile import PROFILE_CONTEXT, interp  # noqa: E402
-from engine.pipeline.stage_server import MAX_MERGED_ROWS  # noqa: E402
 from engine.core.step_gate import MAX_CUT_INS  # noqa: E402
+from engine.pipeline.link import LinkSender  # noqa: E402
+from engine.pipeline.stage_server import MAX_MERGED_ROWS  # noqa: E402
 
 # ---- workload ---------------------------------------------------------------------------
 # Lengths shaped like the Azure LLM inference trace's conversation requests as MoLink uses
@@ -295,33 +292,28 @@ class Cpu:
 
 
 @dataclass(eq=False)
-class Seq:
-    id: int
-    arrival: float
-    n_in: int
-    n_out: int
-    pos: int = 0
-    in_flight: int = 0
-    opened: bool = False
+class Seq(core.Seq):
+    """A simulated request: the scheduler's sequence (prompt_len = n_in tokens in,
+    max_tokens = n_out tokens out, every one generated), and when its tokens came."""
+    arrival: float = 0.0
     generated: int = 0
     first: float | None = None
     last: float | None = None
-    done: bool = False
     times: list = field(default_factory=list)   # each token's time (to compare timelines)
 
+    @property
+    def n_in(self) -> int:
+        return self.prompt_len
 
-@dataclass(eq=False)
-class Group:
-    id: int
-    seqs: list = field(default_factory=list)
-    in_flight: bool = False
-    retiring: bool = False
+    @property
+    def n_out(self) -> int:
+        return self.max_tokens
 
 
 @dataclass(eq=False)
 class Step:
     """What one volume carries: rows of (sequence, tokens) of a group's step, or a prompt chunk."""
-    group: Group
+    group: core.Group
     rows: list
     partial: bool
     meta: int       # meta bytes
@@ -518,22 +510,27 @@ class Stage:
 
 
 class Head:
-    """head.py's scheduling: KV admission, K groups, fair share, prompt streaming, retuning."""
+    """engine/pipeline/head.py on the simulated clock: the engine's own Scheduler decides;
+    the head's compute (stage 0) runs each step as a job, then hands its volume to the link."""
 
     def __init__(self, sim: "Simulation"):
         self.sim = sim
         self.pipe, self.policy = sim.pipe, sim.policy
         self.decode, self.prefill = sim.work[0]
         self.link: Link | None = None
-        self.waiting: list[Seq] = []
-        self.micro_batches = self.policy.micro_batches or self.pipe.n_stages
-        self.groups = [Group(i) for i in range(self.micro_batches)]
-        self.reserved = 0
+        fixed = None if self.policy.dynamic else (self.policy.micro_batches or self.pipe.n_stages)
+        self.sched = core.Scheduler(self.pipe.n_stages, self.pipe.kv_capacity, micro_batches=fixed,
+                                    max_batch=self.pipe.max_batch, prompt_chunk=self.policy.prompt_chunk,
+                                    hop_bytes=self.pipe.hidden_bytes, dtype_bytes=self.pipe.dtype_bytes,
+                                    compress=self.policy.compress)
         self.remaining = 0
-        self._retuned_at = -math.inf
         self.k_samples: list[int] = []
         self._jobs: deque = deque()          # the head's compute: (seconds, decode?, generator)
         self.compute = Compute(sim)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.sched.micro_batches
 
     # -- the compute: generators yield (seconds of compute, decode?), resumed when it is done
     def _drive(self, gen) -> None:
@@ -557,66 +554,25 @@ class Head:
         self._drive(gen)
         self._next_job()
 
-    # -- requests and scheduling
+    # -- requests and scheduling, as Head._kick / _launch / _on_tokens
     def arrive(self, s: Seq) -> None:
-        self.waiting.append(s)
+        self.sched.add(s)
         self._kick()
 
-    def _retune(self) -> None:
-        now = self.sim.clock.now
-        if not self.policy.dynamic or now - self._retuned_at < 0.5:
-            return
-        self._retuned_at = now
-        m = self.pipe.n_stages
-        n_seqs = sum(len(g.seqs) for g in self.groups) + len(self.waiting)
-        est = self.link.sched.link
-        hop = self.pipe.hidden_bytes
-        curves = [d for d, _ in self.sim.curves]
-        busy = [(lambda b: b * hop / est.bandwidth)] * (m - 1)
-        k = microbatch.choose(m, n_seqs, curves, busy, [est.rtt / 2] * m)
-        self.k_samples.append(k)
-        for g in self.groups:
-            g.retiring = g.id >= k
-        while len(self.groups) < k:
-            self.groups.append(Group(len(self.groups)))
-        while len(self.groups) > k and not self.groups[-1].seqs and not self.groups[-1].in_flight:
-            self.groups.pop()
-        self.micro_batches = len([g for g in self.groups if not g.retiring])
-
     def _kick(self) -> None:
-        self._retune()
-        for g in self.groups:
-            if g.in_flight:
-                continue
-            self._admit(g)
-            if g.seqs:
-                g.in_flight = True
-                self._drive(self._launch(g))
+        now = self.sim.clock.now
+        if self.sched.retune_due(now):
+            self.sched.retune(now, self.pipe.profiles, self.link.sched.link)
+            if self.sched.dynamic:
+                self.k_samples.append(len([g for g in self.sched.groups if not g.retiring]))
+        for g in self.sched.schedule():
+            self._drive(self._launch(g))
 
-    def _admit(self, g: Group) -> None:
-        if g.retiring:
-            return
-        active = sum(len(x.seqs) for x in self.groups) + len(self.waiting)
-        limit = min(max(1, math.ceil(active / max(1, self.micro_batches))), self.pipe.max_batch)
-        while self.waiting and len(g.seqs) < limit:
-            s = self.waiting[0]
-            if self.reserved + s.n_in + s.n_out > self.pipe.kv_capacity:
-                break
-            self.waiting.pop(0)
-            self.reserved += s.n_in + s.n_out
-            g.seqs.append(s)
-
-    def _launch(self, g: Group):
+    def _launch(self, g: core.Group):
         for s in list(g.seqs):
             if not s.opened:
                 s.in_flight = s.n_in - s.pos
-                c = self.policy.prompt_chunk
-                if c == "auto":
-                    c = prompt_chunk_tokens(self.pipe.profiles[0]["prefill"], self.pipe.hidden_bytes,
-                                            self.pipe.dtype_bytes, self.link.sched.link.bandwidth,
-                                            compress=self.policy.compress)
-                if c and sum(len(x.seqs) for x in self.groups) + len(self.waiting) <= 1:
-                    c = min(c, max(16, math.ceil(s.n_in / (2 * self.pipe.n_stages))))  # alone: finer
+                c = self.sched.prompt_chunk(s, self.pipe.profiles[0]["prefill"], self.link.sched.link.bandwidth)
                 while c and s.n_in - s.pos > c:
                     chunk = Step(g, [(s, c)], True, FRAME_HEADER + ROW_META)
                     t0 = self.sim.clock.now
@@ -626,15 +582,10 @@ class Head:
                     s.pos += c
                     s.in_flight -= c
         rows, meta = [], FRAME_HEADER
-        for s in g.seqs:
-            if not s.opened:
-                n = s.n_in - s.pos
-                meta += NEW_META + PROMPT_META * s.n_in
-                s.opened = True
-            else:
-                n = 1
-            s.in_flight = n
-            rows.append((s, n))
+        for r in self.sched.step_rows(g):
+            if r.new:
+                meta += NEW_META + PROMPT_META * r.seq.n_in
+            rows.append((r.seq, r.n))
             meta += ROW_META
         step = Step(g, rows, False, meta)
         sched = self.link.sched
@@ -649,20 +600,17 @@ class Head:
 
     def on_tokens(self, step: Step) -> None:
         now = self.sim.clock.now
-        g = step.group
         for s, _ in step.rows:
-            s.pos += s.in_flight
-            s.in_flight = 0
+            self.sched.advance(s)
             s.generated += 1
             s.first = now if s.first is None else s.first
             s.last = now
             s.times.append(now)
             if s.generated >= s.n_out:
                 s.done = True
-                self.reserved -= s.n_in + s.n_out
+                self.sched.release(s)
                 self.remaining -= 1
-        g.seqs = [s for s in g.seqs if not s.done]
-        g.in_flight = False
+        self.sched.on_result(step.group)
         if self.remaining == 0:
             self.sim.clock.stopped = True
             return
@@ -698,11 +646,11 @@ class Simulation:
     def volume_bytes(self, step: Step, kind: str, link: Link, compute_seconds: float) -> int:
         tensor = sum(n for _, n in step.rows) * self.pipe.hidden_bytes
         if should_compress(self.policy.compress, kind, tensor, link.sched.link.bandwidth, compute_seconds):
-            tensor = math.ceil(tensor * wire.q8_ratio(self.pipe.dtype_bytes))
+            tensor = math.ceil(tensor * q8_ratio(self.pipe.dtype_bytes))
         return tensor + step.meta
 
     def run(self, requests: list[tuple[float, int, int]]) -> list[Seq]:
-        seqs = [Seq(i, t, n_in, n_out) for i, (t, n_in, n_out) in enumerate(requests)]
+        seqs = [Seq(i, n_in, n_out, arrival=t) for i, (t, n_in, n_out) in enumerate(requests)]
         too_big = [s.id for s in seqs if s.n_in + s.n_out > self.pipe.kv_capacity]
         if too_big:
             raise ValueError(f"requests {too_big[:5]} need more KV than the pipeline's {self.pipe.kv_capacity} tokens")

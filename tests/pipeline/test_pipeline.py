@@ -31,7 +31,7 @@ from engine.core.partition import parse_layers
 from engine.core.sampling import SamplingParams
 from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STAGE_CMD = ("engine", "stage", "--announce")
 
 

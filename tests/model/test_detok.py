@@ -6,7 +6,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.model.detok import MAX_SPLIT, Detokenizer  # noqa: E402
 

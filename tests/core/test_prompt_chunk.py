@@ -15,7 +15,7 @@ from engine.pipeline.head import Head
 from engine.core.profile import interp
 from engine.core.prompt_chunk import CAP, FLOOR, HEADROOM, prompt_chunk_tokens
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import simulator as sim  # noqa: E402
 
 # the default model's head stage on this CPU: ~42 ms a step plus ~1.8 ms a token

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import simulator as sim  # noqa: E402
 from simulator import (FRAME_HEADER, NEW_META, PIECE_HEADER, PROMPT_META, ROW_META,  # noqa: E402
@@ -98,7 +98,7 @@ def test_compression_shrinks_prefill_bytes_only():
     n_in, n_out = sum(r[1] for r in reqs), sum(r[2] for r in reqs)
     # prefill tensor bytes x (16 int8 + a float32 scale) / (16 float32) = 0.3125; decode
     # bytes (one row per output token after the first) unchanged
-    assert sim.wire.q8_ratio(4) == 20 / 64
+    assert sim.q8_ratio(4) == 20 / 64
     saved = plain["link_bytes"][0] - q8["link_bytes"][0]
     assert saved == pytest.approx((1 - 20 / 64) * n_in * 2304, rel=0.02)
     assert q8["link_bytes"][0] > (n_out - len(reqs)) * 2304
@@ -204,14 +204,14 @@ def test_a_decode_row_pays_for_the_context_it_attends_to():
     ctx_cost of a 1-row step per extra token (engine.core.profile.context_cost measures it)."""
     decode = sim.Curve([[1, 0.010], [8, 0.020]])
     prefill = sim.Curve([[1, 0.001], [1000, 1.0]])
-    a, b = sim.Seq(1, 0.0, 100, 10, generated=5), sim.Seq(2, 0.0, 3, 10, generated=1)
+    a, b = sim.Seq(1, 100, 10, arrival=0.0, generated=5), sim.Seq(2, 3, 10, arrival=0.0, generated=1)
     rows = [(a, 1), (b, 1)]
     assert sim.step_time(decode, prefill, rows) == pytest.approx(decode(2))   # no cost: as profiled
     extra = (100 + 5 - sim.PROFILE_CONTEXT) + 0        # b's 4 tokens are under the profile's 8
     got = sim.step_time(decode, prefill, rows, ctx_cost=1e-3)
     assert got == pytest.approx(decode(2) + 1e-3 * decode(1) * extra)
     # a prompt's rows keep their profiled cost
-    c = sim.Seq(3, 0.0, 300, 10)
+    c = sim.Seq(3, 300, 10, arrival=0.0)
     assert sim.step_time(decode, prefill, [(c, 300)], ctx_cost=1e-3) == pytest.approx(prefill(300))
 
 

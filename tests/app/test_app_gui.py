@@ -26,7 +26,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import Qt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOAD_MS = 300_000      # start a node and load the default model, on a busy 2-core machine
 REPLY_MS = 180_000
 NODE_ARGS = ["--threads", "1", "--share-host", "127.0.0.1", "--share-port", "0", "--poll", "0.5"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.linkcheck import (bulk_goodput, echo_rtt, netns_goodput, netns_rtt,  # noqa: E402
                              start_echo)

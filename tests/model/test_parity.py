@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

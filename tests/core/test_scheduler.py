@@ -1,0 +1,204 @@
+"""The head's scheduler without sockets: plain inputs -> plan (engine/core/scheduler.py)."""
+
+import math
+
+import pytest
+
+from engine.core.link_scheduler import LinkEstimate
+from engine.core.prompt_chunk import CAP
+from engine.core.scheduler import RETUNE_EVERY_S, Scheduler, Seq
+
+# a stage whose decode step costs 10 ms at 1 row and 20 ms at 16; prefill 1 ms/token
+PROFILE = {"decode": [[1, 0.010], [16, 0.020]], "prefill": [[32, 0.032], [256, 0.256]]}
+
+
+def seqs(*lens, max_tokens=10):
+    return [Seq(i, n, max_tokens) for i, n in enumerate(lens, start=1)]
+
+
+def sched(n_stages=2, capacity=10_000, **kw):
+    kw.setdefault("hop_bytes", 1000)
+    return Scheduler(n_stages, capacity, **kw)
+
+
+def link(mbit=10.0, rtt=0.02):
+    est = LinkEstimate()
+    est.observe_goodput(mbit * 1e6 / 8)
+    est.observe_rtt(rtt)
+    return est
+
+
+def test_admission_fills_idle_micro_batches_by_fair_share():
+    s = sched(micro_batches=2)
+    for q in seqs(5, 6, 7, 8):
+        s.add(q)
+    launched = s.schedule()
+    assert [g.id for g in launched] == [0, 1]
+    assert [[q.id for q in g.seqs] for g in launched] == [[1, 2], [3, 4]]   # ceil(4 / 2) each
+    assert all(g.in_flight and g.step == 1 for g in launched)
+    assert s.reserved == sum(q.reservation for g in launched for q in g.seqs) and not s.waiting
+    assert s.schedule() == []          # everything is in flight: nothing more to launch
+
+
+def test_admission_waits_for_kv_and_resumes_when_released():
+    a, b = seqs(60, 60, max_tokens=40)           # 100 tokens of KV each
+    s = sched(capacity=150, micro_batches=2)
+    s.add(a)
+    s.add(b)
+    (g,) = s.schedule()
+    assert g.seqs == [a] and s.waiting == [b]    # b does not fit beside a
+    a.done = True
+    assert s.release(a) and s.reserved == 0
+    s.on_result(g)
+    launched = s.schedule()
+    assert [q for x in launched for q in x.seqs] == [b]
+
+
+def test_paused_pipeline_admits_nobody():
+    s = sched(micro_batches=2)
+    s.add(seqs(5)[0])
+    s.pausing = "stage 1 is leaving"
+    assert s.schedule() == [] and len(s.waiting) == 1
+
+
+def test_step_rows_open_new_sequences_and_decode_one_token_for_the_others():
+    s = sched(micro_batches=1)
+    old, new = seqs(5, 7)
+    old.opened, old.pos = True, 6
+    s.add(old)
+    s.add(new)
+    (g,) = s.schedule()
+    rows = s.step_rows(g)
+    assert [(r.seq, r.pos, r.n, r.new) for r in rows] == [(old, 6, 1, False), (new, 0, 7, True)]
+    assert new.opened and new.in_flight == 7 and old.in_flight == 1
+    s.advance(new)
+    assert new.pos == 7 and new.in_flight == 0
+    new.done = True
+    s.on_result(g)
+    assert g.seqs == [old] and not g.in_flight and old.in_flight == 0
+
+
+def test_a_newcomer_gets_a_micro_batch_of_its_own_when_all_are_decoding():
+    s = sched(n_stages=2)                        # dynamic: M..2M
+    assert s.dynamic and s.micro_batches == 2
+    for q in seqs(5, 5):
+        s.add(q)
+    first = s.schedule()
+    for g in first:                              # both decoding, back at the head
+        s.step_rows(g)
+        s.on_result(g)
+    late = seqs(50)[0]
+    late.id = 99
+    s.add(late)
+    launched = s.schedule()
+    holder = [g for g in launched if late in g.seqs]
+    assert len(s.groups) == 3 and holder and holder[0].id == 2 and holder[0].seqs == [late]
+    # it leaves once its request is done (trailing, empty, idle)
+    s.step_rows(holder[0])
+    late.done = True
+    s.release(late)
+    s.on_result(holder[0])
+    s.schedule()
+    assert len(s.groups) == 2
+
+
+def test_a_fixed_count_keeps_newcomers_in_decoding_batches():
+    s = sched(n_stages=2, micro_batches=2)
+    for q in seqs(5, 5):
+        s.add(q)
+    for g in s.schedule():
+        s.step_rows(g)
+        s.on_result(g)
+    late = Seq(99, 50, 10)
+    s.add(late)
+    s.schedule()
+    assert len(s.groups) == 2 and any(late in g.seqs for g in s.groups)
+
+
+def test_stages_sharing_this_cpu_get_one_micro_batch_and_whole_lone_prompts():
+    s = sched(n_stages=3, shared_cpu=True)
+    assert s.micro_batches == 1 and not s.dynamic
+    q = seqs(300)[0]
+    s.add(q)
+    assert s.chunk_size(PROFILE["prefill"], None) == CAP
+    assert s.prompt_chunk(q, PROFILE["prefill"], None) is None      # alone: one whole step
+
+
+def test_a_lone_prompt_is_cut_finer_so_every_stage_works_on_it():
+    s = sched(n_stages=2, prompt_chunk=64)
+    q = seqs(100)[0]
+    s.add(q)
+    assert s.prompt_chunk(q, PROFILE["prefill"], 1e6) == max(16, math.ceil(100 / 4))
+    s.add(Seq(2, 100, 10))                                            # not alone any more
+    assert s.prompt_chunk(q, PROFILE["prefill"], 1e6) == 64
+
+
+def test_auto_chunks_follow_the_link():
+    s = sched(n_stages=2, prompt_chunk="auto", hop_bytes=2304)
+    slow = s.chunk_size(PROFILE["prefill"], 0.4e6)     # ~3 Mbit/s
+    fast = s.chunk_size(PROFILE["prefill"], 1e9)
+    assert fast == CAP and 0 < slow < fast
+    assert Scheduler(2, prompt_chunk=None).chunk_size(PROFILE["prefill"], 1e6) is None
+    assert Scheduler(1, prompt_chunk=64).prefill_chunk is None        # no link, no chunks
+    with pytest.raises(ValueError):
+        Scheduler(2, prompt_chunk=0)
+
+
+def test_retune_picks_more_micro_batches_over_a_long_link_and_retires_extra_ones():
+    # steps that grow with their rows, and a link whose delay leaves bubbles to fill
+    steep = {"decode": [[1, 0.01], [16, 0.16]], "prefill": PROFILE["prefill"]}
+    s = sched(n_stages=2, hop_bytes=1000)
+    for q in seqs(*[5] * 16):
+        s.add(q)
+    assert s.retune_due(0.0)
+    s.retune(0.0, [steep, steep], link(mbit=100, rtt=0.4))
+    assert s.micro_batches > 2 and len(s.groups) == s.micro_batches
+    assert not s.retune_due(RETUNE_EVERY_S / 2) and s.retune_due(RETUNE_EVERY_S)
+    s.retune(1.0, [steep, steep], link(mbit=10_000, rtt=0.0002))   # the link got short
+    assert s.micro_batches == 2 and len(s.groups) == 2                  # empty extra ones left
+
+
+def test_retune_without_a_link_or_with_a_fixed_count_changes_nothing():
+    s = sched(n_stages=2)
+    s.retune(0.0, [PROFILE, PROFILE], None)
+    assert s.micro_batches == 2
+    f = sched(n_stages=2, micro_batches=3)
+    f.retune(0.0, [PROFILE, PROFILE], link(mbit=1))
+    assert f.micro_batches == 3 and len(f.groups) == 3
+
+
+def test_release_of_a_waiting_or_in_flight_sequence():
+    s = sched(micro_batches=1)
+    a, b = seqs(5, 5)
+    s.add(a)
+    (g,) = s.schedule()
+    s.add(b)
+    assert s.withdraw(b) and not s.withdraw(b)           # cancelled before it started
+    assert not s.release(b)                              # never admitted: nothing to return
+    a.done = True
+    assert s.release(a) and s.reserved == 0
+    assert g.seqs == [a]                                 # in flight: it leaves when the step is back
+    s.on_result(g)
+    assert g.seqs == []
+
+
+def test_a_removed_micro_batch_keeps_its_step_count():
+    """Frames of a micro-batch that left must not match a new one with the same id."""
+    s = sched(n_stages=2)
+    for q in seqs(5, 5):
+        s.add(q)
+    for g in s.schedule():
+        s.step_rows(g)
+        s.on_result(g)
+    late = Seq(9, 5, 10)
+    s.add(late)
+    (g3,) = [g for g in s.schedule() if late in g.seqs]
+    steps = g3.step
+    s.step_rows(g3)
+    late.done = True
+    s.release(late)
+    s.on_result(g3)
+    s.schedule()                                          # g3 leaves
+    s.add(Seq(10, 5, 10))
+    again = [g for g in s.schedule() if g.id == g3.id]
+    assert again and again[0].step > steps
