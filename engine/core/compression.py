@@ -28,12 +28,13 @@ def q8_ratio(dtype_bytes: int) -> float:
 
 # Prompt chunks are computed and sent in a pipeline: the next chunk computes while this
 # one travels, so a prompt's pace is max(send, compute) per chunk. Where sending takes
-# about as long as computing, int8 (~0.27x the bytes) barely moves that maximum but
-# still costs exactness: at the weak-link bench's fastest link (~200 Mbit/s equivalent,
-# where by the bench's link mapping a 64-token chunk takes about as long to send as to
-# compute) +compress was no faster to first token than exact activations (0.88 vs
-# 0.81 s) and its TPOT 7% worse than FIFO's. Twice as long: the link is the bottleneck
-# by a margin that a noisy bandwidth estimate does not flip.
+# about as long as computing, int8 (about a third of float32's bytes: q8_ratio) barely
+# moves that maximum but still costs exactness: at the weak-link bench's fastest link
+# (~200 Mbit/s equivalent, where by the bench's link mapping a 64-token chunk takes
+# about as long to send as to compute) +compress was no faster to first token than
+# exact activations and its TPOT several percent worse than FIFO's (bench/weaklink.py;
+# see bench/RESULTS.md). Twice as long: the link is the bottleneck by a margin that a
+# noisy bandwidth estimate does not flip.
 AUTO_MARGIN = 2.0
 
 

@@ -22,8 +22,8 @@ def lm_head_layers_estimate(cfg) -> float:
     much as this many layers every step: 8 for SmolLM2-135M (a 49k x 576 head), 0.65
     for Llama-2-7B, 2.6 for Llama-3-8B's 128k vocabulary. An even split that ignores
     it leaves the last stage the pipeline's bottleneck (measured on the default model,
-    2 stages, 4-sequence decode: 54 ms on the last stage vs 34 ms on the first; 19/11
-    layers evens them at 45/45).
+    2 stages, 4-sequence decode: the last stage's step took over half as long again as
+    the first's, and moving layers to the first stage evened them; see bench/RESULTS.md).
     """
     vocab = getattr(cfg, "vocab_size", None) or 0
     per_layer = layer_bytes_estimate(cfg, 1)

@@ -28,9 +28,9 @@ def interp(points: list, n: float) -> float:
 # A startup profile is a snapshot: probes of 8-token contexts on a freshly loaded stage,
 # timed alone on the machine. In service the same steps attend to hundreds of tokens,
 # share the machine, and the machine itself drifts. One bench/weaklink.py FIFO cell
-# (2 stages at ~60 Mbit/s-equivalent, this 2-core machine) profiled a 1-row step at
-# 29 / 51 ms on its two stages and then ran them at 44 / 62 ms (2 rows: 45 / 64 ->
-# 73 / 86 ms); every decision taken from the snapshot was taken for a faster machine.
+# (2 stages at ~60 Mbit/s-equivalent, this 2-core machine) ran its 1- and 2-row steps
+# from a fifth to well over half slower in service than its startup profile said (see
+# bench/RESULTS.md); every decision taken from the snapshot was taken for a faster machine.
 # So each stage keeps timing its own steps and its profile follows what it measures.
 MAX_POINTS = 32          # points per curve a peer may send (we send 6 and 2)
 MAX_STEP_SECONDS = 3600.0

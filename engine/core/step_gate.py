@@ -2,11 +2,11 @@
 
 The link scheduler (link_scheduler.py) keeps a decode volume from waiting behind a
 prompt's activations on the wire; at the stage the same volume then met the same
-head-of-line blocking on the compute thread: a 64-token prompt chunk takes 3-4 decode
-steps' time on a CPU stage, and every decode step that arrived meanwhile waited for
-all of it, on every stage, once per chunk (bench/simulator.py on a cell measured at
-the paper's 100 Mbit/s / 30 ms point, 2 stages: TPOT 0.134 s with steps in arrival
-order, 0.123 s when a decode step goes ahead of a running prompt step).
+head-of-line blocking on the compute thread: a 64-token prompt chunk takes several
+decode steps' time on a CPU stage, and every decode step that arrived meanwhile waited
+for all of it, on every stage, once per chunk (bench/simulator.py on a cell measured at
+the paper's 100 Mbit/s / 30 ms point, 2 stages, predicts a TPOT several percent lower
+when a decode step goes ahead of a running prompt step; see bench/RESULTS.md).
 
 So with Head(compute="decode-first") (`--compute decode-first`) a stage computes on
 two threads that take turns through this gate: prompt steps on one, decode steps on
@@ -27,10 +27,10 @@ gate to be free and lets decode steps cut in only at its checkpoints.
 The price is the first token: a prompt step that decode steps cut into finishes
 later, and decode steps that would have queued up behind it and gone as one batch
 now go one by one. bench/weaklink.py at the paper's reference point (2 stages,
-~100 Mbit/s, ~30 ms, medium load): TPOT 0.135 -> 0.127 s, TTFT 1.13 -> 1.24 s,
-latency 5.19 -> 5.05 s; in a run while the machine was slower, TPOT 0.195 -> 0.185 s
-and TTFT 1.25 -> 1.74 s. So it is not the default (compute="in-order"); a host
-whose users read long answers may want it.
+~100 Mbit/s, ~30 ms, medium load) measured TPOT a few percent lower with cut-ins
+(end-to-end latency slightly lower too) but TTFT higher: by a tenth, and by more than
+a third in a run while the machine was slower (see bench/RESULTS.md). So it is not
+the default (compute="in-order"); a host whose users read long answers may want it.
 """
 
 from __future__ import annotations

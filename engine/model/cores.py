@@ -5,19 +5,21 @@ processes on the same CPU. Giving each a fixed share of the cores (1 thread each
 2 stages on 2 cores) keeps OpenMP threads from outnumbering cores -- they stall each
 other at every barrier when they do -- but wastes half the machine whenever only one
 stage has work: a lone prompt passes the stages one after another, each on one core,
-and time to first token came out 1.5-1.8x the single process's (bench/overhead.py).
+and time to first token came out well above the single process's (bench/overhead.py
+measures this; see bench/RESULTS.md).
 
 So the cores are leases. Core i is a lock file; a process holds its *home* cores
 while it computes a step and also takes whichever other cores are free at that
 moment (non-blocking), running the step with one thread per core held. Every step
 borrows, decode steps of one row included: with the small-batch matrix products of
-engine/model/cpu_linear.py a second thread speeds a 1-row decode step of the default model
-from 52 to 46 ms (and 8 rows from 85 to 73 ms; the plain x @ W^T gained nothing from
+engine/model/cpu_linear.py a second thread speeds up a decode step of the default model,
+of one row and of eight alike, by more than a tenth (the plain x @ W^T gained nothing from
 it, and steps under four rows did not borrow before: a 3-stage pipeline's 1-request
-step period went from 58-59 to 52-54 ms with this). So the head gives such a pipeline
+step period shortened by about a tenth with this). So the head gives such a pipeline
 one micro-batch: each stage in turn runs it on every core, as one process would
-(bench/overhead.py: 8 concurrent requests, 2 micro-batches of one core each decoded
-at 0.75x the single process, one micro-batch on both cores at 0.86-0.95x).
+(bench/overhead.py, 8 concurrent requests: one micro-batch on both cores decodes
+clearly closer to the single process's pace than 2 micro-batches of one core each;
+see bench/RESULTS.md).
 
 A borrowed core goes back as soon as its owner wants it, not at the end of the step:
 an owner that finds its core lent out raises a flag (holds want-i.lock) and waits;
@@ -25,26 +27,27 @@ the borrower checks the flags before each decoder layer (`checkpoint`) and drops
 wanted core, finishing its step with fewer threads. So a stage with decode work waits
 at most one layer for a neighbour's prompt, and the pipeline's cadence holds.
 The thread count changes at most a few times per step (switching it before every
-layer measured 1.5x slower: OpenMP re-forms its team each time).
+layer was markedly slower: OpenMP re-forms its team each time).
 
 Taking turns needs OpenMP's idle threads to get out of the way. libgomp's worker
 threads spin for a while after each parallel region (300,000 iterations by default,
 milliseconds) before they sleep: a stage that has just handed its step on keeps both
 cores busy spinning while the next stage computes on them, and every barrier of that
-stage waits behind the spinners (8 requests, 2 stages: 0.68x the single process). A
-short spin (`OPENMP_ENV`) still covers the gaps between one step's operators
-(microseconds) but ends long before the hop to the next stage does: 0.86-0.97x in
-bench/overhead.py runs (this machine drifts by that much). Not spinning at all
+stage waits behind the spinners (a 2-stage pipeline fell well behind the single
+process). A short spin (`OPENMP_ENV`) still covers the gaps between one step's
+operators (microseconds) but ends long before the hop to the next stage does, and
+brings the pipeline most of the way back (bench/overhead.py measures this; its runs
+vary by as much as this machine drifts; see bench/RESULTS.md). Not spinning at all
 (OMP_WAIT_POLICY=passive) made every step's operators slower too.
 
 Each process computes on one thread (its compute executor's). libgomp gives every
 thread that starts a parallel region a worker pool of its own, and once a process
 manages more OpenMP threads than there are cores it cuts spinning short: after a
-second thread had run one 2-thread matrix product, a stage's decode step went from
-46-49 to 58-67 ms (scratch micro-benchmark). Computing decode steps on the event loop
-to save two thread hand-offs did exactly that: bench/overhead.py measured pipe2 /
-pipe3 at 0.86 / 0.83 of the single process, against 0.91 / 0.87-0.91 before, and
-the change was reverted.
+second thread had run one 2-thread matrix product, a stage's decode step became
+markedly slower (a one-off scratch micro-benchmark). Computing decode steps on the
+event loop to save two thread hand-offs did exactly that: bench/overhead.py measured
+the 2- and 3-stage pipelines several percent further behind the single process than
+before (see bench/RESULTS.md), and the change was reverted.
 
 Locks are flock(2) on files in a directory the pipeline's parent creates; a process
 that dies releases its locks with its file descriptors.

@@ -3,20 +3,20 @@
 `nn.Linear` computes x @ W^T. For the few rows of a decode step, MKL's sgemm takes
 that as a product whose *big* operand is the transposed one, and it copies (packs)
 the whole weight matrix on every call: on this project's 2-core test machine the
-default model's LM head (49152 x 576) took 17 ms for 8 rows, 19 ms for 4 and 27 ms
-for 3, against 8 ms for a single row (a plain matrix-vector product). Computing
-W @ x^T instead streams W as it lies, split over the threads: 8.4 ms for 8 rows,
-4.8 ms for 4 -- and a lone row padded to 4 takes 4.8 ms too, faster than the
-matrix-vector product. The decoder layers' matrices gain most at 4 rows (1.7-2.2x),
-less from 8 on (0.95-1.2x).
-A whole decode step of the default model on 2 threads: 46 vs 52 ms for 1 row, 73
-vs 85 ms for 8 (`python -m engine.model.cpu_linear` prints the per-matrix comparison).
+default model's LM head (49152 x 576) took two to over three times as long for 3-8
+rows as for a single row (a plain matrix-vector product). Computing W @ x^T instead
+streams W as it lies, split over the threads: about half the time for 8 rows, a
+quarter for 4 -- and a lone row padded to 4 comes out faster than the matrix-vector
+product. The decoder layers' matrices gain most at 4 rows (about twice as fast),
+little or nothing from 8 rows on. A whole decode step of the default model on 2
+threads is more than a tenth faster, for 1 row and for 8 (`python -m
+engine.model.cpu_linear` prints the per-matrix comparison; see bench/RESULTS.md).
 
-On one thread the whole step loses (1 row: 68 vs 52 ms; 8 rows: 119 vs 108): the
-decoder layers' x @ W^T is not slow there, it just gains nothing from a second
-thread. Only the LM head, vocabulary-wide, still gains (2-8 rows: 9-17 vs 17-26 ms),
-so on one thread it alone switches. The choice is made per call, on torch's thread
-count -- a pipeline stage's changes as it borrows cores.
+On one thread the whole step loses (slower by a tenth to a third): the decoder
+layers' x @ W^T is not slow there, it just gains nothing from a second thread.
+Only the LM head, vocabulary-wide, still gains (2-8 rows: up to about twice as
+fast), so on one thread it alone switches. The choice is made per call, on torch's
+thread count -- a pipeline stage's changes as it borrows cores.
 
 Up to 11 rows MKL computes every column with the same arithmetic, so a sequence
 decoded in a batch of up to 8 gets bit for bit what it would get alone
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # up to this many rows, W @ x^T wins for every matrix of the default model (measured
-# 16-48 rows: 1.1-1.4x; from 64 rows the LM head is faster the usual way round)
+# at 16-48 rows by a modest margin; from 64 rows the LM head is faster the usual way
+# round; see bench/RESULTS.md)
 SMALL_ROWS = 32
 # fewer rows are padded to this many: MKL's kernel for 1-3 columns is slower than for 4
 PAD_ROWS = 4
@@ -47,8 +48,8 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return F.linear(x, weight, bias)
     pad = PAD_ROWS
     if torch.get_num_threads() < 2:
-        # one thread: only a vocabulary-wide matrix gains (the LM head, 2-8 rows:
-        # 9-17 vs 17-26 ms), and padding a lone row would just do 4 rows' work
+        # one thread: only a vocabulary-wide matrix gains (the LM head, 2-8 rows),
+        # and padding a lone row would just do 4 rows' work
         if rows < 2 or weight.shape[0] < WIDE_OUT:
             return F.linear(x, weight, bias)
         pad = 0

@@ -13,9 +13,9 @@ from engine.core.profile import PROFILE_CONTEXT, StepLog
 from engine.model.stage import StageBatch
 
 # Decode cost is not linear in rows between 1 and 4: on one thread (bench/weaklink.py's
-# stages) a step of the default model's second half took 37 / 49 / 58 / 53 ms for
-# 1 / 2 / 3 / 4 rows, where a line through 1 and 4 says 42 and 48. Steps of 2-3 rows
-# are what a weak link's micro-batches carry, so each of those counts is measured.
+# stages) a step of the default model's second half cost clearly more at 2 and 3 rows than a
+# line through 1 and 4 says -- 3 rows even more than 4 (see bench/RESULTS.md). Steps of
+# 2-3 rows are what a weak link's micro-batches carry, so each of those counts is measured.
 DECODE_BATCHES = (1, 2, 3, 4, 8, 16)
 PREFILL_LENGTHS = (32, 256)
 _PROBE_ID = 1 << 50  # far from any real sequence id
@@ -28,13 +28,13 @@ def machine_turn(exclusive: bool, path: str | None = None):
     A profile times this machine's compute, so it must run alone on it. Stages on
     separate machines never meet here; stages that share one CPU (a local pipeline,
     bench/weaklink.py's emulated homes) otherwise load and profile all at once: with
-    3 one-thread stages on 2 cores the profiles read up to 2x slow, at random points
-    (one 3-stage run: a stage's 1-row step 63 ms, its 2-row step 41), and every
-    decision taken from them with it. Loads share the lock, so stages still load side
-    by side; a profile waits until no other process on the machine is loading or
-    profiling. flock(2) on a file in the temp directory (released if a process dies);
-    where there is no flock (Windows), stages on one machine are not this product's
-    setup, and the turn is free.
+    3 one-thread stages on 2 cores the profiles read up to twice as slow, at random
+    points (in one 3-stage run a stage's 1-row step read slower than its 2-row step),
+    and every decision taken from them with it. Loads share the lock, so stages still
+    load side by side; a profile waits until no other process on the machine is loading
+    or profiling. flock(2) on a file in the temp directory (released if a process
+    dies); where there is no flock (Windows), stages on one machine are not this
+    product's setup, and the turn is free.
     """
     try:
         import fcntl
@@ -114,9 +114,9 @@ def context_cost(stage, rows: int = 16, context: int = 256, repeats: int = 3) ->
     """What attending to a longer context adds to a decode step, per row and per token of
     context beyond PROFILE_CONTEXT, as a fraction of a 1-row step. measure() profiles
     decode steps at PROFILE_CONTEXT tokens; real rows attend to their prompt and output
-    so far, and at 16 rows of 256 tokens a step of the default model took 19% longer
-    than at 8 (this machine, one thread). bench/simulator.py adds it to its decode steps
-    (Pipeline.ctx_cost)."""
+    so far, and at 16 rows of 256 tokens a step of the default model takes noticeably
+    longer than at 8 (bench/weaklink.py --json records this cost per run; see
+    bench/RESULTS.md). bench/simulator.py adds it to its decode steps (Pipeline.ctx_cost)."""
     def median(ts):
         return sorted(ts)[len(ts) // 2]
 

@@ -119,7 +119,7 @@ class StageModel:
             layer.register_forward_pre_hook(self._gate_hook)
         if self.device.type == "cpu":
             # decode steps' few rows: W @ x^T streams each weight matrix instead of
-            # packing it per call (engine/model/cpu_linear.py: a decode step 1.14-1.16x here)
+            # packing it per call (engine/model/cpu_linear.py: a decode step over a tenth faster)
             use_small_batch_linear(self.model)
         if cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
