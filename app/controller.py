@@ -105,6 +105,11 @@ class Controller(QObject):
         self.statusChanged.emit(self.status)
         self.nodeLost.emit(why)
 
+    @property
+    def closing(self) -> bool:
+        """Whether shutdown() has begun (the node is being stopped)."""
+        return self._closing
+
     def shutdown(self):
         """Quit: stop the node and everything it started; leaves no process behind."""
         self._closing = True

@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     shell = Shell(controller, use_tray=False if args.no_tray else None)
     shell_ref["shell"] = shell
     app.setQuitOnLastWindowClosed(shell.tray is None)
-    app.aboutToQuit.connect(lambda: controller._closing or controller.shutdown())
+    app.aboutToQuit.connect(lambda: controller.closing or controller.shutdown())
     # Ctrl+C or SIGTERM quits cleanly (the node and its stages with it); the timer lets
     # Python run its signal handlers while Qt's loop waits
     import signal

@@ -137,11 +137,11 @@ class Node:
 
     async def h_plan(self, request):
         body = await self._body(request)
-        return web.json_response(await self.plan(**self._host_args(body)))
+        return web.json_response(await self.plan(**self.host_args(body)))
 
     async def h_host(self, request):
         body = await self._body(request)
-        args = self._host_args(body)
+        args = self.host_args(body)
         plan = await self.plan(**args)
         if not plan["fits"]:
             raise NodeError(plan["message"])
@@ -149,11 +149,16 @@ class Node:
             if self.host_task is not None and not self.host_task.done():
                 raise NodeError("a pipeline is already starting; wait for it or stop it first", 409)
             await self._stop_host()
-            self.error = None
-            self.host_request = args
-            self.loading = {"message": f"Loading {plan['model']}…", "stages": {}}
-            self.host_task = asyncio.ensure_future(self._host(args))
+            self.start_hosting(args, plan["model"])
         return web.json_response({"ok": True, "plan": plan})
+
+    def start_hosting(self, args: dict, name: str | None = None):
+        """Start loading the pipeline `args` describes (host_args) in the background;
+        status() shows its progress."""
+        self.error = None
+        self.host_request = args
+        self.loading = {"message": f"Loading {name or args['model']}…", "stages": {}}
+        self.host_task = asyncio.ensure_future(self._host(args))
 
     async def h_share(self, request):
         body = await self._body(request)
@@ -305,7 +310,7 @@ class Node:
                 "host_request": self.host_request, "gpu": self.gpu, "limits": self.policy.limits.to_json()}
 
     # ---- hosting ----------------------------------------------------------------
-    def _host_args(self, body: dict) -> dict:
+    def host_args(self, body: dict) -> dict:
         model = body.get("model", "default")
         if not isinstance(model, str) or not model.strip():
             raise NodeError("'model' must be a model name, a Hugging Face id or a folder")
@@ -648,9 +653,7 @@ async def run_node(args) -> int:
     print(f"{ANNOUNCE}{port}", flush=True)
     node.start_background()
     if args.host_model:
-        node.host_request = node._host_args({"model": args.host_model, "stages": args.stages})
-        node.loading = {"message": f"Loading {args.host_model}…", "stages": {}}
-        node.host_task = asyncio.ensure_future(node._host(node.host_request))
+        node.start_hosting(node.host_args({"model": args.host_model, "stages": args.stages}))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:

@@ -206,7 +206,7 @@ def test_app_runs_once_and_quits_cleanly(tmp_path):
 def test_no_display_falls_back_to_terminal_chat(home):
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-m", "engine", "app", "--stages", "1"], input="/quit\n",
+    out = subprocess.run([sys.executable, "-m", "app.launcher", "app", "--stages", "1"], input="/quit\n",
                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert "no display found" in out.stderr
     assert "Ready:" in out.stderr, out.stderr[-2000:]  # the terminal chat loaded the model and answered /quit
