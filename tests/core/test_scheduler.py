@@ -21,6 +21,15 @@ def sched(n_stages=2, capacity=10_000, **kw):
     return Scheduler(n_stages, capacity, **kw)
 
 
+def decoding(s, n):
+    """n short requests, admitted and through their first step: every micro-batch decodes."""
+    for q in seqs(*[5] * n):
+        s.add(q)
+    for g in s.schedule():
+        s.step_rows(g)
+        s.on_result(g)
+
+
 def link(mbit=10.0, rtt=0.02):
     est = LinkEstimate()
     est.observe_goodput(mbit * 1e6 / 8)
@@ -81,12 +90,7 @@ def test_step_rows_open_new_sequences_and_decode_one_token_for_the_others():
 def test_a_newcomer_gets_a_micro_batch_of_its_own_when_all_are_decoding():
     s = sched(n_stages=2)                        # dynamic: M..2M
     assert s.dynamic and s.micro_batches == 2
-    for q in seqs(5, 5):
-        s.add(q)
-    first = s.schedule()
-    for g in first:                              # both decoding, back at the head
-        s.step_rows(g)
-        s.on_result(g)
+    decoding(s, 2)                               # both micro-batches decoding, back at the head
     late = seqs(50)[0]
     late.id = 99
     s.add(late)
@@ -104,11 +108,7 @@ def test_a_newcomer_gets_a_micro_batch_of_its_own_when_all_are_decoding():
 
 def test_a_fixed_count_keeps_newcomers_in_decoding_batches():
     s = sched(n_stages=2, micro_batches=2)
-    for q in seqs(5, 5):
-        s.add(q)
-    for g in s.schedule():
-        s.step_rows(g)
-        s.on_result(g)
+    decoding(s, 2)
     late = Seq(99, 50, 10)
     s.add(late)
     s.schedule()
@@ -185,11 +185,7 @@ def test_release_of_a_waiting_or_in_flight_sequence():
 def test_a_removed_micro_batch_keeps_its_step_count():
     """Frames of a micro-batch that left must not match a new one with the same id."""
     s = sched(n_stages=2)
-    for q in seqs(5, 5):
-        s.add(q)
-    for g in s.schedule():
-        s.step_rows(g)
-        s.on_result(g)
+    decoding(s, 2)
     late = Seq(9, 5, 10)
     s.add(late)
     (g3,) = [g for g in s.schedule() if late in g.seqs]
