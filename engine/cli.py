@@ -244,13 +244,17 @@ async def _join(args) -> int:
 
     try:
         invite = await redeem(args.code, args.relay)
-        if shortcode.is_short(args.code):
-            _say("  short code accepted: received the invite code")
+    except HomeError as exc:   # a code that cannot be used: the user's to fix
+        _say(f"potluck: {exc}")
+        return 2
+    if shortcode.is_short(args.code):
+        _say("  short code accepted: received the invite code")
+    try:
         joined = await join_stage(invite, name=args.name, prefer=args.prefer, device=args.device,
                                   threads=args.threads, config=args.config, on_event=lambda t: _say(f"  {t}"))
-    except HomeError as exc:
+    except HomeError as exc:   # the host could not be reached
         _say(f"potluck: {exc}")
-        return 2 if "code" in str(exc) else 1
+        return 1
     print(f"Joined pipeline {invite.pipeline_id} as node {joined.joiner.identity.node_id} via "
           f"{joined.joiner.session.path}; sharing this machine until you stop it (Ctrl+C)", flush=True)
     keep = asyncio.ensure_future(joined.joiner.run())
