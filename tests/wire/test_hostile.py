@@ -1,4 +1,5 @@
-"""Hostile inputs: fuzzed parsers (hypothesis) and a short run of bench/hostile.py.
+"""Hostile inputs: fuzzed parsers (hypothesis) and a short run of the hostile suite
+(testkit/hostile.py; bench/hostile.py runs it in full).
 
 The bench script attacks a live relay + host + joiner pipeline on loopback (garbage,
 truncated and oversized frames to the relay, the host's tunnel port and the joiner's
@@ -109,7 +110,7 @@ def test_inner_frame_parser(data):
 
 @pytest.mark.slow
 async def test_hostile_suite_keeps_the_pipeline_serving(tmp_path):
-    from bench.hostile import run_suite, summary
+    from testkit.hostile import run_suite, summary
 
     res = await run_suite(scale=0.1, log=lambda *a: None, folder=tmp_path)
     print(summary(res))
