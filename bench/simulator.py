@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.core import scheduler as core  # noqa: E402
 from engine.core.compression import q8_ratio, should_compress  # noqa: E402
-from engine.core.link_scheduler import LinkScheduler  # noqa: E402
+from engine.core.link_scheduler import GoodputMeter, LinkScheduler  # noqa: E402
 from engine.core.profile import PROFILE_CONTEXT, interp  # noqa: E402
 from engine.core.step_gate import MAX_CUT_INS  # noqa: E402
 from engine.pipeline.link import LinkSender  # noqa: E402
@@ -342,8 +342,7 @@ class Link:
         self.committed: deque = deque()
         self.in_flight = 0
         self.rtt_min: float | None = None
-        self._gp_start: float | None = None
-        self._gp_bytes = 0
+        self.goodput = GoodputMeter(sched.link)
         if warm:
             sched.link.observe_goodput(wire.bandwidth)
             sched.link.observe_rtt(2 * wire.delay)
@@ -373,18 +372,8 @@ class Link:
 
     def on_ack(self, nbytes: int) -> None:
         self.in_flight -= nbytes
-        now = self.clock.now
-        backlog = self.sched.pending or self.committed or self.in_flight >= self.cap // 2
-        if self._gp_start is None:
-            self._gp_start, self._gp_bytes = now, 0
-        else:
-            self._gp_bytes += nbytes
-            span = now - self._gp_start
-            if span >= 0.05:
-                self.sched.link.observe_goodput(self._gp_bytes / span)
-                self._gp_start, self._gp_bytes = now, 0
-        if not backlog:
-            self._gp_start = None
+        backlog = bool(self.sched.pending or self.committed or self.in_flight >= self.cap // 2)
+        self.goodput.on_ack(self.clock.now, nbytes, backlog)
         self._pump()
 
     def _ping(self) -> None:

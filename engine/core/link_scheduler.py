@@ -79,6 +79,32 @@ class LinkEstimate:
             self.rtt_min = min(self.rtt_min, rtt)
 
 
+GOODPUT_SPAN = 0.05   # s: acknowledged bytes are summed over at least this long per sample
+
+
+class GoodputMeter:
+    """Goodput from acknowledgements, fed to a LinkEstimate: bytes acknowledged over a
+    span of at least GOODPUT_SPAN, counted only while the link has a backlog (an idle
+    link says nothing about its rate). The sender and the simulator share it."""
+
+    def __init__(self, estimate: LinkEstimate):
+        self.estimate = estimate
+        self._start: float | None = None
+        self._bytes = 0
+
+    def on_ack(self, now: float, nbytes: int, backlog: bool) -> None:
+        if self._start is None:
+            self._start, self._bytes = now, 0
+        else:
+            self._bytes += nbytes
+            span = now - self._start
+            if span >= GOODPUT_SPAN:
+                self.estimate.observe_goodput(self._bytes / span)
+                self._start, self._bytes = now, 0
+        if not backlog:
+            self._start = None
+
+
 @dataclass
 class LinkScheduler:
     mode: str = "jit"

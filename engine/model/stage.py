@@ -160,8 +160,6 @@ class StageModel:
             raise ModelError(f"{type(model).__name__}: cannot find its list of decoder layers")
         self._layers_name = layers_name
         prefix = {id(m): n for n, m in model.named_modules()}
-        base_prefix = prefix[id(base)]
-        keep = {"layers": f"{base_prefix}.{layers_name}." if base_prefix else f"{layers_name}."}
         self._emb_in_name = prefix.get(id(emb_in))
         self._emb_out_name = prefix.get(id(emb_out)) if emb_out is not None else None
         self._tied = _head_tied(model, emb_in, emb_out, self._emb_in_name, self._emb_out_name)

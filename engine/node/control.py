@@ -365,7 +365,6 @@ class Node:
         per_layer = layer_bytes_estimate(cfg, 4)
         embed = cfg.vocab_size * cfg.hidden_size * 4 * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
         needed = per_layer * n + embed
-        local_stages = 1 if stage_addr else stages
         available = _local_memory_bytes()
         if memory_limit_mb is not None:
             available = min(available, int(memory_limit_mb * 2**20))

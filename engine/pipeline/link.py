@@ -25,7 +25,7 @@ from collections import deque
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
-from engine.core.link_scheduler import LinkScheduler
+from engine.core.link_scheduler import GoodputMeter, LinkScheduler
 from engine.wire.volumes import encode_chunk
 
 log = logging.getLogger("potluck.link")
@@ -86,9 +86,7 @@ class LinkSender:
         self._tasks: list[asyncio.Task] = []
         self.failed: str | None = None
         self.rtt_min: float | None = None
-        # goodput window: acked bytes while the link had a backlog
-        self._gp_start: float | None = None
-        self._gp_bytes = 0
+        self.goodput = GoodputMeter(self.sched.link)   # from acks, while there is a backlog
         self.bytes_sent = 0
         shrink_socket_buffers(ws)
 
@@ -145,18 +143,8 @@ class LinkSender:
             raise frames.FrameError(f"acknowledgement for something never sent (volume {volume_id}, {nbytes} B)")
         self._sent.popleft()
         self.in_flight -= nbytes
-        now = self.clock()
-        backlog = self.sched.pending or self._committed or self.in_flight >= self.cap // 2
-        if self._gp_start is None:
-            self._gp_start, self._gp_bytes = now, 0
-        else:
-            self._gp_bytes += nbytes
-            span = now - self._gp_start
-            if span >= 0.05:
-                self.sched.link.observe_goodput(self._gp_bytes / span)
-                self._gp_start, self._gp_bytes = now, 0
-        if not backlog:
-            self._gp_start = None  # an idle link says nothing about its rate
+        backlog = bool(self.sched.pending or self._committed or self.in_flight >= self.cap // 2)
+        self.goodput.on_ack(self.clock(), nbytes, backlog)
         self._wake.set()
 
     async def _pinger(self):

@@ -22,7 +22,7 @@ from enum import IntEnum
 
 import torch
 
-from engine.core.compression import Q8_BLOCK, Q8_ROW, q8_ratio  # noqa: F401 (q8_ratio: part of the frame format)
+from engine.core.compression import Q8_BLOCK, Q8_ROW
 from engine.core.profile import check_profile
 
 MAGIC = b"PTLK"

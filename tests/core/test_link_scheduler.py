@@ -126,3 +126,22 @@ def test_goodput_and_rtt_estimates_follow_the_link():
         s.link.observe_goodput(4e6)     # the link got faster: the estimate follows
     assert s.link.bandwidth == pytest.approx(4e6, rel=0.02)
     assert s.link.rtt == pytest.approx(0.03)
+
+
+# ---- goodput from acknowledgements ------------------------------------------------------
+def test_goodput_is_measured_only_while_the_link_has_a_backlog():
+    from engine.core.link_scheduler import GOODPUT_SPAN, GoodputMeter, LinkEstimate
+
+    est = LinkEstimate()
+    meter = GoodputMeter(est)
+    meter.on_ack(0.0, 1000, backlog=True)              # opens the window: its bytes came before
+    meter.on_ack(GOODPUT_SPAN / 2, 50_000, backlog=True)
+    assert est.samples == 0                             # too short a span to say anything
+    meter.on_ack(0.1, 50_000, backlog=True)
+    assert est.samples == 1 and est.bandwidth == pytest.approx(100_000 / 0.1)
+    meter.on_ack(0.2, 10, backlog=False)                # the last ack before the link went idle
+    assert est.samples == 2                             # ... still counts, then the window closes
+    meter.on_ack(5.0, 10, backlog=True)                 # a new window, not 4.8 idle seconds
+    meter.on_ack(5.1, 20_000, backlog=True)
+    assert est.samples == 3
+    assert est.bandwidth == pytest.approx(0.75 * (0.75 * 1e6 + 0.25 * 100) + 0.25 * 200_000)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.core import prompt_chunk
-from engine.wire import frames
+from engine.core.compression import q8_ratio
 from engine.cli import add_pipeline_args, prompt_chunk_arg
 from engine.pipeline.head import Head
 from engine.core.profile import interp
@@ -50,7 +50,7 @@ def test_compression_makes_the_link_faster_so_the_chunk_larger():
     packed = prompt_chunk_tokens(PREFILL, BPT, 4, bw, compress="auto")
     assert plain < packed < CAP
     # the chunk the rule picked is one compression would send as int8
-    nbytes = packed * BPT * frames.q8_ratio(4)
+    nbytes = packed * BPT * q8_ratio(4)
     assert interp(PREFILL, packed) * HEADROOM <= nbytes / bw
 
 
