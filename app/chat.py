@@ -224,7 +224,8 @@ class ChatWindow(QMainWindow):
                     kv += f", link {link['rtt_ms']:.1f} ms"
                     if link.get("mbit_s"):
                         kv += f" / {link['mbit_s']:.0f} Mbit/s"
-                parts.append(f"layers {a}–{b - 1}: {where}{kv}")
+                on = f" ({s['device_name']})" if s.get("device_name") else ""
+                parts.append(f"layers {a}–{b - 1}: {where}{on}{kv}")
             parts.append(f"{hosting.get('tokens_served', 0)} tokens served")
             self.pipeline_label.setText("  ·  ".join(parts))
             self.url_field.setText(hosting.get("openai_url") or "")

@@ -371,15 +371,17 @@ def status_html(st: dict) -> str:
                    f"{h.get('running', 0)} running, {h.get('waiting', 0)} waiting, KV "
                    f"{h.get('kv_used_tokens')}/{h.get('kv_capacity_tokens')} tokens<br>"
                    f"OpenAI URL: <code>{h.get('openai_url')}</code></p><table border=1 cellpadding=4>"
-                   "<tr><th>Computer</th><th>Layers</th><th>KV tokens</th></tr>")
+                   "<tr><th>Computer</th><th>Computes on</th><th>Layers</th><th>KV tokens</th></tr>")
         for s in h["stages"]:
             a, b = s["layers"]
             who = f"{s['name']} (via {s.get('via')})" if s.get("name") else s["address"]
-            out.append(f"<tr><td>{who}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
+            on = s.get("device_name") or s.get("device") or "?"
+            out.append(f"<tr><td>{who}</td><td>{on}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
         out.append("</table>")
     sh = st.get("sharing") or {}
     if sh.get("on"):
-        line = f"<p><b>Sharing this GPU</b> on {sh.get('address') or '(not listening)'}"
+        line = (f"<p><b>Sharing this computer</b> ({sh.get('device_name') or sh.get('device') or '?'}) "
+                f"on {sh.get('address') or '(not listening)'}")
         if sh.get("paused"):
             line += f" — paused: {sh.get('reason')}"
         out.append(line + "</p>")

@@ -37,7 +37,8 @@ def tooltip(st: dict) -> str:
             lines.append(f"Sharing paused: {sh.get('reason')}")
         elif sh.get("layers"):
             a, b = sh["layers"]
-            lines.append(f"Sharing: layers {a}–{b - 1}, {sh.get('kv_tokens', 0)} KV tokens")
+            lines.append(f"Sharing: layers {a}–{b - 1} on {sh.get('device_name') or sh.get('device') or '?'}, "
+                         f"{sh.get('kv_tokens', 0)} KV tokens")
         else:
             lines.append("Sharing: waiting for a friend's pipeline")
     gpu = st.get("gpu") or {}

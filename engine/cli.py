@@ -71,7 +71,11 @@ def add_pipeline_args(p):
                    help="ws://host:port of a remote stage (repeat, in pipeline order); replaces --stages")
     p.add_argument("--layers", default=None, help="override the layer split: '0:10,10:30' or '10,20'")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: stages)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto",
+                   help="where the head and this machine's stages compute: auto (default: the GPU when torch "
+                        "sees one, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default auto: bf16 on a GPU, float32 on the CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage process")
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
     p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
@@ -358,7 +362,7 @@ def _add_homes_args(sub):
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
     p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
                    help="auto: a direct address from the code first, then the relay")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--config", default=None)
 
@@ -389,6 +393,7 @@ def _add_node_args(p):
     p.add_argument("--api-port", type=int, default=0, help="OpenAI API port on 127.0.0.1 (default: a free one)")
     p.add_argument("--pipeline", default="potluck", help="pipeline name a shared stage accepts")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--limits", default=None, help="JSON with the sharing limits (see engine/node/sharing.py)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
     p.add_argument("--host-model", default=None, help="start hosting this model right away")
@@ -416,12 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--pipeline", default="local")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/model/cores.py
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
+    sub.add_parser("doctor", help="can this machine compute on its GPU? if not, what to install")
     _add_homes_args(sub)
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
     _add_node_args(p)
@@ -463,6 +469,10 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "invites":
         return _invites(args)
+    if args.cmd == "doctor":
+        from engine.node.doctor import main as doctor
+
+        return doctor()
     try:
         return asyncio.run(COMMANDS[args.cmd](args))
     except KeyboardInterrupt:

@@ -6,11 +6,54 @@ import time
 
 import torch
 
+from engine.core.errors import ModelError
 
-def pick_device(requested: str | None = None) -> str:
-    if requested:
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
+
+class DeviceError(ModelError):
+    """A device that cannot be used here, with what to do instead."""
+
+
+AUTO = "auto"
+
+
+def pick_device(requested: str | None = AUTO) -> str:
+    """The device a stage computes on. 'auto' (or None): the GPU when torch sees one, else
+    the CPU. 'cpu', 'cuda' and 'cuda:N' are checked here, before anything loads."""
+    requested = (requested or AUTO).strip().lower()
+    if requested == AUTO:
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" or requested.startswith("cuda:"):
+        index = requested.partition(":")[2] or "0"
+        if not index.isdigit():
+            raise DeviceError(f"cannot read device {requested!r}: use cpu, cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {requested}: this torch sees no CUDA GPU (`potluck doctor` says why "
+                              "and what to install); use --device auto or cpu")
+        if int(index) >= torch.cuda.device_count():
+            raise DeviceError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                              f"numbered from 0")
+        return f"cuda:{int(index)}"
+    raise DeviceError(f"cannot read device {requested!r}: use auto, cpu, cuda or cuda:N")
+
+
+def compute_dtype(device: str) -> str:
+    """The dtype a stage computes in by default: bf16 on a GPU that has it (fp16 on an
+    older one), float32 on the CPU (its bf16 matmuls are slow on most CPUs)."""
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def device_name(device: str) -> str:
+    """What to call the device in a status: the GPU's name, or 'CPU'."""
+    if device.startswith("cuda"):
+        try:
+            return torch.cuda.get_device_name(torch.device(device))
+        except (RuntimeError, AssertionError):
+            return device
+    return "CPU"
 
 
 def free_memory(device: str) -> int:

@@ -28,10 +28,10 @@ class SeqKV:
 
 
 class KVStore:
-    def __init__(self, budget_tokens: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, budget_tokens: int, dtype: torch.dtype, device: torch.device | str | None = None):
         self.budget_tokens = int(budget_tokens)
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = torch.device(device or "cpu")   # the stage's device (StageModel passes it)
         self.seqs: dict[int, SeqKV] = {}
         self._free_slots: list[int] = []
         self._n_slots = 0

@@ -34,6 +34,7 @@ from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
+from engine.model.device import pick_device
 from engine.model.sources import ModelError, ModelSource
 
 # accelerate's init_empty_weights patches torch's module constructors process-wide, so
@@ -88,7 +89,7 @@ class StageBatch:
 
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", kv_budget_tokens: int = 1 << 16, progress=None, cores=None):
+                 device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None):
         self.source = source
         # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
         self.cores = cores
@@ -99,7 +100,7 @@ class StageModel:
         self.first = start == 0
         self.last = end == self.n_layers_total
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = torch.device(pick_device(device))
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self._progress = progress or (lambda done, total, what: None)

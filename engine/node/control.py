@@ -37,6 +37,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.model.device import DeviceError, device_name, pick_device
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
 from engine.node.sharing import Limits, SharePolicy
 
@@ -62,13 +63,13 @@ def _local_memory_bytes() -> int:
 class Node:
     def __init__(self, token: str, *, share_host: str = "127.0.0.1", share_port: int = 0,
                  api_port: int = 0, pipeline: str = "potluck", threads: int | None = None,
-                 limits: Limits | None = None, poll_seconds: float = 2.0, device: str = "cpu"):
+                 limits: Limits | None = None, poll_seconds: float = 2.0, device: str = "auto"):
         self.token = token
         self.share_host, self.share_port = share_host, share_port
         self.api_port = api_port
         self.pipeline = pipeline
         self.threads = threads
-        self.device = device
+        self.device = pick_device(device)   # a shared stage and the head we host compute here
         self.policy = SharePolicy(limits)
         self.poll_seconds = poll_seconds
         self.pipe = None                    # the pipeline we host (engine/pipeline/launch.py)
@@ -288,7 +289,8 @@ class Node:
             hosting = info
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,
-                   "pipeline": self.share_pipeline, "address": None, "layers": None, "seqs": 0, "kv_tokens": 0}
+                   "pipeline": self.share_pipeline, "address": None, "layers": None, "seqs": 0, "kv_tokens": 0,
+                   "device": self.device, "device_name": device_name(self.device)}
         srv = self.stage_server
         if srv is not None:
             host = self.share_host if self.share_host not in ("0.0.0.0", "::") else _lan_address()
@@ -410,7 +412,7 @@ class Node:
                 self.loading["stages"][str(stage)] = {"done": done, "total": total, "what": what}
 
         cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
-                             layers=args["layers"], threads=self.threads)
+                             layers=args["layers"], threads=self.threads, device=self.device)
         pipe = None
         try:
             if args.get("friends"):
@@ -638,8 +640,13 @@ async def run_node(args) -> int:
     except (ValueError, TypeError) as exc:
         print(f"potluck node: bad --limits: {exc}", file=sys.stderr)
         return 2
-    node = Node(token, share_host=args.share_host, share_port=args.share_port, api_port=args.api_port,
-                pipeline=args.pipeline, threads=args.threads, limits=limits, poll_seconds=args.poll)
+    try:
+        node = Node(token, share_host=args.share_host, share_port=args.share_port, api_port=args.api_port,
+                    pipeline=args.pipeline, threads=args.threads, limits=limits, poll_seconds=args.poll,
+                    device=getattr(args, "device", "auto"))
+    except DeviceError as exc:
+        print(f"potluck node: {exc}", file=sys.stderr)
+        return 2
     runner = web.AppRunner(node.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port)

@@ -133,7 +133,7 @@ class Joined:
 
 
 async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str | None = None,
-                     prefer: str = "auto", device: str = "cpu", threads: int | None = None,
+                     prefer: str = "auto", device: str = "auto", threads: int | None = None,
                      config: str | None = None, on_event=None) -> Joined:
     """A stage server on loopback, connected to the host through the invite's tunnel.
     Pass the joiner of an earlier session to rejoin as a member (after a pause)."""

@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
 from engine.model.detok import Detokenizer
-from engine.model.device import DTYPES, free_memory, kv_budget_tokens_for, speed_score
+from engine.model.device import DTYPES, compute_dtype, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
@@ -115,7 +115,7 @@ class RemoteStage:
 class Head:
     def __init__(self, source: ModelSource, stage_addresses: list[str] | None = None, *,
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
-                 dtype: str = "float32", device: str = "cpu", kv_budget_tokens: int | None = None,
+                 dtype: str = "auto", device: str = "auto", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order",
@@ -133,9 +133,9 @@ class Head:
         # between processes sharing this CPU: over loopback there is nothing to measure,
         # and each ack is a message handled on two ends while the cores compute a step.
         self.acks = cores is None
-        self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
-        self.device = device
+        self.device = pick_device(device)
+        self.dtype_name = compute_dtype(self.device) if dtype == "auto" else dtype
+        self.dtype = DTYPES[self.dtype_name]
         self.kv_budget_override = kv_budget_tokens
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
         if compress not in COMPRESS_POLICIES:
@@ -331,8 +331,12 @@ class Head:
     def info(self) -> dict:
         return {
             "model": self.source.name,
-            "stages": [{"address": "head (this process)", "layers": list(self.ranges[0])}]
-            + [{"address": r.address, "layers": list(r.range)} for r in self.remotes],
+            "stages": [{"address": "head (this process)", "layers": list(self.ranges[0]),
+                        "device": self.device, "device_name": device_name(self.device)}]
+            + [{"address": r.address, "layers": list(r.range),
+                "device": (r.welcome or {}).get("device"), "device_name": (r.welcome or {}).get("device_name")}
+               for r in self.remotes],
+            "dtype": self.dtype_name,
             "micro_batches": self.micro_batches,
             "kv_capacity_tokens": self.capacity,
             "kv_reserved_tokens": self.reserved,

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.core.partition import parse_layers
+from engine.model.device import compute_dtype, pick_device
 from engine.model.sources import DEFAULT_MODEL, resolve
 from engine.pipeline.head import Head
 from engine.pipeline.local import LocalStages
@@ -29,7 +30,8 @@ class PipelineConfig:
     next_addresses: list[str | None] | None = None
     layers: str | None = None             # '0:10,10:30' or '10,20' (None: split by speed and memory)
     micro_batches: int | None = None      # None: the head picks (and re-picks) the count
-    dtype: str = "float32"
+    device: str = "auto"                  # auto (the GPU if torch sees one) | cpu | cuda | cuda:N
+    dtype: str = "auto"                   # auto: bf16 on a GPU, float32 on the CPU
     threads: int | None = None            # torch threads per process (None: split this CPU's cores)
     kv_budget_tokens: int | None = None   # per stage (None: from free memory)
     link: str = "jit"                     # jit | fixed | fifo (engine/core/link_scheduler.py)
@@ -59,6 +61,8 @@ class Pipeline:
 
 async def launch(cfg: PipelineConfig, progress=None) -> Pipeline:
     """Start local stage processes (or reach remote ones) and a head over them."""
+    device = pick_device(cfg.device)        # a GPU that is not there is said before anything starts
+    dtype = compute_dtype(device) if cfg.dtype == "auto" else cfg.dtype
     source = resolve(cfg.model)
     # a bad split is reported before any stage process starts
     layers = parse_layers(cfg.layers, source.config().num_hidden_layers) if cfg.layers else None
@@ -70,7 +74,7 @@ async def launch(cfg: PipelineConfig, progress=None) -> Pipeline:
         # Stage processes on one machine split its cores: OpenMP threads that outnumber
         # cores stall each other at every barrier. Unless `threads` fixes it, each
         # process owns its share and borrows idle cores for big steps (engine/model/cores.py).
-        local = LocalStages(cfg.stages - 1, threads=threads, share_cores=not threads)
+        local = LocalStages(cfg.stages - 1, threads=threads, share_cores=not threads, device=device)
         addrs = await local.start()
         cores = local.head_cores
         threads = threads or max(1, (os.cpu_count() or 1) // cfg.stages)
@@ -78,7 +82,7 @@ async def launch(cfg: PipelineConfig, progress=None) -> Pipeline:
         import torch
 
         torch.set_num_threads(threads)
-    head = Head(source, addrs, layers=layers, micro_batches=cfg.micro_batches, dtype=cfg.dtype,
+    head = Head(source, addrs, layers=layers, micro_batches=cfg.micro_batches, dtype=dtype, device=device,
                 kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_shares=local.cpu_shares if cores else None,

@@ -19,7 +19,7 @@ ANNOUNCE = "POTLUCK_STAGE_PORT="
 
 
 class LocalStages:
-    def __init__(self, count: int, threads: int | None = None, pipeline: str = "local", device: str = "cpu",
+    def __init__(self, count: int, threads: int | None = None, pipeline: str = "local", device: str = "auto",
                  share_cores: bool = False):
         self.count = count
         self.threads = threads

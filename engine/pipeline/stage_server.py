@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
-from engine.model.device import DTYPES, free_memory, kv_budget_tokens_for, speed_score
+from engine.model.device import DTYPES, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
@@ -42,7 +42,8 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 4   # 3: stages send "profile" updates; 4: configure carries `acks`
+PROTOCOL_VERSION = 5   # 3: stages send "profile" updates; 4: configure carries `acks`;
+                       # 5: welcome says which device the stage computes on
 HELLO_TIMEOUT = 10.0
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
@@ -59,11 +60,11 @@ class Inbox(asyncio.Queue):
 
 class StageServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
-                 device: str = "cpu", threads: int | None = None, cores=None):
+                 device: str = "auto", threads: int | None = None, cores=None):
         self.host, self.port = host, port
         self.cores = cores  # a CoreLease when this machine's cores are shared (engine/model/cores.py)
         self.pipeline = pipeline
-        self.device = device
+        self.device = pick_device(device)
         if threads:
             torch.set_num_threads(threads)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
@@ -165,7 +166,8 @@ class StageServer:
         self._control_ws = ws
         try:
             await ws.send(frames.control("welcome", version=PROTOCOL_VERSION,
-                                       free_memory=free_memory(self.device),
+                                       free_memory=free_memory(self.device), device=self.device,
+                                       device_name=device_name(self.device),
                                        speed=await self._run(speed_score, self.device)))
             async for text in ws:
                 try:

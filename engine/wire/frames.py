@@ -249,7 +249,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "get_stats": {},
     "shutdown": {},
     # stage -> head
-    "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM},
+    "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM, "device": _STR, "device_name": _STR},
     "progress": {"done": _INT, "total": _INT, "what": _STR},
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
                    "profile": _PROFILE},

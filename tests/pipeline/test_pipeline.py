@@ -670,3 +670,13 @@ async def test_profiles_follow_the_steps_in_service(inproc_stage, tiny_folder, m
         assert head.profiles[1] == server.profile   # what the stage last reported
     finally:
         await head.close()
+
+
+async def test_status_says_where_each_stage_computes(pipeline):
+    """--device auto: on this machine (no GPU) the head and every stage compute on the CPU,
+    in float32; the status says so per stage (the stages say it in their welcome)."""
+    info = pipeline.info()
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert [s["device"] for s in info["stages"]] == [want] * 3
+    assert all(s["device_name"] for s in info["stages"])
+    assert info["dtype"] == ("float32" if want == "cpu" else pipeline.dtype_name)

@@ -1,0 +1,60 @@
+"""The device is chosen for the user (engine/model/device.py). CUDA is the edge that
+cannot exist here: torch.cuda's answers are patched to play a machine with GPUs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model import device as dev
+from engine.model.device import DeviceError, compute_dtype, pick_device
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpus(monkeypatch, n: int, bf16: bool = True):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+
+
+def test_auto_is_the_gpu_when_torch_sees_one(monkeypatch):
+    gpus(monkeypatch, 0)
+    assert pick_device("auto") == pick_device(None) == "cpu" and compute_dtype("cpu") == "float32"
+    gpus(monkeypatch, 2)
+    assert pick_device("auto") == "cuda:0" and pick_device("cuda") == "cuda:0" and pick_device("CUDA:1") == "cuda:1"
+    assert pick_device("cpu") == "cpu"                    # the override wins
+    assert compute_dtype("cuda:0") == "bfloat16"
+    gpus(monkeypatch, 1, bf16=False)
+    assert compute_dtype("cuda:0") == "float16"           # a GPU without bf16
+
+
+@pytest.mark.parametrize("asked, why", [("cuda", "sees no CUDA GPU"), ("cuda:0", "sees no CUDA GPU"),
+                                        ("gpu", "use auto, cpu, cuda or cuda:N"),
+                                        ("cuda:x", "use cpu, cuda or cuda:N")])
+def test_a_device_that_is_not_there_is_refused_with_what_to_do(monkeypatch, asked, why):
+    gpus(monkeypatch, 0)
+    with pytest.raises(DeviceError, match=why):
+        pick_device(asked)
+
+
+def test_a_gpu_number_beyond_the_machine_is_refused(monkeypatch):
+    gpus(monkeypatch, 2)
+    with pytest.raises(DeviceError, match="has 2 CUDA GPU"):
+        pick_device("cuda:2")
+
+
+def test_device_name(monkeypatch):
+    assert dev.device_name("cpu") == "CPU"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA GeForce RTX 4090")
+    assert dev.device_name("cuda:0") == "NVIDIA GeForce RTX 4090"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_the_cli_says_so_before_loading_anything():
+    out = subprocess.run([sys.executable, "-m", "engine", "chat", "--device", "cuda", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2
+    assert "sees no CUDA GPU" in out.stderr and "potluck doctor" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,40 @@
+"""`potluck doctor` (engine/node/doctor.py): what a GPU owner is told, case by case."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.node.doctor import TORCH_CUDA_INDEX, Facts, advise
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def facts(**over):
+    base = dict(gpus=["NVIDIA GeForce RTX 3090"], nvml_why=None, torch_version="2.13.0", torch_cuda=None,
+                cuda_available=False, device="cpu")
+    return Facts(**{**base, **over})
+
+
+def test_a_cpu_build_of_torch_beside_an_nvidia_gpu_gets_the_install_line():
+    ok, lines = advise(facts())
+    text = "\n".join(lines)
+    assert not ok and "CPU build" in text and "RTX 3090" in text
+    assert f"pip install --force-reinstall 'torch==2.13.0' --index-url {TORCH_CUDA_INDEX}" in text
+
+
+def test_a_cuda_build_that_cannot_use_the_gpu_points_at_the_driver():
+    ok, lines = advise(facts(torch_cuda="12.8"))
+    assert not ok and "driver" in lines[-1] and "12.8" in lines[-1]
+
+
+def test_a_working_gpu_and_a_machine_without_one_are_both_fine():
+    ok, lines = advise(facts(torch_cuda="12.8", cuda_available=True, device="cuda:0"))
+    assert ok and lines[-1].startswith("ok: computing on the GPU") and "cuda:0" in lines[2]
+    ok, lines = advise(facts(gpus=[], nvml_why="NVML: NVMLError_LibraryNotFound"))
+    assert ok and "computes on the CPU" in lines[-1] and "LibraryNotFound" in lines[1]
+
+
+def test_the_command_runs_here():
+    out = subprocess.run([sys.executable, "-m", "engine", "doctor"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "--device auto computes on: cpu" in out.stdout
