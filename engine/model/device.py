@@ -46,6 +46,19 @@ def compute_dtype(device: str) -> str:
     return "float32"
 
 
+def step_failure(exc: BaseException, device: str) -> str:
+    """What to tell the sequences of a step that failed. An out-of-memory step gives the
+    GPU's cached blocks back first, so the steps after it (smaller ones, other
+    sequences) find the memory this one could not."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return (f"out of memory on {device_name(device)} while computing this request's step; it was "
+                "stopped so the others could go on. Send fewer or shorter requests at once, or give "
+                "the pipeline more memory (a higher VRAM cap, another computer)")
+    return str(exc)[:500]
+
+
 def device_name(device: str) -> str:
     """What to call the device in a status: the GPU's name, or 'CPU'."""
     if device.startswith("cuda"):

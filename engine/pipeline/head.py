@@ -22,7 +22,8 @@ from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
 from engine.model.detok import Detokenizer
-from engine.model.device import DTYPES, compute_dtype, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score
+from engine.model.device import (DTYPES, compute_dtype, device_name, free_memory, kv_budget_tokens_for, pick_device,
+                                 speed_score, step_failure)
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
@@ -473,7 +474,8 @@ class Head:
             self._pipeline_failed("the connection to stage 1 closed")
         except (ValueError, RuntimeError) as exc:
             log.warning("step failed on the head: %s", exc)
-            self._on_tokens(g.id, g.step, [], [[s, str(exc)] for s in batch.seq_ids])
+            why = step_failure(exc, self.device)
+            self._on_tokens(g.id, g.step, [], [[s, why] for s in batch.seq_ids])
 
     async def _stream_prompt(self, g: Group, s: Sequence):
         """Send all but the last chunk of a new prompt ahead of its micro-batch step."""
@@ -487,7 +489,7 @@ class Head:
                 t0 = time.monotonic()
                 out = await self._step0(False, batch, x)
             except (ValueError, RuntimeError) as exc:
-                self._finish(s, "error", str(exc))
+                self._finish(s, "error", step_failure(exc, self.device))
                 raise
             frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step,
                                 {"rows": [[s.id, s.pos, c]], "partial": True}, out,

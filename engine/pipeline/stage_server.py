@@ -26,7 +26,8 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
-from engine.model.device import DTYPES, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score
+from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score,
+                                 step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
@@ -397,7 +398,7 @@ class StageServer:
     def _compute(self, queued: list[frames.Frame]) -> list:
         """Runs on the compute thread: one output per frame (see _compute_one)."""
         if len(queued) == 1:
-            return [self._compute_one(queued[0])]
+            return _results(self._compute_one(queued[0]))
         stage = self.stage
         rows = [r for f in queued for r in f.meta["rows"]]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
@@ -408,7 +409,7 @@ class StageServer:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")
             out = stage.forward(batch, torch.cat([f.tensor for f in queued]))
         except (ValueError, SamplingError, RuntimeError):
-            return [self._compute_one(f) for f in queued]  # each frame reports its own error
+            return [r for f in queued for r in _results(self._compute_one(f))]  # each frame: its own error
         results, o = [], 0
         for f in queued:
             ids = [r[0] for r in f.meta["rows"]]
@@ -424,7 +425,7 @@ class StageServer:
         return results
 
     def _compute_one(self, frame: frames.Frame):
-        """Returns ("head" | "next", bytes[, kind]) to send, or None."""
+        """Returns ("head" | "next", bytes[, kind]) to send, None, or a list of those."""
         stage = self.stage
         rows = frame.meta["rows"]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
@@ -440,9 +441,17 @@ class StageServer:
             t0 = time.perf_counter()
             out = stage.forward(batch, frame.tensor)
             compute_seconds = time.perf_counter() - t0
+        except torch.OutOfMemoryError as exc:
+            if len(rows) > 1:
+                return self._compute_rows(frame, exc)
+            log.warning("step failed: %s", exc)
+            meta = {"tokens": [], "errors": [[s, step_failure(exc, str(self.device))] for s in batch.seq_ids]}
+            step = 0 if frame.meta.get("partial") else frame.step
+            return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta))
         except (ValueError, SamplingError, RuntimeError) as exc:
             log.warning("step failed: %s", exc)
-            meta = {"tokens": [], "errors": [[s, str(exc)[:500]] for s in batch.seq_ids]}
+            why = step_failure(exc, str(self.device))
+            meta = {"tokens": [], "errors": [[s, why] for s in batch.seq_ids]}
             # step 0 tells the head this came from a prompt chunk, not its micro-batch's step
             step = 0 if frame.meta.get("partial") else frame.step
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta))
@@ -457,6 +466,43 @@ class StageServer:
         q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
         return ("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
                                     frame.meta, out, q8=q8), kind)
+
+    def _compute_rows(self, frame: frames.Frame, first: BaseException):
+        """A step that ran out of memory, again one sequence at a time: those that fit go
+        on, those that still do not get a clear error (the head frees them everywhere).
+        Safe to repeat: KV is written by position and a sequence's length moves only
+        when its step completes (model/kv.py, model/stage.py)."""
+        stage, rows = self.stage, frame.meta["rows"]
+        why = step_failure(first, str(self.device))
+        outs, good, failed, o = [], [], [], 0
+        for r in rows:
+            x = frame.tensor[o: o + r[2]]
+            o += r[2]
+            try:
+                outs.append(stage.forward(StageBatch([r[0]], [r[1]], [r[2]]), x))
+                good.append(r)
+            except torch.OutOfMemoryError as exc:
+                failed.append([r[0], step_failure(exc, str(self.device))])
+        log.warning("out of memory in a step of %d sequences: %d went on one by one (%s)", len(rows), len(good), why)
+        ids = [r[0] for r in good]
+        if stage.last:
+            toks = self.sampler.sample(ids, torch.cat(outs)) if outs else []
+            meta = {"tokens": [[s, t] for s, t in zip(ids, toks)], "errors": failed}
+            return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
+        out = []
+        if failed:
+            # told apart from the step's result (step 0), which the rows that fit still bring
+            out.append(("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, 0,
+                                              {"tokens": [], "errors": failed})))
+        if not good:
+            return out
+        keep = {str(s) for s in ids}
+        meta = {**frame.meta, "rows": good}
+        if "new" in meta:
+            meta["new"] = {k: v for k, v in meta["new"].items() if k in keep}
+        kind = "decode" if _is_decode(frame) else "prefill"
+        return out + [("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step, meta,
+                                             torch.cat(outs)), kind)]
 
     def _submit_next(self, data: bytes, kind: str):
         try:
@@ -484,6 +530,11 @@ class StageServer:
 
 
 MAX_MERGED_ROWS = 64
+
+
+def _results(out) -> list:
+    """_compute_one's answer as a list (a step retried row by row may answer twice)."""
+    return out if isinstance(out, list) else [out]
 
 
 def _is_decode(frame: frames.Frame) -> bool:

@@ -475,7 +475,7 @@ async def test_a_pausing_stage_is_drained_and_the_head_told_first(inproc_stage, 
         assert done_a.error is None and len(toks_a) == 30  # in flight: finished
         assert b.seq in head.waiting and not b.seq.generated  # new: not admitted
         assert head.info()["pausing"] and "GPU too hot" in head.info()["pausing"]
-        await server._control_ws.close(1001, "paused by the GPU owner: GPU too hot (85 C)")
+        await server.close("paused by the GPU owner: GPU too hot (85 C)")
         _, _, done_b = await collect(b)
         assert done_b.error and "GPU too hot" in done_b.error
         assert "GPU too hot" in head.error
@@ -680,3 +680,41 @@ async def test_status_says_where_each_stage_computes(pipeline):
     assert [s["device"] for s in info["stages"]] == [want] * 3
     assert all(s["device_name"] for s in info["stages"])
     assert info["dtype"] == ("float32" if want == "cpu" else pipeline.dtype_name)
+
+
+@pytest.mark.parametrize("where", ["last", "middle"])
+async def test_out_of_memory_fails_that_request_and_the_stage_serves_the_others(where, inproc_stage, tiny_folder,
+                                                                                spare_stages):
+    """A step that runs out of (GPU) memory is computed again one sequence at a time: the
+    one that still does not fit gets a clear error and is freed everywhere, the one
+    batched with it goes on, and the stage serves what comes next. CUDA cannot run here,
+    so the stage's forward raises torch.OutOfMemoryError for one sequence's steps."""
+    server, addr = inproc_stage
+    folder, _ = tiny_folder("llama", seed=0)
+    addrs = [addr] if where == "last" else [addr, spare_stages[0]]
+    head = await start_head(resolve(str(folder)), addrs, micro_batches=1)
+    head.eos_ids = set()
+    try:
+        real_forward = server.stage.forward
+        doomed = []
+
+        def forward(batch, x):
+            if any(s in doomed for s in batch.seq_ids):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return real_forward(batch, x)
+
+        server.stage.forward = forward
+        reference, _, _ = await collect(head.submit(list(range(5, 25)), greedy(12)))
+        bad = head.submit(list(range(30, 40)), greedy(12))
+        doomed.append(bad.seq.id)
+        good = head.submit(list(range(5, 25)), greedy(12))
+        (_, _, done_bad), (toks, _, done_good) = await asyncio.gather(collect(bad), collect(good))
+        assert done_bad.finish_reason == "error" and "out of memory" in done_bad.error
+        assert "fewer or shorter requests" in done_bad.error and "Traceback" not in done_bad.error
+        assert done_good.error is None and toks == reference   # batched with it, not hurt by it
+        assert head.error is None
+        after, _, done = await collect(head.submit(list(range(5, 25)), greedy(12)))
+        assert done.error is None and after == reference       # the stage still serves
+        await wait_freed(head)
+    finally:
+        await head.close()
