@@ -100,9 +100,13 @@ def speed_score(device: str, seconds: float = 0.15) -> float:
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def kv_budget_tokens_for(cfg, layer_range, dtype, device: str) -> int:
-    """How many tokens of KV cache a stage offers: a quarter of its free memory, capped."""
+def kv_budget_tokens_for(cfg, layer_range, dtype, device: str, available: int | None = None) -> int:
+    """How many tokens of KV cache a stage offers: a quarter of its free memory, capped.
+    With `available` (what the owner allows beside the weights) it stays within that,
+    even below the usual floor of 1024 tokens."""
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = 2 * heads * head_dim * (layer_range[1] - layer_range[0]) * dtype.itemsize
-    return int(min(1 << 18, max(1024, free_memory(device) // 4 // max(per_token, 1))))
+    per_token = max(1, 2 * heads * head_dim * (layer_range[1] - layer_range[0]) * dtype.itemsize)
+    if available is not None:
+        return int(min(1 << 18, max(0, available) // 4 // per_token))
+    return int(min(1 << 18, max(1024, free_memory(device) // 4 // per_token)))

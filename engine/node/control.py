@@ -495,7 +495,8 @@ class Node:
             return
         if self.invite is None:
             self.stage_server = await StageServer(self.share_host, self.share_port, pipeline=self.share_pipeline,
-                                                  device=self.device, threads=self.threads).start()
+                                                  device=self.device, threads=self.threads,
+                                                  memory_cap=self._memory_cap()).start()
             log.info("sharing on ws://%s:%d", self.share_host, self.stage_server.port)
             return
         from engine.node.homes import HomeError, join_stage
@@ -503,11 +504,16 @@ class Node:
         try:
             # a resume after a pause rejoins with the same joiner: a member by now
             joined = await join_stage(self.invite, joiner=self.joiner, device=self.device, threads=self.threads,
-                                      on_event=self._join_event)
+                                      memory_cap=self._memory_cap(), on_event=self._join_event)
         except HomeError as exc:
             raise NodeError(str(exc), 502) from None
         self.stage_server, self.joiner = joined.server, joined.joiner
         self.joiner_task = asyncio.ensure_future(self._keep_joined(self.joiner))
+
+    def _memory_cap(self) -> int | None:
+        """The owner's VRAM cap in bytes, for a stage started now (None: no cap)."""
+        cap = self.policy.limits.vram_cap_mb
+        return None if cap is None else int(cap * 2**20)
 
     def _join_event(self, text: str):
         self.join_events.append(text)

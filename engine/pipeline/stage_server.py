@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
+from engine.core.partition import layer_bytes_estimate
 from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score,
                                  step_failure)
 from engine.pipeline.link import LinkSender, open_link
@@ -61,11 +62,14 @@ class Inbox(asyncio.Queue):
 
 class StageServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
-                 device: str = "auto", threads: int | None = None, cores=None):
+                 device: str = "auto", threads: int | None = None, cores=None, memory_cap: int | None = None):
         self.host, self.port = host, port
         self.cores = cores  # a CoreLease when this machine's cores are shared (engine/model/cores.py)
         self.pipeline = pipeline
         self.device = pick_device(device)
+        # bytes the owner lets this stage use (their VRAM cap): the head sees no more free
+        # memory than this, a slice whose weights exceed it is refused, the KV fits beside
+        self.memory_cap = memory_cap
         if threads:
             torch.set_num_threads(threads)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
@@ -92,6 +96,10 @@ class StageServer:
         self._server = await serve(self._handle, self.host, self.port, **WS_OPTIONS)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
+
+    def _free_memory(self) -> int:
+        free = free_memory(self.device)
+        return free if self.memory_cap is None else min(free, self.memory_cap)
 
     async def wait_closed(self):
         await self._closed.wait()
@@ -167,7 +175,7 @@ class StageServer:
         self._control_ws = ws
         try:
             await ws.send(frames.control("welcome", version=PROTOCOL_VERSION,
-                                       free_memory=free_memory(self.device), device=self.device,
+                                       free_memory=self._free_memory(), device=self.device,
                                        device_name=device_name(self.device),
                                        speed=await self._run(speed_score, self.device)))
             async for text in ws:
@@ -219,8 +227,18 @@ class StageServer:
                     f"this stage's copy of {msg['model']} differs from the head's "
                     f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model"
                 )
-            budget = msg["kv_budget_tokens"] or kv_budget_tokens_for(
-                source.config(), (msg["start"], msg["end"]), dtype, self.device)
+            cfg, available = source.config(), None
+            if self.memory_cap is not None:
+                weights = layer_bytes_estimate(cfg, dtype.itemsize) * (msg["end"] - msg["start"])
+                if weights > self.memory_cap:
+                    raise ModelError(
+                        f"layers {msg['start']}-{msg['end'] - 1} need about {weights / 2**30:.2f} GiB for their "
+                        f"weights; this computer's owner allows {self.memory_cap / 2**30:.2f} GiB (their VRAM "
+                        "cap): give this stage fewer layers, or ask them to raise the cap")
+                available = min(self._free_memory(), self.memory_cap - weights)
+            budget = kv_budget_tokens_for(cfg, (msg["start"], msg["end"]), dtype, self.device, available)
+            if msg["kv_budget_tokens"]:
+                budget = msg["kv_budget_tokens"] if available is None else min(budget, msg["kv_budget_tokens"])
             self.stage = None
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device,

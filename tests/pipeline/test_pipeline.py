@@ -718,3 +718,38 @@ async def test_out_of_memory_fails_that_request_and_the_stage_serves_the_others(
         await wait_freed(head)
     finally:
         await head.close()
+
+
+async def test_the_owners_memory_cap_bounds_what_a_stage_offers_and_loads(tiny_folder):
+    """A stage under its owner's cap (the VRAM cap) tells the head no more free memory than
+    the cap, refuses a slice whose weights exceed it with a message, and keeps its KV
+    budget within what the cap leaves beside the weights."""
+    from engine.core.partition import layer_bytes_estimate
+    from engine.model.device import kv_budget_tokens_for
+
+    folder, _ = tiny_folder("llama", seed=0)
+    src = resolve(str(folder))
+    cfg = src.config()
+    per_layer = layer_bytes_estimate(cfg, 4)
+    cap = int(1.5 * per_layer)
+    server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS, memory_cap=cap).start()
+    configure = dict(model=str(folder), fingerprint=src.fingerprint(), next=None, dtype="float32",
+                     kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None, acks=True)
+    try:
+        async with connect(f"ws://127.0.0.1:{server.port}") as ws:
+            await ws.send(hello(role="control"))
+            welcome = frames.parse_control(await ws.recv())
+            assert welcome["free_memory"] <= cap and welcome["device"] == "cpu"
+            await ws.send(frames.control("configure", start=0, end=3, **configure))
+            msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
+            assert msg["type"] == "error" and "allows" in msg["message"] and "VRAM cap" in msg["message"], msg
+            assert server.stage is None
+            await ws.send(frames.control("configure", start=0, end=1, **configure))
+            msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
+            while msg["type"] == "progress":
+                msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
+            assert msg["type"] == "configured", msg
+            want = kv_budget_tokens_for(cfg, (0, 1), torch.float32, "cpu", cap - per_layer)
+            assert 0 < msg["kv_budget_tokens"] == want == server.stage.kv.budget_tokens
+    finally:
+        await server.close()
