@@ -122,3 +122,9 @@ def pytest_collection_modifyitems(config, items):
     late = [i for i in items if i.module.__name__.rsplit(".", 1)[-1] in LATE_MODULES]
     if late:
         items[:] = [i for i in items if i not in late] + late
+    # `gpu` tests need CUDA: skipped here, run on a lent GPU with `pytest -m gpu`
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on a machine that has one)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -15,6 +15,22 @@ def layer_bytes_estimate(cfg, bytes_per_param: int) -> int:
     return (4 * h * h + mlp) * bytes_per_param
 
 
+def slice_bytes_estimate(cfg, start: int, end: int, bytes_per_param: int) -> int:
+    """Weights of a stage holding layers [start, end): its layers, plus the embeddings on
+    the first stage and the LM head on the last (one matrix when the two are tied and
+    one stage holds both)."""
+    vocab = cfg.vocab_size * cfg.hidden_size * bytes_per_param
+    n = end - start
+    total = layer_bytes_estimate(cfg, bytes_per_param) * n
+    first, last = start == 0, end == cfg.num_hidden_layers
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    if first:
+        total += vocab
+    if last and not (first and tied):
+        total += vocab
+    return total
+
+
 def lm_head_layers_estimate(cfg) -> float:
     """The last stage's final norm + LM head, in decoder layers' worth of weights.
 

@@ -100,13 +100,29 @@ def speed_score(device: str, seconds: float = 0.15) -> float:
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# of the memory left beside a slice's weights, what its KV cache may take: activations,
+# the allocator's blocks and the CUDA context need the rest
+KV_HEADROOM = 0.8
+
+
+def memory_for_kv(weight_bytes: int, device: str, cap: int | None = None) -> int | None:
+    """Bytes a stage's KV cache may take, asked before its weights load: on a GPU or
+    under the owner's cap, what is left beside the weights (free memory, at most the
+    cap), with headroom. None on an uncapped CPU stage: its budget follows free host
+    memory (kv_budget_tokens_for), which the OS shares with everything else anyway."""
+    if cap is None and not device.startswith("cuda"):
+        return None
+    room = free_memory(device) if cap is None else min(free_memory(device), cap)
+    return max(0, int((room - weight_bytes) * KV_HEADROOM))
+
+
 def kv_budget_tokens_for(cfg, layer_range, dtype, device: str, available: int | None = None) -> int:
     """How many tokens of KV cache a stage offers: a quarter of its free memory, capped.
-    With `available` (what the owner allows beside the weights) it stays within that,
+    With `available` (memory_for_kv: a GPU, or the owner's cap) it stays within that,
     even below the usual floor of 1024 tokens."""
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = max(1, 2 * heads * head_dim * (layer_range[1] - layer_range[0]) * dtype.itemsize)
     if available is not None:
-        return int(min(1 << 18, max(0, available) // 4 // per_token))
+        return int(min(1 << 18, max(0, available) // per_token))
     return int(min(1 << 18, max(1024, free_memory(device) // 4 // per_token)))

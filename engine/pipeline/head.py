@@ -22,8 +22,8 @@ from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
 from engine.model.detok import Detokenizer
-from engine.model.device import (DTYPES, compute_dtype, device_name, free_memory, kv_budget_tokens_for, pick_device,
-                                 speed_score, step_failure)
+from engine.model.device import (DTYPES, compute_dtype, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
+                                 pick_device, speed_score, step_failure)
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
@@ -34,7 +34,7 @@ from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.core.sampling import SamplingParams
 from engine.model.sampler import Sampler
-from engine.core.partition import check_partition
+from engine.core.partition import check_partition, slice_bytes_estimate
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.pipeline.stage_server import PROTOCOL_VERSION, WS_OPTIONS
@@ -252,7 +252,9 @@ class Head:
                     raise PipelineError(f"stage {i + 1} ({r.address}): {msg['message']}")
 
         def load_local():
-            budget = self.kv_budget_override or kv_budget_tokens_for(cfg, self.ranges[0], self.dtype, self.device)
+            weights = slice_bytes_estimate(cfg, *self.ranges[0], self.dtype.itemsize)
+            budget = self.kv_budget_override or kv_budget_tokens_for(
+                cfg, self.ranges[0], self.dtype, self.device, memory_for_kv(weights, self.device))
             return load_and_measure(lambda: StageModel(
                 self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
                 kv_budget_tokens=budget, cores=self.cores,

@@ -26,9 +26,9 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
-from engine.core.partition import layer_bytes_estimate
-from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, pick_device, speed_score,
-                                 step_failure)
+from engine.core.partition import slice_bytes_estimate
+from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, memory_for_kv, pick_device,
+                                 speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
@@ -227,15 +227,14 @@ class StageServer:
                     f"this stage's copy of {msg['model']} differs from the head's "
                     f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model"
                 )
-            cfg, available = source.config(), None
-            if self.memory_cap is not None:
-                weights = layer_bytes_estimate(cfg, dtype.itemsize) * (msg["end"] - msg["start"])
-                if weights > self.memory_cap:
-                    raise ModelError(
-                        f"layers {msg['start']}-{msg['end'] - 1} need about {weights / 2**30:.2f} GiB for their "
-                        f"weights; this computer's owner allows {self.memory_cap / 2**30:.2f} GiB (their VRAM "
-                        "cap): give this stage fewer layers, or ask them to raise the cap")
-                available = min(self._free_memory(), self.memory_cap - weights)
+            cfg = source.config()
+            weights = slice_bytes_estimate(cfg, msg["start"], msg["end"], dtype.itemsize)
+            if self.memory_cap is not None and weights > self.memory_cap:
+                raise ModelError(
+                    f"layers {msg['start']}-{msg['end'] - 1} need about {weights / 2**30:.2f} GiB for their "
+                    f"weights; this computer's owner allows {self.memory_cap / 2**30:.2f} GiB (their VRAM "
+                    "cap): give this stage fewer layers, or ask them to raise the cap")
+            available = memory_for_kv(weights, self.device, self.memory_cap)
             budget = kv_budget_tokens_for(cfg, (msg["start"], msg["end"]), dtype, self.device, available)
             if msg["kv_budget_tokens"]:
                 budget = msg["kv_budget_tokens"] if available is None else min(budget, msg["kv_budget_tokens"])

@@ -192,3 +192,19 @@ def test_validate_range():
     for bad in [(-1, 3), (3, 3), (4, 3), (0, 10)]:
         with pytest.raises(ModelError, match="does not fit a model with 9 layers"):
             validate_range(*bad, 9)
+
+
+def test_a_slice_weighs_its_layers_plus_embeddings_first_and_lm_head_last():
+    from types import SimpleNamespace
+
+    from engine.core.partition import layer_bytes_estimate, slice_bytes_estimate
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=1000, num_hidden_layers=6,
+                          tie_word_embeddings=False)
+    layer, vocab = layer_bytes_estimate(cfg, 2), 1000 * 64 * 2
+    assert slice_bytes_estimate(cfg, 2, 4, 2) == 2 * layer                   # a middle stage
+    assert slice_bytes_estimate(cfg, 0, 2, 2) == 2 * layer + vocab           # embeddings
+    assert slice_bytes_estimate(cfg, 4, 6, 2) == 2 * layer + vocab           # LM head
+    assert slice_bytes_estimate(cfg, 0, 6, 2) == 6 * layer + 2 * vocab
+    cfg.tie_word_embeddings = True
+    assert slice_bytes_estimate(cfg, 0, 6, 2) == 6 * layer + vocab           # one matrix for both

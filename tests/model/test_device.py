@@ -58,3 +58,41 @@ def test_the_cli_says_so_before_loading_anything():
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2
     assert "sees no CUDA GPU" in out.stderr and "potluck doctor" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_kv_gets_what_is_left_beside_the_weights_on_a_gpu_or_under_a_cap(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(dev, "free_memory", lambda device: 10 * gib)
+    assert dev.memory_for_kv(4 * gib, "cuda:0") == int(6 * gib * dev.KV_HEADROOM)
+    assert dev.memory_for_kv(4 * gib, "cuda:0", cap=5 * gib) == int(1 * gib * dev.KV_HEADROOM)
+    assert dev.memory_for_kv(4 * gib, "cpu", cap=5 * gib) == int(1 * gib * dev.KV_HEADROOM)
+    assert dev.memory_for_kv(12 * gib, "cuda:0") == 0          # weights alone overflow: no KV
+    assert dev.memory_for_kv(4 * gib, "cpu") is None             # host memory: the usual rule
+
+
+def test_kv_budget_within_the_memory_given():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_key_value_heads=8, num_attention_heads=32, hidden_size=4096, head_dim=128)
+    per_token = 2 * 8 * 128 * 10 * 2                              # 10 layers of bf16
+    assert dev.kv_budget_tokens_for(cfg, (0, 10), torch.bfloat16, "cpu", 1000 * per_token) == 1000
+    assert dev.kv_budget_tokens_for(cfg, (0, 10), torch.bfloat16, "cpu", 0) == 0
+
+
+@pytest.mark.gpu
+async def test_the_default_model_answers_on_the_gpu_without_a_flag():
+    """On a GPU machine the defaults compute there, in bf16, and the status says so."""
+    from conftest import pipeline_config
+    from engine.core.sampling import SamplingParams
+    from engine.pipeline.launch import launch
+    from engine.pipeline.terminal import ask, reply
+
+    pipe = await launch(pipeline_config(stages=2))
+    try:
+        info = pipe.head.info()
+        assert {s["device"] for s in info["stages"]} == {"cuda:0"} and info["dtype"] in ("bfloat16", "float16")
+        text, done = await reply(ask(pipe.head, [{"role": "user", "content": "What is the capital of France?"}],
+                                     SamplingParams(greedy=True, max_tokens=24)))
+        assert done.error is None and "Paris" in text
+    finally:
+        await pipe.close()

@@ -724,14 +724,14 @@ async def test_the_owners_memory_cap_bounds_what_a_stage_offers_and_loads(tiny_f
     """A stage under its owner's cap (the VRAM cap) tells the head no more free memory than
     the cap, refuses a slice whose weights exceed it with a message, and keeps its KV
     budget within what the cap leaves beside the weights."""
-    from engine.core.partition import layer_bytes_estimate
-    from engine.model.device import kv_budget_tokens_for
+    from engine.core.partition import slice_bytes_estimate
+    from engine.model.device import kv_budget_tokens_for, memory_for_kv
 
     folder, _ = tiny_folder("llama", seed=0)
     src = resolve(str(folder))
     cfg = src.config()
-    per_layer = layer_bytes_estimate(cfg, 4)
-    cap = int(1.5 * per_layer)
+    one = slice_bytes_estimate(cfg, 0, 1, 4)          # the first layer and the embeddings
+    cap = int(1.5 * one)
     server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS, memory_cap=cap).start()
     configure = dict(model=str(folder), fingerprint=src.fingerprint(), next=None, dtype="float32",
                      kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None, acks=True)
@@ -749,7 +749,7 @@ async def test_the_owners_memory_cap_bounds_what_a_stage_offers_and_loads(tiny_f
             while msg["type"] == "progress":
                 msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
             assert msg["type"] == "configured", msg
-            want = kv_budget_tokens_for(cfg, (0, 1), torch.float32, "cpu", cap - per_layer)
+            want = kv_budget_tokens_for(cfg, (0, 1), torch.float32, "cpu", memory_for_kv(one, "cpu", cap))
             assert 0 < msg["kv_budget_tokens"] == want == server.stage.kv.budget_tokens
     finally:
         await server.close()
