@@ -37,7 +37,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.model.device import DeviceError, device_name, pick_device
+from engine.model.device import DTYPES, DeviceError, compute_dtype, device_name, free_memory, pick_device
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
 from engine.node.sharing import Limits, SharePolicy
 
@@ -52,12 +52,6 @@ class NodeError(Exception):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.message, self.status = message, status
-
-
-def _local_memory_bytes() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 class Node:
@@ -364,10 +358,13 @@ class Node:
         n = cfg.num_hidden_layers
         if friends:  # friends' stages: known once they join, planned as placeholders
             stage_addr = [f"friend {i + 1} (joins with the invite)" for i in range(friends)]
-        per_layer = layer_bytes_estimate(cfg, 4)
-        embed = cfg.vocab_size * cfg.hidden_size * 4 * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
+        # what the head will load here: at its compute dtype (bf16 on a GPU), into the
+        # memory of the device it computes on (VRAM on a GPU, host RAM on the CPU)
+        nbytes = DTYPES[compute_dtype(self.device)].itemsize
+        per_layer = layer_bytes_estimate(cfg, nbytes)
+        embed = cfg.vocab_size * cfg.hidden_size * nbytes * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
         needed = per_layer * n + embed
-        available = _local_memory_bytes()
+        available = await loop.run_in_executor(None, free_memory, self.device)
         if memory_limit_mb is not None:
             available = min(available, int(memory_limit_mb * 2**20))
         # local stages share this machine; friends' memory is only known once they connect
@@ -393,13 +390,15 @@ class Node:
                 raise NodeError(str(exc)) from None
         where = ["this machine"] * (total_stages if not stage_addr else 1) + list(stage_addr)
         gib = 2**30
-        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB here; "
+        here = f"on {device_name(self.device)}" if self.device.startswith("cuda") else "here"
+        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here}; "
                    f"{available / gib:.1f} GiB available")
         if not fits:
-            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.1f} GiB on this machine "
+            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.1f} GiB {here} "
                        f"but only {available * 0.8 / gib:.1f} GiB can be used. Add friends' GPUs, pick a "
                        f"smaller model, or raise the memory limit in Settings.")
         return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": needed,
+                "device": self.device, "dtype": compute_dtype(self.device),
                 "needed_here_bytes": local_needed, "available_bytes": available, "fits": fits,
                 "split": [{"where": w, "layers": list(r)} for w, r in zip(where, split)], "message": message}
 

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-" + "x" * 24
@@ -135,6 +136,9 @@ def test_plan_for_the_default_model(node):
     assert all(a[1] == b[0] for a, b in zip(split, split[1:]))
     assert split[-1][1] - split[-1][0] < split[0][1] - split[0][0]  # the LM head weighs on the last stage
     assert plan["needed_bytes"] > 100e6 and plan["available_bytes"] > plan["needed_bytes"]
+    # at the head's compute dtype, in the memory of the device it computes on
+    want = ("cuda:0", ("bfloat16", "float16")) if torch.cuda.is_available() else ("cpu", ("float32",))
+    assert plan["device"] == want[0] and plan["dtype"] in want[1]
 
 
 def test_nonexistent_model_is_refused_with_a_message(node):
