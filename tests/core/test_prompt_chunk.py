@@ -2,7 +2,6 @@
 cap on a fast one, larger where compression shortens the link time; and what that buys
 a pipeline on a slow link (the simulator, which runs the same function)."""
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -10,8 +9,7 @@ import pytest
 
 from engine.core import prompt_chunk
 from engine.core.compression import q8_ratio
-from engine.cli import add_pipeline_args, prompt_chunk_arg
-from engine.pipeline.head import Head
+from engine.core.scheduler import Scheduler
 from engine.core.profile import interp
 from engine.core.prompt_chunk import CAP, FLOOR, HEADROOM, prompt_chunk_tokens
 
@@ -60,9 +58,9 @@ def test_without_a_profile_or_a_link_figure_the_cap_stands(prefill, bw, cap):
 
 
 @pytest.mark.parametrize("bad", [0, -64, "fast", 2.5, True])
-def test_the_head_refuses_a_chunk_that_is_not_tokens_auto_or_none(bad):
+def test_the_scheduler_refuses_a_chunk_that_is_not_tokens_auto_or_none(bad):
     with pytest.raises(ValueError, match="prefill_chunk"):
-        Head(None, ["ws://127.0.0.1:1"], prefill_chunk=bad)
+        Scheduler(2, prompt_chunk=bad)       # the head passes its prefill_chunk here
 
 
 def test_on_a_slow_link_chunks_sized_to_it_bring_first_tokens_sooner():
@@ -79,12 +77,3 @@ def test_on_a_slow_link_chunks_sized_to_it_bring_first_tokens_sooner():
         assert auto["ttft_mean"] < 0.97 * fixed["ttft_mean"], (stages, auto, fixed)
         assert auto["tpot_mean"] < 1.05 * fixed["tpot_mean"], (stages, auto, fixed)
 
-
-def test_the_cli_takes_auto_or_tokens_and_says_what_it_wants_otherwise():
-    assert prompt_chunk_arg("auto") == "auto" and prompt_chunk_arg("32") == 32
-    p = argparse.ArgumentParser()
-    add_pipeline_args(p)
-    assert p.parse_args([]).prompt_chunk == "auto"   # the default: sized to the link
-    for bad in ("0", "-8", "big", "2.5"):
-        with pytest.raises(argparse.ArgumentTypeError, match="positive number of tokens"):
-            prompt_chunk_arg(bad)
