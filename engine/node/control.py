@@ -64,6 +64,7 @@ class Node:
         self.pipeline = pipeline
         self.threads = threads
         self.device = pick_device(device)   # a shared stage and the head we host compute here
+        self.device_name = device_name(self.device)
         self.policy = SharePolicy(limits)
         self.poll_seconds = poll_seconds
         self.pipe = None                    # the pipeline we host (engine/pipeline/launch.py)
@@ -284,7 +285,7 @@ class Node:
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,
                    "pipeline": self.share_pipeline, "address": None, "layers": None, "seqs": 0, "kv_tokens": 0,
-                   "device": self.device, "device_name": device_name(self.device)}
+                   "device": self.device, "device_name": self.device_name}
         srv = self.stage_server
         if srv is not None:
             host = self.share_host if self.share_host not in ("0.0.0.0", "::") else _lan_address()
@@ -390,7 +391,7 @@ class Node:
                 raise NodeError(str(exc)) from None
         where = ["this machine"] * (total_stages if not stage_addr else 1) + list(stage_addr)
         gib = 2**30
-        here = f"on {device_name(self.device)}" if self.device.startswith("cuda") else "here"
+        here = f"on {self.device_name}" if self.device.startswith("cuda") else "here"
         message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here}; "
                    f"{available / gib:.1f} GiB available")
         if not fits:

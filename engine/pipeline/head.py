@@ -137,6 +137,7 @@ class Head:
         self.device = pick_device(device)
         self.dtype_name = compute_dtype(self.device) if dtype == "auto" else dtype
         self.dtype = DTYPES[self.dtype_name]
+        self.device_name = device_name(self.device)
         self.kv_budget_override = kv_budget_tokens
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
         if compress not in COMPRESS_POLICIES:
@@ -335,7 +336,7 @@ class Head:
         return {
             "model": self.source.name,
             "stages": [{"address": "head (this process)", "layers": list(self.ranges[0]),
-                        "device": self.device, "device_name": device_name(self.device)}]
+                        "device": self.device, "device_name": self.device_name}]
             + [{"address": r.address, "layers": list(r.range),
                 "device": (r.welcome or {}).get("device"), "device_name": (r.welcome or {}).get("device_name")}
                for r in self.remotes],

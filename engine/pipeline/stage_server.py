@@ -458,14 +458,9 @@ class StageServer:
             t0 = time.perf_counter()
             out = stage.forward(batch, frame.tensor)
             compute_seconds = time.perf_counter() - t0
-        except torch.OutOfMemoryError as exc:
-            if len(rows) > 1:
-                return self._compute_rows(frame, exc)
-            log.warning("step failed: %s", exc)
-            meta = {"tokens": [], "errors": [[s, step_failure(exc, str(self.device))] for s in batch.seq_ids]}
-            step = 0 if frame.meta.get("partial") else frame.step
-            return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta))
-        except (ValueError, SamplingError, RuntimeError) as exc:
+        except (ValueError, SamplingError, RuntimeError) as exc:   # torch.OutOfMemoryError too
+            if isinstance(exc, torch.OutOfMemoryError) and len(rows) > 1:
+                return self._compute_rows(frame, exc)    # again, one sequence at a time
             log.warning("step failed: %s", exc)
             why = step_failure(exc, str(self.device))
             meta = {"tokens": [], "errors": [[s, why] for s in batch.seq_ids]}
