@@ -324,16 +324,17 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
 def hf_worker(prompts: list[list[int]], n_tokens: int, max_foreign: float, retries: int,
               max_wait: float, channel: "Channel") -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria, StoppingCriteriaList
     from transformers.utils import logging as hf_logging
 
     from engine.model.sources import DEFAULT_MODEL, resolve
+    from testkit.reference import full_model
 
     hf_logging.set_verbosity_error()
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
     source = resolve(DEFAULT_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(str(source.root), dtype=torch.float32).eval()
+    model = full_model(source)
     tok = source.tokenizer()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     # As the head with eos_ids cleared: run to max_new_tokens. generate() fills every

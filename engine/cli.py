@@ -14,6 +14,7 @@ import time
 from dataclasses import fields
 
 from engine.core.errors import ModelError
+from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
 
@@ -76,6 +77,10 @@ def add_pipeline_args(p):
                         "sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default auto: bf16 on a GPU, float32 on the CPU)")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
+                   help="weight precision: auto (default: the highest the pool's memory holds), bf16 "
+                        "(unquantized, at the compute dtype), int8 or nf4 (bitsandbytes, quantized by each "
+                        "stage as it loads its layers)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage process")
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
     p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
@@ -114,7 +119,7 @@ async def _chat(args) -> int:
 
     _say(f"Loading {args.model} on {args.stages if not args.stage_addr else len(args.stage_addr) + 1} stage(s)...")
     bar = ProgressBar()
-    pipe = await launch(pipeline_config(args), bar)
+    pipe = await launch(pipeline_config(args), bar, _say)
     bar.finish()
     runner = None
     try:
@@ -134,7 +139,7 @@ async def _serve(args) -> int:
     from engine.pipeline.api import serve_api
     from engine.pipeline.launch import launch
 
-    pipe = await launch(pipeline_config(args), ProgressBar())
+    pipe = await launch(pipeline_config(args), ProgressBar(), _say)
     runner = await serve_api(pipe.head, args.host, args.port)
     _say(f"Ready: {_describe(pipe.head)}")
     _say(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1")
@@ -216,7 +221,7 @@ async def _host(args) -> int:
             _say(f"stage {i + 1}: {p.name or 'unnamed'} (node {p.node_id}) via {p.path}")
         cfg = await friends.route(peers, pipeline_config(args))
         bar = ProgressBar()
-        pipe = await launch(cfg, bar)
+        pipe = await launch(cfg, bar, _say)
         bar.finish()
         paths = ", ".join(f"stage {i + 1} via {p.path}" for i, p in enumerate(peers))
         _say(f"Ready: {pipe.head.source.name}, {len(peers) + 1} stages ({paths})")
@@ -462,7 +467,8 @@ def main(argv=None) -> int:
         from engine.model.sources import prepare_default
 
         try:
-            print(f"Default model ready at {prepare_default(log=lambda m: print(m, file=sys.stderr))}")
+            source = prepare_default(log=lambda m: print(m, file=sys.stderr))
+            print(f"Default model ready: {source.gguf_path} (config and tokenizer in {source.root})")
         except ModelError as exc:
             print(f"potluck: {exc}", file=sys.stderr)
             return 2

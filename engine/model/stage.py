@@ -12,10 +12,10 @@ make a slice of it run:
 * attention sees a `BatchCache` (engine/model/kv.py) and masks we build, so sequences of
   different lengths share a batch.
 
-Weights: safetensors checkpoints are read tensor by tensor, only from the shard
-files that hold this stage's tensors, and pushed through transformers' own weight
-conversions (MoE expert fusion etc.). GGUF files are single files that transformers
-dequantizes whole; we keep our slice and drop the rest.
+Weights: a stage reads only its own tensors (engine/model/checkpoint.py: the shard
+files that hold them, or its layers' tensors of a memory-mapped GGUF), and pushes
+them through transformers' own weight conversions (MoE expert fusion etc.) and,
+for 8/4-bit weights, its bitsandbytes quantizer (engine/model/quant.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
+from engine.core.precision import FULL
+from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
 from engine.model.device import pick_device
+from engine.model.quant import make_quantizer, weights_of
 from engine.model.sources import ModelError, ModelSource
 
 # accelerate's init_empty_weights patches torch's module constructors process-wide, so
@@ -60,6 +63,22 @@ def _head_tied(model, emb_in, emb_out, emb_in_name, emb_out_name) -> bool:
     except Exception:  # older transformers: no table, only the config flag
         return bool(getattr(model.config, "tie_word_embeddings", False))
     return tied.get(f"{emb_out_name}.weight") == f"{emb_in_name}.weight"
+
+
+class _Counted:
+    """A checkpoint tensor not read yet, that says when transformers' loader reads it
+    (`t[...]`): the progress a user sees is the reading, which is most of the wait."""
+
+    def __init__(self, lazy, tick):
+        self._lazy, self._tick = lazy, tick
+
+    def __getitem__(self, index):
+        out = self._lazy[index]
+        self._tick()
+        return out
+
+    def get_dtype(self):  # what the quantizer asks of a pre-quantized checkpoint's slices
+        return self._lazy.get_dtype()
 
 
 class ZeroEmbedding(nn.Module):
@@ -89,7 +108,8 @@ class StageBatch:
 
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
-                 device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None):
+                 device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
+                 weights: str = FULL):
         self.source = source
         # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
         self.cores = cores
@@ -100,12 +120,14 @@ class StageModel:
         self.first = start == 0
         self.last = end == self.n_layers_total
         self.dtype = dtype
+        self.weights = weights
         self.device = torch.device(pick_device(device))
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self._progress = progress or (lambda done, total, what: None)
         with _BUILD_LOCK:
             self.model = self._load(cfg)
+        self.weights = weights_of(self.model)  # 'auto' on a pre-quantized checkpoint: what it holds
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
         # the hidden states a step hands its first layer: per thread, as a decode step
@@ -129,28 +151,38 @@ class StageModel:
 
     # ---- construction -------------------------------------------------------
     def _load(self, cfg) -> nn.Module:
+        from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
+        quantizer = make_quantizer(self.weights, cfg, self.dtype)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
         if self.source.gguf_path is not None:
-            self._progress(0, 1, "reading GGUF")
-            g = self.source.gguf_path
-            model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=self.dtype)
-            self._cut(model, placeholders=False)
-            self._progress(1, 1, "reading GGUF")
+            # the GGUF's names map onto the whole model's, so read them before the cut
+            checkpoint = GgufCheckpoint(self.source.gguf_path, model, cfg)
         else:
-            from accelerate import init_empty_weights
-
-            with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
-            names = self._cut(model, placeholders=True)
-            self._load_safetensors(model, names)
-            self._finish_cut(model)
+            checkpoint = SafetensorsCheckpoint(self.source)
+        names = self._cut(model, placeholders=True)
+        if quantizer is not None:
+            # swaps the held layers' Linear modules for bitsandbytes ones (still empty)
+            quantizer.preprocess_model(model=model, dtype=self.dtype, device_map={"": str(self.device)},
+                                       checkpoint_files=None)
+        self._load_weights(model, checkpoint, names, quantizer)
+        if quantizer is not None:
+            quantizer.postprocess_model(model)
+        self.files_opened = checkpoint.files_opened
+        self._finish_cut(model)
         model.to(self.device)
         return model
 
     def _cut(self, model, placeholders: bool):
         """Remove what this stage does not hold. Returns the checkpoint names it keeps."""
         base = model.base_model
+        if not any(isinstance(c, nn.ModuleList) and len(c) == self.n_layers_total for c in base.children()):
+            # a causal LM whose base_model_prefix names no attribute of it (Llama-4 text's
+            # "language_model"): base_model is the LM itself, its decoder is `.model`
+            base = getattr(model, "model", base)
+        self._base = base
         emb_in = model.get_input_embeddings()
         emb_out = model.get_output_embeddings()
         layers_name = None
@@ -170,7 +202,9 @@ class StageModel:
             if not (self.start <= i < self.end):
                 layers[i] = nn.Module()  # placeholder keeps the original indices during loading
         for name, child in list(base.named_children()):
-            if name == layers_name or not any(True for _ in child.parameters()):
+            # a final norm may have no parameters (OLMo's non-parametric LayerNorm)
+            is_norm = "norm" in name.lower() or "norm" in type(child).__name__.lower()
+            if name == layers_name or not (is_norm or any(True for _ in child.parameters())):
                 continue
             if isinstance(child, nn.Embedding):
                 if not self.first:
@@ -181,10 +215,23 @@ class StageModel:
             model.set_output_embeddings(nn.Identity()) if hasattr(model, "set_output_embeddings") else None
         if not placeholders:
             self._finish_cut(model)
-        return set(n for n, _ in model.named_parameters())
+        names = set(n for n, _ in model.named_parameters())
+        # and the names the checkpoint stores them under, where transformers renames on
+        # loading (GPT-NeoX's LM head is `embed_out` on disk, `lm_head` in the model)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        for t in get_model_conversion_mapping(model):
+            if isinstance(t, WeightRenaming):
+                try:
+                    rev = t.reverse_transform()
+                    names |= {rev.rename_source_key(n)[0] for n in list(names)}
+                except Exception:  # a renaming that cannot be reversed names nothing we hold
+                    pass
+        return names
 
     def _finish_cut(self, model):
-        base = model.base_model
+        base = self._base
         layers = getattr(base, self._layers_name)
         setattr(base, self._layers_name, nn.ModuleList(list(layers)[self.start : self.end]))
         self._layers = getattr(base, self._layers_name)
@@ -196,63 +243,70 @@ class StageModel:
         else:
             self._layer_types = None
 
-    def _load_safetensors(self, model, param_names: set[str]) -> None:
-        from safetensors import safe_open
+    def _load_weights(self, model, checkpoint, param_names: set[str], quantizer) -> None:
+        """Read this stage's tensors, and only those, through transformers' own weight
+        conversions (MoE expert fusion etc.) and quantizer, onto the stage's device."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        wmap = self.source.weight_map()
-        wanted: dict[str, str] = {}
-        for key, fname in wmap.items():
-            m = _LAYER_KEY.search(key)
-            if m is not None and key.split(".")[0] not in ("lm_head",):
-                if self.start <= int(m.group(1)) < self.end:
-                    wanted[key] = fname
-                continue
-            wanted[key] = fname  # non-layer tensors: filtered below by what the model keeps
+        names = checkpoint.names()
         base_prefix = model.base_model_prefix
 
         def kept(key: str) -> bool:
-            if _LAYER_KEY.search(key):
-                return True
+            m = _LAYER_KEY.search(key)
+            if m is not None and key.split(".")[0] != "lm_head":
+                return self.start <= int(m.group(1)) < self.end
             return key in param_names or f"{base_prefix}.{key}" in param_names
 
-        state: dict[str, torch.Tensor] = {}
-        emb_key = None
-        by_file: dict[str, list[str]] = {}
-        for key, fname in wanted.items():
-            if self._emb_in_name and key.endswith(self._emb_in_name.split(".", 1)[-1] + ".weight"):
-                emb_key = key
-            if kept(key):
-                by_file.setdefault(fname, []).append(key)
+        wanted = {key: where for key, where in names.items() if kept(key)}
         # Tied LM head: checkpoints usually store its weight only under the embedding's
         # name. A last stage that is not first reads it from there; a single stage that
         # holds both ties the two modules after loading, as transformers would.
-        need_tied = self.last and self._tied and f"{self._emb_out_name}.weight" not in wmap
+        head_key = f"{self._emb_out_name}.weight"
+        need_tied = self.last and self._tied and head_key not in names
+        emb_key = None
+        if need_tied and self._emb_in_name:
+            suffix = self._emb_in_name.split(".", 1)[-1] + ".weight"
+            emb_key = next((k for k in names if k.endswith(suffix) and not _LAYER_KEY.search(k)), None)
         if need_tied and not self.first and emb_key is not None:
-            by_file.setdefault(wanted[emb_key], []).append(emb_key)
-        self.files_opened = sorted(by_file)
-        total = sum(len(v) for v in by_file.values())
+            wanted[emb_key] = names[emb_key]
+        what = "loading weights" if quantizer is None else f"loading weights as {self.weights}"
+        total = len(wanted) + (need_tied and not self.first and kept(emb_key or ""))
         done = 0
-        for fname, keys in by_file.items():
-            path = self.source.fetch(fname)
-            with safe_open(str(path), framework="pt") as f:
-                for key in keys:
-                    t = f.get_tensor(key)
-                    if need_tied and key == emb_key:
-                        state[f"{self._emb_out_name}.weight"] = t
-                        if not kept(key):
-                            done += 1
-                            continue
-                    state[key] = t
-                    done += 1
-                    if done % 16 == 0 or done == total:
-                        self._progress(done, total, "loading weights")
-        load_config = LoadStateDictConfig(
-            weight_mapping=get_model_conversion_mapping(model), dtype=self.dtype, device_map={"": "cpu"}
-        )
-        convert_and_load_state_dict_in_model(model, state, load_config)
+        lock = threading.Lock()
+
+        def tick():  # transformers' loader reads tensors from a thread pool
+            nonlocal done
+            with lock:
+                done += 1
+                if done % 16 == 0 or done == total:
+                    self._progress(done, total, what)
+
+        self._progress(0, total, what)
+        with checkpoint.reader(wanted) as get:
+            state = {}
+            for key in sorted(wanted):
+                tensor = _Counted(get(key), tick)
+                if need_tied and key == emb_key and not self.first:
+                    state[head_key] = tensor
+                    if not kept(key):
+                        continue
+                    tensor = _Counted(get(key), tick)
+                state[key] = tensor
+            load_config = LoadStateDictConfig(
+                weight_mapping=get_model_conversion_mapping(model, None, quantizer), dtype=self.dtype,
+                device_map={"": str(self.device)}, hf_quantizer=quantizer)
+            info, _ = convert_and_load_state_dict_in_model(model, state, load_config)
+        # transformers records a failed conversion (a shape that does not fit, a quantizer
+        # that refused a tensor) and carries on: a stage must not serve half-loaded layers
+        errors = dict(getattr(info, "conversion_errors", {}) or {})
+        if errors:
+            key, why = next(iter(errors.items()))
+            raise ModelError(f"could not load {len(errors)} weight(s) of this stage, e.g. {key}: {why}")
+        mismatched = getattr(info, "mismatched_keys", None)
+        if mismatched:
+            raise ModelError(f"checkpoint tensors do not match the model's shapes, e.g. {sorted(mismatched)[:3]}")
         if need_tied and self.first:
             model.get_output_embeddings().weight = model.get_input_embeddings().weight
         missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -261,7 +315,7 @@ class StageModel:
 
     def _plan_masks(self) -> None:
         """Which masks the model's forward takes: a dict per attention type, or one tensor."""
-        base = self.model.base_model
+        base = self._base
         src = inspect.getsource(type(base).forward)
         cfg = self.model.config
         window = getattr(cfg, "sliding_window", None)
@@ -273,6 +327,12 @@ class StageModel:
             uses_sliding = "create_sliding_window_causal_mask" in src and window
             self._mask_windows = {"full_attention": window if uses_sliding else None}
             self._mask_dict = False
+        # Llama 4's chunked attention: each position sees only its own chunk of keys
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        self._mask_chunks = {"chunked_attention": chunk} if chunk and "chunked_attention" in self._mask_windows else {}
+        # Llama 4 scales NoPE layers' queries by position, taken as the cache length plus
+        # the column: one position for the whole batch, so rows must agree on it (below)
+        self._temperature_floor = getattr(cfg, "floor_scale", None) if getattr(cfg, "attn_temperature_tuning", False) else None
 
     def _gate_hook(self, *_):
         if self.gate.checkpoint() and self.cores is not None:
@@ -358,6 +418,18 @@ class StageModel:
     def _forward(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
         kv = self.kv
         rows = list(zip(batch.seq_ids, batch.starts, batch.ns))
+        fs = self._temperature_floor
+        if fs and len(rows) > 1:
+            # the model takes row r's position at column c as max(starts) + c: right when every
+            # row ends at the same place, or (decoding) when all sit in one temperature bucket
+            top, T = max(batch.starts), max(batch.ns)
+            if not (all(s + n - T == top for s, n in zip(batch.starts, batch.ns))
+                    or (T == 1 and len({(s + 1) // fs for s in batch.starts}) == 1)):
+                outs, o = [], 0
+                for seq_id, start, n in rows:
+                    outs.append(self._forward(StageBatch([seq_id], [start], [n]), inputs[o: o + n]))
+                    o += n
+                return torch.cat(outs)
         for seq_id, start, _ in rows:
             kv.open(seq_id)
         B, T = len(rows), max(batch.ns)
@@ -372,7 +444,8 @@ class StageModel:
             padded = padded.view(B, T, *inputs.shape[1:])
         slots = [kv.seqs[s].slot for s in batch.seq_ids]
         cache = BatchCache(kv, slots, batch.starts, batch.ns, T)
-        masks = build_masks(batch.starts, batch.ns, T, cache.kv_len, self.dtype, self.device, self._mask_windows)
+        masks = build_masks(batch.starts, batch.ns, T, cache.kv_len, self.dtype, self.device, self._mask_windows,
+                            self._mask_chunks)
         mask = masks if self._mask_dict else masks["full_attention"]
         pos = position_ids(batch.starts, batch.ns, T, self.device)
         kwargs = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
@@ -386,7 +459,7 @@ class StageModel:
             if self.last:
                 out = self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
             else:
-                out = self.model.base_model(**kwargs).last_hidden_state
+                out = self._base(**kwargs).last_hidden_state
         finally:
             self._injected.h = None
         for seq_id, _, n in rows:

@@ -28,13 +28,15 @@ from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.pipeline.link import LinkSender, open_link
-from engine.core.partition import layer_bytes_estimate, lm_head_layers_estimate, partition
+from engine.core import precision
+from engine.core.partition import lm_head_layers_estimate, partition
 from engine.core.profile import interp
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
+from engine.model.quant import bnb_missing, prequantized
 from engine.core.sampling import SamplingParams
 from engine.model.sampler import Sampler
-from engine.core.partition import check_partition, slice_bytes_estimate
+from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.pipeline.stage_server import PROTOCOL_VERSION, WS_OPTIONS
@@ -119,7 +121,7 @@ class Head:
                  dtype: str = "auto", device: str = "auto", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
-                 compute: str = "in-order",
+                 compute: str = "in-order", weights: str = "auto", say=None,
                  cores=None, cpu_shares: list[float] | None = None,
                  next_addresses: list[str | None] | None = None):
         self.source = source
@@ -138,6 +140,10 @@ class Head:
         self.dtype_name = compute_dtype(self.device) if dtype == "auto" else dtype
         self.dtype = DTYPES[self.dtype_name]
         self.device_name = device_name(self.device)
+        if weights not in precision.CHOICES:
+            raise ModelError(f"unknown weights {weights!r}: choose one of {', '.join(precision.CHOICES)}")
+        self.weights = weights              # auto until start() settles it against the pool's memory
+        self.say = say or (lambda text: None)
         self.kv_budget_override = kv_budget_tokens
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
         if compress not in COMPRESS_POLICIES:
@@ -218,6 +224,8 @@ class Head:
             if r.welcome["type"] != "welcome":
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
 
+        mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
+        self.weights = self._settle_weights(cfg, mems)
         if self.layers_override:
             self.ranges = list(self.layers_override)
         else:
@@ -225,9 +233,7 @@ class Head:
                 speeds = list(self.cpu_shares)
             else:
                 speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
-            mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
-            per_layer = layer_bytes_estimate(cfg, self.dtype.itemsize)
-            caps = [max(1, int(m * 0.6 // per_layer)) for m in mems]
+            caps = precision.layer_caps(cfg, self.weights, self.dtype.itemsize, mems)
             extra = [0.0] * self.n_stages
             extra[-1] = lm_head_layers_estimate(cfg)
             self.ranges = partition(n_layers, speeds, caps, extra)
@@ -241,7 +247,7 @@ class Head:
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
                 kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
-                compress=self.compress, compute=self.compute, acks=self.acks))
+                compress=self.compress, compute=self.compute, acks=self.acks, weights=self.weights))
             while True:
                 msg = frames.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -253,12 +259,12 @@ class Head:
                     raise PipelineError(f"stage {i + 1} ({r.address}): {msg['message']}")
 
         def load_local():
-            weights = slice_bytes_estimate(cfg, *self.ranges[0], self.dtype.itemsize)
+            weights = precision.slice_bytes(cfg, *self.ranges[0], self.weights, self.dtype.itemsize)
             budget = self.kv_budget_override or kv_budget_tokens_for(
                 cfg, self.ranges[0], self.dtype, self.device, memory_for_kv(weights, self.device))
             return load_and_measure(lambda: StageModel(
                 self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
-                kv_budget_tokens=budget, cores=self.cores,
+                kv_budget_tokens=budget, cores=self.cores, weights=self.weights,
                 progress=lambda d, t, w: self.progress(0, d, t, w)))
 
         try:
@@ -341,6 +347,7 @@ class Head:
                 "device": (r.welcome or {}).get("device"), "device_name": (r.welcome or {}).get("device_name")}
                for r in self.remotes],
             "dtype": self.dtype_name,
+            "weights": self.weights,
             "micro_batches": self.micro_batches,
             "kv_capacity_tokens": self.capacity,
             "kv_reserved_tokens": self.reserved,
@@ -350,6 +357,23 @@ class Head:
             "pausing": self.pausing,
             "error": self.error,
         }
+
+    def _settle_weights(self, cfg, mems: list[int]) -> str:
+        """The precision every stage loads: the user's, the checkpoint's own if it was
+        saved quantized, or (auto) the highest at which the model fits the pool."""
+        saved = prequantized(cfg)
+        quantized_ok = bnb_missing() is None and all(r.welcome.get("quantized") for r in self.remotes)
+        devices = sorted({self.device_name} | {r.welcome["device_name"] for r in self.remotes})
+        where = f"{self.n_stages} stage(s) ({', '.join(devices)})"
+        chosen = saved or self.weights
+        if chosen == "auto":
+            chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok)
+        elif chosen in precision.QUANTIZED and not quantized_ok:
+            raise ModelError(f"{chosen} weights need bitsandbytes on every machine of the pipeline, and "
+                             "at least one lacks it: install it there (pip install bitsandbytes) or "
+                             "choose --weights bf16")
+        self.say(precision.table(cfg, self.dtype.itemsize, self.dtype_name, mems, chosen, quantized_ok, where))
+        return chosen
 
     # ---- requests -----------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:

@@ -32,6 +32,7 @@ class PipelineConfig:
     micro_batches: int | None = None      # None: the head picks (and re-picks) the count
     device: str = "auto"                  # auto (the GPU if torch sees one) | cpu | cuda | cuda:N
     dtype: str = "auto"                   # auto: bf16 on a GPU, float32 on the CPU
+    weights: str = "auto"                 # auto | bf16 | int8 | nf4 (engine/core/precision.py)
     threads: int | None = None            # torch threads per process (None: split this CPU's cores)
     kv_budget_tokens: int | None = None   # per stage (None: from free memory)
     link: str = "jit"                     # jit | fixed | fifo (engine/core/link_scheduler.py)
@@ -59,8 +60,11 @@ class Pipeline:
         await self.close()
 
 
-async def launch(cfg: PipelineConfig, progress=None) -> Pipeline:
-    """Start local stage processes (or reach remote ones) and a head over them."""
+async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
+    """Start local stage processes (or reach remote ones) and a head over them.
+
+    progress(stage, done, total, what) follows the loading; say(text) gets what a
+    user should read before it (the memory each weight precision needs)."""
     device = pick_device(cfg.device)        # a GPU that is not there is said before anything starts
     dtype = compute_dtype(device) if cfg.dtype == "auto" else cfg.dtype
     source = resolve(cfg.model)
@@ -86,7 +90,7 @@ async def launch(cfg: PipelineConfig, progress=None) -> Pipeline:
                 kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_shares=local.cpu_shares if cores else None,
-                next_addresses=cfg.next_addresses)
+                next_addresses=cfg.next_addresses, weights=cfg.weights, say=say)
     try:
         await head.start()
     except BaseException:

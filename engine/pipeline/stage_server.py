@@ -26,13 +26,14 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
-from engine.core.partition import slice_bytes_estimate
+from engine.core.precision import FULL, QUANTIZED, slice_bytes
 from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, memory_for_kv, pick_device,
                                  speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
 from engine.model.measure import load_and_measure
+from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
 from engine.model.sources import ModelError, resolve
 from engine.core.sampling import SamplingError, SamplingParams
@@ -44,8 +45,9 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 5   # 3: stages send "profile" updates; 4: configure carries `acks`;
-                       # 5: welcome says which device the stage computes on
+PROTOCOL_VERSION = 6   # 3: stages send "profile" updates; 4: configure carries `acks`;
+                       # 5: welcome says which device the stage computes on;
+                       # 6: weights precision (welcome: can quantize; configure: which)
 HELLO_TIMEOUT = 10.0
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
@@ -176,7 +178,7 @@ class StageServer:
         try:
             await ws.send(frames.control("welcome", version=PROTOCOL_VERSION,
                                        free_memory=self._free_memory(), device=self.device,
-                                       device_name=device_name(self.device),
+                                       device_name=device_name(self.device), quantized=bnb_missing() is None,
                                        speed=await self._run(speed_score, self.device)))
             async for text in ws:
                 try:
@@ -228,7 +230,9 @@ class StageServer:
                     f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model"
                 )
             cfg = source.config()
-            weights = slice_bytes_estimate(cfg, msg["start"], msg["end"], dtype.itemsize)
+            if msg["weights"] not in (FULL,) + QUANTIZED:
+                raise ModelError(f"unknown weights {msg['weights']!r}")
+            weights = slice_bytes(cfg, msg["start"], msg["end"], msg["weights"], dtype.itemsize)
             if self.memory_cap is not None and weights > self.memory_cap:
                 raise ModelError(
                     f"layers {msg['start']}-{msg['end'] - 1} need about {weights / 2**30:.2f} GiB for their "
@@ -241,7 +245,7 @@ class StageServer:
             self.stage = None
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device,
-                kv_budget_tokens=budget, progress=progress, cores=self.cores))
+                kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]))
             return stage, fp, prof
 
         link_mode = msg["link"] or "jit"
@@ -286,7 +290,8 @@ class StageServer:
         self._sender_task = asyncio.ensure_future(self._sender(self._out, self._next_ws))
         await ws.send(frames.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
-                                   n_layers=self.stage.end - self.stage.start, profile=self.profile))
+                                   n_layers=self.stage.end - self.stage.start, profile=self.profile,
+                                   weights=self.stage.weights))
 
     def _free(self, seq_ids):
         if self.stage is None:

@@ -106,10 +106,9 @@ def cli(*args, timeout=180) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def default_reference(default_source):
-    from transformers import AutoModelForCausalLM
+    from testkit.reference import full_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_source.root), dtype=torch.float32)
-    return model.eval()
+    return full_model(default_source)
 
 
 CHATS = [
@@ -496,7 +495,7 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
         assert frames.parse_control(await ws.recv())["type"] == "welcome"
         configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
                          kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None,
-                         acks=True)
+                         acks=True, weights="bf16")
         await ws.send(frames.control("configure", fingerprint=fp_a, **configure))
         msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "error" and "fingerprint" in msg["message"], msg
@@ -734,7 +733,8 @@ async def test_the_owners_memory_cap_bounds_what_a_stage_offers_and_loads(tiny_f
     cap = int(1.5 * one)
     server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS, memory_cap=cap).start()
     configure = dict(model=str(folder), fingerprint=src.fingerprint(), next=None, dtype="float32",
-                     kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None, acks=True)
+                     kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None, acks=True,
+                     weights="bf16")
     try:
         async with connect(f"ws://127.0.0.1:{server.port}") as ws:
             await ws.send(hello(role="control"))

@@ -1,0 +1,105 @@
+"""Weight precision: what each choice costs in memory, and which one a pool can hold.
+
+`--weights bf16` means the decoder's weights unquantized, at the pipeline's compute
+dtype (bfloat16 on a GPU, float32 on a CPU); int8 and nf4 quantize the decoder
+layers' Linear weights with bitsandbytes. Embeddings and the LM head stay at the
+compute dtype in every case (bitsandbytes leaves them), so they are counted apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.errors import ModelError
+from engine.core.partition import layer_bytes_estimate, slice_bytes_estimate
+
+FULL = "bf16"
+QUANTIZED = ("int8", "nf4")
+CHOICES = ("auto", FULL) + QUANTIZED
+
+# the share of a stage's free memory the partition fills with weights; the rest is
+# KV cache, activations and the allocator's slack
+USABLE = 0.6
+
+# NF4 packs two weights a byte and keeps one float32 scale per block of 64
+_NF4_BYTES = 0.5 + 4 / 64
+# int8 keeps one float32 scale per output row: negligible beside the row itself
+_INT8_BYTES = 1.0
+
+
+def layer_bytes_per_param(weights: str, dtype_bytes: int) -> float:
+    if weights == "int8":
+        return _INT8_BYTES
+    if weights == "nf4":
+        return _NF4_BYTES
+    if weights == FULL:
+        return float(dtype_bytes)
+    raise ModelError(f"unknown weights '{weights}': choose one of {', '.join(CHOICES)}")
+
+
+def per_layer_bytes(cfg, weights: str, dtype_bytes: int) -> int:
+    return int(layer_bytes_estimate(cfg, 1) * layer_bytes_per_param(weights, dtype_bytes))
+
+
+def slice_bytes(cfg, start: int, end: int, weights: str, dtype_bytes: int) -> int:
+    """A stage's weights at this precision: its layers, plus embeddings/LM head at dtype."""
+    full = slice_bytes_estimate(cfg, start, end, dtype_bytes)
+    layers_full = layer_bytes_estimate(cfg, dtype_bytes) * (end - start)
+    return full - layers_full + per_layer_bytes(cfg, weights, dtype_bytes) * (end - start)
+
+
+def layer_caps(cfg, weights: str, dtype_bytes: int, free: list[int]) -> list[int]:
+    """The most layers each stage can hold at this precision (at least one each: a stage
+    too small for one layer is refused when it loads, with its own message)."""
+    per_layer = max(1, per_layer_bytes(cfg, weights, dtype_bytes))
+    return [max(1, int(m * USABLE // per_layer)) for m in free]
+
+
+@dataclass
+class Option:
+    weights: str
+    bytes: int      # the whole model's weights at this precision
+    fits: bool      # the pool's stages can hold its layers between them
+    available: bool  # this pool can compute at this precision at all
+
+
+def options(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) -> list[Option]:
+    n = cfg.num_hidden_layers
+    rows = []
+    for w in (FULL,) + QUANTIZED:
+        total = slice_bytes(cfg, 0, n, w, dtype_bytes)
+        per_layer = max(1, per_layer_bytes(cfg, w, dtype_bytes))
+        room = sum(int(m * USABLE // per_layer) for m in free)
+        rows.append(Option(w, total, room >= n and total <= USABLE * sum(free),
+                           quantized_ok or w == FULL))
+    return rows
+
+
+def choose(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) -> str:
+    """`auto`: the highest precision at which the model fits the pool's memory."""
+    rows = options(cfg, dtype_bytes, free, quantized_ok)
+    for row in rows:
+        if row.fits and row.available:
+            return row.weights
+    best = rows[-1] if quantized_ok else rows[0]
+    raise ModelError(
+        f"the model does not fit this pool even as {best.weights}: it needs about {_gb(best.bytes)} for its "
+        f"weights and the pool's {len(free)} machine(s) have {_gb(USABLE * sum(free))} to give them. "
+        "Add a machine, or choose a smaller model")
+
+
+def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str | None = None,
+          quantized_ok: bool = True, where: str | None = None) -> str:
+    """What a user reads before loading: each precision's memory against the pool's."""
+    where = where or f"{len(free)} machine(s)"
+    lines = [f"Weights need, against the {_gb(USABLE * sum(free))} your {where} can give them:"]
+    for row in options(cfg, dtype_bytes, free, quantized_ok):
+        label = row.weights if row.weights != FULL or dtype_name == "bfloat16" else f"{FULL} ({dtype_name})"
+        verdict = ("fits" if row.fits else "does not fit") if row.available else "needs bitsandbytes"
+        mark = "  <- chosen" if row.weights == chosen else ""
+        lines.append(f"  {label:<16} {_gb(row.bytes):>9}  {verdict}{mark}")
+    return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
