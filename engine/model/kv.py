@@ -192,13 +192,17 @@ class BatchCache:
         return 0
 
 
-def build_masks(starts, ns, q_len, kv_len, dtype, device, windows: dict[str, int | None]):
+def build_masks(starts, ns, q_len, kv_len, dtype, device, windows: dict[str, int | None],
+                chunks: dict[str, int] | None = None):
     """Additive 4D masks [B, 1, q_len, kv_len], one per attention type.
 
     Row r's query column c holds absolute position p = start_r + c - (q_len - n_r);
-    it may see keys j <= p (and j > p - window for sliding layers). Padding columns
-    see key 0 only, so softmax never meets an all-masked row.
+    it may see keys j <= p (and j > p - window for sliding layers; and only keys of
+    its own chunk, j // size == p // size, for the types `chunks` names: Llama 4's
+    chunked attention). Padding columns see key 0 only, so softmax never meets an
+    all-masked row.
     """
+    chunks = chunks or {}
     B = len(starts)
     starts_t = torch.tensor(starts, device=device).view(B, 1, 1)
     ns_t = torch.tensor(ns, device=device).view(B, 1, 1)
@@ -212,6 +216,9 @@ def build_masks(starts, ns, q_len, kv_len, dtype, device, windows: dict[str, int
         allowed = key <= pos
         if window:
             allowed = allowed & (key > pos - window)
+        size = chunks.get(name)
+        if size:
+            allowed = allowed & (key // size == pos.clamp_min(0) // size)
         allowed = torch.where(pad, key == 0, allowed)
         m = torch.zeros((B, 1, q_len, kv_len), dtype=dtype, device=device)
         m.masked_fill_(~allowed.unsqueeze(1), neg)

@@ -81,6 +81,24 @@ def make_quantizer(weights: str, cfg, dtype: torch.dtype):
     return quantizer
 
 
+def misshapen(model) -> list[str]:
+    """Quantized Linear modules whose weight does not have the module's shape.
+
+    transformers checks a checkpoint tensor's shape against the model's only when it
+    loads it as it is; quantized on the way, a tensor of the wrong shape becomes
+    int8 or NF4 blocks of the wrong shape without a word."""
+    bad = []
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind not in ("Linear8bitLt", "Linear4bit") or m.weight.is_meta:
+            continue
+        state = getattr(m.weight, "quant_state", None)
+        shape = tuple(state.shape) if state is not None else tuple(m.weight.shape)
+        if shape != (m.out_features, m.in_features):
+            bad.append(f"{name}.weight: {list(shape)} where the model has {[m.out_features, m.in_features]}")
+    return bad
+
+
 def weights_of(model) -> str:
     """What a loaded model's decoder weights are: 'int8', 'nf4' or the full dtype."""
     kinds = {type(m).__name__ for m in model.modules()}

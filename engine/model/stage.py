@@ -34,10 +34,9 @@ from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
-from engine.core.precision import FULL
 from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
 from engine.model.device import pick_device
-from engine.model.quant import make_quantizer, weights_of
+from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.sources import ModelError, ModelSource
 
 # accelerate's init_empty_weights patches torch's module constructors process-wide, so
@@ -109,7 +108,7 @@ class StageBatch:
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
-                 weights: str = FULL):
+                 weights: str = "auto"):
         self.source = source
         # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
         self.cores = cores
@@ -304,9 +303,9 @@ class StageModel:
         if errors:
             key, why = next(iter(errors.items()))
             raise ModelError(f"could not load {len(errors)} weight(s) of this stage, e.g. {key}: {why}")
-        mismatched = getattr(info, "mismatched_keys", None)
+        mismatched = sorted(getattr(info, "mismatched_keys", None) or []) or misshapen(model)
         if mismatched:
-            raise ModelError(f"checkpoint tensors do not match the model's shapes, e.g. {sorted(mismatched)[:3]}")
+            raise ModelError(f"checkpoint tensors do not match the model's shapes, e.g. {mismatched[:3]}")
         if need_tied and self.first:
             model.get_output_embeddings().weight = model.get_input_embeddings().weight
         missing = [n for n, p in model.named_parameters() if p.is_meta]

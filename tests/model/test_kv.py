@@ -282,3 +282,17 @@ def test_batched_attention_matches_each_sequence_alone():
     step([2, 1], [1, 1])
     store.free(0)
     step([3, 2], [2, 6])  # slot of a freed sequence reused: stale keys must stay hidden
+
+
+def test_chunked_attention_sees_only_its_own_chunk():
+    # Llama 4's chunked layers: chunks of 4; position 5 sees keys 4 and 5, position 3 sees 0..3.
+    # Row 1 is left-padded (2 new tokens at positions 6, 7).
+    masks = build_masks([0, 6], [8, 2], 8, 8, torch.float32, "cpu", {"full_attention": None, "chunked_attention": None},
+                        {"chunked_attention": 4})
+    assert (masks["full_attention"][0, 0, 5] == 0).int().tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
+    allowed = (masks["chunked_attention"][0, 0] == 0).int()
+    assert allowed[5].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    assert allowed[3].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    row1 = (masks["chunked_attention"][1, 0] == 0).int()
+    assert row1[7].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]  # position 7
+    assert row1[0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]  # a padding column sees key 0 only

@@ -183,3 +183,35 @@ def test_unsupported_architecture_is_refused(tmp_path, model_type, make_config):
     source = resolve(str(tmp_path))
     with pytest.raises(ModelError, match=f"'{model_type}'"):
         StageModel(source, 0, 1)
+
+
+def test_every_supported_family_has_a_parity_case():
+    from engine.model.families import SUPPORTED_MODEL_TYPES
+    from testkit.tiny_models import tiny_config
+
+    tested = {tiny_config(arch).model_type for arch in ARCHS}
+    assert set(SUPPORTED_MODEL_TYPES) == tested
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "qwen3_next", "falcon_h1", "mamba"])
+def test_recurrent_hybrid_family_is_refused_with_its_reason(model_type):
+    from transformers import AutoConfig
+
+    from engine.model.families import REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_supported
+
+    assert model_type not in SUPPORTED_MODEL_TYPES
+    cfg = AutoConfig.for_model(model_type)
+    with pytest.raises(ModelError, match=f"'{model_type}'") as err:
+        check_supported(cfg)
+    assert REFUSED_MODEL_TYPES[model_type] in str(err.value)
+    assert "recurrent state" in str(err.value) and "key/value cache" in str(err.value)
+
+
+def test_refused_family_reaches_the_user_from_a_checkpoint(tmp_path):
+    """A hybrid checkpoint on disk is refused when its config is read, naming the reason."""
+    import transformers
+
+    transformers.AutoConfig.for_model("jamba").save_pretrained(str(tmp_path))
+    source = resolve(str(tmp_path))
+    with pytest.raises(ModelError, match="recurrent state"):
+        StageModel(source, 0, 1)
