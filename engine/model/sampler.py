@@ -47,7 +47,9 @@ class Sampler:
         return out
 
     def _sample_row(self, seq_id: int, p: SamplingParams, row: torch.Tensor) -> int:
-        row = row.clone()
+        # on the CPU whatever device computed the logits: a seeded request's generator
+        # lives there, and so the same seed draws the same tokens on a GPU stage as on a CPU one
+        row = row.detach().to("cpu", copy=True)
         hist = self._history.get(seq_id)
         if p.repetition_penalty != 1.0 and hist:
             idx = torch.tensor(sorted(set(hist)), dtype=torch.long)
