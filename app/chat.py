@@ -242,8 +242,9 @@ class ChatWindow(QMainWindow):
             if bar is None:
                 bar = self.progress_bars[key] = QProgressBar()
                 self.progress_layout.addWidget(bar)
-            bar.setMaximum(max(1, int(p["total"])))
-            bar.setValue(int(p["done"]))
+            # per mille: a download counts bytes, beyond a progress bar's int range
+            bar.setMaximum(1000)
+            bar.setValue(int(1000 * min(1.0, p["done"] / p["total"])) if p["total"] else 0)
             bar.setFormat(f"stage {key}: {p['what']} %p%")
 
     def show_banner(self, text: str, restart: bool):

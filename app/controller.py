@@ -180,6 +180,10 @@ class Controller(QObject):
 
         self._act("POST", "/host", request, done)
 
+    def models(self, cb):
+        """The node's curated model list, each with its weights' size per precision."""
+        self.client.call("GET", "/models", cb=cb)
+
     def plan(self, request: dict, cb):
         self.client.call("POST", "/plan", request, cb=cb)
 

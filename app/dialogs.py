@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
                                QVBoxLayout)
 
+# Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
-MODEL_CHOICES = [DEFAULT_CHOICE, "Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-                 "meta-llama/Llama-3.1-8B-Instruct"]
+
+
+def model_label(m: dict) -> str:
+    """One line of the model list, from the node's /models entry."""
+    if m["id"] == "default":
+        return f"default: {m['label']} (built in, works offline)"
+    return m["label"] + (" (accept its license on huggingface.co first)" if m.get("gated") else "")
+
+
+WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "bf16"),
+                   ("int8 — about half the memory", "int8"), ("nf4 — about a quarter of the memory", "nf4")]
 
 
 def _gib(n) -> str:
@@ -29,10 +41,19 @@ class HostDialog(QDialog):
         form = QFormLayout()
         self.model = QComboBox()
         self.model.setEditable(True)
-        self.model.addItems(MODEL_CHOICES)
+        self.model.addItem(DEFAULT_CHOICE, "default")
         self.model.setCurrentIndex(0)
-        self.model.setToolTip("A Hugging Face model id, a local folder or a .gguf file")
+        self.models: list[dict] = []
+        controller.models(self._show_models)
+        self.model.setToolTip("Pick a model (sizes: its weights at each precision), or type a Hugging Face "
+                              "model id, a local folder or a .gguf file")
         form.addRow("Model:", self.model)
+        self.weights = QComboBox()
+        for label, value in WEIGHTS_CHOICES:
+            self.weights.addItem(label, value)
+        self.weights.setToolTip("How the model's weights are stored in memory. Auto picks the highest precision "
+                                "that fits: int8 and nf4 let a bigger model fit, with slightly lower quality")
+        form.addRow("Weights:", self.weights)
         self.stages = QSpinBox()
         self.stages.setRange(1, 8)
         self.stages.setValue(controller.settings.local_stages)
@@ -59,6 +80,16 @@ class HostDialog(QDialog):
         self.plan_label = QLabel("")
         self.plan_label.setWordWrap(True)
         lay.addWidget(self.plan_label)
+        self.weights_table = QTableWidget(0, 3)
+        self.weights_table.setHorizontalHeaderLabels(["Weights", "Memory on this computer", "Fits here?"])
+        self.weights_table.setToolTip("What the model's weights need at each precision, against this computer's "
+                                      "free memory; friends' memory counts once they join")
+        self.weights_table.horizontalHeader().setStretchLastSection(True)
+        self.weights_table.verticalHeader().hide()
+        self.weights_table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.weights_table.setFixedHeight(120)
+        self.weights_table.hide()
+        lay.addWidget(self.weights_table)
         self.split_table = QTableWidget(0, 2)
         self.split_table.setHorizontalHeaderLabels(["Computer", "Layers (proposed)"])
         self.split_table.setToolTip("When the pipeline starts, the head adjusts the split to each computer's "
@@ -88,11 +119,33 @@ class HostDialog(QDialog):
         self.started = False
         controller.statusChanged.connect(self.on_status)
 
+    def _show_models(self, reply, error):
+        """The node's curated list with each model's size per precision (GET /models)."""
+        if error or not reply:
+            return  # the default stays; any id, folder or .gguf can still be typed
+        typed = self.model.currentText()
+        self.models = list(reply["models"])
+        self.model.clear()
+        for m in self.models:
+            self.model.addItem(model_label(m), m["id"])
+        if typed != DEFAULT_CHOICE:
+            self.model.setEditText(typed)
+
+    def model_spec(self, text: str) -> str:
+        """What to host for the model box's text: a listed model's id, else what was typed."""
+        text = text.strip()
+        if text == DEFAULT_CHOICE or not text:
+            return "default"
+        for m in self.models:
+            if text in (model_label(m), m["label"]) or text.lower() in (m["id"].lower(), m["name"].lower()):
+                return m["id"]
+        return text
+
     def request(self) -> dict:
-        text = self.model.currentText().strip()
-        model = "default" if text == DEFAULT_CHOICE or not text else text
+        model = self.model_spec(self.model.currentText())
         addrs = [a.strip() for a in self.friends.toPlainText().splitlines() if a.strip()]
-        req = {"model": model, "stages": self.stages.value(), "stage_addr": addrs}
+        req = {"model": model, "stages": self.stages.value(), "stage_addr": addrs,
+               "weights": self.weights.currentData() or "auto"}
         if self.invitees.value():
             req.update(friends=self.invitees.value(), listen=self.listen.text().strip(),
                        relay=self.relay.text().strip())
@@ -107,18 +160,48 @@ class HostDialog(QDialog):
             self.last_error = error
             self.plan_label.setText(f"<span style='color:#b91c1c'>{error}</span>")
             self.split_table.setRowCount(0)
+            self.weights_table.hide()
             return
         self.last_plan = plan
         self.last_error = None
         color = "#15803d" if plan["fits"] else "#b91c1c"
+        weights = f" · {plan['weights']} weights" if plan.get("weights") else ""
         self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
                                 f"Needed here: {_gib(plan['needed_here_bytes'])} · available: "
-                                f"{_gib(plan['available_bytes'])} · {plan['layers']} layers")
+                                f"{_gib(plan['available_bytes'])} · {plan['layers']} layers{weights}")
+        self._show_precisions(plan)
         self.split_table.setRowCount(len(plan["split"]))
         for i, s in enumerate(plan["split"]):
             a, b = s["layers"]
             self.split_table.setItem(i, 0, QTableWidgetItem(s["where"]))
             self.split_table.setItem(i, 1, QTableWidgetItem(f"{a}–{b - 1} ({b - a} layers)"))
+
+    def _show_precisions(self, plan: dict):
+        """Each precision's memory here and whether it fits, the one that will load marked."""
+        rows = plan.get("precisions") or []
+        self.weights_table.setVisible(bool(rows))
+        self.weights_table.setRowCount(len(rows))
+        for i, r in enumerate(rows):
+            chosen = r["weights"] == plan.get("weights")
+            name = r["weights"]
+            if name == "bf16" and plan.get("dtype") not in (None, "bfloat16"):
+                name = f"bf16 ({plan['dtype']})"  # a CPU computes at float32
+            if not r.get("available", True):
+                verdict = "needs bitsandbytes"
+            else:
+                verdict = "fits" if r["fits_here"] else "does not fit"
+            if chosen:
+                verdict += " ← will be used"
+            here = r.get("here_bytes", r["bytes"])
+            size = _gib(here) if here == r["bytes"] else f"{_gib(here)} (of {_gib(r['bytes'])} in all)"
+            for col, text in enumerate((name, size, verdict)):
+                item = QTableWidgetItem(text)
+                if chosen:
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                self.weights_table.setItem(i, col, item)
+        self.weights_table.resizeColumnsToContents()
 
     def start(self):
         self.result.setText("Starting…")
@@ -144,13 +227,18 @@ class HostDialog(QDialog):
             self.invite.setText(code)
             self.invite.show()
         if loading and loading.get("message"):
-            self.result.setText(loading["message"])
+            text = loading["message"]
+            if loading.get("weights_table"):  # what the head settled, against the whole pool
+                text += f"<pre>{html.escape(loading['weights_table'])}</pre>"
+            self.result.setText(text)
         if loading and loading.get("stages"):
-            done = sum(p["done"] for p in loading["stages"].values())
-            total = sum(p["total"] for p in loading["stages"].values())
-            self.progress.setMaximum(max(1, total))
-            self.progress.setValue(done)
-            self.progress.setFormat("Loading layers %p%")
+            stages = list(loading["stages"].values())
+            # each stage's share done (a download counts bytes, loading counts tensors)
+            share = sum(min(1.0, p["done"] / p["total"]) if p["total"] else 0.0 for p in stages) / len(stages)
+            self.progress.setMaximum(1000)
+            self.progress.setValue(int(share * 1000))
+            downloading = [str(p.get("what")) for p in stages if str(p.get("what", "")).startswith("downloading")]
+            self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading layers %p%")
         hosting = st.get("hosting")
         if hosting:
             self.progress.setValue(self.progress.maximum())
@@ -367,7 +455,8 @@ def status_html(st: dict) -> str:
         out.append(f"<p style='color:#b91c1c'>{st['error']}</p>")
     h = st.get("hosting")
     if h:
-        out.append(f"<p><b>Hosting {h['model']}</b> — {h.get('tokens_served', 0)} tokens served, "
+        weights = f" ({h['weights']} weights)" if h.get("weights") else ""
+        out.append(f"<p><b>Hosting {h['model']}</b>{weights} — {h.get('tokens_served', 0)} tokens served, "
                    f"{h.get('running', 0)} running, {h.get('waiting', 0)} waiting, KV "
                    f"{h.get('kv_used_tokens')}/{h.get('kv_capacity_tokens')} tokens<br>"
                    f"OpenAI URL: <code>{h.get('openai_url')}</code></p><table border=1 cellpadding=4>"

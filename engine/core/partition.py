@@ -6,13 +6,20 @@ from engine.core.errors import ModelError
 
 
 def layer_bytes_estimate(cfg, bytes_per_param: int) -> int:
-    """Weights of one decoder layer, from the config (MoE: all experts count)."""
+    """Weights of one decoder layer, from the config (MoE: all experts count; grouped-
+    query attention: keys and values at their own width)."""
     h = cfg.hidden_size
     inter = getattr(cfg, "intermediate_size", None) or 4 * h
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
+    experts = (getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None)
+               or getattr(cfg, "num_local_experts", None) or 0)  # Mixtral, JetMoE, Granite-MoE...
     moe_inter = getattr(cfg, "moe_intermediate_size", None) or inter
     mlp = 3 * h * inter if not experts else 3 * h * moe_inter * experts
-    return (4 * h * h + mlp) * bytes_per_param
+    # queries and output are h x h; keys and values shrink with grouped-query attention
+    heads = getattr(cfg, "num_attention_heads", None) or 1
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    attn = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+    return (attn + mlp) * bytes_per_param
 
 
 def slice_bytes_estimate(cfg, start: int, end: int, bytes_per_param: int) -> int:

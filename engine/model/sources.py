@@ -33,6 +33,8 @@ class ModelSource:
     root: Path                     # local folder: config, tokenizer and (but for GGUF) shards
     gguf_path: Path | None = None  # a single GGUF file holding the weights
     hub_id: str | None = None      # set when shard files are fetched on demand
+    # progress(done, total, what) in bytes while a hub shard downloads (set by the loader)
+    on_download: object = field(default=None, repr=False, compare=False)
     _config: object = field(default=None, repr=False)
 
     # ---- config & tokenizer -------------------------------------------------
@@ -65,13 +67,24 @@ class ModelSource:
         return {name: "model.safetensors" for name in read_safetensors_header(single) if name != "__metadata__"}
 
     def fetch(self, filename: str) -> Path:
-        """Path of a checkpoint file, downloading just that file for hub models."""
+        """Path of a checkpoint file, downloading just that file for hub models.
+
+        A caller that sets `source.on_download = progress` (progress(done, total, what),
+        bytes) hears how the download goes (engine/model/download.py). Shards already in
+        the hub cache are not fetched again; huggingface_hub resumes a download that a
+        network error cuts (Range requests, within the call)."""
         assert self.root is not None
         path = self.root / filename
         if not path.exists() and self.hub_id:
             from huggingface_hub import hf_hub_download
 
-            path = Path(hf_hub_download(self.hub_id, filename))
+            extra = {}
+            report = self.on_download
+            if report is not None:
+                from engine.model.download import progress_bar_class
+
+                extra["tqdm_class"] = progress_bar_class(report, filename)
+            path = Path(hf_hub_download(self.hub_id, filename, **extra))
         if not path.exists():
             raise ModelError(f"{self.spec}: checkpoint file {filename} is missing")
         return path

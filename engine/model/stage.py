@@ -166,7 +166,11 @@ class StageModel:
             # swaps the held layers' Linear modules for bitsandbytes ones (still empty)
             quantizer.preprocess_model(model=model, dtype=self.dtype, device_map={"": str(self.device)},
                                        checkpoint_files=None)
-        self._load_weights(model, checkpoint, names, quantizer)
+        self.source.on_download = self._progress  # hub shards: bytes per file as they arrive
+        try:
+            self._load_weights(model, checkpoint, names, quantizer)
+        finally:
+            self.source.on_download = None
         if quantizer is not None:
             quantizer.postprocess_model(model)
         self.files_opened = checkpoint.files_opened

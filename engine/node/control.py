@@ -6,8 +6,10 @@ pipeline (a stage server, within the owner's limits: sharing.py). Clients drive 
 through a small control API:
 
     GET  /status               state (idle|loading|serving|sharing|paused|error), what runs
-    POST /plan   {model, stages, memory_limit_mb?}   memory needed vs available, split
-    POST /host   {model, stages, stage_addr?, layers?, memory_limit_mb?, friends?, relay?, listen?}
+    GET  /models               the curated model list, each model's weights per precision
+    POST /plan   {model, stages, weights?, memory_limit_mb?}   memory needed vs available, split,
+                               and what each weight precision (bf16, int8, nf4) needs here
+    POST /host   {model, stages, weights?, stage_addr?, layers?, memory_limit_mb?, friends?, relay?, listen?}
                                start a head; with friends, hand out an invite and wait for them
     POST /share  {on}          the Share-this-GPU toggle
     POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.core import precision
 from engine.model.device import DTYPES, DeviceError, compute_dtype, device_name, free_memory, pick_device
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
 from engine.node.sharing import Limits, SharePolicy
@@ -97,6 +100,7 @@ class Node:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20, middlewares=[self._auth])
         app.router.add_get("/status", self.h_status)
+        app.router.add_get("/models", self.h_models)
         app.router.add_post("/plan", self.h_plan)
         app.router.add_post("/host", self.h_host)
         app.router.add_post("/share", self.h_share)
@@ -131,6 +135,27 @@ class Node:
     async def h_status(self, request):
         return web.json_response(await self.status())
 
+    async def h_models(self, request):
+        return web.json_response({"models": await self.models()})
+
+    async def models(self) -> list[dict]:
+        """The curated list (engine/model/catalog.py): each model's weights per precision,
+        and which precisions fit this machine's free memory on their own."""
+        from engine.core import precision
+        from engine.model import catalog
+
+        loop = asyncio.get_running_loop()
+        free = await loop.run_in_executor(None, free_memory, self.device)
+        cap = self.policy.limits.vram_cap_mb
+        if cap is not None:
+            free = min(free, int(cap * 2**20))
+        out = []
+        for e in catalog.MODELS:
+            sizes = e.sizes()
+            out.append({"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
+                        "sizes": sizes, "fits_here": {w: b <= precision.USABLE * free for w, b in sizes.items()}})
+        return out
+
     async def h_plan(self, request):
         body = await self._body(request)
         return web.json_response(await self.plan(**self.host_args(body)))
@@ -141,6 +166,10 @@ class Node:
         plan = await self.plan(**args)
         if not plan["fits"]:
             raise NodeError(plan["message"])
+        if args["weights"] == "auto" and not args["stage_addr"] and not args["friends"]:
+            # every stage on this machine: the plan's pick is the pool's (the head would count
+            # this machine's memory once per local stage)
+            args = dict(args, weights=plan["weights"])
         async with self._lock:
             if self.host_task is not None and not self.host_task.done():
                 raise NodeError("a pipeline is already starting; wait for it or stop it first", 409)
@@ -334,15 +363,23 @@ class Node:
             raise NodeError("friends need a way in: give a relay address and/or a listen address")
         if friends and addrs:
             raise NodeError("invite friends or give stage addresses, not both")
+        weights = body.get("weights")
+        weights = "auto" if weights is None else weights
+        if not isinstance(weights, str) or weights.strip().lower() not in precision.CHOICES:
+            raise NodeError(f"'weights' must be one of {', '.join(precision.CHOICES)} "
+                            "(auto: the highest precision that fits)")
         limit = body.get("memory_limit_mb", self.policy.limits.vram_cap_mb)
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
             raise NodeError("'memory_limit_mb' must be a positive number")
         return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
-                "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen}
+                "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen,
+                "weights": weights.strip().lower()}
 
     async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
-                   relay: str = "", listen: str = "") -> dict:
-        """Memory needed vs available and the proposed split, before anything loads."""
+                   relay: str = "", listen: str = "", weights: str = "auto") -> dict:
+        """Memory needed vs available and the proposed split, before anything loads, and
+        what each weight precision needs on this machine (`precisions`); `weights` is the
+        one that will load here: the requested one, or (auto) the highest that fits."""
         from engine.model.sources import ModelError, resolve
 
         loop = asyncio.get_running_loop()
@@ -354,23 +391,19 @@ class Node:
         except Exception as exc:  # a broken config, an unreadable folder
             raise NodeError(f"cannot read model '{model}': {exc}") from None
         from engine.model.cores import cpu_shares
-        from engine.core.partition import layer_bytes_estimate, lm_head_layers_estimate, parse_layers, partition
+        from engine.core.partition import lm_head_layers_estimate, parse_layers, partition
+        from engine.model.quant import bnb_missing, prequantized
 
         n = cfg.num_hidden_layers
+        friends_stages = bool(friends or stage_addr)
         if friends:  # friends' stages: known once they join, planned as placeholders
             stage_addr = [f"friend {i + 1} (joins with the invite)" for i in range(friends)]
         # what the head will load here: at its compute dtype (bf16 on a GPU), into the
         # memory of the device it computes on (VRAM on a GPU, host RAM on the CPU)
         nbytes = DTYPES[compute_dtype(self.device)].itemsize
-        per_layer = layer_bytes_estimate(cfg, nbytes)
-        embed = cfg.vocab_size * cfg.hidden_size * nbytes * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
-        needed = per_layer * n + embed
         available = await loop.run_in_executor(None, free_memory, self.device)
         if memory_limit_mb is not None:
             available = min(available, int(memory_limit_mb * 2**20))
-        # local stages share this machine; friends' memory is only known once they connect
-        local_needed = needed if not stage_addr else per_layer * max(1, n // (1 + len(stage_addr))) + embed
-        fits = local_needed <= available * 0.8
         total_stages = (1 + len(stage_addr)) if stage_addr else stages
         if layers:
             try:
@@ -390,17 +423,59 @@ class Node:
             except Exception as exc:
                 raise NodeError(str(exc)) from None
         where = ["this machine"] * (total_stages if not stage_addr else 1) + list(stage_addr)
+        # Each precision's weights, and what of them this machine holds: all of them when
+        # every stage runs here, else the head's stage (friends' memory is only known once
+        # they connect: the head then settles `auto` against the whole pool).
+        here_range = tuple(split[0]) if stage_addr else (0, n)
+        usable = available * precision.USABLE  # the rest: KV cache, activations, slack
+        missing = bnb_missing()
+        rows = []
+        for w in (precision.FULL,) + precision.QUANTIZED:
+            here_bytes = precision.slice_bytes(cfg, *here_range, w, nbytes)
+            rows.append({"weights": w, "bytes": precision.slice_bytes(cfg, 0, n, w, nbytes),
+                         "here_bytes": here_bytes, "fits_here": here_bytes <= usable,
+                         "available": missing is None or w == precision.FULL})
+        try:
+            saved = prequantized(cfg)  # a checkpoint saved quantized loads as it was saved
+        except ModelError as exc:  # quantized some other way (GPTQ, AWQ, FP4...)
+            raise NodeError(str(exc)) from None
+        if saved and weights not in ("auto", saved):
+            raise NodeError(f"this checkpoint is saved as {saved}; it cannot load as {weights}: "
+                            f"choose {saved} or Auto")
+        if saved:
+            chosen = saved
+        elif weights != "auto":
+            chosen = weights
+        else:  # the highest precision that fits here, else the smallest there is
+            usable_rows = [r for r in rows if r["available"]]
+            chosen = next((r["weights"] for r in usable_rows if r["fits_here"]), usable_rows[-1]["weights"])
+        row = next(r for r in rows if r["weights"] == chosen)
+        local_needed, fits = row["here_bytes"], row["fits_here"] and row["available"]
         gib = 2**30
         here = f"on {self.device_name}" if self.device.startswith("cuda") else "here"
-        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here}; "
+        label = chosen if chosen != precision.FULL or nbytes == 2 else f"{chosen} ({compute_dtype(self.device)})"
+        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here} with {label} weights; "
                    f"{available / gib:.1f} GiB available")
-        if not fits:
-            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.1f} GiB {here} "
-                       f"but only {available * 0.8 / gib:.1f} GiB can be used. Add friends' GPUs, pick a "
+        if not row["available"]:
+            message = f"{source.name} cannot load {chosen} weights here: {missing}"
+        elif not fits:
+            smaller = next((r["weights"] for r in rows if r["available"] and r["fits_here"]), None)
+            hint = (f"Choose {smaller} weights, add friends' GPUs" if smaller and weights != "auto" else
+                    "Add friends' GPUs")
+            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.2f} GiB {here} "
+                       f"with {label} weights but only {usable / gib:.2f} GiB can be used. {hint}, pick a "
                        f"smaller model, or raise the memory limit in Settings.")
-        return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": needed,
+        if saved and fits:
+            message += f". The checkpoint is saved as {saved}, so it loads as {saved}"
+        if friends_stages and fits:
+            message += (". Friends' memory is known once they join: the pipeline then picks the weights for "
+                        "the whole pool" if weights == "auto" and not saved else
+                        ". Friends' memory is known once they join")
+        return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": row["bytes"],
                 "device": self.device, "dtype": compute_dtype(self.device),
-                "needed_here_bytes": local_needed, "available_bytes": available, "fits": fits,
+                "needed_here_bytes": local_needed, "available_bytes": available, "usable_bytes": int(usable),
+                "fits": fits, "weights": chosen, "requested_weights": weights,
+                "precisions": rows,
                 "split": [{"where": w, "layers": list(r)} for w, r in zip(where, split)], "message": message}
 
     async def _host(self, args: dict):
@@ -411,13 +486,19 @@ class Node:
             if self.loading is not None:
                 self.loading["stages"][str(stage)] = {"done": done, "total": total, "what": what}
 
+        def say(text):  # the head's table of what each weight precision needs across the pool
+            log.info("host: %s", text)
+            if self.loading is not None:
+                self.loading["weights_table"] = text
+
         cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
-                             layers=args["layers"], threads=self.threads, device=self.device)
+                             layers=args["layers"], threads=self.threads, device=self.device,
+                             weights=args.get("weights") or "auto")
         pipe = None
         try:
             if args.get("friends"):
                 cfg = await self._wait_for_friends(args, cfg)
-            pipe = await launch(cfg, progress)
+            pipe = await launch(cfg, progress, say)
             self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
             port = self.api_runner.addresses[0][1]
             self.openai_url = f"http://127.0.0.1:{port}/v1"

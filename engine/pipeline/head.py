@@ -122,13 +122,16 @@ class Head:
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order", weights: str = "auto", say=None,
-                 cores=None, cpu_shares: list[float] | None = None,
+                 cores=None, cpu_shares: list[float] | None = None, same_machine: bool = False,
                  next_addresses: list[str | None] | None = None):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
         # when they do, each stage's share of it stands in for the speed probes (which
         # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5
         self.cpu_shares = cpu_shares
+        # all stages are processes on this machine: they report the same free memory,
+        # which they share rather than each have
+        self.same_machine = same_machine
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
@@ -225,6 +228,8 @@ class Head:
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
 
         mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
+        if self.same_machine:
+            mems = [min(mems) // self.n_stages] * self.n_stages
         self.weights = self._settle_weights(cfg, mems)
         if self.layers_override:
             self.ranges = list(self.layers_override)
@@ -364,7 +369,8 @@ class Head:
         saved = prequantized(cfg)
         quantized_ok = bnb_missing() is None and all(r.welcome.get("quantized") for r in self.remotes)
         devices = sorted({self.device_name} | {r.welcome["device_name"] for r in self.remotes})
-        where = f"{self.n_stages} stage(s) ({', '.join(devices)})"
+        where = (f"this machine's {self.n_stages} stage(s) ({self.device_name})" if self.same_machine
+                 else f"{self.n_stages} stage(s) ({', '.join(devices)})")
         chosen = saved or self.weights
         if chosen == "auto":
             chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok)

@@ -90,7 +90,7 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_shares=local.cpu_shares if cores else None,
-                next_addresses=cfg.next_addresses, weights=cfg.weights, say=say)
+                next_addresses=cfg.next_addresses, weights=cfg.weights, say=say, same_machine=local is not None)
     try:
         await head.start()
     except BaseException:

@@ -122,10 +122,25 @@ def test_no_gpu_panel_says_so(node):
     ({"stage_addr": ["http://x"]}, "ws://"),
     ({"memory_limit_mb": -1}, "memory_limit_mb"),
     ({"layers": "0:10,12:30"}, "gap"),
+    ({"weights": "fp8"}, "'weights' must be one of auto, bf16, int8, nf4"),
+    ({"weights": 4}, "'weights'"),
 ])
 def test_bad_plan_requests(node, body, words):
     status, r = call(node, "POST", "/plan", body)
     assert status == 400 and words.lower() in r["error"].lower(), r
+
+
+def test_the_curated_models_with_their_sizes_come_from_the_node(node):
+    status, r = call(node, "GET", "/models")
+    assert status == 200 and r["models"][0]["id"] == "default" and len(r["models"]) >= 8
+    for m in r["models"]:
+        sizes = m["sizes"]
+        assert sizes["bf16"] > sizes["int8"] > sizes["nf4"] > 0 and m["name"] in m["label"]
+        # the smaller precision fits whenever a bigger one does
+        fits = m["fits_here"]
+        assert fits["nf4"] >= fits["int8"] >= fits["bf16"]
+    assert r["models"][0]["fits_here"]["bf16"]  # the built-in model fits anywhere
+    assert not next(m for m in r["models"] if "72B" in m["id"])["fits_here"]["bf16"]
 
 
 def test_plan_for_the_default_model(node):
@@ -139,6 +154,46 @@ def test_plan_for_the_default_model(node):
     # at the head's compute dtype, in the memory of the device it computes on
     want = ("cuda:0", ("bfloat16", "float16")) if torch.cuda.is_available() else ("cpu", ("float32",))
     assert plan["device"] == want[0] and plan["dtype"] in want[1]
+
+
+def test_plan_says_what_each_weight_precision_needs_here(node):
+    status, plan = call(node, "POST", "/plan", {"model": "default", "stages": 2})
+    assert status == 200 and plan["fits"]
+    rows = plan["precisions"]
+    assert [r["weights"] for r in rows] == ["bf16", "int8", "nf4"]
+    assert rows[0]["bytes"] > rows[1]["bytes"] > rows[2]["bytes"] > 50e6
+    assert all(r["fits_here"] == (r["here_bytes"] <= plan["usable_bytes"]) for r in rows)
+    assert rows[0]["available"] and plan["requested_weights"] == "auto"
+    # auto: the highest precision that fits this machine; plenty of memory here
+    assert plan["weights"] == "bf16" and plan["needed_bytes"] == rows[0]["bytes"]
+    assert plan["needed_here_bytes"] == rows[0]["here_bytes"] and "bf16" in plan["message"]
+
+    if not rows[2]["available"]:
+        pytest.skip("no bitsandbytes here: bf16 only")
+    # room for the smaller precisions only: auto steps down, an explicit bf16 does not fit
+    nf4 = rows[2]["bytes"]
+    limit_mb = nf4 / 0.6 / 2**20 * 1.05
+    status, small = call(node, "POST", "/plan", {"model": "default", "memory_limit_mb": limit_mb})
+    assert status == 200 and small["fits"], small
+    fitting = [r["weights"] for r in small["precisions"] if r["fits_here"] and r["available"]]
+    assert small["weights"] == fitting[0] != "bf16" and small["needed_here_bytes"] <= small["usable_bytes"]
+    status, bf16 = call(node, "POST", "/plan", {"model": "default", "memory_limit_mb": limit_mb,
+                                                "weights": "bf16"})
+    assert status == 200 and not bf16["fits"] and bf16["weights"] == "bf16"
+    assert "does not fit" in bf16["message"] and f"Choose {fitting[0]} weights" in bf16["message"]
+    status, r = call(node, "POST", "/host", {"model": "default", "memory_limit_mb": limit_mb, "weights": "bf16"})
+    assert status == 400 and "does not fit" in r["error"]
+    assert call(node, "GET", "/status")[1]["hosting"] is None
+
+
+def test_plan_with_friends_counts_this_machines_part(node):
+    status, plan = call(node, "POST", "/plan", {"model": "default", "friends": 1, "listen": "127.0.0.1:0",
+                                               "weights": "bf16"})
+    assert status == 200 and plan["weights"] == "bf16" and plan["fits"]
+    bf16 = plan["precisions"][0]
+    assert bf16["here_bytes"] < bf16["bytes"] == plan["needed_bytes"]
+    assert bf16["here_bytes"] == plan["needed_here_bytes"]
+    assert "Friends' memory is known once they join" in plan["message"]
 
 
 def test_nonexistent_model_is_refused_with_a_message(node):

@@ -1,0 +1,132 @@
+"""The host dialog as a thin client of the node's plan/host API, without a node: the
+curated model list, the weights choice in the host request, and the per-precision
+table drawn from a plan reply (the live dialog is exercised in test_app_gui.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missing: run `make qt-libs`")
+pytest.importorskip("pytestqt")
+
+
+@pytest.fixture
+def dialog(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.dialogs import HostDialog
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False, local_stages=2), history=History(tmp_path / "h.sqlite3"))
+    sent = []
+    c.plan = lambda request, cb: sent.append(("plan", request))
+    c.models = lambda cb: cb({"models": catalog_reply()}, None)  # what the node's GET /models answers
+    c.host = lambda request, cb=None: sent.append(("host", request))
+    d = HostDialog(c)
+    qtbot.addWidget(d)
+    d.sent = sent
+    yield d
+    c.shutdown()
+
+
+def catalog_reply() -> list[dict]:
+    from engine.model import catalog
+
+    return [{"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
+             "sizes": e.sizes(), "fits_here": {}} for e in catalog.MODELS]
+
+
+def test_the_model_list_is_the_curated_one_with_sizes(dialog):
+    from engine.model import catalog
+
+    d = dialog
+    items = [d.model.itemText(i) for i in range(d.model.count())]
+    assert len(items) == len(catalog.MODELS) >= 8
+    assert d.model.currentIndex() == 0 and "default" in d.model.currentText()
+    for text, entry in zip(items, catalog.MODELS):
+        assert entry.name in text and " bf16 · " in text and " int8 · " in text and " nf4" in text
+    qwen7 = next(t for t in items if t.startswith("Qwen2.5-7B-Instruct — "))
+    assert "GB bf16" in qwen7
+    # a listed model hosts by its hub id; typed text goes as typed
+    d.model.setCurrentIndex(items.index(qwen7))
+    assert d.request()["model"] == "Qwen/Qwen2.5-7B-Instruct"
+    d.model.setCurrentIndex(0)
+    assert d.request()["model"] == "default"
+    d.model.setEditText("/models/my-llama")
+    assert d.request()["model"] == "/models/my-llama"
+    d.model.setEditText("meta-llama/Llama-3.1-70B-Instruct")
+    assert d.request()["model"] == "meta-llama/Llama-3.1-70B-Instruct"
+
+
+def test_the_weights_choice_reaches_the_host_request(dialog):
+    d = dialog
+    labels = [d.weights.itemText(i) for i in range(d.weights.count())]
+    assert labels[0] == "Auto (recommended)" and d.request()["weights"] == "auto"
+    d.weights.setCurrentIndex([d.weights.itemData(i) for i in range(d.weights.count())].index("nf4"))
+    d.check()
+    d.start()
+    assert [kind for kind, _ in d.sent] == ["plan", "host"]
+    assert all(req["weights"] == "nf4" for _, req in d.sent)
+
+
+def _plan(chosen="int8", fits=True):
+    gib = 2**30
+    return {
+        "model": "Qwen/Qwen2.5-7B-Instruct", "spec": "Qwen/Qwen2.5-7B-Instruct", "layers": 28,
+        "needed_bytes": 9 * gib, "needed_here_bytes": 9 * gib, "available_bytes": 16 * gib,
+        "device": "cuda:0", "dtype": "bfloat16", "fits": fits, "weights": chosen,
+        "message": "Qwen/Qwen2.5-7B-Instruct needs about 9.00 GiB on the GPU with int8 weights",
+        "split": [{"where": "this machine", "layers": [0, 14]}, {"where": "this machine", "layers": [14, 28]}],
+        "precisions": [
+            {"weights": "bf16", "bytes": 16 * gib, "here_bytes": 16 * gib, "fits_here": False, "available": True},
+            {"weights": "int8", "bytes": 9 * gib, "here_bytes": 9 * gib, "fits_here": True, "available": True},
+            {"weights": "nf4", "bytes": 6 * gib, "here_bytes": 6 * gib, "fits_here": True, "available": True},
+        ],
+    }
+
+
+def test_the_precision_table_renders_from_a_plan_reply(dialog):
+    d = dialog
+    d._show_plan(_plan(), None)
+    t = d.weights_table
+    assert t.isVisibleTo(d) and t.rowCount() == 3
+    rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
+    assert [r[0] for r in rows] == ["bf16", "int8", "nf4"]
+    assert rows[0][1] == "16.00 GiB" and rows[0][2] == "does not fit"
+    assert rows[1][2] == "fits ← will be used" and t.item(1, 0).font().bold()
+    assert rows[2][2] == "fits" and not t.item(2, 0).font().bold()
+    assert "int8 weights" in d.plan_label.text()
+
+    # a CPU computes "bf16" at float32; without bitsandbytes the quantized rows say so;
+    # friends' stages: this computer's part of the whole
+    plan = _plan(chosen="bf16")
+    plan["dtype"] = "float32"
+    plan["precisions"][0].update(fits_here=True, here_bytes=8 * 2**30)
+    for r in plan["precisions"][1:]:
+        r["available"] = False
+    d._show_plan(plan, None)
+    rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
+    assert rows[0][0] == "bf16 (float32)" and rows[0][2] == "fits ← will be used"
+    assert rows[0][1] == "8.00 GiB (of 16.00 GiB in all)"
+    assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
+
+    # an error clears it; a reply from a node without per-precision rows shows none
+    d._show_plan(None, "Could not find model 'x'")
+    assert not t.isVisibleTo(d)
+    old = _plan()
+    del old["precisions"], old["weights"]
+    d._show_plan(old, None)
+    assert not t.isVisibleTo(d) and "GiB" in d.plan_label.text()
+
+
+def test_download_progress_shows_in_the_loading_bar(dialog):
+    d = dialog
+    d.started = True
+    gb = 10**9
+    d.on_status({"state": "loading", "loading": {"message": "Loading…", "stages": {
+        "0": {"done": 2 * gb, "total": 4 * gb, "what": "downloading model-00001-of-00004.safetensors (2.0 of 4.0 GB)"},
+        "1": {"done": 0, "total": 100, "what": "loading weights"}}}})
+    assert d.progress.value() == 250 and d.progress.maximum() == 1000  # bytes beyond a C int are fine
+    assert d.progress.format().startswith("downloading model-00001-of-00004.safetensors")

@@ -1,0 +1,46 @@
+"""The node's plan without bitsandbytes: in-process, the package's absence faked."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.node.control import Node, NodeError
+
+
+@pytest.fixture
+def no_bnb(monkeypatch):
+    import engine.model.quant as quant
+
+    monkeypatch.setattr(quant, "bnb_missing", lambda: "8-bit and 4-bit weights need the bitsandbytes package")
+
+
+async def test_without_bitsandbytes_only_bf16_is_offered(no_bnb):
+    node = Node("t" * 32, device="cpu")
+    plan = await node.plan(**node.host_args({"model": "default", "stages": 1}))
+    assert [r["available"] for r in plan["precisions"]] == [True, False, False]
+    assert plan["weights"] == "bf16" and plan["fits"]
+    plan = await node.plan(**node.host_args({"model": "default", "stages": 1, "weights": "nf4"}))
+    assert not plan["fits"] and "bitsandbytes" in plan["message"]
+    # too little memory for bf16, and nothing smaller to fall back on
+    plan = await node.plan(**node.host_args({"model": "default", "stages": 1, "memory_limit_mb": 300}))
+    assert plan["weights"] == "bf16" and not plan["fits"] and "does not fit" in plan["message"]
+
+
+def test_weights_are_checked_and_normalised():
+    node = Node("t" * 32, device="cpu")
+    assert node.host_args({})["weights"] == "auto"
+    assert node.host_args({"weights": " NF4 "})["weights"] == "nf4"
+    with pytest.raises(NodeError, match="'weights' must be one of"):
+        node.host_args({"weights": "q4_k_m"})
+
+
+async def test_a_checkpoint_saved_quantized_loads_as_saved(monkeypatch):
+    import engine.model.quant as quant
+
+    monkeypatch.setattr(quant, "prequantized", lambda cfg: "nf4")
+    monkeypatch.setattr(quant, "bnb_missing", lambda: None)
+    node = Node("t" * 32, device="cpu")
+    plan = await node.plan(**node.host_args({"model": "default", "stages": 1}))
+    assert plan["weights"] == "nf4" and "saved as nf4" in plan["message"]
+    with pytest.raises(NodeError, match="saved as nf4; it cannot load as bf16"):
+        await node.plan(**node.host_args({"model": "default", "stages": 1, "weights": "bf16"}))
