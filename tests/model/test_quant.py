@@ -124,3 +124,16 @@ def test_another_quantization_method_is_refused_with_its_name(llama, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match="'awq'"):
         StageModel(resolve(str(tmp_path / "m")), 0, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["int8", "nf4"])
+def test_quantized_stages_compute_on_the_gpu(llama, weights):
+    source = resolve(str(llama))
+    full = split(source, "bf16")
+    q = [StageModel(source, a, b, weights=weights, device="cuda", dtype=torch.bfloat16)
+         for a, b in ((0, 3), (3, 6))]
+    assert all(s.device.type == "cuda" and s.weights == weights for s in q)
+    for ids in PROMPTS:
+        a, b = run(full, ids), run(q, ids).cpu()
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.8
