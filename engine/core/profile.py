@@ -24,6 +24,13 @@ def interp(points: list, n: float) -> float:
     return pts[-1][1]
 
 
+def scaled(profile: dict, factor: float) -> dict:
+    """The profile of the same machine holding `factor` times as many layers: a step's
+    time grows with the layers it runs. What a stage that takes over a friend's layers
+    starts from instead of profiling again; its steps in service correct it (StepLog)."""
+    return {name: [[n, min(MAX_STEP_SECONDS, s * factor)] for n, s in curve] for name, curve in profile.items()}
+
+
 # ---- the profile in service -----------------------------------------------------------
 # A startup profile is a snapshot: probes of 8-token contexts on a freshly loaded stage,
 # timed alone on the machine. In service the same steps attend to hundreds of tokens,

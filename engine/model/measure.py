@@ -51,13 +51,18 @@ def machine_turn(exclusive: bool, path: str | None = None):
         os.close(fd)  # closing releases the lock
 
 
-def load_and_measure(build):
+def load_and_measure(build, profile: dict | None = None):
     """build() a stage side by side with other loads on this machine, then profile it
-    alone (machine_turn); returns (stage, profile)."""
+    alone (machine_turn); returns (stage, profile). Given a profile (a re-plan after a
+    stage left: this machine's last one, scaled to its new layers) it starts from that
+    instead: the pipeline is waiting, and the steps in service correct it."""
     with machine_turn(exclusive=False):
         stage = build()
-    with machine_turn(exclusive=True):
-        prof = measure(stage)
+    if profile is not None:
+        prof = profile
+    else:
+        with machine_turn(exclusive=True):
+            prof = measure(stage)
     stage.step_log = StepLog(prof)
     return stage, prof
 

@@ -1,8 +1,10 @@
 """The sampler that runs on the last stage.
 
 Each request carries its own parameters (engine/core/sampling.py); a batch mixes greedy
-and sampled rows. A seeded request owns a torch.Generator so its draw does not depend
-on its batch mates.
+and sampled rows. A seeded request's randomness for each token comes from its seed and
+the token's position alone (not from a generator that advances draw by draw): its draw
+does not depend on its batch mates, and a sequence replayed onto new stages after a
+friend's machine left (engine/pipeline/head.py) draws exactly what it would have drawn.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ class Sampler:
     def __init__(self):
         self._history: dict[int, list[int]] = {}
         self._params: dict[int, SamplingParams] = {}
-        self._gen: dict[int, torch.Generator] = {}
+        self._pos: dict[int, int] = {}  # the position of the next token each sequence draws
 
     def open(self, seq_id: int, params: SamplingParams, prompt: list[int]) -> None:
         self._params[seq_id] = params
         self._history[seq_id] = list(prompt) if params.repetition_penalty != 1.0 else []
-        if params.seed is not None:
-            self._gen[seq_id] = torch.Generator().manual_seed(params.seed)
+        self._pos[seq_id] = len(prompt)
 
     def knows(self, seq_id: int) -> bool:
         return seq_id in self._params
@@ -32,7 +33,7 @@ class Sampler:
     def close(self, seq_id: int) -> None:
         self._history.pop(seq_id, None)
         self._params.pop(seq_id, None)
-        self._gen.pop(seq_id, None)
+        self._pos.pop(seq_id, None)
 
     def sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[int]:
         """logits [B, vocab] float32 -> one token id per row."""
@@ -42,6 +43,7 @@ class Sampler:
         else:
             out = [self._sample_row(s, p, logits[i]) for i, (s, p) in enumerate(zip(seq_ids, params))]
         for s, t in zip(seq_ids, out):
+            self._pos[s] += 1
             if self._params[s].repetition_penalty != 1.0:
                 self._history[s].append(t)
         return out
@@ -68,4 +70,16 @@ class Sampler:
             drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
             row[order[drop]] = float("-inf")
         probs = row.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self._gen.get(seq_id)).item())
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator().manual_seed(draw_seed(p.seed, self._pos[seq_id]))
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for one token: the request's seed and the token's position,
+    mixed (splitmix64) so neighbouring positions and seeds draw unrelated numbers."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

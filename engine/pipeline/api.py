@@ -21,6 +21,10 @@ MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
 
 
+# an SSE comment after this long without a token: the pipeline may be rearranging after
+# a friend's machine left, and clients and proxies drop streams silent for ~30-60 s
+KEEPALIVE_S = 10.0
+
 class ApiError(Exception):
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
                  type_: str = "invalid_request_error"):
@@ -227,7 +231,13 @@ class Api:
         try:
             if chat:
                 await send(chunk(first=True))
-            async for ev in handle:
+            while True:
+                ev = await handle.next_event(KEEPALIVE_S)
+                if ev is None:
+                    # nothing to say yet (the pipeline rearranging after a friend left, a
+                    # long prompt): an SSE comment keeps clients and proxies from timing out
+                    await resp.write(b": keep-alive\n\n")
+                    continue
                 if isinstance(ev, Delta):
                     if ev.text:
                         await send(chunk(ev.text))
@@ -240,6 +250,7 @@ class Api:
                     if include_usage:
                         await send({"id": rid, "object": obj, "created": created, "model": model,
                                     "choices": [], "usage": _usage(ev)})
+                    break
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except asyncio.CancelledError:

@@ -30,7 +30,7 @@ from engine.core.compression import should_compress
 from engine.pipeline.link import LinkSender, open_link
 from engine.core import precision
 from engine.core.partition import lm_head_layers_estimate, partition
-from engine.core.profile import interp
+from engine.core.profile import interp, scaled
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
@@ -39,7 +39,7 @@ from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
-from engine.pipeline.stage_server import PROTOCOL_VERSION, WS_OPTIONS
+from engine.pipeline.stage_server import CLIENT_WS_OPTIONS, PROTOCOL_VERSION
 
 log = logging.getLogger("potluck.head")
 
@@ -77,6 +77,22 @@ class Sequence(Seq):
     detok: Detokenizer | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    # after a stage left: prompt + tokens generated so far, prefilled on the new stages
+    # so decoding goes on where it was (None: the prompt is what the stages are sent)
+    replay: list[int] | None = None
+
+    @property
+    def source_tokens(self) -> list[int]:
+        """What a step that opens this sequence sends: its prompt, or its replay."""
+        return self.replay if self.replay is not None else self.prompt
+
+    def rewind(self) -> None:
+        """Back to the queue as a new prompt: its whole history, to be prefilled again."""
+        self.replay = self.prompt + self.generated
+        self.prompt_len = len(self.replay)
+        self.max_tokens = self.params.max_tokens - len(self.generated)
+        self.pos = self.in_flight = 0
+        self.opened = self.needs_free = False
 
 
 class RequestHandle:
@@ -92,6 +108,14 @@ class RequestHandle:
             yield ev
             if isinstance(ev, Done):
                 return
+
+    async def next_event(self, timeout: float | None = None):
+        """The next Delta or Done, or None when `timeout` passes first (nothing is lost:
+        a caller that keeps a stream alive while the pipeline rearranges asks again)."""
+        try:
+            return await asyncio.wait_for(self.seq.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
 
     def cancel(self):
         self._head.cancel(self.seq.id)
@@ -185,6 +209,15 @@ class Head:
         self.error: str | None = None
         self._kick_pending = False
         self.tokens_served = 0
+        # failover: a stage that leaves (closed, silent, gone to sleep) is dropped, the
+        # layers re-planned over the stages left, and every sequence replayed on them
+        self.recovering: str | None = None    # why, while the pipeline rearranges
+        self.events: list[dict] = []          # who left, why, how long recovery took
+        self._epoch = 0                       # bumps at each rearrangement: older steps are void
+        self._recovery: asyncio.Task | None = None
+        self._closed = False
+        self._sched_args = dict(micro_batches=micro_batches, shared_cpu=cores is not None, max_batch=max_batch,
+                                prompt_chunk=prefill_chunk, dtype_bytes=self.dtype.itemsize, compress=compress)
 
     # ---- setup --------------------------------------------------------------
     async def _run(self, fn, *args):
@@ -214,24 +247,42 @@ class Head:
             check_partition(self.layers_override, n_layers)
             if len(self.layers_override) != self.n_stages:
                 raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages")
-        fingerprint = await self._run(self.source.fingerprint)
-
+        self.fingerprint = await self._run(self.source.fingerprint)
         for r in self.remotes:
+            await self._hello(r)
+        await self._form()
+        return self
+
+    async def _hello(self, r: RemoteStage, attempts: int = 1, timeout: float = 30):
+        """The control connection to a stage, and its welcome (free memory, speed, device)."""
+        for attempt in range(attempts):
             try:
-                r.ws = await connect(r.address, **WS_OPTIONS)
+                r.ws = await asyncio.wait_for(connect(r.address, **CLIENT_WS_OPTIONS), timeout)
                 await r.ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION,
                                              pipeline=self.pipeline))
-                r.welcome = frames.parse_control(await asyncio.wait_for(r.ws.recv(), 30))
+                r.welcome = frames.parse_control(await asyncio.wait_for(r.ws.recv(), timeout))
             except (OSError, asyncio.TimeoutError, ConnectionClosed, frames.FrameError) as exc:
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(0.5)  # a stage lets its last head go before it takes the next
+                    continue
                 raise PipelineError(f"cannot reach stage at {r.address}: {exc}") from None
             if r.welcome["type"] != "welcome":
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
+            return
 
+    async def _form(self, hints: dict | None = None):
+        """Split the layers over the stages there are, load each stage's share, open the links.
+
+        hints: address (or "head") -> (profile, layers it was measured for): after a stage
+        left, the stages left start from their last profile scaled to their new share."""
+        cfg = self.config
+        n_layers = cfg.num_hidden_layers
+        fingerprint = self.fingerprint
         mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
         if self.same_machine:
             mems = [min(mems) // self.n_stages] * self.n_stages
         self.weights = self._settle_weights(cfg, mems)
-        if self.layers_override:
+        if self.layers_override and len(self.layers_override) == self.n_stages:
             self.ranges = list(self.layers_override)
         else:
             if self.cpu_shares:
@@ -245,6 +296,12 @@ class Head:
         for r, rng in zip(self.remotes, self.ranges[1:]):
             r.range = rng
 
+        def hint(key, rng):
+            if not hints or key not in hints:
+                return None
+            prof, n = hints[key]
+            return scaled(prof, (rng[1] - rng[0]) / max(1, n))
+
         async def configure(i, r):
             nxt = (self.next_addresses[i] if self.next_addresses else self.remotes[i + 1].address) \
                 if i + 1 < len(self.remotes) else None
@@ -252,7 +309,8 @@ class Head:
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
                 kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
-                compress=self.compress, compute=self.compute, acks=self.acks, weights=self.weights))
+                compress=self.compress, compute=self.compute, acks=self.acks, weights=self.weights,
+                profile=hint(r.address, r.range)))
             while True:
                 msg = frames.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -270,7 +328,7 @@ class Head:
             return load_and_measure(lambda: StageModel(
                 self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
                 kv_budget_tokens=budget, cores=self.cores, weights=self.weights,
-                progress=lambda d, t, w: self.progress(0, d, t, w)))
+                progress=lambda d, t, w: self.progress(0, d, t, w)), profile=hint("head", self.ranges[0]))
 
         try:
             results = await asyncio.gather(self._run(load_local),
@@ -284,15 +342,16 @@ class Head:
         self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
 
         if self.remotes:
-            self._data_ws = await connect(self.remotes[0].address, **WS_OPTIONS)
+            self._data_ws = await connect(self.remotes[0].address, **CLIENT_WS_OPTIONS)
             await self._data_ws.send(frames.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
+            epoch = self._epoch
             self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
-                                  on_failed=lambda why: self._pipeline_failed(f"link to stage 1: {why}"),
+                                  on_failed=lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}",
+                                                                         epoch),
                                   acked=self.acks)
             for i, r in enumerate(self.remotes):
-                self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r)))
-        return self
+                self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r, epoch)))
 
     # the scheduler's state, as the rest of the engine and the tests read it
     @property
@@ -329,6 +388,10 @@ class Head:
         self.sched.pausing = why
 
     async def close(self):
+        self._closed = True
+        if self._recovery is not None and not self._recovery.done():
+            self._recovery.cancel()  # what it connected is closed below
+            await asyncio.gather(self._recovery, return_exceptions=True)
         for t in self._readers:
             t.cancel()
         if self.link is not None:
@@ -360,6 +423,8 @@ class Head:
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
             "pausing": self.pausing,
+            "recovering": self.recovering,
+            "events": self.events[-20:],
             "error": self.error,
         }
 
@@ -431,6 +496,8 @@ class Head:
 
     # ---- scheduling ---------------------------------------------------------
     def _kick(self):
+        if self.recovering or self.error:
+            return  # the stages are being rearranged: steps go out once they are back
         now = time.monotonic()
         if self.sched.retune_due(now):
             self.refresh_own_profile()
@@ -445,13 +512,16 @@ class Head:
             self.profiles[0] = step_log.profile()
 
     async def _launch(self, g: Group):
+        epoch = self._epoch
         try:
             for s in list(g.seqs):
                 if not s.opened and not s.done:
-                    s.in_flight = len(s.prompt) - s.pos
-                    await self._stream_prompt(g, s)
+                    s.in_flight = s.prompt_len - s.pos
+                    await self._stream_prompt(g, s, epoch)
+                    if epoch != self._epoch:
+                        return  # a stage left meanwhile: this sequence is replayed from its history
         except ConnectionClosed:
-            self._pipeline_failed("the connection to stage 1 closed")
+            self._stage_lost(1, "the connection to stage 1 closed", epoch)
             return
         except (ValueError, RuntimeError) as exc:
             log.warning("prompt chunk failed on the head: %s", exc)
@@ -470,8 +540,9 @@ class Head:
         for r in self.sched.step_rows(g):
             s = r.seq
             if r.new:
-                inputs.extend(s.prompt[s.pos:])
-                new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": s.prompt}
+                src = s.source_tokens
+                inputs.extend(src[s.pos:])
+                new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": src}
             else:
                 inputs.append(s.generated[-1])
             rows.append([s.id, r.pos, r.n])
@@ -493,6 +564,8 @@ class Head:
                 if decode:
                     self.link.sched.decode_compute_started(t0, len(rows))
                 out = await self._step0(decode, batch, x)
+                if epoch != self._epoch:
+                    return  # computed for stages that are gone: its sequences are replayed
                 t1 = time.monotonic()
                 if decode:
                     self.link.sched.decode_compute_finished(t1)
@@ -502,28 +575,33 @@ class Head:
                 self.link.submit(frame, kind)
             else:
                 toks = await self._run(self._local_last, batch, x, new)
+                if epoch != self._epoch:
+                    return
                 self._on_tokens(g.id, g.step, [[s, t] for s, t in zip(batch.seq_ids, toks)], [])
         except ConnectionClosed:
-            self._pipeline_failed("the connection to stage 1 closed")
+            self._stage_lost(1, "the connection to stage 1 closed", epoch)
         except (ValueError, RuntimeError) as exc:
             log.warning("step failed on the head: %s", exc)
             why = step_failure(exc, self.device)
             self._on_tokens(g.id, g.step, [], [[s, why] for s in batch.seq_ids])
 
-    async def _stream_prompt(self, g: Group, s: Sequence):
+    async def _stream_prompt(self, g: Group, s: Sequence, epoch: int):
         """Send all but the last chunk of a new prompt ahead of its micro-batch step."""
         c = self.sched.prompt_chunk(s, self.profiles[0]["prefill"], self._bandwidth())
         if not c:
             return
-        while len(s.prompt) - s.pos > c and not s.done:
+        src = s.source_tokens
+        while s.prompt_len - s.pos > c and not s.done:
             batch = StageBatch([s.id], [s.pos], [c])
-            x = torch.tensor(s.prompt[s.pos: s.pos + c], dtype=torch.long)
+            x = torch.tensor(src[s.pos: s.pos + c], dtype=torch.long)
             try:
                 t0 = time.monotonic()
                 out = await self._step0(False, batch, x)
             except (ValueError, RuntimeError) as exc:
                 self._finish(s, "error", step_failure(exc, self.device))
                 raise
+            if epoch != self._epoch:
+                return
             frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step,
                                 {"rows": [[s.id, s.pos, c]], "partial": True}, out,
                                 q8=self._q8("prefill", out, time.monotonic() - t0))
@@ -549,7 +627,7 @@ class Head:
         logits = self.stage0.forward(batch, x)
         return self.sampler.sample(batch.seq_ids, logits)
 
-    async def _read_stage(self, index: int, r: RemoteStage):
+    async def _read_stage(self, index: int, r: RemoteStage, epoch: int):
         """Tokens (from the last stage) and step errors (from any stage)."""
         try:
             async for data in r.ws:
@@ -575,13 +653,93 @@ class Head:
                                 frame.meta.get("errors", []))
         except frames.FrameError as exc:
             await r.ws.close(1008, str(exc)[:120])
-            self._pipeline_failed(f"stage {index} sent a bad frame: {exc}")
+            self._stage_lost(index, f"stage {index} sent a bad frame: {exc}", epoch)
+            return
         except ConnectionClosed as exc:
             reason = exc.rcvd.reason if exc.rcvd is not None else ""
             if reason and not self.pausing:
                 self.pausing = f"stage {index}: {reason}"
-        if not self.error:
-            self._pipeline_failed(self.pausing or f"stage {index} ({r.address}) disconnected")
+        self._stage_lost(index, self.pausing or f"stage {index} ({r.address}) disconnected", epoch)
+
+    # ---- failover -------------------------------------------------------------
+    def _stage_lost(self, index: int, why: str, epoch: int):
+        """A stage left (its connection closed or went silent, it sent garbage, its
+        owner took it back): rearrange the pipeline over the stages left and go on."""
+        if epoch != self._epoch or self.error or self.recovering or self._closed:
+            return  # already being dealt with, or a stage of an arrangement that is gone
+        if self.next_addresses:
+            # stages that reach each other through tunnels: who can reach whom once one
+            # is gone is not known here, so the pipeline stops as before
+            self._pipeline_failed(why)
+            return
+        self.recovering = why
+        r = self.remotes[index - 1] if 0 < index <= len(self.remotes) else None
+        self.events.append({"t": time.time(), "event": "left", "stage": index,
+                            "address": r.address if r else None, "why": why})
+        log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
+        self._recovery = asyncio.ensure_future(self._recover(index))
+
+    async def _recover(self, lost: int):
+        t0 = time.monotonic()
+        self._epoch += 1
+        for t in self._readers:
+            t.cancel()
+        self._readers = []
+        # let the old connections go all at once: a dead peer's each waits out its close
+        # timeout; a live stage frees what it held for this head when its head goes
+        closing = [ws.close() for ws in [self._data_ws] + [r.ws for r in self.remotes] if ws is not None]
+        if self.link is not None:
+            closing.append(self.link.close())
+        self.link = self._data_ws = None
+        await asyncio.gather(*closing, return_exceptions=True)
+        # every sequence goes back to the queue with its history, in arrival order
+        live = sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id)
+        for s in live:
+            s.rewind()
+        pausing = None if self.pausing and self.pausing.startswith(f"stage {lost}") else self.pausing
+        # the stage that left is asked too, briefly: one that only dropped its connection
+        # (or hung up on a head that went quiet) takes its share again
+        survivors = [(RemoteStage(r.address), i == lost) for i, r in enumerate(self.remotes, start=1)]
+        # each machine's last profile, for the layers it held: the stages left start from
+        # it scaled to their new share instead of profiling again while everyone waits
+        hints = {"head": (self.profiles[0], self.ranges[0][1] - self.ranges[0][0])} if self.profiles else {}
+        for i, r in enumerate(self.remotes, start=1):
+            if i != lost and i < len(self.profiles):
+                hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
+        self.remotes = []
+        for r, was_lost in survivors:
+            try:
+                await self._hello(r, attempts=1 if was_lost else 10, timeout=2 if was_lost else 30)
+                self.remotes.append(r)
+            except PipelineError as exc:
+                if not was_lost:  # another one gone at the same time
+                    self.events.append({"t": time.time(), "event": "left", "stage": None,
+                                        "address": r.address, "why": str(exc)})
+        self.n_stages = 1 + len(self.remotes)
+        self.sched = Scheduler(self.n_stages, **self._sched_args)
+        self.sched.pausing = pausing
+        self.sampler = Sampler()
+        for s in live:
+            self.sched.add(s)
+        self.stage0 = None  # its layers change: the old slice goes before the new one loads
+        t_plan = time.monotonic()
+        try:
+            await self._form(hints)
+        except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
+            self.recovering = None
+            self._pipeline_failed(f"{self.events[-1]['why']}; the stages left cannot go on: {exc}")
+            return
+        seconds = time.monotonic() - t0
+        # seconds: from noticing to serving again; replan: letting go and reaching the
+        # stages left; load: loading their new layers (bench/failover.py splits on these)
+        self.events.append({"t": time.time(), "event": "recovered", "stages": self.n_stages,
+                            "layers": [list(r) for r in self.ranges], "seconds": round(seconds, 3),
+                            "replan_s": round(t_plan - t0, 3), "load_s": round(time.monotonic() - t_plan, 3),
+                            "replayed": len(live)})
+        log.warning("pipeline rearranged over %d stage(s) in %.1f s; %d sequence(s) replayed",
+                    self.n_stages, seconds, len(live))
+        self.recovering = None
+        self._kick()
 
     def _pipeline_failed(self, why: str):
         if self.error:
@@ -688,6 +846,9 @@ class Head:
             return out
 
     async def _free_everywhere(self, ids: list[int]):
+        if self.stage0 is None:
+            return  # mid-rearrangement: every stage starts afresh anyway
+
         def local():
             with self.stage0.gate.step(decode=False):  # never under a parked step's feet
                 for i in ids:

@@ -45,13 +45,23 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 6   # 3: stages send "profile" updates; 4: configure carries `acks`;
+PROTOCOL_VERSION = 7   # 3: stages send "profile" updates; 4: configure carries `acks`;
                        # 5: welcome says which device the stage computes on;
-                       # 6: weights precision (welcome: can quantize; configure: which)
+                       # 6: weights precision (welcome: can quantize; configure: which);
+                       # 7: configure may carry the profile to start from (a re-plan)
 HELLO_TIMEOUT = 10.0
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)
+# Heartbeats on the connections a head or a stage opens (to the stage after it): a stage
+# that stops answering (asleep, unplugged, frozen) is noticed within the two together
+# and the head rearranges the pipeline without it. A ping is a few bytes every few
+# seconds: nothing the weak-link scheduler's measurements can see. The side that
+# accepts stays lenient (above): a stage only frees its memory when its head goes quiet.
+# (A closing handshake with a peer that no longer answers is cut short too: it would
+# otherwise hold the news of the loss for websockets' default 10 s.)
+HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 2.0, 5.0
+CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEARTBEAT_TIMEOUT_S, close_timeout=1.0)
 
 
 class Inbox(asyncio.Queue):
@@ -245,7 +255,8 @@ class StageServer:
             self.stage = None
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device,
-                kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]))
+                kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]),
+                profile=msg["profile"])
             return stage, fp, prof
 
         link_mode = msg["link"] or "jit"
@@ -277,7 +288,7 @@ class StageServer:
             await self._next_ws.close()
             self._next_ws = None
         if msg["next"]:
-            self._next_ws = await connect(msg["next"], **WS_OPTIONS)
+            self._next_ws = await connect(msg["next"], **CLIENT_WS_OPTIONS)
             await self._next_ws.send(frames.control("hello", role="data", version=PROTOCOL_VERSION,
                                                   pipeline=self.pipeline))
             # the profile as last reported: the scheduler's windows follow it too

@@ -238,6 +238,7 @@ def _check_meta(f: Frame) -> None:
 _STR, _INT, _OPT_STR, _OPT_INT, _LIST_INT, _NUM, _DICT = "str", "int", "str?", "int?", "[int]", "num", "dict"
 _BOOL = "bool"
 _PROFILE = "profile"   # a stage's compute profile, checked point by point (profile.check_profile)
+_OPT_PROFILE = "profile?"
 
 CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     # head -> stage
@@ -245,7 +246,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
                   "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR, "acks": _BOOL,
-                  "weights": _STR},
+                  "weights": _STR, "profile": _OPT_PROFILE},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},

@@ -72,3 +72,13 @@ def test_a_profile_from_the_network_is_checked_point_by_point(bad):
         frames.parse_control(text)
     assert check_profile(STARTUP) is STARTUP
     assert frames.parse_control(frames.control("profile", profile=STARTUP))["profile"] == STARTUP
+
+
+def test_a_profile_scaled_to_more_layers_takes_longer_in_proportion():
+    from engine.core.profile import check_profile, interp, scaled
+
+    p = {"decode": [[1, 0.02], [4, 0.03]], "prefill": [[32, 0.1], [256, 0.6]]}
+    q = scaled(p, 1.5)
+    assert check_profile(q) is q and p["decode"][0][1] == 0.02  # the original is untouched
+    assert interp(q["decode"], 2) == pytest.approx(1.5 * interp(p["decode"], 2))
+    assert interp(q["prefill"], 100) == pytest.approx(1.5 * interp(p["prefill"], 100))

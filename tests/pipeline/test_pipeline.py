@@ -454,7 +454,8 @@ async def test_silent_connection_times_out(inproc_stage, monkeypatch):
 
 async def test_a_pausing_stage_is_drained_and_the_head_told_first(inproc_stage, tiny_folder):
     """The owner takes a stage back: the head hears it before the stage goes, admits
-    nothing new, lets the reply in flight finish, and then reports the owner's reason."""
+    nothing new, lets the reply in flight finish; once the stage is gone it goes on
+    without it (here: the head alone) and says who left and why."""
     server, addr = inproc_stage
     folder, _ = tiny_folder("llama", seed=0)
     head = await start_head(resolve(str(folder)), [addr])
@@ -475,9 +476,12 @@ async def test_a_pausing_stage_is_drained_and_the_head_told_first(inproc_stage, 
         assert b.seq in head.waiting and not b.seq.generated  # new: not admitted
         assert head.info()["pausing"] and "GPU too hot" in head.info()["pausing"]
         await server.close("paused by the GPU owner: GPU too hot (85 C)")
-        _, _, done_b = await collect(b)
-        assert done_b.error and "GPU too hot" in done_b.error
-        assert "GPU too hot" in head.error
+        toks_b, _, done_b = await asyncio.wait_for(collect(b), 60)
+        assert done_b.error is None and len(toks_b) == 5  # served by the stages left
+        assert head.error is None and head.n_stages == 1
+        left = [e for e in head.info()["events"] if e["event"] == "left"]
+        assert left and "GPU too hot" in left[0]["why"]
+        assert head.info()["events"][-1]["event"] == "recovered" and head.pausing is None
     finally:
         await head.close()
 
@@ -495,7 +499,7 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
         assert frames.parse_control(await ws.recv())["type"] == "welcome"
         configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
                          kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None,
-                         acks=True, weights="bf16")
+                         acks=True, weights="bf16", profile=None)
         await ws.send(frames.control("configure", fingerprint=fp_a, **configure))
         msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "error" and "fingerprint" in msg["message"], msg
@@ -567,7 +571,8 @@ async def test_cli_chat_smoke():
 
 
 async def test_stage_process_dies(tiny_folder):
-    """A stage that dies fails its requests with a reason; the head refuses new ones."""
+    """A stage that dies mid-reply: the head takes its layers and the reply goes on,
+    token for token what it would have been; new requests are served too."""
     from engine.pipeline.api import serve_api
     from engine.pipeline.local import LocalStages
 
@@ -578,22 +583,24 @@ async def test_stage_process_dies(tiny_folder):
     try:
         head = await start_head(resolve(str(folder)), addrs)
         head.eos_ids = set()
-        h = head.submit(list(range(5, 25)), greedy(200))
+        reference, _, _ = await collect(head.submit(list(range(5, 25)), greedy(60)))
+        h = head.submit(list(range(5, 25)), greedy(60))
+        seen = 0
         async for ev in h:
-            break  # it is generating
+            seen += len(ev.token_ids)
+            if seen >= 10:
+                break  # it is generating
         local.procs[0].kill()
-        _, _, done = await asyncio.wait_for(collect(h), 15)
-        assert done.finish_reason == "error" and done.error
-        assert head.error
-        with pytest.raises(PipelineError):
-            head.submit([5, 6, 7], greedy(3))
+        rest, _, done = await asyncio.wait_for(collect(h), 60)
+        assert done.error is None and reference[:seen] + rest == reference
+        assert head.error is None and head.n_stages == 1
+        assert [e["event"] for e in head.events] == ["left", "recovered"]
         port = free_port()
         runner = await serve_api(head, "127.0.0.1", port)
         async with aiohttp.ClientSession() as s:
             async with s.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"prompt": [5, 6, 7], "max_tokens": 3}) as r:
-                assert r.status == 503
-                assert (await r.json())["error"]["type"] == "server_error"
+                assert r.status == 200
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -734,7 +741,7 @@ async def test_the_owners_memory_cap_bounds_what_a_stage_offers_and_loads(tiny_f
     server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS, memory_cap=cap).start()
     configure = dict(model=str(folder), fingerprint=src.fingerprint(), next=None, dtype="float32",
                      kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None, acks=True,
-                     weights="bf16")
+                     weights="bf16", profile=None)
     try:
         async with connect(f"ws://127.0.0.1:{server.port}") as ws:
             await ws.send(hello(role="control"))

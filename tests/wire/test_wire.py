@@ -284,9 +284,11 @@ def test_token_frame_with_tensor_rejected():
 # ---- control messages ----------------------------------------------------------
 
 _SAMPLE = {"str": "abc", "int": 3, "str?": None, "int?": 5, "[int]": [1, 2, 3], "num": 1.5, "dict": {"a": 1}, "bool": False,
-           "profile": {"decode": [[1, 0.03], [4, 0.05]], "prefill": [[32, 0.1]]}}
+           "profile": {"decode": [[1, 0.03], [4, 0.05]], "prefill": [[32, 0.1]]},
+           "profile?": {"decode": [[1, 0.03]], "prefill": [[32, 0.1]]}}
 _WRONG = {"str": 3, "int": "3", "str?": 3, "int?": 1.5, "[int]": [1, -2], "num": "1.5", "dict": [1], "bool": 1,
-          "profile": {"decode": [[1, -0.03]], "prefill": [[32, 0.1]]}}
+          "profile": {"decode": [[1, -0.03]], "prefill": [[32, 0.1]]},
+          "profile?": {"decode": [], "prefill": [[32, 0.1]]}}
 
 
 def _valid(kind: str) -> dict:
