@@ -198,6 +198,23 @@ class ChatWindow(QMainWindow):
             self.show_hint(p)
 
     # ---- status ------------------------------------------------------------------
+    @staticmethod
+    def hosting_headline(hosting: dict) -> str:
+        """The model and whether it is ready, or rearranging because a computer left
+        (the head replays every conversation there: nothing typed is lost)."""
+        events = hosting.get("events") or []
+        left = [e for e in events if e.get("event") == "left"]
+        if hosting.get("recovering"):
+            who = left[-1].get("address") if left else None
+            return (f"{hosting['model']} — {who or 'a computer'} left; rearranging the layers over the "
+                    "others… your conversation goes on")
+        if left and events[-1].get("event") == "recovered":
+            took = events[-1].get("seconds")
+            return (f"{hosting['model']} — ready (a computer left; rearranged in {took:.0f} s, "
+                    "no conversation lost)" if took is not None else f"{hosting['model']} — ready")
+        return f"{hosting['model']} — ready"
+
+    # ---- status ------------------------------------------------------------------
     def on_status(self, st: dict):
         hosting = st.get("hosting")
         state = st.get("state")
@@ -212,7 +229,7 @@ class ChatWindow(QMainWindow):
         else:
             self.progress_box.hide()
         if hosting:
-            self.model_label.setText(f"{hosting['model']} — ready")
+            self.model_label.setText(self.hosting_headline(hosting))
             parts = []
             for i, s in enumerate(hosting["stages"]):
                 a, b = s["layers"]

@@ -88,6 +88,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from testkit.timed import timed_request  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -301,8 +303,6 @@ def median_metrics(rounds: list[list[dict]]) -> dict:
 async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) -> dict:
     import torch
 
-    from engine.core.sampling import SamplingParams
-    from engine.pipeline.head import Done
     from engine.pipeline.launch import PipelineConfig, launch
 
     device = "cpu" if a.cpu else "cuda"
@@ -330,20 +330,7 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
         head.eos_ids = set()  # every request runs to max_tokens: equal work for every system
 
         async def one(prompt: list[int], n: int) -> dict:
-            handle = head.submit(prompt, SamplingParams(greedy=True, max_tokens=n))
-            done, times = None, []
-            async for ev in handle:
-                if isinstance(ev, Done):
-                    done = ev
-                else:
-                    times += [time.perf_counter()] * len(ev.token_ids)
-            seq = handle.seq
-            if done.finish_reason != "length" or len(seq.generated) != n:
-                raise RuntimeError(f"{system}: request ended with {done.finish_reason} after "
-                                   f"{len(seq.generated)} tokens: {done.error}")
-            if len(times) < n:  # the last token's Delta is skipped when it adds no text
-                times.append(seq.t_submit + done.seconds)
-            return {"t_submit": seq.t_submit, "times": times, "tokens": list(seq.generated)}
+            return await timed_request(head, prompt, n, system)
 
         async def round_(b: int, n: int) -> list[dict]:
             return await asyncio.gather(*(one(prompts[i], n) for i in range(b)))

@@ -60,6 +60,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from testkit.timed import timed_request  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -228,9 +230,7 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
 
     from engine import cli
     from engine.pipeline.launch import launch
-    from engine.pipeline.head import Done
     from engine.model.sources import DEFAULT_MODEL, resolve
-    from engine.core.sampling import SamplingParams
 
     stages = {"single": 1, "single1t": 1, "pipe2": 2, "pipe3": 3}[system]
     cores = os.cpu_count() or 1
@@ -259,20 +259,7 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
         head_threads = await head._run(torch.get_num_threads)  # as the head's compute thread sees it
 
         async def one(prompt: list[int], n: int) -> dict:
-            handle = head.submit(prompt, SamplingParams(greedy=True, max_tokens=n))
-            done, times = None, []
-            async for ev in handle:  # as a client sees them
-                if isinstance(ev, Done):
-                    done = ev
-                else:
-                    times += [time.perf_counter()] * len(ev.token_ids)
-            seq = handle.seq
-            if done.finish_reason != "length" or len(seq.generated) != n:
-                raise RuntimeError(f"{system}: request ended with {done.finish_reason} after "
-                                   f"{len(seq.generated)} tokens: {done.error}")
-            if len(times) < n:  # the last token's Delta is skipped when it adds no text
-                times.append(seq.t_submit + done.seconds)
-            return {"tokens": list(seq.generated), "t_submit": seq.t_submit, "times": times}
+            return await timed_request(head, prompt, n, system)
 
         rounds = itertools.count()
         busy_groups = {c: 0 for c in CONCURRENCY}  # most micro-batches seen holding requests at once

@@ -16,19 +16,11 @@ from pathlib import Path
 
 import torch
 
-ARCHS = [
-    "llama", "mistral", "mistral_nowindow", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
-    "gemma3_text", "vaultgemma", "phi", "phi3", "cohere", "cohere2", "glm", "glm4", "granite", "granite_swa",
-    "olmo", "olmo2", "olmo3", "stablelm", "smollm3", "exaone4", "ernie4_5", "seed_oss", "starcoder2", "helium",
-    "apertus", "arcee", "nemotron", "persimmon", "internlm3", "hunyuan_v1_dense", "bitnet", "diffllama",
-    "cwm", "jais2", "iquestcoder", "hyperclovax",
-    "mixtral", "phimoe", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "gpt_oss", "llama4_text",
-    "hunyuan_v1_moe", "dots1", "glm4_moe", "granitemoe", "granitemoeshared", "jetmoe", "olmoe",
-    "flex_olmo", "minimax_m2", "exaone_moe", "solar_open", "afmoe", "cohere2_moe", "mellum",
-    "mimo_v2_flash", "dbrx",
-    "deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu",
-    "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "codegen", "falcon", "mpt", "xglm",
-]
+from engine.model.families import SUPPORTED_MODEL_TYPES
+
+# every supported family (engine/model/families.py), and Mistral a second time without
+# its sliding window (a different mask path)
+ARCHS = [a for t in SUPPORTED_MODEL_TYPES for a in ((t, "mistral_nowindow") if t == "mistral" else (t,))]
 
 # Families refused in engine/model/families.py whose tiny configs are kept to re-check
 # them (parity fails for the reason given there).

@@ -239,7 +239,8 @@ def test_pause_by_limits_and_resume(node):
 
 def test_pausing_drains_in_flight_work_then_tells_the_head(node):
     """A head uses this node's shared stage; the owner's limits pause sharing mid-reply:
-    the reply still completes, then the stage leaves (the head hears it) and the node is paused."""
+    the reply still completes, then the stage leaves (the head hears why and goes on
+    without it) and the node is paused."""
     import asyncio
 
     from conftest import pipeline_config
@@ -269,12 +270,23 @@ def test_pausing_drains_in_flight_work_then_tells_the_head(node):
                     done = ev
             assert done.finish_reason == "length" and done.error is None and done.completion_tokens == 40
             assert (await paused)[0] == 200
+
+            def gone():
+                return [e for e in head.events if e["event"] == "left"]
+
             for _ in range(150):
-                if head.error:
+                if gone():
                     break
                 await asyncio.sleep(0.2)
-            # told first (wire "pausing"), so the head reports the owner's reason
-            assert head.error and "paused" in head.error and "away" in head.error, head.error
+            # told first (wire "pausing"), so the head says why the stage left, and goes on
+            # without it (here: the head alone holds the model)
+            why = gone()[0]["why"] if gone() else None
+            assert why and "paused" in why and "away" in why, head.events
+            for _ in range(150):
+                if head.events[-1]["event"] == "recovered":
+                    break
+                await asyncio.sleep(0.2)
+            assert head.error is None and head.n_stages == 1, head.events
         finally:
             await pipe.close()
 
