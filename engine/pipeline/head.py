@@ -659,10 +659,15 @@ class Head:
             reason = exc.rcvd.reason if exc.rcvd is not None else ""
             if reason and not self.pausing:
                 self.pausing = f"stage {index}: {reason}"
+            if exc.sent is not None and exc.sent.code == 1011 and exc.rcvd is None:
+                # our heartbeat went unanswered: the stage is frozen or unreachable, and
+                # asking it back would only wait out another timeout
+                self._stage_lost(index, f"stage {index} ({r.address}) stopped answering", epoch, silent=True)
+                return
         self._stage_lost(index, self.pausing or f"stage {index} ({r.address}) disconnected", epoch)
 
     # ---- failover -------------------------------------------------------------
-    def _stage_lost(self, index: int, why: str, epoch: int):
+    def _stage_lost(self, index: int, why: str, epoch: int, silent: bool = False):
         """A stage left (its connection closed or went silent, it sent garbage, its
         owner took it back): rearrange the pipeline over the stages left and go on."""
         if epoch != self._epoch or self.error or self.recovering or self._closed:
@@ -677,9 +682,9 @@ class Head:
         self.events.append({"t": time.time(), "event": "left", "stage": index,
                             "address": r.address if r else None, "why": why})
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
-        self._recovery = asyncio.ensure_future(self._recover(index))
+        self._recovery = asyncio.ensure_future(self._recover(index, ask_back=not silent))
 
-    async def _recover(self, lost: int):
+    async def _recover(self, lost: int, ask_back: bool = True):
         t0 = time.monotonic()
         self._epoch += 1
         for t in self._readers:
@@ -708,6 +713,8 @@ class Head:
                 hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
         self.remotes = []
         for r, was_lost in survivors:
+            if was_lost and not ask_back:
+                continue
             try:
                 await self._hello(r, attempts=1 if was_lost else 10, timeout=2 if was_lost else 30)
                 self.remotes.append(r)
