@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from engine.wire import frames
 from engine.model.detok import Detokenizer
@@ -198,9 +198,10 @@ class Head:
         self._ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}
         # the decisions: who runs, in which micro-batch, how prompts are cut (sans-I/O)
-        self.sched = Scheduler(self.n_stages, micro_batches=micro_batches, shared_cpu=cores is not None,
-                               max_batch=max_batch, prompt_chunk=prefill_chunk,
-                               dtype_bytes=self.dtype.itemsize, compress=compress)
+        # (kept: a rearrangement after a stage left starts a fresh one with the same settings)
+        self._sched_args = dict(micro_batches=micro_batches, shared_cpu=cores is not None, max_batch=max_batch,
+                                prompt_chunk=prefill_chunk, dtype_bytes=self.dtype.itemsize, compress=compress)
+        self.sched = Scheduler(self.n_stages, **self._sched_args)
         self.sampler = Sampler()   # used when the head is also the last stage
         self.stage0: StageModel | None = None
         self._data_ws = None
@@ -216,8 +217,6 @@ class Head:
         self._epoch = 0                       # bumps at each rearrangement: older steps are void
         self._recovery: asyncio.Task | None = None
         self._closed = False
-        self._sched_args = dict(micro_batches=micro_batches, shared_cpu=cores is not None, max_batch=max_batch,
-                                prompt_chunk=prefill_chunk, dtype_bytes=self.dtype.itemsize, compress=compress)
 
     # ---- setup --------------------------------------------------------------
     async def _run(self, fn, *args):
@@ -261,7 +260,8 @@ class Head:
                 await r.ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION,
                                              pipeline=self.pipeline))
                 r.welcome = frames.parse_control(await asyncio.wait_for(r.ws.recv(), timeout))
-            except (OSError, asyncio.TimeoutError, ConnectionClosed, frames.FrameError) as exc:
+            except (OSError, asyncio.TimeoutError, WebSocketException, frames.FrameError) as exc:
+                # (a process killed mid-handshake answers with no HTTP at all: InvalidMessage)
                 if attempt + 1 < attempts:
                     await asyncio.sleep(0.5)  # a stage lets its last head go before it takes the next
                     continue
@@ -682,7 +682,17 @@ class Head:
         self.events.append({"t": time.time(), "event": "left", "stage": index,
                             "address": r.address if r else None, "why": why})
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
-        self._recovery = asyncio.ensure_future(self._recover(index, ask_back=not silent))
+        self._recovery = asyncio.ensure_future(self._recover_or_fail(index, ask_back=not silent))
+
+    async def _recover_or_fail(self, lost: int, ask_back: bool):
+        try:
+            await self._recover(lost, ask_back)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a rearrangement that breaks must say so, not leave requests hanging
+            log.exception("rearranging the pipeline failed")
+            self.recovering = None
+            self._pipeline_failed(f"{self.events[-1]['why']}; rearranging the pipeline failed: {exc}")
 
     async def _recover(self, lost: int, ask_back: bool = True):
         t0 = time.monotonic()
@@ -723,7 +733,11 @@ class Head:
                     self.events.append({"t": time.time(), "event": "left", "stage": None,
                                         "address": r.address, "why": str(exc)})
         self.n_stages = 1 + len(self.remotes)
+        capacity = self.sched.capacity
         self.sched = Scheduler(self.n_stages, **self._sched_args)
+        # until the new arrangement says what it holds, a request arriving meanwhile is
+        # judged by the old one's (it waits in the queue either way)
+        self.sched.capacity = capacity
         self.sched.pausing = pausing
         self.sampler = Sampler()
         for s in live:
@@ -853,8 +867,8 @@ class Head:
             return out
 
     async def _free_everywhere(self, ids: list[int]):
-        if self.stage0 is None:
-            return  # mid-rearrangement: every stage starts afresh anyway
+        if self.stage0 is None or self._closed:
+            return  # mid-rearrangement (every stage starts afresh anyway), or closed
 
         def local():
             with self.stage0.gate.step(decode=False):  # never under a parked step's feet
