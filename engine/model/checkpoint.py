@@ -13,7 +13,6 @@ the stage can choose before anything is read; then they hand over just those:
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +20,6 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from engine.core.errors import ModelError
-
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
-
 
 class SafetensorsCheckpoint:
     def __init__(self, source):
@@ -71,6 +67,11 @@ class GgufCheckpoint:
                 raise ModelError(f"{self.path.name} is truncated: tensor {t.name} ends past the end of the "
                                  f"file ({size} bytes); download it again")
         arch = self.header.architecture
+        if arch in _MERGED_EXPERTS:
+            # their GGUF stores experts merged, and transformers' processor hands them back
+            # through the whole-file state dict, not tensor by tensor as a slice is read
+            raise ModelError(f"{self.path.name}: GGUF files of the '{arch}' mixture-of-experts architecture "
+                             "are not read by slice yet; use the model's safetensors release")
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=cfg.to_dict())
         to_hf = _gguf_to_hf_names(model, self.processor, self.path.name)
         self._infos = {t.name: t for t in self.header.tensors}
@@ -83,10 +84,6 @@ class GgufCheckpoint:
     def names(self) -> dict[str, str]:
         """transformers name -> GGUF name."""
         return dict(self._names)
-
-    def layer_of(self, gguf_name: str) -> int | None:
-        m = _BLOCK.match(gguf_name)
-        return int(m.group(1)) if m else None
 
     @contextlib.contextmanager
     def reader(self, wanted: dict[str, str]):
@@ -114,6 +111,8 @@ class GgufCheckpoint:
                                          parsed_parameters={"tensors": {}}).weights
         return torch.from_numpy(np.ascontiguousarray(weights))
 
+
+_MERGED_EXPERTS = {"qwen2moe", "qwen3moe", "gpt-oss", "gpt_oss", "minimax-m2"}
 
 # model_type -> the architecture name llama.cpp's gguf-py files it under, where they differ
 _GGUF_ARCH = {"cohere": "command-r", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3",
