@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -82,6 +83,11 @@ def add_pipeline_args(p):
                         "(unquantized, at the compute dtype), int8 or nf4 (bitsandbytes, quantized by each "
                         "stage as it loads its layers)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage process")
+    p.add_argument("--memory-cap-mb", type=float, default=None,
+                   help="the most memory (MiB) this machine's own stage may use (default: what is free)")
+    p.add_argument("--wait-timeout", type=float, default=300.0,
+                   help="seconds requests wait for a machine to join when the ones left after a friend "
+                        "leaves cannot hold the model (default 300)")
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
     p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
                    help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
@@ -160,12 +166,24 @@ async def _stage(args) -> int:
         from engine.model.cores import CoreLease
 
         cores = CoreLease.from_spec(args.core_lease)
+    cap = None if args.memory_cap_mb is None else int(args.memory_cap_mb * 2**20)
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
-                               threads=args.threads, cores=cores).start()
+                               threads=args.threads, cores=cores, memory_cap=cap).start()
+    loop = asyncio.get_running_loop()
+
+    async def leave():
+        # stopped (a service manager, Ctrl-C): the head moves our layers first
+        await server.leave("the stage was stopped by its owner")
+        await server.close("the stage was stopped by its owner")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(leave()))
+        except (NotImplementedError, RuntimeError):
+            pass  # Windows: Ctrl-C ends the process as before
     if args.announce:
         print(f"{ANNOUNCE}{server.port}", flush=True)
         # our parent holds our stdin: when it goes, we go
-        loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         watcher = asyncio.ensure_future(reader.read())
@@ -428,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", default="local")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--memory-cap-mb", type=float, default=None,
+                   help="the most memory (MiB) this stage may give a head's layers and cache (default: what is free)")
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/model/cores.py
 

@@ -5,6 +5,15 @@ from __future__ import annotations
 from engine.core.errors import ModelError
 
 
+class NoRoom(ModelError):
+    """The stages together cannot hold the model: another machine must join (a head
+    that lost a stage waits for one rather than failing)."""
+
+    def __init__(self, message: str, need: int, have: int):
+        super().__init__(message)
+        self.need, self.have = need, have
+
+
 def layer_bytes_estimate(cfg, bytes_per_param: int) -> int:
     """Weights of one decoder layer, from the config (MoE: all experts count; grouped-
     query attention: keys and values at their own width)."""
@@ -73,12 +82,11 @@ def partition(n_layers: int, speeds: list[float], capacities: list[int] | None =
         raise ModelError(f"{n} stages for {n_layers} layers: every stage needs at least one layer")
     caps = list(capacities) if capacities is not None else [n_layers] * n
     if any(c < 1 for c in caps):
-        raise ModelError("a stage has no room for even one layer")
+        raise NoRoom("a stage has no room for even one layer", n_layers, sum(max(0, c) for c in caps))
     if sum(caps) < n_layers:
-        raise ModelError(
+        raise NoRoom(
             f"the model needs {n_layers} layers of room but the stages together hold {sum(caps)}: "
-            "add a machine or choose a smaller model"
-        )
+            "add a machine or choose a smaller model", n_layers, sum(caps))
     speeds = [max(float(s), 1e-9) for s in speeds]
     if max(speeds) < SAME_SPEED * min(speeds):
         # a short matmul probe is noisy (and stages on one machine measure each other's

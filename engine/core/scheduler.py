@@ -99,7 +99,6 @@ class Scheduler:
         self.groups = [Group(i) for i in range(self.micro_batches)]
         self.waiting: list[Seq] = []
         self.reserved = 0
-        self.pausing: str | None = None   # why admission is held (a stage is leaving)
         self._retuned_at = -math.inf
         self._last_steps: dict[int, int] = {}  # step counters of removed micro-batches (stale frames)
 
@@ -169,7 +168,7 @@ class Scheduler:
         # for them: it fills the links' bubbles meanwhile and leaves when its requests
         # finish. (A fixed count -- the FIFO baseline, --micro-batches, stages sharing
         # this CPU -- keeps vLLM's behaviour: newcomers join decoding batches.)
-        if self.waiting and not self.pausing and self.dynamic \
+        if self.waiting and self.dynamic \
                 and all(g.seqs and not g.retiring for g in self.groups) and len(self.groups) < 2 * self.n_stages:
             g = Group(len(self.groups), step=self._last_steps.get(len(self.groups), 0))
             self.groups.append(g)
@@ -188,7 +187,7 @@ class Scheduler:
             self.groups.pop()
 
     def _admit(self, g: Group) -> None:
-        if g.retiring or self.pausing:
+        if g.retiring:
             return
         fair = max(1, math.ceil(self.active() / max(1, self.micro_batches)))
         limit = min(fair, self.max_batch)

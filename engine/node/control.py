@@ -9,7 +9,8 @@ through a small control API:
     GET  /models               the curated model list, each model's weights per precision
     POST /plan   {model, stages, weights?, memory_limit_mb?}   memory needed vs available, split,
                                and what each weight precision (bf16, int8, nf4) needs here
-    POST /host   {model, stages, weights?, stage_addr?, layers?, memory_limit_mb?, friends?, relay?, listen?}
+    POST /host   {model, stages, weights?, stage_addr?, layers?, memory_limit_mb?, wait_timeout_s?, friends?,
+                  relay?, listen?}
                                start a head; with friends, hand out an invite and wait for them
     POST /share  {on}          the Share-this-GPU toggle
     POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
@@ -47,7 +48,6 @@ from engine.node.sharing import Limits, SharePolicy
 log = logging.getLogger("potluck.node")
 
 ANNOUNCE = "POTLUCK_NODE_PORT="
-DRAIN_SECONDS = 30.0
 STATS_TIMEOUT = 2.0
 
 
@@ -94,7 +94,6 @@ class Node:
         self.started = time.time()
         self._lock = asyncio.Lock()
         self._policy_task: asyncio.Task | None = None
-        self._draining = False
 
     # ---- the control API ----------------------------------------------------
     def app(self) -> web.Application:
@@ -371,12 +370,15 @@ class Node:
         limit = body.get("memory_limit_mb", self.policy.limits.vram_cap_mb)
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
             raise NodeError("'memory_limit_mb' must be a positive number")
+        wait = body.get("wait_timeout_s", 300)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (0 <= wait <= 86400):
+            raise NodeError("'wait_timeout_s' must be a number of seconds from 0 to 86400")
         return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
                 "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen,
-                "weights": weights.strip().lower()}
+                "weights": weights.strip().lower(), "wait_timeout_s": float(wait)}
 
     async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
-                   relay: str = "", listen: str = "", weights: str = "auto") -> dict:
+                   relay: str = "", listen: str = "", weights: str = "auto", wait_timeout_s: float = 300.0) -> dict:
         """Memory needed vs available and the proposed split, before anything loads, and
         what each weight precision needs on this machine (`precisions`); `weights` is the
         one that will load here: the requested one, or (auto) the highest that fits."""
@@ -493,7 +495,8 @@ class Node:
 
         cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
                              layers=args["layers"], threads=self.threads, device=self.device,
-                             weights=args.get("weights") or "auto")
+                             weights=args.get("weights") or "auto", memory_cap_mb=args.get("memory_limit_mb"),
+                             wait_timeout=args.get("wait_timeout_s", 300.0))
         pipe = None
         try:
             if args.get("friends"):
@@ -611,21 +614,14 @@ class Node:
             self.share_wanted = False
             await self._stop_share("membership ended")
 
-    async def _stop_share(self, why: str, drain: bool = False):
+    async def _stop_share(self, why: str):
         srv, self.stage_server = self.stage_server, None
         if srv is None:
             return
-        if drain and srv.stage is not None:
-            # tell the head first (it stops admitting), then let the sequences in flight
-            # finish before the connection goes
-            await srv.notify_pausing(why)
-            deadline = time.monotonic() + DRAIN_SECONDS
-            self._draining = True
-            try:
-                while srv.stage.kv.seqs and time.monotonic() < deadline:
-                    await asyncio.sleep(0.2)
-            finally:
-                self._draining = False
+        if srv.stage is not None:
+            # tell the head first: it moves this stage's layers to the others and replays
+            # the conversations there, then lets go (or we go anyway: stage_server.LEAVE_S)
+            await srv.leave(why)
         if srv.connected:   # the head hears why before the server goes
             await srv.close(why)
         task, self.joiner_task = self.joiner_task, None
@@ -649,7 +645,7 @@ class Node:
             if not self.share_wanted:
                 return
             if decision.paused and self.stage_server is not None:
-                await self._stop_share(f"paused by the GPU owner: {decision.reason}", drain=True)
+                await self._stop_share(f"paused by the GPU owner: {decision.reason}")
             elif not decision.paused and self.stage_server is None:
                 try:
                     await self._start_share()

@@ -29,7 +29,7 @@ from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.pipeline.link import LinkSender, open_link
 from engine.core import precision
-from engine.core.partition import lm_head_layers_estimate, partition
+from engine.core.partition import NoRoom, lm_head_layers_estimate, partition
 from engine.core.profile import interp, scaled
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
@@ -42,6 +42,9 @@ from engine.core.step_gate import COMPUTE_ORDERS
 from engine.pipeline.stage_server import CLIENT_WS_OPTIONS, PROTOCOL_VERSION
 
 log = logging.getLogger("potluck.head")
+
+# how often machines that left are asked whether they are back, and for how long
+WATCH_S, REJOIN_GRACE_S = 2.0, 600.0
 
 
 class PipelineError(RuntimeError):
@@ -147,7 +150,8 @@ class Head:
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order", weights: str = "auto", say=None,
                  cores=None, cpu_shares: list[float] | None = None, same_machine: bool = False,
-                 next_addresses: list[str | None] | None = None):
+                 next_addresses: list[str | None] | None = None, memory_cap: int | None = None,
+                 wait_timeout: float = 300.0):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
         # when they do, each stage's share of it stands in for the speed probes (which
@@ -156,6 +160,8 @@ class Head:
         # all stages are processes on this machine: they report the same free memory,
         # which they share rather than each have
         self.same_machine = same_machine
+        # bytes the host lets its own stage use (their VRAM cap), as a stage's owner can
+        self.memory_cap = memory_cap
         self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
@@ -217,6 +223,15 @@ class Head:
         self._epoch = 0                       # bumps at each rearrangement: older steps are void
         self._recovery: asyncio.Task | None = None
         self._closed = False
+        # every stage address in pipeline order (a machine that comes back takes its place)
+        self._known = [r.address for r in self.remotes]
+        # machines that left (or offered themselves) -> when: asked now and then whether
+        # they are back, for REJOIN_GRACE_S
+        self._away: dict[str, float] = {}
+        self._watch: asyncio.Task | None = None
+        # how long requests wait for a machine to join when the stages left cannot hold
+        # the model, before they fail
+        self.wait_timeout = wait_timeout
 
     # ---- setup --------------------------------------------------------------
     async def _run(self, fn, *args):
@@ -278,7 +293,8 @@ class Head:
         cfg = self.config
         n_layers = cfg.num_hidden_layers
         fingerprint = self.fingerprint
-        mems = [free_memory(self.device)] + [r.welcome["free_memory"] for r in self.remotes]
+        mine = free_memory(self.device) if self.memory_cap is None else min(free_memory(self.device), self.memory_cap)
+        mems = [mine] + [r.welcome["free_memory"] for r in self.remotes]
         if self.same_machine:
             mems = [min(mems) // self.n_stages] * self.n_stages
         self.weights = self._settle_weights(cfg, mems)
@@ -324,7 +340,7 @@ class Head:
         def load_local():
             weights = precision.slice_bytes(cfg, *self.ranges[0], self.weights, self.dtype.itemsize)
             budget = self.kv_budget_override or kv_budget_tokens_for(
-                cfg, self.ranges[0], self.dtype, self.device, memory_for_kv(weights, self.device))
+                cfg, self.ranges[0], self.dtype, self.device, memory_for_kv(weights, self.device, self.memory_cap))
             return load_and_measure(lambda: StageModel(
                 self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
                 kv_budget_tokens=budget, cores=self.cores, weights=self.weights,
@@ -378,20 +394,12 @@ class Head:
     def reserved(self) -> int:
         return self.sched.reserved
 
-    @property
-    def pausing(self) -> str | None:
-        """Why admission is held: a stage said it is going (wire "pausing")."""
-        return self.sched.pausing
-
-    @pausing.setter
-    def pausing(self, why: str | None):
-        self.sched.pausing = why
-
     async def close(self):
         self._closed = True
-        if self._recovery is not None and not self._recovery.done():
-            self._recovery.cancel()  # what it connected is closed below
-            await asyncio.gather(self._recovery, return_exceptions=True)
+        for task in (self._recovery, self._watch):
+            if task is not None and not task.done():
+                task.cancel()  # what it connected is closed below
+                await asyncio.gather(task, return_exceptions=True)
         for t in self._readers:
             t.cancel()
         if self.link is not None:
@@ -422,7 +430,6 @@ class Head:
             "running": self.sched.running(),
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
-            "pausing": self.pausing,
             "recovering": self.recovering,
             "events": self.events[-20:],
             "error": self.error,
@@ -635,10 +642,16 @@ class Head:
                     msg = frames.parse_control(data)
                     if msg["type"] == "error":
                         log.warning("stage %d: %s", index, msg["message"])
-                    elif msg["type"] == "pausing":
-                        # its owner is taking the stage back: let what runs finish, admit nothing new
-                        self.pausing = f"stage {index} is being paused by its owner: {msg['reason']}"
-                        log.warning("%s", self.pausing)
+                    elif msg["type"] == "leaving":
+                        # its owner is taking it back (sharing off, a game, sleep): move its
+                        # layers now, while it waits for us to let it go. (Across homes
+                        # there is no rearranging yet: what is in flight gets until it goes.)
+                        log.warning("stage %d is leaving in %.0f s: %s", index, msg["seconds"], msg["reason"])
+                        if self.next_addresses:
+                            continue
+                        self._stage_lost(index, f"stage {index} ({r.address}) is leaving: {msg['reason']}", epoch,
+                                         ask_back=False)
+                        return
                     elif msg["type"] == "profile":   # checked point by point by parse_control
                         self.profiles[index] = msg["profile"]
                     elif msg["type"] == "stats":
@@ -657,17 +670,29 @@ class Head:
             return
         except ConnectionClosed as exc:
             reason = exc.rcvd.reason if exc.rcvd is not None else ""
-            if reason and not self.pausing:
-                self.pausing = f"stage {index}: {reason}"
             if exc.sent is not None and exc.sent.code == 1011 and exc.rcvd is None:
                 # our heartbeat went unanswered: the stage is frozen or unreachable, and
                 # asking it back would only wait out another timeout
-                self._stage_lost(index, f"stage {index} ({r.address}) stopped answering", epoch, silent=True)
+                self._stage_lost(index, f"stage {index} ({r.address}) stopped answering", epoch, ask_back=False)
                 return
-        self._stage_lost(index, self.pausing or f"stage {index} ({r.address}) disconnected", epoch)
+            if reason:
+                self._stage_lost(index, f"stage {index} ({r.address}) left: {reason}", epoch)
+                return
+        # (a clean close ends the loop without an exception: its reason is on the connection)
+        reason = getattr(r.ws, "close_reason", None)
+        self._stage_lost(index, f"stage {index} ({r.address}) " + (f"left: {reason}" if reason else "disconnected"),
+                         epoch)
 
     # ---- failover -------------------------------------------------------------
-    def _stage_lost(self, index: int, why: str, epoch: int, silent: bool = False):
+    def offer(self, address: str):
+        """A machine offers its stage (ws://...): a pipeline waiting for room takes it,
+        one running uses it at its next rearrangement."""
+        if address not in self._known:
+            self._known.append(address)
+        self._away.setdefault(address, time.monotonic())
+        self._ensure_watch()
+
+    def _stage_lost(self, index: int, why: str, epoch: int, ask_back: bool = True):
         """A stage left (its connection closed or went silent, it sent garbage, its
         owner took it back): rearrange the pipeline over the stages left and go on."""
         if epoch != self._epoch or self.error or self.recovering or self._closed:
@@ -682,19 +707,23 @@ class Head:
         self.events.append({"t": time.time(), "event": "left", "stage": index,
                             "address": r.address if r else None, "why": why})
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
-        self._recovery = asyncio.ensure_future(self._recover_or_fail(index, ask_back=not silent))
+        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back)))
 
-    async def _recover_or_fail(self, lost: int, ask_back: bool):
+    async def _recover_or_fail(self, rearrangement):
         try:
-            await self._recover(lost, ask_back)
+            await rearrangement
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a rearrangement that breaks must say so, not leave requests hanging
             log.exception("rearranging the pipeline failed")
             self.recovering = None
             self._pipeline_failed(f"{self.events[-1]['why']}; rearranging the pipeline failed: {exc}")
+        finally:
+            self._ensure_watch()
 
-    async def _recover(self, lost: int, ask_back: bool = True):
+    async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None):
+        """Drop stage `lost` (or take in `joined`, a machine that came back), split the
+        layers over who is there, and replay every live sequence on the new arrangement."""
         t0 = time.monotonic()
         self._epoch += 1
         for t in self._readers:
@@ -711,7 +740,8 @@ class Head:
         live = sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id)
         for s in live:
             s.rewind()
-        pausing = None if self.pausing and self.pausing.startswith(f"stage {lost}") else self.pausing
+        # the layers nobody holds now: what a waiting pipeline says it needs
+        missing = self.ranges[lost] if lost is not None and lost < len(self.ranges) else None
         # the stage that left is asked too, briefly: one that only dropped its connection
         # (or hung up on a head that went quiet) takes its share again
         survivors = [(RemoteStage(r.address), i == lost) for i, r in enumerate(self.remotes, start=1)]
@@ -723,44 +753,122 @@ class Head:
                 hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
         self.remotes = []
         for r, was_lost in survivors:
-            if was_lost and not ask_back:
-                continue
-            try:
-                await self._hello(r, attempts=1 if was_lost else 10, timeout=2 if was_lost else 30)
-                self.remotes.append(r)
-            except PipelineError as exc:
-                if not was_lost:  # another one gone at the same time
-                    self.events.append({"t": time.time(), "event": "left", "stage": None,
-                                        "address": r.address, "why": str(exc)})
-        self.n_stages = 1 + len(self.remotes)
+            if not (was_lost and not ask_back):
+                try:
+                    await self._hello(r, attempts=1 if was_lost else 10, timeout=2 if was_lost else 30)
+                    self.remotes.append(r)
+                    continue
+                except PipelineError as exc:
+                    if not was_lost:  # another one gone at the same time
+                        self.events.append({"t": time.time(), "event": "left", "stage": None,
+                                            "address": r.address, "why": str(exc)})
+            self._away[r.address] = time.monotonic()  # it may come back: the watch asks it
+        if joined is not None:
+            self._take(joined)
         capacity = self.sched.capacity
-        self.sched = Scheduler(self.n_stages, **self._sched_args)
-        # until the new arrangement says what it holds, a request arriving meanwhile is
-        # judged by the old one's (it waits in the queue either way)
-        self.sched.capacity = capacity
-        self.sched.pausing = pausing
-        self.sampler = Sampler()
-        for s in live:
-            self.sched.add(s)
         self.stage0 = None  # its layers change: the old slice goes before the new one loads
-        t_plan = time.monotonic()
-        try:
-            await self._form(hints)
-        except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
-            self.recovering = None
-            self._pipeline_failed(f"{self.events[-1]['why']}; the stages left cannot go on: {exc}")
-            return
+        deadline = time.monotonic() + self.wait_timeout
+        while True:
+            self.n_stages = 1 + len(self.remotes)
+            self.sched = Scheduler(self.n_stages, **self._sched_args)
+            # until the new arrangement says what it holds, a request arriving meanwhile is
+            # judged by the old one's (it waits in the queue either way)
+            self.sched.capacity = capacity
+            self.sampler = Sampler()
+            # the rewound sequences, and any request that arrived meanwhile, in arrival order
+            for s in sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id):
+                self.sched.add(s)
+            t_plan = time.monotonic()
+            try:
+                await self._form(hints)
+                break
+            except NoRoom as exc:
+                try:
+                    await self._wait_for_room(exc, missing, deadline)
+                except PipelineError as timeout:
+                    left = [e["why"] for e in self.events if e["event"] == "left"]
+                    self.recovering = None
+                    self._pipeline_failed(f"{left[-1]}; {timeout}" if left else str(timeout))
+                    return
+            except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
+                self.recovering = None
+                self._pipeline_failed(f"{self.events[-1]['why']}; the stages left cannot go on: {exc}")
+                return
         seconds = time.monotonic() - t0
-        # seconds: from noticing to serving again; replan: letting go and reaching the
-        # stages left; load: loading their new layers (bench/failover.py splits on these)
-        self.events.append({"t": time.time(), "event": "recovered", "stages": self.n_stages,
-                            "layers": [list(r) for r in self.ranges], "seconds": round(seconds, 3),
-                            "replan_s": round(t_plan - t0, 3), "load_s": round(time.monotonic() - t_plan, 3),
-                            "replayed": len(live)})
+        # seconds: from noticing to serving again; replan: letting go, reaching the stages
+        # left and any wait for room; load: loading their new layers (bench/failover.py)
+        self.events.append({"t": time.time(), "event": "rejoined" if joined is not None else "recovered",
+                            "stages": self.n_stages, "layers": [list(r) for r in self.ranges],
+                            "seconds": round(seconds, 3), "replan_s": round(t_plan - t0, 3),
+                            "load_s": round(time.monotonic() - t_plan, 3), "replayed": len(live)})
         log.warning("pipeline rearranged over %d stage(s) in %.1f s; %d sequence(s) replayed",
                     self.n_stages, seconds, len(live))
         self.recovering = None
         self._kick()
+
+    def _take(self, r: RemoteStage):
+        """A machine that answered joins the stages, at its place in the pipeline's order."""
+        self._away.pop(r.address, None)
+        self.remotes.append(r)
+        self.remotes.sort(key=lambda x: self._known.index(x.address) if x.address in self._known else len(self._known))
+
+    async def _wait_for_room(self, exc: NoRoom, missing: tuple[int, int] | None, deadline: float):
+        """The stages left cannot hold the model: requests wait (the status says for what)
+        until a machine that left comes back or another offers itself, or the host's
+        timeout passes."""
+        what = (f"layers {missing[0]}–{missing[1] - 1}" if missing is not None
+                else f"{exc.need - exc.have} more layers")
+        self.recovering = f"waiting for a GPU to hold {what} (the stages left hold {exc.have} of {exc.need} layers)"
+        self.events.append({"t": time.time(), "event": "waiting", "why": self.recovering})
+        log.warning("%s", self.recovering)
+        while True:
+            if time.monotonic() >= deadline:
+                raise PipelineError(f"no machine joined within {self.wait_timeout:g} s to hold {what}: "
+                                    "the machines left cannot hold the model")
+            r = await self._probe()
+            if r is not None:
+                self._take(r)
+                return
+            await asyncio.sleep(min(WATCH_S, max(0.0, deadline - time.monotonic())))
+
+    async def _probe(self) -> RemoteStage | None:
+        """The first machine that left (within the grace period) or offered itself and now
+        answers, with its control connection open."""
+        now = time.monotonic()
+        for address, since in list(self._away.items()):
+            if now - since > REJOIN_GRACE_S:
+                del self._away[address]
+                continue
+            r = RemoteStage(address)
+            try:
+                await self._hello(r, attempts=1, timeout=2)
+                return r
+            except PipelineError:
+                continue
+        return None
+
+    def _ensure_watch(self):
+        if self._away and not self._closed and (self._watch is None or self._watch.done()):
+            self._watch = asyncio.ensure_future(self._watch_loop())
+
+    async def _watch_loop(self):
+        """While machines that left may come back, ask them now and then; one that answers
+        gets a slice again (a rearrangement: every sequence replays, nothing is lost)."""
+        while self._away and not self._closed and not self.error:
+            await asyncio.sleep(WATCH_S)
+            if self.recovering or self._closed or self.error:
+                continue  # a rearrangement in progress asks them itself
+            r = await self._probe()
+            if r is None:
+                continue
+            if self.recovering or self._closed or self.error:
+                await r.ws.close()
+                continue
+            self.recovering = f"{r.address} is back: rearranging the pipeline"
+            self.events.append({"t": time.time(), "event": "back", "address": r.address, "why": self.recovering})
+            log.warning("%s", self.recovering)
+            self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(joined=r)))
+            return  # _recover_or_fail starts a new watch if others are still away
 
     def _pipeline_failed(self, why: str):
         if self.error:

@@ -40,6 +40,10 @@ class PipelineConfig:
     compress: str = "off"                 # off | auto | prefill | all (engine/core/compression.py)
     compute: str = "in-order"             # in-order | decode-first (engine/core/step_gate.py)
     pipeline: str = "local"               # the name stages check at hello
+    memory_cap_mb: float | None = None    # the most memory the head's own stage may use (None: what is free)
+    # when a stage leaves and the ones left cannot hold the model: how long requests wait
+    # for a machine to join (or come back) before they fail
+    wait_timeout: float = 300.0
 
 
 @dataclass
@@ -90,7 +94,9 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_shares=local.cpu_shares if cores else None,
-                next_addresses=cfg.next_addresses, weights=cfg.weights, say=say, same_machine=local is not None)
+                next_addresses=cfg.next_addresses, weights=cfg.weights, say=say, same_machine=local is not None,
+                memory_cap=None if cfg.memory_cap_mb is None else int(cfg.memory_cap_mb * 2**20),
+                wait_timeout=cfg.wait_timeout)
     try:
         await head.start()
     except BaseException:

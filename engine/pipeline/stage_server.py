@@ -45,11 +45,16 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 7   # 3: stages send "profile" updates; 4: configure carries `acks`;
+PROTOCOL_VERSION = 8   # 3: stages send "profile" updates; 4: configure carries `acks`;
                        # 5: welcome says which device the stage computes on;
                        # 6: weights precision (welcome: can quantize; configure: which);
                        # 7: configure may carry the profile to start from (a re-plan)
+                       # 8: "leaving" (with a deadline) replaces "pausing"
 HELLO_TIMEOUT = 10.0
+# how long a stage that is going away (sharing off, paused by its owner's limits, the
+# computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
+# needs a few seconds at most; the owner gets the machine back within this whatever it does
+LEAVE_S = 10.0
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)
@@ -92,6 +97,7 @@ class StageServer:
         self.stage: StageModel | None = None
         self.sampler = Sampler()
         self._control_ws = None
+        self._leaving = False
         self._next_ws = None
         self._link: LinkSender | None = None
         self.profile: dict = {}        # what the head was last told (startup, then StepLog's)
@@ -142,16 +148,24 @@ class StageServer:
             except asyncio.TimeoutError:
                 log.warning("the stage's server took long to close")
 
-    async def notify_pausing(self, reason: str) -> bool:
-        """Tell the head this stage is going away once its sequences in flight finish."""
+    async def leave(self, reason: str, seconds: float = LEAVE_S) -> bool:
+        """Go away gracefully: tell the head first ("leaving"), so it moves this stage's
+        layers to the others and replays its sequences there, and wait until it lets go
+        -- at most `seconds`, whatever it does: the owner gets the machine back on time.
+        Returns whether the head let go by itself. The server stays up (close() ends it)."""
+        self._leaving = True  # no head takes it meanwhile
         ws = self._control_ws
         if ws is None:
-            return False
+            return True
         try:
-            await ws.send(frames.control("pausing", reason=reason[:500]))
+            await ws.send(frames.control("leaving", reason=reason[:500], seconds=float(seconds)))
+            await asyncio.wait_for(ws.wait_closed(), seconds)
+            return True
         except ConnectionClosed:
+            return True
+        except asyncio.TimeoutError:
+            log.warning("the head did not let this stage go within %.0f s: leaving anyway", seconds)
             return False
-        return True
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -183,6 +197,9 @@ class StageServer:
     async def _control(self, ws):
         if self._control_ws is not None:
             await ws.close(1008, "this stage already has a head")
+            return
+        if self._leaving:
+            await ws.close(1013, "this stage is leaving")
             return
         self._control_ws = ws
         try:

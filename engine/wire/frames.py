@@ -260,9 +260,9 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "profile": {"profile": _PROFILE},
     "error": {"message": _STR},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "rejected": _INT, "cut_ins": _INT},
-    # the stage's owner is taking it away (sharing off, GPU too hot...): it finishes
-    # what is in flight, then goes; the head admits nothing new meanwhile
-    "pausing": {"reason": _STR},
+    # the stage's owner is taking it away (sharing off, a game, sleep): the head moves
+    # its layers elsewhere now and lets it go; it goes anyway after `seconds`
+    "leaving": {"reason": _STR, "seconds": _NUM},
     # receiver -> sender on a data link: a volume piece arrived
     "ack": {"v": _INT, "bytes": _INT},
 }

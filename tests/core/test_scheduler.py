@@ -63,13 +63,6 @@ def test_admission_waits_for_kv_and_resumes_when_released():
     assert [q for x in launched for q in x.seqs] == [b]
 
 
-def test_paused_pipeline_admits_nobody():
-    s = sched(micro_batches=2)
-    s.add(seqs(5)[0])
-    s.pausing = "stage 1 is leaving"
-    assert s.schedule() == [] and len(s.waiting) == 1
-
-
 def test_step_rows_open_new_sequences_and_decode_one_token_for_the_others():
     s = sched(micro_batches=1)
     old, new = seqs(5, 7)

@@ -131,3 +131,156 @@ async def test_a_frozen_stage_is_noticed_by_its_heartbeats():
     # where no connection closed at all
     assert HEARTBEAT_S + HEARTBEAT_TIMEOUT_S <= 10
     assert left["t"] - head.delivered[0] < HEARTBEAT_S + HEARTBEAT_TIMEOUT_S + 3
+
+
+# ---- waiting for room, and machines that come back (tiny model, stages in this process) ----
+
+def tiny_cap(source, layers: int) -> int:
+    """An owner's memory cap under which a stage holds at most `layers` of the model's."""
+    from engine.core import precision
+
+    per_layer = precision.per_layer_bytes(source.config(), "bf16", 4)
+    return int((layers + 0.5) * per_layer / precision.USABLE)
+
+
+async def tiny_head(source, addrs, **kw):
+    from engine.pipeline.head import Head
+
+    head = Head(source, addrs, dtype="float32", device="cpu", **kw)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()
+        raise
+    head.eos_ids = set()
+    return head
+
+
+async def until(what, timeout: float = 60.0, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(every)
+
+
+async def tiny_reply(head, n=30):
+    toks = []
+    async for ev in head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n)):
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+        else:
+            return toks, ev
+
+
+async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_folder):
+    """Neither the head nor the stage can hold the model alone: when the stage leaves, the
+    reply waits with a status that says for which layers, and goes on -- unchanged --
+    once another machine offers itself."""
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    cap = tiny_cap(source, 4)   # of 6 layers: two machines needed
+    a = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+    head = await tiny_head(source, [f"ws://127.0.0.1:{a.port}"], memory_cap=cap)
+    b = None
+    try:
+        reference, _ = await tiny_reply(head)
+        handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=30))
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        lost_layers = head.ranges[1]
+        await a.close("switched off")
+        await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
+        status = head.info()["recovering"]
+        assert f"layers {lost_layers[0]}–{lost_layers[1] - 1}" in status, status
+        # meanwhile a new request is taken, and waits too
+        later = asyncio.ensure_future(tiny_reply(head))
+        await asyncio.sleep(0.5)
+        assert not later.done() and head.error is None
+        b = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+        head.offer(f"ws://127.0.0.1:{b.port}")
+        toks = []
+        async for ev in handle:
+            if isinstance(ev, Delta):
+                toks.extend(ev.token_ids)
+            else:
+                assert ev.error is None, ev
+        assert toks == reference
+        assert (await asyncio.wait_for(later, 60))[0] == reference
+        kinds = [e["event"] for e in head.info()["events"]]
+        assert kinds == ["left", "waiting", "recovered"], kinds
+        assert head.n_stages == 2 and head.remotes[0].address.endswith(f":{b.port}")
+    finally:
+        await head.close()
+        await a.close()
+        if b is not None:
+            await b.close()
+
+
+async def test_nobody_joins_in_time_fails_with_a_clear_error(tiny_folder):
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    cap = tiny_cap(source, 4)
+    a = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+    head = await tiny_head(source, [f"ws://127.0.0.1:{a.port}"], memory_cap=cap, wait_timeout=1.0)
+    try:
+        handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=200))
+        await until(lambda: len(handle.seq.generated) >= 2, every=0.001)
+        await a.close("switched off")
+        _, done = await asyncio.wait_for(tiny_reply_of(handle), 30)
+        assert done.finish_reason == "error"
+        assert "switched off" in done.error and "no machine joined within 1 s" in done.error, done.error
+        assert head.error == done.error
+    finally:
+        await head.close()
+        await a.close()
+
+
+async def tiny_reply_of(handle):
+    toks = []
+    async for ev in handle:
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+        else:
+            return toks, ev
+
+
+async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monkeypatch):
+    """The stage leaves; the head alone goes on; the same machine comes back (same
+    address) and the head hands it a slice again -- a reply in flight meanwhile is
+    replayed, unchanged."""
+    import engine.pipeline.head as head_module
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)  # back while the reply is still going
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    port = a.port
+    head = await tiny_head(source, [f"ws://127.0.0.1:{port}"])
+    back = None
+    try:
+        reference, _ = await tiny_reply(head, 200)
+        await a.close("switched off", wait_s=10)
+        await until(lambda: head.info()["events"] and head.info()["events"][-1]["event"] == "recovered")
+        assert head.n_stages == 1
+        handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=200))
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        back = await StageServer("127.0.0.1", port, threads=1).start()
+        toks, done = await asyncio.wait_for(tiny_reply_of(handle), 60)
+        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=30)
+        assert done.error is None and toks == reference
+        events = head.info()["events"]
+        assert [e["event"] for e in events] == ["left", "recovered", "back", "rejoined"], events
+        assert head.n_stages == 2 and events[-1]["replayed"] == 1
+        assert (await tiny_reply(head, 200))[0] == reference
+    finally:
+        await head.close()
+        await a.close()
+        if back is not None:
+            await back.close()

@@ -452,10 +452,10 @@ async def test_silent_connection_times_out(inproc_stage, monkeypatch):
     assert server.rejected_frames == 1
 
 
-async def test_a_pausing_stage_is_drained_and_the_head_told_first(inproc_stage, tiny_folder):
-    """The owner takes a stage back: the head hears it before the stage goes, admits
-    nothing new, lets the reply in flight finish; once the stage is gone it goes on
-    without it (here: the head alone) and says who left and why."""
+async def test_a_leaving_stage_hands_its_layers_over_before_it_goes(inproc_stage, tiny_folder):
+    """The owner takes a stage back ("leaving"): the head moves its layers (here: to the
+    head alone) and lets it go within the deadline; the reply in flight goes on, token for
+    token what it would have been, and the head says who left and why."""
     server, addr = inproc_stage
     folder, _ = tiny_folder("llama", seed=0)
     head = await start_head(resolve(str(folder)), [addr])
@@ -466,22 +466,25 @@ async def test_a_pausing_stage_is_drained_and_the_head_told_first(inproc_stage, 
         while not a.seq.generated:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert await server.notify_pausing("GPU too hot (85 C)")
-        while not head.pausing:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
-        b = head.submit([5, 6, 7], greedy(5))
-        toks_a, _, done_a = await collect(a)
-        assert done_a.error is None and len(toks_a) == 30  # in flight: finished
-        assert b.seq in head.waiting and not b.seq.generated  # new: not admitted
-        assert head.info()["pausing"] and "GPU too hot" in head.info()["pausing"]
-        await server.close("paused by the GPU owner: GPU too hot (85 C)")
-        toks_b, _, done_b = await asyncio.wait_for(collect(b), 60)
-        assert done_b.error is None and len(toks_b) == 5  # served by the stages left
+        t0 = time.monotonic()
+        assert await server.leave("GPU too hot (85 C)", seconds=20)  # the head let go by itself
+        released = time.monotonic() - t0
+        assert not server.connected
+        toks_a, _, done_a = await asyncio.wait_for(collect(a), 60)
+        assert done_a.error is None and len(toks_a) == 30
         assert head.error is None and head.n_stages == 1
         left = [e for e in head.info()["events"] if e["event"] == "left"]
-        assert left and "GPU too hot" in left[0]["why"]
-        assert head.info()["events"][-1]["event"] == "recovered" and head.pausing is None
+        assert left and "GPU too hot" in left[0]["why"] and "leaving" in left[0]["why"]
+        assert head.info()["events"][-1]["event"] == "recovered"
+        # a leaving stage takes no head meanwhile
+        async with connect(addr) as ws:
+            await ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline="local"))
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd.code == 1013 and "leaving" in closed.value.rcvd.reason
+        again, _, _ = await collect(head.submit(list(range(5, 15)), greedy(30)))
+        assert toks_a == again
+        assert released < 20
     finally:
         await head.close()
 
