@@ -133,6 +133,134 @@ async def test_a_frozen_stage_is_noticed_by_its_heartbeats():
     assert left["t"] - head.delivered[0] < HEARTBEAT_S + HEARTBEAT_TIMEOUT_S + 3
 
 
+async def test_a_stage_stopped_gracefully_hands_over_mid_reply():
+    # SIGTERM: the stage says "leaving", the head moves its layers at once and lets it go
+    head, reference, got, _, _ = await interrupted(False, [(12, 0, signal.SIGTERM)])
+    check(head, reference, got, 1)
+    left = next(e for e in head.events if e["event"] == "left")
+    assert "leaving" in left["why"] and "stopped by its owner" in left["why"], left
+    assert left["t"] - head.delivered[0] < 2  # told, not timed out
+
+
+async def test_survivors_too_small_wait_for_the_same_machine_to_come_back(tmp_path):
+    """Three machines, each capped so that two cannot hold the model: the middle one dies
+    (kill -9) mid-reply, the head says it waits for a GPU for that machine's layers, the
+    same machine comes back on its address, and all four replies finish as if nothing
+    happened."""
+    import subprocess
+    import sys
+
+    from conftest import THREADS, free_port
+    from engine.pipeline.launch import PipelineConfig
+
+    cap_mb = 320  # 13 of the default model's 30 layers each (USABLE of the cap)
+    ports = [free_port(), free_port()]
+
+    def stage(port):
+        return subprocess.Popen([sys.executable, "-m", "engine", "stage", "--port", str(port), "--threads",
+                                 str(THREADS), "--memory-cap-mb", str(cap_mb), "--device", "cpu"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    procs = [stage(p) for p in ports]
+    pipe = None
+    try:
+        await until(lambda: all(port_open(p) for p in ports), timeout=120, every=0.2)
+        pipe = await launch(PipelineConfig(model="default", stage_addr=[f"ws://127.0.0.1:{p}" for p in ports],
+                                           threads=THREADS, memory_cap_mb=cap_mb, device="cpu"))
+        head = pipe.head
+        head.eos_ids = set()
+        assert head.n_stages == 3
+        reference = await run(head, False)
+        missing = head.ranges[1]
+        waiting = []
+
+        def on_token(n):
+            if n == 12 and not waiting:
+                procs[0].kill()
+                waiting.append(True)
+
+        async def come_back():
+            await until(lambda: (head.info()["recovering"] or "").startswith("waiting"), timeout=120)
+            waiting.append(head.info()["recovering"])
+            procs[0] = stage(ports[0])
+
+        back = asyncio.ensure_future(come_back())
+        got = await run(head, False, on_token)
+        await back
+        assert f"waiting for a GPU to hold layers {missing[0]}–{missing[1] - 1}" in waiting[1], waiting
+        assert got == reference
+        kinds = [e["event"] for e in head.info()["events"]]
+        assert kinds == ["left", "waiting", "recovered"], kinds
+        assert head.n_stages == 3 and head.error is None
+        stats = await all_freed(head)
+        assert len(stats) == 3
+    finally:
+        if pipe is not None:
+            await pipe.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_link_cut_between_two_homes_is_noticed_by_the_heartbeats(tmp_path):
+    """Three machines on one switch (network namespaces); the middle stage's port on the
+    switch goes down mid-reply: its packets are dropped, nothing is closed. The heartbeats
+    notice within 10 s, the head goes on with the last stage, and the replies are those
+    of an uninterrupted run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from testkit.netns import emulated_network, netns_available, sh
+
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    driver = Path(__file__).with_name("netcut_head.py")
+    with emulated_network(3, "star", subnet=71) as net:
+        for node in (1, 2):
+            net.popen(node, [sys.executable, "-m", "engine", "stage", "--host", "0.0.0.0", "--port", "7860",
+                             "--threads", "1", "--device", "cpu"], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL)
+        # the stages take a moment to listen; the driver's launch retries nothing, so wait
+        probe = "import socket, sys\nfor a in sys.argv[1:]: socket.create_connection((a, 7860), 1).close()"
+        deadline = time.monotonic() + 120
+        while net.exec(0, [sys.executable, "-c", probe, net.addr(1), net.addr(2)], check=False).returncode != 0:
+            assert time.monotonic() < deadline, "the stages never listened"
+            time.sleep(0.5)
+        log = open(tmp_path / "head.log", "w")
+        head = net.popen(0, [sys.executable, str(driver), f"ws://{net.addr(1)}:7860", f"ws://{net.addr(2)}:7860"],
+                         stdout=subprocess.PIPE, stderr=log, text=True)
+        lines = []
+        for line in head.stdout:
+            lines.append(line)
+            if line.startswith("CUT"):
+                cut_at = time.time()
+                sh(["ip", "-n", net.hub, "link", "set", "p1", "down"])  # no FIN, no RST: silence
+            if line.startswith("{"):
+                break
+        head.wait(60)
+        log.close()
+        assert lines and lines[-1].startswith("{"), (tmp_path / "head.log").read_text()[-3000:]
+    out = json.loads(lines[-1])
+    assert out["error"] is None and out["got"] == out["reference"]
+    assert all(len(t) == 40 for t in out["got"])
+    kinds = [e["event"] for e in out["events"]]
+    assert kinds[:1] == ["left"] and "recovered" in kinds, out["events"]
+    left = out["events"][0]
+    assert "stopped answering" in left["why"] or "failed" in left["why"], left
+    assert left["t"] - cut_at < 10 + 3  # heartbeat and its timeout, plus a busy machine's slack
+    assert out["stages"] == 2
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 # ---- waiting for room, and machines that come back (tiny model, stages in this process) ----
 
 def tiny_cap(source, layers: int) -> int:
