@@ -200,21 +200,28 @@ class ChatWindow(QMainWindow):
     # ---- status ------------------------------------------------------------------
     @staticmethod
     def hosting_headline(hosting: dict) -> str:
-        """The model and whether it is ready, or rearranging because a computer left
-        (the head replays every conversation there: nothing typed is lost)."""
+        """The model and whether it is ready, or rearranging because a computer left or
+        came back, or waiting for one (the head replays every conversation: nothing typed
+        is lost)."""
+        model = hosting["model"]
         events = hosting.get("events") or []
+        last = events[-1] if events else {}
         left = [e for e in events if e.get("event") == "left"]
-        if hosting.get("recovering"):
-            who = left[-1].get("address") if left else None
-            return (f"{hosting['model']} — {who or 'a computer'} left; rearranging the layers over the "
-                    "others… your conversation goes on")
-        if left and events[-1].get("event") == "recovered":
-            took = events[-1].get("seconds")
-            return (f"{hosting['model']} — ready (a computer left; rearranged in {took:.0f} s, "
-                    "no conversation lost)" if took is not None else f"{hosting['model']} — ready")
-        return f"{hosting['model']} — ready"
+        who = (left[-1].get("address") if left else None) or "a computer"
+        recovering = hosting.get("recovering")
+        if recovering and last.get("event") == "waiting":
+            return f"{model} — {who} left; {recovering}… your conversation waits"
+        if recovering and last.get("event") == "back":
+            return f"{model} — {last.get('address') or 'a computer'} is back; rearranging the layers…"
+        if recovering:
+            return f"{model} — {who} left; rearranging the layers over the others… your conversation goes on"
+        took = last.get("seconds")
+        if last.get("event") == "recovered" and took is not None:
+            return f"{model} — ready (a computer left; rearranged in {took:.0f} s, no conversation lost)"
+        if last.get("event") == "rejoined" and took is not None:
+            return f"{model} — ready (a computer came back; rearranged in {took:.0f} s, no conversation lost)"
+        return f"{model} — ready"
 
-    # ---- status ------------------------------------------------------------------
     def on_status(self, st: dict):
         hosting = st.get("hosting")
         state = st.get("state")

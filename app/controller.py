@@ -20,6 +20,9 @@ from .store import History
 POLL_MS = 1000
 STATUS_TIMEOUT_S = 5.0
 ACTIVITY_EVERY = 5   # polls between idle-time reports to the node
+# the node lets a shared stage go within 3 s of hearing the computer is going to sleep;
+# logind holds a suspend back 5 s at most (InhibitDelayMaxSec), so we never wait longer
+SLEEP_ANSWER_S = 4.5
 
 
 class Controller(QObject):
@@ -30,7 +33,7 @@ class Controller(QObject):
 
     def __init__(self, settings: Settings | None = None, node_args: list[str] | None = None,
                  history: History | None = None, host_on_start: bool | None = None, parent=None,
-                 idle_reader=None):
+                 idle_reader=None, sleep_watcher=None):
         super().__init__(parent)
         self.settings = settings or Settings.load()
         self.node_args = list(node_args or [])
@@ -50,6 +53,15 @@ class Controller(QObject):
             from .idle import owner_idle_seconds as idle_reader
         self.idle_reader = idle_reader  # the owner's idle time (app/idle.py), for only-when-idle
         self._polls = 0
+        # the computer going to sleep: a shared GPU hands its work over first (app/power.py)
+        if sleep_watcher is None:
+            from .power import SleepWatcher
+
+            sleep_watcher = SleepWatcher(self)
+            sleep_watcher.start()
+        self.sleep_watcher = sleep_watcher
+        sleep_watcher.sleeping.connect(self._on_sleeping)
+        sleep_watcher.woke.connect(self._on_woke)
         self._exit_relay = _ExitRelay(self)
         self._exit_relay.exited.connect(self._on_exit)
         self.timer = QTimer(self)
@@ -154,6 +166,19 @@ class Controller(QObject):
         except Exception:
             idle = None
         self.client.call("POST", "/activity", {"idle_seconds": idle}, cb=lambda result, error: None)
+
+    def _on_sleeping(self):
+        def done(result, error):
+            self.sleep_watcher.ready()  # told (or it cannot be): the suspend may go on
+            self.poll()
+
+        import aiohttp
+
+        self.client.call("POST", "/power", {"state": "sleeping"}, cb=done,
+                         timeout=aiohttp.ClientTimeout(total=SLEEP_ANSWER_S))
+
+    def _on_woke(self):
+        self._act("POST", "/power", {"state": "awake"})
 
     # ---- actions -----------------------------------------------------------------------
     def _act(self, method, path, body=None, cb=None, timeout=None):

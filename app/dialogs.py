@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import time
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
@@ -448,6 +449,24 @@ class StatusDialog(QDialog):
         self.view.setHtml(status_html(st))
 
 
+def event_line(e: dict) -> str:
+    """One failover event (the head's `events`), in words."""
+    when = time.strftime("%H:%M:%S", time.localtime(e["t"])) if isinstance(e.get("t"), (int, float)) else ""
+    kind = e.get("event")
+    if kind == "left":
+        text = f"{e.get('address') or 'a computer'} left: {e.get('why') or 'unknown reason'}"
+    elif kind == "waiting":
+        text = e.get("why") or "waiting for a computer to join"
+    elif kind == "back":
+        text = f"{e.get('address') or 'a computer'} is back"
+    elif kind in ("recovered", "rejoined"):
+        text = (f"rearranged over {e.get('stages')} computer(s) in {e.get('seconds', 0):.1f} s; "
+                f"{e.get('replayed', 0)} conversation(s) replayed, none lost")
+    else:
+        text = str(kind)
+    return f"{when} {html.escape(text)}".strip()
+
+
 def status_html(st: dict) -> str:
     st = st or {}
     out = [f"<h3>State: {st.get('state', 'unknown')}</h3>"]
@@ -467,6 +486,11 @@ def status_html(st: dict) -> str:
             on = s.get("device_name") or s.get("device") or "?"
             out.append(f"<tr><td>{who}</td><td>{on}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
         out.append("</table>")
+        if h.get("recovering"):
+            out.append(f"<p><b>Now:</b> {html.escape(h['recovering'])}</p>")
+        lines = [event_line(e) for e in (h.get("events") or [])[-8:]]
+        if lines:
+            out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")
     sh = st.get("sharing") or {}
     if sh.get("on"):
         line = (f"<p><b>Sharing this computer</b> ({sh.get('device_name') or sh.get('device') or '?'}) "

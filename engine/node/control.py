@@ -16,6 +16,10 @@ through a small control API:
     POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
     POST /limits {...}         the owner's limits (guest.Limits fields)
     POST /stop   {what: host|share|all}
+    POST /host/offer {address}  a friend's stage (ws://...) offers itself to the hosted pipeline: taken
+                               when the pipeline waits for room, else at its next rearrangement
+    POST /power  {state: sleeping|awake}   the computer is about to sleep (a shared stage hands its
+                               layers over first, within SLEEP_LEAVE_S) / woke up (sharing resumes)
 
 The API binds 127.0.0.1 only and every request carries `Authorization: Bearer
 <token>`, a random per-launch token. The app generates it and hands it over on the
@@ -44,11 +48,16 @@ from engine.core import precision
 from engine.model.device import DTYPES, DeviceError, compute_dtype, device_name, free_memory, pick_device
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
 from engine.node.sharing import Limits, SharePolicy
+from engine.pipeline.stage_server import LEAVE_S
 
 log = logging.getLogger("potluck.node")
 
 ANNOUNCE = "POTLUCK_NODE_PORT="
 STATS_TIMEOUT = 2.0
+# logind lets a sleep inhibitor delay suspend by InhibitDelayMaxSec (5 s by default), and
+# Windows gives a power broadcast about 2 s: a stage going to sleep gets this long to be
+# let go (its head closes the connection as soon as it starts moving the layers)
+SLEEP_LEAVE_S = 3.0
 
 
 class NodeError(Exception):
@@ -91,6 +100,7 @@ class Node:
         self.paused_reason: str | None = None
         self.gpu: dict = {"available": False, "gpus": [], "message": "not read yet"}
         self.idle_seconds: float | None = None
+        self.asleep = False   # the computer is going to (or is) asleep: nothing is shared
         self.started = time.time()
         self._lock = asyncio.Lock()
         self._policy_task: asyncio.Task | None = None
@@ -107,6 +117,8 @@ class Node:
         app.router.add_post("/limits", self.h_limits)
         app.router.add_post("/activity", self.h_activity)
         app.router.add_post("/stop", self.h_stop)
+        app.router.add_post("/power", self.h_power)
+        app.router.add_post("/host/offer", self.h_offer)
         return app
 
     @web.middleware
@@ -247,6 +259,35 @@ class Node:
         self.policy = SharePolicy(limits)
         await self._apply_policy()
         return web.json_response(limits.to_json())
+
+    async def h_offer(self, request):
+        body = await self._body(request)
+        address = body.get("address")
+        if not isinstance(address, str) or not address.startswith(("ws://", "wss://")) or len(address) > 300:
+            raise NodeError("'address' must be a stage's ws:// address")
+        if self.head is None:
+            raise NodeError("this computer hosts no pipeline", 409)
+        self.head.offer(address)
+        return web.json_response(await self.status())
+
+    async def h_power(self, request):
+        """The app heard that the computer is about to sleep (logind's PrepareForSleep, the
+        Windows power broadcast) or woke up. Answered once a shared stage is let go: the app
+        holds the sleep back until then (at most SLEEP_LEAVE_S)."""
+        body = await self._body(request)
+        state = body.get("state")
+        if state not in ("sleeping", "awake"):
+            raise NodeError("'state' must be sleeping or awake")
+        if state == "sleeping":
+            async with self._lock:
+                self.asleep = True
+                self.paused_reason = "this computer is asleep"
+                if self.stage_server is not None:
+                    await self._stop_share("this computer is going to sleep", leave_s=SLEEP_LEAVE_S)
+        else:
+            self.asleep = False
+            await self._apply_policy()
+        return web.json_response(await self.status())
 
     async def h_activity(self, request):
         body = await self._body(request)
@@ -614,14 +655,14 @@ class Node:
             self.share_wanted = False
             await self._stop_share("membership ended")
 
-    async def _stop_share(self, why: str):
+    async def _stop_share(self, why: str, leave_s: float = LEAVE_S):
         srv, self.stage_server = self.stage_server, None
         if srv is None:
             return
         if srv.stage is not None:
             # tell the head first: it moves this stage's layers to the others and replays
-            # the conversations there, then lets go (or we go anyway: stage_server.LEAVE_S)
-            await srv.leave(why)
+            # the conversations there, then lets go (or we go anyway after leave_s)
+            await srv.leave(why, leave_s)
         if srv.connected:   # the head hears why before the server goes
             await srv.close(why)
         task, self.joiner_task = self.joiner_task, None
@@ -641,6 +682,9 @@ class Node:
         gpus, _why = await asyncio.get_running_loop().run_in_executor(None, read_gpus)
         decision = self._decide(gpus[0] if gpus else None)
         async with self._lock:
+            if self.asleep:
+                self.paused_reason = "this computer is asleep"
+                return
             self.paused_reason = decision.reason if decision.paused else None
             if not self.share_wanted:
                 return

@@ -237,10 +237,10 @@ def test_pause_by_limits_and_resume(node):
     assert call(node, "GET", "/status")[1]["state"] == "idle"
 
 
-def test_pausing_drains_in_flight_work_then_tells_the_head(node):
-    """A head uses this node's shared stage; the owner's limits pause sharing mid-reply:
-    the reply still completes, then the stage leaves (the head hears why and goes on
-    without it) and the node is paused."""
+def _hand_over_mid_reply(node, change, expect_why: str):
+    """A head uses this node's shared stage; `change()` happens mid-reply (the owner's
+    limits pause sharing, the computer goes to sleep): the stage says it is leaving, the
+    head moves its layers (here: to the head alone) and the reply goes on unchanged."""
     import asyncio
 
     from conftest import pipeline_config
@@ -257,44 +257,58 @@ def test_pausing_drains_in_flight_work_then_tells_the_head(node):
         pipe = await launch(pipeline_config(stage_addr=[addr], pipeline="potluck"))
         head = pipe.head
         loop = asyncio.get_running_loop()
+        prompt = head.chat_prompt([{"role": "user", "content": "Tell me a long story."}])
         try:
-            handle = head.submit(head.chat_prompt([{"role": "user", "content": "Tell me a long story."}]),
-                                 SamplingParams(temperature=0, max_tokens=40, greedy=True))
-            deltas, paused = 0, None
-            async for ev in handle:
-                if isinstance(ev, Delta):
-                    deltas += 1
-                    if deltas == 3:  # the owner's limits change mid-reply
-                        paused = loop.run_in_executor(None, call, node, "POST", "/limits", {"only_when_idle": True})
-                else:
-                    done = ev
-            assert done.finish_reason == "length" and done.error is None and done.completion_tokens == 40
-            assert (await paused)[0] == 200
+            async def reply(mid=None):
+                toks, changed = [], None
+                async for ev in head.submit(prompt, SamplingParams(max_tokens=40, greedy=True)):
+                    if isinstance(ev, Delta):
+                        toks.extend(ev.token_ids)
+                        if mid and len(toks) == 3:
+                            changed = loop.run_in_executor(None, mid)
+                    else:
+                        assert ev.error is None and ev.completion_tokens == 40, ev
+                return toks, changed
 
-            def gone():
-                return [e for e in head.events if e["event"] == "left"]
-
-            for _ in range(150):
-                if gone():
-                    break
-                await asyncio.sleep(0.2)
-            # told first (wire "pausing"), so the head says why the stage left, and goes on
-            # without it (here: the head alone holds the model)
-            why = gone()[0]["why"] if gone() else None
-            assert why and "paused" in why and "away" in why, head.events
-            for _ in range(150):
-                if head.events[-1]["event"] == "recovered":
-                    break
-                await asyncio.sleep(0.2)
-            assert head.error is None and head.n_stages == 1, head.events
+            head.eos_ids = set()
+            reference, _ = await reply()
+            t0 = time.monotonic()
+            got, changed = await reply(change)
+            assert got == reference
+            assert (await changed)[0] == 200
+            # the node answered once the head let the stage go: well within the deadline
+            assert time.monotonic() - t0 < 60
+            left = [e for e in head.events if e["event"] == "left"]
+            assert left and "leaving" in left[0]["why"] and expect_why in left[0]["why"], head.events
+            assert head.events[-1]["event"] == "recovered" and head.error is None and head.n_stages == 1
         finally:
             await pipe.close()
 
     asyncio.run(run())
+
+
+def test_paused_by_the_owners_limits_mid_reply_hands_the_stage_over(node):
+    _hand_over_mid_reply(node, lambda: call(node, "POST", "/limits", {"only_when_idle": True}), "paused")
     st = wait_status(node, lambda s: s["state"] == "paused")
-    assert not st["sharing"]["running"]
+    assert not st["sharing"]["running"] and "away" in st["sharing"]["reason"]
     call(node, "POST", "/limits", {"only_when_idle": False})
     call(node, "POST", "/stop", {"what": "share"})
+
+
+def test_going_to_sleep_mid_reply_hands_the_stage_over(node):
+    _hand_over_mid_reply(node, lambda: call(node, "POST", "/power", {"state": "sleeping"}), "going to sleep")
+    st = wait_status(node, lambda s: s["state"] == "paused")
+    assert not st["sharing"]["running"] and "asleep" in st["sharing"]["reason"]
+    assert call(node, "POST", "/power", {"state": "dozing"})[0] == 400
+    call(node, "POST", "/power", {"state": "awake"})
+    wait_status(node, lambda s: s["sharing"]["running"])
+    call(node, "POST", "/stop", {"what": "share"})
+
+
+def test_offering_a_stage_needs_a_hosted_pipeline_and_an_address(node):
+    assert call(node, "POST", "/host/offer", {"address": "http://x"})[0] == 400
+    status, r = call(node, "POST", "/host/offer", {"address": "ws://127.0.0.1:9"})
+    assert status == 409 and "hosts no pipeline" in r["error"]
 
 
 def test_join(node):
