@@ -494,6 +494,22 @@ def test_share_only_while_the_owner_is_away(qtbot, live, monkeypatch):
     qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
 
 
+def test_going_to_sleep_hands_the_shared_gpu_over_first(qtbot, live):
+    """The computer is about to sleep (logind / the Windows power broadcast, app/power.py):
+    the node lets its shared stage go and reports why; on waking, sharing resumes."""
+    c = live.c
+    c.set_share(True)
+    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
+    c.sleep_watcher.sleeping.emit()
+    qtbot.waitUntil(lambda: bool(c.status.get("state") == "paused"), timeout=30_000)
+    assert "asleep" in (c.status.get("sharing") or {}).get("reason", "")
+    assert not (c.status.get("sharing") or {}).get("running")
+    c.sleep_watcher.woke.emit()
+    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
+    c.set_share(False)
+    qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
+
+
 def test_idle_time_unknown_without_a_display(monkeypatch):
     from app.idle import owner_idle_seconds
 
@@ -534,18 +550,3 @@ def test_quit_leaves_no_process_behind(qtbot, live):
     live.quit()
     qtbot.waitUntil(lambda: bool(gone(procs)), timeout=60_000)
 
-
-def test_going_to_sleep_hands_the_shared_gpu_over_first(qtbot, live):
-    """The computer is about to sleep (logind / the Windows power broadcast, app/power.py):
-    the node lets its shared stage go and reports why; on waking, sharing resumes."""
-    c = live.c
-    c.set_share(True)
-    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
-    c.sleep_watcher.sleeping.emit()
-    qtbot.waitUntil(lambda: bool(c.status.get("state") == "paused"), timeout=30_000)
-    assert "asleep" in (c.status.get("sharing") or {}).get("reason", "")
-    assert not (c.status.get("sharing") or {}).get("running")
-    c.sleep_watcher.woke.emit()
-    qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
-    c.set_share(False)
-    qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
