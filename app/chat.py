@@ -211,15 +211,16 @@ class ChatWindow(QMainWindow):
         recovering = hosting.get("recovering")
         if recovering and last.get("event") == "waiting":
             return f"{model} — {who} left; {recovering}… your conversation waits"
-        if recovering and last.get("event") == "back":
-            return f"{model} — {last.get('address') or 'a computer'} is back; rearranging the layers…"
+        if recovering and last.get("event") in ("back", "joined"):
+            verb = "is back" if last["event"] == "back" else "joined"
+            return f"{model} — {last.get('address') or 'a computer'} {verb}; rearranging the layers…"
         if recovering:
             return f"{model} — {who} left; rearranging the layers over the others… your conversation goes on"
         took = last.get("seconds")
         if last.get("event") == "recovered" and took is not None:
             return f"{model} — ready (a computer left; rearranged in {took:.0f} s, no conversation lost)"
         if last.get("event") == "rejoined" and took is not None:
-            return f"{model} — ready (a computer came back; rearranged in {took:.0f} s, no conversation lost)"
+            return f"{model} — ready (a computer joined; rearranged in {took:.0f} s, no conversation lost)"
         return f"{model} — ready"
 
     def on_status(self, st: dict):

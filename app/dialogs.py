@@ -457,8 +457,8 @@ def event_line(e: dict) -> str:
         text = f"{e.get('address') or 'a computer'} left: {e.get('why') or 'unknown reason'}"
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
-    elif kind == "back":
-        text = f"{e.get('address') or 'a computer'} is back"
+    elif kind in ("back", "joined"):
+        text = f"{e.get('address') or 'a computer'} {'is back' if kind == 'back' else 'joined'}"
     elif kind in ("recovered", "rejoined"):
         text = (f"rearranged over {e.get('stages')} computer(s) in {e.get('seconds', 0):.1f} s; "
                 f"{e.get('replayed', 0)} conversation(s) replayed, none lost")

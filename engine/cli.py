@@ -241,6 +241,7 @@ async def _host(args) -> int:
         bar = ProgressBar()
         pipe = await launch(cfg, bar, _say)
         bar.finish()
+        friends.follow(pipe.head)  # friends joining later (`potluck invite --new`) take a slice
         paths = ", ".join(f"stage {i + 1} via {p.path}" for i, p in enumerate(peers))
         _say(f"Ready: {pipe.head.source.name}, {len(peers) + 1} stages ({paths})")
         if args.prompt:

@@ -543,6 +543,8 @@ class Node:
             if args.get("friends"):
                 cfg = await self._wait_for_friends(args, cfg)
             pipe = await launch(cfg, progress, say)
+            if self.friends_gate is not None:
+                self.friends_gate.follow(pipe.head)  # friends joining later take a slice
             self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
             port = self.api_runner.addresses[0][1]
             self.openai_url = f"http://127.0.0.1:{port}/v1"

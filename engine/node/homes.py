@@ -25,6 +25,7 @@ Tunnels, invites and short codes themselves live in engine/wire/.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ class Friends:
         self.me = load_or_create_identity(self.folder)
         self.state = HostState(self.folder)
         self.tunnels = TunnelHost(self.me, self.state, on_event=on_event)
+        self._hops: dict[tuple[int, int], str] = {}   # (src's session, dst's port) -> address
+        self._follow: asyncio.Task | None = None
 
     @property
     def pipeline_id(self) -> str:
@@ -90,13 +93,41 @@ class Friends:
 
     async def route(self, peers: list[Peer], cfg: PipelineConfig) -> PipelineConfig:
         """The pipeline over these friends' stages: the head reaches each through its
-        tunnel, and stage i reaches stage i+1 (two other homes) through both tunnels, via
-        this host."""
-        hops = [await self.tunnels.open_hop(a, b) for a, b in zip(peers, peers[1:])] + [None]
-        return dataclasses.replace(cfg, stage_addr=[p.address for p in peers], next_addresses=hops,
+        tunnel, and each stage its next one (two other homes) through both tunnels, via
+        this host (hop)."""
+        return dataclasses.replace(cfg, stage_addr=[p.address for p in peers], hop=self.hop,
                                    pipeline=self.pipeline_id)
 
+    async def hop(self, src: str, dst: str) -> str:
+        """How the stage at address `src` (a friend's, as the head reaches it) reaches the
+        one at `dst`: a loopback port on src's machine whose connections travel through
+        both tunnels via this host. The head asks at every arrangement (after a friend
+        leaves, neighbours change); a hop lasts as long as src's tunnel session."""
+        peers = {p.address: p for p in self.tunnels.peers.values()}
+        a, b = peers.get(src), peers.get(dst)
+        if a is None or b is None:
+            return dst  # not a friend behind a tunnel: reached as the head reaches it
+        key = (id(a.session), b.port)
+        if key not in self._hops:
+            self._hops[key] = await self.tunnels.open_hop(a, b)
+        return self._hops[key]
+
+    def follow(self, head) -> None:
+        """From now on, friends who join (with a code still valid) offer their stage to
+        this head, which takes it in (engine/pipeline/head.py: offer). Friends who were in
+        the pipeline and come back are found by the head itself: same address here."""
+        async def offer_arrivals():
+            while True:
+                peer = await self.tunnels.wait_peer()
+                head.offer(peer.address)
+
+        if self._follow is not None:
+            self._follow.cancel()
+        self._follow = asyncio.ensure_future(offer_arrivals())
+
     async def close(self):
+        if self._follow is not None:
+            self._follow.cancel()
         await self.tunnels.close()
 
 

@@ -150,7 +150,7 @@ class Head:
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order", weights: str = "auto", say=None,
                  cores=None, cpu_shares: list[float] | None = None, same_machine: bool = False,
-                 next_addresses: list[str | None] | None = None, memory_cap: int | None = None,
+                 hop=None, memory_cap: int | None = None,
                  wait_timeout: float = 300.0):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
@@ -193,9 +193,10 @@ class Head:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_lock = asyncio.Lock()
         self.pipeline = pipeline
-        # how remote stage i reaches stage i+1 when that differs from how the head
-        # reaches it (stages in other homes, behind tunnels: engine/wire/tunnel.py)
-        self.next_addresses = next_addresses
+        # await hop(a, b): how the stage at address a reaches the stage at b when that
+        # differs from how the head reaches b (stages in other homes, behind tunnels:
+        # engine/node/homes.py); asked at every arrangement, since neighbours change
+        self.hop = hop
         self.progress = progress or (lambda stage, done, total, what: None)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="head-compute")
         # decode steps' own thread, with compute="decode-first": they cut into prompt
@@ -229,6 +230,7 @@ class Head:
         # they are back, for REJOIN_GRACE_S
         self._away: dict[str, float] = {}
         self._watch: asyncio.Task | None = None
+        self._served: set[str] = set()   # addresses that held layers here (come back vs join)
         # how long requests wait for a machine to join when the stages left cannot hold
         # the model, before they fail
         self.wait_timeout = wait_timeout
@@ -277,6 +279,9 @@ class Head:
                 r.welcome = frames.parse_control(await asyncio.wait_for(r.ws.recv(), timeout))
             except (OSError, asyncio.TimeoutError, WebSocketException, frames.FrameError) as exc:
                 # (a process killed mid-handshake answers with no HTTP at all: InvalidMessage)
+                if r.ws is not None:  # connected but no welcome (a frozen machine): let it go
+                    asyncio.ensure_future(r.ws.close())
+                    r.ws = None
                 if attempt + 1 < attempts:
                     await asyncio.sleep(0.5)  # a stage lets its last head go before it takes the next
                     continue
@@ -319,8 +324,9 @@ class Head:
             return scaled(prof, (rng[1] - rng[0]) / max(1, n))
 
         async def configure(i, r):
-            nxt = (self.next_addresses[i] if self.next_addresses else self.remotes[i + 1].address) \
-                if i + 1 < len(self.remotes) else None
+            nxt = self.remotes[i + 1].address if i + 1 < len(self.remotes) else None
+            if nxt is not None and self.hop is not None:
+                nxt = await self.hop(r.address, nxt)
             await r.ws.send(frames.control(
                 "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
@@ -355,6 +361,7 @@ class Head:
         self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
         budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
         self.sched.capacity = min(budgets)
+        self._served.update(r.address for r in self.remotes)
         self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
 
         if self.remotes:
@@ -644,11 +651,8 @@ class Head:
                         log.warning("stage %d: %s", index, msg["message"])
                     elif msg["type"] == "leaving":
                         # its owner is taking it back (sharing off, a game, sleep): move its
-                        # layers now, while it waits for us to let it go. (Across homes
-                        # there is no rearranging yet: what is in flight gets until it goes.)
+                        # layers now, while it waits for us to let it go
                         log.warning("stage %d is leaving in %.0f s: %s", index, msg["seconds"], msg["reason"])
-                        if self.next_addresses:
-                            continue
                         self._stage_lost(index, f"stage {index} ({r.address}) is leaving: {msg['reason']}", epoch,
                                          ask_back=False)
                         return
@@ -685,8 +689,9 @@ class Head:
 
     # ---- failover -------------------------------------------------------------
     def offer(self, address: str):
-        """A machine offers its stage (ws://...): a pipeline waiting for room takes it,
-        one running uses it at its next rearrangement."""
+        """A machine offers its stage (ws://...): the head takes it in as soon as it
+        answers -- a pipeline waiting for room at once, a running one by a rearrangement
+        (every sequence replays, nothing is lost)."""
         if address not in self._known:
             self._known.append(address)
         self._away.setdefault(address, time.monotonic())
@@ -697,11 +702,6 @@ class Head:
         owner took it back): rearrange the pipeline over the stages left and go on."""
         if epoch != self._epoch or self.error or self.recovering or self._closed:
             return  # already being dealt with, or a stage of an arrangement that is gone
-        if self.next_addresses:
-            # stages that reach each other through tunnels: who can reach whom once one
-            # is gone is not known here, so the pipeline stops as before
-            self._pipeline_failed(why)
-            return
         self.recovering = why
         r = self.remotes[index - 1] if 0 < index <= len(self.remotes) else None
         self.events.append({"t": time.time(), "event": "left", "stage": index,
@@ -864,8 +864,10 @@ class Head:
             if self.recovering or self._closed or self.error:
                 await r.ws.close()
                 continue
-            self.recovering = f"{r.address} is back: rearranging the pipeline"
-            self.events.append({"t": time.time(), "event": "back", "address": r.address, "why": self.recovering})
+            back = r.address in self._served
+            self.recovering = f"{r.address} {'is back' if back else 'joined'}: rearranging the pipeline"
+            self.events.append({"t": time.time(), "event": "back" if back else "joined", "address": r.address,
+                                "why": self.recovering})
             log.warning("%s", self.recovering)
             self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(joined=r)))
             return  # _recover_or_fail starts a new watch if others are still away

@@ -11,6 +11,7 @@ The CLI, the node (the tray's engine) and the tests all start pipelines here.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from engine.core.partition import parse_layers
@@ -25,9 +26,9 @@ class PipelineConfig:
     model: str = DEFAULT_MODEL            # 'default', a hub id, a folder or a .gguf
     stages: int = 2                       # stage processes on this machine, head included
     stage_addr: list[str] = field(default_factory=list)   # remote stages in order (replaces `stages`)
-    # how remote stage i reaches stage i+1 when that differs from how the head reaches it
-    # (friends' stages behind tunnels: engine/wire/tunnel.py)
-    next_addresses: list[str | None] | None = None
+    # await hop(a, b): how the stage at address a reaches the one at b when that differs
+    # from how the head reaches b (friends' stages behind tunnels: engine/node/homes.py)
+    hop: Callable[[str, str], Awaitable[str]] | None = None
     layers: str | None = None             # '0:10,10:30' or '10,20' (None: split by speed and memory)
     micro_batches: int | None = None      # None: the head picks (and re-picks) the count
     device: str = "auto"                  # auto (the GPU if torch sees one) | cpu | cuda | cuda:N
@@ -94,7 +95,7 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_shares=local.cpu_shares if cores else None,
-                next_addresses=cfg.next_addresses, weights=cfg.weights, say=say, same_machine=local is not None,
+                hop=cfg.hop, weights=cfg.weights, say=say, same_machine=local is not None,
                 memory_cap=None if cfg.memory_cap_mb is None else int(cfg.memory_cap_mb * 2**20),
                 wait_timeout=cfg.wait_timeout)
     try:

@@ -29,7 +29,7 @@ streams to a *hop* the host registered; the host connects each such stream to th
 second joiner's loopback port on the host, i.e. into the second tunnel. Stage-to-stage
 traffic thus goes through the host's machine (both tunnels encrypted end to end with
 the host); a direct joiner-to-joiner tunnel would save that detour and is not built.
-The head tells each stage its next hop's address (Head.next_addresses).
+The head asks for each stage's next hop at every arrangement (Head.hop: Friends.hop).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
     assert "ws://ana-pc:7860 is back" in text
     rejoined = {"event": "rejoined", "seconds": 3.4, "t": 12.0}
     text = ChatWindow.hosting_headline({"model": "M", "recovering": None, "events": [left, back, rejoined]})
-    assert "came back" in text and "rearranged in 3 s" in text
+    assert "joined" in text and "rearranged in 3 s" in text
 
 
 def test_the_status_window_lists_what_happened():

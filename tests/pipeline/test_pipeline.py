@@ -489,6 +489,20 @@ async def test_a_leaving_stage_hands_its_layers_over_before_it_goes(inproc_stage
         await head.close()
 
 
+async def test_a_leaving_stage_goes_on_time_even_if_its_head_holds_on(inproc_stage):
+    """A head that ignores "leaving" (an old one, or one across homes that cannot move the
+    layers) does not keep the owner's machine: leave() gives up at its deadline."""
+    server, addr = inproc_stage
+    async with connect(addr) as ws:
+        await ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline="local"))
+        assert frames.parse_control(await ws.recv())["type"] == "welcome"
+        t0 = time.monotonic()
+        assert not await server.leave("game started", seconds=1.0)
+        assert 0.9 <= time.monotonic() - t0 < 5
+        msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 5))
+        assert msg == {"type": "leaving", "reason": "game started", "seconds": 1.0}
+
+
 async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, spare_stages):
     server, addr = inproc_stage
     folder_a, _ = tiny_folder("llama", seed=0)

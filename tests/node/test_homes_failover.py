@@ -1,0 +1,95 @@
+"""Friends in other homes come and go: the pipeline rearranges through the tunnels.
+
+In this process, on loopback: a host (Friends: tunnels, invites) and three friends who
+joined with the code (join_stage: a stage server reached only through its encrypted
+tunnel), a tiny model split over the head and the three. The middle friend leaves
+mid-reply, so the first must now reach the third: a new hop through the host. The
+reply goes on unchanged; the friend comes back as a member (same key, same address on
+the host) and gets a slice again; a fourth friend who joins later is taken in too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.core.sampling import SamplingParams
+from engine.pipeline.head import Delta
+
+
+async def until(what, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def reply_of(handle):
+    toks = []
+    async for ev in handle:
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+        else:
+            assert ev.error is None, ev
+            return toks
+
+
+async def test_friends_leave_come_back_and_join_through_the_tunnels(tmp_path, tiny_folder, monkeypatch):
+    import engine.pipeline.head as head_module
+    from engine.node.homes import Friends, join_stage
+    from engine.pipeline.launch import PipelineConfig, launch
+    from engine.wire.invite import parse
+
+    monkeypatch.setattr(head_module, "WATCH_S", 0.2)
+    folder, _ = tiny_folder("llama", seed=0)
+    friends = Friends(str(tmp_path / "host"))
+    await friends.open(listen="127.0.0.1:0")
+    invite = parse(friends.invite(uses=4))
+    joined, pipe = [], None
+    try:
+        for name in "abc":
+            joined.append(await join_stage(invite, name=name, config=str(tmp_path / name), threads=1,
+                                           device="cpu"))
+        peers = await asyncio.wait_for(friends.wait(3), 30)
+        cfg = await friends.route(peers, PipelineConfig(model=str(folder), threads=1, device="cpu"))
+        pipe = await launch(cfg)
+        friends.follow(pipe.head)
+        head = pipe.head
+        head.eos_ids = set()
+        assert head.n_stages == 4
+        prompt = list(range(5, 15))
+
+        def params():
+            return SamplingParams(greedy=True, max_tokens=150)
+
+        reference = await reply_of(head.submit(prompt, params()))
+        # the middle friend leaves mid-reply: stage 1 must reach stage 3 now
+        handle = head.submit(prompt, params())
+        await until(lambda: len(handle.seq.generated) >= 10)
+        b = joined[1]
+        await b.server.close("switched off")
+        assert await asyncio.wait_for(reply_of(handle), 120) == reference
+        await until(lambda: head.events and head.events[-1]["event"] == "recovered")
+        assert head.n_stages == 3 and head.error is None
+        assert [r.address for r in head.remotes] == [peers[0].address, peers[2].address]
+
+        # it comes back as a member: the same address on the host, a slice again
+        handle = head.submit(prompt, params())
+        await until(lambda: len(handle.seq.generated) >= 10)
+        joined[1] = await join_stage(invite, joiner=b.joiner, threads=1, device="cpu")
+        assert await asyncio.wait_for(reply_of(handle), 120) == reference
+        await until(lambda: head.events[-1]["event"] == "rejoined")
+        assert [e["event"] for e in head.events][-2:] == ["back", "rejoined"]
+        assert [r.address for r in head.remotes] == [p.address for p in peers]
+
+        # a fourth friend joins with the code later: taken in as the last stage
+        joined.append(await join_stage(invite, name="d", config=str(tmp_path / "d"), threads=1, device="cpu"))
+        await until(lambda: head.events[-1]["event"] == "rejoined" and head.n_stages == 5, timeout=60)
+        assert [e["event"] for e in head.events][-2:] == ["joined", "rejoined"]
+        assert await reply_of(head.submit(prompt, params())) == reference
+    finally:
+        if pipe is not None:
+            await pipe.close()
+        for j in joined:
+            await j.close()
+        await friends.close()
