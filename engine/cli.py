@@ -141,12 +141,25 @@ async def _chat(args) -> int:
     return 0
 
 
+def _keyless_beyond_loopback(args) -> bool:
+    """Said before anything loads: an API open to the network needs a key."""
+    from engine.pipeline.api import is_loopback
+
+    if args.api_key or is_loopback(args.host):
+        return False
+    _say(f"potluck: the API would listen on {args.host}, beyond this machine, without an API key: give one "
+         "(--api-key or POTLUCK_API_KEY), or keep the API on 127.0.0.1")
+    return True
+
+
 async def _serve(args) -> int:
     from engine.pipeline.api import serve_api
     from engine.pipeline.launch import launch
 
+    if _keyless_beyond_loopback(args):
+        return 2
     pipe = await launch(pipeline_config(args), ProgressBar(), _say)
-    runner = await serve_api(pipe.head, args.host, args.port)
+    runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key)
     _say(f"Ready: {_describe(pipe.head)}")
     _say(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1")
     try:
@@ -204,6 +217,8 @@ async def _host(args) -> int:
     from engine.pipeline.terminal import ask, reply
     from engine.wire import shortcode
 
+    if not args.prompt and _keyless_beyond_loopback(args):
+        return 2
     friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
     try:
         bound = await friends.open(args.relay, args.listen, args.advertise)
@@ -251,7 +266,7 @@ async def _host(args) -> int:
                 print(f"you> {text}\nbot> {answer}\n     [{done.completion_tokens} tokens, "
                       f"{done.finish_reason}; {paths}]", flush=True)
             return 0
-        runner = await serve_api(pipe.head, args.host, args.port)
+        runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key)
         print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1", flush=True)
         await asyncio.Event().wait()
     finally:
@@ -373,6 +388,9 @@ def _add_homes_args(sub):
     p.add_argument("--uses", type=int, default=None, help="how many machines the code admits (default --peers)")
     p.add_argument("--expires", type=float, default=24.0, help="hours until the code expires (default 24)")
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default loopback only)")
+    p.add_argument("--api-key", default=os.environ.get("POTLUCK_API_KEY"),
+                   help="key clients must send (Authorization: Bearer KEY); required beyond loopback "
+                        "(default: $POTLUCK_API_KEY)")
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
     p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
@@ -439,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the head with an OpenAI-compatible API")
     add_pipeline_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--api-key", default=os.environ.get("POTLUCK_API_KEY"),
+                   help="key clients must send (Authorization: Bearer KEY); required beyond loopback "
+                        "(default: $POTLUCK_API_KEY)")
     p.add_argument("--port", type=int, default=8000)
 
     p = sub.add_parser("stage", help="run one stage server; the head tells it which layers to load")

@@ -23,3 +23,20 @@ def test_pipeline_flags_become_a_typed_config():
     cfg = pipeline_config(args)
     assert (cfg.stages, cfg.device, cfg.prompt_chunk, cfg.layers, cfg.dtype) == (3, "cpu", 32, "0:10,10:20,20:30", "auto")
     assert pipeline_config(args, pipeline="abc").pipeline == "abc"
+
+
+def test_an_api_open_to_the_network_without_a_key_is_refused_before_anything_loads(monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.delenv("POTLUCK_API_KEY", raising=False)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "engine", "serve", "--host", "0.0.0.0", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "without an API key" in p.stderr, p.stderr
+    assert "Loading" not in p.stderr and time.monotonic() - t0 < 60
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k"])
+    assert args.api_key == "k"
+    cfg = pipeline_config(build_parser().parse_args(["chat", "--wait-timeout", "30", "--memory-cap-mb", "512"]))
+    assert (cfg.wait_timeout, cfg.memory_cap_mb) == (30.0, 512.0)

@@ -1,13 +1,21 @@
 """OpenAI-compatible HTTP API on the head (aiohttp).
 
-POST /v1/chat/completions, POST /v1/completions (streaming SSE or not), GET /v1/models,
-and GET /v1/potluck/status for the app. Errors use OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}. Bound to loopback unless told otherwise.
+POST /v1/chat/completions, POST /v1/completions (streaming SSE or not; a list of
+prompts gives one choice each), GET /v1/models[/{id}], and GET /v1/potluck/status for
+the app. Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Bound to loopback unless told otherwise; beyond loopback an API key is required
+(`Authorization: Bearer <key>`, 401 without it). A field OpenAI defines that this server
+does not implement yet is refused with a 400 naming it (a client relying on it would
+otherwise get a plausible but wrong answer); fields nobody defines are ignored, as
+OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import time
 import uuid
@@ -19,6 +27,7 @@ from engine.core.sampling import SamplingError, SamplingParams
 
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
+MAX_PROMPTS = 64   # per /v1/completions request
 
 
 # an SSE comment after this long without a token: the pipeline may be rearranging after
@@ -47,14 +56,24 @@ def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
     return v
 
 
+# fields OpenAI defines that are not implemented yet -> the value that asks for nothing
+# (sent by some clients as a matter of course, and accepted)
+NOT_YET = {"tools": ([], None), "tool_choice": ("none", "auto", None), "functions": ([], None),
+           "function_call": ("none", None), "response_format": ({"type": "text"}, None),
+           "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": ({}, None),
+           "best_of": (1, None), "echo": (False, None), "suffix": ("", None)}
+
+
 class Api:
-    def __init__(self, head: Head):
+    def __init__(self, head: Head, api_key: str | None = None):
         self.head = head
         self.names = {head.source.name, head.source.spec, "default", "potluck"}
+        self.api_key = api_key
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/potluck/status", self.status)
@@ -71,10 +90,29 @@ class Api:
                 return ApiError(exc.reason, code=str(exc.status), status=exc.status).response()
             raise
 
+    @web.middleware
+    async def _auth(self, request, handler):
+        if self.api_key is not None:
+            given = request.headers.get("Authorization", "")
+            token = given[7:] if given.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                raise ApiError("Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key "
+                               "this server was started with", code="invalid_api_key", status=401)
+        return await handler(request)
+
     # ---- endpoints ----------------------------------------------------------
+    def _model_object(self) -> dict:
+        return {"id": self.head.source.name, "object": "model", "created": 0, "owned_by": "potluck"}
+
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.head.source.name, "object": "model", "created": 0, "owned_by": "potluck"}]})
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request):
+        name = request.match_info["model"]
+        if name not in self.names:
+            raise ApiError(f"The model '{name}' does not exist; this server serves '{self.head.source.name}'",
+                           param="model", code="model_not_found", status=404)
+        return web.json_response(self._model_object())
 
     async def status(self, request):
         return web.json_response(self.head.info())
@@ -111,18 +149,56 @@ class Api:
     async def completions(self, request):
         body = await self._body(request)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.head.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.head.config.vocab_size
-            if any(not (0 <= t < vocab) for t in prompt):
-                raise ApiError("prompt token ids must be within the vocabulary", param="prompt")
-            ids = prompt
+        # one prompt (a string, or token ids) or a list of them: one choice each
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_ids(prompt)):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and
+                                                                                  _is_ids(p)) for p in prompt):
+            prompts = prompt
         else:
-            raise ApiError("'prompt' must be a string (or a list of token ids)", param="prompt")
-        return await self._generate(request, body, list(ids), chat=False)
+            raise ApiError("'prompt' must be a string, a list of token ids, or a list of either", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        vocab = self.head.config.vocab_size
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids.append(list(self.head.tokenizer(p, add_special_tokens=True)["input_ids"]))
+            elif any(not (0 <= t < vocab) for t in p):
+                raise ApiError("prompt token ids must be within the vocabulary", param="prompt")
+            else:
+                ids.append(list(p))
+        if len(ids) == 1:
+            return await self._generate(request, body, ids[0], chat=False)
+        if _field(body, "stream", bool, False):
+            raise ApiError("streaming a list of prompts is not supported yet: send them one per request",
+                           param="stream", code="unsupported")
+        return await self._generate_many(body, ids)
+
+    async def _generate_many(self, body, prompts: list[list[int]]):
+        """A list of prompts: all submitted at once (they batch together), one choice each."""
+        handles = []
+        try:
+            for p in prompts:
+                if len(p) >= self.head.context_length:
+                    raise ApiError(f"a prompt is {len(p)} tokens; the context window is {self.head.context_length}",
+                                   param="prompt", code="context_length_exceeded")
+                handles.append(self._submit(p, self._params(body)))
+            results = await asyncio.gather(*(h.text() for h in handles))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for i, (text, done) in enumerate(results):
+            if done.finish_reason == "error":
+                raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
+            choices.append({"index": i, "text": text, "finish_reason": done.finish_reason, "logprobs": None})
+            for k, v in _usage(done).items():
+                usage[k] += v
+        return web.json_response({"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion",
+                                  "created": int(time.time()), "model": self.head.source.name,
+                                  "choices": choices, "usage": usage})
 
     # ---- shared -------------------------------------------------------------
     async def _body(self, request) -> dict:
@@ -136,6 +212,9 @@ class Api:
         if model is not None and (not isinstance(model, str) or model not in self.names):
             raise ApiError(f"The model '{model}' does not exist; this server serves '{self.head.source.name}'",
                            param="model", code="model_not_found")
+        for name, fine in NOT_YET.items():
+            if name in body and body[name] not in fine:
+                raise ApiError(f"'{name}' is not supported by this server yet", param=name, code="unsupported")
         return body
 
     def _params(self, body: dict) -> SamplingParams:
@@ -182,12 +261,7 @@ class Api:
         if len(prompt) >= self.head.context_length:
             raise ApiError(f"the prompt is {len(prompt)} tokens; the context window is {self.head.context_length}",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
-        try:
-            handle = self.head.submit(prompt, params)
-        except PipelineError as exc:
-            raise ApiError(f"the pipeline is not serving: {exc}", status=503, type_="server_error") from None
-        except ValueError as exc:
-            raise ApiError(str(exc), code="invalid_value") from None
+        handle = self._submit(prompt, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         model = self.head.source.name
@@ -210,6 +284,14 @@ class Api:
             obj = "text_completion"
         return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
                                   "choices": [choice], "usage": usage})
+
+    def _submit(self, prompt: list[int], params: SamplingParams):
+        try:
+            return self.head.submit(prompt, params)
+        except PipelineError as exc:
+            raise ApiError(f"the pipeline is not serving: {exc}", status=503, type_="server_error") from None
+        except ValueError as exc:
+            raise ApiError(str(exc), code="invalid_value") from None
 
     async def _stream(self, request, handle, rid, created, model, chat, include_usage):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -268,11 +350,30 @@ def _usage(done: Done) -> dict:
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
-async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000) -> web.AppRunner:
+def _is_ids(p: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or a wildcard ("0.0.0.0", "::"): beyond this machine
+
+
+async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
+                    api_key: str | None = None) -> web.AppRunner:
+    """Serve the API on host:port. Beyond loopback an API key is required: anyone on the
+    network could otherwise run work on every machine of the pipeline."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(f"the API would listen on {host}, beyond this machine, without an API key: give one "
+                         "(--api-key or POTLUCK_API_KEY), or keep the API on 127.0.0.1")
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels its generation -- otherwise a non-streaming request whose client gave
     # up keeps its KV and its place in the pipeline until max_tokens.
-    runner = web.AppRunner(Api(head).app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(Api(head, api_key or None).app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -692,6 +692,8 @@ class Head:
         """A machine offers its stage (ws://...): the head takes it in as soon as it
         answers -- a pipeline waiting for room at once, a running one by a rearrangement
         (every sequence replays, nothing is lost)."""
+        if any(r.address == address for r in self.remotes):
+            return  # already holds a slice
         if address not in self._known:
             self._known.append(address)
         self._away.setdefault(address, time.monotonic())
