@@ -137,7 +137,7 @@ class ChatStream(QObject):
     finished = Signal(dict)   # {finish_reason, ttft, tokens, tokens_per_s, error, seconds}
 
     def __init__(self, worker: AsyncWorker, url: str, model: str, messages: list[dict],
-                 max_tokens: int, temperature: float, parent=None):
+                 max_tokens: int, temperature: float | None, parent=None):
         super().__init__(parent)
         self.worker = worker
         self.url, self.model, self.messages = url, model, messages
@@ -168,8 +168,9 @@ class ChatStream(QObject):
         try:
             session = await self.worker.session()
             body = {"model": self.model, "messages": self.messages, "stream": True,
-                    "stream_options": {"include_usage": True}, "max_tokens": self.max_tokens,
-                    "temperature": self.temperature}
+                    "stream_options": {"include_usage": True}, "max_tokens": self.max_tokens}
+            if self.temperature is not None:  # else the model's sampling defaults (the API's)
+                body["temperature"] = self.temperature
             async with session.post(self.url.rstrip("/") + "/chat/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:
                 if resp.status >= 400:

@@ -34,7 +34,9 @@ class Settings:
     share_port: int = 7860
     pipeline_name: str = "potluck"
     max_tokens: int = 512
-    temperature: float = 0.7
+    # None: the model's sampling defaults, the same as the API's and `potluck chat`'s
+    # (engine/core/sampling.py); a number: this temperature, the other settings neutral
+    temperature: float | None = None
     limits: dict = field(default_factory=default_limits)
 
     @classmethod
@@ -52,8 +54,8 @@ class Settings:
                 v, default = raw[f.name], getattr(s, f.name)
                 if f.name == "limits" and isinstance(v, dict):
                     setattr(s, f.name, {**default_limits(), **{k: v[k] for k in v if k in default_limits()}})
-                elif type(v) is type(default) or (isinstance(default, float) and isinstance(v, int)
-                                                   and not isinstance(v, bool)):
+                elif type(v) is type(default) or ((isinstance(default, float) or f.name == "temperature")
+                                                  and isinstance(v, (int, float)) and not isinstance(v, bool)):
                     setattr(s, f.name, v)
         return s
 

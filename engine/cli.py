@@ -133,7 +133,9 @@ async def _chat(args) -> int:
         if args.api_port:
             runner = await serve_api(pipe.head, "127.0.0.1", args.api_port)
             _say(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1")
-        await chat_loop(pipe.head, args.prompt, args.temperature, args.max_tokens)
+        await chat_loop(pipe.head, args.prompt, args.max_tokens, seed=args.seed,
+                        sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                  "repetition_penalty": args.repetition_penalty})
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -450,7 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="terminal chat with a pipeline on this machine")
     add_pipeline_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's own, else 0.7; /set temperature X while chatting)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's own, else 0.9")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's own, else off (0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's own, else 1.1")
+    p.add_argument("--seed", type=int, default=None, help="make sampled replies reproducible")
     p.add_argument("--api-port", type=int, default=0, help="also serve the OpenAI API on this port")
     p.add_argument("--prompt", action="append", help="send this message instead of reading stdin (repeatable)")
 

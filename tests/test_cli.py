@@ -40,3 +40,35 @@ def test_an_api_open_to_the_network_without_a_key_is_refused_before_anything_loa
     assert args.api_key == "k"
     cfg = pipeline_config(build_parser().parse_args(["chat", "--wait-timeout", "30", "--memory-cap-mb", "512"]))
     assert (cfg.wait_timeout, cfg.memory_cap_mb) == (30.0, 512.0)
+
+
+def test_the_terminal_chat_samples_with_the_models_defaults_and_does_not_loop():
+    import subprocess
+    import sys
+    from collections import Counter
+
+    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--stages", "1", "--max-tokens", "200",
+                        "--seed", "1", "--prompt", "Write a haiku about friends sharing GPUs"],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Sampling: temperature 0.7, top-p 0.9, top-k off, repetition penalty 1.1" in p.stderr
+    words = p.stdout.split("bot>", 1)[1].split("[")[0].split()
+    grams = Counter(tuple(words[i:i + 4]) for i in range(len(words) - 3))
+    assert words and max(grams.values(), default=0) <= 2, p.stdout
+
+
+def test_sampling_can_be_changed_while_chatting():
+    from engine.core.sampling import CHAT_DEFAULTS, sampling_defaults
+    from engine.pipeline.terminal import describe, set_sampling
+
+    s = dict(CHAT_DEFAULTS)
+    assert "temperature 0.2" in set_sampling(s, "/set temperature 0.2") and s["temperature"] == 0.2
+    assert "top-k 40" in set_sampling(s, "/set top-k 40") and s["top_k"] == 40
+    assert "cannot set" in set_sampling(s, "/set top-p 0") and s["top_p"] == 0.9
+    assert "usage" in set_sampling(s, "/set warmth 3")
+    assert describe({**s, "temperature": 0}) == "greedy"
+    # a model's generation_config wins where it speaks; nonsense in it is ignored
+    assert sampling_defaults({"temperature": 0.6, "top_p": 0.95}) == {**CHAT_DEFAULTS, "temperature": 0.6,
+                                                                       "top_p": 0.95}
+    assert sampling_defaults({"do_sample": False})["temperature"] == 0.0
+    assert sampling_defaults({"top_p": 7}) == CHAT_DEFAULTS

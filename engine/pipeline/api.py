@@ -23,11 +23,12 @@ import uuid
 from aiohttp import web
 
 from engine.pipeline.head import Delta, Done, Head, PipelineError
-from engine.core.sampling import SamplingError, SamplingParams
+from engine.core.sampling import TUNABLE, SamplingError, SamplingParams
 
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
 MAX_PROMPTS = 64   # per /v1/completions request
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
 # an SSE comment after this long without a token: the pipeline may be rearranging after
@@ -238,13 +239,17 @@ class Api:
             stop = [stop]
         if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
             raise ApiError("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
-        temperature = _field(body, "temperature", (int, float), 1.0)
+        # A request that names no sampling field gets the model's defaults (its
+        # generation_config), else ours for chat (core/sampling.py), as the chat window and
+        # `potluck chat` do; one that names any gets exactly what it names (temperature 0
+        # stays plain greedy decoding), the others neutral.
+        d = NEUTRAL if any(body.get(k) is not None for k in TUNABLE) else self.head.sampling_defaults
         try:
             p = SamplingParams(
-                temperature=float(temperature),
-                top_p=float(_field(body, "top_p", (int, float), 1.0)),
-                top_k=_field(body, "top_k", int, 0),
-                repetition_penalty=float(_field(body, "repetition_penalty", (int, float), 1.0)),
+                temperature=float(_field(body, "temperature", (int, float), d["temperature"])),
+                top_p=float(_field(body, "top_p", (int, float), d["top_p"])),
+                top_k=_field(body, "top_k", int, d["top_k"]),
+                repetition_penalty=float(_field(body, "repetition_penalty", (int, float), d["repetition_penalty"])),
                 seed=_field(body, "seed", int, None),
                 max_tokens=max_tokens,
                 stop=[s for s in (stop or []) if s],

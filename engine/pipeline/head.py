@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from websockets.asyncio.client import connect
@@ -34,7 +36,7 @@ from engine.core.profile import interp, scaled
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
-from engine.core.sampling import SamplingParams
+from engine.core.sampling import SamplingParams, sampling_defaults
 from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
@@ -256,6 +258,8 @@ class Head:
         self.tokenizer = await self._run(self.source.tokenizer)
         self.context_length = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
         self.eos_ids = _eos_ids(cfg, self.tokenizer, self.source)
+        # what a request that names no sampling field gets (the API and the terminal chat)
+        self.sampling_defaults = sampling_defaults(_generation_config(self.source))
         n_layers = cfg.num_hidden_layers
         if self.layers_override:
             # A user's split is checked before any stage is contacted or any weight read:
@@ -1013,3 +1017,15 @@ def _eos_ids(cfg, tokenizer, source) -> set[int]:
         except (OSError, ValueError):
             pass
     return ids
+
+
+def _generation_config(source) -> dict | None:
+    """The model's generation_config.json, if it has one (its recommended sampling)."""
+    if source.root is None:
+        return None
+    try:
+        with open(Path(source.root) / "generation_config.json", encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return gen if isinstance(gen, dict) else None

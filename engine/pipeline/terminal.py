@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from engine.core.sampling import SamplingParams
+from engine.core.sampling import SamplingError, SamplingParams
 from engine.pipeline.head import Delta, Done, Head
 
 
@@ -33,10 +33,38 @@ def _write(text: str):
     sys.stdout.flush()
 
 
-async def chat_loop(head: Head, prompts: list[str] | None, temperature: float, max_tokens: int) -> None:
+def describe(sampling: dict) -> str:
+    if sampling["temperature"] == 0:
+        return "greedy"
+    top_k = sampling["top_k"] or "off"
+    return (f"temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, top-k {top_k}, "
+            f"repetition penalty {sampling['repetition_penalty']:g}")
+
+
+def set_sampling(sampling: dict, line: str) -> str:
+    """`/set NAME VALUE`: change one sampling setting; returns what to tell the user."""
+    parts = line.split()
+    if len(parts) != 3 or parts[1].replace("-", "_") not in sampling:
+        return f"usage: /set NAME VALUE, NAME one of {', '.join(k.replace('_', '-') for k in sampling)}"
+    name = parts[1].replace("-", "_")
+    try:
+        value = int(parts[2]) if name == "top_k" else float(parts[2])
+        SamplingParams(**{**sampling, name: value}).validate()
+    except (ValueError, SamplingError) as exc:
+        return f"cannot set {parts[1]}: {exc}"
+    sampling[name] = value
+    return f"sampling: {describe(sampling)}"
+
+
+async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, sampling: dict | None = None,
+                    seed: int | None = None) -> None:
     """Read messages from stdin (or send `prompts` and stop), print the replies as they
-    stream. /reset clears the conversation, /quit leaves."""
-    print("Type a message and press Enter. /reset clears the conversation, /quit leaves.\n", file=sys.stderr)
+    stream. /reset clears the conversation, /set changes sampling, /quit leaves.
+    sampling: what the user chose (None: the head's defaults, as the API gives)."""
+    settings = {**head.sampling_defaults, **{k: v for k, v in (sampling or {}).items() if v is not None}}
+    print(f"Sampling: {describe(settings)}.\nType a message and press Enter. /reset clears the conversation, "
+          "/set temperature 0.2 (or top-p, top-k, repetition-penalty) changes sampling, /quit leaves.\n",
+          file=sys.stderr)
     messages: list[dict] = []
     loop = asyncio.get_running_loop()
     queued = list(prompts or [])
@@ -60,8 +88,11 @@ async def chat_loop(head: Head, prompts: list[str] | None, temperature: float, m
             messages.clear()
             print("(conversation cleared)")
             continue
+        if line.startswith("/set"):
+            print(f"({set_sampling(settings, line)})")
+            continue
         messages.append({"role": "user", "content": line})
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, greedy=temperature == 0)
+        params = SamplingParams(**settings, max_tokens=max_tokens, seed=seed)
         try:
             handle = ask(head, messages, params)
         except ValueError as exc:

@@ -316,3 +316,26 @@ async def test_an_api_key_is_required_when_set_and_beyond_loopback(pipeline):
             assert "Paris" in resp.choices[0].message.content
     finally:
         await runner.cleanup()
+
+
+HAIKU = [{"role": "user", "content": "Write a haiku about friends sharing GPUs"}]
+
+
+def repeats(text: str, n: int = 4) -> int:
+    """How often the reply's most repeated run of n words occurs: a reply stuck in a loop
+    repeats one for as long as it is allowed to run."""
+    from collections import Counter
+
+    words = text.split()
+    return max(Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1)).values(), default=0)
+
+
+async def test_requests_without_sampling_fields_get_defaults_that_do_not_loop(client, pipeline):
+    from engine.core.sampling import CHAT_DEFAULTS
+
+    assert pipeline.sampling_defaults == CHAT_DEFAULTS  # the default model has no generation_config
+    greedy = await client.chat.completions.create(model="default", messages=HAIKU, max_tokens=200, temperature=0)
+    assert repeats(greedy.choices[0].message.content) >= 5  # what plain greedy decoding does here
+    for seed in (1, 2, 3):
+        resp = await client.chat.completions.create(model="default", messages=HAIKU, max_tokens=200, seed=seed)
+        assert repeats(resp.choices[0].message.content) <= 2, resp.choices[0].message.content

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def chat(*args, timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, "-m", "engine", "chat", "--stages", "2", "--max-tokens", "12",
+                           "--temperature", "0",
                            "--prompt", "What is the capital of France?", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
