@@ -11,27 +11,15 @@ the host) and gets a slice again; a fourth friend who joins later is taken in to
 from __future__ import annotations
 
 import asyncio
-import time
 
 from engine.core.sampling import SamplingParams
-from engine.pipeline.head import Delta
-
-
-async def until(what, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+from testkit.streams import tokens, until
 
 
 async def reply_of(handle):
-    toks = []
-    async for ev in handle:
-        if isinstance(ev, Delta):
-            toks.extend(ev.token_ids)
-        else:
-            assert ev.error is None, ev
-            return toks
+    toks, done = await tokens(handle)
+    assert done.error is None, done
+    return toks
 
 
 async def test_friends_leave_come_back_and_join_through_the_tunnels(tmp_path, tiny_folder, monkeypatch):

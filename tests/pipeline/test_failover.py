@@ -21,6 +21,7 @@ from conftest import pipeline_config
 from engine.core.sampling import SamplingParams
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import launch
+from testkit.streams import tokens, until
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
            "What is 12 times 12?"]
@@ -284,20 +285,8 @@ async def tiny_head(source, addrs, **kw):
     return head
 
 
-async def until(what, timeout: float = 60.0, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(every)
-
-
 async def tiny_reply(head, n=30):
-    toks = []
-    async for ev in head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n)):
-        if isinstance(ev, Delta):
-            toks.extend(ev.token_ids)
-        else:
-            return toks, ev
+    return await tokens(head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n)))
 
 
 async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_folder):
@@ -359,22 +348,13 @@ async def test_nobody_joins_in_time_fails_with_a_clear_error(tiny_folder):
         handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=200))
         await until(lambda: len(handle.seq.generated) >= 2, every=0.001)
         await a.close("switched off")
-        _, done = await asyncio.wait_for(tiny_reply_of(handle), 30)
+        _, done = await asyncio.wait_for(tokens(handle), 30)
         assert done.finish_reason == "error"
         assert "switched off" in done.error and "no machine joined within 1 s" in done.error, done.error
         assert head.error == done.error
     finally:
         await head.close()
         await a.close()
-
-
-async def tiny_reply_of(handle):
-    toks = []
-    async for ev in handle:
-        if isinstance(ev, Delta):
-            toks.extend(ev.token_ids)
-        else:
-            return toks, ev
 
 
 async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monkeypatch):
@@ -400,7 +380,7 @@ async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monke
         handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=200))
         await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
         back = await StageServer("127.0.0.1", port, threads=1).start()
-        toks, done = await asyncio.wait_for(tiny_reply_of(handle), 60)
+        toks, done = await asyncio.wait_for(tokens(handle), 60)
         await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=30)
         assert done.error is None and toks == reference
         events = head.info()["events"]
