@@ -497,6 +497,8 @@ def status_html(st: dict) -> str:
                 f"on {sh.get('address') or '(not listening)'}")
         if sh.get("paused"):
             line += f" — paused: {sh.get('reason')}"
+        if sh.get("restarts"):
+            line += f" — {html.escape(sh.get('stopped') or 'restarted')} ({sh['restarts']}×)"
         out.append(line + "</p>")
     else:
         out.append("<p>Sharing this GPU: off</p>")

@@ -54,6 +54,7 @@ log = logging.getLogger("potluck.node")
 
 ANNOUNCE = "POTLUCK_NODE_PORT="
 STATS_TIMEOUT = 2.0
+DEFAULT_SHARE_PIPELINE = "potluck"   # the name a plain "Share this GPU" accepts
 # logind lets a sleep inhibitor delay suspend by InhibitDelayMaxSec (5 s by default), and
 # Windows gives a power broadcast about 2 s: a stage going to sleep gets this long to be
 # let go (its head closes the connection as soon as it starts moving the layers)
@@ -98,6 +99,10 @@ class Node:
         self.joiner_task: asyncio.Task | None = None
         self.join_events: list[str] = []
         self.paused_reason: str | None = None
+        # the share's stage server stopped by itself (told to shut down, crashed): how often
+        # it was started again, and why the last time
+        self.share_restarts = 0
+        self.share_stopped: str | None = None
         self.gpu: dict = {"available": False, "gpus": [], "message": "not read yet"}
         self.idle_seconds: float | None = None
         self.asleep = False   # the computer is going to (or is) asleep: nothing is shared
@@ -354,7 +359,8 @@ class Node:
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,
                    "pipeline": self.share_pipeline, "address": None, "layers": None, "seqs": 0, "kv_tokens": 0,
-                   "device": self.device, "device_name": self.device_name}
+                   "device": self.device, "device_name": self.device_name,
+                   "restarts": self.share_restarts, "stopped": self.share_stopped}
         srv = self.stage_server
         if srv is not None:
             host = self.share_host if self.share_host not in ("0.0.0.0", "::") else _lan_address()
@@ -411,15 +417,20 @@ class Node:
         limit = body.get("memory_limit_mb", self.policy.limits.vram_cap_mb)
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
             raise NodeError("'memory_limit_mb' must be a positive number")
+        # the name friends' shares expect (theirs is "potluck" unless they chose another)
+        name = body.get("pipeline", DEFAULT_SHARE_PIPELINE)
+        if not isinstance(name, str) or not (0 < len(name.strip()) <= 64):
+            raise NodeError("'pipeline' must be the name the friends' shares use (default potluck)")
         wait = body.get("wait_timeout_s", 300)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (0 <= wait <= 86400):
             raise NodeError("'wait_timeout_s' must be a number of seconds from 0 to 86400")
         return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
                 "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen,
-                "weights": weights.strip().lower(), "wait_timeout_s": float(wait)}
+                "weights": weights.strip().lower(), "wait_timeout_s": float(wait), "pipeline": name.strip()}
 
     async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
-                   relay: str = "", listen: str = "", weights: str = "auto", wait_timeout_s: float = 300.0) -> dict:
+                   relay: str = "", listen: str = "", weights: str = "auto", wait_timeout_s: float = 300.0,
+                   pipeline: str = "") -> dict:
         """Memory needed vs available and the proposed split, before anything loads, and
         what each weight precision needs on this machine (`precisions`); `weights` is the
         one that will load here: the requested one, or (auto) the highest that fits."""
@@ -537,7 +548,9 @@ class Node:
         cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
                              layers=args["layers"], threads=self.threads, device=self.device,
                              weights=args.get("weights") or "auto", memory_cap_mb=args.get("memory_limit_mb"),
-                             wait_timeout=args.get("wait_timeout_s", 300.0))
+                             wait_timeout=args.get("wait_timeout_s", 300.0),
+                             # friends' shares check the name; our own stage processes use "local"
+                             pipeline=args.get("pipeline", DEFAULT_SHARE_PIPELINE) if args["stage_addr"] else "local")
         pipe = None
         try:
             if args.get("friends"):
@@ -690,6 +703,15 @@ class Node:
             self.paused_reason = decision.reason if decision.paused else None
             if not self.share_wanted:
                 return
+            srv = self.stage_server
+            if srv is not None and srv.closed and self.invite is None:
+                # it stopped by itself (a head told it to shut down, it crashed): the toggle
+                # still says "sharing", so share again rather than report a port nobody serves
+                self.share_restarts += 1
+                self.share_stopped = "the shared stage stopped by itself; started again"
+                log.warning("%s (%d so far)", self.share_stopped, self.share_restarts)
+                self.stage_server = None
+                await srv.close(wait_s=10)  # until the port is free
             if decision.paused and self.stage_server is not None:
                 await self._stop_share(f"paused by the GPU owner: {decision.reason}")
             elif not decision.paused and self.stage_server is None:

@@ -123,6 +123,11 @@ class StageServer:
         await self._closed.wait()
 
     @property
+    def closed(self) -> bool:
+        """Whether this server stopped serving (closed by its owner, or told to shut down)."""
+        return self._closed.is_set()
+
+    @property
     def connected(self) -> bool:
         """Whether a head holds this stage (its control connection is open)."""
         return self._control_ws is not None

@@ -48,3 +48,12 @@ def test_the_status_window_lists_what_happened():
     page = status_html(st)
     assert "ws://ana-pc:7860 left: stage 1 is leaving: &lt;sleep&gt;" in page
     assert "rearranged over 1 computer(s) in 4.2 s; 3 conversation(s) replayed" in page
+
+
+def test_the_status_window_says_the_share_was_started_again():
+    from app.dialogs import status_html
+
+    page = status_html({"state": "sharing", "sharing": {
+        "on": True, "running": True, "address": "ws://10.0.0.2:7860", "restarts": 1,
+        "stopped": "the shared stage stopped by itself; started again"}})
+    assert "stopped by itself; started again (1×)" in page

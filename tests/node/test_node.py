@@ -311,6 +311,63 @@ def test_offering_a_stage_needs_a_hosted_pipeline_and_an_address(node):
     assert status == 409 and "hosts no pipeline" in r["error"]
 
 
+def test_a_share_that_stops_by_itself_is_reported_and_started_again(node):
+    """The stage behind the share closes (here a head tells it to shut down): the node
+    notices at its next check, says so in its status, and shares again."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    from engine.pipeline.stage_server import PROTOCOL_VERSION
+    from engine.wire import frames
+
+    call(node, "POST", "/activity", {"idle_seconds": None})
+    call(node, "POST", "/share", {"on": True})
+    st = wait_status(node, lambda s: s["sharing"]["running"])
+    before = st["sharing"]["restarts"]
+
+    async def shut_down(addr):
+        async with connect(addr) as ws:
+            await ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline="potluck"))
+            assert frames.parse_control(await ws.recv())["type"] == "welcome"
+            await ws.send(frames.control("shutdown"))
+            await asyncio.wait_for(ws.wait_closed(), 10)
+
+    asyncio.run(shut_down(st["sharing"]["address"]))
+    st = wait_status(node, lambda s: s["sharing"]["restarts"] == before + 1 and s["sharing"]["running"])
+    assert "stopped by itself" in st["sharing"]["stopped"] and st["state"] == "sharing"
+    host, port = st["sharing"]["address"][len("ws://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), 5):
+        pass  # serving again
+    call(node, "POST", "/stop", {"what": "share"})
+
+
+def test_hosting_over_a_friends_plain_share(node, tmp_path):
+    """Host a pipeline (POST /host with stage addresses, as the app's Host dialog does)
+    over another node's "Share this GPU": the names match without anyone typing one."""
+    proc, friend = start_node()
+    try:
+        call(friend, "POST", "/activity", {"idle_seconds": None})
+        call(friend, "POST", "/share", {"on": True})
+        addr = wait_status(friend, lambda s: s["sharing"]["running"])["sharing"]["address"]
+        status, r = call(node, "POST", "/host", {"model": "default", "stages": 1, "stage_addr": [addr]})
+        assert status == 200, r
+        st = wait_status(node, lambda s: s["state"] in ("serving", "error"), timeout=300)
+        assert st["state"] == "serving", st
+        body = json.dumps({"model": "default", "max_tokens": 8, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+        req = urllib.request.Request(st["openai_url"] + "/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert "Paris" in json.loads(resp.read())["choices"][0]["message"]["content"]
+        assert wait_status(friend, lambda s: s["sharing"]["connected"])["sharing"]["layers"]
+        call(node, "POST", "/stop", {"what": "host"})
+        call(friend, "POST", "/stop", {"what": "share"})
+    finally:
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+
+
 def test_join(node):
     assert call(node, "POST", "/join", {})[0] == 400
     assert call(node, "POST", "/join", {"pipeline": "friends", "port": 99999})[0] == 400
