@@ -50,7 +50,9 @@ class Friends:
         self.me = load_or_create_identity(self.folder)
         self.state = HostState(self.folder)
         self.tunnels = TunnelHost(self.me, self.state, on_event=on_event)
-        self._hops: dict[tuple[int, int], str] = {}   # (src's session, dst's port) -> address
+        # (src's tunnel session, dst's port) -> address; keyed on the session object itself,
+        # so a reconnected friend (a new session) gets a new hop
+        self._hops: dict[tuple[object, int], str] = {}
         self._follow: asyncio.Task | None = None
 
     @property
@@ -107,7 +109,7 @@ class Friends:
         a, b = peers.get(src), peers.get(dst)
         if a is None or b is None:
             return dst  # not a friend behind a tunnel: reached as the head reaches it
-        key = (id(a.session), b.port)
+        key = (a.session, b.port)
         if key not in self._hops:
             self._hops[key] = await self.tunnels.open_hop(a, b)
         return self._hops[key]
