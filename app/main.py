@@ -13,7 +13,13 @@ import os
 import subprocess
 import sys
 
+from engine.selfcmd import engine_command
+
+from .links import is_link
+
 SERVER_NAME = "potluck-app"
+# a message between launches is one line: "show" or "link <potluck://…>" (links.MAX_LINK_CHARS)
+MAX_MESSAGE = 8192
 
 
 def has_display() -> bool:
@@ -50,7 +56,7 @@ def missing_x11_packages() -> list[str]:
 def terminal_fallback(args, why: str | None = None) -> int:
     why = why or "no display found (DISPLAY and WAYLAND_DISPLAY are unset), so the tray app cannot open"
     print(f"potluck-app: {why}; starting the terminal chat instead (`potluck chat`).", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "engine", "chat", "--model", args.model or "default",
+    cmd = engine_command() + ["chat", "--model", args.model or "default",
            "--stages", str(args.stages)]
     try:
         return subprocess.call(cmd)
@@ -59,7 +65,8 @@ def terminal_fallback(args, why: str | None = None) -> int:
 
 
 class SingleInstance:
-    """A QLockFile per user; the running instance listens on a QLocalServer for "show"."""
+    """A QLockFile per user; the running instance listens on a QLocalServer for one-line
+    messages from later launches: "show", or "link <potluck://…>" (an invite clicked)."""
 
     def __init__(self, name: str = SERVER_NAME, lock_dir=None):
         from PySide6.QtCore import QLockFile
@@ -71,31 +78,44 @@ class SingleInstance:
         self.lock.setStaleLockTime(0)
         self.server = None
 
-    def acquire(self, on_show) -> bool:
+    def acquire(self, on_message) -> bool:
+        """on_message(text) runs in the GUI thread for each message a later launch sends."""
         from PySide6.QtNetwork import QLocalServer
 
         if not self.lock.tryLock(100):
             return False
         QLocalServer.removeServer(self.name)
         self.server = QLocalServer()
-        self.server.newConnection.connect(lambda: self._serve(on_show))
+        self.server.newConnection.connect(lambda: self._serve(on_message))
         self.server.listen(self.name)
         return True
 
-    def _serve(self, on_show):
+    def _serve(self, on_message):
         sock = self.server.nextPendingConnection()
-        if sock is not None:
-            sock.readyRead.connect(lambda: (sock.readAll(), on_show()))
-            sock.disconnected.connect(sock.deleteLater)
+        if sock is None:
+            return
+        buf = bytearray()
 
-    def notify_running(self) -> bool:
+        def read():
+            buf.extend(bytes(sock.readAll()))
+            # another local program could connect too: read one bounded line, nothing more
+            if b"\n" in buf or len(buf) > MAX_MESSAGE:
+                line = bytes(buf[:MAX_MESSAGE]).split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+                buf.clear()
+                sock.disconnectFromServer()
+                on_message(line)
+
+        sock.readyRead.connect(read)
+        sock.disconnected.connect(sock.deleteLater)
+
+    def notify_running(self, message: str = "show") -> bool:
         from PySide6.QtNetwork import QLocalSocket
 
         sock = QLocalSocket()
         sock.connectToServer(self.name)
         if not sock.waitForConnected(2000):
             return False
-        sock.write(b"show\n")
+        sock.write(message.encode("utf-8")[:MAX_MESSAGE - 1] + b"\n")
         sock.waitForBytesWritten(1000)
         sock.disconnectFromServer()
         return True
@@ -106,6 +126,35 @@ class SingleInstance:
         self.lock.unlock()
 
 
+def screenshot_menu(path: str) -> int:
+    """The tray menu rendered into a PNG, without starting the engine: proves an installed
+    bundle's Qt, its plugins, fonts and our SVG icons load (the installers' smoke tests)."""
+    if not has_display():
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QApplication
+
+    from .controller import Controller
+    from .settings import Settings
+    from .store import History
+    from .tray import Shell
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Potluck")
+    shell = Shell(Controller(Settings(), history=History(None, keep=False)), use_tray=False)
+    shell.chat.hide()
+    shell.menu.popup(QPoint(10, 10))
+    for _ in range(5):
+        app.processEvents()
+    ok = shell.menu.grab().save(path)
+    shell.menu.hide()
+    if not ok:
+        print(f"potluck-app: could not write {path}", file=sys.stderr)
+        return 1
+    print(f"saved the tray menu to {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="potluck-app", description="Potluck desktop app (tray icon and chat window)")
     p.add_argument("--model", default=None, help="model to host at start (default: the settings', 'default')")
@@ -113,7 +162,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-host", action="store_true", help="do not host a model at start")
     p.add_argument("--no-tray", action="store_true", help="open the chat window instead of a tray icon")
     p.add_argument("--threads", type=int, default=None, help="torch threads per engine process")
+    p.add_argument("--screenshot", metavar="PNG", default=None,
+                   help="render the tray menu into this PNG and exit (no engine; checks an install)")
+    p.add_argument("link", nargs="?", default=None,
+                   help="a potluck://join/<code> link: opens the join dialog with it filled in")
     args = p.parse_args(argv)
+    if args.link is not None and not is_link(args.link):
+        p.error(f"'{args.link}' is not a potluck:// link")
+    if args.screenshot:
+        return screenshot_menu(args.screenshot)
     if not has_display():
         args.stages = args.stages or 2
         return terminal_fallback(args)
@@ -135,9 +192,20 @@ def main(argv=None) -> int:
     app.setWindowIcon(state_icon("serving"))
     single = SingleInstance()
     shell_ref = {}
-    if not single.acquire(lambda: shell_ref["shell"].open_chat() if "shell" in shell_ref else None):
-        if single.notify_running():
-            print("Potluck is already running; its chat window was brought up.", file=sys.stderr)
+
+    def on_message(text: str):
+        shell = shell_ref.get("shell")
+        if shell is None:
+            return
+        if text.startswith("link "):
+            shell.open_link(text[5:])
+        else:
+            shell.open_chat()
+
+    if not single.acquire(on_message):
+        if single.notify_running(f"link {args.link}" if args.link else "show"):
+            print("Potluck is already running; " + ("the link was handed to it." if args.link else
+                                                    "its chat window was brought up."), file=sys.stderr)
             return 0
         print("potluck-app: another instance holds the lock but does not answer.", file=sys.stderr)
         return 1
@@ -169,7 +237,9 @@ def main(argv=None) -> int:
     tick.timeout.connect(lambda: None)
     tick.start(250)
     controller.start_node()
-    if shell.tray is not None:
+    if args.link:
+        shell.open_link(args.link)
+    elif shell.tray is not None:
         shell.open_chat()  # first launch: show where the chat is
     try:
         return app.exec()

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 import threading
 from pathlib import Path
+
+from engine.selfcmd import engine_command
 
 ANNOUNCE = "POTLUCK_NODE_PORT="   # engine/node/control.py prints this (the GUI does not import the engine)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,9 +51,7 @@ class NodeProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        # a PyInstaller bundle's executable is `potluck` itself (build.spec)
-        launcher = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "engine"]
-        args = launcher + ["node", "--token-stdin"] + self.extra_args
+        args = engine_command() + ["node", "--token-stdin"] + self.extra_args
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, start_new_session=False)
         self.proc.stdin.write((self.token + "\n").encode())

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 from . import paths
 from .chat import ChatWindow
 from .dialogs import HostDialog, JoinDialog, SettingsDialog, StatusDialog
+from .links import LinkError, parse_link
 
 STATES = ("idle", "loading", "sharing", "serving", "paused", "error")
 
@@ -140,6 +141,22 @@ class Shell(QObject):
 
     def open_join(self):
         return self._dialog("join", JoinDialog)
+
+    def open_link(self, text: str):
+        """A potluck:// link (clicked in a chat app, or handed over by a later launch): the
+        join dialog, filled in; the user still presses Join."""
+        d = self.open_join()
+        try:
+            link = parse_link(text)
+        except LinkError as e:
+            d.last_error = f"That link did not work: {e}."
+            d.result.setText(f"<span style='color:#b91c1c'>{d.last_error}</span>")
+            return d
+        d.code.setText(link.code)
+        if link.relay:
+            d.relay.setText(link.relay)
+        d.result.setText("Filled in from the invite link. Check what will be used, then press Join.")
+        return d
 
     def open_status(self):
         return self._dialog("status", StatusDialog)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import sys
 import tempfile
 
 from engine.model.cores import CoreLease, apply_openmp_env, cpu_shares, home_cores
+from engine.selfcmd import engine_command
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
 
@@ -46,7 +46,7 @@ class LocalStages:
         src_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = src_root + os.pathsep + env.get("PYTHONPATH", "")
         for i in range(1, self.count + 1):
-            args = [sys.executable, "-m", "engine", "stage", "--host", "127.0.0.1", "--port", "0",
+            args = engine_command() + ["stage", "--host", "127.0.0.1", "--port", "0",
                     "--announce", "--pipeline", self.pipeline, "--device", self.device]
             if self._core_dir:
                 home = home_cores(i, self.count + 1, self._n_cores)

@@ -162,14 +162,19 @@ def test_single_instance(qtbot, tmp_path):
 
     shown = []
     first = SingleInstance(f"potluck-test-{os.getpid()}", lock_dir=tmp_path)
-    assert first.acquire(lambda: shown.append(1))
+    assert first.acquire(shown.append)
     second = SingleInstance(f"potluck-test-{os.getpid()}", lock_dir=tmp_path)
-    assert not second.acquire(lambda: None)
+    assert not second.acquire(lambda _: None)
     assert second.notify_running()
-    qtbot.waitUntil(lambda: bool(shown), timeout=10_000)
+    qtbot.waitUntil(lambda: len(shown) >= 1, timeout=10_000)
+    assert shown == ["show"]
+    # an invite link clicked while the app runs reaches the running instance
+    assert second.notify_running("link potluck://join/ABCDE-FGHIJ")
+    qtbot.waitUntil(lambda: len(shown) == 2, timeout=10_000)
+    assert shown[1] == "link potluck://join/ABCDE-FGHIJ"
     first.release()
     third = SingleInstance(f"potluck-test-{os.getpid()}", lock_dir=tmp_path)
-    assert third.acquire(lambda: None)
+    assert third.acquire(lambda _: None)
     third.release()
 
 
