@@ -11,6 +11,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
                                QVBoxLayout)
 
+from . import autostart
+
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
 
@@ -363,6 +365,9 @@ class SettingsDialog(QDialog):
         self.host_on_start = QCheckBox("Host the default model when Potluck starts")
         self.host_on_start.setChecked(s.host_on_start)
         cf.addRow(self.host_on_start)
+        self.autostart = QCheckBox("Start Potluck when I sign in")
+        self.autostart.setChecked(autostart.is_enabled())
+        cf.addRow(self.autostart)
         self.hf_token = QLineEdit()
         self.hf_token.setEchoMode(QLineEdit.Password)
         self.hf_token.setPlaceholderText("only for gated models (kept in the system keyring)")
@@ -417,6 +422,12 @@ class SettingsDialog(QDialog):
                         temp_resume_c=self.temp_resume.value(), pause_for_other_processes=self.other.isChecked(),
                         only_when_idle=self.idle.isChecked())
         s.save()
+        if self.autostart.isChecked() != autostart.is_enabled():
+            try:
+                autostart.enable() if self.autostart.isChecked() else autostart.disable()
+            except OSError as e:
+                self.error.setText(f"Could not change starting at sign-in: {e}")
+                return
         self.c.history.set_keep(s.keep_history)
         if self.hf_token.text():
             from .secrets_store import set_secret

@@ -459,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's own, else 1.1")
     p.add_argument("--seed", type=int, default=None, help="make sampled replies reproducible")
     p.add_argument("--api-port", type=int, default=0, help="also serve the OpenAI API on this port")
-    p.add_argument("--prompt", action="append", help="send this message instead of reading stdin (repeatable)")
+    p.add_argument("--prompt", "--once", action="append",
+                   help="send this message instead of reading stdin, print the reply and exit (repeatable)")
 
     p = sub.add_parser("serve", help="run the head with an OpenAI-compatible API")
     add_pipeline_args(p)
