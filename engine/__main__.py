@@ -1,3 +1,8 @@
-from engine.cli import main
+# first, before anything imports torch: the CUDA build, if the app installed one (overlay.py)
+from engine.overlay import activate
+
+activate()
+
+from engine.cli import main  # noqa: E402
 
 raise SystemExit(main())

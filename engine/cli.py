@@ -444,9 +444,48 @@ def _add_node_args(p):
     p.add_argument("--stages", type=int, default=2, help="local stages when hosting (head included)")
 
 
+VERSION = "0.1.0"   # when the package metadata is missing (a bundle that did not collect it)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("potluck")
+    except PackageNotFoundError:
+        return VERSION
+
+
+def _gpu(args) -> int:
+    """`potluck gpu --check`: one JSON line on the torch this process imports (the app asks
+    in a child process; it never imports torch itself). Exit 1 when torch does not import."""
+    import json
+
+    from engine.overlay import active
+
+    if not args.check:
+        print("potluck gpu: nothing to do (try --check)", file=sys.stderr)
+        return 2
+    out = {"torch": None, "cuda": None, "cuda_available": False, "device_name": None, "overlay": active()}
+    try:
+        import torch
+
+        out.update(torch=torch.__version__, cuda=torch.version.cuda)
+        out["cuda_available"] = bool(torch.cuda.is_available())
+        if out["cuda_available"]:
+            out["device_name"] = str(torch.cuda.get_device_name(0))
+    except Exception as exc:  # a broken CUDA build: say why, on the same one line
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(out), flush=True)
+        return 1
+    print(json.dumps(out), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"potluck {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("chat", help="terminal chat with a pipeline on this machine")
@@ -483,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
     sub.add_parser("doctor", help="can this machine compute on its GPU? if not, what to install")
+    p = sub.add_parser("gpu", help="the torch build this engine runs on (the app's GPU setup asks)")
+    p.add_argument("--check", action="store_true", help="print one JSON line: torch version, CUDA, device")
     _add_homes_args(sub)
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
     _add_node_args(p)
@@ -506,6 +547,8 @@ def main(argv=None) -> int:
 
     apply_openmp_env(os.environ)
     args = build_parser().parse_args(argv)
+    if args.cmd == "gpu":  # before transformers: only torch's own import is under test
+        return _gpu(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
