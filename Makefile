@@ -16,7 +16,7 @@ QT_LIBS := libegl1 libgl1 libfontconfig1 libglib2.0-0 libdbus-1-3 libxkbcommon0 
            libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 \
            libxcb-render-util0 libxcb-shape0 libxcb-xinerama0 libxcb-xkb1 libx11-xcb1 fonts-dejavu-core
 
-.PHONY: setup qt-libs run chat serve test bench screenshots clean
+.PHONY: setup qt-libs run chat serve test bench screenshots installers installers-test clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,14 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
+
+# the Linux installers (dist/*.deb, dist/*.run) from a PyInstaller bundle of this checkout
+installers: setup
+	installer/build-linux.sh
+
+# installs them into an empty home (no venv, no checkout on the path) and asks the model
+installers-test: installers
+	$(BIN)/python -m pytest -q -ra -m installers tests/installer
 
 bench: setup
 	$(BIN)/python bench/overhead.py
