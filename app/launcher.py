@@ -13,8 +13,8 @@ def main(argv=None) -> int:
         from app.main import main as app_main
 
         return app_main(argv[1:])
-    # before engine.cli imports torch: a CUDA build the app downloaded sits first (overlay.py)
-    from engine.overlay import activate
+    # before engine.cli imports torch: a CUDA build the app downloaded sits first (engine/boot/overlay.py)
+    from engine.boot.overlay import activate
 
     activate()
     from engine.cli import main as cli_main

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from engine.selfcmd import engine_command
+from engine.boot.selfcmd import engine_command
 
 from .links import is_link
 

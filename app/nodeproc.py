@@ -14,7 +14,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from engine.selfcmd import engine_command
+from engine.boot.selfcmd import engine_command
 
 ANNOUNCE = "POTLUCK_NODE_PORT="   # engine/node/control.py prints this (the GUI does not import the engine)
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
-# first, before anything imports torch: the CUDA build, if the app installed one (overlay.py)
-from engine.overlay import activate
+# first, before anything imports torch: the CUDA build, if the app installed one (engine/boot/overlay.py)
+from engine.boot.overlay import activate
 
 activate()
 

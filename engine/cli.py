@@ -461,7 +461,7 @@ def _gpu(args) -> int:
     in a child process; it never imports torch itself). Exit 1 when torch does not import."""
     import json
 
-    from engine.overlay import active
+    from engine.boot.overlay import active
 
     if not args.check:
         print("potluck gpu: nothing to do (try --check)", file=sys.stderr)

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 from engine.model.cores import CoreLease, apply_openmp_env, cpu_shares, home_cores
-from engine.selfcmd import engine_command
+from engine.boot.selfcmd import engine_command
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
 
