@@ -108,3 +108,23 @@ def test_a_damaged_download_changes_nothing(tmp_path):
                        env={**clean_env(home), "POTLUCK_NO_LAUNCH": "1"}, cwd=str(home))
     assert p.returncode != 0 and "Nothing was changed" in p.stderr
     assert not (home / ".local/opt/potluck").exists() and not (home / ".local/opt/potluck.new").exists()
+
+
+@pytest.mark.skipif(not DEB or os.geteuid() != 0 or shutil.which("dpkg") is None
+                    or subprocess.run(["dpkg", "-s", "potluck"], capture_output=True).returncode == 0,
+                    reason="installing a .deb for real needs root (and no potluck installed already)")
+def test_the_deb_installs_with_dpkg_and_removing_it_leaves_nothing(tmp_path):
+    # the Depends are checked too: a machine without Qt's libraries would refuse it here
+    p = subprocess.run(["dpkg", "-i", str(DEB[-1])], capture_output=True, text=True, timeout=600)
+    try:
+        assert p.returncode == 0, p.stdout + p.stderr
+        home = tmp_path / "home"
+        home.mkdir()
+        p = run(["potluck", "--version"], home, timeout=120)   # found on the plain PATH
+        assert p.returncode == 0 and p.stdout.startswith("potluck "), p.stderr
+    finally:
+        r = subprocess.run(["dpkg", "--purge", "potluck"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for left in ("/opt/potluck", "/usr/bin/potluck", "/usr/share/applications/potluck.desktop",
+                 "/usr/share/icons/hicolor/scalable/apps/potluck.svg"):
+        assert not os.path.lexists(left), f"{left} is left behind"
