@@ -444,16 +444,13 @@ def _add_node_args(p):
     p.add_argument("--stages", type=int, default=2, help="local stages when hosting (head included)")
 
 
-VERSION = "0.1.0"   # when the package metadata is missing (a bundle that did not collect it)
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("potluck")
-    except PackageNotFoundError:
-        return VERSION
+    except PackageNotFoundError:  # run from a checkout that was never installed: no second copy to drift
+        return "(not installed)"
 
 
 def _gpu(args) -> int:
@@ -476,10 +473,8 @@ def _gpu(args) -> int:
             out["device_name"] = str(torch.cuda.get_device_name(0))
     except Exception as exc:  # a broken CUDA build: say why, on the same one line
         out["error"] = f"{type(exc).__name__}: {exc}"
-        print(json.dumps(out), flush=True)
-        return 1
     print(json.dumps(out), flush=True)
-    return 0
+    return 1 if "error" in out else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,9 +27,8 @@ def clean_env(home: Path) -> dict:
     """What a fresh user session has: no venv, no checkout, nothing of the test run."""
     env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
            "HF_HUB_OFFLINE": "1", "QT_QPA_PLATFORM": "offscreen", "TQDM_DISABLE": "1"}
-    for k in ("TMPDIR",):
-        if k in os.environ:
-            env[k] = os.environ[k]
+    if "TMPDIR" in os.environ:
+        env["TMPDIR"] = os.environ["TMPDIR"]
     return env
 
 
