@@ -517,7 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
     sub.add_parser("doctor", help="can this machine compute on its GPU? if not, what to install")
-    p = sub.add_parser("gpu", help="the torch build this engine runs on (the app's GPU setup asks)")
+    p = sub.add_parser("gpu", help="the torch build this engine runs on (the app's GPU setup asks)",
+                       epilog="`potluck gpu --enable [--index URL]` installs the CUDA build for an NVIDIA GPU and "
+                              "`potluck gpu --disable` goes back to the CPU build: the potluck command hands "
+                              "those to the app package (app/gpu_enable.py), above the engine")
     p.add_argument("--check", action="store_true", help="print one JSON line: torch version, CUDA, device")
     _add_homes_args(sub)
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
