@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
                                QVBoxLayout)
 
-from . import autostart
+from . import autostart, gpu_enable
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
@@ -398,6 +398,18 @@ class SettingsDialog(QDialog):
         self.idle.setChecked(bool(lim.get("only_when_idle")))
         sf.addRow(self.idle)
         lay.addWidget(share)
+        compute = QGroupBox("Computing")
+        gl = QVBoxLayout(compute)
+        self.torch_label = QLabel("")
+        self.torch_label.setWordWrap(True)
+        gl.addWidget(self.torch_label)
+        self.cpu_button = QPushButton("Use the CPU build of torch instead")
+        self.cpu_button.setToolTip("Switches back to the torch Potluck was installed with and deletes the "
+                                   "downloaded CUDA build; the engine restarts")
+        self.cpu_button.clicked.connect(self._use_cpu)
+        gl.addWidget(self.cpu_button)
+        lay.addWidget(compute)
+        self._show_torch()
         self.error = QLabel("")
         self.error.setStyleSheet("color: #b91c1c;")
         lay.addWidget(self.error)
@@ -405,6 +417,24 @@ class SettingsDialog(QDialog):
         buttons.accepted.connect(self.save)
         buttons.rejected.connect(self.reject)
         lay.addWidget(buttons)
+
+    def _show_torch(self):
+        version = gpu_enable.installed()
+        self.cpu_button.setVisible(version is not None)
+        self.torch_label.setText(
+            f"Potluck uses the CUDA build of torch ({version}) it downloaded for your NVIDIA GPU." if version else
+            "Potluck uses the torch it was installed with. With an NVIDIA GPU, “Enable GPU” in the tray menu "
+            "downloads the CUDA build (or run `potluck gpu --enable`).")
+
+    def _use_cpu(self):
+        try:
+            gpu_enable.disable()
+        except gpu_enable.GpuEnableError as e:
+            self.error.setText(str(e))
+            return
+        self._show_torch()
+        self.torch_label.setText("Switched back to the CPU build of torch; the engine restarts on it.")
+        self.c.restart()
 
     def _delete_all(self):
         if QMessageBox.question(self, "Delete all history", "Delete every conversation?") == QMessageBox.Yes:

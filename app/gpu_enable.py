@@ -239,6 +239,7 @@ class Enabled:
     index: str
     downloaded: int            # bytes fetched over the network in this run
     total: int
+    skipped: list[str] = field(default_factory=list)   # companions the indexes lack
 
 
 def index_choices(index: str | list[str] | None, gpu: GpuInfo | None) -> list[list[str]]:
@@ -257,18 +258,29 @@ def index_choices(index: str | list[str] | None, gpu: GpuInfo | None) -> list[li
 
 
 def plan(indexes: list[list[str]], roots: list[Requirement], target: Target, present: dict,
-         metadata_of: Callable[[IndexClient, Pick], str]) -> tuple[list[Pick], IndexClient]:
-    """Resolve against the first index list that has a CUDA build of torch."""
+         metadata_of: Callable[[IndexClient, Pick], str]) -> tuple[list[Pick], IndexClient, list[str]]:
+    """Resolve against the first index list that has a CUDA build of torch (roots[0]).
+    A companion (the other roots) the indexes lack is left out and named, not a reason
+    to fail: torch is the point."""
+    optional = {canonicalize_name(r.name): r for r in roots[1:]}
+    skipped: list[str] = []
     last: Exception | None = None
-    for i, lst in enumerate(indexes):
-        client = IndexClient(lst)
+    i = 0
+    while i < len(indexes):
+        client = IndexClient(indexes[i])
         try:
-            return resolve(roots, present=present, target=target, links=client.links,
-                           metadata=lambda pick, c=client: metadata_of(c, pick)), client
+            picks = resolve(roots, present=present, target=target, links=client.links,
+                            metadata=lambda pick, c=client: metadata_of(c, pick))
+            return picks, client, skipped
         except NotFound as e:
             last = e
-            if i + 1 < len(indexes) and e.name == "torch":
-                continue            # this CUDA variant was not built for this torch: an older one may be
+            if e.name in optional:
+                skipped.append(str(optional.pop(e.name)))
+                roots = [r for r in roots if canonicalize_name(r.name) != e.name]
+                continue
+            if e.name == "torch" and i + 1 < len(indexes):
+                i += 1              # this CUDA variant was not built for this torch: an older one may be
+                continue
             raise GpuEnableError(str(e)) from None
         except ResolveError as e:
             raise GpuEnableError(str(e)) from None
@@ -380,7 +392,7 @@ def enable(index: str | list[str] | None = None, *, gpu_dir: Path | None = None,
             return wheel_metadata(download(pick.link, downloads, meter, cancel, attempts))
 
         report("resolve", 0, 0)
-        picks, client = plan(choices, roots, target, present_here(target), metadata_of)
+        picks, client, skipped = plan(choices, roots, target, present_here(target), metadata_of)
         for p in picks:
             p.size = client.size(p.link)
         meter.total = sum(p.size or 0 for p in picks)
@@ -415,7 +427,7 @@ def enable(index: str | list[str] | None = None, *, gpu_dir: Path | None = None,
         report("done", meter.total, meter.total)
         return Enabled(torch=str(facts.get("torch")), cuda=facts.get("cuda"), device=facts.get("device_name"),
                        site=str(gdir / overlay.SITE), index=client.indexes[0], downloaded=meter.fetched,
-                       total=meter.total)
+                       total=meter.total, skipped=skipped)
 
 
 def _on_disk(folder: Path, pick: Pick) -> int:
@@ -445,7 +457,7 @@ def estimate_size(index: str | list[str] | None = None, *, gpu: GpuInfo | None =
         target = target or Target.here()
         roots = [Requirement(f"torch=={torch_version or shipped_torch_version()}")]
         roots += [Requirement(r) for r in (companions() if extras is None else extras)]
-        picks, client = plan(index_choices(index, gpu), roots, target, present_here(target), metadata_of)
+        picks, client, _ = plan(index_choices(index, gpu), roots, target, present_here(target), metadata_of)
         sizes = [client.size(p.link) for p in picks]
     except (_NoMetadata, GpuEnableError, OSError, ValueError):
         return None
@@ -525,6 +537,8 @@ def main(argv=None) -> int:
         return 1
     print(f"GPU enabled: torch {done.torch} (CUDA {done.cuda}) sees {done.device}. Restart Potluck (or its node) "
           "to compute on it; `potluck gpu --disable` goes back.")
+    if done.skipped:
+        print(f"Not on the package index, so left out: {', '.join(done.skipped)}.")
     return 0
 
 

@@ -237,6 +237,7 @@ def main(argv=None) -> int:
     tick.timeout.connect(lambda: None)
     tick.start(250)
     controller.start_node()
+    shell.look_for_gpu()  # an NVIDIA GPU next to the shipped CPU torch: the tray offers the CUDA build
     if args.link:
         shell.open_link(args.link)
     elif shell.tray is not None:

@@ -14,6 +14,8 @@ from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 from . import paths
 from .chat import ChatWindow
 from .dialogs import HostDialog, JoinDialog, SettingsDialog, StatusDialog
+from .gpu_dialog import GpuEnableDialog, GpuOffer
+from .gpu_enable import offer_label
 from .links import LinkError, parse_link
 
 STATES = ("idle", "loading", "sharing", "serving", "paused", "error")
@@ -65,8 +67,12 @@ class Shell(QObject):
         self.status_action = QAction("Pipeline status", self, triggered=self.open_status)
         self.settings_action = QAction("Settings", self, triggered=self.open_settings)
         self.quit_action = QAction("Quit", self, triggered=self.quit)
+        # shown only once look_for_gpu() finds an NVIDIA GPU next to a CPU build of torch
+        self.gpu_action = QAction(offer_label(), self, triggered=self.open_gpu)
+        self.gpu_action.setVisible(False)
+        self.gpu_offer: GpuOffer | None = None
         self.actions = [self.share_action, None, self.chat_action, self.host_action, self.join_action,
-                        self.status_action, None, self.settings_action, self.quit_action]
+                        self.status_action, None, self.gpu_action, self.settings_action, self.quit_action]
         self.menu = QMenu()
         for a in self.actions:
             if a is None:
@@ -163,6 +169,35 @@ class Shell(QObject):
 
     def open_settings(self):
         return self._dialog("settings", SettingsDialog)
+
+    def look_for_gpu(self, nvml=None) -> GpuOffer:
+        """Whether to offer the CUDA build (in the background: it asks a child process)."""
+        self.gpu_offer = GpuOffer(nvml, self)
+        self.gpu_offer.offered.connect(self._on_gpu_offer)
+        self.gpu_offer.start()
+        return self.gpu_offer
+
+    def _on_gpu_offer(self, label):
+        if label:
+            self.gpu_action.setText(label)
+        self.gpu_action.setVisible(bool(label))
+
+    def open_gpu(self):
+        d = self.dialogs.get("gpu")
+        if d is None or not d.isVisible():
+            offer = self.gpu_offer
+            d = self.dialogs["gpu"] = GpuEnableDialog(offer.gpu if offer else None, offer.size if offer else None)
+            d.succeeded.connect(self._gpu_enabled)
+        d.show()
+        d.raise_()
+        d.activateWindow()
+        return d
+
+    def _gpu_enabled(self, done):
+        """The next engine process imports the CUDA build: restart the node (hosting and
+        sharing come back as they were, now on the GPU)."""
+        self.gpu_action.setVisible(False)
+        self.c.restart()
 
     def restart(self):
         self.chat.banner_label.setText("Restarting the Potluck engine…")

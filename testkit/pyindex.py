@@ -11,6 +11,8 @@ PEP 658 metadata, HEAD and HTTP Range, and breaks on request.
 Faults: drop_after (send that many body bytes, then close the socket: a truncated body),
 corrupt (serve other bytes than the listed sha256 vouches for), ignore_range (answer a
 Range request with the whole file, 200); each for `times` requests, then it heals.
+`gate`: clear it and every request waits until it is set again (a test acts while the
+client is known to be waiting on the index).
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class SimpleIndex:
         self.faults: dict[str, Fault] = {}
         self.log: list[Served] = []
         self._lock = threading.Lock()
+        self.gate = threading.Event()
+        self.gate.set()
         self.server: ThreadingHTTPServer | None = None
 
     # ---- contents --------------------------------------------------------------------
@@ -174,6 +178,7 @@ class SimpleIndex:
         return self
 
     def close(self) -> None:
+        self.gate.set()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -197,6 +202,7 @@ class SimpleIndex:
         entry = Served(h.command, path, h.headers.get("Range"), 200)
         with self._lock:
             self.log.append(entry)
+        self.gate.wait(60)
         if path.startswith("/simple/") and path.endswith("/"):
             project = canonicalize_name(unquote(path[len("/simple/"):-1]))
             if project not in self.projects:

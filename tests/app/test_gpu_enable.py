@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,9 @@ from packaging.version import Version
 
 from app import gpu_enable as ge
 from app.gpu_fetch import Cancelled, GpuEnableError, _member_path
-from app.gpu_index import (Link, NotFound, Pick, ResolveError, Target, best_wheel, parse_simple_page,
+from app.gpu_index import (Link, NotFound, ResolveError, Target, best_wheel, parse_simple_page,
                            requirements_of, resolve, variant_indexes, variants_for)
+from testkit.fake_nvml import PYNVML_SOURCE, fake_nvml
 from testkit.pyindex import SimpleIndex, build_wheel, stand_in_torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,6 +226,19 @@ def test_a_failed_upgrade_leaves_the_working_gpu_build_switched_on(home, index, 
                        "device_name": "Stand-in GPU", "overlay": str(site)}
 
 
+def test_an_index_without_separate_metadata_and_a_missing_companion(home, tmp_path):
+    """Metadata comes out of the downloaded wheels when the index does not serve it
+    (PEP 658), and a companion the index lacks is left out and named, not fatal."""
+    with SimpleIndex() as ix:
+        torch = ix.add(torch_wheel(tmp_path / "w"), metadata=False)
+        ix.add(runtime_wheel(tmp_path / "w"), metadata=False)
+        assert ge.estimate_size(ix.url, extras=[]) is None       # it would have to download to know
+        done = ge.enable(ix.url, extras=["bitsandbytes==0.50.2"])
+        assert done.skipped == ["bitsandbytes==0.50.2"] and done.torch == CUDA_BUILD
+        assert [r.status for r in ix.requests(torch)] == [200]      # fetched once, for metadata and install
+    assert not (home / "gpu" / "site" / "bitsandbytes").exists()
+
+
 def test_the_index_comes_from_the_environment_and_a_missing_build_is_named(home, index, monkeypatch):
     monkeypatch.setenv(ge.ENV_INDEX, index.url)
     with pytest.raises(GpuEnableError, match=r"no CUDA build of torch ==1\.0\.0"):
@@ -239,7 +252,7 @@ def test_the_cli_enables_headless_and_resumes_after_its_process_is_stopped(home,
     gives up mid-file (the server cuts every attempt), the second resumes."""
     fake = tmp_path / "fake-nvml"
     fake.mkdir()
-    (fake / "pynvml.py").write_text(FAKE_PYNVML)
+    (fake / "pynvml.py").write_text(PYNVML_SOURCE)
     env = {k: v for k, v in os.environ.items() if k not in ("POTLUCK_GPU_OVERLAY", ge.ENV_INDEX)}
     env["PYTHONPATH"] = os.pathsep.join([str(fake), str(ROOT)])
 
@@ -260,33 +273,6 @@ def test_the_cli_enables_headless_and_resumes_after_its_process_is_stopped(home,
     p = cli("--disable")
     assert p.returncode == 0 and "Switched back to the CPU build" in p.stdout
     assert_cpu_build(home)
-
-
-FAKE_PYNVML = '''
-def nvmlInit(): pass
-def nvmlShutdown(): pass
-def nvmlDeviceGetCount(): return 1
-def nvmlDeviceGetHandleByIndex(i): return i
-def nvmlDeviceGetName(h): return b"Stand-in GPU"
-def nvmlDeviceGetCudaComputeCapability(h): return (8, 6)
-def nvmlSystemGetCudaDriverVersion(): return 13000
-'''
-
-
-def fake_nvml(names=("NVIDIA GeForce RTX 3060",), driver=13000, capability=(8, 6), init_error=None):
-    m = types.SimpleNamespace()
-
-    def init():
-        if init_error:
-            raise init_error
-
-    m.nvmlInit, m.nvmlShutdown = init, lambda: None
-    m.nvmlDeviceGetCount = lambda: len(names)
-    m.nvmlDeviceGetHandleByIndex = lambda i: i
-    m.nvmlDeviceGetName = lambda h: names[h]
-    m.nvmlDeviceGetCudaComputeCapability = lambda h: capability
-    m.nvmlSystemGetCudaDriverVersion = lambda: driver
-    return m
 
 
 # ---- pure: the offer ------------------------------------------------------------------------
