@@ -18,6 +18,7 @@ headers, requirements and markers by `packaging`.
 from __future__ import annotations
 
 import email.parser
+import sys
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from typing import Callable, Iterable, Mapping
@@ -162,8 +163,9 @@ class Target:
 
     @classmethod
     def here(cls) -> "Target":
-        env = default_environment()
-        return cls(list(_tags.sys_tags()), dict(env), Version(env["python_full_version"]))
+        # not python_full_version: a source build's "3.13.1+" is no valid version
+        return cls(list(_tags.sys_tags()), dict(default_environment()),
+                   Version(".".join(map(str, sys.version_info[:3]))))
 
     @classmethod
     def for_platform(cls, platform: str, python: str = "3.13") -> "Target":
