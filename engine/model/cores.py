@@ -50,14 +50,21 @@ the 2- and 3-stage pipelines several percent further behind the single process t
 before (see bench/RESULTS.md), and the change was reverted.
 
 Locks are flock(2) on files in a directory the pipeline's parent creates; a process
-that dies releases its locks with its file descriptors.
+that dies releases its locks with its file descriptors. Windows has no flock with shared
+locks, so there (LEASES is False) local stages keep to their home cores and never borrow.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 from contextlib import contextmanager
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+LEASES = fcntl is not None
 
 # steps of at least this many tokens borrow idle cores: every step does (see above)
 BORROW_MIN_TOKENS = 1

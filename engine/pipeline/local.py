@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-from engine.model.cores import CoreLease, apply_openmp_env, cpu_shares, home_cores
+from engine.model.cores import LEASES, CoreLease, apply_openmp_env, cpu_shares, home_cores
 from engine.boot.selfcmd import engine_command
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
@@ -26,7 +26,7 @@ class LocalStages:
         # share_cores: the children and the head (process 0, which holds stage 0) lease
         # this machine's cores from one another (engine/model/cores.py); head_cores is the
         # head's lease
-        self._core_dir = tempfile.mkdtemp(prefix="potluck-cores-") if share_cores else None
+        self._core_dir = tempfile.mkdtemp(prefix="potluck-cores-") if share_cores and LEASES else None
         self._n_cores = os.cpu_count() or 1
         self.head_cores = None
         self.cpu_shares = cpu_shares(count + 1, self._n_cores)

@@ -21,7 +21,6 @@ file, so `potluck invites --revoke` from another terminal takes effect at once.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
@@ -184,7 +183,7 @@ class HostState:
         """Read-modify-write under an exclusive lock; yields the dict to change."""
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd)
             data = self._read()
             before = json.dumps(data, sort_keys=True)
             yield data
@@ -195,7 +194,7 @@ class HostState:
                     json.dump(data, f, indent=1, sort_keys=True)
                 os.replace(tmp, self.path)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            _unlock(fd)
             os.close(fd)
 
     def _read(self) -> dict:
@@ -275,3 +274,29 @@ class HostState:
                     rec["revoked"] = True
                     return f"member {rec['node_id']} ({rec['name']})"
         raise KeyError(f"no invite or member {what!r}")
+
+
+# One writer at a time across processes (the node and a `potluck invite` in a terminal).
+if os.name == "nt":
+    import msvcrt
+
+    def _lock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)  # msvcrt locks bytes from the file position on
+        while True:
+            try:  # LK_LOCK itself gives up after ten one-second tries: keep waiting
+                msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
+                return
+            except OSError:
+                continue
+
+    def _unlock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+else:
+    import fcntl
+
+    def _lock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)

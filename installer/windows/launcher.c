@@ -1,0 +1,80 @@
+/* The two programs a Windows user starts: they run the embedded Python beside them.
+ *
+ *   potluck.exe      (console)  <dir>\python\python.exe  -m app.launcher <args>
+ *   Potluck-App.exe  (windowed) <dir>\python\pythonw.exe -m app.launcher app <args>
+ *
+ * A compiled launcher rather than a .bat or .lnk to python.exe: shortcuts, the Run key and
+ * the potluck:// handler need an .exe with our icon, a windowed start must not flash a
+ * console, and the arguments (an invite link with any characters) must pass through as
+ * typed. Built with mingw-w64 on Linux (installer/build-windows.sh); POTLUCK_GUI selects the
+ * windowed flavour. */
+#include <windows.h>
+#include <wchar.h>
+
+#ifdef POTLUCK_GUI
+#define PYEXE L"pythonw.exe"
+#define PREFIX L" -m app.launcher app"
+#else
+#define PYEXE L"python.exe"
+#define PREFIX L" -m app.launcher"
+#endif
+
+/* the command line after our own program name, quoted or not, as CommandLineToArgvW reads it */
+static const wchar_t *after_argv0(const wchar_t *cmd) {
+    if (*cmd == L'"') {
+        cmd++;
+        while (*cmd && *cmd != L'"') cmd++;
+        if (*cmd) cmd++;
+    } else {
+        while (*cmd && *cmd != L' ' && *cmd != L'\t') cmd++;
+    }
+    return cmd;  /* keeps its leading space: appended after our own arguments */
+}
+
+static int fail(const wchar_t *what, const wchar_t *path) {
+    wchar_t msg[2 * MAX_PATH + 200];
+    _snwprintf(msg, sizeof msg / sizeof msg[0],
+               L"Potluck cannot start: %ls\n%ls\n\nReinstalling Potluck repairs this.", what, path);
+    msg[sizeof msg / sizeof msg[0] - 1] = 0;
+#ifdef POTLUCK_GUI
+    MessageBoxW(NULL, msg, L"Potluck", MB_ICONERROR | MB_OK);
+#else
+    fwprintf(stderr, L"%ls\n", msg);
+#endif
+    return 9009;
+}
+
+#ifdef POTLUCK_GUI
+int WINAPI wWinMain(HINSTANCE h, HINSTANCE p, LPWSTR a, int show) {
+#else
+int wmain(void) {
+#endif
+    wchar_t dir[MAX_PATH], python[MAX_PATH + 32];
+    DWORD n = GetModuleFileNameW(NULL, dir, MAX_PATH);
+    if (n == 0 || n >= MAX_PATH) return fail(L"its folder path is too long", L"");
+    wchar_t *slash = wcsrchr(dir, L'\\');
+    if (slash) *slash = 0;
+    _snwprintf(python, sizeof python / sizeof python[0], L"%ls\\python\\%ls", dir, PYEXE);
+    python[sizeof python / sizeof python[0] - 1] = 0;
+    if (GetFileAttributesW(python) == INVALID_FILE_ATTRIBUTES)
+        return fail(L"its Python is missing:", python);
+
+    const wchar_t *rest = after_argv0(GetCommandLineW());
+    size_t len = wcslen(python) + wcslen(PREFIX) + wcslen(rest) + 8;
+    wchar_t *cmd = HeapAlloc(GetProcessHeap(), 0, len * sizeof(wchar_t));
+    if (!cmd) return 8;
+    _snwprintf(cmd, len, L"\"%ls\"%ls%ls", python, PREFIX, rest);
+    cmd[len - 1] = 0;
+
+    /* the console flavour shares its console and standard handles with Python; Ctrl+C
+     * reaches both, so the launcher ignores it and waits for Python's own exit code */
+    SetConsoleCtrlHandler(NULL, TRUE);
+    STARTUPINFOW si = {sizeof si};
+    PROCESS_INFORMATION pi;
+    if (!CreateProcessW(python, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si, &pi))
+        return fail(L"Windows refused to start", python);
+    WaitForSingleObject(pi.hProcess, INFINITE);
+    DWORD code = 1;
+    GetExitCodeProcess(pi.hProcess, &code);
+    return (int)code;
+}

