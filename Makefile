@@ -58,11 +58,14 @@ serve: setup
 test: setup
 	$(BIN)/python -m pytest -q -ra -m "not installers"
 
-# the Linux installers (dist/*.deb, dist/*.run) from a PyInstaller bundle of this checkout
+# every installer into dist/: the Linux .deb and .run (a PyInstaller bundle of this
+# checkout) and the Windows Potluck-Setup-<version>.exe (embedded Python + wheels + NSIS)
 installers: setup
 	installer/build-linux.sh
+	installer/build-windows.sh
 
-# installs them into an empty home (no venv, no checkout on the path) and asks the model
+# installs them into an empty home (no venv, no checkout on the path) and asks the model;
+# the Windows one silently under wine
 installers-test: installers
 	$(BIN)/python -m pytest -q -ra -m installers tests/installer
 
