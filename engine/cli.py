@@ -182,8 +182,15 @@ async def _stage(args) -> int:
 
         cores = CoreLease.from_spec(args.core_lease)
     cap = None if args.memory_cap_mb is None else int(args.memory_cap_mb * 2**20)
+    from engine.node.control import lan_address
+    from engine.wire.stage_auth import is_loopback, new_secret
+
+    secret = args.secret or os.environ.get("POTLUCK_STAGE_SECRET") or None
+    if secret is None and not is_loopback(args.host):
+        # never an open port on the LAN: a fresh secret, printed in the address to give the head
+        secret = new_secret()
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
-                               threads=args.threads, cores=cores, memory_cap=cap).start()
+                               threads=args.threads, cores=cores, memory_cap=cap, secret=secret).start()
     loop = asyncio.get_running_loop()
 
     async def leave():
@@ -205,7 +212,10 @@ async def _stage(args) -> int:
         closed = asyncio.ensure_future(server.wait_closed())
         await asyncio.wait([watcher, closed], return_when=asyncio.FIRST_COMPLETED)
     else:
+        shown = args.host if is_loopback(args.host) or args.host not in ("0.0.0.0", "::", "") else lan_address()
         _say(f"Stage listening on ws://{args.host}:{server.port}")
+        if secret:
+            _say(f"Give the head this address (it carries the secret): ws://{shown}:{server.port}#{secret}")
         await server.wait_closed()
     return 0
 
@@ -296,7 +306,8 @@ async def _join(args) -> int:
         _say("  short code accepted: received the invite code")
     try:
         joined = await join_stage(invite, name=args.name, prefer=args.prefer, device=args.device,
-                                  threads=args.threads, config=args.config, on_event=lambda t: _say(f"  {t}"))
+                                  threads=args.threads, config=args.config, on_event=lambda t: _say(f"  {t}"),
+                                  accept_models=args.accept_model)
     except HomeError as exc:   # the host could not be reached
         _say(f"potluck: {exc}")
         return 1
@@ -409,6 +420,9 @@ def _add_homes_args(sub):
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--config", default=None)
+    p.add_argument("--accept-model", action="append", default=[], metavar="MODEL",
+                   help="a model a friend's head may have this machine load, beyond the default and "
+                        "Potluck's model list (a hub id or a folder/GGUF path here; repeatable)")
 
     p = sub.add_parser("invites", help="list this host's invites and members; make or revoke one")
     p.add_argument("--revoke", metavar="ID", help="an invite id or a member's node id")
@@ -434,6 +448,9 @@ def _add_node_args(p):
     p.add_argument("--token-file", default=None, help="where to write the API token (mode 0600)")
     p.add_argument("--share-host", default="0.0.0.0", help="address friends' heads reach this GPU on")
     p.add_argument("--share-port", type=int, default=7860)
+    p.add_argument("--accept-model", action="append", default=[], metavar="MODEL",
+                   help="a model a friend's head may have this machine load, beyond the default and "
+                        "Potluck's model list (a hub id or a folder/GGUF path here; repeatable)")
     p.add_argument("--api-port", type=int, default=0, help="OpenAI API port on 127.0.0.1 (default: a free one)")
     p.add_argument("--pipeline", default="potluck", help="pipeline name a shared stage accepts")
     p.add_argument("--threads", type=int, default=None)
@@ -508,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--pipeline", default="local")
+    p.add_argument("--secret", default=None,
+                   help="what a head must prove to drive this stage (default: $POTLUCK_STAGE_SECRET; "
+                        "beyond loopback a new one is made and printed in the address to give the head)")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--memory-cap-mb", type=float, default=None,

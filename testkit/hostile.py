@@ -535,7 +535,8 @@ async def attack_stage(t: Tally, w: dict, n: int):
     url = f"ws://127.0.0.1:{port}"
     pid = inv.parse(w["code"]).pipeline.hex()
     name = "stage: bad hellos and frames"
-    data_hello = frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline=pid)
+    # a stranger: it knows the pipeline but not the route token, so its proof is empty
+    data_hello = frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline=pid, auth="")
 
     async def data_then(frame):
         try:
@@ -561,8 +562,9 @@ async def attack_stage(t: Tally, w: dict, n: int):
     for kind, reason in await gather_limited([data_then(f) for f in blobs], 8):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
     hellos = [os.urandom(50), "not json", json.dumps({"type": "hello"}),
-              frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="someone-else"),
-              frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline=pid)]     # a second head
+              frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="someone-else", auth=""),
+              frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline=pid, auth="0" * 64),
+              frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline=pid, auth="")]  # a second head
     for kind, reason in await gather_limited([ws_exchange(url, h, wait=10) for h in hellos * max(1, n // 20)]):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
 

@@ -70,8 +70,14 @@ class NodeError(Exception):
 class Node:
     def __init__(self, token: str, *, share_host: str = "127.0.0.1", share_port: int = 0,
                  api_port: int = 0, pipeline: str = "potluck", threads: int | None = None,
-                 limits: Limits | None = None, poll_seconds: float = 2.0, device: str = "auto"):
+                 limits: Limits | None = None, poll_seconds: float = 2.0, device: str = "auto",
+                 share_secret: str | None = None, accept_models=()):
         self.token = token
+        # what a friend's head proves to drive the plain share (in the address we show);
+        # read from the config folder when sharing first starts
+        self._share_secret = share_secret
+        # models a friend's head may ask for beyond the default and the curated list
+        self.accept_models = tuple(accept_models)
         self.share_host, self.share_port = share_host, share_port
         self.api_port = api_port
         self.pipeline = pipeline
@@ -363,8 +369,11 @@ class Node:
                    "restarts": self.share_restarts, "stopped": self.share_stopped}
         srv = self.stage_server
         if srv is not None:
-            host = self.share_host if self.share_host not in ("0.0.0.0", "::") else _lan_address()
-            sharing["address"] = f"ws://{host}:{srv.port}"
+            host = self.share_host if self.share_host not in ("0.0.0.0", "::") else lan_address()
+            # the address to send a friend carries the secret; a share through an invite
+            # is reached through its tunnel, not this address
+            secret = f"#{srv.secret}" if srv.secret else ""
+            sharing["address"] = f"ws://{host}:{srv.port}{secret}"
             if srv.stage is not None:
                 sharing["layers"] = [srv.stage.start, srv.stage.end] if hasattr(srv.stage, "start") else None
                 sharing["seqs"] = len(srv.stage.kv.seqs)
@@ -634,7 +643,15 @@ class Node:
         if self.stage_server is not None:
             return
         if self.invite is None:
+            if self._share_secret is None:
+                from engine.wire.identity import share_secret
+
+                self._share_secret = share_secret()
+            # whoever connects is someone else's head, even over loopback: it proves the
+            # secret and may only ask for models by name (stage_server.remote_model_ok)
             self.stage_server = await StageServer(self.share_host, self.share_port, pipeline=self.share_pipeline,
+                                                  secret=self._share_secret, trusted_head=False,
+                                                  accept_models=self.accept_models,
                                                   device=self.device, threads=self.threads,
                                                   memory_cap=self._memory_cap()).start()
             log.info("sharing on ws://%s:%d", self.share_host, self.stage_server.port)
@@ -644,7 +661,8 @@ class Node:
         try:
             # a resume after a pause rejoins with the same joiner: a member by now
             joined = await join_stage(self.invite, joiner=self.joiner, device=self.device, threads=self.threads,
-                                      memory_cap=self._memory_cap(), on_event=self._join_event)
+                                      memory_cap=self._memory_cap(), on_event=self._join_event,
+                                      accept_models=self.accept_models)
         except HomeError as exc:
             raise NodeError(str(exc), 502) from None
         self.stage_server, self.joiner = joined.server, joined.joiner
@@ -742,7 +760,7 @@ class Node:
         await self._stop_share("this computer's Potluck is shutting down")
 
 
-def _lan_address() -> str:
+def lan_address() -> str:
     import socket
 
     try:
@@ -794,7 +812,7 @@ async def run_node(args) -> int:
     try:
         node = Node(token, share_host=args.share_host, share_port=args.share_port, api_port=args.api_port,
                     pipeline=args.pipeline, threads=args.threads, limits=limits, poll_seconds=args.poll,
-                    device=getattr(args, "device", "auto"))
+                    device=getattr(args, "device", "auto"), accept_models=getattr(args, "accept_model", None) or ())
     except DeviceError as exc:
         print(f"potluck node: {exc}", file=sys.stderr)
         return 2

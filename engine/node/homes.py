@@ -167,10 +167,13 @@ class Joined:
 
 async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str | None = None,
                      prefer: str = "auto", device: str = "auto", threads: int | None = None,
-                     memory_cap: int | None = None, config: str | None = None, on_event=None) -> Joined:
+                     memory_cap: int | None = None, config: str | None = None, on_event=None,
+                     accept_models=()) -> Joined:
     """A stage server on loopback, connected to the host through the invite's tunnel.
     Pass the joiner of an earlier session to rejoin as a member (after a pause)."""
-    server = await StageServer("127.0.0.1", 0, pipeline=invite.pipeline_id, device=device,
+    # behind the tunnel: on loopback, but the head is a friend's (models by name only)
+    server = await StageServer("127.0.0.1", 0, pipeline=invite.pipeline_id, device=device, trusted_head=False,
+                               accept_models=accept_models,
                                threads=threads, memory_cap=memory_cap).start()
     if joiner is None:
         me = load_or_create_identity(config_dir(config))

@@ -15,11 +15,10 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from engine.wire import frames
@@ -36,12 +35,13 @@ from engine.core.profile import interp, scaled
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
-from engine.core.sampling import SamplingParams, sampling_defaults
+from engine.core.sampling import MAX_CHOICES, SamplingParams, choice_seed, sampling_defaults
 from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
-from engine.pipeline.stage_server import CLIENT_WS_OPTIONS, PROTOCOL_VERSION
+from engine.pipeline.stage_server import connect_stage
+from engine.wire.stage_auth import new_route, split_address
 
 log = logging.getLogger("potluck.head")
 
@@ -54,9 +54,19 @@ class PipelineError(RuntimeError):
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token's log-probability and the likeliest tokens' at its position, as
+    the last stage computed them (engine/model/sampler.py: from the raw logits)."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None   # one per token, when the request asked
 
 
 @dataclass
@@ -98,6 +108,8 @@ class Sequence(Seq):
         self.max_tokens = self.params.max_tokens - len(self.generated)
         self.pos = self.in_flight = 0
         self.opened = self.needs_free = False
+        # a choice still waiting for its parent's prompt replays as a prompt of its own
+        self.forks, self.parent = [], None
 
 
 class RequestHandle:
@@ -164,7 +176,12 @@ class Head:
         self.same_machine = same_machine
         # bytes the host lets its own stage use (their VRAM cap), as a stage's owner can
         self.memory_cap = memory_cap
-        self.remotes = [RemoteStage(a) for a in (stage_addresses or [])]
+        # a friend's share address may carry its secret ('ws://host:port#secret'): kept
+        # apart, so addresses in status, events and logs never show it
+        self._secrets: dict[str, str] = {}
+        self.remotes = [RemoteStage(self._remember(a)) for a in (stage_addresses or [])]
+        # the token this pipeline's stages prove on their data links (engine/wire/stage_auth.py)
+        self.route = new_route()
         self.n_stages = 1 + len(self.remotes)
         self.layers_override = layers
         # Data links acknowledge every piece so the sender can measure the link, except
@@ -241,14 +258,20 @@ class Head:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
-    async def _step0(self, decode: bool, batch: StageBatch, x: torch.Tensor) -> torch.Tensor:
+    async def _step0(self, decode: bool, batch: StageBatch, x: torch.Tensor,
+                     forks: dict[int, list[int]] | None = None) -> torch.Tensor:
         """Stage 0's share of a step: decode steps cut into prompt steps (compute
-        "decode-first"), or everything in arrival order ("in-order")."""
+        "decode-first"), or everything in arrival order ("in-order"). Then the step's
+        forks (a request's other choices) copy their parent's KV, as every stage does."""
         cut_in = decode and self.compute == "decode-first"
 
         def run():
             with self.stage0.gate.step(decode=cut_in):
-                return self.stage0.forward(batch, x)
+                out = self.stage0.forward(batch, x)
+                for parent, children in (forks or {}).items():
+                    for c in children:
+                        self.stage0.fork(parent, c)
+                return out
 
         return await asyncio.get_running_loop().run_in_executor(self._decode_exec if cut_in else self._exec, run)
 
@@ -273,13 +296,18 @@ class Head:
         await self._form()
         return self
 
+    def _remember(self, address: str) -> str:
+        url, secret = split_address(address)
+        if secret:
+            self._secrets[url] = secret
+        return url
+
     async def _hello(self, r: RemoteStage, attempts: int = 1, timeout: float = 30):
         """The control connection to a stage, and its welcome (free memory, speed, device)."""
         for attempt in range(attempts):
             try:
-                r.ws = await asyncio.wait_for(connect(r.address, **CLIENT_WS_OPTIONS), timeout)
-                await r.ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION,
-                                             pipeline=self.pipeline))
+                r.ws = await connect_stage(r.address, "control", self.pipeline,
+                                           key=self._secrets.get(r.address, ""), timeout=timeout)
                 r.welcome = frames.parse_control(await asyncio.wait_for(r.ws.recv(), timeout))
             except (OSError, asyncio.TimeoutError, WebSocketException, frames.FrameError) as exc:
                 # (a process killed mid-handshake answers with no HTTP at all: InvalidMessage)
@@ -336,7 +364,7 @@ class Head:
                 fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
                 kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
                 compress=self.compress, compute=self.compute, acks=self.acks, weights=self.weights,
-                profile=hint(r.address, r.range)))
+                profile=hint(r.address, r.range), route=self.route))
             while True:
                 msg = frames.parse_control(await r.ws.recv())
                 if msg["type"] == "progress":
@@ -369,9 +397,7 @@ class Head:
         self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
 
         if self.remotes:
-            self._data_ws = await connect(self.remotes[0].address, **CLIENT_WS_OPTIONS)
-            await self._data_ws.send(frames.control("hello", role="data", version=PROTOCOL_VERSION,
-                                                  pipeline=self.pipeline))
+            self._data_ws = await connect_stage(self.remotes[0].address, "data", self.pipeline, key=self.route)
             epoch = self._epoch
             self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
                                   on_failed=lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}",
@@ -472,6 +498,15 @@ class Head:
         return list(ids)
 
     def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
+        return self.submit_n(prompt, params, 1)[0]
+
+    def submit_n(self, prompt: list[int], params: SamplingParams, n: int) -> list[RequestHandle]:
+        """n choices of one prompt (OpenAI's n): the prompt is computed once, and each
+        stage copies its KV to the other choices at the step that completes it (a fork,
+        core/scheduler.py); from there on they decode as sequences of their own. Choice
+        i > 0 draws with a seed derived from the request's (core/sampling.py choice_seed)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not (1 <= n <= MAX_CHOICES):
+            raise ValueError(f"n must be a whole number from 1 to {MAX_CHOICES}")
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -482,12 +517,17 @@ class Head:
             raise PipelineError(self.error)
         # never reserve beyond the context window: generation stops there anyway
         params.max_tokens = min(params.max_tokens, self.context_length - len(prompt))
-        seq = Sequence(next(self._ids), len(prompt), params.max_tokens, prompt=list(prompt), params=params,
-                       queue=asyncio.Queue())
-        if seq.reservation > self.capacity:
-            raise ValueError(f"this request needs {seq.reservation} tokens of KV cache but the pipeline "
-                             f"holds at most {self.capacity}; lower max_tokens or shorten the prompt")
-        self.seqs[seq.id] = seq
+        choices = [params] + [replace(params, stop=list(params.stop),
+                                      seed=None if params.seed is None else choice_seed(params.seed, i))
+                              for i in range(1, n)]
+        seqs = [Sequence(next(self._ids), len(prompt), p.max_tokens, prompt=list(prompt), params=p,
+                         queue=asyncio.Queue()) for p in choices]
+        seq, seq.forks = seqs[0], seqs[1:]
+        if seq.need > self.capacity:
+            raise ValueError(f"this request needs {seq.need} tokens of KV cache but the pipeline "
+                             f"holds at most {self.capacity}; lower max_tokens or n, or shorten the prompt")
+        for s in seqs:
+            self.seqs[s.id] = s
         self.sched.add(seq)
         # kick on the loop's next turn, once: requests submitted together (a burst, a
         # client's batch) then start in one step instead of the first alone and the
@@ -495,7 +535,7 @@ class Head:
         if not self._kick_pending:
             self._kick_pending = True
             asyncio.get_running_loop().call_soon(self._deferred_kick)
-        return RequestHandle(self, seq)
+        return [RequestHandle(self, s) for s in seqs]
 
     def _deferred_kick(self):
         self._kick_pending = False
@@ -554,13 +594,16 @@ class Head:
         # KV behind that free, a leak) or it is waiting for its prompt chunks to drain
         # (needs_free: it rides along unsent and is freed when this step returns).
         g.seqs = [s for s in g.seqs if not s.done or s.needs_free]
-        rows, inputs, new = [], [], {}
+        rows, inputs, new, forks = [], [], {}, {}
         for r in self.sched.step_rows(g):
             s = r.seq
             if r.new:
                 src = s.source_tokens
                 inputs.extend(src[s.pos:])
                 new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": src}
+                if r.forks:
+                    new[str(s.id)]["forks"] = [[f.id, f.params.to_dict()] for f in r.forks]
+                    forks[s.id] = [f.id for f in r.forks]
             else:
                 inputs.append(s.generated[-1])
             rows.append([s.id, r.pos, r.n])
@@ -581,7 +624,7 @@ class Head:
                 t0 = time.monotonic()
                 if decode:
                     self.link.sched.decode_compute_started(t0, len(rows))
-                out = await self._step0(decode, batch, x)
+                out = await self._step0(decode, batch, x, forks)
                 if epoch != self._epoch:
                     return  # computed for stages that are gone: its sequences are replayed
                 t1 = time.monotonic()
@@ -592,10 +635,10 @@ class Head:
                                     q8=self._q8(kind, out, t1 - t0))
                 self.link.submit(frame, kind)
             else:
-                toks = await self._run(self._local_last, batch, x, new)
+                entries = await self._run(self._local_last, batch, x, new, forks)
                 if epoch != self._epoch:
                     return
-                self._on_tokens(g.id, g.step, [[s, t] for s, t in zip(batch.seq_ids, toks)], [])
+                self._on_tokens(g.id, g.step, entries, [])
         except ConnectionClosed:
             self._stage_lost(1, "the connection to stage 1 closed", epoch)
         except (ValueError, RuntimeError) as exc:
@@ -639,11 +682,16 @@ class Head:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),
                                self.link.sched.link.bandwidth, compute_seconds)
 
-    def _local_last(self, batch, x, new):
+    def _local_last(self, batch, x, new, forks):
         for k, v in new.items():
             self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
+            for c, sampling in v.get("forks", []):
+                self.sampler.open(c, SamplingParams.from_dict(sampling), v["prompt"])
         logits = self.stage0.forward(batch, x)
-        return self.sampler.sample(batch.seq_ids, logits)
+        for parent, children in forks.items():
+            for c in children:
+                self.stage0.fork(parent, c)
+        return self.sampler.step(batch.seq_ids, logits, forks)
 
     async def _read_stage(self, index: int, r: RemoteStage, epoch: int):
         """Tokens (from the last stage) and step errors (from any stage)."""
@@ -696,6 +744,7 @@ class Head:
         """A machine offers its stage (ws://...): the head takes it in as soon as it
         answers -- a pipeline waiting for room at once, a running one by a rearrangement
         (every sequence replays, nothing is lost)."""
+        address = self._remember(address)
         if any(r.address == address for r in self.remotes):
             return  # already holds a slice
         if address not in self._known:
@@ -906,7 +955,8 @@ class Head:
             if s is not None and not s.done:
                 s.in_flight = 0
                 self._finish(s, "error", msg)
-        for sid, tok in tokens:
+        for entry in tokens:
+            sid, tok = entry[0], entry[1]
             s = members.get(sid)
             if s is None or s.done or not s.in_flight:
                 continue
@@ -914,7 +964,16 @@ class Head:
             if s.cancelled:
                 self._finish(s, "cancelled")
                 continue
-            self._append(s, tok)
+            lp = None
+            if len(entry) == 4 and s.params.logprobs:
+                lp = TokenLogprob(tok, entry[2], [(t, v) for t, v in entry[3][:s.params.top_logprobs]])
+            self._append(s, tok, lp)
+        for s in g.seqs:
+            if s.in_flight and not s.done:
+                # the step came back without it: a fork whose parent's step failed (every
+                # row of a step gets a token or an error; forks ride on their parent's)
+                s.in_flight = 0
+                self._finish(s, "error", "the step that was to start this choice failed")
         for s in g.seqs:
             if s.needs_free:
                 s.needs_free = False
@@ -922,7 +981,7 @@ class Head:
         self.sched.on_result(g)
         self._kick()
 
-    def _append(self, s: Sequence, tok: int):
+    def _append(self, s: Sequence, tok: int, lp: TokenLogprob | None = None):
         if s.t_first is None:
             s.t_first = time.perf_counter()
         self.tokens_served += 1
@@ -943,7 +1002,7 @@ class Head:
         delta = text[len(s.text):]
         s.text = text
         if delta or reason is None:
-            s.queue.put_nowait(Delta(delta, [tok]))
+            s.queue.put_nowait(Delta(delta, [tok], None if lp is None else [lp]))
         if reason is None and (len(s.generated) >= s.params.max_tokens
                                or len(s.prompt) + len(s.generated) >= self.context_length):
             reason = "length"

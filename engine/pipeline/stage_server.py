@@ -35,7 +35,9 @@ from engine.core.profile import differs, interp
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
-from engine.model.sources import ModelError, resolve
+from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ModelError, resolve
+from engine.model import catalog
+from engine.wire.stage_auth import is_loopback, new_nonce, proof, split_address, verify
 from engine.core.sampling import SamplingError, SamplingParams
 from engine.model.sampler import Sampler
 from engine.model.stage import StageBatch, StageModel
@@ -45,11 +47,13 @@ log = logging.getLogger("potluck.stage")
 
 # 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
 # refused at hello with the version named, not later with a schema error.
-PROTOCOL_VERSION = 8   # 3: stages send "profile" updates; 4: configure carries `acks`;
+# 3: stages send "profile" updates; 4: configure carries `acks`;
                        # 5: welcome says which device the stage computes on;
                        # 6: weights precision (welcome: can quantize; configure: which);
                        # 7: configure may carry the profile to start from (a re-plan)
                        # 8: "leaving" (with a deadline) replaces "pausing"
+                       # 9: the stage challenges first; hello proves a key (stage_auth.py)
+PROTOCOL_VERSION = 9
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -77,10 +81,49 @@ class Inbox(asyncio.Queue):
         return self._queue[0]
 
 
+async def connect_stage(address: str, role: str, pipeline: str, key: str = "", timeout: float = 30.0):
+    """Open a connection to a stage and say hello, proving `key` against its challenge
+    (the share's secret for a control connection, the route token for a data link).
+    An address 'ws://host:port#secret' brings its own secret."""
+    url, secret = split_address(address)
+    key = key or secret or ""
+    ws = await asyncio.wait_for(connect(url, **CLIENT_WS_OPTIONS), timeout)
+    try:
+        challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+        if challenge["type"] != "challenge":
+            raise frames.FrameError(f"expected a challenge, got {challenge['type']}")
+        auth = proof(key, role, pipeline, challenge["nonce"]) if key else ""
+        await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline, auth=auth))
+    except BaseException:
+        await ws.close()
+        raise
+    return ws
+
+
+def remote_model_ok(spec: str) -> bool:
+    """What a stage serving someone else's head agrees to load: the default model or a
+    model of the curated catalog, by name; never a path on this disk, nor an arbitrary hub
+    id (a friend's head chooses among what the owner's Potluck knows, not anything)."""
+    s = spec.strip()
+    return s in (DEFAULT_MODEL, DEFAULT_MODEL_NAME) or catalog.find(s) is not None
+
+
 class StageServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
-                 device: str = "auto", threads: int | None = None, cores=None, memory_cap: int | None = None):
+                 device: str = "auto", threads: int | None = None, cores=None, memory_cap: int | None = None,
+                 secret: str | None = None, trusted_head: bool | None = None, accept_models=()):
+        # Beyond this machine, only a head that proves the share's secret may drive it
+        if not is_loopback(host) and not secret:
+            raise ValueError(f"a stage listening on {host or 'every interface'} needs a secret "
+                             "(--secret, or share through an invite)")
         self.host, self.port = host, port
+        self.secret = secret
+        # a trusted head (this machine's own pipeline, over loopback) may name any model,
+        # a path included; any other head only what remote_model_ok allows
+        self.trusted_head = (is_loopback(host) and not secret) if trusted_head is None else trusted_head
+        self.accept_models = frozenset(accept_models)   # what the owner allows beyond the list
+        self._route: str | None = None   # the data-link token of the head that configured us
+        self._route_set = asyncio.Event()
         self.cores = cores  # a CoreLease when this machine's cores are shared (engine/model/cores.py)
         self.pipeline = pipeline
         self.device = pick_device(device)
@@ -178,6 +221,9 @@ class StageServer:
     # ---- connections --------------------------------------------------------
     async def _handle(self, ws):
         try:
+            # nothing about this machine before the peer proves a key: only a nonce
+            nonce = new_nonce()
+            await ws.send(frames.control("challenge", nonce=nonce))
             try:
                 first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
             except asyncio.TimeoutError:
@@ -187,6 +233,17 @@ class StageServer:
                 raise frames.FrameError("first message must be hello with role control or data")
             if hello["version"] != PROTOCOL_VERSION:
                 raise frames.FrameError(f"protocol version {hello['version']} not supported")
+            # control: the share's secret (none on loopback: this machine's own pipeline);
+            # data: the route token of the head that configured this stage
+            if hello["role"] == "data" and self._route is None:
+                # the head configures every stage at once; the one before may be quicker
+                try:
+                    await asyncio.wait_for(self._route_set.wait(), HELLO_TIMEOUT)
+                except asyncio.TimeoutError:
+                    raise frames.FrameError("not authorized") from None
+            key = self.secret if hello["role"] == "control" else self._route
+            if key is not None and not verify(key, hello["role"], hello["pipeline"], nonce, hello["auth"]):
+                raise frames.FrameError("not authorized")   # says nothing of what was wrong
             if hello["pipeline"] != self.pipeline:
                 raise frames.FrameError("wrong pipeline")
         except (frames.FrameError, ConnectionClosed) as exc:
@@ -243,6 +300,9 @@ class StageServer:
 
     async def _configure(self, ws, msg):
         loop = asyncio.get_running_loop()
+        # before loading: the stage before this one may finish loading first and connect
+        self._route = msg["route"]
+        self._route_set.set()
 
         def progress(done, total, what):
             loop.call_soon_threadsafe(
@@ -251,6 +311,9 @@ class StageServer:
             )
 
         def load():
+            if not (self.trusted_head or remote_model_ok(msg["model"]) or msg["model"] in self.accept_models):
+                raise ModelError("this stage loads only the default model or one from Potluck's "
+                                 "model list, by name")
             source = resolve(msg["model"])
             dtype = DTYPES.get(msg["dtype"])
             if dtype is None:
@@ -310,9 +373,7 @@ class StageServer:
             await self._next_ws.close()
             self._next_ws = None
         if msg["next"]:
-            self._next_ws = await connect(msg["next"], **CLIENT_WS_OPTIONS)
-            await self._next_ws.send(frames.control("hello", role="data", version=PROTOCOL_VERSION,
-                                                  pipeline=self.pipeline))
+            self._next_ws = await connect_stage(msg["next"], "data", self.pipeline, key=msg["route"])
             # the profile as last reported: the scheduler's windows follow it too
             self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
                                    on_failed=lambda why: log.error("link to the next stage failed: %s", why),
@@ -471,7 +532,7 @@ class StageServer:
             part = out[o: o + len(ids)]
             o += len(ids)
             if stage.last:
-                meta = {"tokens": [[s, t] for s, t in zip(ids, self.sampler.sample(ids, part))]}
+                meta = {"tokens": self.sampler.step(ids, part)}
                 results.append(("head", frames.encode(frames.FrameType.TOKENS, f.micro_batch, f.step, meta)))
             else:
                 q8 = self.compress == "all"
@@ -484,18 +545,24 @@ class StageServer:
         stage = self.stage
         rows = frame.meta["rows"]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        forks = _forks(frame)
         try:
             if stage.last and not frame.meta.get("partial"):
                 for k, v in frame.meta.get("new", {}).items():
                     if any(t >= stage.vocab_size for t in v["prompt"]):
                         raise ValueError(f"sequence {k}: prompt token ids outside the vocabulary")
                     self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
+                    for c, sampling in v.get("forks", []):
+                        self.sampler.open(c, SamplingParams.from_dict(sampling), v["prompt"])
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")
             t0 = time.perf_counter()
             out = stage.forward(batch, frame.tensor)
             compute_seconds = time.perf_counter() - t0
+            for parent, children in forks.items():
+                for c in children:
+                    stage.fork(parent, c)
         except (ValueError, SamplingError, RuntimeError) as exc:   # torch.OutOfMemoryError too
             if isinstance(exc, torch.OutOfMemoryError) and len(rows) > 1:
                 return self._compute_rows(frame, exc)    # again, one sequence at a time
@@ -508,8 +575,7 @@ class StageServer:
         if stage.last and frame.meta.get("partial"):
             return None  # a prompt chunk: nothing to sample yet
         if stage.last:
-            toks = self.sampler.sample(batch.seq_ids, out)
-            meta = {"tokens": [[s, t] for s, t in zip(batch.seq_ids, toks)]}
+            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks)}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         kind = "decode" if _is_decode(frame) else "prefill"
         bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
@@ -524,6 +590,7 @@ class StageServer:
         when its step completes (model/kv.py, model/stage.py)."""
         stage, rows = self.stage, frame.meta["rows"]
         why = step_failure(first, str(self.device))
+        forks = _forks(frame)
         outs, good, failed, o = [], [], [], 0
         for r in rows:
             x = frame.tensor[o: o + r[2]]
@@ -533,11 +600,18 @@ class StageServer:
                 good.append(r)
             except torch.OutOfMemoryError as exc:
                 failed.append([r[0], step_failure(exc, str(self.device))])
+                continue
+            for c in forks.get(r[0], ()):
+                try:
+                    stage.fork(r[0], c)
+                except (ValueError, RuntimeError) as exc:   # no room for the copy: that choice fails
+                    failed.append([c, step_failure(exc, str(self.device))])
+            forks[r[0]] = [c for c in forks.get(r[0], ()) if stage.kv.has(c)]
         log.warning("out of memory in a step of %d sequences: %d went on one by one (%s)", len(rows), len(good), why)
         ids = [r[0] for r in good]
         if stage.last:
-            toks = self.sampler.sample(ids, torch.cat(outs)) if outs else []
-            meta = {"tokens": [[s, t] for s, t in zip(ids, toks)], "errors": failed}
+            entries = self.sampler.step(ids, torch.cat(outs), forks) if outs else []
+            meta = {"tokens": entries, "errors": failed}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         out = []
         if failed:
@@ -580,6 +654,14 @@ class StageServer:
 
 
 MAX_MERGED_ROWS = 64
+
+
+def _forks(frame: frames.Frame) -> dict[int, list[int]]:
+    """The sequences a frame's step forks (a request's other choices, n > 1): parent ->
+    fork ids. Every stage copies the parent's KV to them once the step has computed it."""
+    if frame.meta.get("partial"):
+        return {}
+    return {int(k): [c for c, _ in v["forks"]] for k, v in frame.meta.get("new", {}).items() if v.get("forks")}
 
 
 def _results(out) -> list:

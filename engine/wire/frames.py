@@ -24,6 +24,7 @@ import torch
 
 from engine.core.compression import Q8_BLOCK, Q8_ROW
 from engine.core.profile import check_profile
+from engine.core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS
 
 MAGIC = b"PTLK"
 VERSION = 1
@@ -172,6 +173,10 @@ def _is_uint(v, hi=2**53) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < hi
 
 
+def _is_logprob(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 0
+
+
 def _check_meta(f: Frame) -> None:
     m = f.meta
     if f.type == FrameType.ACTIVATIONS:
@@ -197,14 +202,28 @@ def _check_meta(f: Frame) -> None:
         new = m.get("new", {})
         if not isinstance(new, dict) or len(new) > MAX_ROWS:
             raise FrameError("new must be an object")
+        forked = set()
         for k, v in new.items():
             # isascii: int() rejects some str.isdigit() characters ('²'); len: 2**53 has 16 digits
             if not (k.isascii() and k.isdigit() and len(k) <= 16) or int(k) not in seen:
                 raise FrameError(f"new sequence {k!r} is not in this step")
-            if not isinstance(v, dict) or set(v) != {"sampling", "prompt"}:
-                raise FrameError("new sequence entries need sampling and prompt")
+            if not isinstance(v, dict) or not ({"sampling", "prompt"} <= set(v) <= {"sampling", "prompt", "forks"}):
+                raise FrameError("new sequence entries need sampling and prompt (and may have forks)")
             if not isinstance(v["prompt"], list) or not all(_is_uint(t, 2**31) for t in v["prompt"]):
                 raise FrameError("prompt must be a list of token ids")
+            # forks: [[seq_id, sampling], ...], sequences that start as a copy of this one
+            # after this step (a request's other choices); each id new to the step
+            forks = v.get("forks", [])
+            if "forks" in v and not (isinstance(forks, list) and 0 < len(forks) < MAX_CHOICES):
+                raise FrameError(f"forks must be a list of 1..{MAX_CHOICES - 1} entries")
+            if forks and m.get("partial"):
+                raise FrameError("a prompt chunk forks nothing")
+            for e in forks:
+                if not (isinstance(e, list) and len(e) == 2 and _is_uint(e[0]) and isinstance(e[1], dict)):
+                    raise FrameError("each fork must be [seq_id, sampling]")
+                if e[0] in seen or e[0] in forked:
+                    raise FrameError(f"fork {e[0]} is not a new sequence")
+                forked.add(e[0])
     elif f.type == FrameType.CHUNK:
         if f.tensor is None or f.tensor.dim() != 1 or f.tensor.dtype != torch.int8:
             raise FrameError("a chunk carries its piece as a flat int8 tensor")
@@ -221,8 +240,15 @@ def _check_meta(f: Frame) -> None:
         if not isinstance(toks, list) or len(toks) > MAX_ROWS:
             raise FrameError("tokens must be a list")
         for t in toks:
-            if not (isinstance(t, list) and len(t) == 2 and _is_uint(t[0]) and _is_uint(t[1], 2**31)):
-                raise FrameError("each token entry must be [seq_id, token_id]")
+            if not (isinstance(t, list) and len(t) in (2, 4) and _is_uint(t[0]) and _is_uint(t[1], 2**31)):
+                raise FrameError("each token entry must be [seq_id, token_id] or [seq_id, token_id, logprob, top]")
+            if len(t) == 4:   # with logprobs: the token's, and [[token_id, logprob], ...] likeliest first
+                top = t[3]
+                if not (_is_logprob(t[2]) and isinstance(top, list) and len(top) <= MAX_TOP_LOGPROBS
+                        and all(isinstance(e, list) and len(e) == 2 and _is_uint(e[0], 2**31) and _is_logprob(e[1])
+                                for e in top)):
+                    raise FrameError(f"logprobs must be a number <= 0 and at most {MAX_TOP_LOGPROBS} "
+                                     "[token_id, logprob] pairs")
         errs = m.get("errors", [])
         if not isinstance(errs, list) or len(errs) > MAX_ROWS:
             raise FrameError("errors must be a list")
@@ -241,12 +267,15 @@ _PROFILE = "profile"   # a stage's compute profile, checked point by point (prof
 _OPT_PROFILE = "profile?"
 
 CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
-    # head -> stage
-    "hello": {"role": _STR, "version": _INT, "pipeline": _STR},
+    # stage -> anyone who connects, before anything else (engine/wire/stage_auth.py)
+    "challenge": {"nonce": _STR},
+    # head -> stage (and stage -> next stage, role data); auth: the proof of the share's
+    # secret (control) or of the pipeline's route token (data)
+    "hello": {"role": _STR, "version": _INT, "pipeline": _STR, "auth": _STR},
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
                   "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR, "acks": _BOOL,
-                  "weights": _STR, "profile": _OPT_PROFILE},
+                  "weights": _STR, "profile": _OPT_PROFILE, "route": _STR},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},

@@ -122,3 +122,26 @@ def load_or_create_identity(config: str | os.PathLike | None = None) -> Identity
     else:
         os.chmod(path, 0o600)
     return _identity(raw, "file")
+
+
+SHARE_SECRET_FILE = "share_secret"
+
+
+def share_secret(path: str | os.PathLike | None = None) -> str:
+    """The secret a head proves to drive this machine's plain (LAN) share: made once and
+    kept in the config folder (0600), so the address a friend was given keeps working
+    across restarts. Delete the file to make a new one (and re-send the address)."""
+    from engine.wire.stage_auth import SECRET_ALPHABET, SECRET_CHARS, new_secret
+
+    f = config_dir(path) / SHARE_SECRET_FILE
+    try:
+        s = f.read_text().strip()
+        if len(s) == SECRET_CHARS and set(s) <= set(SECRET_ALPHABET):
+            return s
+    except OSError:
+        pass
+    s = new_secret()
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(s + "\n")
+    return s

@@ -37,7 +37,7 @@ async def test_friends_leave_come_back_and_join_through_the_tunnels(tmp_path, ti
     try:
         for name in "abc":
             joined.append(await join_stage(invite, name=name, config=str(tmp_path / name), threads=1,
-                                           device="cpu"))
+                                           device="cpu", accept_models=[str(folder)]))
         peers = await asyncio.wait_for(friends.wait(3), 30)
         cfg = await friends.route(peers, PipelineConfig(model=str(folder), threads=1, device="cpu"))
         pipe = await launch(cfg)
@@ -64,14 +64,15 @@ async def test_friends_leave_come_back_and_join_through_the_tunnels(tmp_path, ti
         # it comes back as a member: the same address on the host, a slice again
         handle = head.submit(prompt, params())
         await until(lambda: len(handle.seq.generated) >= 10)
-        joined[1] = await join_stage(invite, joiner=b.joiner, threads=1, device="cpu")
+        joined[1] = await join_stage(invite, joiner=b.joiner, threads=1, device="cpu", accept_models=[str(folder)])
         assert await asyncio.wait_for(reply_of(handle), 120) == reference
         await until(lambda: head.events[-1]["event"] == "rejoined")
         assert [e["event"] for e in head.events][-2:] == ["back", "rejoined"]
         assert [r.address for r in head.remotes] == [p.address for p in peers]
 
         # a fourth friend joins with the code later: taken in as the last stage
-        joined.append(await join_stage(invite, name="d", config=str(tmp_path / "d"), threads=1, device="cpu"))
+        joined.append(await join_stage(invite, name="d", config=str(tmp_path / "d"), threads=1, device="cpu",
+                                       accept_models=[str(folder)]))
         await until(lambda: head.events[-1]["event"] == "rejoined" and head.n_stages == 5, timeout=60)
         assert [e["event"] for e in head.events][-2:] == ["joined", "rejoined"]
         assert await reply_of(head.submit(prompt, params())) == reference

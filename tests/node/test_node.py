@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import stat
 import subprocess
 import sys
@@ -24,8 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-" + "x" * 24
 
 
+# the nodes' config folder (their share secret): not the home of whoever runs the tests
+HOME = tempfile.mkdtemp(prefix="potluck-node-test-")
+
+
 def _env():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TQDM_DISABLE="1", POTLUCK_HOME=HOME)
     return env
 
 
@@ -67,7 +72,7 @@ def wait_status(port, pred, timeout=30):
 
 
 def can_connect(address: str) -> bool:
-    host, port = address.removeprefix("ws://").rsplit(":", 1)
+    host, port = address.split("#")[0].removeprefix("ws://").rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=2):
             return True
@@ -318,7 +323,7 @@ def test_a_share_that_stops_by_itself_is_reported_and_started_again(node):
 
     from websockets.asyncio.client import connect
 
-    from engine.pipeline.stage_server import PROTOCOL_VERSION
+    from engine.pipeline.stage_server import connect_stage
     from engine.wire import frames
 
     call(node, "POST", "/activity", {"idle_seconds": None})
@@ -327,8 +332,7 @@ def test_a_share_that_stops_by_itself_is_reported_and_started_again(node):
     before = st["sharing"]["restarts"]
 
     async def shut_down(addr):
-        async with connect(addr) as ws:
-            await ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline="potluck"))
+        async with await connect_stage(addr, "control", "potluck") as ws:   # the address carries the secret
             assert frames.parse_control(await ws.recv())["type"] == "welcome"
             await ws.send(frames.control("shutdown"))
             await asyncio.wait_for(ws.wait_closed(), 10)
@@ -336,7 +340,7 @@ def test_a_share_that_stops_by_itself_is_reported_and_started_again(node):
     asyncio.run(shut_down(st["sharing"]["address"]))
     st = wait_status(node, lambda s: s["sharing"]["restarts"] == before + 1 and s["sharing"]["running"])
     assert "stopped by itself" in st["sharing"]["stopped"] and st["state"] == "sharing"
-    host, port = st["sharing"]["address"][len("ws://"):].rsplit(":", 1)
+    host, port = st["sharing"]["address"].split("#")[0][len("ws://"):].rsplit(":", 1)
     with socket.create_connection((host, int(port)), 5):
         pass  # serving again
     call(node, "POST", "/stop", {"what": "share"})

@@ -29,7 +29,8 @@ from engine.pipeline.head import Delta, Done, Head, PipelineError
 from engine.model.sources import ModelError, ModelSource, resolve
 from engine.core.partition import parse_layers
 from engine.core.sampling import SamplingParams
-from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer
+from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer, connect_stage
+from engine.wire.stage_auth import proof
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_CMD = ("engine", "stage", "--announce")
@@ -370,16 +371,24 @@ async def test_admission_waits_for_kv_budget(tiny_folder, spare_stages):
 
 # ---- bad peers ------------------------------------------------------------------------
 
-def hello(role="data", version=PROTOCOL_VERSION, pipeline="local") -> str:
-    return json.dumps({"type": "hello", "role": role, "version": version, "pipeline": pipeline})
+def hello(role="data", version=PROTOCOL_VERSION, pipeline="local", key=""):
+    """A hello answering the stage's challenge: a function of its nonce. key: the proof's
+    key (the route token for data, the secret for control); "" sends an empty proof."""
+    def answer(nonce: str) -> str:
+        return json.dumps({"type": "hello", "role": role, "version": version, "pipeline": pipeline,
+                           "auth": proof(key, role, pipeline, nonce) if key else ""})
+    return answer
 
 
 async def expect_policy_close(address: str, *messages, timeout: float = 10.0) -> str:
-    """Send messages; the stage must close this connection with 1008 and a reason."""
+    """Send messages (a callable gets the challenge's nonce); the stage must close this
+    connection with 1008 and a reason."""
     async with connect(address) as ws:
         try:
+            challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+            assert challenge["type"] == "challenge" and set(challenge) == {"type", "nonce"}
             for m in messages:
-                await ws.send(m)
+                await ws.send(m(challenge["nonce"]) if callable(m) else m)
             while True:
                 await asyncio.wait_for(ws.recv(), timeout)
         except ConnectionClosed as exc:
@@ -410,12 +419,13 @@ async def test_bad_frames_close_only_that_connection(pipeline):
     n_bad = 0
     for r in pipeline.remotes:
         for name, frame in bad_frames.items():
-            reason = await expect_policy_close(r.address, hello(), frame)
+            reason = await expect_policy_close(r.address, hello(key=pipeline.route), frame)
             n_bad += 1
             if name == "wrong hidden size":
                 assert "hidden size" in reason
-        for bad_hello in (hello(pipeline="someone-else"), hello(version=99), hello(role="admin"),
-                          b"binary hello", "not json", json.dumps({"type": "hello", "role": "data"})):
+        for bad_hello in (hello(pipeline="someone-else", key=pipeline.route), hello(version=99, key=pipeline.route),
+                          hello(role="admin"), b"binary hello", "not json", json.dumps({"type": "hello", "role": "data"}),
+                          hello(), hello(key="not the route token")):
             await expect_policy_close(r.address, bad_hello)
         # a second head is turned away while ours holds the stage
         reason = await expect_policy_close(r.address, hello(role="control"))
@@ -423,7 +433,7 @@ async def test_bad_frames_close_only_that_connection(pipeline):
 
     after = await pipeline.stage_stats()
     for b, a in zip(before[1:], after[1:]):
-        assert a["rejected"] >= b["rejected"] + len(bad_frames) + 6
+        assert a["rejected"] >= b["rejected"] + len(bad_frames) + 8
     assert pipeline.error is None
     _, text, done = await collect(pipeline.submit(
         pipeline.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]), greedy(24)))
@@ -477,8 +487,8 @@ async def test_a_leaving_stage_hands_its_layers_over_before_it_goes(inproc_stage
         assert left and "GPU too hot" in left[0]["why"] and "leaving" in left[0]["why"]
         assert head.info()["events"][-1]["event"] == "recovered"
         # a leaving stage takes no head meanwhile
-        async with connect(addr) as ws:
-            await ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline="local"))
+        ws = await connect_stage(addr, "control", "local")
+        async with ws:
             with pytest.raises(ConnectionClosed) as closed:
                 await asyncio.wait_for(ws.recv(), 5)
         assert closed.value.rcvd.code == 1013 and "leaving" in closed.value.rcvd.reason
@@ -493,8 +503,7 @@ async def test_a_leaving_stage_goes_on_time_even_if_its_head_holds_on(inproc_sta
     """A head that ignores "leaving" (an old one, or one across homes that cannot move the
     layers) does not keep the owner's machine: leave() gives up at its deadline."""
     server, addr = inproc_stage
-    async with connect(addr) as ws:
-        await ws.send(frames.control("hello", role="control", version=PROTOCOL_VERSION, pipeline="local"))
+    async with await connect_stage(addr, "control", "local") as ws:
         assert frames.parse_control(await ws.recv())["type"] == "welcome"
         t0 = time.monotonic()
         assert not await server.leave("game started", seconds=1.0)
@@ -511,12 +520,11 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
     assert fp_a != fp_b
 
     # raw: a configure whose fingerprint is not the stage's copy -> an error message
-    async with connect(addr) as ws:
-        await ws.send(hello(role="control"))
+    async with await connect_stage(addr, "control", "local") as ws:
         assert frames.parse_control(await ws.recv())["type"] == "welcome"
         configure = dict(model=str(folder_b), start=3, end=6, next=None, dtype="float32",
                          kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None,
-                         acks=True, weights="bf16", profile=None)
+                         acks=True, weights="bf16", profile=None, route="r" * 32)
         await ws.send(frames.control("configure", fingerprint=fp_a, **configure))
         msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 30))
         assert msg["type"] == "error" and "fingerprint" in msg["message"], msg
@@ -758,10 +766,9 @@ async def test_the_owners_memory_cap_bounds_what_a_stage_offers_and_loads(tiny_f
     server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS, memory_cap=cap).start()
     configure = dict(model=str(folder), fingerprint=src.fingerprint(), next=None, dtype="float32",
                      kv_budget_tokens=None, threads=None, link=None, compress=None, compute=None, acks=True,
-                     weights="bf16", profile=None)
+                     weights="bf16", profile=None, route="r" * 32)
     try:
-        async with connect(f"ws://127.0.0.1:{server.port}") as ws:
-            await ws.send(hello(role="control"))
+        async with await connect_stage(f"ws://127.0.0.1:{server.port}", "control", "local") as ws:
             welcome = frames.parse_control(await ws.recv())
             assert welcome["free_memory"] <= cap and welcome["device"] == "cpu"
             await ws.send(frames.control("configure", start=0, end=3, **configure))
