@@ -16,6 +16,8 @@ legitimate chat requests to the host's API, throws at them:
     host's registration, forged accepts, text and oversized frames, a join flood;
   * the joiner's stage server itself: bad hellos, garbage, truncated and oversized
     frames, a second head;
+  * the host's OpenAI-compatible API: malformed n, logprobs and top_logprobs (bounds,
+    types, NaN, huge and deeply nested values), each a 400 naming its field;
   * slow connections that never finish a handshake (TCP only, WebSocket without a
     hello), on all three.
 
@@ -569,6 +571,76 @@ async def attack_stage(t: Tally, w: dict, n: int):
         (t.rejected if kind == "refused" else t.accepted)(name, reason or "kept open")
 
 
+# ---- the host's OpenAI-compatible API: malformed n / logprobs / top_logprobs ----------------
+def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
+    """(category, path, raw body, the param its 400 must name, None for the body as a
+    whole): out-of-bounds and wrongly typed `n`, `logprobs` and `top_logprobs` (chat and
+    completions), values JSON allows but OpenAI's types do not (NaN, Infinity, huge
+    integers), and values nested deeper than a JSON parser goes."""
+    from engine.core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    compl = {"prompt": "hi", "max_tokens": 2}
+    wrong = ["2", 2.5, 2.0, True, False, [], [2], {}, {"n": 2}, "", "NaN"]
+    out = []
+
+    def add(category, path, base, field, value, param=None, **extra):
+        out.append((category, path, json.dumps({**base, **extra, field: value}).encode(), param or field))
+
+    def raw(category, path, base, field, literal: str):
+        body = json.dumps(base)[:-1] + f', "{field}": {literal}}}'
+        out.append((category, path, body.encode(), None if literal.startswith("[[") else field))
+
+    for path, base in (("/chat/completions", chat), ("/completions", compl)):
+        for v in [0, -1, MAX_CHOICES + 1, 10**30, -(10**30)] + wrong:
+            add("api: malformed n", path, base, "n", v)
+        for lit in ("NaN", "Infinity", "-Infinity", "1e400", "[" * 5000 + "]" * 5000):
+            raw("api: malformed n", path, base, "n", lit)
+    for v in ["true", 1, 0, 1.0, [], {}, "yes", [True]]:
+        add("api: malformed logprobs", "/chat/completions", chat, "logprobs", v)
+    for v in [-1, MAX_TOP_LOGPROBS + 1, 10**30, "3", 3.5, True, [], {}, [3]]:
+        add("api: malformed top_logprobs", "/chat/completions", chat, "top_logprobs", v, logprobs=True)
+    for v in [1, MAX_TOP_LOGPROBS]:   # top_logprobs without logprobs: true
+        add("api: malformed top_logprobs", "/chat/completions", chat, "top_logprobs", v)
+        add("api: malformed top_logprobs", "/chat/completions", chat, "top_logprobs", v, logprobs=False)
+    for lit in ("NaN", "-Infinity", "[" * 5000 + "]" * 5000):
+        raw("api: malformed top_logprobs", "/chat/completions", {**chat, "logprobs": True}, "top_logprobs", lit)
+    for v in [-1, MAX_TOP_LOGPROBS + 1, 10**30, "5", 5.5, True, [], {}, [5]]:
+        add("api: malformed logprobs", "/completions", compl, "logprobs", v)
+    for lit in ("NaN", "Infinity", "[" * 5000 + "]" * 5000):
+        raw("api: malformed logprobs", "/completions", compl, "logprobs", lit)
+    # more choices than a request may hold: prompts times n
+    add("api: malformed n", "/completions", {**compl, "prompt": ["a"] * 5}, "n", MAX_CHOICES)
+    return out
+
+
+async def attack_api(t: Tally, api: str):
+    """Each malformed request must get a 400 in OpenAI's error shape naming its field;
+    a 5xx or a dropped connection is a crash."""
+    async def one(category, path, body, param):
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(api + path, data=body, headers={"Content-Type": "application/json"},
+                                  timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    status, text = r.status, await r.text()
+        except Exception as exc:  # noqa: BLE001
+            t.crash(category, f"{param}: {type(exc).__name__}")
+            return
+        try:
+            err = json.loads(text)["error"]
+            shaped = set(err) == {"message", "type", "param", "code"}
+        except (ValueError, KeyError, TypeError):
+            err, shaped = {}, False
+        if status >= 500:
+            t.crash(category, f"{param}: HTTP {status}")
+        elif status == 400 and shaped and err["param"] == param:
+            t.rejected(category, f"400 {param or 'body'}: {err['code']}")
+        else:
+            t.accepted(category, f"{param}: HTTP {status} {text[:80]}")
+
+    await gather_limited([one(*r) for r in api_bad_requests()], 8)
+
+
 # ---- slow connections ------------------------------------------------------------------------
 async def slow(t: Tally, w: dict, n: int):
     """Connections that never finish a handshake: each must be closed by the server."""
@@ -617,7 +689,7 @@ async def run_suite(scale: float = 1.0, log=print, folder: Path | None = None) -
     try:
         await asyncio.get_running_loop().run_in_executor(None, fuzz, t, max(50, int(1000 * scale)), w["code"])
         await asyncio.gather(attack_host(t, w, n, flood, folder), attack_relay(t, w, n, flood, folder),
-                             attack_stage(t, w, n))
+                             attack_stage(t, w, n), attack_api(t, w["api"]))
         # slow handshakes hold relay channels for the host's 10 s: on their own, so that
         # the relay attacks above get through to the host
         await slow(t, w, n)

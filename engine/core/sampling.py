@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass, field
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 256
+# OpenAI's own bound on top_logprobs; it also bounds what a token frame may carry per token
+MAX_TOP_LOGPROBS = 20
+# choices per request (n): each holds a copy of the prompt's KV on every stage, so a
+# request's n is bounded well below what a stage's KV budget would refuse anyway
+MAX_CHOICES = 16
 
 
 class SamplingError(ValueError):
@@ -49,6 +54,10 @@ class SamplingParams:
     greedy: bool = False        # temperature 0 means greedy too
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
+    # the sampled token's log-probability (and the top_logprobs likeliest tokens'),
+    # computed on the last stage only for the rows that ask (engine/model/sampler.py)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -89,8 +98,24 @@ class SamplingParams:
             num("seed", 0, 2**63 - 1, integer=True)
         if not isinstance(self.greedy, bool):
             raise SamplingError("greedy must be true or false")
+        if not isinstance(self.logprobs, bool):
+            raise SamplingError("logprobs must be true or false")
+        num("top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        if self.top_logprobs and not self.logprobs:
+            raise SamplingError("top_logprobs needs logprobs")
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_SEQUENCES:
             raise SamplingError(f"stop must be a list of at most {MAX_STOP_SEQUENCES} strings")
         for s in self.stop:
             if not isinstance(s, str) or not (0 < len(s) <= MAX_STOP_LENGTH):
                 raise SamplingError(f"each stop sequence must be a string of 1..{MAX_STOP_LENGTH} characters")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of a request's choice `index` (n > 1): choice 0 keeps the request's seed,
+    so n=1 and the first of n draw alike; the others draw unrelated but reproducible
+    numbers (one seed for all would give n copies of one text)."""
+    if index == 0:
+        return seed
+    z = (seed ^ (index * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 31)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 29)) & 0x7FFFFFFFFFFFFFFF

@@ -44,10 +44,23 @@ class Seq:
     in_flight: int = 0           # tokens of the step now in the pipeline (0: none)
     opened: bool = False         # its prompt has gone into a step (the last stage knows it)
     done: bool = False
+    # A request's other choices (n > 1) wait here rather than in the queue: the step that
+    # completes this sequence's prompt copies its KV to them on every stage (a fork) and
+    # the last stage samples their first tokens from its logits, so the prompt is
+    # computed and sent over the links once. From that step on they are sequences of
+    # their own, in this one's micro-batch.
+    forks: list = field(default_factory=list)
+    parent: "Seq | None" = None  # the sequence whose forks this one waits in
 
     @property
     def reservation(self) -> int:
         return self.prompt_len + self.max_tokens
+
+    @property
+    def need(self) -> int:
+        """KV tokens it reserves at admission: its own and its waiting forks' (a fork holds
+        a copy of the prompt's KV: the stages' KV keeps one slot per sequence)."""
+        return self.reservation + sum(f.reservation for f in self.forks)
 
 
 @dataclass(eq=False)
@@ -67,6 +80,7 @@ class Row:
     pos: int
     n: int
     new: bool                    # the step opens the sequence (its whole remaining prompt)
+    forks: list = field(default_factory=list)   # sequences forked from it after this step
 
 
 class Scheduler:
@@ -104,18 +118,48 @@ class Scheduler:
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
+        """Queue a sequence; its `forks` (the request's other choices) come with it."""
+        for f in seq.forks:
+            f.parent = seq
         self.waiting.append(seq)
 
     def withdraw(self, seq: Seq) -> bool:
         """Take a sequence that has not started out of the queue (cancelled)."""
+        if seq.parent is not None:
+            self._detach(seq)
+            return True
         if seq in self.waiting:
-            self.waiting.remove(seq)
+            i = self.waiting.index(seq)
+            heir = self._orphan(seq)
+            self.waiting[i:i + 1] = [heir] if heir is not None else []
             return True
         return False
 
+    def _detach(self, fork: Seq) -> None:
+        """A fork leaves before its parent's prompt step (cancelled): an admitted parent's
+        reservation for it returns."""
+        parent = fork.parent
+        fork.parent = None
+        parent.forks.remove(fork)
+        if any(parent in g.seqs for g in self.groups):
+            self.reserved -= fork.reservation
+
+    @staticmethod
+    def _orphan(seq: Seq) -> Seq | None:
+        """A sequence leaves with forks still waiting for its prompt: the first of them
+        takes its place, the others wait on it (still one prefill)."""
+        if not seq.forks:
+            return None
+        heir, rest = seq.forks[0], seq.forks[1:]
+        seq.forks = []
+        heir.parent, heir.forks = None, rest
+        for f in rest:
+            f.parent = heir
+        return heir
+
     def active(self) -> int:
-        """Sequences running or waiting."""
-        return self.running() + len(self.waiting)
+        """Sequences running or waiting (a waiting request's forks too)."""
+        return self.running() + sum(1 + len(s.forks) for s in self.waiting)
 
     def running(self) -> int:
         return sum(len(g.seqs) for g in self.groups)
@@ -124,9 +168,18 @@ class Scheduler:
         """A sequence finished: its KV reservation returns, and a micro-batch that is not
         in flight lets it go now (one in flight drops it when its step is back).
         Returns whether it had been admitted."""
+        if seq.parent is not None:
+            self._detach(seq)
+            return False
         admitted = any(seq in g.seqs for g in self.groups)
         if admitted:
             self.reserved -= seq.reservation
+            heir = self._orphan(seq)
+            if heir is not None:
+                # its forks never got their prompt: the first of them goes to the front
+                # of the queue in its place and is admitted again, like any prompt
+                self.reserved -= heir.need
+                self.waiting.insert(0, heir)
             for g in self.groups:
                 if seq in g.seqs and not g.in_flight:
                     g.seqs.remove(seq)
@@ -191,12 +244,17 @@ class Scheduler:
             return
         fair = max(1, math.ceil(self.active() / max(1, self.micro_batches)))
         limit = min(fair, self.max_batch)
-        while self.waiting and len(g.seqs) < limit:
+        size = sum(1 + len(s.forks) for s in g.seqs)
+        while self.waiting:
             seq = self.waiting[0]
-            if self.reserved + seq.reservation > self.capacity:
+            # a request and its forks join together; alone in a micro-batch, whatever n
+            if size and size + 1 + len(seq.forks) > limit:
+                break
+            if self.reserved + seq.need > self.capacity:
                 break  # wait for KV memory to come back
             self.waiting.pop(0)
-            self.reserved += seq.reservation
+            self.reserved += seq.need
+            size += 1 + len(seq.forks)
             g.seqs.append(seq)
 
     def chunk_size(self, prefill: list | None, bandwidth: float | None) -> int | None:
@@ -229,16 +287,23 @@ class Scheduler:
 
     def step_rows(self, g: Group) -> list[Row]:
         """What a micro-batch's step computes: each new sequence's remaining prompt, one
-        token for each decoding one. Marks them opened and in flight."""
+        token for each decoding one. Marks them opened and in flight. A new sequence's
+        forks join the micro-batch here, in flight with it: its step forks them."""
         rows = []
-        for s in g.seqs:
+        for s in list(g.seqs):
             if s.done:
                 continue
             new = not s.opened
             n = s.prompt_len - s.pos if new else 1
             s.opened = True
             s.in_flight = n
-            rows.append(Row(s, s.pos, n, new))
+            forks = []
+            if new and s.forks:
+                forks, s.forks = s.forks, []
+                for f in forks:
+                    f.parent, f.opened, f.pos, f.in_flight = None, True, s.pos, n
+                g.seqs.extend(forks)
+            rows.append(Row(s, s.pos, n, new, forks))
         return rows
 
     # ---- results ----------------------------------------------------------------------

@@ -43,3 +43,59 @@ class Detokenizer:
         self.text += delta
         self._prefix, self._read = self._read, len(self.tokens)
         return delta
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character each byte is
+    written as in a byte-level BPE vocabulary -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenPieces:
+    """Each token's own bytes and text, as OpenAI's logprobs report them: the bytes the
+    token stands for (a byte-level BPE token may hold part of a UTF-8 character), and
+    their text (invalid UTF-8 shown as \\x escapes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        try:
+            decoder = tokenizer.backend_tokenizer.decoder
+        except AttributeError:  # a slow tokenizer: pieces are read the SentencePiece way
+            decoder = None
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._bytes = _byte_decoder() if self._byte_level else {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token)
+        if hit is None:
+            if len(self._cache) > 1 << 16:
+                self._cache.clear()
+            b = self._piece_bytes(token)
+            hit = self._cache[token] = (b.decode("utf-8", errors="backslashreplace"), b)
+        return hit
+
+    def _piece_bytes(self, token: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str):  # outside the vocabulary
+            return b""
+        if self._byte_level:
+            try:
+                return bytes(self._bytes[c] for c in piece)
+            except KeyError:  # an added token written as plain text
+                return piece.encode()
+        # SentencePiece: '▁' is a space, <0xNN> a byte of its own (byte fallback)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()

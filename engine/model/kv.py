@@ -77,6 +77,30 @@ class KVStore:
             self._capacity = 0
         return True
 
+    def fork(self, parent: int, child: int) -> None:
+        """A new sequence `child` starting with a copy of `parent`'s cached tokens (a
+        request's other choices, n > 1, after its prompt's step). A copy, not a shared
+        prefix: each slot is a row of the layer rectangles, and the choices write their
+        own tokens after the prompt at once."""
+        p = self.seqs.get(parent)
+        if p is None:
+            raise ValueError(f"sequence {parent} to fork from is not cached here")
+        if child in self.seqs:
+            raise ValueError(f"sequence {child} already exists")
+        if self.used_tokens + p.length > self.budget_tokens:
+            raise KVCapacityError(f"KV budget exceeded: forking {p.length} tokens, "
+                                  f"{self.used_tokens} in use, budget {self.budget_tokens}")
+        c = self.open(child)
+        # storage made in the stages' inference mode is written to in it too
+        with torch.inference_mode(any(k.is_inference() for k in self._k.values())):
+            for layer_idx in list(self._k):
+                k, v = self._k[layer_idx], self._v[layer_idx]
+                self._ensure(layer_idx, (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), c.slot + 1, p.length)
+                K, V = self._k[layer_idx], self._v[layer_idx]
+                K[c.slot, :, :p.length] = K[p.slot, :, :p.length]
+                V[c.slot, :, :p.length] = V[p.slot, :, :p.length]
+        c.length = p.length
+
     def reserve(self, rows: list[tuple[int, int, int]]) -> None:
         """Check a step's rows (seq_id, start, n) against lengths and the budget."""
         extra = 0

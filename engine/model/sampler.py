@@ -5,6 +5,10 @@ and sampled rows. A seeded request's randomness for each token comes from its se
 the token's position alone (not from a generator that advances draw by draw): its draw
 does not depend on its batch mates, and a sequence replayed onto new stages after a
 friend's machine left (engine/pipeline/head.py) draws exactly what it would have drawn.
+
+`step` is what a last stage runs: one token per row, plus one per fork (a request's
+other choices, n > 1, sampled from their parent's logits at the step that completes its
+prompt), and log-probabilities for the rows that ask for them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from __future__ import annotations
 import torch
 
 from engine.core.sampling import SamplingParams
+
+# OpenAI's floor for a log-probability (what -inf, a masked-out token, becomes): JSON has
+# no infinities, and a token frame carries only finite values
+LOGPROB_FLOOR = -9999.0
 
 
 class Sampler:
@@ -34,6 +42,44 @@ class Sampler:
         self._history.pop(seq_id, None)
         self._params.pop(seq_id, None)
         self._pos.pop(seq_id, None)
+
+    def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None) -> list[list]:
+        """logits [B, vocab] -> token entries, one per row then one per fork (its parent's
+        row): [seq_id, token] or, for a row that asked for logprobs, [seq_id, token,
+        logprob, [[token, logprob], ...top_logprobs]]."""
+        ids = list(seq_ids)
+        if forks:
+            rows = list(range(len(seq_ids)))
+            for i, s in enumerate(seq_ids):
+                for c in forks.get(s, ()):
+                    ids.append(c)
+                    rows.append(i)
+            if len(ids) > len(seq_ids):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+        toks = self.sample(ids, logits)
+        entries = [[s, t] for s, t in zip(ids, toks)]
+        want = [i for i, s in enumerate(ids) if self._params[s].logprobs]
+        if want:  # requests that did not ask pay nothing for it
+            self._logprobs(entries, want, logits, toks)
+        return entries
+
+    def _logprobs(self, entries: list[list], want: list[int], logits: torch.Tensor, toks: list[int]) -> None:
+        # The log-softmax of the raw model logits, before the repetition penalty,
+        # temperature, top-k and top-p shape what is drawn from: what OpenAI reports (and
+        # vLLM by default), the model's own belief, the same whatever the sampling
+        # settings. With greedy decoding the sampled token is therefore top_logprobs[0].
+        idx = torch.tensor(want, device=logits.device)
+        lsm = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+        lsm = torch.nan_to_num(lsm, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp(LOGPROB_FLOOR, 0.0)
+        chosen = lsm.gather(1, torch.tensor([[toks[i]] for i in want], device=lsm.device)).view(-1).tolist()
+        k = max(self._params[entries[i][0]].top_logprobs for i in want)
+        top_v = top_i = None
+        if k:
+            top_v, top_i = (t.tolist() for t in lsm.topk(min(k, lsm.shape[-1]), dim=-1))
+        for j, i in enumerate(want):
+            n = self._params[entries[i][0]].top_logprobs
+            top = [[top_i[j][m], top_v[j][m]] for m in range(min(n, len(top_i[j])))] if n else []
+            entries[i] += [chosen[j], top]
 
     def sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[int]:
         """logits [B, vocab] float32 -> one token id per row."""

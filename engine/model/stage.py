@@ -474,3 +474,7 @@ class StageModel:
 
     def free(self, seq_id: int) -> bool:
         return self.kv.free(seq_id)
+
+    def fork(self, parent: int, child: int) -> None:
+        """`child` starts as a copy of `parent`'s cached tokens (engine/model/kv.py)."""
+        self.kv.fork(parent, child)

@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP API on the head (aiohttp).
 
 POST /v1/chat/completions, POST /v1/completions (streaming SSE or not; a list of
-prompts gives one choice each), GET /v1/models[/{id}], and GET /v1/potluck/status for
-the app. Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+prompts gives n choices each), GET /v1/models[/{id}], and GET /v1/potluck/status for
+the app. A prompt's `n` choices share its prefill; `logprobs` (and chat's
+`top_logprobs`) come from the last stage, in OpenAI's shapes. Errors use OpenAI's
+shape: {"error": {"message", "type", "param", "code"}}.
 
 Bound to loopback unless told otherwise; beyond loopback an API key is required
 (`Authorization: Bearer <key>`, 401 without it). A field OpenAI defines that this server
@@ -23,7 +25,8 @@ import uuid
 from aiohttp import web
 
 from engine.pipeline.head import Delta, Done, Head, PipelineError
-from engine.core.sampling import TUNABLE, SamplingError, SamplingParams
+from engine.core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, TUNABLE, SamplingError, SamplingParams
+from engine.model.detok import TokenPieces
 
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
@@ -60,8 +63,7 @@ def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
 # fields OpenAI defines that are not implemented yet -> the value that asks for nothing
 # (sent by some clients as a matter of course, and accepted)
 NOT_YET = {"tools": ([], None), "tool_choice": ("none", "auto", None), "functions": ([], None),
-           "function_call": ("none", None), "response_format": ({"type": "text"}, None),
-           "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": ({}, None),
+           "function_call": ("none", None), "response_format": ({"type": "text"}, None), "logit_bias": ({}, None),
            "best_of": (1, None), "echo": (False, None), "suffix": ("", None)}
 
 
@@ -70,6 +72,7 @@ class Api:
         self.head = head
         self.names = {head.source.name, head.source.spec, "default", "potluck"}
         self.api_key = api_key
+        self.pieces = TokenPieces(head.tokenizer)   # token ids -> the text and bytes logprobs report
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
@@ -145,7 +148,7 @@ class Api:
             prompt = self.head.chat_prompt(clean)
         except Exception as exc:  # a template that refuses this conversation
             raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from None
-        return await self._generate(request, body, prompt, chat=True)
+        return await self._generate(request, body, [prompt], chat=True)
 
     async def completions(self, request):
         body = await self._body(request)
@@ -169,37 +172,7 @@ class Api:
                 raise ApiError("prompt token ids must be within the vocabulary", param="prompt")
             else:
                 ids.append(list(p))
-        if len(ids) == 1:
-            return await self._generate(request, body, ids[0], chat=False)
-        if _field(body, "stream", bool, False):
-            raise ApiError("streaming a list of prompts is not supported yet: send them one per request",
-                           param="stream", code="unsupported")
-        return await self._generate_many(body, ids)
-
-    async def _generate_many(self, body, prompts: list[list[int]]):
-        """A list of prompts: all submitted at once (they batch together), one choice each."""
-        handles = []
-        try:
-            for p in prompts:
-                if len(p) >= self.head.context_length:
-                    raise ApiError(f"a prompt is {len(p)} tokens; the context window is {self.head.context_length}",
-                                   param="prompt", code="context_length_exceeded")
-                handles.append(self._submit(p, self._params(body)))
-            results = await asyncio.gather(*(h.text() for h in handles))
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for i, (text, done) in enumerate(results):
-            if done.finish_reason == "error":
-                raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
-            choices.append({"index": i, "text": text, "finish_reason": done.finish_reason, "logprobs": None})
-            for k, v in _usage(done).items():
-                usage[k] += v
-        return web.json_response({"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion",
-                                  "created": int(time.time()), "model": self.head.source.name,
-                                  "choices": choices, "usage": usage})
+        return await self._generate(request, body, ids, chat=False)
 
     # ---- shared -------------------------------------------------------------
     async def _body(self, request) -> dict:
@@ -207,6 +180,8 @@ class Api:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise ApiError("the request body is not valid JSON", code="invalid_json") from None
+        except RecursionError:  # valid JSON nested deeper than the parser goes: no request needs it
+            raise ApiError("the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object", code="invalid_json")
         model = body.get("model")
@@ -231,9 +206,6 @@ class Api:
         if max_tokens > self.head.context_length:
             raise ApiError(f"'max_tokens' is {max_tokens} but the context window is {self.head.context_length}",
                            param="max_tokens", code="invalid_value")
-        n = _field(body, "n", int, 1)
-        if n != 1:
-            raise ApiError("only n=1 is supported", param="n")
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -259,100 +231,219 @@ class Api:
             raise ApiError(str(exc), code="invalid_value") from None
         return p
 
-    async def _generate(self, request, body, prompt: list[int], chat: bool):
-        params = self._params(body)
+    async def _generate(self, request, body, prompts: list[list[int]], chat: bool):
+        """Every prompt's n choices (choice index: prompt * n + j), submitted at once so
+        they batch together; a prompt's choices share its prefill (Head.submit_n)."""
+        n, k = self._choices(body, chat)
+        if len(prompts) * n > MAX_PROMPTS:
+            raise ApiError(f"at most {MAX_PROMPTS} choices per request (prompts times n)", param="n",
+                           code="invalid_value")
         stream = _field(body, "stream", bool, False)
         opts = _field(body, "stream_options", dict, {}) or {}
-        if len(prompt) >= self.head.context_length:
-            raise ApiError(f"the prompt is {len(prompt)} tokens; the context window is {self.head.context_length}",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
-        handle = self._submit(prompt, params)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        model = self.head.source.name
+        for p in prompts:
+            if len(p) >= self.head.context_length:
+                raise ApiError(f"the prompt is {len(p)} tokens; the context window is {self.head.context_length}",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
+        handles = []
+        try:
+            for p in prompts:
+                params = self._params(body)   # per prompt: the head trims max_tokens to its window
+                params.logprobs, params.top_logprobs = k is not None, k or 0
+                handles.extend(self._submit(p, params, n))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        prompt_tokens = sum(len(p) for p in prompts)
+        reply = _Reply(self, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, k)
         try:
             if stream:
-                return await self._stream(request, handle, rid, created, model, chat, bool(opts.get("include_usage")))
-            text, done = await handle.text()
-        except asyncio.CancelledError:
-            handle.cancel()  # the client went away
+                return await self._stream(request, handles, reply, prompt_tokens, bool(opts.get("include_usage")))
+            results = await asyncio.gather(*(_collect(h) for h in handles))
+        except BaseException:  # the client went away (handler cancellation), or a choice failed
+            for h in handles:
+                h.cancel()
             raise
-        if done.finish_reason == "error":
-            raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
-        usage = _usage(done)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": done.finish_reason, "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": done.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
-                                  "choices": [choice], "usage": usage})
+        choices = []
+        for i, (text, done, lps) in enumerate(results):
+            if done.finish_reason == "error":
+                raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
+            choices.append(reply.choice(i, text, done.finish_reason, lps))
+        return web.json_response({**reply.envelope(final=True), "choices": choices,
+                                  "usage": _usage(prompt_tokens, [d for _, d, _ in results])})
 
-    def _submit(self, prompt: list[int], params: SamplingParams):
+    def _choices(self, body: dict, chat: bool) -> tuple[int, int | None]:
+        """n, and how many top tokens each token's logprobs lists (None: no logprobs).
+        Chat asks with logprobs: true and top_logprobs: 0..20; completions with
+        logprobs: 0..20 (the legacy field is the count)."""
+        n = _field(body, "n", int, 1)
+        if not 1 <= n <= MAX_CHOICES:
+            raise ApiError(f"'n' must be between 1 and {MAX_CHOICES}", param="n", code="invalid_value")
+        if chat:
+            want = _field(body, "logprobs", bool, False)
+            top = _field(body, "top_logprobs", int, None)
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise ApiError(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs",
+                               code="invalid_value")
+            if top and not want:
+                raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+            return n, (top or 0) if want else None
+        if body.get("logprobs") is False:   # what some clients send for "none"
+            return n, None
+        k = _field(body, "logprobs", int, None)
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ApiError(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs",
+                           code="invalid_value")
+        return n, k
+
+    def _submit(self, prompt: list[int], params: SamplingParams, n: int = 1):
         try:
-            return self.head.submit(prompt, params)
+            return self.head.submit_n(prompt, params, n)
         except PipelineError as exc:
             raise ApiError(f"the pipeline is not serving: {exc}", status=503, type_="server_error") from None
         except ValueError as exc:
             raise ApiError(str(exc), code="invalid_value") from None
 
-    async def _stream(self, request, handle, rid, created, model, chat, include_usage):
+    async def _stream(self, request, handles, reply: "_Reply", prompt_tokens: int, include_usage: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta_text=None, finish=None, first=False):
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else (
-                    {"content": delta_text} if delta_text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
         async def send(obj_):
             await resp.write(b"data: " + json.dumps(obj_).encode() + b"\n\n")
 
-        try:
-            if chat:
-                await send(chunk(first=True))
+        # each choice's events into one queue, tagged with its index: chunks go out in the
+        # order the tokens arrive, whichever choice they belong to
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, h):
             while True:
-                ev = await handle.next_event(KEEPALIVE_S)
-                if ev is None:
+                ev = await h.next_event(None)
+                events.put_nowait((i, ev))
+                if isinstance(ev, Done):
+                    return
+
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        offsets = [0] * len(handles)   # characters each choice has streamed (text_offset)
+        dones: list[Done] = []
+        try:
+            if reply.chat:
+                for i in range(len(handles)):
+                    await send(reply.chunk(i, first=True))
+            while len(dones) < len(handles):
+                try:
+                    i, ev = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
                     # nothing to say yet (the pipeline rearranging after a friend left, a
                     # long prompt): an SSE comment keeps clients and proxies from timing out
                     await resp.write(b": keep-alive\n\n")
                     continue
                 if isinstance(ev, Delta):
-                    if ev.text:
-                        await send(chunk(ev.text))
-                elif isinstance(ev, Done):
-                    if ev.finish_reason == "error":
-                        await send({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
-                                              "param": None, "code": None}})
-                    else:
-                        await send(chunk(finish=ev.finish_reason))
-                    if include_usage:
-                        await send({"id": rid, "object": obj, "created": created, "model": model,
-                                    "choices": [], "usage": _usage(ev)})
+                    lps = [(lp, offsets[i]) for lp in ev.logprobs or ()] if reply.k is not None else []
+                    if ev.text or lps:
+                        await send(reply.chunk(i, ev.text, lps=lps))
+                    offsets[i] += len(ev.text)
+                    continue
+                dones.append(ev)
+                if ev.finish_reason == "error":
+                    await send({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                          "param": None, "code": None}})
+                    for h in handles:
+                        h.cancel()   # the other choices of a reply that failed
                     break
+                await send(reply.chunk(i, finish=ev.finish_reason))
+            if include_usage:
+                await send({**reply.envelope(), "choices": [], "usage": _usage(prompt_tokens, dones)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except asyncio.CancelledError:
-            handle.cancel()  # the client went away (handler cancellation)
+            for h in handles:
+                h.cancel()  # the client went away (handler cancellation)
             raise
         except ConnectionResetError:
             # the client went away and a write noticed first: nobody to answer, nothing
             # to log; aiohttp treats the closed transport as a finished response
-            handle.cancel()
+            for h in handles:
+                h.cancel()
+        finally:
+            for t in pumps:
+                t.cancel()
         return resp
 
 
-def _usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+class _Reply:
+    """One response's shapes: its id and envelope, a choice, a stream chunk, and each
+    token's logprobs in OpenAI's two formats (chat: content[] with token, logprob, bytes
+    and top_logprobs; completions: tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, api: "Api", rid: str, chat: bool, k: int | None):
+        self.api, self.rid, self.chat, self.k = api, rid, chat, k
+        self.created = int(time.time())
+
+    def envelope(self, final: bool = False) -> dict:
+        obj = ("chat.completion" if final else "chat.completion.chunk") if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.api.head.source.name}
+
+    def choice(self, i: int, text: str, finish: str, lps: list) -> dict:
+        if self.chat:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                    "logprobs": self.logprobs(lps)}
+        return {"index": i, "text": text, "finish_reason": finish, "logprobs": self.logprobs(lps)}
+
+    def chunk(self, i: int, text: str | None = None, finish: str | None = None, first: bool = False,
+              lps: list = ()) -> dict:
+        logprobs = self.logprobs(lps) if lps else None
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        else:
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        return {**self.envelope(), "choices": [choice]}
+
+    def logprobs(self, lps: list) -> dict | None:
+        """lps: (TokenLogprob, the choice's text length before that token) per token."""
+        if self.k is None:
+            return None
+        piece = self.api.pieces.get
+        if self.chat:
+            content = []
+            for lp, _ in lps:
+                text, raw = piece(lp.token)
+                content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw),
+                                "top_logprobs": [{"token": piece(t)[0], "logprob": v, "bytes": list(piece(t)[1])}
+                                                 for t, v in lp.top]})
+            return {"content": content, "refusal": None}
+        # the legacy shape: the likeliest `logprobs` tokens and the sampled one ("up to
+        # logprobs + 1" entries, as OpenAI's completions answer)
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp, offset in lps:
+            text = piece(lp.token)[0]
+            top = {piece(t)[0]: v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+        return out
+
+
+async def _collect(handle) -> tuple[str, Done, list]:
+    """A choice's whole text, its Done, and each token's logprobs with the text offset
+    where that token's text starts."""
+    parts, lps, length = [], [], 0
+    async for ev in handle:
+        if isinstance(ev, Done):
+            return "".join(parts), ev, lps
+        lps.extend((lp, length) for lp in ev.logprobs or ())
+        parts.append(ev.text)
+        length += len(ev.text)
+    raise PipelineError("stream ended without a result")
+
+
+def _usage(prompt_tokens: int, dones: list[Done]) -> dict:
+    """The prompt counts once however many choices it gave; every choice's tokens count."""
+    completion = sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
 
 
 def _is_ids(p: list) -> bool:

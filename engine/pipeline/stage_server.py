@@ -52,7 +52,9 @@ log = logging.getLogger("potluck.stage")
                        # 6: weights precision (welcome: can quantize; configure: which);
                        # 7: configure may carry the profile to start from (a re-plan)
                        # 8: "leaving" (with a deadline) replaces "pausing"
-                       # 9: the stage challenges first; hello proves a key (stage_auth.py)
+                       # 9: the stage challenges first; hello proves a key (stage_auth.py);
+                       #    a new sequence may carry forks (n > 1), sampling asks for
+                       #    logprobs, token entries may carry them
 PROTOCOL_VERSION = 9
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the

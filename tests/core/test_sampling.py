@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.core.sampling import (  # noqa: E402
+    MAX_TOP_LOGPROBS,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
     SamplingError,
@@ -40,7 +41,7 @@ def test_from_dict_defaults_and_round_trip():
     p = SamplingParams.from_dict({})
     assert p == SamplingParams()
     full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 7,
-            "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"]}
+            "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"], "logprobs": True, "top_logprobs": 5}
     p = SamplingParams.from_dict(full)
     assert p.to_dict() == full
     assert SamplingParams.from_dict(p.to_dict()) == p
@@ -56,7 +57,13 @@ def test_is_greedy():
     ("temperature=1", "must be an object"),
     ([("temperature", 1.0)], "must be an object"),
     ({"temperature": 1.0, "bogus": 1, "also": 2}, "unknown sampling parameter\\(s\\): also, bogus"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logit_bias": {}}, "logit_bias"),
+    ({"logprobs": 1}, "logprobs must be true or false"),
+    ({"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS + 1}, "top_logprobs must be between"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs must be between"),
+    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs must be a whole number"),
+    ({"logprobs": True, "top_logprobs": True}, "top_logprobs must be a whole number"),
+    ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
     ({"temperature": "1"}, "temperature must be a number"),
     ({"temperature": None}, "temperature must be a number"),
     ({"temperature": True}, "temperature must be a number"),
@@ -101,7 +108,7 @@ def test_from_dict_rejects(d, match):
     {"temperature": 0}, {"temperature": 100}, {"top_k": 0}, {"top_k": 1 << 20}, {"top_p": 1e-9}, {"top_p": 1},
     {"repetition_penalty": 0.01}, {"repetition_penalty": 100}, {"max_tokens": 1}, {"max_tokens": 1 << 20},
     {"seed": 0}, {"seed": 2**63 - 1}, {"seed": None}, {"stop": ["x"] * MAX_STOP_SEQUENCES},
-    {"stop": ["x" * MAX_STOP_LENGTH]}, {"stop": []},
+    {"stop": ["x" * MAX_STOP_LENGTH]}, {"stop": []}, {"logprobs": True}, {"top_logprobs": 0},
 ])
 def test_from_dict_accepts_boundaries(d):
     p = SamplingParams.from_dict(d)
@@ -267,3 +274,66 @@ def test_unknown_sequence_is_a_key_error():
     s = opened({0: SamplingParams()})
     with pytest.raises(KeyError):
         s.sample([1], logits(1))
+
+
+# ---- Sampler.step: forks and logprobs -----------------------------------------------
+
+def test_step_without_logprobs_gives_plain_entries():
+    s = opened({0: SamplingParams(greedy=True), 1: SamplingParams(temperature=1.0, seed=3)})
+    x = logits(2)
+    entries = s.step([0, 1], x)
+    assert [len(e) for e in entries] == [2, 2] and entries[0] == [0, int(x[0].argmax())]
+
+
+def test_step_logprobs_are_the_raw_log_softmax_whatever_the_sampling():
+    """The sampled token's logprob and the top tokens' come from the model's raw logits
+    (what OpenAI reports), not from the temperature/penalty-shaped distribution drawn from."""
+    s = opened({0: SamplingParams(greedy=True, logprobs=True, top_logprobs=5),
+                1: SamplingParams(temperature=3.0, repetition_penalty=1.5, seed=9, logprobs=True, top_logprobs=2),
+                2: SamplingParams(greedy=True)})
+    x = logits(3, 7)
+    entries = s.step([0, 1, 2], x)
+    ref = torch.log_softmax(x, -1)
+    seq, tok, lp, top = entries[0]
+    assert tok == top[0][0] and lp == top[0][1]        # greedy: the sampled token is the likeliest
+    assert [t for t, _ in top] == ref[0].topk(5).indices.tolist()
+    assert all(math.isclose(v, ref[0, t].item(), rel_tol=1e-6) for t, v in top)
+    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    _, tok1, lp1, top1 = entries[1]
+    assert math.isclose(lp1, ref[1, tok1].item(), rel_tol=1e-6) and lp1 <= 0 and len(top1) == 2
+    assert len(entries[2]) == 2                          # this row did not ask
+
+
+def test_step_logprobs_without_top_and_the_floor():
+    s = opened({0: SamplingParams(greedy=True, logprobs=True)})
+    x = torch.full((1, VOCAB), float("-inf"))
+    x[0, 4] = 0.0
+    [[_, tok, lp, top]] = s.step([0], x)
+    assert (tok, lp, top) == (4, 0.0, [])
+    s2 = opened({0: SamplingParams(greedy=True, logprobs=True, top_logprobs=3)})
+    [[_, _, _, top]] = s2.step([0], x)
+    assert top[0] == [4, 0.0] and all(v == -9999.0 for _, v in top[1:])   # -inf: OpenAI's floor, JSON-safe
+
+
+def test_step_samples_forks_from_their_parents_row():
+    prompt = [1, 2, 3]
+    s = opened({10: SamplingParams(greedy=True), 20: SamplingParams(greedy=True, logprobs=True, top_logprobs=1)},
+               prompt)
+    for c, p in ((11, SamplingParams(greedy=True)), (12, SamplingParams(greedy=True, logprobs=True)),
+                 (21, SamplingParams(greedy=True))):
+        s.open(c, p, prompt)
+    x = logits(2, 5)
+    entries = s.step([10, 20], x, {10: [11, 12], 20: [21]})
+    assert [e[0] for e in entries] == [10, 20, 11, 12, 21]
+    a, b = int(x[0].argmax()), int(x[1].argmax())
+    assert [e[1] for e in entries] == [a, b, a, a, b]
+    assert len(entries[3]) == 4 and entries[3][3] == [] and len(entries[2]) == 2
+
+
+def test_choice_seeds_differ_and_keep_the_first():
+    from engine.core.sampling import choice_seed
+
+    seeds = [choice_seed(1234, i) for i in range(16)]
+    assert seeds[0] == 1234 and len(set(seeds)) == 16
+    assert all(0 <= x < 2**63 for x in seeds)
+    assert seeds == [choice_seed(1234, i) for i in range(16)]

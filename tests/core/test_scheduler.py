@@ -191,3 +191,77 @@ def test_a_removed_micro_batch_keeps_its_step_count():
     s.add(Seq(10, 5, 10))
     again = [g for g in s.schedule() if g.id == g3.id]
     assert again and again[0].step > steps
+
+
+# ---- n > 1: a request's other choices fork from its prompt step ----------------------
+
+def with_forks(n_forks, prompt=5, max_tokens=10, first_id=1):
+    lead = Seq(first_id, prompt, max_tokens)
+    lead.forks = [Seq(first_id + 1 + i, prompt, max_tokens) for i in range(n_forks)]
+    return lead
+
+
+def test_forks_are_admitted_with_their_parent_and_join_at_its_prompt_step():
+    s = sched(micro_batches=1)
+    lead = with_forks(2)
+    s.add(lead)
+    assert s.active() == 3 and all(f.parent is lead for f in lead.forks)
+    (g,) = s.schedule()
+    assert g.seqs == [lead] and s.reserved == 3 * lead.reservation   # each fork holds a copy
+    forks = list(lead.forks)
+    rows = s.step_rows(g)
+    # one row computes the prompt; the forks ride on it, in flight, and are in the batch
+    assert [(r.seq, r.n, r.new, r.forks) for r in rows] == [(lead, 5, True, forks)]
+    assert g.seqs == [lead] + forks and not lead.forks
+    assert all(f.opened and f.in_flight == 5 and f.parent is None for f in forks)
+    for q in g.seqs:
+        s.advance(q)
+    s.on_result(g)
+    assert all(q.pos == 5 for q in g.seqs)
+    (g2,) = s.schedule()
+    assert [(r.seq, r.pos, r.n, r.new) for r in s.step_rows(g2)] == [(q, 5, 1, False) for q in [lead] + forks]
+
+
+def test_a_request_waits_until_the_kv_holds_all_its_choices():
+    s = sched(capacity=40, micro_batches=1)
+    lead = with_forks(2)                                   # 3 x 15 tokens
+    s.add(lead)
+    assert s.schedule() == [] and s.waiting == [lead]
+    s.capacity = 45
+    assert [g.seqs for g in s.schedule()] == [[lead]]
+
+
+def test_a_waiting_fork_that_is_cancelled_returns_its_reservation():
+    s = sched(micro_batches=1)
+    lead = with_forks(2)
+    s.add(lead)
+    s.schedule()
+    f = lead.forks[0]
+    assert s.withdraw(f) and f.parent is None and lead.forks == [lead.forks[0]]
+    assert s.reserved == 2 * lead.reservation
+    assert not s.release(f)                                # never in a micro-batch
+
+
+def test_a_cancelled_parent_hands_its_forks_on():
+    s = sched(micro_batches=1)
+    lead = with_forks(2)
+    a, b = lead.forks
+    s.add(Seq(99, 5, 10))
+    s.add(lead)
+    assert s.withdraw(lead)                                # still queued: the first fork takes its place
+    assert s.waiting[1] is a and a.forks == [b] and b.parent is a and a.parent is None
+    assert s.active() == 3
+
+
+def test_an_admitted_parent_that_leaves_before_its_step_requeues_its_forks():
+    s = sched(micro_batches=1)
+    lead = with_forks(2)
+    a, b = lead.forks
+    s.add(lead)
+    (g,) = s.schedule()
+    g.in_flight = False                                    # (its launch had not built the step)
+    lead.done = True
+    assert s.release(lead)
+    assert s.reserved == 0 and s.waiting == [a] and a.forks == [b] and g.seqs == []
+    (g,) = s.schedule()
+    assert g.seqs == [a] and s.reserved == 2 * a.reservation

@@ -296,3 +296,33 @@ def test_chunked_attention_sees_only_its_own_chunk():
     row1 = (masks["chunked_attention"][1, 0] == 0).int()
     assert row1[7].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]  # position 7
     assert row1[0].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]  # a padding column sees key 0 only
+
+
+def test_fork_copies_the_parents_cache_and_then_diverges():
+    """A request's other choices (n > 1) start as a copy of the prompt's KV."""
+    store = KVStore(10_000, torch.float32)
+    d = Driver(store)
+    d.step([0, 1], [5, 3])
+    store.fork(0, 7)                      # a new slot, past the grown storage
+    d.ref[7] = list(d.ref[0])
+    assert store.length(7) == 5 and store.seqs[7].slot not in (store.seqs[0].slot, store.seqs[1].slot)
+    d.check_store()
+    d.step([0, 7, 1], [1, 1, 1])          # each writes its own token after the prompt
+    d.check_store()
+    assert not torch.equal(store._k[0][store.seqs[7].slot, :, 5], store._k[0][store.seqs[0].slot, :, 5])
+    store.free(0)
+    d.check_store()                       # the fork outlives its parent
+    with pytest.raises(ValueError):
+        store.fork(0, 8)                  # no such parent
+    with pytest.raises(ValueError):
+        store.fork(7, 1)                  # the child exists
+
+
+def test_fork_respects_the_budget():
+    store = KVStore(12, torch.float32)
+    d = Driver(store, n_layers=1)
+    d.step([0], [5])
+    store.fork(0, 1)
+    with pytest.raises(KVCapacityError):
+        store.fork(0, 2)                  # 10 in use, 5 more would exceed 12
+    assert not store.has(2)

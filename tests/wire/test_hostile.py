@@ -119,3 +119,23 @@ async def test_hostile_suite_keeps_the_pipeline_serving(tmp_path):
     assert res["tried"] > 300
     assert res["legit_completed"] >= 1 and res["legit_failed"] == 0, summary(res)
     assert res["final_chat_ok"], summary(res)
+
+
+async def test_api_refuses_malformed_choice_and_logprob_fields(api_url, pipeline):
+    """The hostile suite's API attacks (testkit/hostile.py attack_api) against the session's
+    pipeline: every malformed n / logprobs / top_logprobs is a 400 naming its field."""
+    from openai import AsyncOpenAI
+
+    from testkit.hostile import Tally, api_bad_requests, attack_api
+
+    t = Tally()
+    await attack_api(t, api_url)
+    tried = sum(r.tried for r in t.rows.values())
+    assert tried == len(api_bad_requests()) > 60
+    assert all(r.rejected == r.tried and not r.crashes for r in t.rows.values()), \
+        {k: dict(r.reasons) for k, r in t.rows.items()}
+    assert pipeline.error is None
+    async with AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120) as c:
+        ok = await c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, temperature=0, n=2, logprobs=True, top_logprobs=2)
+    assert len(ok.choices) == 2 and ok.choices[1].logprobs.content
