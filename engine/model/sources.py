@@ -92,7 +92,11 @@ class ModelSource:
     def fingerprint(self) -> str:
         """Hash of the config and the weights' identity; stages compare it at connect."""
         h = hashlib.sha256()
-        h.update(self.config().to_json_string(use_diff=False).encode())
+        cfg = self.config().to_dict()
+        # where this machine keeps its copy is not part of the model: two friends' caches
+        # sit under different home folders and must still agree
+        cfg.pop("_name_or_path", None)
+        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
         if self.gguf_path is not None:
             h.update(str(self.gguf_path.stat().st_size).encode())
             with open(self.gguf_path, "rb") as f:

@@ -91,3 +91,19 @@ def test_the_config_and_tokenizer_are_read_once(default_source):
     assert (root / "config.json").exists() and (root / "potluck-gguf.json").exists()
     assert not list(root.glob("*.safetensors")), "the weights stay in the GGUF"
     assert json.loads((root / "potluck-gguf.json").read_text())["gguf"] == default_source.gguf_path.name
+
+
+def test_two_machines_caching_the_default_model_in_different_homes_agree_on_its_fingerprint(tmp_path):
+    """Friends' caches sit under different home folders (/home/alice, /home/bob): the
+    fingerprint stages compare at connect must not see where the copy lives."""
+    prints = []
+    for who in ("alice", "bob"):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(tmp_path / who / ".cache"))
+        out = subprocess.run([sys.executable, "-c", "from engine.model.sources import resolve;"
+                              "s = resolve('default'); print(s.root); print(s.fingerprint())"],
+                             capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT))
+        assert out.returncode == 0, out.stderr[-2000:]
+        root, fp = out.stdout.strip().splitlines()[-2:]
+        assert root.startswith(str(tmp_path / who))
+        prints.append(fp)
+    assert prints[0] == prints[1]
