@@ -72,7 +72,8 @@ class HostDialog(QDialog):
         self.relay.setPlaceholderText("optional: ws://relay:8765, reachable from both homes")
         form.addRow("Relay:", self.relay)
         self.friends = QPlainTextEdit()
-        self.friends.setPlaceholderText("or friends' stage addresses, one per line (ws://friend:7860), "
+        self.friends.setPlaceholderText("or friends' stage addresses, one per line (ws://friend:7860#secret, as their "
+                                        "Pipeline status shows it), "
                                         "from “Join with invite code…” with a pipeline name")
         self.friends.setFixedHeight(50)
         form.addRow("Friends' addresses:", self.friends)
