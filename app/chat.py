@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
+from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
                                QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton,
                                QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
@@ -166,6 +166,32 @@ class ChatWindow(QMainWindow):
         self.hint = QLabel("")
         self.hint.setStyleSheet("color: #b91c1c;")
         self.hint.setWordWrap(True)
+        # Sampling, shown and changeable where the user reads the replies: "model's
+        # default" leaves it to the API (the model's generation_config, else chat-friendly
+        # defaults, engine/core/sampling.py), a number sets the temperature (0: greedy)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(-0.05, 2.0)
+        self.temperature.setSingleStep(0.05)
+        self.temperature.setDecimals(2)
+        self.temperature.setSpecialValueText("model's default")
+        self.temperature.setToolTip("Lower: steadier, more repetitive; higher: more varied. "
+                                    "“model's default” uses what the model's authors suggest "
+                                    "(else 0.7, top-p 0.9, repetition penalty 1.1).")
+        t = self.c.settings.temperature
+        self.temperature.setValue(self.temperature.minimum() if t is None else t)
+        self.temperature.valueChanged.connect(self._temperature_changed)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(16, 8192)
+        self.max_tokens.setSingleStep(64)
+        self.max_tokens.setValue(self.c.settings.max_tokens)
+        self.max_tokens.setToolTip("The longest reply, in tokens")
+        self.max_tokens.valueChanged.connect(self._max_tokens_changed)
+        sampling_row = QHBoxLayout()
+        sampling_row.addWidget(QLabel("Temperature:"))
+        sampling_row.addWidget(self.temperature)
+        sampling_row.addWidget(QLabel("Longest reply:"))
+        sampling_row.addWidget(self.max_tokens)
+        sampling_row.addStretch(1)
         il = QHBoxLayout()
         il.addWidget(self.input, 1)
         il.addWidget(self.send_button)
@@ -177,6 +203,7 @@ class ChatWindow(QMainWindow):
         rl.addWidget(self.banner)
         rl.addWidget(self.scroll, 1)
         rl.addWidget(self.hint)
+        rl.addLayout(sampling_row)
         rl.addLayout(il)
 
         split = QSplitter()
@@ -415,6 +442,15 @@ class ChatWindow(QMainWindow):
     def stop(self):
         if self.stream is not None:
             self.stream.stop()
+
+    def _temperature_changed(self, value: float):
+        at_default = value <= self.temperature.minimum() + 1e-9
+        self.c.settings.temperature = None if at_default else round(max(0.0, value), 2)
+        self.c.settings.save()
+
+    def _max_tokens_changed(self, value: int):
+        self.c.settings.max_tokens = value
+        self.c.settings.save()
 
     def _on_delta(self, text: str):
         self._pending.append(text)

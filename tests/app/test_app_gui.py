@@ -299,6 +299,36 @@ def test_settings_dialog(qtbot, home):
         Settings().save()
 
 
+def test_the_chat_window_shows_and_changes_sampling(qtbot, home):
+    """The chat says which sampling it uses and lets the user change it; "model's
+    default" leaves it to the API's defaults, a number is the temperature."""
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+
+    c = Controller(make_settings(host_on_start=False))
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        assert w.temperature.value() == c.settings.temperature == 0.0   # the tests' greedy settings
+        w.temperature.setValue(w.temperature.minimum())
+        assert Settings.load().temperature is None and w.temperature.text() == "model's default"
+        w.temperature.setValue(0.3)
+        w.max_tokens.setValue(300)
+        saved = Settings.load()
+        assert saved.temperature == 0.3 and saved.max_tokens == 300
+        w.temperature.setValue(0.0)               # greedy is a choice, not the default
+        assert Settings.load().temperature == 0.0 and w.temperature.text() != "model's default"
+        w.temperature.setValue(w.temperature.minimum())
+        assert Settings.load().temperature is None and w.temperature.text() == "model's default"
+        w2 = ChatWindow(c)                        # a new window shows what was chosen
+        qtbot.addWidget(w2)
+        assert w2.max_tokens.value() == 300
+    finally:
+        c.shutdown()
+        Settings().save()
+
+
 def test_node_that_does_not_answer(qtbot, home):
     from app.chat import ChatWindow
     from app.controller import Controller
