@@ -771,7 +771,17 @@ def lan_address() -> str:
             s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outbound interface
             return s.getsockname()[0]
     except OSError:
-        return "127.0.0.1"
+        pass
+    # no default route (a LAN without internet): the first interface that is not loopback
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return "127.0.0.1"
 
 
 def default_token_file() -> Path:

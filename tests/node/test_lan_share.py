@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -137,3 +138,84 @@ def test_a_stage_beyond_loopback_will_not_start_without_a_secret():
         StageServer("0.0.0.0", 0)
     with pytest.raises(ValueError, match="needs a secret"):
         StageServer("192.168.1.5", 0, secret="")
+
+
+# Runs inside a namespace: one call to that node's control API (it listens on loopback there)
+CTL = r"""
+import json, sys, urllib.request, urllib.error
+port, token, method, path, body = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                             data=None if body == "-" else body.encode(),
+                             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=300) as r:
+        print(json.dumps([r.status, json.loads(r.read() or b"null")]))
+except urllib.error.HTTPError as e:
+    print(json.dumps([e.code, json.loads(e.read() or b"null")]))
+"""
+
+TOKEN = "lan-share-test-token-0123456789"
+
+
+def test_hosting_from_one_home_over_a_friends_app_share_on_the_lan(tmp_path):
+    """Two computers on a LAN, each running the app's node, driven through the control
+    API the way the app drives it: one switches "Share this GPU" on, the other hosts the
+    default model with that share's address (as Pipeline status shows it, secret and
+    all), and answers."""
+    import time
+
+    py = sys.executable
+    with emulated_network(2, "line", subnet=SUBNET + 1) as net:
+        nodes = []
+        try:
+            for i in (0, 1):
+                p = net.popen(i, [py, "-m", "engine", "node", "--share-host", "0.0.0.0", "--share-port", "7860",
+                                  "--threads", "1", "--poll", "0.3", "--token-stdin", "--port", "9000"],
+                              env=_env(tmp_path, f"node{i}"), text=True, stdin=subprocess.PIPE)
+                p.stdin.write(TOKEN + "\n")
+                p.stdin.flush()
+                Lines(p.stdout).wait_for(lambda s: s.startswith("POTLUCK_NODE_PORT="), 120)
+                nodes.append(p)
+
+            def ctl(i, method, path, body=None):
+                out = net.exec(i, [py, "-c", CTL, "9000", TOKEN, method, path,
+                                   "-" if body is None else json.dumps(body)], timeout=320).stdout
+                return json.loads(out.strip().splitlines()[-1])
+
+            def wait(i, pred, timeout=300):
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    st = ctl(i, "GET", "/status")[1]
+                    if pred(st):
+                        return st
+                    time.sleep(0.5)
+                raise AssertionError(f"node {i} status never matched: {st}")
+
+            ctl(1, "POST", "/activity", {"idle_seconds": None})
+            assert ctl(1, "POST", "/share", {"on": True})[0] == 200
+            address = wait(1, lambda s: s["sharing"]["running"])["sharing"]["address"]
+            # what the friend reads off Pipeline status: its LAN address and the secret
+            assert address.startswith(f"ws://{net.addr(1)}:7860#"), address
+
+            status, r = ctl(0, "POST", "/host", {"model": "default", "stages": 1, "stage_addr": [address]})
+            assert status == 200, r
+            st = wait(0, lambda s: s["state"] in ("serving", "error"))
+            assert st["state"] == "serving", st
+            assert "#" not in json.dumps(st["hosting"]), "the secret never shows in the host's status"
+            body = {"model": "default", "max_tokens": 8, "temperature": 0,
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+            url = st["openai_url"].split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[1]
+            out = net.exec(0, [py, "-c", CTL, url, "-", "POST", "/v1/chat/completions", json.dumps(body)],
+                           timeout=320).stdout
+            status, r = json.loads(out.strip().splitlines()[-1])
+            assert status == 200 and "Paris" in r["choices"][0]["message"]["content"], r
+            friend = wait(1, lambda s: s["sharing"]["connected"] and s["sharing"]["layers"])
+            assert friend["sharing"]["layers"][1] == 30      # the friend holds the last layers
+        finally:
+            for p in nodes:
+                p.stdin.close()
+            for p in nodes:
+                try:
+                    p.wait(60)
+                except Exception:  # noqa: BLE001
+                    p.kill()
