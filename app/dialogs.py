@@ -12,9 +12,16 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QVBoxLayout)
 
 from . import autostart, gpu_enable
+from .secrets_store import get_secret, set_secret
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
+
+
+def new_api_key() -> str:
+    import secrets
+
+    return "pl-" + secrets.token_urlsafe(24)
 
 
 def model_label(m: dict) -> str:
@@ -77,6 +84,26 @@ class HostDialog(QDialog):
                                         "from “Join with invite code…” with a pipeline name")
         self.friends.setFixedHeight(50)
         form.addRow("Friends' addresses:", self.friends)
+        # the OpenAI-compatible API for the other computers of this network: always behind a
+        # key (kept in the system keyring), on a port of its own; this app's chat keeps using
+        # the loopback one
+        self.api_lan = QCheckBox("Let other computers on my network use the API")
+        self.api_port = QSpinBox()
+        self.api_port.setRange(1024, 65535)
+        self.api_port.setValue(8000)
+        self.api_key = QLineEdit(get_secret("api_key") or "")
+        self.api_key.setPlaceholderText("made for you when you host")
+        self.api_key.setToolTip("Clients send it as their API key (Authorization: Bearer …)")
+        new_key = QPushButton("New key")
+        new_key.clicked.connect(lambda: self.api_key.setText(new_api_key()))
+        api_row = QHBoxLayout()
+        api_row.addWidget(QLabel("port"))
+        api_row.addWidget(self.api_port)
+        api_row.addWidget(QLabel("key"))
+        api_row.addWidget(self.api_key, 1)
+        api_row.addWidget(new_key)
+        form.addRow(self.api_lan)
+        form.addRow("API on the network:", api_row)
         lay.addLayout(form)
         self.check_button = QPushButton("Check memory and split")
         self.check_button.clicked.connect(self.check)
@@ -153,6 +180,12 @@ class HostDialog(QDialog):
         if self.invitees.value():
             req.update(friends=self.invitees.value(), listen=self.listen.text().strip(),
                        relay=self.relay.text().strip())
+        if self.api_lan.isChecked():
+            if len(self.api_key.text().strip()) < 8:
+                self.api_key.setText(new_api_key())
+            key = self.api_key.text().strip()
+            set_secret("api_key", key)
+            req.update(api_lan_port=self.api_port.value(), api_key=key)
         return req
 
     def check(self):
@@ -520,7 +553,10 @@ def status_html(st: dict) -> str:
         out.append(f"<p><b>Hosting {h['model']}</b>{weights} — {h.get('tokens_served', 0)} tokens served, "
                    f"{h.get('running', 0)} running, {h.get('waiting', 0)} waiting, KV "
                    f"{h.get('kv_used_tokens')}/{h.get('kv_capacity_tokens')} tokens<br>"
-                   f"OpenAI URL: <code>{h.get('openai_url')}</code></p><table border=1 cellpadding=4>"
+                   f"OpenAI URL: <code>{h.get('openai_url')}</code>"
+                   + (f"<br>On your network: <code>{h['api_lan_url']}</code> (with the API key from "
+                      "Host a pipeline…)" if h.get("api_lan_url") else "")
+                   + "</p><table border=1 cellpadding=4>"
                    "<tr><th>Computer</th><th>Computes on</th><th>Layers</th><th>KV tokens</th></tr>")
         for s in h["stages"]:
             a, b = s["layers"]

@@ -90,6 +90,10 @@ class Node:
         self.head = None                    # its head, once it serves
         self.api_runner = None
         self.openai_url: str | None = None
+        # the API for other computers on the LAN (the Host dialog's option): a second
+        # listener that requires the API key; the app's own chat keeps the loopback one
+        self.api_lan_runner = None
+        self.api_lan_url: str | None = None
         self.host_task: asyncio.Task | None = None
         self.host_request: dict | None = None
         self.friends_gate = None            # friends invited to the pipeline we host (engine/node/homes.py)
@@ -203,7 +207,8 @@ class Node:
         """Start loading the pipeline `args` describes (host_args) in the background;
         status() shows its progress."""
         self.error = None
-        self.host_request = args
+        # shown in the status: never the API key
+        self.host_request = dict(args, api_key="(set)") if args.get("api_key") else args
         self.loading = {"message": f"Loading {name or args['model']}…", "stages": {}}
         self.host_task = asyncio.ensure_future(self._host(args))
 
@@ -356,6 +361,7 @@ class Node:
                 info["stages"][1]["link"] = {"rtt_ms": None if not rtt else rtt * 1000,
                                              "mbit_s": None if not bw else bw * 8 / 1e6}
             info["openai_url"] = self.openai_url
+            info["api_lan_url"] = self.api_lan_url
             info["invite"] = self.invite_code
             info["friends"] = self.friends
             for st, f in zip(info["stages"][1:], self.friends):
@@ -433,13 +439,24 @@ class Node:
         wait = body.get("wait_timeout_s", 300)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (0 <= wait <= 86400):
             raise NodeError("'wait_timeout_s' must be a number of seconds from 0 to 86400")
+        api_lan_port = body.get("api_lan_port")
+        api_key = body.get("api_key") or ""
+        if api_lan_port is not None and (isinstance(api_lan_port, bool) or not isinstance(api_lan_port, int)
+                                         or not 1 <= api_lan_port <= 65535):
+            raise NodeError("'api_lan_port' must be a port number from 1 to 65535")
+        if not isinstance(api_key, str) or (api_key and not 8 <= len(api_key) <= 256):
+            raise NodeError("'api_key' must be 8 to 256 characters")
+        if api_lan_port and not api_key:
+            raise NodeError("the API on the LAN needs an API key ('api_key'): anyone on the network "
+                            "could use this pipeline otherwise")
         return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
+                "api_lan_port": api_lan_port, "api_key": api_key,
                 "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen,
                 "weights": weights.strip().lower(), "wait_timeout_s": float(wait), "pipeline": name.strip()}
 
     async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
                    relay: str = "", listen: str = "", weights: str = "auto", wait_timeout_s: float = 300.0,
-                   pipeline: str = "") -> dict:
+                   pipeline: str = "", api_lan_port: int | None = None, api_key: str = "") -> dict:
         """Memory needed vs available and the proposed split, before anything loads, and
         what each weight precision needs on this machine (`precisions`); `weights` is the
         one that will load here: the requested one, or (auto) the highest that fits."""
@@ -573,6 +590,10 @@ class Node:
             self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
             port = self.api_runner.addresses[0][1]
             self.openai_url = f"http://127.0.0.1:{port}/v1"
+            if args.get("api_lan_port"):
+                self.api_lan_runner = await serve_api(pipe.head, "0.0.0.0", args["api_lan_port"],
+                                                      api_key=args["api_key"])
+                self.api_lan_url = f"http://{lan_address()}:{args['api_lan_port']}/v1"
             self.pipe, self.head = pipe, pipe.head
             self.loading = None
         except asyncio.CancelledError:
@@ -581,6 +602,11 @@ class Node:
             raise
         except Exception as exc:
             log.exception("hosting failed")
+            for runner in (self.api_runner, self.api_lan_runner):   # e.g. the LAN port is taken
+                if runner is not None:
+                    await runner.cleanup()
+            self.api_runner = self.api_lan_runner = None
+            self.openai_url = self.api_lan_url = None
             if pipe is not None:
                 await pipe.close()
             if self.friends_gate is not None:
@@ -617,9 +643,11 @@ class Node:
             except (asyncio.CancelledError, Exception):
                 pass
         self.host_task = None
-        if self.api_runner is not None:
-            await self.api_runner.cleanup()
-            self.api_runner = None
+        for runner in (self.api_runner, self.api_lan_runner):
+            if runner is not None:
+                await runner.cleanup()
+        self.api_runner = self.api_lan_runner = None
+        self.api_lan_url = None
         if self.pipe is not None:
             pipe, self.pipe, self.head = self.pipe, None, None
             await pipe.close()

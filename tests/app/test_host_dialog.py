@@ -130,3 +130,17 @@ def test_download_progress_shows_in_the_loading_bar(dialog):
         "1": {"done": 0, "total": 100, "what": "loading weights"}}}})
     assert d.progress.value() == 250 and d.progress.maximum() == 1000  # bytes beyond a C int are fine
     assert d.progress.format().startswith("downloading model-00001-of-00004.safetensors")
+
+
+def test_the_api_for_the_network_is_asked_for_with_a_key_kept_in_the_keyring(dialog):
+    from app.secrets_store import get_secret
+
+    assert "api_lan_port" not in dialog.request()            # off by default: loopback only
+    dialog.api_lan.setChecked(True)
+    dialog.api_port.setValue(8123)
+    req = dialog.request()
+    assert req["api_lan_port"] == 8123 and len(req["api_key"]) >= 20     # a key is made for you
+    assert get_secret("api_key") == req["api_key"] == dialog.api_key.text()
+    assert dialog.request()["api_key"] == req["api_key"]              # and kept
+    dialog.api_key.setText("my-own-key-123")
+    assert dialog.request()["api_key"] == "my-own-key-123" == get_secret("api_key")

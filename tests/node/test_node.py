@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-" + "x" * 24
 
@@ -129,6 +131,9 @@ def test_no_gpu_panel_says_so(node):
     ({"layers": "0:10,12:30"}, "gap"),
     ({"weights": "fp8"}, "'weights' must be one of auto, bf16, int8, nf4"),
     ({"weights": 4}, "'weights'"),
+    ({"api_lan_port": 8000}, "needs an API key"),
+    ({"api_lan_port": 70000, "api_key": "k" * 20}, "'api_lan_port'"),
+    ({"api_lan_port": 8000, "api_key": "short"}, "'api_key'"),
 ])
 def test_bad_plan_requests(node, body, words):
     status, r = call(node, "POST", "/plan", body)
@@ -354,10 +359,22 @@ def test_hosting_over_a_friends_plain_share(node, tmp_path):
         call(friend, "POST", "/activity", {"idle_seconds": None})
         call(friend, "POST", "/share", {"on": True})
         addr = wait_status(friend, lambda s: s["sharing"]["running"])["sharing"]["address"]
-        status, r = call(node, "POST", "/host", {"model": "default", "stages": 1, "stage_addr": [addr]})
+        # and the API for the other computers of the LAN, behind a key (the Host dialog's option)
+        lan_port, key = free_port(), "lan-key-" + "x" * 16
+        status, r = call(node, "POST", "/host", {"model": "default", "stages": 1, "stage_addr": [addr],
+                                                 "api_lan_port": lan_port, "api_key": key})
         assert status == 200, r
         st = wait_status(node, lambda s: s["state"] in ("serving", "error"), timeout=300)
         assert st["state"] == "serving", st
+        assert st["hosting"]["api_lan_url"].endswith(f":{lan_port}/v1")
+        assert key not in json.dumps(st), "the status never shows the API key"
+        lan = f"http://127.0.0.1:{lan_port}/v1/models"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(lan, timeout=30)
+        assert refused.value.code == 401
+        with urllib.request.urlopen(urllib.request.Request(lan, headers={"Authorization": f"Bearer {key}"}),
+                                    timeout=30) as resp:
+            assert json.loads(resp.read())["data"]
         body = json.dumps({"model": "default", "max_tokens": 8, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
         req = urllib.request.Request(st["openai_url"] + "/chat/completions", data=body, method="POST",
