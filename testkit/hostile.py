@@ -16,8 +16,9 @@ legitimate chat requests to the host's API, throws at them:
     host's registration, forged accepts, text and oversized frames, a join flood;
   * the joiner's stage server itself: bad hellos, garbage, truncated and oversized
     frames, a second head;
-  * the host's OpenAI-compatible API: malformed n, logprobs and top_logprobs (bounds,
-    types, NaN, huge and deeply nested values), each a 400 naming its field;
+  * the host's OpenAI-compatible API: malformed n, logprobs, top_logprobs and
+    response_format (bounds, types, NaN, huge and deeply nested values, schemas no
+    grammar can be made of), each a 400 naming its field;
   * slow connections that never finish a handshake (TCP only, WebSocket without a
     hello), on all three.
 
@@ -543,6 +544,7 @@ async def attack_stage(t: Tally, w: dict, n: int):
     async def data_then(frame):
         try:
             async with connect(url, **WS) as ws:
+                await asyncio.wait_for(ws.recv(), 20)   # the stage's challenge (a nonce, nothing else)
                 await ws.send(data_hello)
                 await ws.send(frame)
                 await asyncio.wait_for(ws.recv(), 20)
@@ -591,6 +593,7 @@ def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
         body = json.dumps(base)[:-1] + f', "{field}": {literal}}}'
         out.append((category, path, body.encode(), None if literal.startswith("[[") else field))
 
+
     for path, base in (("/chat/completions", chat), ("/completions", compl)):
         for v in [0, -1, MAX_CHOICES + 1, 10**30, -(10**30)] + wrong:
             add("api: malformed n", path, base, "n", v)
@@ -611,6 +614,26 @@ def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
         raw("api: malformed logprobs", "/completions", compl, "logprobs", lit)
     # more choices than a request may hold: prompts times n
     add("api: malformed n", "/completions", {**compl, "prompt": ["a"] * 5}, "n", MAX_CHOICES)
+    # response_format: shapes OpenAI does not define, and schemas no grammar can be made of
+    def schema(s):
+        return {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": s}}
+
+    deep: dict = {"type": "string"}
+    for _ in range(400):
+        deep = {"type": "array", "items": deep}
+    for v in ["json", 5, [], {}, {"type": "xml"}, {"type": None}, {"type": "json_schema"},
+              {"type": "json_schema", "json_schema": []}, {"type": "json_schema", "json_schema": {"schema": "{}"}},
+              {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}},
+              {"type": "json_schema", "json_schema": {"schema": {}, "name": 5}},
+              schema({"$ref": "#/nowhere"}), schema({"type": "no-such-type"}), schema({"type": ["string", 5]}),
+              schema({"type": "integer", "minimum": "0"}), schema({"type": "string", "pattern": "(unclosed"}),
+              schema({"type": "object", "properties": {"k": 5}}), schema({"enum": "notalist"}),
+              schema({"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                                       for i in range(100)}}),       # too large
+              schema(deep)]:
+        add("api: malformed response_format", "/chat/completions", chat, "response_format", v)
+    raw("api: malformed response_format", "/chat/completions", chat, "response_format",
+        '{"type": "json_schema", "json_schema": {"schema": {"type": "number", "minimum": NaN}}}')
     return out
 
 

@@ -57,7 +57,7 @@ def make_settings(**over):
 
 
 def can_connect(address: str) -> bool:
-    host, port = address.removeprefix("ws://").rsplit(":", 1)
+    host, port = address.split("#")[0].removeprefix("ws://").rsplit(":", 1)   # "#secret": for the head
     try:
         with socket.create_connection((host, int(port)), timeout=2):
             return True

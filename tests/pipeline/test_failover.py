@@ -219,10 +219,11 @@ def test_a_link_cut_between_two_homes_is_noticed_by_the_heartbeats(tmp_path):
     if not ok:
         pytest.skip(f"network namespaces unavailable: {why}")
     driver = Path(__file__).with_name("netcut_head.py")
+    SECRET = "netcut-test-secret-0123"   # stages on the LAN need one; the addresses carry it
     with emulated_network(3, "star", subnet=71) as net:
         for node in (1, 2):
             net.popen(node, [sys.executable, "-m", "engine", "stage", "--host", "0.0.0.0", "--port", "7860",
-                             "--threads", "1", "--device", "cpu"], stdout=subprocess.DEVNULL,
+                             "--threads", "1", "--device", "cpu", "--secret", SECRET], stdout=subprocess.DEVNULL,
                       stderr=subprocess.DEVNULL)
         # the stages take a moment to listen; the driver's launch retries nothing, so wait
         probe = "import socket, sys\nfor a in sys.argv[1:]: socket.create_connection((a, 7860), 1).close()"
@@ -231,7 +232,8 @@ def test_a_link_cut_between_two_homes_is_noticed_by_the_heartbeats(tmp_path):
             assert time.monotonic() < deadline, "the stages never listened"
             time.sleep(0.5)
         log = open(tmp_path / "head.log", "w")
-        head = net.popen(0, [sys.executable, str(driver), f"ws://{net.addr(1)}:7860", f"ws://{net.addr(2)}:7860"],
+        head = net.popen(0, [sys.executable, str(driver), f"ws://{net.addr(1)}:7860#{SECRET}",
+                             f"ws://{net.addr(2)}:7860#{SECRET}"],
                          stdout=subprocess.PIPE, stderr=log, text=True)
         lines = []
         for line in head.stdout:
