@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 
 MAX_STOP_SEQUENCES = 8
@@ -12,6 +13,9 @@ MAX_TOP_LOGPROBS = 20
 # choices per request (n): each holds a copy of the prompt's KV on every stage, so a
 # request's n is bounded well below what a stage's KV budget would refuse anyway
 MAX_CHOICES = 16
+# a response_format's JSON schema, as JSON text: it rides in every new sequence's frame
+# meta (bounded by the wire's MAX_META), so it is held well below that
+MAX_SCHEMA_CHARS = 16 << 10
 
 
 class SamplingError(ValueError):
@@ -58,6 +62,9 @@ class SamplingParams:
     # computed on the last stage only for the rows that ask (engine/model/sampler.py)
     logprobs: bool = False
     top_logprobs: int = 0
+    # response_format: the reply is held to this JSON schema (JSON text) by a token mask
+    # on the last stage (engine/model/grammar.py); data, never code
+    json_schema: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -103,6 +110,15 @@ class SamplingParams:
         num("top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
         if self.top_logprobs and not self.logprobs:
             raise SamplingError("top_logprobs needs logprobs")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str) or len(self.json_schema) > MAX_SCHEMA_CHARS:
+                raise SamplingError(f"json_schema must be JSON text of at most {MAX_SCHEMA_CHARS} characters")
+            try:
+                schema = json.loads(self.json_schema)
+            except (ValueError, RecursionError):
+                raise SamplingError("json_schema is not valid JSON") from None
+            if not isinstance(schema, dict):
+                raise SamplingError("json_schema must be a JSON object")
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_SEQUENCES:
             raise SamplingError(f"stop must be a list of at most {MAX_STOP_SEQUENCES} strings")
         for s in self.stop:

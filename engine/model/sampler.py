@@ -9,13 +9,20 @@ friend's machine left (engine/pipeline/head.py) draws exactly what it would have
 `step` is what a last stage runs: one token per row, plus one per fork (a request's
 other choices, n > 1, sampled from their parent's logits at the step that completes its
 prompt), and log-probabilities for the rows that ask for them.
+
+A request with a JSON schema (response_format) draws only what its grammar allows next
+(engine/model/grammar.py): its rows' logits are masked on a copy, so its logprobs stay
+the raw model's, and a batch without such a request never copies or masks anything.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import replace
+
 from engine.core.sampling import SamplingParams
+from engine.model.grammar import GrammarError
 
 # OpenAI's floor for a log-probability (what -inf, a masked-out token, becomes): JSON has
 # no infinities, and a token frame carries only finite values
@@ -25,15 +32,43 @@ LOGPROB_FLOOR = -9999.0
 class Sampler:
     """Keeps per-sequence state (token history for the repetition penalty, generator)."""
 
-    def __init__(self):
+    def __init__(self, grammars=None):
         self._history: dict[int, list[int]] = {}
         self._params: dict[int, SamplingParams] = {}
         self._pos: dict[int, int] = {}  # the position of the next token each sequence draws
+        # engine/model/grammar.py Grammars: set by whoever knows the model's tokenizer
+        self.grammars = grammars
+        self._constraints: dict = {}    # seq_id -> grammar.Constraint, constrained requests only
 
-    def open(self, seq_id: int, params: SamplingParams, prompt: list[int]) -> None:
+    def open(self, seq_id: int, params: SamplingParams, prompt: list[int], replayed: int = 0) -> None:
+        """replayed: how many of the prompt's last tokens this sequence generated before
+        (a replay after a rearrangement): its grammar goes on after them."""
+        if params.json_schema is not None:
+            if self.grammars is None:
+                raise GrammarError("this stage cannot hold replies to a JSON schema")
+            c = self.grammars.constraint(params.json_schema)
+            if replayed:
+                c.consume(prompt[len(prompt) - replayed:])
+            self._constraints[seq_id] = c
+        else:
+            self._constraints.pop(seq_id, None)
         self._params[seq_id] = params
         self._history[seq_id] = list(prompt) if params.repetition_penalty != 1.0 else []
         self._pos[seq_id] = len(prompt)
+
+    def open_new(self, new: dict, vocab_size: int) -> None:
+        """The sequences a step opens (a frame's `new`, checked by engine/wire/frames.py)
+        and their forks."""
+        for k, v in new.items():
+            if any(t >= vocab_size for t in v["prompt"]):
+                raise ValueError(f"sequence {k}: prompt token ids outside the vocabulary")
+            self.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"], v.get("replayed", 0))
+            for c, seed in v.get("forks", []):
+                self.open_fork(c, int(k), seed, v["prompt"])
+
+    def open_fork(self, child: int, parent: int, seed: int | None, prompt: list[int]) -> None:
+        """A request's other choice: sampled as its first choice is, with its own seed."""
+        self.open(child, replace(self._params[parent], seed=seed), prompt)
 
     def knows(self, seq_id: int) -> bool:
         return seq_id in self._params
@@ -42,6 +77,7 @@ class Sampler:
         self._history.pop(seq_id, None)
         self._params.pop(seq_id, None)
         self._pos.pop(seq_id, None)
+        self._constraints.pop(seq_id, None)
 
     def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None) -> list[list]:
         """logits [B, vocab] -> token entries, one per row then one per fork (its parent's
@@ -84,6 +120,9 @@ class Sampler:
     def sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[int]:
         """logits [B, vocab] float32 -> one token id per row."""
         params = [self._params[s] for s in seq_ids]
+        constrained = [i for i, s in enumerate(seq_ids) if s in self._constraints] if self._constraints else ()
+        if constrained:
+            logits = self._masked(seq_ids, logits, constrained)
         if all(p.is_greedy and p.repetition_penalty == 1.0 for p in params):
             out = logits.argmax(-1).tolist()  # the common fast path, one op for the batch
         else:
@@ -92,7 +131,18 @@ class Sampler:
             self._pos[s] += 1
             if self._params[s].repetition_penalty != 1.0:
                 self._history[s].append(t)
+        for i in constrained:
+            self._constraints[seq_ids[i]].consume([out[i]])
         return out
+
+    def _masked(self, seq_ids: list[int], logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A copy of the logits whose constrained rows allow only what their grammar does."""
+        logits = logits.clone()
+        for i in rows:
+            row = logits[i].detach().to("cpu", torch.float32, copy=True)
+            self._constraints[seq_ids[i]].apply(row)
+            logits[i] = row.to(logits.device, logits.dtype)
+        return logits
 
     def _sample_row(self, seq_id: int, p: SamplingParams, row: torch.Tensor) -> int:
         # on the CPU whatever device computed the logits: a seeded request's generator

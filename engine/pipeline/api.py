@@ -3,8 +3,10 @@
 POST /v1/chat/completions, POST /v1/completions (streaming SSE or not; a list of
 prompts gives n choices each), GET /v1/models[/{id}], and GET /v1/potluck/status for
 the app. A prompt's `n` choices share its prefill; `logprobs` (and chat's
-`top_logprobs`) come from the last stage, in OpenAI's shapes. Errors use OpenAI's
-shape: {"error": {"message", "type", "param", "code"}}.
+`top_logprobs`) come from the last stage, in OpenAI's shapes; `response_format`
+(json_object, json_schema) holds the reply to a JSON schema by a token mask on the last
+stage (engine/model/grammar.py). Errors use OpenAI's shape: {"error": {"message",
+"type", "param", "code"}}.
 
 Bound to loopback unless told otherwise; beyond loopback an API key is required
 (`Authorization: Bearer <key>`, 401 without it). A field OpenAI defines that this server
@@ -25,8 +27,10 @@ import uuid
 from aiohttp import web
 
 from engine.pipeline.head import Delta, Done, Head, PipelineError
-from engine.core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, TUNABLE, SamplingError, SamplingParams
+from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, TUNABLE, SamplingError,
+                                  SamplingParams)
 from engine.model.detok import TokenPieces
+from engine.model.grammar import compile_schema, schema_of
 
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
@@ -63,7 +67,7 @@ def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
 # fields OpenAI defines that are not implemented yet -> the value that asks for nothing
 # (sent by some clients as a matter of course, and accepted)
 NOT_YET = {"tools": ([], None), "tool_choice": ("none", "auto", None), "functions": ([], None),
-           "function_call": ("none", None), "response_format": ({"type": "text"}, None), "logit_bias": ({}, None),
+           "function_call": ("none", None), "logit_bias": ({}, None),
            "best_of": (1, None), "echo": (False, None), "suffix": ("", None)}
 
 
@@ -235,6 +239,7 @@ class Api:
         """Every prompt's n choices (choice index: prompt * n + j), submitted at once so
         they batch together; a prompt's choices share its prefill (Head.submit_n)."""
         n, k = self._choices(body, chat)
+        schema = self._schema(body)
         if len(prompts) * n > MAX_PROMPTS:
             raise ApiError(f"at most {MAX_PROMPTS} choices per request (prompts times n)", param="n",
                            code="invalid_value")
@@ -249,6 +254,7 @@ class Api:
             for p in prompts:
                 params = self._params(body)   # per prompt: the head trims max_tokens to its window
                 params.logprobs, params.top_logprobs = k is not None, k or 0
+                params.json_schema = schema
                 handles.extend(self._submit(p, params, n))
         except BaseException:
             for h in handles:
@@ -295,6 +301,22 @@ class Api:
             raise ApiError(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs",
                            code="invalid_value")
         return n, k
+
+    @staticmethod
+    def _schema(body: dict) -> str | None:
+        """response_format as the JSON schema the last stage holds the reply to (JSON
+        text), checked here: a schema llguidance cannot compile is the client's 400."""
+        try:
+            schema = schema_of(body.get("response_format"))
+            if schema is None:
+                return None
+            if len(schema) > MAX_SCHEMA_CHARS:
+                raise ValueError(f"the JSON schema is {len(schema)} characters; at most {MAX_SCHEMA_CHARS}")
+            compile_schema(schema)
+        except (ValueError, RecursionError) as exc:   # grammar.GrammarError is a ValueError
+            msg = "the JSON schema is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ApiError(msg, param="response_format", code="invalid_value") from None
+        return schema
 
     def _submit(self, prompt: list[int], params: SamplingParams, n: int = 1):
         try:

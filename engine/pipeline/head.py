@@ -36,6 +36,7 @@ from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
 from engine.core.sampling import MAX_CHOICES, SamplingParams, choice_seed, sampling_defaults
+from engine.model.grammar import Grammars
 from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
@@ -601,8 +602,10 @@ class Head:
                 src = s.source_tokens
                 inputs.extend(src[s.pos:])
                 new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": src}
+                if s.replay is not None and s.generated:
+                    new[str(s.id)]["replayed"] = len(s.generated)
                 if r.forks:
-                    new[str(s.id)]["forks"] = [[f.id, f.params.to_dict()] for f in r.forks]
+                    new[str(s.id)]["forks"] = [[f.id, f.params.seed] for f in r.forks]
                     forks[s.id] = [f.id for f in r.forks]
             else:
                 inputs.append(s.generated[-1])
@@ -683,10 +686,9 @@ class Head:
                                self.link.sched.link.bandwidth, compute_seconds)
 
     def _local_last(self, batch, x, new, forks):
-        for k, v in new.items():
-            self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
-            for c, sampling in v.get("forks", []):
-                self.sampler.open(c, SamplingParams.from_dict(sampling), v["prompt"])
+        if self.sampler.grammars is None:   # loads nothing until a request has a schema
+            self.sampler.grammars = Grammars(lambda: self.tokenizer, self.stage0.vocab_size)
+        self.sampler.open_new(new, self.stage0.vocab_size)
         logits = self.stage0.forward(batch, x)
         for parent, children in forks.items():
             for c in children:

@@ -38,7 +38,8 @@ from engine.wire.volumes import Reassembler
 from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ModelError, resolve
 from engine.model import catalog
 from engine.wire.stage_auth import is_loopback, new_nonce, proof, split_address, verify
-from engine.core.sampling import SamplingError, SamplingParams
+from engine.core.sampling import SamplingError
+from engine.model.grammar import Grammars
 from engine.model.sampler import Sampler
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
@@ -55,7 +56,9 @@ log = logging.getLogger("potluck.stage")
                        # 9: the stage challenges first; hello proves a key (stage_auth.py);
                        #    a new sequence may carry forks (n > 1), sampling asks for
                        #    logprobs, token entries may carry them
-PROTOCOL_VERSION = 9
+                       # 10: forks carry their seed alone; sampling may carry a JSON
+                       #    schema (response_format), a replayed sequence says how much
+PROTOCOL_VERSION = 10
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -550,12 +553,9 @@ class StageServer:
         forks = _forks(frame)
         try:
             if stage.last and not frame.meta.get("partial"):
-                for k, v in frame.meta.get("new", {}).items():
-                    if any(t >= stage.vocab_size for t in v["prompt"]):
-                        raise ValueError(f"sequence {k}: prompt token ids outside the vocabulary")
-                    self.sampler.open(int(k), SamplingParams.from_dict(v["sampling"]), v["prompt"])
-                    for c, sampling in v.get("forks", []):
-                        self.sampler.open(c, SamplingParams.from_dict(sampling), v["prompt"])
+                if self.sampler.grammars is None:   # loads nothing until a request has a schema
+                    self.sampler.grammars = Grammars(stage.source.tokenizer, stage.vocab_size)
+                self.sampler.open_new(frame.meta.get("new", {}), stage.vocab_size)
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")

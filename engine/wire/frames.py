@@ -173,6 +173,9 @@ def _is_uint(v, hi=2**53) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < hi
 
 
+NEW_KEYS = {"sampling", "prompt", "forks", "replayed"}
+
+
 def _is_logprob(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 0
 
@@ -207,20 +210,26 @@ def _check_meta(f: Frame) -> None:
             # isascii: int() rejects some str.isdigit() characters ('²'); len: 2**53 has 16 digits
             if not (k.isascii() and k.isdigit() and len(k) <= 16) or int(k) not in seen:
                 raise FrameError(f"new sequence {k!r} is not in this step")
-            if not isinstance(v, dict) or not ({"sampling", "prompt"} <= set(v) <= {"sampling", "prompt", "forks"}):
-                raise FrameError("new sequence entries need sampling and prompt (and may have forks)")
+            if not isinstance(v, dict) or not ({"sampling", "prompt"} <= set(v) <= NEW_KEYS):
+                raise FrameError("new sequence entries need sampling and prompt (and may have forks, replayed)")
             if not isinstance(v["prompt"], list) or not all(_is_uint(t, 2**31) for t in v["prompt"]):
                 raise FrameError("prompt must be a list of token ids")
-            # forks: [[seq_id, sampling], ...], sequences that start as a copy of this one
-            # after this step (a request's other choices); each id new to the step
+            # replayed: how many of the prompt's last tokens were generated before a
+            # rearrangement (a constrained reply's grammar goes on after them)
+            if "replayed" in v and not (_is_uint(v["replayed"]) and v["replayed"] <= len(v["prompt"])):
+                raise FrameError("replayed must count tokens of the prompt")
+            # forks: [[seq_id, seed], ...], sequences that start as a copy of this one
+            # after this step (a request's other choices, sampled as it is but for the
+            # seed); each id new to the step
             forks = v.get("forks", [])
             if "forks" in v and not (isinstance(forks, list) and 0 < len(forks) < MAX_CHOICES):
                 raise FrameError(f"forks must be a list of 1..{MAX_CHOICES - 1} entries")
             if forks and m.get("partial"):
                 raise FrameError("a prompt chunk forks nothing")
             for e in forks:
-                if not (isinstance(e, list) and len(e) == 2 and _is_uint(e[0]) and isinstance(e[1], dict)):
-                    raise FrameError("each fork must be [seq_id, sampling]")
+                if not (isinstance(e, list) and len(e) == 2 and _is_uint(e[0])
+                        and (e[1] is None or _is_uint(e[1], 2**63))):
+                    raise FrameError("each fork must be [seq_id, seed or null]")
                 if e[0] in seen or e[0] in forked:
                     raise FrameError(f"fork {e[0]} is not a new sequence")
                 forked.add(e[0])

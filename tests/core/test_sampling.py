@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.core.sampling import (  # noqa: E402
+    MAX_SCHEMA_CHARS,
     MAX_TOP_LOGPROBS,
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
@@ -41,7 +42,8 @@ def test_from_dict_defaults_and_round_trip():
     p = SamplingParams.from_dict({})
     assert p == SamplingParams()
     full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 7,
-            "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"], "logprobs": True, "top_logprobs": 5}
+            "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"], "logprobs": True, "top_logprobs": 5,
+            "json_schema": '{"type": "object"}'}
     p = SamplingParams.from_dict(full)
     assert p.to_dict() == full
     assert SamplingParams.from_dict(p.to_dict()) == p
@@ -64,6 +66,12 @@ def test_is_greedy():
     ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs must be a whole number"),
     ({"logprobs": True, "top_logprobs": True}, "top_logprobs must be a whole number"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
+    ({"json_schema": {"type": "object"}}, "json_schema must be JSON text"),
+    ({"json_schema": " " * (MAX_SCHEMA_CHARS + 1)}, "json_schema must be JSON text"),
+    ({"json_schema": "{"}, "json_schema is not valid JSON"),
+    ({"json_schema": "[" * 100000 + "]" * 100000}, "json_schema must be JSON text"),
+    ({"json_schema": "[" * 5000 + "]" * 5000}, "json_schema is not valid JSON"),
+    ({"json_schema": "[]"}, "json_schema must be a JSON object"),
     ({"temperature": "1"}, "temperature must be a number"),
     ({"temperature": None}, "temperature must be a number"),
     ({"temperature": True}, "temperature must be a number"),

@@ -180,8 +180,11 @@ BAD_REQUESTS = {
     "tools": (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
               "tools", "unsupported"),
     "tool_choice_required": (CHAT, {"messages": OK_MSGS, "tool_choice": "required"}, "tool_choice", "unsupported"),
-    "json_mode": (CHAT, {"messages": OK_MSGS, "response_format": {"type": "json_object"}}, "response_format",
-                  "unsupported"),
+    "response_format_unknown": (CHAT, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, "response_format",
+                                "invalid_value"),
+    "response_format_bad_schema": (CHAT, {"messages": OK_MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format",
+        "invalid_value"),
     "logit_bias": (COMPL, {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias", "unsupported"),
     "best_of": (COMPL, {"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
     "prompt_list_mixed": (COMPL, {"prompt": ["a", 5]}, "prompt", None),

@@ -10,6 +10,7 @@ head's stage 0) and, greedy, read the same as n=1.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -241,3 +242,61 @@ async def test_seeded_n_choices_are_reproducible_and_choice_0_is_n1(client):
     one = await client.chat.completions.create(**kwargs)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert a.choices[0].message.content == one.choices[0].message.content
+
+
+# ---- response_format: constrained decoding on the last stage ----------------------------
+
+CITY = {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40},
+                       "country": {"type": "string", "enum": ["France", "Spain", "Italy"]},
+                       "population_millions": {"type": "number", "minimum": 0, "maximum": 100}},
+        "required": ["city", "country", "population_millions"], "additionalProperties": False}
+ASK_CITY = [{"role": "user", "content": "Give the capital of France as JSON."}]
+
+
+def check_city(text: str):
+    obj = json.loads(text)
+    assert set(obj) == {"city", "country", "population_millions"}, obj
+    assert isinstance(obj["city"], str) and len(obj["city"]) <= 40
+    assert obj["country"] in ("France", "Spain", "Italy")
+    assert isinstance(obj["population_millions"], (int, float)) and 0 <= obj["population_millions"] <= 100
+    return obj
+
+
+async def test_json_schema_replies_parse_and_match(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": CITY}}
+    kwargs = dict(model="default", messages=ASK_CITY, max_tokens=80, response_format=fmt)
+    greedy = await client.chat.completions.create(**kwargs, temperature=0)
+    assert greedy.choices[0].finish_reason == "stop"
+    check_city(greedy.choices[0].message.content)
+    # sampled, several choices (each fork holds to the schema), streamed
+    many = await client.chat.completions.create(**kwargs, temperature=1.0, seed=3, n=3)
+    for c in many.choices:
+        assert c.finish_reason == "stop"
+        check_city(c.message.content)
+    stream = await client.chat.completions.create(**kwargs, temperature=0, stream=True)
+    text = ""
+    async for chunk in stream:
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+    assert text == greedy.choices[0].message.content
+
+
+async def test_json_mode_replies_with_an_object(client):
+    resp = await client.chat.completions.create(model="default", messages=ASK_CITY, max_tokens=120, temperature=0,
+                                                response_format={"type": "json_object"})
+    assert resp.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+
+
+async def test_a_constrained_request_leaves_its_batch_mates_alone(client):
+    """A plain request running beside constrained ones reads as it does alone."""
+    plain = dict(model="default", messages=FRANCE, temperature=0, max_tokens=20)
+    alone = await client.chat.completions.create(**plain)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    together = await asyncio.gather(
+        client.chat.completions.create(**plain),
+        client.chat.completions.create(model="default", messages=ASK_CITY, max_tokens=80, temperature=0,
+                                       response_format=fmt))
+    assert together[0].choices[0].message.content == alone.choices[0].message.content
+    check_city(together[1].choices[0].message.content)

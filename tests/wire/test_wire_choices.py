@@ -32,25 +32,33 @@ def entry(**over):
 
 
 def test_forks_round_trip():
-    f = decode(activations({"0": entry(forks=[[5, {"seed": 3}], [6, {}]]), "1": entry(forks=[[7, {}]])},
+    f = decode(activations({"0": entry(forks=[[5, 3], [6, None]]), "1": entry(forks=[[7, None]])},
                            rows=((0, 0, 2), (1, 0, 2))))
-    assert f.meta["new"]["0"]["forks"] == [[5, {"seed": 3}], [6, {}]]
+    assert f.meta["new"]["0"]["forks"] == [[5, 3], [6, None]]
 
 
 @pytest.mark.parametrize("new, match", [
     ({"0": entry(forks=[])}, "forks must be a list"),
     ({"0": entry(forks={"5": {}})}, "forks must be a list"),
-    ({"0": entry(forks=[[i + 10, {}] for i in range(MAX_CHOICES)])}, "forks must be a list"),
-    ({"0": entry(forks=[5])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[5]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[-5, {}]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[5.0, {}]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[True, {}]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[2**53, {}]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[5, "greedy"]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[5, {}, 1]])}, r"\[seq_id, sampling\]"),
-    ({"0": entry(forks=[[0, {}]])}, "not a new sequence"),          # a row of the step
-    ({"0": entry(forks=[[5, {}], [5, {}]])}, "not a new sequence"),  # twice
+    ({"0": entry(forks=[[i + 10, None] for i in range(MAX_CHOICES)])}, "forks must be a list"),
+    ({"0": entry(forks=[5])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[-5, None]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5.0, None]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[True, None]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[2**53, None]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5, "greedy"]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5, {}]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5, -1]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5, 2**63]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[5, 1.5]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(replayed=3)}, "replayed must count"),
+    ({"0": entry(replayed=-1)}, "replayed must count"),
+    ({"0": entry(replayed=True)}, "replayed must count"),
+    ({"0": entry(replayed="1")}, "replayed must count"),
+    ({"0": entry(forks=[[5, {}, 1]])}, r"\[seq_id, seed or null\]"),
+    ({"0": entry(forks=[[0, None]])}, "not a new sequence"),          # a row of the step
+    ({"0": entry(forks=[[5, None], [5, None]])}, "not a new sequence"),  # twice
     ({"0": entry(extra=1)}, "need sampling and prompt"),
 ])
 def test_bad_forks(new, match):
@@ -60,9 +68,9 @@ def test_bad_forks(new, match):
 
 def test_forks_across_entries_must_differ_and_chunks_fork_nothing():
     with pytest.raises(FrameError, match="not a new sequence"):
-        decode(activations({"0": entry(forks=[[5, {}]]), "1": entry(forks=[[5, {}]])}, rows=((0, 0, 2), (1, 0, 2))))
+        decode(activations({"0": entry(forks=[[5, None]]), "1": entry(forks=[[5, None]])}, rows=((0, 0, 2), (1, 0, 2))))
     with pytest.raises(FrameError, match="forks nothing"):
-        decode(activations({"0": entry(forks=[[5, {}]])}, partial=True))
+        decode(activations({"0": entry(forks=[[5, None]])}, partial=True))
 
 
 def test_token_logprobs_round_trip():
@@ -78,7 +86,7 @@ def test_token_logprobs_round_trip():
     [1, 2, "-0.5", []],
     [1, 2, True, []],
     [1, 2, None, []],
-    [1, 2, -0.5, {}],
+    [1, 2, -0.5, None],
     [1, 2, -0.5, [[3, -1.0]] * (MAX_TOP_LOGPROBS + 1)],
     [1, 2, -0.5, [[3]]],
     [1, 2, -0.5, [[3, -1.0, 0]]],
