@@ -16,7 +16,7 @@ legitimate chat requests to the host's API, throws at them:
     host's registration, forged accepts, text and oversized frames, a join flood;
   * the joiner's stage server itself: bad hellos, garbage, truncated and oversized
     frames, a second head;
-  * the host's OpenAI-compatible API: malformed n, logprobs, top_logprobs and
+  * the host's OpenAI-compatible API: malformed n, logprobs, top_logprobs, tools and
     response_format (bounds, types, NaN, huge and deeply nested values, schemas no
     grammar can be made of), each a 400 naming its field;
   * slow connections that never finish a handshake (TCP only, WebSocket without a
@@ -634,6 +634,26 @@ def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
         add("api: malformed response_format", "/chat/completions", chat, "response_format", v)
     raw("api: malformed response_format", "/chat/completions", chat, "response_format",
         '{"type": "json_schema", "json_schema": {"schema": {"type": "number", "minimum": NaN}}}')
+    # tools and tool_choice: wrong shapes, names no function may have, choices of nothing
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for v in ["f", 5, {}, [5], [{}], [{"type": "function"}], [{"type": "retrieval", "function": {"name": "f"}}],
+              [{"type": "function", "function": {"name": ""}}], [{"type": "function", "function": {"name": "a b"}}],
+              [{"type": "function", "function": {"name": "x" * 65}}],
+              [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+              [{"type": "function", "function": {"name": "f", "description": 5}}], [fn, fn], [fn] * 129]:
+        add("api: malformed tools", "/chat/completions", chat, "tools", v)
+    for v in ["always", 5, [], {}, {"type": "function"}, {"type": "function", "function": {"name": "g"}},
+              {"type": "function", "function": "f"}, "required"]:
+        add("api: malformed tools", "/chat/completions", chat, "tool_choice", v,
+            **({} if v == "required" else {"tools": [fn]}))
+    add("api: malformed tools", "/chat/completions", {**chat, "tools": [fn]}, "tool_choice", "required",
+        response_format={"type": "json_object"})
+    for msgs in ([{"role": "tool", "content": "x"}],
+                 [{"role": "assistant", "content": None, "tool_calls": "f"}],
+                 [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 5}}]}],
+                 [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                      "arguments": "{not"}}]}]):
+        add("api: malformed tools", "/chat/completions", chat, "messages", msgs)
     return out
 
 

@@ -195,3 +195,24 @@ class StreamSplitter:
         if calls:
             return content, calls
         return self.held, []
+
+
+def without_tool_messages(messages: list[dict], fns: list[dict]) -> list[dict]:
+    """A conversation with tools for a template that knows none: the tools explained in
+    the system message, an assistant's calls written as <tool_call> blocks, and a tool's
+    result given back as a user message in <tool_response> tags (the Hermes way)."""
+    out, system = [], fallback_system_prompt(fns)
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
+                      "\n</tool_call>" for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [m.get("content") or ""] + blocks))})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out

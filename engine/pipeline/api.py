@@ -5,7 +5,10 @@ prompts gives n choices each), GET /v1/models[/{id}], and GET /v1/potluck/status
 the app. A prompt's `n` choices share its prefill; `logprobs` (and chat's
 `top_logprobs`) come from the last stage, in OpenAI's shapes; `response_format`
 (json_object, json_schema) holds the reply to a JSON schema by a token mask on the last
-stage (engine/model/grammar.py). Errors use OpenAI's shape: {"error": {"message",
+stage (engine/model/grammar.py); `tools` are rendered by the chat template (or explained
+in the system message where it knows none) and the reply's calls read back as
+`tool_calls` (engine/core/tool_calls.py), a required or named call forced by the same
+schema mask. Errors use OpenAI's shape: {"error": {"message",
 "type", "param", "code"}}.
 
 Bound to loopback unless told otherwise; beyond loopback an API key is required
@@ -23,12 +26,15 @@ import ipaddress
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from engine.pipeline.head import Delta, Done, Head, PipelineError
 from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, TUNABLE, SamplingError,
                                   SamplingParams)
+from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, forced_call_schema
+from engine.core.tool_calls import parse as parse_calls
 from engine.model.detok import TokenPieces
 from engine.model.grammar import compile_schema, schema_of
 
@@ -66,8 +72,7 @@ def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
 
 # fields OpenAI defines that are not implemented yet -> the value that asks for nothing
 # (sent by some clients as a matter of course, and accepted)
-NOT_YET = {"tools": ([], None), "tool_choice": ("none", "auto", None), "functions": ([], None),
-           "function_call": ("none", None), "logit_bias": ({}, None),
+NOT_YET = {"functions": ([], None), "function_call": ("none", None), "logit_bias": ({}, None),
            "best_of": (1, None), "echo": (False, None), "suffix": ("", None)}
 
 
@@ -130,6 +135,7 @@ class Api:
         messages = _field(body, "messages", list, allow_none=False)
         if not messages:
             raise ApiError("'messages' must not be empty", param="messages")
+        fns, tool_choice = self._tools(body)
         clean = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
@@ -147,12 +153,44 @@ class Api:
             if not isinstance(content, str):
                 raise ApiError(f"messages[{i}].content must be a string", param="messages")
             role = "system" if m["role"] == "developer" else m["role"]
-            clean.append({"role": role, "content": content})
+            msg = {"role": role, "content": content}
+            if role == "assistant" and m.get("tool_calls"):
+                msg["tool_calls"] = _calls_of(m["tool_calls"], i)
+            if role == "tool":   # a call's result: which call it answers
+                call_id = m.get("tool_call_id")
+                if not isinstance(call_id, str):
+                    raise ApiError(f"messages[{i}]: a tool message needs its 'tool_call_id'", param="messages")
+                msg["tool_call_id"] = call_id
+                if isinstance(m.get("name"), str):
+                    msg["name"] = m["name"]
+            clean.append(msg)
         try:
-            prompt = self.head.chat_prompt(clean)
+            prompt = self.head.chat_prompt(clean, tools=fns if tool_choice != "none" else None)
         except Exception as exc:  # a template that refuses this conversation
             raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from None
-        return await self._generate(request, body, [prompt], chat=True)
+        tools = None
+        if tool_choice != "none":
+            forced = None
+            if tool_choice != "auto":   # required, or a named function: decoding makes a call
+                if body.get("response_format") not in (None, {"type": "text"}):
+                    raise ApiError("a required tool call and response_format cannot be combined",
+                                   param="tool_choice", code="invalid_value")
+                try:
+                    forced = json.dumps(forced_call_schema(fns, tool_choice))
+                except (ValueError, RecursionError):
+                    raise ApiError("a function's parameters are not a JSON schema this server can read",
+                                   param="tools", code="invalid_value") from None
+            parallel = _field(body, "parallel_tool_calls", bool, True)
+            tools = _Tools({f["name"] for f in fns}, forced, parallel)
+        return await self._generate(request, body, [prompt], chat=True, tools=tools)
+
+    @staticmethod
+    def _tools(body: dict) -> tuple[list[dict], str]:
+        try:
+            return check_tools(body.get("tools"), body.get("tool_choice"))
+        except ToolError as exc:
+            param = "tool_choice" if "tool_choice" in str(exc) else "tools"
+            raise ApiError(str(exc), param=param, code="invalid_value") from None
 
     async def completions(self, request):
         body = await self._body(request)
@@ -235,11 +273,15 @@ class Api:
             raise ApiError(str(exc), code="invalid_value") from None
         return p
 
-    async def _generate(self, request, body, prompts: list[list[int]], chat: bool):
+    async def _generate(self, request, body, prompts: list[list[int]], chat: bool, tools: "_Tools | None" = None):
         """Every prompt's n choices (choice index: prompt * n + j), submitted at once so
-        they batch together; a prompt's choices share its prefill (Head.submit_n)."""
+        they batch together; a prompt's choices share its prefill (Head.submit_n).
+        tools: a chat request's functions, whose calls are read back out of the reply."""
         n, k = self._choices(body, chat)
-        schema = self._schema(body)
+        if tools is not None and tools.forced:
+            schema = self._compiled(tools.forced, "tools")
+        else:
+            schema = self._schema(body)
         if len(prompts) * n > MAX_PROMPTS:
             raise ApiError(f"at most {MAX_PROMPTS} choices per request (prompts times n)", param="n",
                            code="invalid_value")
@@ -261,7 +303,7 @@ class Api:
                 h.cancel()
             raise
         prompt_tokens = sum(len(p) for p in prompts)
-        reply = _Reply(self, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, k)
+        reply = _Reply(self, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, k, tools)
         try:
             if stream:
                 return await self._stream(request, handles, reply, prompt_tokens, bool(opts.get("include_usage")))
@@ -274,7 +316,7 @@ class Api:
         for i, (text, done, lps) in enumerate(results):
             if done.finish_reason == "error":
                 raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
-            choices.append(reply.choice(i, text, done.finish_reason, lps))
+            choices.append(reply.choice(i, text, done.finish_reason, lps))   # (its tool calls, if any)
         return web.json_response({**reply.envelope(final=True), "choices": choices,
                                   "usage": _usage(prompt_tokens, [d for _, d, _ in results])})
 
@@ -302,20 +344,28 @@ class Api:
                            code="invalid_value")
         return n, k
 
-    @staticmethod
-    def _schema(body: dict) -> str | None:
+    @classmethod
+    def _schema(cls, body: dict) -> str | None:
         """response_format as the JSON schema the last stage holds the reply to (JSON
         text), checked here: a schema llguidance cannot compile is the client's 400."""
         try:
             schema = schema_of(body.get("response_format"))
-            if schema is None:
-                return None
+        except (ValueError, RecursionError) as exc:
+            msg = "the JSON schema is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ApiError(msg, param="response_format", code="invalid_value") from None
+        return None if schema is None else cls._compiled(schema, "response_format")
+
+    @staticmethod
+    def _compiled(schema: str, param: str) -> str:
+        """schema, once llguidance has compiled it (a forced tool call's schema holds the
+        request's function parameters: the client's 400 too when it cannot)."""
+        try:
             if len(schema) > MAX_SCHEMA_CHARS:
                 raise ValueError(f"the JSON schema is {len(schema)} characters; at most {MAX_SCHEMA_CHARS}")
             compile_schema(schema)
         except (ValueError, RecursionError) as exc:   # grammar.GrammarError is a ValueError
             msg = "the JSON schema is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise ApiError(msg, param="response_format", code="invalid_value") from None
+            raise ApiError(msg, param=param, code="invalid_value") from None
         return schema
 
     def _submit(self, prompt: list[int], params: SamplingParams, n: int = 1):
@@ -345,6 +395,8 @@ class Api:
                     return
 
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        # with tools, a call is held back until it is complete, then sent as tool_calls
+        splitters = [StreamSplitter(reply.tools.names) if reply.tools else None for _ in handles]
         offsets = [0] * len(handles)   # characters each choice has streamed (text_offset)
         dones: list[Done] = []
         try:
@@ -361,8 +413,9 @@ class Api:
                     continue
                 if isinstance(ev, Delta):
                     lps = [(lp, offsets[i]) for lp in ev.logprobs or ()] if reply.k is not None else []
-                    if ev.text or lps:
-                        await send(reply.chunk(i, ev.text, lps=lps))
+                    text = splitters[i].feed(ev.text) if splitters[i] else ev.text
+                    if text or lps:
+                        await send(reply.chunk(i, text, lps=lps))
                     offsets[i] += len(ev.text)
                     continue
                 dones.append(ev)
@@ -372,7 +425,16 @@ class Api:
                     for h in handles:
                         h.cancel()   # the other choices of a reply that failed
                     break
-                await send(reply.chunk(i, finish=ev.finish_reason))
+                finish = ev.finish_reason
+                if splitters[i] is not None:
+                    rest, calls = splitters[i].finish()
+                    calls = reply.tools.kept(calls)
+                    if rest:
+                        await send(reply.chunk(i, rest))
+                    if calls:
+                        await send(reply.chunk(i, calls=calls))
+                        finish = "tool_calls"
+                await send(reply.chunk(i, finish=finish))
             if include_usage:
                 await send({**reply.envelope(), "choices": [], "usage": _usage(prompt_tokens, dones)})
             await resp.write(b"data: [DONE]\n\n")
@@ -397,8 +459,8 @@ class _Reply:
     token's logprobs in OpenAI's two formats (chat: content[] with token, logprob, bytes
     and top_logprobs; completions: tokens, token_logprobs, top_logprobs, text_offset)."""
 
-    def __init__(self, api: "Api", rid: str, chat: bool, k: int | None):
-        self.api, self.rid, self.chat, self.k = api, rid, chat, k
+    def __init__(self, api: "Api", rid: str, chat: bool, k: int | None, tools: "_Tools | None" = None):
+        self.api, self.rid, self.chat, self.k, self.tools = api, rid, chat, k, tools
         self.created = int(time.time())
 
     def envelope(self, final: bool = False) -> dict:
@@ -407,15 +469,24 @@ class _Reply:
 
     def choice(self, i: int, text: str, finish: str, lps: list) -> dict:
         if self.chat:
-            return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                    "logprobs": self.logprobs(lps)}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                content, calls = parse_calls(text, self.tools.names)
+                calls = self.tools.kept(calls)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.to_openai() for c in calls]}
+                    finish = "tool_calls"
+            return {"index": i, "message": message, "finish_reason": finish, "logprobs": self.logprobs(lps)}
         return {"index": i, "text": text, "finish_reason": finish, "logprobs": self.logprobs(lps)}
 
     def chunk(self, i: int, text: str | None = None, finish: str | None = None, first: bool = False,
-              lps: list = ()) -> dict:
+              lps: list = (), calls: list | None = None) -> dict:
         logprobs = self.logprobs(lps) if lps else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            if calls:
+                delta = {"tool_calls": [c.to_openai(j) for j, c in enumerate(calls)]}
             choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
@@ -446,6 +517,40 @@ class _Reply:
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
         return out
+
+
+@dataclass
+class _Tools:
+    """A chat request's tools: the functions' names (a call of anything else stays
+    text), the schema that forces a call (tool_choice required or named), and whether
+    several calls may come back at once."""
+    names: set
+    forced: str | None
+    parallel: bool
+
+    def kept(self, calls: list) -> list:
+        return calls if self.parallel else calls[:1]
+
+
+def _calls_of(raw, i: int) -> list[dict]:
+    """An assistant message's tool_calls, for the chat template: arguments as an object
+    (the templates write them with tojson)."""
+    if not isinstance(raw, list) or len(raw) > 128:
+        raise ApiError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for c in raw:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise ApiError(f"messages[{i}].tool_calls: each needs function.name", param="messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise ApiError(f"messages[{i}].tool_calls: arguments must be JSON", param="messages") from None
+        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 async def _collect(handle) -> tuple[str, Done, list]:

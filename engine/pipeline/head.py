@@ -41,6 +41,7 @@ from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
+from engine.core.tool_calls import without_tool_messages
 from engine.pipeline.stage_server import connect_stage
 from engine.wire.stage_auth import new_route, split_address
 
@@ -492,8 +493,19 @@ class Head:
         return chosen
 
     # ---- requests -----------------------------------------------------------
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation as token ids, by the model's chat template. tools: OpenAI
+        function specs ({name, description, parameters}); a template that knows tools
+        renders them itself, for one that does not they are explained in the system
+        message and the calls and results written as text (core/tool_calls.py)."""
+        kwargs = {}
+        if tools:
+            template = self.tokenizer.chat_template or ""
+            if "tools" in (template if isinstance(template, str) else json.dumps(template)):
+                kwargs["tools"] = [{"type": "function", "function": f} for f in tools]
+            else:
+                messages = without_tool_messages(messages, tools)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

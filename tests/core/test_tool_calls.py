@@ -84,3 +84,19 @@ def test_streaming_sends_text_at_once_and_holds_a_call_until_it_is_complete():
     assert s.finish()[1][0].name == "get_time"
     s = StreamSplitter(NAMES)
     assert s.feed("{not a call}") == "" and s.finish() == ("{not a call}", [])
+
+
+def test_a_template_without_tools_gets_them_as_text():
+    from engine.core.tool_calls import without_tool_messages
+
+    fns, _ = check_tools([WEATHER], None)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+    out = without_tool_messages(msgs, fns)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.") and "<tools>" in out[0]["content"]
+    assert parse(out[2]["content"], NAMES)[1][0].name == "get_weather"      # the call, as the model would write it
+    assert out[3]["content"] == "<tool_response>\n22 C\n</tool_response>"
+    assert all(set(m) == {"role", "content"} for m in out)

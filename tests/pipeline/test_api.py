@@ -176,10 +176,18 @@ BAD_REQUESTS = {
     "logprobs_number_in_chat": (CHAT, {"messages": OK_MSGS, "logprobs": 5}, "logprobs", "invalid_type"),
     "logprobs_true_in_completions": (COMPL, {"prompt": "hi", "logprobs": True}, "logprobs", "invalid_type"),
     "logprobs_21_in_completions": (COMPL, {"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
+    "tools_not_a_list": (CHAT, {"messages": OK_MSGS, "tools": "get_weather"}, "tools", "invalid_value"),
+    "tool_bad_name": (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+                      "tools", "invalid_value"),
+    "tool_choice_required_without_tools": (CHAT, {"messages": OK_MSGS, "tool_choice": "required"}, "tool_choice",
+                                           "invalid_value"),
+    "tool_choice_unknown_function": (CHAT, {"messages": OK_MSGS, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, "tool_choice", "invalid_value"),
+    "tool_message_without_call_id": (CHAT, {"messages": OK_MSGS + [{"role": "tool", "content": "22"}]},
+                                     "messages", None),
     # fields OpenAI defines that this server does not implement yet: refused by name
-    "tools": (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
-              "tools", "unsupported"),
-    "tool_choice_required": (CHAT, {"messages": OK_MSGS, "tool_choice": "required"}, "tool_choice", "unsupported"),
+    "functions": (CHAT, {"messages": OK_MSGS, "functions": [{"name": "f"}]}, "functions", "unsupported"),
     "response_format_unknown": (CHAT, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, "response_format",
                                 "invalid_value"),
     "response_format_bad_schema": (CHAT, {"messages": OK_MSGS, "response_format": {

@@ -1,0 +1,80 @@
+"""Tool calling through the official `openai` client, on the real pipeline of the default
+model: a required or named call is forced by the schema mask and comes back as
+`tool_calls` (whole or streamed), the tool's result goes back in and the model answers,
+and tool_choice "none" keeps tools out of the reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import AsyncOpenAI
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 24}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture
+async def client(api_url):
+    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=300)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_a_named_call_is_forced_and_its_result_goes_back_in(client, pipeline):
+    r = await client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+
+    # the result goes back in: the rendered conversation carries the call and the result
+    # (the default model's template knows no tools: they are written as text for it)
+    turn = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.id, "type": "function",
+                       "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 22, "sky": "sunny"}'}]
+    r2 = await client.chat.completions.create(model="default", messages=turn, tools=[WEATHER, TIME],
+                                              tool_choice="none", temperature=0, max_tokens=24)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
+    assert r2.choices[0].finish_reason in ("stop", "length")
+    rendered = pipeline.tokenizer.decode(pipeline.chat_prompt(
+        [{"role": m["role"], "content": m.get("content") or "", **{k: m[k] for k in ("tool_calls", "tool_call_id")
+                                                                  if k in m}} for m in turn],
+        tools=[WEATHER["function"], TIME["function"]]))
+    assert '"temperature_c": 22' in rendered and "get_weather" in rendered and "<tool_response>" in rendered
+
+
+async def test_a_required_call_streams_as_tool_call_deltas(client):
+    stream = await client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+        max_tokens=80, stream=True)
+    calls, finish, content = [], None, ""
+    async for chunk in stream:
+        delta = chunk.choices[0].delta
+        calls += delta.tool_calls or []
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(calls[0].function.arguments), dict)
+
+
+async def test_tool_choice_none_answers_in_text(client):
+    r = await client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                             temperature=0, max_tokens=16)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason in ("stop", "length")
