@@ -201,7 +201,7 @@ def without_tool_messages(messages: list[dict], fns: list[dict]) -> list[dict]:
     """A conversation with tools for a template that knows none: the tools explained in
     the system message, an assistant's calls written as <tool_call> blocks, and a tool's
     result given back as a user message in <tool_response> tags (the Hermes way)."""
-    out, system = [], fallback_system_prompt(fns)
+    out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             blocks = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
@@ -211,6 +211,9 @@ def without_tool_messages(messages: list[dict], fns: list[dict]) -> list[dict]:
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
+    if not fns:        # no tools on offer this turn: only the earlier calls and results
+        return out
+    system = fallback_system_prompt(fns)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
     else:

@@ -499,12 +499,13 @@ class Head:
         renders them itself, for one that does not they are explained in the system
         message and the calls and results written as text (core/tool_calls.py)."""
         kwargs = {}
-        if tools:
-            template = self.tokenizer.chat_template or ""
-            if "tools" in (template if isinstance(template, str) else json.dumps(template)):
-                kwargs["tools"] = [{"type": "function", "function": f} for f in tools]
-            else:
-                messages = without_tool_messages(messages, tools)
+        template = self.tokenizer.chat_template or ""
+        knows_tools = "tools" in (template if isinstance(template, str) else json.dumps(template))
+        if knows_tools and tools:
+            kwargs["tools"] = [{"type": "function", "function": f} for f in tools]
+        elif not knows_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+            # calls and results are written as text, even when this turn offers no tools
+            messages = without_tool_messages(messages, tools or [])
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -100,3 +100,5 @@ def test_a_template_without_tools_gets_them_as_text():
     assert parse(out[2]["content"], NAMES)[1][0].name == "get_weather"      # the call, as the model would write it
     assert out[3]["content"] == "<tool_response>\n22 C\n</tool_response>"
     assert all(set(m) == {"role", "content"} for m in out)
+    bare = without_tool_messages(msgs, [])          # no tools this turn: no instructions, same history
+    assert bare[0] == msgs[0] and bare[3] == out[3]

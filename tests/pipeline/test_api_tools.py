@@ -51,11 +51,13 @@ async def test_a_named_call_is_forced_and_its_result_goes_back_in(client, pipeli
                                               tool_choice="none", temperature=0, max_tokens=24)
     assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
     assert r2.choices[0].finish_reason in ("stop", "length")
-    rendered = pipeline.tokenizer.decode(pipeline.chat_prompt(
-        [{"role": m["role"], "content": m.get("content") or "", **{k: m[k] for k in ("tool_calls", "tool_call_id")
-                                                                  if k in m}} for m in turn],
-        tools=[WEATHER["function"], TIME["function"]]))
+    history = [{"role": m["role"], "content": m.get("content") or "",
+                **{k: m[k] for k in ("tool_calls", "tool_call_id") if k in m}} for m in turn]
+    rendered = pipeline.tokenizer.decode(pipeline.chat_prompt(history, tools=[WEATHER["function"], TIME["function"]]))
     assert '"temperature_c": 22' in rendered and "get_weather" in rendered and "<tool_response>" in rendered
+    # a turn that offers no tools still shows the model the earlier call and its result
+    rendered = pipeline.tokenizer.decode(pipeline.chat_prompt(history))
+    assert '"temperature_c": 22' in rendered and "<tool_call>" in rendered and "<tools>" not in rendered
 
 
 async def test_a_required_call_streams_as_tool_call_deltas(client):
