@@ -575,7 +575,7 @@ async def attack_stage(t: Tally, w: dict, n: int):
 
 # ---- the host's OpenAI-compatible API: malformed n / logprobs / top_logprobs ----------------
 def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
-    """(category, path, raw body, the param its 400 must name, None for the body as a
+    """(category, path, raw body, the param its 400 must name (a tuple: any of them), None for the body as a
     whole): out-of-bounds and wrongly typed `n`, `logprobs` and `top_logprobs` (chat and
     completions), values JSON allows but OpenAI's types do not (NaN, Infinity, huge
     integers), and values nested deeper than a JSON parser goes."""
@@ -591,7 +591,9 @@ def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
 
     def raw(category, path, base, field, literal: str):
         body = json.dumps(base)[:-1] + f', "{field}": {literal}}}'
-        out.append((category, path, body.encode(), None if literal.startswith("[[") else field))
+        # nesting deeper than the parser goes is the body's fault (param None), unless this
+        # process's recursion limit lets the parser through: then the field's type is wrong
+        out.append((category, path, body.encode(), (None, field) if literal.startswith("[[") else field))
 
 
     for path, base in (("/chat/completions", chat), ("/completions", compl)):
@@ -676,8 +678,8 @@ async def attack_api(t: Tally, api: str):
             err, shaped = {}, False
         if status >= 500:
             t.crash(category, f"{param}: HTTP {status}")
-        elif status == 400 and shaped and err["param"] == param:
-            t.rejected(category, f"400 {param or 'body'}: {err['code']}")
+        elif status == 400 and shaped and err["param"] in (param if isinstance(param, tuple) else (param,)):
+            t.rejected(category, f"400 {err['param'] or 'body'}: {err['code']}")
         else:
             t.accepted(category, f"{param}: HTTP {status} {text[:80]}")
 

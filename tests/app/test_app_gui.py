@@ -321,9 +321,6 @@ def test_the_chat_window_shows_and_changes_sampling(qtbot, home):
         assert Settings.load().temperature == 0.0 and w.temperature.text() != "model's default"
         w.temperature.setValue(w.temperature.minimum())
         assert Settings.load().temperature is None and w.temperature.text() == "model's default"
-        w2 = ChatWindow(c)                        # a new window shows what was chosen
-        qtbot.addWidget(w2)
-        assert w2.max_tokens.value() == 300
     finally:
         c.shutdown()
         Settings().save()
