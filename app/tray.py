@@ -205,13 +205,25 @@ class Shell(QObject):
         QApplication.processEvents()
         self.c.restart()
 
-    def quit(self):
+    def close(self):
+        """Closes every window and has Qt delete them, the shell with them, at the next turn of
+        the event loop. Left to Python's collector at interpreter exit, a second shell's
+        windows and menu were torn down in an order Qt aborts on ('shared QObject was deleted
+        directly'), so whoever is done with a shell closes it."""
         if self.chat.stream is not None:
             self.chat.stream.stop()
         for d in self.dialogs.values():
             d.close()
+            d.deleteLater()
+        self.dialogs.clear()
         self.chat.close()
+        self.chat.deleteLater()
         if self.tray is not None:
             self.tray.hide()
+        self.menu.deleteLater()
+        self.deleteLater()
+
+    def quit(self):
+        self.close()
         self.c.shutdown()
         QApplication.exit(0)  # quit() may be vetoed by a window; leaving is not optional here

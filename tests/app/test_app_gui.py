@@ -136,6 +136,8 @@ def test_tray_menu_icons_and_tooltip(qtbot, home):
         bar = [a.text() for a in shell.chat.menuBar().actions()[0].menu().actions()
                if not a.isSeparator() and a.isVisible()]
         assert bar == texts
+        shell.close()
+        qtbot.wait(10)
     finally:
         c.shutdown()
 
@@ -148,8 +150,9 @@ def test_without_a_tray_the_window_opens(qtbot, home):
     try:
         shell = Shell(c, use_tray=False)
         assert shell.tray is None and shell.chat.isVisible()
+        shell.close()
+        qtbot.wait(10)
     finally:
-        shell.chat.close()
         c.shutdown()
 
 

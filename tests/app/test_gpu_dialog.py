@@ -56,10 +56,9 @@ def shell(qtbot, tmp_path, monkeypatch):
 
     c.restart = restart          # the node's own restart is test_app_gui's; here: that it is asked for
     s = Shell(c, use_tray=False)
-    qtbot.addWidget(s.chat)
     yield s
-    for d in s.dialogs.values():
-        d.close()
+    s.close()
+    qtbot.wait(10)   # the deleteLater()s run
     c.shutdown()
 
 

@@ -80,8 +80,8 @@ def test_the_link_fills_the_join_dialog(qtbot, tmp_path, monkeypatch):
         assert bad is d and "did not work" in d.result.text()
     finally:
         # not shell.quit(): it ends the QApplication, which the later GUI tests still need
-        for w in (*shell.dialogs.values(), shell.chat):
-            w.close()
+        shell.close()
+        qtbot.wait(10)   # the deleteLater()s run
         c.shutdown()
 
 
