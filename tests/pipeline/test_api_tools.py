@@ -80,3 +80,54 @@ async def test_tool_choice_none_answers_in_text(client):
                                              temperature=0, max_tokens=16)
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# A Qwen2.5-style template that renders tools itself (written for this test: no tokenizer
+# of such a family is available offline). SmolLM2 speaks ChatML too, so the model still
+# reads the conversation; what is checked is that a template which knows tools is given
+# them, and the earlier call and result, instead of the text fallback.
+NATIVE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are helpful.{% endif %}"
+    "\n\n# Tools\n\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "For each call, answer <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls %}{%- set f = c.function if c.function is defined else c %}"
+    "\n<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": {{ f.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role != 'system' or not loop.first %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+async def test_a_template_that_knows_tools_renders_them_itself(client, pipeline):
+    saved = pipeline.tokenizer.chat_template
+    pipeline.tokenizer.chat_template = NATIVE
+    try:
+        r = await client.chat.completions.create(
+            model="default", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+        assert set(json.loads(call.function.arguments)) == {"zone"}
+
+        history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+                             {"id": call.id, "type": "function",
+                              "function": {"name": "get_time", "arguments": {"zone": "CET"}}}]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "14:05"}]
+        rendered = pipeline.tokenizer.decode(pipeline.chat_prompt(history, tools=[WEATHER["function"]]))
+        assert "# Tools" in rendered and '"name": "get_weather"' in rendered          # the template's own
+        assert "You can call functions" not in rendered                               # not the fallback
+        assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}' in rendered
+        assert "<tool_response>\n14:05\n</tool_response>" in rendered
+
+        # and the reply to that conversation goes on from the result, through the API
+        r2 = await client.chat.completions.create(
+            model="default", tools=[WEATHER], temperature=0, max_tokens=16,
+            messages=history[:1] + [{**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+                "name": "get_time", "arguments": '{"zone": "CET"}'}}]}, history[2]])
+        assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
+    finally:
+        pipeline.tokenizer.chat_template = saved
