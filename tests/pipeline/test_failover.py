@@ -143,6 +143,55 @@ async def test_a_stage_stopped_gracefully_hands_over_mid_reply():
     assert left["t"] - head.delivered[0] < 2  # told, not timed out
 
 
+async def test_a_reply_held_to_a_schema_survives_the_sampling_stage_dying():
+    """The last stage holds each constrained sequence's grammar state; its replacement
+    rebuilds it from the tokens already sent, so the reply still parses and is the one an
+    uninterrupted run gives."""
+    import json
+
+    schema = json.dumps({"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                         "properties": {"city": {"type": "string", "maxLength": 24},
+                                        "country": {"type": "string", "maxLength": 24}}})
+    asks = ["Give the capital of France as JSON.", "Give the largest city of Japan as JSON."]
+    pipe = await launch(pipeline_config())
+    head = pipe.head
+
+    async def replies(on_token=None):
+        handles = [head.submit(head.chat_prompt([{"role": "user", "content": a}]),
+                               SamplingParams(greedy=True, max_tokens=64, json_schema=schema)) for a in asks]
+        out = []
+        for i, h in enumerate(handles):
+            toks = []
+            async for ev in h:
+                if isinstance(ev, Delta):
+                    toks.extend(ev.token_ids)
+                    if i == 0 and on_token is not None:
+                        on_token(len(toks))
+                else:
+                    assert isinstance(ev, Done) and ev.error is None, ev
+            out.append(toks)
+        return out
+
+    try:
+        reference = await asyncio.wait_for(replies(), 300)
+        last = list(pipe.local.procs)[-1]
+        killed = []
+
+        def on_token(n):
+            if n >= 4 and not killed:
+                os.kill(last.pid, signal.SIGKILL)
+                killed.append(n)
+
+        got = await asyncio.wait_for(replies(on_token), 300)
+        assert killed and got == reference
+        for toks in got:
+            reply = json.loads(head.tokenizer.decode(toks, skip_special_tokens=True))
+            assert set(reply) == {"city", "country"}
+        assert [e["event"] for e in head.info()["events"]].count("recovered") == 1
+    finally:
+        await pipe.close()
+
+
 async def test_survivors_too_small_wait_for_the_same_machine_to_come_back(tmp_path):
     """Three machines, each capped so that two cannot hold the model: the middle one dies
     (kill -9) mid-reply, the head says it waits for a GPU for that machine's layers, the
