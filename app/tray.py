@@ -97,6 +97,7 @@ class Shell(QObject):
         controller.nodeLost.connect(self.on_lost)
         controller.notice.connect(self.on_notice)
         self.state = "idle"
+        self.closed = False
 
     # ---- status --------------------------------------------------------------------
     def on_status(self, st: dict):
@@ -129,6 +130,8 @@ class Shell(QObject):
         self.c.set_share(on)
 
     def open_chat(self):
+        if self.closed:
+            return
         self.chat.show()
         self.chat.raise_()
         self.chat.activateWindow()
@@ -151,6 +154,8 @@ class Shell(QObject):
     def open_link(self, text: str):
         """A potluck:// link (clicked in a chat app, or handed over by a later launch): the
         join dialog, filled in; the user still presses Join."""
+        if self.closed:
+            return None
         d = self.open_join()
         try:
             link = parse_link(text)
@@ -209,7 +214,11 @@ class Shell(QObject):
         """Closes every window and has Qt delete them, the shell with them, at the next turn of
         the event loop. Left to Python's collector at interpreter exit, a second shell's
         windows and menu were torn down in an order Qt aborts on ('shared QObject was deleted
-        directly'), so whoever is done with a shell closes it."""
+        directly'), so whoever is done with a shell closes it. Twice is harmless (a second
+        Ctrl+C, a link handed over while quitting)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.chat.stream is not None:
             self.chat.stream.stop()
         for d in self.dialogs.values():

@@ -81,6 +81,8 @@ def test_the_link_fills_the_join_dialog(qtbot, tmp_path, monkeypatch):
     finally:
         # not shell.quit(): it ends the QApplication, which the later GUI tests still need
         shell.close()
+        shell.close()                                            # twice is harmless
+        assert shell.open_link(f"potluck://join/{real_code()}") is None   # nothing opens on a closed shell
         qtbot.wait(10)   # the deleteLater()s run
         c.shutdown()
 
