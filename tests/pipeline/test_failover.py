@@ -36,8 +36,12 @@ def params(seeded: bool, i: int) -> SamplingParams:
 
 async def run(head, seeded: bool, on_token=None) -> list[list[int]]:
     """The four requests at once; on_token(count of seq 0's tokens) after each of seq 0's."""
-    handles = [head.submit(head.chat_prompt([{"role": "user", "content": p}]), params(seeded, i))
-               for i, p in enumerate(PROMPTS)]
+    return await replies(head, [(p, params(seeded, i)) for i, p in enumerate(PROMPTS)], on_token)
+
+
+async def replies(head, asks: list[tuple[str, SamplingParams]], on_token=None) -> list[list[int]]:
+    """Each (question, sampling) as a chat request, all at once: their tokens."""
+    handles = [head.submit(head.chat_prompt([{"role": "user", "content": q}]), p) for q, p in asks]
 
     async def one(i, h):
         toks = []
@@ -152,28 +156,12 @@ async def test_a_reply_held_to_a_schema_survives_the_sampling_stage_dying():
     schema = json.dumps({"type": "object", "additionalProperties": False, "required": ["city", "country"],
                          "properties": {"city": {"type": "string", "maxLength": 24},
                                         "country": {"type": "string", "maxLength": 24}}})
-    asks = ["Give the capital of France as JSON.", "Give the largest city of Japan as JSON."]
+    asks = [(q, SamplingParams(greedy=True, max_tokens=64, json_schema=schema))
+            for q in ("Give the capital of France as JSON.", "Give the largest city of Japan as JSON.")]
     pipe = await launch(pipeline_config())
     head = pipe.head
-
-    async def replies(on_token=None):
-        handles = [head.submit(head.chat_prompt([{"role": "user", "content": a}]),
-                               SamplingParams(greedy=True, max_tokens=64, json_schema=schema)) for a in asks]
-        out = []
-        for i, h in enumerate(handles):
-            toks = []
-            async for ev in h:
-                if isinstance(ev, Delta):
-                    toks.extend(ev.token_ids)
-                    if i == 0 and on_token is not None:
-                        on_token(len(toks))
-                else:
-                    assert isinstance(ev, Done) and ev.error is None, ev
-            out.append(toks)
-        return out
-
     try:
-        reference = await asyncio.wait_for(replies(), 300)
+        reference = await replies(head, asks)
         last = list(pipe.local.procs)[-1]
         killed = []
 
@@ -182,7 +170,7 @@ async def test_a_reply_held_to_a_schema_survives_the_sampling_stage_dying():
                 os.kill(last.pid, signal.SIGKILL)
                 killed.append(n)
 
-        got = await asyncio.wait_for(replies(on_token), 300)
+        got = await replies(head, asks, on_token)
         assert killed and got == reference
         for toks in got:
             reply = json.loads(head.tokenizer.decode(toks, skip_special_tokens=True))
