@@ -113,21 +113,22 @@ async def test_a_template_that_knows_tools_renders_them_itself(client, pipeline)
         assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
         assert set(json.loads(call.function.arguments)) == {"zone"}
 
-        history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
-                             {"id": call.id, "type": "function",
-                              "function": {"name": "get_time", "arguments": {"zone": "CET"}}}]},
-                         {"role": "tool", "tool_call_id": call.id, "content": "14:05"}]
-        rendered = pipeline.tokenizer.decode(pipeline.chat_prompt(history, tools=[WEATHER["function"]]))
+        def turn(arguments):
+            return ASK + [{"role": "assistant", "content": "", "tool_calls": [
+                              {"id": call.id, "type": "function", "function": {"name": "get_time", "arguments": arguments}}]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "14:05"}]
+
+        # what the template is handed (the API turns a call's JSON arguments into an object for it)
+        prompt = pipeline.chat_prompt(turn({"zone": "CET"}), tools=[WEATHER["function"]])
+        rendered = pipeline.tokenizer.decode(prompt)
         assert "# Tools" in rendered and '"name": "get_weather"' in rendered          # the template's own
         assert "You can call functions" not in rendered                               # not the fallback
         assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}' in rendered
         assert "<tool_response>\n14:05\n</tool_response>" in rendered
 
         # and the reply to that conversation goes on from the result, through the API
-        r2 = await client.chat.completions.create(
-            model="default", tools=[WEATHER], temperature=0, max_tokens=16,
-            messages=history[:1] + [{**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
-                "name": "get_time", "arguments": '{"zone": "CET"}'}}]}, history[2]])
+        r2 = await client.chat.completions.create(model="default", messages=turn('{"zone": "CET"}'), tools=[WEATHER],
+                                                  temperature=0, max_tokens=16)
         assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
     finally:
         pipeline.tokenizer.chat_template = saved

@@ -10,6 +10,7 @@ over what is left, prefills each sequence's history there and goes on decoding.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -151,8 +152,6 @@ async def test_a_reply_held_to_a_schema_survives_the_sampling_stage_dying():
     """The last stage holds each constrained sequence's grammar state; its replacement
     rebuilds it from the tokens already sent, so the reply still parses and is the one an
     uninterrupted run gives."""
-    import json
-
     schema = json.dumps({"type": "object", "additionalProperties": False, "required": ["city", "country"],
                          "properties": {"city": {"type": "string", "maxLength": 24},
                                         "country": {"type": "string", "maxLength": 24}}})
