@@ -8,12 +8,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 
 from dataclasses import fields
 
+from engine.boot.lifeline import Lifeline
+from engine.boot.stopping import StopRequests
 from engine.core.errors import ModelError
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.step_gate import COMPUTE_ORDERS
@@ -198,17 +199,13 @@ async def _stage(args) -> int:
         await server.leave("the stage was stopped by its owner")
         await server.close("the stage was stopped by its owner")
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(leave()))
-        except (NotImplementedError, RuntimeError):
-            pass  # Windows: Ctrl-C ends the process as before
+    leaving: list[asyncio.Future] = []
+    requests = StopRequests(loop, lambda: leaving.append(asyncio.ensure_future(leave()))).install()
     if args.announce:
         print(f"{ANNOUNCE}{server.port}", flush=True)
         # our parent holds our stdin: when it goes, we go
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        watcher = asyncio.ensure_future(reader.read())
+        lifeline = Lifeline(loop)
+        watcher = asyncio.ensure_future(lifeline.wait_closed())
         closed = asyncio.ensure_future(server.wait_closed())
         await asyncio.wait([watcher, closed], return_when=asyncio.FIRST_COMPLETED)
     else:
@@ -217,6 +214,9 @@ async def _stage(args) -> int:
         if secret:
             _say(f"Give the head this address (it carries the secret): ws://{shown}:{server.port}#{secret}")
         await server.wait_closed()
+    if leaving:
+        await asyncio.gather(*leaving, return_exceptions=True)
+    requests.done()
     return 0
 
 

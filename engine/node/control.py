@@ -37,13 +37,14 @@ import json
 import logging
 import os
 import secrets
-import signal
 import sys
 import time
 from pathlib import Path
 
 from aiohttp import web
 
+from engine.boot.lifeline import Lifeline
+from engine.boot.stopping import StopRequests
 from engine.core import precision
 from engine.model.device import DTYPES, DeviceError, compute_dtype, device_name, free_memory, pick_device
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
@@ -834,12 +835,10 @@ def write_token_file(path: Path, token: str):
 
 async def run_node(args) -> int:
     loop = asyncio.get_running_loop()
-    reader = None
+    lifeline = None
     if args.token_stdin:
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        line = await reader.readline()
-        token = line.decode(errors="replace").strip()
+        lifeline = Lifeline(loop)   # the token, then EOF when our parent is gone
+        token = (await lifeline.readline()).strip()
         if len(token) < 16:
             print("potluck node: expected a token of 16+ characters on stdin", file=sys.stderr)
             return 2
@@ -871,14 +870,10 @@ async def run_node(args) -> int:
     if args.host_model:
         node.start_hosting(node.host_args({"model": args.host_model, "stages": args.stages}))
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    requests = StopRequests(loop, stop.set).install()
     waits = [asyncio.ensure_future(stop.wait())]
-    if reader is not None:
-        waits.append(asyncio.ensure_future(reader.read()))  # EOF: our parent is gone
+    if lifeline is not None:
+        waits.append(asyncio.ensure_future(lifeline.wait_closed()))  # EOF: our parent is gone
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
         w.cancel()
@@ -886,6 +881,7 @@ async def run_node(args) -> int:
         await asyncio.wait_for(node.close(), 30)
     except asyncio.TimeoutError:
         log.warning("node shutdown timed out")
+    requests.done()
     await runner.cleanup()
     return 0
 

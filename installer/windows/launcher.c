@@ -1,7 +1,12 @@
 /* The two programs a Windows user starts: they run the embedded Python beside them.
  *
- *   potluck.exe      (console)  <dir>\python\python.exe  -m app.launcher <args>
- *   Potluck-App.exe  (windowed) <dir>\python\pythonw.exe -m app.launcher app <args>
+ *   potluck.exe      (console)  <dir>\python\python.exe  -s -X utf8 -m app.launcher <args>
+ *   Potluck-App.exe  (windowed) <dir>\python\pythonw.exe -s -X utf8 -m app.launcher app <args>
+ *
+ * -s: the user's own site-packages (%APPDATA%\Python\Python313: .pth files, usercustomize)
+ * would otherwise load into Potluck, despite the ._pth file. -X utf8: output through a pipe
+ * is UTF-8, not cp1252 (a reply outside cp1252 raised UnicodeEncodeError). The engine passes
+ * both on to the processes it starts (engine/boot/selfcmd.py).
  *
  * A compiled launcher rather than a .bat or .lnk to python.exe: shortcuts, the Run key and
  * the potluck:// handler need an .exe with our icon, a windowed start must not flash a
@@ -13,10 +18,10 @@
 
 #ifdef POTLUCK_GUI
 #define PYEXE L"pythonw.exe"
-#define PREFIX L" -m app.launcher app"
+#define PREFIX L" -s -X utf8 -m app.launcher app"
 #else
 #define PYEXE L"python.exe"
-#define PREFIX L" -m app.launcher"
+#define PREFIX L" -s -X utf8 -m app.launcher"
 #endif
 
 /* the command line after our own program name, quoted or not, as CommandLineToArgvW reads it */
