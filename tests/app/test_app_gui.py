@@ -363,7 +363,12 @@ def live(qapp, home):
 
     c = Controller(make_settings(), node_args=NODE_ARGS)
     shell = Shell(c, use_tray=False)
-    assert c.start_node(), c.lost
+    # as app/main.py does: the node starts while the event loop runs, and the window says so
+    t0 = time.monotonic()
+    assert c.start_node(wait=False)
+    assert time.monotonic() - t0 < 5, "start_node(wait=False) must not wait for the engine"
+    assert c.node.port is None, "the engine cannot have announced itself yet"
+    assert "Starting the Potluck engine" in shell.chat.model_label.text()
     deadline = time.time() + LOAD_MS / 1000
     while time.time() < deadline and not ((c.status.get("hosting") or {}).get("openai_url")):
         qapp.processEvents()
