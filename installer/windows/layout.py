@@ -51,7 +51,7 @@ PY_TAG = "cp313"
 #   designer/qmltooling plugins and Qt's tool .exe files are data for building against Qt or
 #   torch, or for tools we do not ship: neither an import nor a DLL load can reach them.
 DROP_PREFIXES = (
-    "torch/test/", "torch/include/", "torch/share/", "torch/testing/_internal/", "torch/bin/",
+    "torch/test/", "torch/include/", "torch/share/", "torch/bin/",
     "PySide6/qml/", "PySide6/translations/", "PySide6/include/", "PySide6/typesystems/",
     "PySide6/metatypes/", "PySide6/glue/", "PySide6/doc/", "PySide6/resources/",
     "PySide6/scripts/", "PySide6/plugins/qmltooling/", "PySide6/plugins/designer/",

@@ -86,6 +86,7 @@ class _PE:
         if opt_size < dirs_at:
             raise self.bad("optional header too small")
         (self.image_base,) = struct.unpack(base_fmt, self._read(opt + base_at, struct.calcsize(base_fmt)))
+        (self.headers_size,) = struct.unpack("<I", self._read(opt + 60, 4))   # SizeOfHeaders
         (ndirs,) = struct.unpack("<I", self._read(opt + count_at, 4))
         ndirs = min(ndirs, (opt_size - dirs_at) // 8, 16)
         self.dirs = [struct.unpack("<II", self._read(opt + dirs_at + 8 * i, 8)) for i in range(ndirs)]
@@ -115,6 +116,8 @@ class _PE:
                 if delta >= raw_size:
                     raise self.bad(f"RVA {rva:#x} lies in a section's uninitialised part")
                 return raw_ptr + delta, raw_size - delta
+        if rva < min(self.headers_size, self.size):        # the headers are mapped as they are
+            return rva, min(self.headers_size, self.size) - rva
         raise self.bad(f"RVA {rva:#x} lies in no section")
 
     def read_rva(self, rva: int, n: int) -> bytes:
@@ -143,9 +146,11 @@ class _PE:
         names = []
         for i in range(_MAX_DESCRIPTORS):
             entry = self.read_rva(rva + i * entry_size, entry_size)
-            if entry == b"\0" * entry_size:
-                return names
             (name_rva,) = struct.unpack_from("<I", entry, name_field)
+            # the list ends, as the loader reads it, at a descriptor with no name (an import
+            # descriptor also at one with no import address table, FirstThunk at 16)
+            if name_rva == 0 or (not delay and struct.unpack_from("<I", entry, 16)[0] == 0):
+                return names
             if delay:
                 (attributes,) = struct.unpack_from("<I", entry, 0)
                 if not attributes & 1 and name_rva >= self.image_base:  # old VC6 form: a VA

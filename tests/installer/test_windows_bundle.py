@@ -105,7 +105,7 @@ def make_pe(dlls=(), delayed=(), pe32=False) -> bytes:
         names += n.encode() + b"\0"
     body = bytearray(names_off) + names
     for i, rva in enumerate(name_rvas[:len(dlls)]):
-        struct.pack_into("<IIIII", body, imp_off + 20 * i, 0, 0, 0, rva, 0)
+        struct.pack_into("<IIIII", body, imp_off + 20 * i, 0, 0, 0, rva, va)   # FirstThunk: not read
     for i, rva in enumerate(name_rvas[len(dlls):]):
         struct.pack_into("<IIIIIIII", body, delay_off + 32 * i, 1, rva, 0, 0, 0, 0, 0, 0)
     head = bytearray(raw_at)
