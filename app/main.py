@@ -9,9 +9,11 @@ and runs the terminal chat (`potluck chat`) instead.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from engine.boot.selfcmd import engine_command
 
@@ -73,8 +75,13 @@ class SingleInstance:
 
         from . import paths
 
-        self.name = f"{name}-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-        self.lock = QLockFile(str((lock_dir or paths.runtime_dir()) / f"{name}.lock"))
+        where = lock_dir or paths.runtime_dir()
+        # the server's name follows the lock's folder (per user, per POTLUCK_HOME): Windows
+        # has no uid, and its named pipes are machine-wide, so two people signed in at once
+        # (or a portable copy beside an installed one) would otherwise hand each other links
+        digest = hashlib.sha256(str(Path(where).resolve()).encode("utf-8")).hexdigest()[:16]
+        self.name = f"{name}-{digest}"
+        self.lock = QLockFile(str(where / f"{name}.lock"))
         self.lock.setStaleLockTime(0)
         self.server = None
 
@@ -164,6 +171,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads per engine process")
     p.add_argument("--screenshot", metavar="PNG", default=None,
                    help="render the tray menu into this PNG and exit (no engine; checks an install)")
+    p.add_argument("--tour", metavar="DIR", default=None,
+                   help="walk through the app (chat, tray menu, host dialog), save screenshots and "
+                        "tour.json into DIR, and quit (checks an install; shows what the app shows)")
+    p.add_argument("--tour-link", action="store_true",
+                   help="with --tour: also wait for a potluck:// link from another launch")
     p.add_argument("link", nargs="?", default=None,
                    help="a potluck://join/<code> link: opens the join dialog with it filled in")
     args = p.parse_args(argv)
@@ -240,10 +252,23 @@ def main(argv=None) -> int:
     # "starting" instead of staying blank until the engine answers
     controller.start_node(wait=False)
     shell.look_for_gpu()  # an NVIDIA GPU next to the shipped CPU torch: the tray offers the CUDA build
+    # Windows asks every app before a sign-out or shutdown (WM_QUERYENDSESSION; on X11 the
+    # session manager does): the node leaves its pipelines now, while it still may
+    app.commitDataRequest.connect(lambda _manager: controller.closing or controller.shutdown())
     if args.link:
         shell.open_link(args.link)
     elif shell.tray is not None:
         shell.open_chat()  # first launch: show where the chat is
+    if args.tour:
+        from .tour import Tour
+
+        def tour():
+            code = Tour(app, shell, controller, Path(args.tour)).run(wait_link=args.tour_link)
+            shell.close()
+            controller.shutdown()
+            QApplication.exit(code)
+
+        QTimer.singleShot(0, tour)
     try:
         return app.exec()
     finally:

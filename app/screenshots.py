@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from .tour import settle, shoot, wait
+
 APT = ["xvfb", "libxkbcommon-x11-0", "libxcb-cursor0", "libxcb-icccm4", "libxcb-keysyms1", "libxcb-shape0",
        "libxcb-render-util0", "libxcb-image0", "libxcb-randr0", "libxcb-xinerama0", "libegl1", "libgl1",
        "libfontconfig1", "libdbus-1-3", "fonts-dejavu-core"]
@@ -42,27 +44,6 @@ def start_xvfb(size: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
         proc.kill()
     raise RuntimeError("could not start Xvfb on any display :99-:139")
-
-
-def wait(app, pred, timeout: float, what: str):
-    t0 = time.time()
-    while not pred():
-        if time.time() - t0 > timeout:
-            raise TimeoutError(f"timed out waiting for {what}")
-        app.processEvents()
-        time.sleep(0.03)
-
-
-def settle(app, seconds: float = 0.4):
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        app.processEvents()
-        time.sleep(0.02)
-
-
-def shoot(widget, path: Path):
-    widget.grab().save(str(path))
-    print(f"  saved {path}", flush=True)
 
 
 def icons_sheet(path: Path):

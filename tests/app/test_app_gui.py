@@ -184,6 +184,27 @@ def test_single_instance(qtbot, tmp_path):
     third.release()
 
 
+def test_two_homes_of_one_user_keep_their_own_instance(qtbot, tmp_path):
+    """Two copies side by side (a portable one beside the installed one, or two people
+    signed in on one Windows machine, where there is no uid and named pipes are
+    machine-wide) each keep their own server: a link reaches the copy it was meant for."""
+    from app.main import SingleInstance
+
+    a_seen, b_seen = [], []
+    a = SingleInstance("potluck-test-homes", lock_dir=tmp_path / "a")
+    b = SingleInstance("potluck-test-homes", lock_dir=tmp_path / "b")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert a.name != b.name
+    assert a.acquire(a_seen.append) and b.acquire(b_seen.append)
+    later = SingleInstance("potluck-test-homes", lock_dir=tmp_path / "a")
+    assert not later.acquire(lambda _: None)
+    assert later.notify_running("link potluck://join/ABCDE-FGHIJ")
+    qtbot.waitUntil(lambda: len(a_seen) == 1, timeout=10_000)
+    assert b_seen == []
+    a.release()
+    b.release()
+
+
 def test_app_runs_once_and_quits_cleanly(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen", POTLUCK_HOME=str(tmp_path),
                POTLUCK_KEYSTORE="file")

@@ -1,0 +1,127 @@
+"""A walk through the running app that saves what a person would see: the chat window
+answering, the tray menu, the host dialog's plan, and (with `wait_link`) the join dialog
+a `potluck://join/…` link opened. `potluck app --tour DIR` runs it inside the real app,
+started the way the Start menu starts it, and quits; DIR gets the PNGs and tour.json
+(what each step saw). It is how CI sees the installed Windows app work (under wine,
+offscreen), and a way for a user to show what their screen shows in a bug report.
+`python -m app.screenshots` (the README's pictures) uses the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+QUESTION = "What is the capital of France?"
+LINK_READY = "waiting-for-link"   # a file in DIR: the tour now waits for a link to arrive
+
+
+def wait(app, pred, timeout: float, what: str):
+    t0 = time.time()
+    while not pred():
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"timed out waiting for {what}")
+        app.processEvents()
+        time.sleep(0.03)
+
+
+def settle(app, seconds: float = 0.4):
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        app.processEvents()
+        time.sleep(0.02)
+
+
+def shoot(widget, path: Path) -> str:
+    if not widget.grab().save(str(path)):
+        raise OSError(f"could not write {path}")
+    print(f"  saved {path}", flush=True)
+    return path.name
+
+
+class Tour:
+    def __init__(self, app, shell, controller, out: Path, load_timeout: float = 900):
+        self.app, self.shell, self.c, self.out = app, shell, controller, Path(out)
+        self.load_timeout = load_timeout
+        self.report: dict = {"steps": []}
+
+    def _step(self, name: str, **seen):
+        self.report["steps"].append({"step": name, **seen})
+        (self.out / "tour.json").write_text(json.dumps(self.report, indent=1), encoding="utf-8")
+
+    def pipeline(self):
+        """Until the hosted model answers (hosting it if the app was told not to)."""
+        app, c = self.app, self.c
+        wait(app, lambda: c.client.base is not None or c.lost, self.load_timeout, "the engine")
+        if c.lost:
+            raise RuntimeError(c.lost)
+        if not c.status.get("hosting") and not c.status.get("loading"):
+            c.host({"model": c.settings.default_model, "stages": c.settings.local_stages})
+        wait(app, lambda: bool((c.status.get("hosting") or {}).get("openai_url")) or c.lost,
+             self.load_timeout, "the pipeline")
+        if c.lost:
+            raise RuntimeError(c.lost)
+        self._step("pipeline", status=c.status.get("state"), model=c.status["hosting"].get("model"))
+
+    def chat(self, question: str = QUESTION, name: str = "chat-answered.png", size=(1000, 680)):
+        # greedy for this session only (never saved): the same answer every run
+        self.c.settings.temperature = 0.0
+        chat = self.shell.chat
+        chat.resize(*size)
+        self.shell.open_chat()
+        settle(self.app, 1.0)
+        chat.send(question)
+        wait(self.app, lambda: not chat.generating, 600, "the reply")
+        settle(self.app, 1.0)
+        reply = chat.messages[-1].content if chat.messages and chat.messages[-1].role == "assistant" else ""
+        self._step("chat", question=question, reply=reply, png=shoot(chat, self.out / name))
+        return reply
+
+    def tray_menu(self):
+        from PySide6.QtCore import QPoint
+
+        self.shell.on_status(self.c.status)
+        self.shell.menu.popup(QPoint(600, 40))   # without a tray, the same menu as a popup
+        settle(self.app, 0.5)
+        png = shoot(self.shell.menu, self.out / "tray-menu.png")
+        self.shell.menu.hide()
+        self._step("tray-menu", png=png, items=[a.text() for a in self.shell.menu.actions() if a.text()])
+
+    def host_dialog(self):
+        host = self.shell.open_host()
+        host.check()
+        wait(self.app, lambda: host.last_plan is not None or host.last_error is not None, 300, "the plan")
+        settle(self.app, 0.5)
+        png = shoot(host, self.out / "host-dialog.png")
+        self._step("host-dialog", png=png, plan=host.last_plan is not None, error=host.last_error)
+        host.close()
+
+    def link(self, timeout: float = 600):
+        """Until another launch hands this app a potluck:// link (the join dialog opens)."""
+        (self.out / LINK_READY).write_text("", encoding="utf-8")
+        shell = self.shell
+        wait(self.app, lambda: (shell.dialogs.get("join") is not None and shell.dialogs["join"].isVisible()
+                                and bool(shell.dialogs["join"].code.text())), timeout, "a potluck:// link")
+        join = shell.dialogs["join"]
+        settle(self.app, 0.5)
+        self._step("link", code=join.code.text(), png=shoot(join, self.out / "join-from-link.png"))
+        join.close()
+
+    def run(self, wait_link: bool = False) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.pipeline()
+            self.chat()
+            self.tray_menu()
+            self.host_dialog()
+            if wait_link:
+                self.link()
+            self.report["ok"] = True
+            return 0
+        except Exception as exc:   # the report says where it stopped; the app still quits
+            self.report["ok"] = False
+            self.report["error"] = f"{type(exc).__name__}: {exc}"
+            return 1
+        finally:
+            self._step("end")
