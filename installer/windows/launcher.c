@@ -37,7 +37,7 @@ static const wchar_t *after_argv0(const wchar_t *cmd) {
 }
 
 static int fail(const wchar_t *what, const wchar_t *path) {
-    wchar_t msg[2 * MAX_PATH + 200];
+    wchar_t msg[1024];
     _snwprintf(msg, sizeof msg / sizeof msg[0],
                L"Potluck cannot start: %ls\n%ls\n\nReinstalling Potluck repairs this.", what, path);
     msg[sizeof msg / sizeof msg[0] - 1] = 0;
@@ -49,18 +49,36 @@ static int fail(const wchar_t *what, const wchar_t *path) {
     return 9009;
 }
 
+static BOOL WINAPI stay(DWORD event) {
+    return event == CTRL_C_EVENT || event == CTRL_BREAK_EVENT;  /* Python handles them */
+}
+
 #ifdef POTLUCK_GUI
 int WINAPI wWinMain(HINSTANCE h, HINSTANCE p, LPWSTR a, int show) {
 #else
 int wmain(void) {
 #endif
-    wchar_t dir[MAX_PATH], python[MAX_PATH + 32];
-    DWORD n = GetModuleFileNameW(NULL, dir, MAX_PATH);
-    if (n == 0 || n >= MAX_PATH) return fail(L"its folder path is too long", L"");
+    /* a long install path (beyond MAX_PATH's 260 characters) must work too: the buffer
+     * grows until GetModuleFileNameW fits, up to Windows' 32767-character limit */
+    DWORD cap = MAX_PATH, n = 0;
+    wchar_t *dir = NULL;
+    for (;;) {
+        dir = HeapAlloc(GetProcessHeap(), 0, cap * sizeof(wchar_t));
+        if (!dir) return 8;
+        n = GetModuleFileNameW(NULL, dir, cap);
+        if (n == 0) return fail(L"Windows did not say where it is", L"");
+        if (n < cap) break;
+        HeapFree(GetProcessHeap(), 0, dir);
+        if (cap >= 32768) return fail(L"its folder path is too long", L"");
+        cap *= 4;
+    }
     wchar_t *slash = wcsrchr(dir, L'\\');
     if (slash) *slash = 0;
-    _snwprintf(python, sizeof python / sizeof python[0], L"%ls\\python\\%ls", dir, PYEXE);
-    python[sizeof python / sizeof python[0] - 1] = 0;
+    size_t plen = wcslen(dir) + 32;
+    wchar_t *python = HeapAlloc(GetProcessHeap(), 0, plen * sizeof(wchar_t));
+    if (!python) return 8;
+    _snwprintf(python, plen, L"%ls\\python\\%ls", dir, PYEXE);
+    python[plen - 1] = 0;
     if (GetFileAttributesW(python) == INVALID_FILE_ATTRIBUTES)
         return fail(L"its Python is missing:", python);
 
@@ -72,8 +90,10 @@ int wmain(void) {
     cmd[len - 1] = 0;
 
     /* the console flavour shares its console and standard handles with Python; Ctrl+C
-     * reaches both, so the launcher ignores it and waits for Python's own exit code */
-    SetConsoleCtrlHandler(NULL, TRUE);
+     * reaches both, so the launcher stays for Python's own exit code. A handler, not
+     * SetConsoleCtrlHandler(NULL, TRUE): that "ignore Ctrl+C" is inherited, and Python
+     * would never hear it (nor leave its pipeline gracefully) */
+    SetConsoleCtrlHandler(stay, TRUE);
     STARTUPINFOW si = {sizeof si};
     PROCESS_INFORMATION pi;
     if (!CreateProcessW(python, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si, &pi))
