@@ -18,9 +18,14 @@ import torch
 
 from engine.model.families import SUPPORTED_MODEL_TYPES
 
-# every supported family (engine/model/families.py), and Mistral a second time without
-# its sliding window (a different mask path)
-ARCHS = [a for t in SUPPORTED_MODEL_TYPES for a in ((t, "mistral_nowindow") if t == "mistral" else (t,))]
+# A second tiny config of a supported family, for a code path its first one misses.
+_VARIANTS = {
+    "mistral": ("mistral_nowindow",),  # sliding_window=None: a plain causal mask
+    "falcon": ("falcon_alibi",),       # Falcon-RW: ALiBi instead of rotary
+}
+
+# every supported family (engine/model/families.py), and the variants above
+ARCHS = [a for t in SUPPORTED_MODEL_TYPES for a in (t, *_VARIANTS.get(t, ()))]
 
 # Families refused in engine/model/families.py whose tiny configs are kept to re-check
 # them (parity fails for the reason given there).
@@ -248,6 +253,15 @@ def tiny_config(arch: str, n_layers: int = N_LAYERS):
         return T.FalconConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=n_layers, num_attention_heads=4,
             max_position_embeddings=256, initializer_range=INIT_RANGE,
+            bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        )
+    if arch == "falcon_alibi":
+        # Falcon-RW layout: ALiBi position bias (no rotary), separate attention and MLP,
+        # full multi-head attention with biases.
+        return T.FalconConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=n_layers, num_attention_heads=4,
+            max_position_embeddings=256, initializer_range=INIT_RANGE, alibi=True, bias=True,
+            multi_query=False, parallel_attn=False, new_decoder_architecture=False,
             bos_token_id=1, eos_token_id=None, pad_token_id=0,
         )
     if arch == "cohere":

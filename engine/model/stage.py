@@ -12,6 +12,10 @@ make a slice of it run:
 * attention sees a `BatchCache` (engine/model/kv.py) and masks we build, so sequences of
   different lengths share a batch.
 
+What a model derives from the whole batch is made per row, as each sequence alone
+gets it: Falcon-RW's ALiBi bias (built here, since the model builds it from a 2-D
+padding mask).
+
 Weights: a stage reads only its own tensors (engine/model/checkpoint.py: the shard
 files that hold them, or its layers' tensors of a memory-mapped GGUF), and pushes
 them through transformers' own weight conversions (MoE expert fusion etc.) and,
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import re
 import threading
 import time
@@ -147,6 +152,7 @@ class StageModel:
             for layer in self._layers:  # a borrowed core goes back between layers
                 layer.register_forward_pre_hook(lambda *_: cores.checkpoint())
         self._plan_masks()
+        self._plan_alibi()
 
     # ---- construction -------------------------------------------------------
     def _load(self, cfg) -> nn.Module:
@@ -337,6 +343,42 @@ class StageModel:
         # the column: one position for the whole batch, so rows must agree on it (below)
         self._temperature_floor = getattr(cfg, "floor_scale", None) if getattr(cfg, "attn_temperature_tuning", False) else None
 
+    def _plan_alibi(self) -> None:
+        """Falcon-RW's ALiBi bias, built here instead of by the model.
+
+        The model builds it from a 2-D padding mask, which left-padded rows at different
+        positions do not have (they get the 4-D mask build_masks makes), and adds it to the
+        causal mask it builds itself. So the stage turns the model's own ALiBi off, adds the
+        bias to its mask as the model would, and hands every layer the bias (_layer_alibi),
+        which also tells a layer not to rotate its queries and keys.
+        """
+        base = self._base
+        self._alibi = None
+        if not getattr(base, "use_alibi", False):
+            return
+        build = inspect.getmodule(type(base)).build_alibi_tensor  # transformers' own, to the bit
+        self._alibi = (build, base.num_heads, math.sqrt(self.model.config.hidden_size // base.num_heads))
+        base.use_alibi = False
+        for layer in self._layers:
+            layer.register_forward_pre_hook(self._layer_alibi, with_kwargs=True)
+
+    def _with_alibi(self, mask: torch.Tensor) -> torch.Tensor:
+        """The model's mask-plus-bias for the 4-D mask `mask` [B, 1, T, K]: each key gets
+        slope * its absolute position (the model's bias for one sequence without padding),
+        scaled as the model scales it; masked keys stay masked."""
+        build, heads, scale = self._alibi
+        B, K = mask.shape[0], mask.shape[-1]
+        alibi = build(torch.ones((B, K), dtype=torch.long, device=mask.device), heads, self.dtype)
+        alibi = alibi.reshape(B, heads, 1, K)
+        self._injected.alibi = alibi
+        return torch.masked_fill(alibi / scale, mask < -1, torch.finfo(mask.dtype).min)
+
+    def _layer_alibi(self, module, args, kwargs):
+        alibi = getattr(self._injected, "alibi", None)
+        if alibi is None:
+            return None
+        return args, {**kwargs, "alibi": alibi}
+
     def _gate_hook(self, *_):
         if self.gate.checkpoint() and self.cores is not None:
             self.cores.sync_threads()  # the decode step may have handed back a borrowed core
@@ -450,6 +492,8 @@ class StageModel:
         masks = build_masks(batch.starts, batch.ns, T, cache.kv_len, self.dtype, self.device, self._mask_windows,
                             self._mask_chunks)
         mask = masks if self._mask_dict else masks["full_attention"]
+        if self._alibi is not None:
+            mask = self._with_alibi(mask)
         pos = position_ids(batch.starts, batch.ns, T, self.device)
         kwargs = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         if self.first:
@@ -464,7 +508,7 @@ class StageModel:
             else:
                 out = self._base(**kwargs).last_hidden_state
         finally:
-            self._injected.h = None
+            self._injected.h = self._injected.alibi = None
         for seq_id, _, n in rows:
             kv.seqs[seq_id].length += n
         if self.last:
