@@ -31,6 +31,14 @@ ARCHS = [a for t in SUPPORTED_MODEL_TYPES for a in (t, *_VARIANTS.get(t, ()))]
 # them (parity fails for the reason given there).
 REFUSED_ARCHS = ["doge", "nanochat", "deepseek_v32", "gpt_neo", "bloom", "opt", "biogpt"]
 
+# Variants whose rotary frequencies follow the sequence length (engine/model/rope.py),
+# with an original context of ROPE_ORIGINAL tokens that a long prompt passes. Not in
+# ARCHS: a prompt prefilled in chunks across that boundary, or a decode step crossing it,
+# gets other frequencies than the whole prompt at once, in transformers too
+# (tests/model/test_rope.py).
+ROPE_ARCHS = ["phi3_longrope", "phimoe_longrope", "llama_dynamic"]
+ROPE_ORIGINAL = 24
+
 VOCAB = 256
 N_LAYERS = 6
 SLIDING_WINDOW = 8
@@ -243,6 +251,23 @@ def tiny_config(arch: str, n_layers: int = N_LAYERS):
         )
     if arch == "phi3":
         return T.Phi3Config(**c)
+    if arch == "phi3_longrope":
+        # Phi-3-mini-128k / Phi-3.5 / Phi-4-mini: LongRoPE, long factors past the original context
+        return T.Phi3Config(**c, original_max_position_embeddings=ROPE_ORIGINAL, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=ROPE_ORIGINAL,
+            short_factor=[1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+            long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]))
+    if arch == "phimoe_longrope":
+        # Phi-3.5-MoE: LongRoPE, and its own choice of a short or long scale for cos/sin
+        return T.PhimoeConfig(**c, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                              sliding_window=None, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=ROPE_ORIGINAL,
+            short_factor=[1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+            long_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], short_mscale=1.1, long_mscale=1.3))
+    if arch == "llama_dynamic":
+        # dynamic NTK: the base stretches with the length past max_position_embeddings
+        return T.LlamaConfig(**dict(c, max_position_embeddings=ROPE_ORIGINAL), rope_parameters=dict(
+            rope_type="dynamic", rope_theta=10000.0, factor=4.0))
     if arch == "gpt2":
         return T.GPT2Config(
             vocab_size=VOCAB, n_embd=64, n_layer=n_layers, n_head=4, n_positions=256,

@@ -14,7 +14,8 @@ make a slice of it run:
 
 What a model derives from the whole batch is made per row, as each sequence alone
 gets it: Falcon-RW's ALiBi bias (built here, since the model builds it from a 2-D
-padding mask).
+padding mask), and the rotary frequencies of LongRoPE and dynamic NTK, which the model
+picks from the batch's longest row (engine/model/rope.py).
 
 Weights: a stage reads only its own tensors (engine/model/checkpoint.py: the shard
 files that hold them, or its layers' tensors of a memory-mapped GGUF), and pushes
@@ -42,6 +43,7 @@ from engine.core.partition import validate_range
 from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
 from engine.model.device import pick_device
 from engine.model.quant import make_quantizer, misshapen, weights_of
+from engine.model.rope import per_row_rotary
 from engine.model.sources import ModelError, ModelSource
 
 # accelerate's init_empty_weights patches torch's module constructors process-wide, so
@@ -153,6 +155,7 @@ class StageModel:
                 layer.register_forward_pre_hook(lambda *_: cores.checkpoint())
         self._plan_masks()
         self._plan_alibi()
+        per_row_rotary(self.model)  # LongRoPE, dynamic NTK: each row's own frequencies (rope.py)
 
     # ---- construction -------------------------------------------------------
     def _load(self, cfg) -> nn.Module:
