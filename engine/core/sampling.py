@@ -19,7 +19,11 @@ MAX_SCHEMA_CHARS = 16 << 10
 
 
 class SamplingError(ValueError):
-    pass
+    """param: the request field at fault, where one is (the API's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 # What a request that names no sampling field gets when the model's generation_config
@@ -28,6 +32,10 @@ class SamplingError(ValueError):
 # line of a haiku for all 256 tokens -- while 0.7 / 0.9 / 1.1 reads well.
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
 TUNABLE = tuple(CHAT_DEFAULTS)
+# OpenAI's presence and frequency penalties: 0 (off) unless a request names them, whatever
+# else it names or leaves to the defaults (engine/model/sampler.py applies them)
+PENALTIES = ("presence_penalty", "frequency_penalty")
+PENALTY_RANGE = (-2.0, 2.0)
 
 
 def sampling_defaults(generation_config: dict | None) -> dict:
@@ -54,6 +62,10 @@ class SamplingParams:
     top_k: int = 0              # 0: off
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    # OpenAI's: logits[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty,
+    # count[j] the times token j was generated so far in this choice (not in the prompt)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     greedy: bool = False        # temperature 0 means greedy too
     max_tokens: int = 256
@@ -70,6 +82,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether presence or frequency penalties shape this request's logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -81,7 +98,7 @@ class SamplingParams:
         known = set(cls.__dataclass_fields__)
         extra = set(d) - known
         if extra:
-            raise SamplingError(f"unknown sampling parameter(s): {', '.join(sorted(extra))}")
+            raise SamplingError(f"unknown sampling parameter(s): {', '.join(sorted(extra))}", sorted(extra)[0])
         p = cls(**d)
         p.validate()
         return p
@@ -90,26 +107,28 @@ class SamplingParams:
         def num(name, lo, hi, integer=False):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-                raise SamplingError(f"{name} must be a {'whole ' if integer else ''}number")
+                raise SamplingError(f"{name} must be a {'whole ' if integer else ''}number", name)
             if not (lo <= v <= hi):
-                raise SamplingError(f"{name} must be between {lo} and {hi}, got {v}")
+                raise SamplingError(f"{name} must be between {lo} and {hi}, got {v}", name)
 
         num("temperature", 0.0, 100.0)
         num("top_k", 0, 1 << 20, integer=True)
         num("top_p", 0.0, 1.0)
         if self.top_p == 0.0:
-            raise SamplingError("top_p must be greater than 0")
+            raise SamplingError("top_p must be greater than 0", "top_p")
         num("repetition_penalty", 0.01, 100.0)
+        for name in PENALTIES:
+            num(name, *PENALTY_RANGE)
         num("max_tokens", 1, 1 << 20, integer=True)
         if self.seed is not None:
             num("seed", 0, 2**63 - 1, integer=True)
         if not isinstance(self.greedy, bool):
-            raise SamplingError("greedy must be true or false")
+            raise SamplingError("greedy must be true or false", "greedy")
         if not isinstance(self.logprobs, bool):
-            raise SamplingError("logprobs must be true or false")
+            raise SamplingError("logprobs must be true or false", "logprobs")
         num("top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
         if self.top_logprobs and not self.logprobs:
-            raise SamplingError("top_logprobs needs logprobs")
+            raise SamplingError("top_logprobs needs logprobs", "top_logprobs")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str) or len(self.json_schema) > MAX_SCHEMA_CHARS:
                 raise SamplingError(f"json_schema must be JSON text of at most {MAX_SCHEMA_CHARS} characters")
@@ -120,10 +139,10 @@ class SamplingParams:
             if not isinstance(schema, dict):
                 raise SamplingError("json_schema must be a JSON object")
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_SEQUENCES:
-            raise SamplingError(f"stop must be a list of at most {MAX_STOP_SEQUENCES} strings")
+            raise SamplingError(f"stop must be a list of at most {MAX_STOP_SEQUENCES} strings", "stop")
         for s in self.stop:
             if not isinstance(s, str) or not (0 < len(s) <= MAX_STOP_LENGTH):
-                raise SamplingError(f"each stop sequence must be a string of 1..{MAX_STOP_LENGTH} characters")
+                raise SamplingError(f"each stop sequence must be a string of 1..{MAX_STOP_LENGTH} characters", "stop")
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -13,13 +13,23 @@ prompt), and log-probabilities for the rows that ask for them.
 A request with a JSON schema (response_format) draws only what its grammar allows next
 (engine/model/grammar.py): its rows' logits are masked on a copy, so its logprobs stay
 the raw model's, and a batch without such a request never copies or masks anything.
+
+Penalties, in this order, on a copy of a row's logits before temperature, top-k and top-p
+(vLLM's order): the repetition penalty (HF's: the prompt's and the reply's tokens), then
+OpenAI's frequency and presence penalties, logits[j] -= count[j] * frequency_penalty +
+(count[j] > 0) * presence_penalty, count[j] the times this choice generated token j (its
+prompt does not count). The counts are rebuilt, never carried: a sequence replayed after
+a rearrangement counts the tokens its frame says it generated (`replayed`), and a fork
+(a request's other choice, n > 1) starts from none, so each choice counts its own. Like
+the grammar's mask, none of this reaches the logprobs: they are the raw model's.
 """
 
 from __future__ import annotations
 
-import torch
-
+from collections import Counter
 from dataclasses import replace
+
+import torch
 
 from engine.core.sampling import SamplingParams
 from engine.model.grammar import GrammarError
@@ -30,7 +40,8 @@ LOGPROB_FLOOR = -9999.0
 
 
 class Sampler:
-    """Keeps per-sequence state (token history for the repetition penalty, generator)."""
+    """Keeps per-sequence state: token history for the repetition penalty, generated-token
+    counts for the presence/frequency penalties, grammar state, the next position."""
 
     def __init__(self, grammars=None):
         self._history: dict[int, list[int]] = {}
@@ -39,10 +50,12 @@ class Sampler:
         # engine/model/grammar.py Grammars: set by whoever knows the model's tokenizer
         self.grammars = grammars
         self._constraints: dict = {}    # seq_id -> grammar.Constraint, constrained requests only
+        self._counts: dict[int, Counter] = {}  # seq_id -> generated token counts, penalized requests only
 
     def open(self, seq_id: int, params: SamplingParams, prompt: list[int], replayed: int = 0) -> None:
         """replayed: how many of the prompt's last tokens this sequence generated before
-        (a replay after a rearrangement): its grammar goes on after them."""
+        (a replay after a rearrangement): its grammar goes on after them, and its presence
+        and frequency penalties count them."""
         if params.json_schema is not None:
             if self.grammars is None:
                 raise GrammarError("this stage cannot hold replies to a JSON schema")
@@ -54,6 +67,10 @@ class Sampler:
             self._constraints.pop(seq_id, None)
         self._params[seq_id] = params
         self._history[seq_id] = list(prompt) if params.repetition_penalty != 1.0 else []
+        if params.penalized:
+            self._counts[seq_id] = Counter(prompt[len(prompt) - replayed:] if replayed else ())
+        else:
+            self._counts.pop(seq_id, None)
         self._pos[seq_id] = len(prompt)
 
     def open_new(self, new: dict, vocab_size: int) -> None:
@@ -67,7 +84,8 @@ class Sampler:
                 self.open_fork(c, int(k), seed, v["prompt"])
 
     def open_fork(self, child: int, parent: int, seed: int | None, prompt: list[int]) -> None:
-        """A request's other choice: sampled as its first choice is, with its own seed."""
+        """A request's other choice: sampled as its first choice is, with its own seed (and
+        its own penalty counts: it has generated nothing yet)."""
         self.open(child, replace(self._params[parent], seed=seed), prompt)
 
     def knows(self, seq_id: int) -> bool:
@@ -78,6 +96,7 @@ class Sampler:
         self._params.pop(seq_id, None)
         self._pos.pop(seq_id, None)
         self._constraints.pop(seq_id, None)
+        self._counts.pop(seq_id, None)
 
     def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None) -> list[list]:
         """logits [B, vocab] -> token entries, one per row then one per fork (its parent's
@@ -100,10 +119,11 @@ class Sampler:
         return entries
 
     def _logprobs(self, entries: list[list], want: list[int], logits: torch.Tensor, toks: list[int]) -> None:
-        # The log-softmax of the raw model logits, before the repetition penalty,
-        # temperature, top-k and top-p shape what is drawn from: what OpenAI reports (and
-        # vLLM by default), the model's own belief, the same whatever the sampling
-        # settings. With greedy decoding the sampled token is therefore top_logprobs[0].
+        # The log-softmax of the raw model logits, before the penalties (repetition,
+        # presence, frequency), a grammar's mask, temperature, top-k and top-p shape what
+        # is drawn from: what OpenAI reports (and vLLM by default), the model's own
+        # belief, the same whatever the sampling settings. With plain greedy decoding the
+        # sampled token is therefore top_logprobs[0] (with penalties or a mask it may not be).
         idx = torch.tensor(want, device=logits.device)
         lsm = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
         lsm = torch.nan_to_num(lsm, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp(LOGPROB_FLOOR, 0.0)
@@ -123,7 +143,7 @@ class Sampler:
         constrained = [i for i, s in enumerate(seq_ids) if s in self._constraints] if self._constraints else ()
         if constrained:
             logits = self._masked(seq_ids, logits, constrained)
-        if all(p.is_greedy and p.repetition_penalty == 1.0 for p in params):
+        if all(p.is_greedy and p.repetition_penalty == 1.0 and not p.penalized for p in params):
             out = logits.argmax(-1).tolist()  # the common fast path, one op for the batch
         else:
             out = [self._sample_row(s, p, logits[i]) for i, (s, p) in enumerate(zip(seq_ids, params))]
@@ -131,6 +151,9 @@ class Sampler:
             self._pos[s] += 1
             if self._params[s].repetition_penalty != 1.0:
                 self._history[s].append(t)
+            counts = self._counts.get(s)
+            if counts is not None:
+                counts[t] += 1
         for i in constrained:
             self._constraints[seq_ids[i]].consume([out[i]])
         return out
@@ -153,6 +176,9 @@ class Sampler:
             idx = torch.tensor(sorted(set(hist)), dtype=torch.long)
             vals = row[idx]
             row[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        counts = self._counts.get(seq_id)
+        if counts:
+            row = penalize(row, counts, p.presence_penalty, p.frequency_penalty)
         if p.is_greedy:
             return int(row.argmax())
         row = row / p.temperature
@@ -170,6 +196,16 @@ class Sampler:
         if p.seed is not None:
             gen = torch.Generator().manual_seed(draw_seed(p.seed, self._pos[seq_id]))
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def penalize(row: torch.Tensor, counts: Counter, presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on one row of logits (in place):
+    row[j] -= counts[j] * frequency + (counts[j] > 0) * presence. A token masked out
+    (-inf) stays out whatever the sign of the penalties."""
+    idx = torch.tensor(list(counts), dtype=torch.long)
+    c = torch.tensor([counts[t] for t in counts], dtype=row.dtype)
+    row[idx] -= c * frequency + presence
+    return row
 
 
 def draw_seed(seed: int, position: int) -> int:

@@ -2,7 +2,9 @@
 
 POST /v1/chat/completions, POST /v1/completions (streaming SSE or not; a list of
 prompts gives n choices each), GET /v1/models[/{id}], and GET /v1/potluck/status for
-the app. A prompt's `n` choices share its prefill; `logprobs` (and chat's
+the app. `presence_penalty` and `frequency_penalty` (OpenAI's, -2..2) shape each
+choice's logits by the tokens it generated (the last stage's sampler, engine/model/
+sampler.py). A prompt's `n` choices share its prefill; `logprobs` (and chat's
 `top_logprobs`) come from the last stage, in OpenAI's shapes; `response_format`
 (json_object, json_schema) holds the reply to a JSON schema by a token mask on the last
 stage (engine/model/grammar.py); `tools` are rendered by the chat template (or explained
@@ -31,8 +33,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engine.pipeline.head import Delta, Done, Head, PipelineError
-from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, TUNABLE, SamplingError,
-                                  SamplingParams)
+from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, TUNABLE,
+                                  SamplingError, SamplingParams)
 from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, forced_call_schema
 from engine.core.tool_calls import parse as parse_calls
 from engine.model.detok import TokenPieces
@@ -70,10 +72,23 @@ def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
     return v
 
 
+def _number(body: dict, name: str, default: float) -> float:
+    """A float field: absent or null is the default; a whole number too large for a float
+    is out of range (float() would raise), not a server error."""
+    v = _field(body, name, (int, float), default)
+    try:
+        return float(v)
+    except OverflowError:
+        raise ApiError(f"'{name}' is out of range", param=name, code="invalid_value") from None
+
+
 # fields OpenAI defines that are not implemented yet -> the value that asks for nothing
-# (sent by some clients as a matter of course, and accepted)
+# (sent by some clients as a matter of course, and accepted); anything else is a 400
+# naming the field: a reply without the audio, or at the speed, they asked for would
+# look like an answer to their request
 NOT_YET = {"functions": ([], None), "function_call": ("none", None), "logit_bias": ({}, None),
-           "best_of": (1, None), "echo": (False, None), "suffix": ("", None)}
+           "best_of": (1, None), "echo": (False, None), "suffix": ("", None),
+           "modalities": (["text"], None), "audio": (None,), "prediction": (None,)}
 
 
 class Api:
@@ -256,21 +271,24 @@ class Api:
         # A request that names no sampling field gets the model's defaults (its
         # generation_config), else ours for chat (core/sampling.py), as the chat window and
         # `potluck chat` do; one that names any gets exactly what it names (temperature 0
-        # stays plain greedy decoding), the others neutral.
+        # stays plain greedy decoding), the others neutral. The presence and frequency
+        # penalties are 0 unless named, and naming them changes none of the others
+        # (chat front-ends send them as a matter of course, often as 0).
         d = NEUTRAL if any(body.get(k) is not None for k in TUNABLE) else self.head.sampling_defaults
         try:
             p = SamplingParams(
-                temperature=float(_field(body, "temperature", (int, float), d["temperature"])),
-                top_p=float(_field(body, "top_p", (int, float), d["top_p"])),
+                temperature=_number(body, "temperature", d["temperature"]),
+                top_p=_number(body, "top_p", d["top_p"]),
                 top_k=_field(body, "top_k", int, d["top_k"]),
-                repetition_penalty=float(_field(body, "repetition_penalty", (int, float), d["repetition_penalty"])),
+                repetition_penalty=_number(body, "repetition_penalty", d["repetition_penalty"]),
+                **{k: _number(body, k, 0.0) for k in PENALTIES},
                 seed=_field(body, "seed", int, None),
                 max_tokens=max_tokens,
                 stop=[s for s in (stop or []) if s],
             )
             p.validate()
         except SamplingError as exc:
-            raise ApiError(str(exc), code="invalid_value") from None
+            raise ApiError(str(exc), param=exc.param, code="invalid_value") from None
         return p
 
     async def _generate(self, request, body, prompts: list[list[int]], chat: bool, tools: "_Tools | None" = None):

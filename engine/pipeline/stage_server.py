@@ -58,7 +58,8 @@ log = logging.getLogger("potluck.stage")
                        #    logprobs, token entries may carry them
                        # 10: forks carry their seed alone; sampling may carry a JSON
                        #    schema (response_format), a replayed sequence says how much
-PROTOCOL_VERSION = 10
+                       # 11: sampling carries presence_penalty and frequency_penalty
+PROTOCOL_VERSION = 11
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head

@@ -41,7 +41,8 @@ def run(sampler: Sampler, seq_ids, steps: int, seed: int = 0) -> list[list[int]]
 def test_from_dict_defaults_and_round_trip():
     p = SamplingParams.from_dict({})
     assert p == SamplingParams()
-    full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 7,
+    full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1,
+            "presence_penalty": 0.5, "frequency_penalty": -1.25, "seed": 7,
             "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"], "logprobs": True, "top_logprobs": 5,
             "json_schema": '{"type": "object"}'}
     p = SamplingParams.from_dict(full)
@@ -90,6 +91,14 @@ def test_is_greedy():
     ({"top_p": "0.9"}, "top_p must be a number"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be between"),
     ({"repetition_penalty": 101}, "repetition_penalty must be between"),
+    ({"presence_penalty": 2.01}, "presence_penalty must be between -2.0 and 2.0"),
+    ({"presence_penalty": -3}, "presence_penalty must be between"),
+    ({"presence_penalty": "0.5"}, "presence_penalty must be a number"),
+    ({"presence_penalty": None}, "presence_penalty must be a number"),
+    ({"frequency_penalty": True}, "frequency_penalty must be a number"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty must be between"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty must be between"),
+    ({"frequency_penalty": [1]}, "frequency_penalty must be a number"),
     ({"max_tokens": 0}, "max_tokens must be between"),
     ({"max_tokens": 10.0}, "max_tokens must be a whole number"),
     ({"max_tokens": (1 << 20) + 1}, "max_tokens must be between"),
@@ -108,13 +117,16 @@ def test_is_greedy():
     ({"stop": [["a"]]}, "each stop sequence"),
 ])
 def test_from_dict_rejects(d, match):
-    with pytest.raises(SamplingError, match=match):
+    with pytest.raises(SamplingError, match=match) as info:
         SamplingParams.from_dict(d)
+    if isinstance(d, dict) and len(d) == 1 and not ("top_logprobs" in d or "json_schema" in d):
+        assert info.value.param == next(iter(d))   # the API's 400 names the field
 
 
 @pytest.mark.parametrize("d", [
     {"temperature": 0}, {"temperature": 100}, {"top_k": 0}, {"top_k": 1 << 20}, {"top_p": 1e-9}, {"top_p": 1},
     {"repetition_penalty": 0.01}, {"repetition_penalty": 100}, {"max_tokens": 1}, {"max_tokens": 1 << 20},
+    {"presence_penalty": -2}, {"presence_penalty": 2.0}, {"frequency_penalty": -2.0}, {"frequency_penalty": 2},
     {"seed": 0}, {"seed": 2**63 - 1}, {"seed": None}, {"stop": ["x"] * MAX_STOP_SEQUENCES},
     {"stop": ["x" * MAX_STOP_LENGTH]}, {"stop": []}, {"logprobs": True}, {"top_logprobs": 0},
 ])
@@ -345,3 +357,127 @@ def test_choice_seeds_differ_and_keep_the_first():
     assert seeds[0] == 1234 and len(set(seeds)) == 16
     assert all(0 <= x < 2**63 for x in seeds)
     assert seeds == [choice_seed(1234, i) for i in range(16)]
+
+
+# ---- presence and frequency penalties (OpenAI's) --------------------------------------
+
+def expected_penalized(x: torch.Tensor, generated: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's definition, written out: logits[j] -= c[j] * frequency + (c[j] > 0) * presence."""
+    out = x.clone()
+    for j in range(x.numel()):
+        c = generated.count(j)
+        out[j] -= c * frequency + (c > 0) * presence
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (1.0, 0.0), (0.7, 0.4), (-2.0, 2.0), (-1.0, -0.5)])
+def test_penalties_follow_openais_definition(presence, frequency):
+    """Greedy decoding with penalties is argmax of the penalized logits, step after step,
+    counting only what this sequence generated (the prompt's tokens do not count)."""
+    prompt = [3, 4, 5]
+    s = opened({0: SamplingParams(greedy=True, presence_penalty=presence, frequency_penalty=frequency)}, prompt)
+    generated: list[int] = []
+    for step in range(40):
+        x = torch.randn(1, 8, generator=torch.Generator().manual_seed(step)) * 0.5
+        x[0, 3] += 0.5   # a prompt token the model likes: penalised only once generated
+        want = int(expected_penalized(x[0], generated, presence, frequency).argmax())
+        got = s.sample([0], x)[0]
+        assert got == want, (step, generated)
+        generated.append(got)
+    if presence + frequency > 0:
+        assert len(set(generated)) > 3     # the penalties really push the reply around
+
+
+def test_penalties_change_what_is_drawn_but_not_the_logits_or_a_batch_mate():
+    x = torch.tensor([[0.0, 2.0, 1.8, -1.0]])
+    before = x.clone()
+    s = opened({0: SamplingParams(greedy=True, presence_penalty=0.3),
+                1: SamplingParams(greedy=True)}, prompt=[1])
+    assert s.sample([0, 1], x.repeat(2, 1)) == [1, 1]   # the prompt's token 1 is not penalised
+    assert s.sample([0, 1], x.repeat(2, 1)) == [2, 1]   # generated once: 2.0 - 0.3 < 1.8
+    assert s.sample([0, 1], x.repeat(2, 1)) == [1, 1]   # 1.7 > 1.8 - 0.3: presence counts once
+    assert torch.equal(x, before)
+    f = opened({0: SamplingParams(greedy=True, frequency_penalty=0.15)}, prompt=[])
+    # token 1 at 2.0, 1.85, 1.7 after 0, 1, 2 draws; token 2 at 1.8, then 1.65 once drawn
+    assert [f.sample([0], x)[0] for _ in range(4)] == [1, 1, 2, 1]
+
+
+def test_penalties_keep_masked_tokens_out():
+    from engine.model.sampler import penalize
+    from collections import Counter
+
+    row = torch.tensor([float("-inf"), 1.0, 0.5])
+    out = penalize(row.clone(), Counter({0: 3, 1: 1}), -2.0, -2.0)
+    assert out[0] == float("-inf") and out[1] == 1.0 + 2.0 + 2.0 and out[2] == 0.5
+
+
+def test_seeded_penalized_sampling_is_reproducible_and_differs_from_unpenalized():
+    def draws(p):
+        s = opened({0: p})
+        return [s.sample([0], logits(1, 77 + t))[0] for t in range(40)]
+
+    p = SamplingParams(temperature=0.8, seed=5, presence_penalty=1.0, frequency_penalty=1.0)
+    assert draws(p) == draws(p)
+    assert draws(p) != draws(SamplingParams(temperature=0.8, seed=5))
+
+
+def run_steps(s: Sampler, seq: int, start: int, steps: int) -> list[int]:
+    """Greedy steps on logits fixed by position: what a replayed sequence sees again."""
+    out = []
+    for pos in range(start, start + steps):
+        x = torch.randn(1, 12, generator=torch.Generator().manual_seed(pos)) * 0.3
+        out.append(s.sample([seq], x)[0])
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(greedy=True, presence_penalty=0.8, frequency_penalty=0.6),
+                                    SamplingParams(temperature=0.9, seed=42, frequency_penalty=1.2,
+                                                   repetition_penalty=1.1)])
+def test_a_replayed_sequence_counts_what_it_generated_before(params):
+    """After a rearrangement the new last stage opens the sequence with prompt + generated
+    and `replayed` = how many of those it generated: it goes on exactly as an
+    uninterrupted run (the generated tokens count, the prompt's still do not)."""
+    prompt = [1, 1, 2, 3, 5]
+    whole = opened({0: params}, prompt)
+    reference = run_steps(whole, 0, 0, 30)
+    first = opened({0: params}, prompt)
+    before = run_steps(first, 0, 0, 12)
+    assert before == reference[:12]
+    again = Sampler()
+    again.open(0, params, prompt + before, replayed=len(before))
+    assert run_steps(again, 0, 12, 18) == reference[12:]
+    # counting the whole history (or none of it) would not be the same reply
+    wrong = Sampler()
+    wrong.open(0, params, prompt + before, replayed=0)
+    assert run_steps(wrong, 0, 12, 18) != reference[12:]
+
+
+def test_each_choice_counts_its_own_tokens():
+    """n > 1: a fork starts from its parent's prompt with no counts of its own, and what
+    one choice generates never penalises another."""
+    prompt = [7, 8]
+    p = SamplingParams(temperature=1.0, seed=3, presence_penalty=1.5, frequency_penalty=0.5)
+    s = Sampler()
+    s.open(10, p, prompt)
+    x = logits(1, 900)
+    s.step([10], x, None)
+    # the fork, opened after its parent has drawn a token, must not inherit that count
+    s.open_fork(11, 10, 99, prompt)
+    alone = Sampler()
+    alone.open(11, SamplingParams(temperature=1.0, seed=99, presence_penalty=1.5, frequency_penalty=0.5), prompt)
+    for t in range(20):
+        y = logits(1, 901 + t)
+        both = s.step([10, 11], y.repeat(2, 1))
+        assert both[1][1] == alone.step([11], y)[0][1]
+
+
+def test_penalties_leave_logprobs_raw():
+    s = opened({0: SamplingParams(greedy=True, presence_penalty=2.0, frequency_penalty=2.0, logprobs=True,
+                                  top_logprobs=2)}, prompt=[])
+    x = torch.tensor([[3.0, 2.9, -1.0, -2.0]])
+    first = s.step([0], x)[0]
+    second = s.step([0], x)[0]
+    assert first[1] == 0 and second[1] == 1               # token 0 penalised after it was drawn
+    ref = torch.log_softmax(x[0], -1)
+    assert math.isclose(second[2], ref[1].item(), rel_tol=1e-6)
+    assert [t for t, _ in second[3]] == [0, 1]            # the raw model's ranking, not the penalised one

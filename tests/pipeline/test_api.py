@@ -195,6 +195,22 @@ BAD_REQUESTS = {
         "invalid_value"),
     "logit_bias": (COMPL, {"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias", "unsupported"),
     "best_of": (COMPL, {"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
+    "modalities_audio": (CHAT, {"messages": OK_MSGS, "modalities": ["text", "audio"]}, "modalities", "unsupported"),
+    "audio": (CHAT, {"messages": OK_MSGS, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported"),
+    "prediction": (CHAT, {"messages": OK_MSGS, "prediction": {"type": "content", "content": "Hello"}},
+                   "prediction", "unsupported"),
+    # OpenAI's penalties: numbers in -2..2
+    "presence_penalty_too_big": (CHAT, {"messages": OK_MSGS, "presence_penalty": 2.5}, "presence_penalty",
+                                 "invalid_value"),
+    "frequency_penalty_too_small": (COMPL, {"prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty",
+                                    "invalid_value"),
+    "presence_penalty_string": (COMPL, {"prompt": "hi", "presence_penalty": "0.5"}, "presence_penalty",
+                                "invalid_type"),
+    "frequency_penalty_bool": (CHAT, {"messages": OK_MSGS, "frequency_penalty": True}, "frequency_penalty",
+                               "invalid_type"),
+    "frequency_penalty_huge_int": (CHAT, {"messages": OK_MSGS, "frequency_penalty": 10**400}, "frequency_penalty",
+                                   "invalid_value"),
+    "temperature_out_of_range": (CHAT, {"messages": OK_MSGS, "temperature": 101}, "temperature", "invalid_value"),
     "prompt_list_mixed": (COMPL, {"prompt": ["a", 5]}, "prompt", None),
 }
 
@@ -279,7 +295,9 @@ async def test_stop_sequence_and_seeded_sampling(client):
 async def test_fields_that_ask_for_nothing_are_accepted(client):
     # what some clients send as a matter of course
     resp = await client.chat.completions.create(model="default", messages=FRANCE, max_tokens=4, temperature=0,
-                                                logprobs=False, response_format={"type": "text"}, tool_choice="none")
+                                                logprobs=False, response_format={"type": "text"}, tool_choice="none",
+                                                modalities=["text"], audio=None, prediction=None,
+                                                presence_penalty=0, frequency_penalty=0.0)
     assert resp.choices[0].message.content
 
 
