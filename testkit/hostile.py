@@ -16,9 +16,10 @@ legitimate chat requests to the host's API, throws at them:
     host's registration, forged accepts, text and oversized frames, a join flood;
   * the joiner's stage server itself: bad hellos, garbage, truncated and oversized
     frames, a second head;
-  * the host's OpenAI-compatible API: malformed n, logprobs, top_logprobs, tools and
-    response_format (bounds, types, NaN, huge and deeply nested values, schemas no
-    grammar can be made of), each a 400 naming its field;
+  * the host's OpenAI-compatible API: malformed n, logprobs, top_logprobs, tools,
+    response_format, presence_penalty and frequency_penalty (bounds, types, NaN, huge
+    and deeply nested values, schemas no grammar can be made of), and fields it does not
+    implement (modalities, audio, prediction), each a 400 naming its field;
   * slow connections that never finish a handshake (TCP only, WebSocket without a
     hello), on all three.
 
@@ -614,6 +615,18 @@ def api_bad_requests() -> list[tuple[str, str, bytes, str]]:
         add("api: malformed logprobs", "/completions", compl, "logprobs", v)
     for lit in ("NaN", "Infinity", "[" * 5000 + "]" * 5000):
         raw("api: malformed logprobs", "/completions", compl, "logprobs", lit)
+    # OpenAI's penalties: numbers in -2..2
+    for path, base in (("/chat/completions", chat), ("/completions", compl)):
+        for name in ("presence_penalty", "frequency_penalty"):
+            for v in [2.01, -2.5, 10**30, "0.5", "", True, [], {}, [1]]:
+                add("api: malformed penalties", path, base, name, v)
+            for lit in ("NaN", "Infinity", "-Infinity", "1e400", "1" + "0" * 400, "[" * 5000 + "]" * 5000):
+                raw("api: malformed penalties", path, base, name, lit)
+    # fields OpenAI defines that this server does not implement: refused, never ignored
+    for name, v in (("modalities", ["audio"]), ("modalities", ["text", "audio"]), ("modalities", "text"),
+                    ("modalities", []), ("audio", {"voice": "alloy", "format": "wav"}), ("audio", "alloy"),
+                    ("prediction", {"type": "content", "content": "Paris"}), ("prediction", "Paris")):
+        add("api: unsupported fields", "/chat/completions", chat, name, v)
     # more choices than a request may hold: prompts times n
     add("api: malformed n", "/completions", {**compl, "prompt": ["a"] * 5}, "n", MAX_CHOICES)
     # response_format: shapes OpenAI does not define, and schemas no grammar can be made of
