@@ -17,6 +17,7 @@ from engine.boot.lifeline import Lifeline
 from engine.boot.stopping import StopRequests
 from engine.core.errors import ModelError
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
+from engine.core.sampling import PENALTY_RANGE
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
 
@@ -64,6 +65,18 @@ def prompt_chunk_arg(text: str):
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a positive number of tokens")
     return n
+
+
+def penalty_arg(text: str) -> float:
+    """--presence-penalty / --frequency-penalty: a number from -2 to 2 (OpenAI's range)."""
+    lo, hi = PENALTY_RANGE
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not lo <= v <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from {lo:g} to {hi:g}")
+    return v
 
 
 def add_pipeline_args(p):
@@ -136,7 +149,9 @@ async def _chat(args) -> int:
             _say(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1")
         await chat_loop(pipe.head, args.prompt, args.max_tokens, seed=args.seed,
                         sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                                  "repetition_penalty": args.repetition_penalty})
+                                  "repetition_penalty": args.repetition_penalty,
+                                  "presence_penalty": args.presence_penalty,
+                                  "frequency_penalty": args.frequency_penalty})
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -508,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="default: the model's own, else 0.9")
     p.add_argument("--top-k", type=int, default=None, help="default: the model's own, else off (0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's own, else 1.1")
+    p.add_argument("--presence-penalty", type=penalty_arg, default=None,
+                   help="OpenAI's, -2..2: lowers the odds of every token the reply already holds (default 0)")
+    p.add_argument("--frequency-penalty", type=penalty_arg, default=None,
+                   help="OpenAI's, -2..2: lowers each token's odds by how often the reply holds it (default 0)")
     p.add_argument("--seed", type=int, default=None, help="make sampled replies reproducible")
     p.add_argument("--api-port", type=int, default=0, help="also serve the OpenAI API on this port")
     p.add_argument("--prompt", "--once", action="append",

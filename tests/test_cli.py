@@ -66,9 +66,45 @@ def test_sampling_can_be_changed_while_chatting():
     assert "top-k 40" in set_sampling(s, "/set top-k 40") and s["top_k"] == 40
     assert "cannot set" in set_sampling(s, "/set top-p 0") and s["top_p"] == 0.9
     assert "usage" in set_sampling(s, "/set warmth 3")
-    assert describe({**s, "temperature": 0}) == "greedy"
+    assert describe({**s, "temperature": 0}) == "greedy, repetition penalty 1.1"
+    assert describe({**s, "temperature": 0, "repetition_penalty": 1.0}) == "greedy"
+    # OpenAI's presence and frequency penalties: /set, named once they are on, -2..2
+    s.update(presence_penalty=0.0, frequency_penalty=0.0)
+    assert "presence" not in describe(s)
+    assert "presence penalty 0.5" in set_sampling(s, "/set presence-penalty 0.5") and s["presence_penalty"] == 0.5
+    assert "frequency penalty -1" in set_sampling(s, "/set frequency-penalty -1") and s["frequency_penalty"] == -1
+    assert "cannot set" in set_sampling(s, "/set frequency-penalty 2.5") and s["frequency_penalty"] == -1
+    assert describe({**s, "temperature": 0, "repetition_penalty": 1.0}) == \
+        "greedy, presence penalty 0.5, frequency penalty -1"
     # a model's generation_config wins where it speaks; nonsense in it is ignored
     assert sampling_defaults({"temperature": 0.6, "top_p": 0.95}) == {**CHAT_DEFAULTS, "temperature": 0.6,
                                                                        "top_p": 0.95}
     assert sampling_defaults({"do_sample": False})["temperature"] == 0.0
     assert sampling_defaults({"top_p": 7}) == CHAT_DEFAULTS
+
+
+def test_the_penalty_flags_take_openais_range():
+    args = build_parser().parse_args(["chat", "--presence-penalty", "0.5", "--frequency-penalty", "-2"])
+    assert (args.presence_penalty, args.frequency_penalty) == (0.5, -2.0)
+    assert build_parser().parse_args(["chat"]).presence_penalty is None   # 0 unless named
+    for bad in ("2.5", "-3", "nan", "much"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["chat", "--frequency-penalty", bad])
+
+
+def test_penalties_set_while_chatting_change_the_next_reply():
+    """`potluck chat`, typed into: the same question greedy, then with /set presence-penalty
+    and frequency-penalty: the settings line names them and the reply changes."""
+    import subprocess
+    import sys
+
+    typed = ("Write a haiku about the sea.\n/set presence-penalty 2\n/set frequency-penalty 1.5\n/reset\n"
+             "Write a haiku about the sea.\n")
+    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--stages", "1", "--max-tokens", "24",
+                        "--temperature", "0", "--repetition-penalty", "1"],
+                       input=typed, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Sampling: greedy." in p.stderr and "presence-penalty, frequency-penalty" in p.stderr
+    assert "(sampling: greedy, presence penalty 2, frequency penalty 1.5)" in p.stdout, p.stdout
+    replies = [part.split("\n     [")[0] for part in p.stdout.split("bot> ")[1:]]   # up to the token count
+    assert len(replies) == 2 and all(replies) and replies[0] != replies[1], p.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from engine.core.sampling import SamplingError, SamplingParams
+from engine.core.sampling import PENALTIES, SamplingError, SamplingParams
 from engine.pipeline.head import Delta, Done, Head
 
 
@@ -34,11 +34,17 @@ def _write(text: str):
 
 
 def describe(sampling: dict) -> str:
+    """The settings in words: greedy decoding names only the penalties that shape it, and
+    the presence and frequency penalties are named when they are on."""
+    rep = sampling["repetition_penalty"]
     if sampling["temperature"] == 0:
-        return "greedy"
-    top_k = sampling["top_k"] or "off"
-    return (f"temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, top-k {top_k}, "
-            f"repetition penalty {sampling['repetition_penalty']:g}")
+        parts = ["greedy"] + ([f"repetition penalty {rep:g}"] if rep != 1.0 else [])
+    else:
+        top_k = sampling["top_k"] or "off"
+        parts = [f"temperature {sampling['temperature']:g}", f"top-p {sampling['top_p']:g}", f"top-k {top_k}",
+                 f"repetition penalty {rep:g}"]
+    parts += [f"{k.replace('_', ' ')} {sampling[k]:g}" for k in PENALTIES if sampling.get(k)]
+    return ", ".join(parts)
 
 
 def set_sampling(sampling: dict, line: str) -> str:
@@ -61,10 +67,11 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
     """Read messages from stdin (or send `prompts` and stop), print the replies as they
     stream. /reset clears the conversation, /set changes sampling, /quit leaves.
     sampling: what the user chose (None: the head's defaults, as the API gives)."""
-    settings = {**head.sampling_defaults, **{k: v for k, v in (sampling or {}).items() if v is not None}}
+    settings = {**head.sampling_defaults, **{k: 0.0 for k in PENALTIES},
+                **{k: v for k, v in (sampling or {}).items() if v is not None}}
     print(f"Sampling: {describe(settings)}.\nType a message and press Enter. /reset clears the conversation, "
-          "/set temperature 0.2 (or top-p, top-k, repetition-penalty) changes sampling, /quit leaves.\n",
-          file=sys.stderr)
+          "/set temperature 0.2 (or top-p, top-k, repetition-penalty, presence-penalty, frequency-penalty) "
+          "changes sampling, /quit leaves.\n", file=sys.stderr)
     messages: list[dict] = []
     loop = asyncio.get_running_loop()
     queued = list(prompts or [])
