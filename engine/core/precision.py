@@ -90,15 +90,23 @@ def choose(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) ->
 
 def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str | None = None,
           quantized_ok: bool = True, where: str | None = None) -> str:
-    """What a user reads before loading: each precision's memory against the pool's."""
-    where = where or f"{len(free)} machine(s)"
-    lines = [f"Weights need, against the {_gb(USABLE * sum(free))} your {where} can give them:"]
+    """What a user reads before loading: each precision's memory against the pool's.
+    where: who gives the memory ("this machine's 2 stage(s) (CPU)"). The unquantized row
+    says what it is: bf16 where the pipeline computes in bfloat16, else "full (float32)"."""
+    where = where or f"the pool's {len(free)} machine(s)"
+    lines = [f"What the weights need, against the {_gb(USABLE * sum(free))} that {where} can give them:"]
     for row in options(cfg, dtype_bytes, free, quantized_ok):
-        label = row.weights if row.weights != FULL or dtype_name == "bfloat16" else f"{FULL} ({dtype_name})"
+        label = full_label(dtype_name) if row.weights == FULL else row.weights
         verdict = ("fits" if row.fits else "does not fit") if row.available else "needs bitsandbytes"
         mark = "  <- chosen" if row.weights == chosen else ""
         lines.append(f"  {label:<16} {_gb(row.bytes):>9}  {verdict}{mark}")
     return "\n".join(lines)
+
+
+def full_label(dtype_name: str) -> str:
+    """The unquantized weights by name: "bf16" when they are bfloat16, else what they are
+    ("full (float32)" on a CPU), not bf16 beside another dtype."""
+    return FULL if dtype_name == "bfloat16" else f"full ({dtype_name})"
 
 
 def _gb(n: float) -> str:
