@@ -186,11 +186,23 @@ class ChatWindow(QMainWindow):
         self.max_tokens.setValue(self.c.settings.max_tokens)
         self.max_tokens.setToolTip("The longest reply, in tokens")
         self.max_tokens.valueChanged.connect(self._max_tokens_changed)
+        # OpenAI's presence and frequency penalties (-2..2, 0: off): how much a token the
+        # reply already holds is held back, once or by how often
+        self.presence_penalty = self._penalty_box(
+            "presence_penalty", "Presence penalty (-2 to 2, 0: off): above 0 holds back every token the reply "
+            "already holds, so it moves on to new words; below 0 favours them.")
+        self.frequency_penalty = self._penalty_box(
+            "frequency_penalty", "Frequency penalty (-2 to 2, 0: off): above 0 holds back each token by how often "
+            "the reply already holds it, so it repeats itself less; below 0 favours repeats.")
         sampling_row = QHBoxLayout()
         sampling_row.addWidget(QLabel("Temperature:"))
         sampling_row.addWidget(self.temperature)
         sampling_row.addWidget(QLabel("Longest reply:"))
         sampling_row.addWidget(self.max_tokens)
+        sampling_row.addWidget(QLabel("Presence penalty:"))
+        sampling_row.addWidget(self.presence_penalty)
+        sampling_row.addWidget(QLabel("Frequency penalty:"))
+        sampling_row.addWidget(self.frequency_penalty)
         sampling_row.addStretch(1)
         il = QHBoxLayout()
         il.addWidget(self.input, 1)
@@ -431,7 +443,8 @@ class ChatWindow(QMainWindow):
         self.render_count = self.delta_count = 0
         convo = [{"role": m.role, "content": m.content} for m in self.messages if not m.error]
         self.stream = ChatStream(self.c.worker, hosting["openai_url"], hosting["model"], convo,
-                                 self.c.settings.max_tokens, self.c.settings.temperature, self)
+                                 self.c.settings.max_tokens, self.c.settings.temperature, self,
+                                 penalties=self.c.settings.penalties())
         self.stream.delta.connect(self._on_delta)
         self.stream.finished.connect(self._on_finished)
         self.send_button.setText("Stop")
@@ -446,6 +459,20 @@ class ChatWindow(QMainWindow):
     def _temperature_changed(self, value: float):
         at_default = value <= self.temperature.minimum() + 1e-9
         self.c.settings.temperature = None if at_default else round(max(0.0, value), 2)
+        self.c.settings.save()
+
+    def _penalty_box(self, name: str, tip: str) -> QDoubleSpinBox:
+        box = QDoubleSpinBox()
+        box.setRange(-2.0, 2.0)
+        box.setSingleStep(0.1)
+        box.setDecimals(2)
+        box.setToolTip(tip)
+        box.setValue(getattr(self.c.settings, name))
+        box.valueChanged.connect(lambda value: self._penalty_changed(name, value))
+        return box
+
+    def _penalty_changed(self, name: str, value: float):
+        setattr(self.c.settings, name, round(value, 2))
         self.c.settings.save()
 
     def _max_tokens_changed(self, value: int):

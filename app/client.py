@@ -137,11 +137,12 @@ class ChatStream(QObject):
     finished = Signal(dict)   # {finish_reason, ttft, tokens, tokens_per_s, error, seconds}
 
     def __init__(self, worker: AsyncWorker, url: str, model: str, messages: list[dict],
-                 max_tokens: int, temperature: float | None, parent=None):
+                 max_tokens: int, temperature: float | None, parent=None, penalties: dict | None = None):
         super().__init__(parent)
         self.worker = worker
         self.url, self.model, self.messages = url, model, messages
         self.max_tokens, self.temperature = max_tokens, temperature
+        self.penalties = dict(penalties or {})   # presence_penalty / frequency_penalty, when on
         self._future = None
         self._task: asyncio.Task | None = None
         self.stopped = False
@@ -171,6 +172,7 @@ class ChatStream(QObject):
                     "stream_options": {"include_usage": True}, "max_tokens": self.max_tokens}
             if self.temperature is not None:  # else the model's sampling defaults (the API's)
                 body["temperature"] = self.temperature
+            body.update(self.penalties)       # leaves the other settings as they were
             async with session.post(self.url.rstrip("/") + "/chat/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:
                 if resp.status >= 400:

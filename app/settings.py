@@ -15,6 +15,8 @@ from pathlib import Path
 from . import paths
 
 FILE = "settings.json"
+# the chat's presence and frequency penalties (the engine's PENALTIES; the GUI does not import it)
+PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 def default_limits() -> dict:
@@ -37,6 +39,10 @@ class Settings:
     # None: the model's sampling defaults, the same as the API's and `potluck chat`'s
     # (engine/core/sampling.py); a number: this temperature, the other settings neutral
     temperature: float | None = None
+    # OpenAI's presence and frequency penalties, -2..2 (0: off), sent with every chat
+    # request whatever the temperature setting (engine/core/sampling.py PENALTIES)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     limits: dict = field(default_factory=default_limits)
 
     @classmethod
@@ -54,10 +60,17 @@ class Settings:
                 v, default = raw[f.name], getattr(s, f.name)
                 if f.name == "limits" and isinstance(v, dict):
                     setattr(s, f.name, {**default_limits(), **{k: v[k] for k in v if k in default_limits()}})
+                elif f.name in PENALTIES:
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and -2.0 <= v <= 2.0:
+                        setattr(s, f.name, float(v))
                 elif type(v) is type(default) or ((isinstance(default, float) or f.name == "temperature")
                                                   and isinstance(v, (int, float)) and not isinstance(v, bool)):
                     setattr(s, f.name, v)
         return s
+
+    def penalties(self) -> dict:
+        """The penalties a chat request carries: only those that are on."""
+        return {k: getattr(self, k) for k in PENALTIES if getattr(self, k)}
 
     def save(self, folder: Path | None = None) -> Path:
         folder = folder or paths.config_dir()

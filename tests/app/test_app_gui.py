@@ -345,9 +345,68 @@ def test_the_chat_window_shows_and_changes_sampling(qtbot, home):
         assert Settings.load().temperature == 0.0 and w.temperature.text() != "model's default"
         w.temperature.setValue(w.temperature.minimum())
         assert Settings.load().temperature is None and w.temperature.text() == "model's default"
+        # OpenAI's presence and frequency penalties: 0 (off) at first, -2..2, saved
+        assert w.presence_penalty.value() == w.frequency_penalty.value() == 0.0
+        assert (w.presence_penalty.minimum(), w.presence_penalty.maximum()) == (-2.0, 2.0)
+        assert (w.frequency_penalty.minimum(), w.frequency_penalty.maximum()) == (-2.0, 2.0)
+        w.presence_penalty.setValue(0.5)
+        w.frequency_penalty.setValue(-1.25)
+        saved = Settings.load()
+        assert (saved.presence_penalty, saved.frequency_penalty) == (0.5, -1.25)
+        assert saved.temperature is None   # naming a penalty leaves the other settings to the model
+        w2 = ChatWindow(c)
+        qtbot.addWidget(w2)
+        assert (w2.presence_penalty.value(), w2.frequency_penalty.value()) == (0.5, -1.25)
     finally:
         c.shutdown()
         Settings().save()
+
+
+def test_a_chat_request_carries_the_penalties_that_are_on(qtbot, home):
+    """What the chat window sends: the penalties the user set, none when they are 0."""
+    import json
+
+    from aiohttp import web
+
+    from app.client import AsyncWorker, ChatStream
+    from conftest import free_port
+
+    bodies = []
+
+    async def chat(request):
+        bodies.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    worker = AsyncWorker()
+    try:
+        async def serve():
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", chat)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            return runner
+
+        port = free_port()
+        runner = worker.submit(serve()).result(10)
+        for penalties in ({"presence_penalty": 0.5, "frequency_penalty": -1.25}, {}):
+            stream = ChatStream(worker, f"http://127.0.0.1:{port}/v1", "default", [{"role": "user", "content": "x"}],
+                                64, None, penalties=penalties)
+            with qtbot.waitSignal(stream.finished, timeout=10000):
+                stream.start()
+        assert {k: bodies[0].get(k) for k in ("presence_penalty", "frequency_penalty", "temperature")} == \
+            {"presence_penalty": 0.5, "frequency_penalty": -1.25, "temperature": None}
+        assert "presence_penalty" not in bodies[1] and "frequency_penalty" not in bodies[1]
+        worker.submit(runner.cleanup()).result(10)
+    finally:
+        worker.close()
+    from app.settings import Settings
+
+    assert Settings(presence_penalty=0.0, frequency_penalty=0.3).penalties() == {"frequency_penalty": 0.3}
 
 
 def test_node_that_does_not_answer(qtbot, home):

@@ -115,6 +115,16 @@ def test_settings_round_trip_and_bad_files(tmp_path):
     (tmp_path / "settings.json").write_text('{"keep_history": "maybe", "max_tokens": 5, "bogus": 1}')
     t = Settings.load(tmp_path)
     assert t.keep_history is True and t.max_tokens == 5
+    # the chat's presence/frequency penalties: saved; out of OpenAI's -2..2 or not a number: 0
+    Settings(presence_penalty=1.5, frequency_penalty=-0.5).save(tmp_path)
+    t = Settings.load(tmp_path)
+    assert (t.presence_penalty, t.frequency_penalty) == (1.5, -0.5)
+    (tmp_path / "settings.json").write_text('{"presence_penalty": 7, "frequency_penalty": true}')
+    t = Settings.load(tmp_path)
+    assert (t.presence_penalty, t.frequency_penalty) == (0.0, 0.0)
+    (tmp_path / "settings.json").write_text('{"presence_penalty": 1, "frequency_penalty": NaN}')
+    t = Settings.load(tmp_path)
+    assert (t.presence_penalty, t.frequency_penalty) == (1.0, 0.0) and isinstance(t.presence_penalty, float)
     assert not list(tmp_path.glob(".settings-*"))  # no temp files left behind
 
 
