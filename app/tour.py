@@ -86,7 +86,7 @@ class Tour:
         settle(self.app, 0.5)
         png = shoot(self.shell.menu, self.out / "tray-menu.png")
         self.shell.menu.hide()
-        self._step("tray-menu", png=png, items=[a.text() for a in self.shell.menu.actions() if a.text()])
+        self._step("tray-menu", png=png, items=[a.text() for a in self.shell.menu.actions() if a.text() and a.isVisible()])
 
     def host_dialog(self):
         host = self.shell.open_host()

@@ -30,6 +30,7 @@ STANDINS = {
 }
 OVERRIDES = "mscoree,mshtml=;version=n,b;wbemprox=d"
 GCC = "x86_64-w64-mingw32-gcc"
+FONTS = "/usr/share/fonts/truetype/dejavu"   # fonts-dejavu-core, which make setup installs for Qt
 
 
 def available() -> str | None:
@@ -76,8 +77,15 @@ class Wine:
         system32 = self.prefix / "drive_c/windows/system32"
         for name, path in standins.items():
             shutil.copy2(path, system32 / name)
+        # fonts, as every Windows has: Qt's offscreen platform reads them from a folder
+        # (QT_QPA_FONTDIR), and the prefix has none it can use (the screenshots were boxes)
+        fonts = self.prefix / "drive_c/windows/Fonts"
+        fonts.mkdir(parents=True, exist_ok=True)
+        for ttf in sorted(Path(FONTS).glob("*.ttf")):
+            shutil.copy2(ttf, fonts / ttf.name)
         # Qt reads its settings from the Windows environment, which wine builds from the registry
-        for k, v in {"QT_QPA_PLATFORM": "offscreen", "QT_OPENGL": "software"}.items():
+        for k, v in {"QT_QPA_PLATFORM": "offscreen", "QT_OPENGL": "software",
+                     "QT_QPA_FONTDIR": r"C:\windows\Fonts"}.items():
             self.run(["wine", "reg", "add", r"HKCU\Environment", "/v", k, "/d", v, "/f"])
 
     def run(self, cmd, timeout=600, env=None, wait=True) -> subprocess.CompletedProcess:
@@ -100,10 +108,31 @@ class Wine:
     def kill_all(self):
         subprocess.run(["wineserver", "-k"], env=self.env, timeout=60)
 
-    def reg(self, key: str) -> str | None:
-        """The key's values as `reg query` prints them; None when there is no such key."""
-        p = self.run(["wine", "reg", "query", key])
-        return p.stdout.replace("\r", "") if p.returncode == 0 else None
+    def reg(self, key: str) -> dict[str, str] | None:
+        """The key's string and number values by name ("" is the default value); None
+        when there is no such key. Read from `reg export` (UTF-16): `reg query` prints in
+        the console's code page, where José Núñez's accents are lost."""
+        out = self.base / "export.reg"
+        out.unlink(missing_ok=True)
+        p = self.run(["wine", "reg", "export", key, self.win_path(out), "/y"])
+        if p.returncode != 0 or not out.exists():
+            return None
+        return parse_reg_section(out.read_bytes().decode("utf-16"), key)
+
+    def merge_user_classes(self, name: str):
+        """Windows reads HKEY_CLASSES_ROOT as the user's classes (HKCU\\Software\\Classes)
+        over the machine's; wine 8 reads only the machine's, so a per-user URL handler (what
+        our installer registers) is invisible to its ShellExecute. This copies the user's
+        class, as the installer wrote it, into the machine's view."""
+        out = self.base / "classes.reg"
+        out.unlink(missing_ok=True)
+        p = self.run(["wine", "reg", "export", rf"HKCU\Software\Classes\{name}", self.win_path(out), "/y"])
+        assert p.returncode == 0, p.stderr
+        text = out.read_bytes().decode("utf-16").replace("[HKEY_CURRENT_USER\\Software\\Classes\\",
+                                                         "[HKEY_LOCAL_MACHINE\\Software\\Classes\\")
+        out.write_bytes(("\ufeff" + text).encode("utf-16-le"))
+        p = self.run(["wine", "reg", "import", self.win_path(out)])
+        assert p.returncode == 0, p.stderr
 
     @staticmethod
     def win_path(p: Path) -> str:
@@ -119,3 +148,33 @@ class Wine:
                     f.suffix.lower() == ".dll" and hashlib.sha256(f.read_bytes()).digest() in digests)):
                 found.append(str(f.relative_to(tree)))
         return found
+
+
+HIVES = {"HKCU": "HKEY_CURRENT_USER", "HKLM": "HKEY_LOCAL_MACHINE"}
+
+
+def parse_reg_section(text: str, key: str) -> dict[str, str]:
+    """The values of exactly `key` in a .reg export (its subkeys are other sections)."""
+    hive, _, rest = key.partition("\\")
+    want = f"[{HIVES.get(hive, hive)}\\{rest}]".lower()
+    values: dict[str, str] = {}
+    inside = False
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            inside = line.lower() == want
+            continue
+        if not inside or "=" not in line:
+            continue
+        if line.startswith("@="):
+            name, raw = "", line[2:]
+        else:
+            end = line.index('"=', 1)
+            name, raw = line[1:end], line[end + 2:]
+        if raw.startswith('"'):
+            values[name] = raw[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+        elif raw.startswith("dword:"):
+            values[name] = str(int(raw[6:], 16))
+        else:
+            values[name] = raw
+    return values

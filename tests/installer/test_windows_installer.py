@@ -106,15 +106,15 @@ def test_shortcuts_link_handler_autostart_and_uninstall_entry_are_written(wine):
     assert (desktop / "Potluck.lnk").is_file()
     exe = "C:\\users\\" + wine.user.name + "\\AppData\\Local\\Programs\\Potluck\\Potluck-App.exe"
     cls = wine.reg(r"HKCU\Software\Classes\potluck")
-    assert "URL Protocol" in cls
+    assert cls is not None and "URL Protocol" in cls, cls
     cmd = wine.reg(r"HKCU\Software\Classes\potluck\shell\open\command")
-    assert f'"{exe}" "%1"' in cmd
+    assert cmd[""] == f'"{exe}" "%1"', cmd
     # app/autostart.py reads the same value, so Settings shows the installer's choice
     run = wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Run")
-    assert f'Potluck    REG_SZ    "{exe}"' in run
+    assert run.get("Potluck") == f'"{exe}"', run
     un = wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Uninstall\Potluck")
-    assert "DisplayName    REG_SZ    Potluck" in un and "uninstall.exe\" /S" in un
-    assert "DisplayVersion    REG_SZ    0.1.0" in un
+    assert un["DisplayName"] == "Potluck" and un["QuietUninstallString"].endswith('uninstall.exe" /S'), un
+    assert un["DisplayVersion"] == "0.1.0"
 
 
 def test_the_launcher_starts_the_embedded_python_and_passes_arguments_as_typed(wine):
@@ -216,7 +216,9 @@ def test_the_desktop_app_from_its_start_menu_target_answers_and_opens_links(wine
             time.sleep(1)
         # a link clicked in a chat app: Windows runs the potluck:// handler the installer
         # registered, a second Potluck-App.exe, which hands the link to the running app
-        wine.run(["wine", "start", "potluck://join/4821-917305"], timeout=300, wait=False)
+        wine.merge_user_classes("potluck")
+        p = wine.run(["wine", "start", "potluck://join/4821-917305"], timeout=300, wait=False)
+        assert p.returncode == 0, p.stdout + p.stderr
         app.wait(600)
     finally:
         if app.poll() is None:
@@ -270,12 +272,12 @@ def test_uninstall_removes_the_program_and_keeps_models_unless_asked(wine):
     assert not (wine.user / "Desktop" / "Potluck.lnk").exists()
     assert wine.reg(r"HKCU\Software\Classes\potluck") is None
     assert wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Uninstall\Potluck") is None
-    assert "Potluck" not in (wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Run") or "")
+    assert "Potluck" not in (wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Run") or {})
 
     # reinstall, then uninstall with /PURGE: the models go too
     assert wine.run(["wine", SETUP[-1], "/S"], timeout=900).returncode == 0
     assert (wine.dir / "potluck.exe").is_file()
-    assert "Potluck" not in (wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Run") or ""), \
+    assert "Potluck" not in (wine.reg(r"HKCU\Software\Microsoft\Windows\CurrentVersion\Run") or {}), \
         "autostart is off unless chosen"
     assert wine.run(["wine", wine.dir / "uninstall.exe", "/S", "/PURGE"]).returncode == 0
     assert not wine.dir.exists() and not data.exists()
