@@ -65,6 +65,15 @@ def lm_head_layers_estimate(cfg) -> float:
 SAME_SPEED = 1.3
 
 
+def shared_cpu_speeds(homes: list[list[int]]) -> list[float]:
+    """Each process's speed when processes of one pipeline share this CPU (the stages
+    stand in for speed probes, which would measure one another's load): its home
+    cores, each split among the processes whose home it is. 3 processes on 2 cores
+    (homes [0], [1], [0]) get 0.5, 1, 0.5; once the third has gone, the two left
+    get 1 and 1 -- the speeds follow the processes there are, never an older count."""
+    return [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
+
+
 def partition(n_layers: int, speeds: list[float], capacities: list[int] | None = None,
               extra: list[float] | None = None) -> list[tuple[int, int]]:
     """Split n_layers into contiguous ranges, one per stage, in stage order.
@@ -78,6 +87,10 @@ def partition(n_layers: int, speeds: list[float], capacities: list[int] | None =
     n = len(speeds)
     if n == 0:
         raise ModelError("a pipeline needs at least one stage")
+    for name, per_stage in (("capacities", capacities), ("extra", extra)):
+        if per_stage is not None and len(per_stage) != n:
+            # a caller that kept one list from an older arrangement (a stage left since)
+            raise ValueError(f"{len(per_stage)} {name} for {n} stages")
     if n > n_layers:
         raise ModelError(f"{n} stages for {n_layers} layers: every stage needs at least one layer")
     caps = list(capacities) if capacities is not None else [n_layers] * n

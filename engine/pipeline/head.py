@@ -30,7 +30,7 @@ from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.pipeline.link import LinkSender, open_link
 from engine.core import precision
-from engine.core.partition import NoRoom, lm_head_layers_estimate, partition
+from engine.core.partition import NoRoom, lm_head_layers_estimate, partition, shared_cpu_speeds
 from engine.core.profile import interp, scaled
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
@@ -165,14 +165,19 @@ class Head:
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order", weights: str = "auto", say=None,
-                 cores=None, cpu_shares: list[float] | None = None, same_machine: bool = False,
+                 cores=None, cpu_homes: list[list[int]] | None = None, same_machine: bool = False,
                  hop=None, memory_cap: int | None = None,
                  wait_timeout: float = 300.0):
         self.source = source
         self.cores = cores  # a CoreLease when local stage processes share this CPU
         # when they do, each stage's share of it stands in for the speed probes (which
-        # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5
-        self.cpu_shares = cpu_shares
+        # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5. Kept
+        # by who holds the cores (the head, a stage's address), not by position: after a
+        # stage left the shares are those of the processes left (core/partition.py)
+        self.cpu_homes: dict[str, list[int]] = {}
+        if cpu_homes:
+            keys = ["head"] + [split_address(a)[0] for a in (stage_addresses or [])]
+            self.cpu_homes = dict(zip(keys, cpu_homes))
         # all stages are processes on this machine: they report the same free memory,
         # which they share rather than each have
         self.same_machine = same_machine
@@ -340,9 +345,10 @@ class Head:
         if self.layers_override and len(self.layers_override) == self.n_stages:
             self.ranges = list(self.layers_override)
         else:
-            if self.cpu_shares:
-                speeds = list(self.cpu_shares)
-            else:
+            homes = [self.cpu_homes.get(k) for k in ["head"] + [r.address for r in self.remotes]]
+            if all(h is not None for h in homes):
+                speeds = shared_cpu_speeds(homes)
+            else:  # a machine of its own among them (or none shares this CPU): probe
                 speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
             caps = precision.layer_caps(cfg, self.weights, self.dtype.itemsize, mems)
             extra = [0.0] * self.n_stages

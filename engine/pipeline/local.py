@@ -30,8 +30,10 @@ class LocalStages:
         self._n_cores = os.cpu_count() or 1
         self.head_cores = None
         self.cpu_shares = cpu_shares(count + 1, self._n_cores)
+        # each process's home cores: the head's (process 0), then each stage's
+        self.homes = [home_cores(i, count + 1, self._n_cores) for i in range(count + 1)]
         if self._core_dir:
-            self.head_cores = CoreLease(self._core_dir, home_cores(0, count + 1, self._n_cores), self._n_cores)
+            self.head_cores = CoreLease(self._core_dir, self.homes[0], self._n_cores)
         self.pipeline = pipeline
         self.device = device
         self.procs: list[asyncio.subprocess.Process] = []
@@ -49,7 +51,7 @@ class LocalStages:
             args = engine_command() + ["stage", "--host", "127.0.0.1", "--port", "0",
                     "--announce", "--pipeline", self.pipeline, "--device", self.device]
             if self._core_dir:
-                home = home_cores(i, self.count + 1, self._n_cores)
+                home = self.homes[i]
                 args += ["--threads", str(len(home)),
                          "--core-lease", CoreLease.spec(self._core_dir, home, self._n_cores)]
             elif self.threads:

@@ -208,3 +208,23 @@ def test_a_slice_weighs_its_layers_plus_embeddings_first_and_lm_head_last():
     assert slice_bytes_estimate(cfg, 0, 6, 2) == 6 * layer + 2 * vocab
     cfg.tie_word_embeddings = True
     assert slice_bytes_estimate(cfg, 0, 6, 2) == 6 * layer + vocab           # one matrix for both
+
+
+def test_shared_cpu_speeds_follow_the_processes_there_are():
+    from engine.core.partition import shared_cpu_speeds
+
+    # 3 processes on 2 cores: the head and stage 2 take turns on core 0
+    assert shared_cpu_speeds([[0], [1], [0]]) == [0.5, 1.0, 0.5]
+    # stage 2 died: the head has core 0 to itself, the split goes even
+    assert shared_cpu_speeds([[0], [1]]) == [1.0, 1.0]
+    assert shared_cpu_speeds([[0, 1], [2, 3], [4, 5]]) == [2.0, 2.0, 2.0]
+    assert shared_cpu_speeds([[0]]) == [1.0]
+
+
+def test_per_stage_lists_of_another_length_are_refused_clearly():
+    # (the head once passed the old stage count's CPU shares after a stage had left:
+    # an IndexError deep in the loop)
+    with pytest.raises(ValueError, match="2 capacities for 3 stages"):
+        partition(30, [0.5, 1.0, 0.5], [20, 20])
+    with pytest.raises(ValueError, match="3 extra for 2 stages"):
+        partition(30, [1.0, 1.0], [20, 20], [0, 0, 8])

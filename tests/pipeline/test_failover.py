@@ -293,6 +293,89 @@ def test_a_link_cut_between_two_homes_is_noticed_by_the_heartbeats(tmp_path):
     assert out["stages"] == 2
 
 
+# ---- the defaults users run: `potluck serve --stages 3`, no threads pinned ----
+
+def stage_children(pid: int) -> list[int]:
+    """The stage processes `pid` started, oldest (stage 1) first."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = sorted(int(c) for c in f.read().split())
+    stages = []
+    for c in kids:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            if b"\0stage\0" in f.read():
+                stages.append(c)
+    return stages
+
+
+async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
+    """`potluck serve --stages 3` exactly as a user starts it: no --threads, so the head
+    and its two stage processes share this CPU's cores (engine/model/cores.py) and the
+    split follows each one's share. A streamed chat over the API; a stage process is
+    killed (kill -9) mid-reply, then the other one on the next reply: each reply is the
+    one an uninterrupted run gives, and the head alone finishes the last. (Before, the
+    head planned the survivors with the old count's CPU shares: IndexError, pipeline
+    failed; the other tests pin threads=1 and so never took that path.)"""
+    import subprocess
+    import sys
+
+    import aiohttp
+    from openai import AsyncOpenAI
+
+    from conftest import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    log = open(tmp_path / "serve.log", "wb")
+    serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", "3", "--port", str(port)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    client = AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
+    ask = dict(messages=[{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+               temperature=0, max_tokens=TOKENS, stream=True, stream_options={"include_usage": True})
+
+    async def status():
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/potluck/status") as r:
+            return await r.json()
+
+    async def chat(kill_at: int | None = None, victim: int | None = None):
+        stream = await client.chat.completions.create(model=model, **ask)
+        parts, usage = [], None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                if kill_at is not None and len(parts) == kill_at:
+                    os.kill(victim, signal.SIGKILL)
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return "".join(parts), usage
+
+    try:
+        await until(lambda: serve.poll() is not None or port_open(port), timeout=300, every=0.5)
+        assert serve.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+        stages = stage_children(serve.pid)
+        assert len(stages) == 2
+        model = (await client.models.list()).data[0].id
+        info = await status()
+        assert len(info["stages"]) == 3
+        reference, n = await chat()
+        assert n > 16, (reference, n)  # long enough to be cut mid-reply
+        for k, victim in enumerate(stages):
+            got = await chat(kill_at=8, victim=victim)
+            assert got == (reference, n), (k, got, reference, (await status())["events"])
+            info = await status()
+            assert info["error"] is None and len(info["stages"]) == 2 - k, info
+            assert [e["event"] for e in info["events"]].count("recovered") == k + 1, info["events"]
+    finally:
+        await client.close()
+        serve.terminate()
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()
+        log.close()
+
+
 def port_open(port: int) -> bool:
     import socket
 
