@@ -32,6 +32,7 @@ from engine.pipeline.link import LinkSender, open_link
 from engine.core import precision
 from engine.core.partition import NoRoom, lm_head_layers_estimate, partition, shared_cpu_speeds
 from engine.core.profile import interp, scaled
+from engine.core.recovery import missing_ranges, waiting_status
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
@@ -816,8 +817,8 @@ class Head:
         live = sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id)
         for s in live:
             s.rewind()
-        # the layers nobody holds now: what a waiting pipeline says it needs
-        missing = self.ranges[lost] if lost is not None and lost < len(self.ranges) else None
+        old_ranges = list(self.ranges)
+        kept = [True] + [False] * len(self.remotes)   # which old stages hold layers again
         # the stage that left is asked too, briefly: one that only dropped its connection
         # (or hung up on a head that went quiet) takes its share again
         survivors = [(RemoteStage(r.address), i == lost) for i, r in enumerate(self.remotes, start=1)]
@@ -828,11 +829,12 @@ class Head:
             if i != lost and i < len(self.profiles):
                 hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
         self.remotes = []
-        for r, was_lost in survivors:
+        for i, (r, was_lost) in enumerate(survivors, start=1):
             if not (was_lost and not ask_back):
                 try:
                     await self._hello(r, attempts=1 if was_lost else 10, timeout=2 if was_lost else 30)
                     self.remotes.append(r)
+                    kept[i] = True
                     continue
                 except PipelineError as exc:
                     if not was_lost:  # another one gone at the same time
@@ -841,6 +843,8 @@ class Head:
             self._away[r.address] = time.monotonic()  # it may come back: the watch asks it
         if joined is not None:
             self._take(joined)
+        # the layers nobody holds now, every range of them: what a waiting pipeline says it needs
+        missing = missing_ranges(old_ranges, kept)
         capacity = self.sched.capacity
         self.stage0 = None  # its layers change: the old slice goes before the new one loads
         deadline = time.monotonic() + self.wait_timeout
@@ -888,13 +892,11 @@ class Head:
         self.remotes.append(r)
         self.remotes.sort(key=lambda x: self._known.index(x.address) if x.address in self._known else len(self._known))
 
-    async def _wait_for_room(self, exc: NoRoom, missing: tuple[int, int] | None, deadline: float):
+    async def _wait_for_room(self, exc: NoRoom, missing: list[tuple[int, int]], deadline: float):
         """The stages left cannot hold the model: requests wait (the status says for what)
         until a machine that left comes back or another offers itself, or the host's
         timeout passes."""
-        what = (f"layers {missing[0]}–{missing[1] - 1}" if missing is not None
-                else f"{exc.need - exc.have} more layers")
-        self.recovering = f"waiting for a GPU to hold {what} (the stages left hold {exc.have} of {exc.need} layers)"
+        self.recovering, what = waiting_status(missing, exc.need, exc.have)
         self.events.append({"t": time.time(), "event": "waiting", "why": self.recovering})
         log.warning("%s", self.recovering)
         while True:

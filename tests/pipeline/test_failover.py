@@ -456,6 +456,44 @@ async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_fol
             await b.close()
 
 
+async def test_two_stages_lost_at_once_the_status_names_every_missing_layer(tiny_folder):
+    """Three machines, none able to hold the model alone; both stages go at once. The
+    status names all the layers nobody holds (once it named only the first stage's,
+    'layers 4–5', while 2–5 had no holder); a machine that joins takes them all and the
+    reply goes on unchanged."""
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    cap = tiny_cap(source, 3)   # of 6 layers: three machines hold it, one cannot
+    a = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+    b = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+    head = await tiny_head(source, [f"ws://127.0.0.1:{a.port}", f"ws://127.0.0.1:{b.port}"], memory_cap=cap)
+    c = None
+    try:
+        assert head.n_stages == 3
+        reference, _ = await tiny_reply(head)
+        handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=30))
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        gone_from = head.ranges[1][0]
+        await asyncio.gather(a.close("switched off"), b.close("switched off"))
+        await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
+        status = head.info()["recovering"]
+        assert status.startswith(f"waiting for a GPU to hold layers {gone_from}–5 "), status
+        assert "(the machines left have room for 3 of the model's 6 layers)" in status, status
+        c = await StageServer("127.0.0.1", 0, threads=1).start()   # room for all of them
+        head.offer(f"ws://127.0.0.1:{c.port}")
+        toks, done = await asyncio.wait_for(tokens(handle), 60)
+        assert done.error is None and toks == reference
+        assert head.n_stages == 2 and head.error is None
+    finally:
+        await head.close()
+        for s in (a, b, c):
+            if s is not None:
+                await s.close()
+
+
 async def test_nobody_joins_in_time_fails_with_a_clear_error(tiny_folder):
     from engine.model.sources import resolve
     from engine.pipeline.stage_server import StageServer
