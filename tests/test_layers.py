@@ -119,9 +119,13 @@ def test_no_import_cycles():
         stack.pop()
         seen.add(m)
 
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    for m in sorted(graph):
-        visit(m)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for m in sorted(graph):
+            visit(m)
+    finally:
+        sys.setrecursionlimit(limit)   # a raised limit would leak into later tests (JSON nesting depth)
 
 
 def test_the_app_reaches_the_engine_only_through_the_launcher():
