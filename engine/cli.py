@@ -13,8 +13,8 @@ import time
 
 from dataclasses import fields
 
-from engine.boot.lifeline import Lifeline
-from engine.boot.stopping import StopRequests
+from engine.pipeline.lifeline import Lifeline
+from engine.pipeline.stopping import StopRequests
 from engine.core.errors import ModelError
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.sampling import PENALTY_RANGE

@@ -126,12 +126,14 @@ class Wine:
         class, as the installer wrote it, into the machine's view."""
         out = self.base / "classes.reg"
         out.unlink(missing_ok=True)
-        p = self.run(["wine", "reg", "export", rf"HKCU\Software\Classes\{name}", self.win_path(out), "/y"])
+        # wait=False: the app runs meanwhile, and `wineserver -w` would wait for it too
+        p = self.run(["wine", "reg", "export", rf"HKCU\Software\Classes\{name}", self.win_path(out), "/y"],
+                     wait=False)
         assert p.returncode == 0, p.stderr
         text = out.read_bytes().decode("utf-16").replace("[HKEY_CURRENT_USER\\Software\\Classes\\",
                                                          "[HKEY_LOCAL_MACHINE\\Software\\Classes\\")
         out.write_bytes(("\ufeff" + text).encode("utf-16-le"))
-        p = self.run(["wine", "reg", "import", self.win_path(out)])
+        p = self.run(["wine", "reg", "import", self.win_path(out)], wait=False)
         assert p.returncode == 0, p.stderr
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""engine/boot/lifeline.py and stopping.py: the parent's pipe read by a thread (what
+"""engine/pipeline/lifeline.py and stopping.py: the parent's pipe read by a thread (what
 Windows' Proactor loop could not do with connect_read_pipe), and stop requests."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from engine.boot.lifeline import Lifeline
-from engine.boot.stopping import StopRequests
+from engine.pipeline.lifeline import Lifeline
+from engine.pipeline.stopping import StopRequests
 
 
 async def test_lines_then_the_end_of_the_pipe():

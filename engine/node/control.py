@@ -43,8 +43,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.boot.lifeline import Lifeline
-from engine.boot.stopping import StopRequests
+from engine.pipeline.lifeline import Lifeline
+from engine.pipeline.stopping import StopRequests
 from engine.core import precision
 from engine.model.device import DTYPES, DeviceError, compute_dtype, device_name, free_memory, pick_device
 from engine.node.gpu import gpu_summary, own_pids, read_gpus

@@ -9,7 +9,7 @@ out and the machine shutting down as console control events, which Windows deliv
 thread of its own and ends the process once the handler returns (or after about 5 s):
 the handler asks the loop to stop and waits for it up to `grace` seconds, so the leave
 goes out first. The desktop app's node has no console; the app stops it by closing its
-stdin (engine/boot/lifeline.py), on quitting, signing out or sleeping (app/power.py).
+stdin (engine/pipeline/lifeline.py), on quitting, signing out or sleeping (app/power.py).
 """
 
 from __future__ import annotations
