@@ -222,7 +222,9 @@ class HostDialog(QDialog):
             chosen = r["weights"] == plan.get("weights")
             name = r["weights"]
             if name == "bf16" and plan.get("dtype") not in (None, "bfloat16"):
-                name = f"bf16 ({plan['dtype']})"  # a CPU computes at float32
+                # unquantized weights at the compute dtype: "full (float32)" on a CPU, as the
+                # terminal's first screen says (engine/core/precision.py full_label)
+                name = f"full ({plan['dtype']})"
             if not r.get("available", True):
                 verdict = "needs bitsandbytes"
             else:

@@ -108,7 +108,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
         r["available"] = False
     d._show_plan(plan, None)
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
-    assert rows[0][0] == "bf16 (float32)" and rows[0][2] == "fits ← will be used"
+    assert rows[0][0] == "full (float32)" and rows[0][2] == "fits ← will be used"
     assert rows[0][1] == "8.00 GiB (of 16.00 GiB in all)"
     assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
 
