@@ -22,14 +22,18 @@ from engine.model.families import SUPPORTED_MODEL_TYPES
 _VARIANTS = {
     "mistral": ("mistral_nowindow",),  # sliding_window=None: a plain causal mask
     "falcon": ("falcon_alibi",),       # Falcon-RW: ALiBi instead of rotary
+    "gemma4_text": ("gemma4_text_moe",),  # the MoE block, keys as values, other global KV heads
 }
 
 # every supported family (engine/model/families.py), and the variants above
 ARCHS = [a for t in SUPPORTED_MODEL_TYPES for a in (t, *_VARIANTS.get(t, ()))]
 
 # Families refused in engine/model/families.py whose tiny configs are kept to re-check
-# them (parity fails for the reason given there).
-REFUSED_ARCHS = ["doge", "nanochat", "deepseek_v32", "gpt_neo", "bloom", "opt", "biogpt"]
+# them (parity fails for the reason given there), and the Gemma 4 checkpoints that
+# families.py refuses for a feature (per-layer embeddings, shared KV layers, bidirectional).
+REFUSED_ARCHS = ["doge", "nanochat", "deepseek_v32", "gpt_neo", "bloom", "opt", "biogpt", "glm_moe_dsa", "axk2",
+                 "hy_v4", "dots3_note_text", "minimax_m3_vl_text", "zaya", "openai-gpt", "longcat_flash",
+                 "hrm_text", "cpmant", "gemma4_text_ple", "gemma4_text_kvshare", "gemma4_text_bidirectional"]
 
 # Variants whose rotary frequencies follow the sequence length (engine/model/rope.py),
 # with an original context of ROPE_ORIGINAL tokens that a long prompt passes. Not in
@@ -67,6 +71,25 @@ def _no_extra(n_layers):
 
 def _alternating(n_layers, window=SLIDING_WINDOW):
     return dict(sliding_window=window, layer_types=["sliding_attention", "full_attention"] * (n_layers // 2))
+
+
+def _full_first(n_layers, window=SLIDING_WINDOW):
+    return dict(sliding_window=window, layer_types=["full_attention", "sliding_attention"] * (n_layers // 2))
+
+
+# multi-head latent attention at tiny size (kv heads == query heads, as upstream)
+_MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, head_dim=8)
+_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2)
+_INDEXER = dict(index_topk=4, index_head_dim=16, index_n_heads=2)
+
+
+def _dense_then_sparse(n_layers):
+    return ["dense"] + ["sparse"] * (n_layers - 1)
+
+
+# Gemma 4 text: sliding and full layers, the full ones with their own head size
+_GEMMA4 = dict(head_dim=16, global_head_dim=32, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=0)
 
 
 # model_type -> (config class, extra kwargs given n_layers) for the families that take
@@ -165,6 +188,62 @@ _SIMPLE = {
         head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
         mlp_layer_types=["dense"] + ["sparse"] * (n - 1), sliding_window=SLIDING_WINDOW, layer_types=None)),
     "ministral3": ("Ministral3Config", lambda n: dict(head_dim=16)),
+    "aria_text": ("AriaTextConfig", lambda n: dict(
+        head_dim=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1)),
+    "axk1": ("AXK1Config", lambda n: dict(
+        **_MLA, **_MOE, n_group=2, topk_group=1, mlp_layer_types=_dense_then_sparse(n))),
+    "beam": ("BeamConfig", lambda n: dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        mlp_layer_types=_dense_then_sparse(n), final_logit_softcapping=30.0, **_alternating(n))),
+    "cohere_compass_text": ("CohereCompassTextConfig", lambda n: dict(
+        head_dim=16, logit_scale=0.5, **_alternating(n),  # full layers without rotary (NoPE)
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": None})),
+    "flint": ("FlintConfig", lambda n: dict(
+        head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+        num_experts=4, mlp_only_layers=[0], **_full_first(n))),
+    "gemma4_text": ("Gemma4TextConfig", lambda n: dict(**_GEMMA4, **_alternating(n))),
+    "gemma4_text_moe": ("Gemma4TextConfig", lambda n: dict(
+        **_GEMMA4, **_alternating(n), enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, attention_k_eq_v=True, num_global_key_value_heads=1)),
+    "gemma4_text_ple": ("Gemma4TextConfig", lambda n: dict(
+        **dict(_GEMMA4, hidden_size_per_layer_input=16), **_alternating(n))),
+    "gemma4_text_kvshare": ("Gemma4TextConfig", lambda n: dict(**_GEMMA4, **_alternating(n), num_kv_shared_layers=2)),
+    "gemma4_text_bidirectional": ("Gemma4TextConfig", lambda n: dict(
+        **_GEMMA4, **_alternating(n), use_bidirectional_attention="all")),
+    "gemma4_unified_text": ("Gemma4UnifiedTextConfig", lambda n: dict(
+        head_dim=16, global_head_dim=32, **_alternating(n))),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", lambda n: dict(
+        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.25, logits_scaling=2.0, layer_rope_theta=None, **_alternating(n))),
+    "hy_v3": ("HYV3Config", lambda n: dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
+        mlp_layer_types=_dense_then_sparse(n))),
+    "kolibri1": ("Kolibri1Config", lambda n: dict(
+        head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, num_local_experts=4,
+        shared_expert_intermediate_size=32, **_alternating(n))),
+    "laguna": ("LagunaConfig", lambda n: dict(
+        head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+        num_experts=4, mlp_layer_types=_dense_then_sparse(n), **_full_first(n),
+        num_attention_heads_per_layer=[4, 8] * (n // 2))),  # a head count per layer
+    "glm_moe_dsa": ("GlmMoeDsaConfig", lambda n: dict(
+        **_MLA, **_MOE, **_INDEXER, mlp_layer_types=_dense_then_sparse(n), first_k_dense_replace=1,
+        layer_types=None, indexer_types=None)),
+    "axk2": ("AXK2Config", lambda n: dict(
+        **_MLA, **_MOE, **_INDEXER, mlp_layer_types=_dense_then_sparse(n), layer_types=None)),
+    "hy_v4": ("HYV4Config", lambda n: dict(
+        **_MLA, **_MOE, **_INDEXER, mlp_layer_types=_dense_then_sparse(n), layer_types=None, indexer_types=None)),
+    "dots3_note_text": ("Dots3NoteTextConfig", lambda n: dict(
+        **dict(_MLA, head_dim=16), **_MOE, **_INDEXER, mlp_layer_types=_dense_then_sparse(n), layer_types=None,
+        sliding_window=SLIDING_WINDOW, shared_experts_intermediate_size=32, per_layer_config={})),
+    "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", lambda n: dict(
+        head_dim=16, num_experts_per_tok=2, num_local_experts=4, dense_intermediate_size=128,
+        shared_intermediate_size=32, rotary_dim=8, mlp_layer_types=None,
+        layer_types=["full_attention", "minimax_m3_sparse"] * (n // 2), index_n_heads=2, index_head_dim=16,
+        index_block_size=4, index_topk_blocks=2, index_local_blocks=1)),
+    "zaya": ("ZayaConfig", lambda n: dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1, router_hidden_size=16)),
+    "hrm_text": ("HrmTextConfig", lambda n: dict(head_dim=16, num_layers_per_stack=2)),
     "deepseek_v32": ("DeepseekV32Config", lambda n: dict(
         num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, mlp_layer_types=None,
@@ -195,6 +274,27 @@ _OTHER = {
     "xglm": lambda T, n: T.XGLMConfig(
         **_OTHER_NAMES, d_model=64, ffn_dim=128, num_layers=n, attention_heads=4, max_position_embeddings=256,
         dropout=0.0, init_std=INIT_RANGE),
+    "ctrl": lambda T, n: T.CTRLConfig(
+        **_OTHER_NAMES, n_positions=256, n_embd=64, dff=128, n_layer=n, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0),
+    "gpt_neox_japanese": lambda T, n: T.GPTNeoXJapaneseConfig(
+        **_OTHER_NAMES, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, max_position_embeddings=256,
+        attention_dropout=0.0, hidden_dropout=0.0),
+    # an embedding block (token embedding + norm), alternating global and sliding layers
+    "modernbert-decoder": lambda T, n: T.ModernBertDecoderConfig(
+        **_OTHER_NAMES, hidden_size=64, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
+        max_position_embeddings=256, cls_token_id=2, sep_token_id=3, sliding_window=SLIDING_WINDOW,
+        local_attention=SLIDING_WINDOW, layer_types=["full_attention", "sliding_attention"] * (n // 2)),
+    "openai-gpt": lambda T, n: T.OpenAIGPTConfig(
+        **_OTHER_NAMES, n_positions=256, n_embd=64, n_layer=n, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0),
+    "cpmant": lambda T, n: T.CpmAntConfig(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, dim_head=16, dim_ff=128, num_hidden_layers=n,
+        position_bias_num_buckets=32, position_bias_max_distance=64, init_std=INIT_RANGE, prompt_types=2,
+        prompt_length=2, segment_types=2),
+    "longcat_flash": lambda T, n: T.LongcatFlashConfig(
+        **_OTHER_NAMES, hidden_size=64, num_layers=n // 2, num_attention_heads=4, max_position_embeddings=256,
+        ffn_hidden_size=128, **_MLA, qk_head_dim=16, moe_topk=2, n_routed_experts=4, zero_expert_num=2,
+        expert_ffn_hidden_size=32),
     "biogpt": lambda T, n: T.BioGptConfig(
         **_OTHER_NAMES, hidden_size=64, intermediate_size=128, num_hidden_layers=n, num_attention_heads=4,
         max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),

@@ -6,9 +6,10 @@ make a slice of it run:
 
 * the decoder-layer list is cut to [start, end) (layers keep their original
   `layer_idx`, and `config.layer_types` is cut to match);
-* on a stage that is not first, base-level embeddings become zero stubs and a
-  forward pre-hook on the first held layer substitutes the activations received
-  from upstream; on a stage that is not last, the final norm becomes Identity;
+* on a stage that is not first, base-level embeddings (or an embedding block around
+  the token embedding) become stubs and a forward pre-hook on the first held layer
+  substitutes the activations received from upstream; on a stage that is not last,
+  the final norm becomes Identity;
 * attention sees a `BatchCache` (engine/model/kv.py) and masks we build, so sequences of
   different lengths share a batch.
 
@@ -97,6 +98,18 @@ class ZeroEmbedding(nn.Module):
 
     def forward(self, ids):
         return torch.zeros((*ids.shape, self.dim), dtype=self.dtype, device=ids.device)
+
+
+class EmbeddingBlockStub(nn.Module):
+    """Stands in for an embedding block (token embedding and more) on stages that never
+    see token ids: what the stage passes as `inputs_embeds` goes through untouched."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.zero = ZeroEmbedding(dim, dtype)
+
+    def forward(self, input_ids=None, inputs_embeds=None, *args, **kwargs):
+        return inputs_embeds if inputs_embeds is not None else self.zero(input_ids)
 
 
 @dataclass
@@ -221,6 +234,11 @@ class StageModel:
             if isinstance(child, nn.Embedding):
                 if not self.first:
                     setattr(base, name, ZeroEmbedding(child.embedding_dim, self.dtype))
+            elif emb_in is not None and any(m is emb_in for m in child.modules()):
+                # an embedding block around the token embedding (ModernBERT-decoder's embedding
+                # and norm): the first stage's; later stages are handed the activations
+                if not self.first:
+                    setattr(base, name, EmbeddingBlockStub(self.hidden_size, self.dtype))
             elif not self.last:  # final norm and friends
                 setattr(base, name, nn.Identity())
         if emb_out is not None and not self.last:
@@ -504,7 +522,9 @@ class StageModel:
         else:
             h = padded.to(self.device, self.dtype)
             self._injected.h = h
-            kwargs["inputs_embeds"] = h
+            # a copy: the model may scale its embeddings in place (CTRL: inputs_embeds *= ...),
+            # which must not reach the activations its first layer is handed
+            kwargs["inputs_embeds"] = h.clone()
         try:
             if self.last:
                 out = self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
