@@ -1,10 +1,40 @@
-"""The head's decisions when a stage leaves, sans-I/O.
+"""The head's decisions when a stage leaves, sans-I/O: who is gone, whom to ask back
+and when, when to give up, and what the status says. The head (engine/pipeline/head.py)
+does the I/O -- closing connections, saying hello, loading layers, replaying sequences
+-- and feeds this object what happened; tests feed it plain events and a clock.
 
-What the status says while the pipeline waits for room: every range of layers that
-nobody holds any more, named.
+    rec = Recovery(["ws://a", "ws://b"], wait_timeout=300)
+    rec.formed(["ws://a", "ws://b"], now)          # these hold layers now
+    if rec.lost(1, "ws://a", "stage 1 left: switched off", rec.epoch):
+        asks = rec.begin(["ws://a", "ws://b"], ranges, now, lost=1)   # a new arrangement
+        for ask in asks:                           # hello each machine as ask says
+            rec.answered(ask)  or  rec.unanswered(ask, why, now)
+        rec.forming(now)                           # split the layers, load them ...
+        rec.no_room(need, have, now)               # ... or the machines left cannot:
+        rec.to_ask(now); rec.wait_s(now)           #   ask who left now and then,
+        rec.gave_up(now)                           #   until the host's timeout passes
+        rec.recovered(now, stages, ranges, replayed)
+    rec.watching / rec.may_ask / rec.to_ask(now) / rec.came(address)   # machines coming back
+    rec.offer(address, now); rec.take(address); rec.rank(address)
+
+Every rearrangement bumps `epoch`: what the head computed for an older arrangement is
+void. `status` is what the pipeline is doing about it (None: serving), `events` the
+record (left, waiting, recovered, back, joined, rejoined), `failed` why it cannot serve.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+# how often machines that left are asked whether they are back, and for how long
+WATCH_S, REJOIN_GRACE_S = 2.0, 600.0
+# how the stages left are asked to go on (they should answer: they are up), and how
+# the one that left is (briefly: it may only have dropped its connection)
+SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S = 10, 30.0
+LOST_ATTEMPTS, LOST_TIMEOUT_S = 1, 2.0
+# a machine that left or offered itself, asked whether it is (still) there
+PROBE_TIMEOUT_S = 2.0
 
 
 def missing_ranges(ranges: list[tuple[int, int]], kept: list[bool]) -> list[tuple[int, int]]:
@@ -38,3 +68,202 @@ def waiting_status(missing: list[tuple[int, int]], need: int, have: int) -> tupl
     room = (f"the machines left have room for {have} of the model's {need} layers" if have < need
             else "a machine left has no room for even one layer")
     return f"waiting for a GPU to hold {what} ({room})", what
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Say hello to the machine that held stage `index` of the old arrangement."""
+    address: str
+    index: int
+    attempts: int
+    timeout: float
+    lost: bool       # the one that left
+
+
+class Recovery:
+    def __init__(self, addresses: list[str], wait_timeout: float = 300.0, *, watch_s: float = WATCH_S,
+                 grace_s: float = REJOIN_GRACE_S, wall=time.time):
+        self.wait_timeout = wait_timeout   # how long requests wait for room before they fail
+        self.watch_s, self.grace_s = watch_s, grace_s
+        self._wall = wall                  # the events' timestamps (decisions use `now`)
+        self.epoch = 0                     # bumps at each rearrangement
+        self.status: str | None = None     # why the pipeline is rearranging (None: it serves)
+        self.events: list[dict] = []       # who left, why, how long recovery took
+        self.failed: str | None = None     # why the pipeline cannot serve
+        self.closed = False
+        self.order = list(addresses)       # every machine in pipeline order: one coming back takes its place
+        self.holders: list[str] = []       # the machines holding layers now (the head aside)
+        self.away: dict[str, float] = {}   # machines that left or offered themselves -> since when
+        self.served: set[str] = set()      # machines that held layers here (come back vs join)
+        # the rearrangement in progress
+        self._t0 = self._t_plan = 0.0
+        self._old_ranges: list[tuple[int, int]] = []
+        self._kept: list[bool] = []
+        self._joined = False
+        self._deadline: float | None = None
+        self._what = ""
+
+    # ---- the machines ----------------------------------------------------------
+    def formed(self, holders: list[str]) -> None:
+        """These machines hold layers now (in pipeline order)."""
+        self.holders = list(holders)
+        self.served.update(holders)
+        for a in holders:
+            self.away.pop(a, None)
+
+    def offer(self, address: str, now: float) -> bool:
+        """A machine offers its stage: it is asked, as the machines that left are, until it
+        answers. False when it already holds layers."""
+        if address in self.holders:
+            return False
+        if address not in self.order:
+            self.order.append(address)
+        self.away.setdefault(address, now)
+        return True
+
+    def to_ask(self, now: float) -> list[str]:
+        """The machines to ask now whether they are there, first left first: those that left
+        (or offered themselves) within the grace period; the others are forgotten."""
+        for address, since in list(self.away.items()):
+            if now - since > self.grace_s:
+                del self.away[address]
+        return list(self.away)
+
+    def rank(self, address: str) -> int:
+        """A machine's place in the pipeline (sort by it): one that came back takes its old
+        place, a newcomer goes after those known."""
+        return self.order.index(address) if address in self.order else len(self.order)
+
+    def take(self, address: str) -> None:
+        """A machine that answered is taken in: it is no longer asked."""
+        self.away.pop(address, None)
+
+    @property
+    def watching(self) -> bool:
+        """Whether anyone may come back (the head then asks them every watch_s)."""
+        return bool(self.away) and not self.closed and not self.failed
+
+    @property
+    def may_ask(self) -> bool:
+        """Whether the watch may ask now (a rearrangement in progress asks them itself)."""
+        return self.watching and self.status is None
+
+    def came(self, address: str) -> str:
+        """A machine answered the watch: the status while it is taken in."""
+        back = address in self.served
+        self.status = f"{address} {'is back' if back else 'joined'}: rearranging the pipeline"
+        self._record("back" if back else "joined", address=address, why=self.status)
+        return self.status
+
+    # ---- a stage leaves ------------------------------------------------------------
+    def lost(self, index: int, address: str | None, why: str, epoch: int) -> bool:
+        """Stage `index` of arrangement `epoch` left: whether to rearrange (False: an older
+        arrangement's stage, a rearrangement already under way, or the pipeline is done)."""
+        if epoch != self.epoch or self.failed or self.status or self.closed:
+            return False
+        self.status = why
+        self._record("left", stage=index, address=address, why=why)
+        return True
+
+    def begin(self, holders: list[str], ranges: list[tuple[int, int]], now: float, lost: int | None = None,
+              ask_back: bool = True, joined: str | None = None) -> list[Ask]:
+        """A new arrangement: who of the old one's machines to ask to go on, and how.
+        holders: the old arrangement's machines (stage 1 on); ranges: its layers (the head
+        first); lost: the stage that left, asked back briefly unless ask_back is False
+        (it said it is leaving, or stopped answering: asking would wait out a timeout);
+        joined: a machine the watch found, taken in."""
+        self.epoch += 1
+        self._t0 = self._t_plan = now
+        self._old_ranges = list(ranges)
+        self._kept = [True] + [False] * len(holders)
+        self._joined = joined is not None
+        self._deadline = None
+        self.holders = []
+        asks = []
+        for i, address in enumerate(holders, start=1):
+            if i == lost and not ask_back:
+                self.away[address] = now   # it may come back: the watch asks it
+            elif i == lost:
+                asks.append(Ask(address, i, LOST_ATTEMPTS, LOST_TIMEOUT_S, True))
+            else:
+                asks.append(Ask(address, i, SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S, False))
+        if joined is not None:
+            self.take(joined)
+        return asks
+
+    def answered(self, ask: Ask) -> None:
+        self._kept[ask.index] = True
+
+    def unanswered(self, ask: Ask, why: str, now: float) -> None:
+        """A machine asked to go on did not answer: gone too (the watch asks it later)."""
+        if not ask.lost:   # another one gone at the same time
+            self._record("left", stage=None, address=ask.address, why=why)
+        self.away[ask.address] = now
+
+    def missing(self) -> list[tuple[int, int]]:
+        """Every range of layers the old arrangement held that nobody holds now."""
+        return missing_ranges(self._old_ranges, self._kept)
+
+    def forming(self, now: float) -> None:
+        """The layers are being split and loaded (again: after waiting for room)."""
+        self._t_plan = now
+
+    def no_room(self, need: int, have: int, now: float) -> str:
+        """The machines there are cannot hold the model: requests wait until one joins or
+        comes back, or wait_timeout passes. The status, which names what is missing."""
+        if self._deadline is None:
+            self._deadline = now + self.wait_timeout
+        self.status, self._what = waiting_status(self.missing(), need, have)
+        self._record("waiting", why=self.status)
+        return self.status
+
+    def wait_s(self, now: float) -> float:
+        """How long to wait before asking the machines again."""
+        return min(self.watch_s, max(0.0, (self._deadline or now) - now))
+
+    def gave_up(self, now: float) -> str | None:
+        """Why the pipeline fails, once nobody joined within wait_timeout (else None)."""
+        if self._deadline is None or now < self._deadline:
+            return None
+        return self._because(f"no machine joined within {self.wait_timeout:g} s to hold {self._what}: "
+                             "the machines left cannot hold the model")
+
+    def cannot_go_on(self, exc: object) -> str:
+        """Why the pipeline fails when the machines there are fail to take the layers."""
+        return self._because(f"the stages left cannot go on: {exc}")
+
+    def broke(self, exc: object) -> str:
+        """Why the pipeline fails when the rearrangement itself broke (a bug: say so)."""
+        return self._because(f"rearranging the pipeline failed: {exc}")
+
+    def recovered(self, now: float, stages: int, ranges: list[tuple[int, int]], replayed: int) -> dict:
+        """Serving again: the record. seconds: from noticing to serving again; replan_s:
+        letting go, reaching the machines and any wait for room; load_s: loading the new
+        layers (bench/failover.py)."""
+        self.status = None
+        return self._record("rejoined" if self._joined else "recovered", stages=stages,
+                            layers=[list(r) for r in ranges], seconds=round(now - self._t0, 3),
+                            replan_s=round(self._t_plan - self._t0, 3), load_s=round(now - self._t_plan, 3),
+                            replayed=replayed)
+
+    # ---- the end -----------------------------------------------------------------
+    def fail(self, why: str) -> bool:
+        """The pipeline cannot serve: False if it had failed already."""
+        self.status = None
+        if self.failed:
+            return False
+        self.failed = why
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self.status = None
+
+    def _because(self, what: str) -> str:
+        left = [e["why"] for e in self.events if e["event"] == "left"]
+        return f"{left[-1]}; {what}" if left else what
+
+    def _record(self, event: str, **fields) -> dict:
+        e = {"t": self._wall(), "event": event, **fields}
+        self.events.append(e)
+        return e

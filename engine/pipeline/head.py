@@ -32,7 +32,9 @@ from engine.pipeline.link import LinkSender, open_link
 from engine.core import precision
 from engine.core.partition import NoRoom, lm_head_layers_estimate, partition, shared_cpu_speeds
 from engine.core.profile import interp, scaled
-from engine.core.recovery import missing_ranges, waiting_status
+# WATCH_S, REJOIN_GRACE_S: how often machines that left are asked whether they are back,
+# and for how long; read when a head is made (a test may shorten them here)
+from engine.core.recovery import PROBE_TIMEOUT_S, REJOIN_GRACE_S, WATCH_S, Ask, Recovery
 from engine.core.scheduler import Group, Scheduler, Seq
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
@@ -47,9 +49,6 @@ from engine.pipeline.stage_server import connect_stage
 from engine.wire.stage_auth import new_route, split_address
 
 log = logging.getLogger("potluck.head")
-
-# how often machines that left are asked whether they are back, and for how long
-WATCH_S, REJOIN_GRACE_S = 2.0, 600.0
 
 
 class PipelineError(RuntimeError):
@@ -241,26 +240,15 @@ class Head:
         self._data_ws = None
         self._readers: list[asyncio.Task] = []
         self.ranges: list[tuple[int, int]] = []
-        self.error: str | None = None
         self._kick_pending = False
         self.tokens_served = 0
         # failover: a stage that leaves (closed, silent, gone to sleep) is dropped, the
-        # layers re-planned over the stages left, and every sequence replayed on them
-        self.recovering: str | None = None    # why, while the pipeline rearranges
-        self.events: list[dict] = []          # who left, why, how long recovery took
-        self._epoch = 0                       # bumps at each rearrangement: older steps are void
-        self._recovery: asyncio.Task | None = None
-        self._closed = False
-        # every stage address in pipeline order (a machine that comes back takes its place)
-        self._known = [r.address for r in self.remotes]
-        # machines that left (or offered themselves) -> when: asked now and then whether
-        # they are back, for REJOIN_GRACE_S
-        self._away: dict[str, float] = {}
-        self._watch: asyncio.Task | None = None
-        self._served: set[str] = set()   # addresses that held layers here (come back vs join)
-        # how long requests wait for a machine to join when the stages left cannot hold
-        # the model, before they fail
-        self.wait_timeout = wait_timeout
+        # layers re-planned over the machines left, and every sequence replayed on them.
+        # The decisions are the recovery's (engine/core/recovery.py); the head does the I/O.
+        self.recovery = Recovery([r.address for r in self.remotes], wait_timeout, watch_s=WATCH_S,
+                                 grace_s=REJOIN_GRACE_S)
+        self._recovery: asyncio.Task | None = None   # the rearrangement under way
+        self._watch: asyncio.Task | None = None      # asking machines that left whether they are back
 
     # ---- setup --------------------------------------------------------------
     async def _run(self, fn, *args):
@@ -402,12 +390,12 @@ class Head:
         self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
         budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
         self.sched.capacity = min(budgets)
-        self._served.update(r.address for r in self.remotes)
+        self.recovery.formed([r.address for r in self.remotes])
         self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
 
         if self.remotes:
             self._data_ws = await connect_stage(self.remotes[0].address, "data", self.pipeline, key=self.route)
-            epoch = self._epoch
+            epoch = self.recovery.epoch
             self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
                                   on_failed=lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}",
                                                                          epoch),
@@ -440,8 +428,24 @@ class Head:
     def reserved(self) -> int:
         return self.sched.reserved
 
+    # the recovery's state, as the API, the node and the tests read it
+    @property
+    def recovering(self) -> str | None:
+        """Why the pipeline is rearranging (None: it serves)."""
+        return self.recovery.status
+
+    @property
+    def events(self) -> list[dict]:
+        """Who left, why, how long recovery took."""
+        return self.recovery.events
+
+    @property
+    def error(self) -> str | None:
+        """Why the pipeline cannot serve (None: it can)."""
+        return self.recovery.failed
+
     async def close(self):
-        self._closed = True
+        self.recovery.close()
         for task in (self._recovery, self._watch):
             if task is not None and not task.done():
                 task.cancel()  # what it connected is closed below
@@ -591,13 +595,13 @@ class Head:
             self.profiles[0] = step_log.profile()
 
     async def _launch(self, g: Group):
-        epoch = self._epoch
+        epoch = self.recovery.epoch
         try:
             for s in list(g.seqs):
                 if not s.opened and not s.done:
                     s.in_flight = s.prompt_len - s.pos
                     await self._stream_prompt(g, s, epoch)
-                    if epoch != self._epoch:
+                    if epoch != self.recovery.epoch:
                         return  # a stage left meanwhile: this sequence is replayed from its history
         except ConnectionClosed:
             self._stage_lost(1, "the connection to stage 1 closed", epoch)
@@ -648,7 +652,7 @@ class Head:
                 if decode:
                     self.link.sched.decode_compute_started(t0, len(rows))
                 out = await self._step0(decode, batch, x, forks)
-                if epoch != self._epoch:
+                if epoch != self.recovery.epoch:
                     return  # computed for stages that are gone: its sequences are replayed
                 t1 = time.monotonic()
                 if decode:
@@ -659,7 +663,7 @@ class Head:
                 self.link.submit(frame, kind)
             else:
                 entries = await self._run(self._local_last, batch, x, new, forks)
-                if epoch != self._epoch:
+                if epoch != self.recovery.epoch:
                     return
                 self._on_tokens(g.id, g.step, entries, [])
         except ConnectionClosed:
@@ -684,7 +688,7 @@ class Head:
             except (ValueError, RuntimeError) as exc:
                 self._finish(s, "error", step_failure(exc, self.device))
                 raise
-            if epoch != self._epoch:
+            if epoch != self.recovery.epoch:
                 return
             frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step,
                                 {"rows": [[s.id, s.pos, c]], "partial": True}, out,
@@ -761,28 +765,21 @@ class Head:
         self._stage_lost(index, f"stage {index} ({r.address}) " + (f"left: {reason}" if reason else "disconnected"),
                          epoch)
 
-    # ---- failover -------------------------------------------------------------
+    # ---- failover: the I/O, in the order it happens; the decisions (who is gone, whom to
+    # ask back and when, when to give up, what the status says) are engine/core/recovery.py's
     def offer(self, address: str):
         """A machine offers its stage (ws://...): the head takes it in as soon as it
         answers -- a pipeline waiting for room at once, a running one by a rearrangement
         (every sequence replays, nothing is lost)."""
-        address = self._remember(address)
-        if any(r.address == address for r in self.remotes):
-            return  # already holds a slice
-        if address not in self._known:
-            self._known.append(address)
-        self._away.setdefault(address, time.monotonic())
-        self._ensure_watch()
+        if self.recovery.offer(self._remember(address), time.monotonic()):
+            self._ensure_watch()
 
     def _stage_lost(self, index: int, why: str, epoch: int, ask_back: bool = True):
         """A stage left (its connection closed or went silent, it sent garbage, its
         owner took it back): rearrange the pipeline over the stages left and go on."""
-        if epoch != self._epoch or self.error or self.recovering or self._closed:
+        address = self.remotes[index - 1].address if 0 < index <= len(self.remotes) else None
+        if not self.recovery.lost(index, address, why, epoch):
             return  # already being dealt with, or a stage of an arrangement that is gone
-        self.recovering = why
-        r = self.remotes[index - 1] if 0 < index <= len(self.remotes) else None
-        self.events.append({"t": time.time(), "event": "left", "stage": index,
-                            "address": r.address if r else None, "why": why})
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
         self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back)))
 
@@ -793,167 +790,145 @@ class Head:
             raise
         except Exception as exc:  # a rearrangement that breaks must say so, not leave requests hanging
             log.exception("rearranging the pipeline failed")
-            self.recovering = None
-            self._pipeline_failed(f"{self.events[-1]['why']}; rearranging the pipeline failed: {exc}")
+            self._pipeline_failed(self.recovery.broke(exc))
         finally:
             self._ensure_watch()
 
     async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None):
         """Drop stage `lost` (or take in `joined`, a machine that came back), split the
         layers over who is there, and replay every live sequence on the new arrangement."""
-        t0 = time.monotonic()
-        self._epoch += 1
+        asks = self.recovery.begin([r.address for r in self.remotes], self.ranges, time.monotonic(), lost,
+                                   ask_back, joined.address if joined is not None else None)
+        hints = self._profile_hints(lost)
+        await self._let_go()
+        live = self._rewind()
+        self.remotes = await self._ask(asks) + ([joined] if joined is not None else [])
+        capacity = self.sched.capacity
+        self.stage0 = None  # its layers change: the old slice goes before the new one loads
+        while True:
+            self.remotes.sort(key=lambda r: self.recovery.rank(r.address))
+            self._fresh_scheduler(capacity)
+            self.recovery.forming(time.monotonic())
+            try:
+                await self._form(hints)
+                break
+            except NoRoom as exc:
+                log.warning("%s", self.recovery.no_room(exc.need, exc.have, time.monotonic()))
+                r = await self._wait_for_machine()
+                if r is None:
+                    self._pipeline_failed(self.recovery.gave_up(time.monotonic()))
+                    return
+                self.remotes.append(r)
+            except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
+                self._pipeline_failed(self.recovery.cannot_go_on(exc))
+                return
+        done = self.recovery.recovered(time.monotonic(), self.n_stages, self.ranges, len(live))
+        log.warning("pipeline rearranged over %d stage(s) in %.1f s; %d sequence(s) replayed",
+                    self.n_stages, done["seconds"], len(live))
+        self._kick()
+
+    def _profile_hints(self, lost: int | None) -> dict:
+        """Each machine's last profile, for the layers it held: the stages left start from
+        it scaled to their new share instead of profiling again while everyone waits."""
+        hints = {"head": (self.profiles[0], self.ranges[0][1] - self.ranges[0][0])} if self.profiles else {}
+        for i, r in enumerate(self.remotes, start=1):
+            if i != lost and i < len(self.profiles):
+                hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
+        return hints
+
+    async def _let_go(self):
+        """Let the old arrangement's connections go, all at once: a dead peer's each waits
+        out its close timeout; a live stage frees what it held for this head when its head
+        goes."""
         for t in self._readers:
             t.cancel()
         self._readers = []
-        # let the old connections go all at once: a dead peer's each waits out its close
-        # timeout; a live stage frees what it held for this head when its head goes
         closing = [ws.close() for ws in [self._data_ws] + [r.ws for r in self.remotes] if ws is not None]
         if self.link is not None:
             closing.append(self.link.close())
         self.link = self._data_ws = None
         await asyncio.gather(*closing, return_exceptions=True)
-        # every sequence goes back to the queue with its history, in arrival order
+
+    def _rewind(self) -> list[Sequence]:
+        """Every live sequence back to the queue with its history, in arrival order."""
         live = sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id)
         for s in live:
             s.rewind()
-        old_ranges = list(self.ranges)
-        kept = [True] + [False] * len(self.remotes)   # which old stages hold layers again
-        # the stage that left is asked too, briefly: one that only dropped its connection
-        # (or hung up on a head that went quiet) takes its share again
-        survivors = [(RemoteStage(r.address), i == lost) for i, r in enumerate(self.remotes, start=1)]
-        # each machine's last profile, for the layers it held: the stages left start from
-        # it scaled to their new share instead of profiling again while everyone waits
-        hints = {"head": (self.profiles[0], self.ranges[0][1] - self.ranges[0][0])} if self.profiles else {}
-        for i, r in enumerate(self.remotes, start=1):
-            if i != lost and i < len(self.profiles):
-                hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
-        self.remotes = []
-        for i, (r, was_lost) in enumerate(survivors, start=1):
-            if not (was_lost and not ask_back):
-                try:
-                    await self._hello(r, attempts=1 if was_lost else 10, timeout=2 if was_lost else 30)
-                    self.remotes.append(r)
-                    kept[i] = True
-                    continue
-                except PipelineError as exc:
-                    if not was_lost:  # another one gone at the same time
-                        self.events.append({"t": time.time(), "event": "left", "stage": None,
-                                            "address": r.address, "why": str(exc)})
-            self._away[r.address] = time.monotonic()  # it may come back: the watch asks it
-        if joined is not None:
-            self._take(joined)
-        # the layers nobody holds now, every range of them: what a waiting pipeline says it needs
-        missing = missing_ranges(old_ranges, kept)
-        capacity = self.sched.capacity
-        self.stage0 = None  # its layers change: the old slice goes before the new one loads
-        deadline = time.monotonic() + self.wait_timeout
-        while True:
-            self.n_stages = 1 + len(self.remotes)
-            self.sched = Scheduler(self.n_stages, **self._sched_args)
-            # until the new arrangement says what it holds, a request arriving meanwhile is
-            # judged by the old one's (it waits in the queue either way)
-            self.sched.capacity = capacity
-            self.sampler = Sampler()
-            # the rewound sequences, and any request that arrived meanwhile, in arrival order
-            for s in sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id):
-                self.sched.add(s)
-            t_plan = time.monotonic()
+        return live
+
+    async def _ask(self, asks: list[Ask]) -> list[RemoteStage]:
+        """The old arrangement's machines, asked to go on as the recovery says: those that answer."""
+        answered = []
+        for ask in asks:
+            r = RemoteStage(ask.address)
             try:
-                await self._form(hints)
-                break
-            except NoRoom as exc:
-                try:
-                    await self._wait_for_room(exc, missing, deadline)
-                except PipelineError as timeout:
-                    left = [e["why"] for e in self.events if e["event"] == "left"]
-                    self.recovering = None
-                    self._pipeline_failed(f"{left[-1]}; {timeout}" if left else str(timeout))
-                    return
-            except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
-                self.recovering = None
-                self._pipeline_failed(f"{self.events[-1]['why']}; the stages left cannot go on: {exc}")
-                return
-        seconds = time.monotonic() - t0
-        # seconds: from noticing to serving again; replan: letting go, reaching the stages
-        # left and any wait for room; load: loading their new layers (bench/failover.py)
-        self.events.append({"t": time.time(), "event": "rejoined" if joined is not None else "recovered",
-                            "stages": self.n_stages, "layers": [list(r) for r in self.ranges],
-                            "seconds": round(seconds, 3), "replan_s": round(t_plan - t0, 3),
-                            "load_s": round(time.monotonic() - t_plan, 3), "replayed": len(live)})
-        log.warning("pipeline rearranged over %d stage(s) in %.1f s; %d sequence(s) replayed",
-                    self.n_stages, seconds, len(live))
-        self.recovering = None
-        self._kick()
+                await self._hello(r, attempts=ask.attempts, timeout=ask.timeout)
+            except PipelineError as exc:
+                self.recovery.unanswered(ask, str(exc), time.monotonic())
+                continue
+            self.recovery.answered(ask)
+            answered.append(r)
+        return answered
 
-    def _take(self, r: RemoteStage):
-        """A machine that answered joins the stages, at its place in the pipeline's order."""
-        self._away.pop(r.address, None)
-        self.remotes.append(r)
-        self.remotes.sort(key=lambda x: self._known.index(x.address) if x.address in self._known else len(self._known))
+    def _fresh_scheduler(self, capacity: int):
+        """A scheduler for the new arrangement, holding the rewound sequences and any
+        request that arrived meanwhile, in arrival order."""
+        self.n_stages = 1 + len(self.remotes)
+        self.sched = Scheduler(self.n_stages, **self._sched_args)
+        # until the new arrangement says what it holds, a request arriving meanwhile is
+        # judged by the old one's (it waits in the queue either way)
+        self.sched.capacity = capacity
+        self.sampler = Sampler()
+        for s in sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id):
+            self.sched.add(s)
 
-    async def _wait_for_room(self, exc: NoRoom, missing: list[tuple[int, int]], deadline: float):
-        """The stages left cannot hold the model: requests wait (the status says for what)
-        until a machine that left comes back or another offers itself, or the host's
-        timeout passes."""
-        self.recovering, what = waiting_status(missing, exc.need, exc.have)
-        self.events.append({"t": time.time(), "event": "waiting", "why": self.recovering})
-        log.warning("%s", self.recovering)
-        while True:
-            if time.monotonic() >= deadline:
-                raise PipelineError(f"no machine joined within {self.wait_timeout:g} s to hold {what}: "
-                                    "the machines left cannot hold the model")
+    async def _wait_for_machine(self) -> RemoteStage | None:
+        """The machines there are cannot hold the model: requests wait until a machine that
+        left comes back or another offers itself (None: the host's timeout passed first)."""
+        while self.recovery.gave_up(time.monotonic()) is None:
             r = await self._probe()
             if r is not None:
-                self._take(r)
-                return
-            await asyncio.sleep(min(WATCH_S, max(0.0, deadline - time.monotonic())))
+                self.recovery.take(r.address)
+                return r
+            await asyncio.sleep(self.recovery.wait_s(time.monotonic()))
+        return None
 
     async def _probe(self) -> RemoteStage | None:
-        """The first machine that left (within the grace period) or offered itself and now
-        answers, with its control connection open."""
-        now = time.monotonic()
-        for address, since in list(self._away.items()):
-            if now - since > REJOIN_GRACE_S:
-                del self._away[address]
-                continue
+        """The first machine the recovery says to ask that answers, with its control
+        connection open."""
+        for address in self.recovery.to_ask(time.monotonic()):
             r = RemoteStage(address)
             try:
-                await self._hello(r, attempts=1, timeout=2)
+                await self._hello(r, attempts=1, timeout=PROBE_TIMEOUT_S)
                 return r
             except PipelineError:
                 continue
         return None
 
     def _ensure_watch(self):
-        if self._away and not self._closed and (self._watch is None or self._watch.done()):
+        if self.recovery.watching and (self._watch is None or self._watch.done()):
             self._watch = asyncio.ensure_future(self._watch_loop())
 
     async def _watch_loop(self):
         """While machines that left may come back, ask them now and then; one that answers
         gets a slice again (a rearrangement: every sequence replays, nothing is lost)."""
-        while self._away and not self._closed and not self.error:
-            await asyncio.sleep(WATCH_S)
-            if self.recovering or self._closed or self.error:
+        while self.recovery.watching:
+            await asyncio.sleep(self.recovery.watch_s)
+            if not self.recovery.may_ask:
                 continue  # a rearrangement in progress asks them itself
             r = await self._probe()
             if r is None:
                 continue
-            if self.recovering or self._closed or self.error:
+            if not self.recovery.may_ask:  # a stage left meanwhile
                 await r.ws.close()
                 continue
-            back = r.address in self._served
-            self.recovering = f"{r.address} {'is back' if back else 'joined'}: rearranging the pipeline"
-            self.events.append({"t": time.time(), "event": "back" if back else "joined", "address": r.address,
-                                "why": self.recovering})
-            log.warning("%s", self.recovering)
+            log.warning("%s", self.recovery.came(r.address))
             self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(joined=r)))
             return  # _recover_or_fail starts a new watch if others are still away
 
     def _pipeline_failed(self, why: str):
-        if self.error:
+        if not self.recovery.fail(why):
             return
-        self.error = why
         log.error("pipeline failed: %s", why)
         for s in list(self.seqs.values()):
             self._finish(s, "error", why, free=False)
@@ -1065,7 +1040,7 @@ class Head:
             return out
 
     async def _free_everywhere(self, ids: list[int]):
-        if self.stage0 is None or self._closed:
+        if self.stage0 is None or self.recovery.closed:
             return  # mid-rearrangement (every stage starts afresh anyway), or closed
 
         def local():

@@ -36,3 +36,137 @@ def test_a_shortfall_that_is_no_stage_s_layers_says_how_many():
     # the pool has room in total, but one machine cannot take even one layer
     status, _ = waiting_status([], need=30, have=40)
     assert "no room for even one layer" in status
+
+
+# ---- the Recovery object: plain events in, decisions out -----------------------------
+
+from engine.core.recovery import (LOST_ATTEMPTS, SURVIVOR_ATTEMPTS, Recovery)  # noqa: E402
+
+A, B, C = "ws://a:1", "ws://b:1", "ws://c:1"
+
+
+def running(addresses=(A, B), wait_timeout=300.0, **kw) -> Recovery:
+    rec = Recovery(list(addresses), wait_timeout, wall=lambda: 1000.0, **kw)
+    rec.formed(list(addresses))
+    return rec
+
+
+def test_a_stage_that_left_is_asked_back_briefly_and_the_others_to_go_on():
+    rec = running()
+    assert rec.lost(1, A, "stage 1 (ws://a:1) disconnected", epoch=0)
+    assert rec.status == "stage 1 (ws://a:1) disconnected"
+    asks = rec.begin([A, B], THREE, now=10.0, lost=1)
+    assert rec.epoch == 1  # what was computed for the old arrangement is void
+    assert [(a.address, a.lost) for a in asks] == [(A, True), (B, False)]
+    assert asks[0].attempts == LOST_ATTEMPTS < SURVIVOR_ATTEMPTS == asks[1].attempts
+    assert asks[0].timeout < asks[1].timeout
+    rec.unanswered(asks[0], "cannot reach", now=12.0)
+    rec.answered(asks[1])
+    assert rec.missing() == [(12, 27)]
+    assert rec.away == {A: 12.0}  # the watch asks it later
+    rec.forming(12.5)
+    e = rec.recovered(15.0, stages=2, ranges=[(0, 19), (19, 30)], replayed=4)
+    assert rec.status is None
+    assert (e["event"], e["seconds"], e["replan_s"], e["load_s"], e["replayed"]) == ("recovered", 5.0, 2.5, 2.5, 4)
+    assert [x["event"] for x in rec.events] == ["left", "recovered"]
+
+
+def test_news_of_an_older_arrangement_or_during_a_rearrangement_is_ignored():
+    rec = running()
+    assert rec.lost(1, A, "a left", epoch=0)
+    assert not rec.lost(2, B, "b left", epoch=0)       # one rearrangement at a time
+    rec.begin([A, B], THREE, now=0.0, lost=1)
+    assert not rec.lost(2, B, "b's old link failed", epoch=0)   # an arrangement that is gone
+    rec.recovered(1.0, 2, [(0, 15), (15, 30)], 0)
+    assert rec.lost(1, B, "b left", epoch=1)
+    assert [e["why"] for e in rec.events if e["event"] == "left"] == ["a left", "b left"]
+    rec.fail("b left; the stages left cannot go on")
+    assert not rec.lost(1, B, "again", epoch=1)
+    rec2 = running()
+    rec2.close()
+    assert not rec2.lost(1, A, "closing", epoch=0)
+
+
+def test_a_stage_that_said_it_is_leaving_is_not_asked_back():
+    rec = running()
+    rec.lost(1, A, "stage 1 is leaving: sharing off", epoch=0)
+    asks = rec.begin([A, B], THREE, now=5.0, lost=1, ask_back=False)
+    assert [a.address for a in asks] == [B]
+    assert rec.away == {A: 5.0}
+    assert rec.missing() == [(12, 30)]  # before anyone answers: every old stage's layers
+
+
+def test_two_stages_gone_at_once_both_recorded_and_both_ranges_missing():
+    rec = running()
+    rec.lost(2, B, "stage 2 disconnected", epoch=0)
+    asks = rec.begin([A, B], THREE, now=0.0, lost=2)
+    for ask in asks:
+        rec.unanswered(ask, f"cannot reach stage at {ask.address}", now=1.0)
+    left = [e for e in rec.events if e["event"] == "left"]
+    assert [(e["stage"], e["address"]) for e in left] == [(2, B), (None, A)]  # the other one, noticed at hello
+    assert rec.missing() == [(12, 30)]
+    status = rec.no_room(need=30, have=21, now=2.0)
+    assert status.startswith("waiting for a GPU to hold layers 12–29 ")
+    assert rec.status == status and rec.events[-1] == {"t": 1000.0, "event": "waiting", "why": status}
+
+
+def test_waiting_for_room_asks_who_left_then_gives_up_at_the_host_s_timeout():
+    rec = running(wait_timeout=10.0, watch_s=2.0)
+    rec.lost(1, A, "stage 1 (ws://a:1) left: switched off", epoch=0)
+    asks = rec.begin([A], [(0, 4), (4, 6)], now=100.0, lost=1)
+    rec.unanswered(asks[0], "no answer", now=101.0)
+    rec.no_room(6, 4, now=101.0)
+    assert rec.to_ask(101.0) == [A]
+    assert rec.gave_up(105.0) is None
+    assert rec.wait_s(105.0) == 2.0 and rec.wait_s(110.5) == 0.5   # never past the deadline
+    why = rec.gave_up(111.0)
+    assert why == ("stage 1 (ws://a:1) left: switched off; no machine joined within 10 s to hold layers 4–5: "
+                   "the machines left cannot hold the model")
+    assert rec.fail(why) and rec.failed == why and rec.status is None
+    assert not rec.fail("something else") and rec.failed == why
+    assert not rec.watching  # a failed pipeline asks nobody back
+
+
+def test_machines_that_left_are_asked_for_the_grace_period_then_forgotten():
+    rec = running([A, B, C], grace_s=600.0)
+    rec.lost(2, B, "b left", epoch=0)
+    asks = rec.begin([A, B, C], [(0, 5), (5, 10), (10, 20), (20, 30)], now=0.0, lost=2, ask_back=False)
+    for ask in asks:
+        rec.answered(ask)
+    rec.recovered(3.0, 3, [(0, 10), (10, 20), (20, 30)], 0)
+    rec.formed([A, C])
+    assert rec.watching and rec.may_ask
+    assert rec.to_ask(599.0) == [B]
+    assert rec.to_ask(601.0) == [] and not rec.watching
+
+
+def test_one_that_comes_back_takes_its_old_place_a_newcomer_goes_last():
+    rec = running([A, B, C])
+    rec.lost(2, B, "b left", epoch=0)
+    rec.begin([A, B, C], THREE + [(30, 31)], now=0.0, lost=2, ask_back=False)
+    rec.recovered(1.0, 3, [], 0)
+    rec.formed([A, C])
+    assert rec.offer("ws://new:1", now=2.0)
+    assert not rec.offer(A, now=2.0)  # holds layers already
+    assert rec.to_ask(3.0) == [B, "ws://new:1"]
+    assert sorted(["ws://new:1", C, B, A], key=rec.rank) == [A, B, C, "ws://new:1"]
+    # the watch finds B: it was served here, so it is "back"
+    assert rec.may_ask
+    assert rec.came(B) == "ws://b:1 is back: rearranging the pipeline"
+    assert not rec.may_ask  # one rearrangement at a time
+    asks = rec.begin([A, C], [(0, 10), (10, 20), (20, 30)], now=5.0, joined=B)
+    assert all(not a.lost for a in asks) and B not in rec.away
+    for ask in asks:
+        rec.answered(ask)
+    assert rec.recovered(6.0, 4, [], 0)["event"] == "rejoined"
+    rec.formed([A, B, C])
+    assert rec.came("ws://new:1").startswith("ws://new:1 joined")
+    assert [e["event"] for e in rec.events] == ["left", "recovered", "back", "rejoined", "joined"]
+
+
+def test_failure_messages_lead_with_who_left():
+    rec = running()
+    rec.lost(1, A, "stage 1 (ws://a:1) disconnected", epoch=0)
+    assert rec.cannot_go_on("stage 1: out of memory") == \
+        "stage 1 (ws://a:1) disconnected; the stages left cannot go on: stage 1: out of memory"
+    assert rec.broke(KeyError("x")) == "stage 1 (ws://a:1) disconnected; rearranging the pipeline failed: 'x'"
