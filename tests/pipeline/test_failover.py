@@ -307,28 +307,13 @@ def stage_children(pid: int) -> list[int]:
     return stages
 
 
-async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
-    """`potluck serve --stages 3` exactly as a user starts it: no --threads, so the head
-    and its two stage processes share this CPU's cores (engine/model/cores.py) and the
-    split follows each one's share. A streamed chat over the API; a stage process is
-    killed (kill -9) mid-reply, then the other one on the next reply: each reply is the
-    one an uninterrupted run gives, and the head alone finishes the last. (Before, the
-    head planned the survivors with the old count's CPU shares: IndexError, pipeline
-    failed; the other tests pin threads=1 and so never took that path.)"""
-    import subprocess
-    import sys
-
+async def kill_stages_mid_chat(url: str, parent: int, stages: int = 3):
+    """Over the API at `url`: a streamed chat uninterrupted, then once per stage process
+    of `parent` (oldest first) the same chat with that process killed (kill -9) mid-reply.
+    Each reply must be the uninterrupted one, and the pipeline one stage shorter."""
     import aiohttp
     from openai import AsyncOpenAI
 
-    from conftest import free_port
-
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    log = open(tmp_path / "serve.log", "wb")
-    serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", "3", "--port", str(port)],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
-    url = f"http://127.0.0.1:{port}/v1"
     client = AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
     ask = dict(messages=[{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
                temperature=0, max_tokens=TOKENS, stream=True, stream_options={"include_usage": True})
@@ -337,7 +322,7 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
         async with aiohttp.ClientSession() as s, s.get(f"{url}/potluck/status") as r:
             return await r.json()
 
-    async def chat(kill_at: int | None = None, victim: int | None = None):
+    async def chat(model, kill_at: int | None = None, victim: int | None = None):
         stream = await client.chat.completions.create(model=model, **ask)
         parts, usage = [], None
         async for chunk in stream:
@@ -350,23 +335,49 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
         return "".join(parts), usage
 
     try:
-        await until(lambda: serve.poll() is not None or port_open(port), timeout=300, every=0.5)
-        assert serve.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
-        stages = stage_children(serve.pid)
-        assert len(stages) == 2
+        victims = stage_children(parent)
+        assert len(victims) == stages - 1
+        assert len((await status())["stages"]) == stages
         model = (await client.models.list()).data[0].id
-        info = await status()
-        assert len(info["stages"]) == 3
-        reference, n = await chat()
+        reference, n = await chat(model)
         assert n > 16, (reference, n)  # long enough to be cut mid-reply
-        for k, victim in enumerate(stages):
-            got = await chat(kill_at=8, victim=victim)
+        for k, victim in enumerate(victims):
+            got = await chat(model, kill_at=8, victim=victim)
             assert got == (reference, n), (k, got, reference, (await status())["events"])
             info = await status()
-            assert info["error"] is None and len(info["stages"]) == 2 - k, info
+            assert info["error"] is None and len(info["stages"]) == stages - 1 - k, info
             assert [e["event"] for e in info["events"]].count("recovered") == k + 1, info["events"]
     finally:
         await client.close()
+
+
+def default_env() -> dict:
+    """This environment without anything that pins threads: what a user's shell has."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
+    """`potluck serve --stages 3` exactly as a user starts it: no --threads, so the head
+    and its two stage processes share this CPU's cores (engine/model/cores.py) and the
+    split follows each one's share. A streamed chat over the API; a stage process is
+    killed (kill -9) mid-reply, then the other one on the next reply: each reply is the
+    one an uninterrupted run gives, and the head alone finishes the last. (Before, the
+    head planned the survivors with the old count's CPU shares: IndexError, pipeline
+    failed; the other tests pin threads=1 and so never took that path.)"""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", "3", "--port", str(port)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=default_env())
+    try:
+        await until(lambda: serve.poll() is not None or port_open(port), timeout=300, every=0.5)
+        assert serve.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+        await kill_stages_mid_chat(f"http://127.0.0.1:{port}/v1", serve.pid)
+    finally:
         serve.terminate()
         try:
             serve.wait(30)
@@ -374,6 +385,53 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
             serve.kill()
             serve.wait()
         log.close()
+
+
+async def test_node_hosting_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
+    """The node's hosting as the app asks for it (POST /host, three stages on this
+    machine; `potluck node` without --threads, as the app starts it): the same kills
+    mid-chat, through the API URL the node reports."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    token = "failover-test-token-" + "x" * 24
+    env = dict(default_env(), POTLUCK_HOME=str(tmp_path / "home"))
+    node = subprocess.Popen([sys.executable, "-m", "engine", "node", "--token-stdin", "--share-host", "127.0.0.1",
+                             "--share-port", "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "node.log", "wb"),
+                            env=env)
+    node.stdin.write((token + "\n").encode())
+    node.stdin.flush()
+
+    def call(method, path, body=None):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        line = node.stdout.readline().decode()
+        assert line.startswith("POTLUCK_NODE_PORT="), line
+        port = int(line.split("=")[1])
+        call("POST", "/host", {"model": "default", "stages": 3})
+        status = {}
+
+        def hosting():
+            status.update(call("GET", "/status"))
+            assert not status["error"], status["error"]
+            return status["openai_url"] is not None and status["hosting"] is not None
+
+        await until(hosting, timeout=300, every=0.5)
+        await kill_stages_mid_chat(status["openai_url"], node.pid)
+    finally:
+        node.stdin.close()   # the node exits when its stdin closes
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
 
 
 def port_open(port: int) -> bool:
