@@ -59,7 +59,9 @@ log = logging.getLogger("potluck.stage")
                        # 10: forks carry their seed alone; sampling may carry a JSON
                        #    schema (response_format), a replayed sequence says how much
                        # 11: sampling carries presence_penalty and frequency_penalty
-PROTOCOL_VERSION = 11
+                       # 12: a data link waits for the stage's "ready" after its hello (until a
+                       #     hello is proven only PROOF_MAX bytes are read per message)
+PROTOCOL_VERSION = 12
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -68,6 +70,12 @@ LEAVE_S = 10.0
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)
+# Until a peer has proven a key it may send only its hello (a few hundred bytes): a
+# message larger than this is refused from its header, before its bytes are buffered.
+# Before this, an unproven connection could send ~1 GiB, and three of 256 MiB grew a
+# sharing node by a gigabyte. The limit is lifted for that connection once it is proven.
+PROOF_MAX = 4096
+PROOF_QUEUE = 4
 # Heartbeats on the connections a head or a stage opens (to the stage after it): a stage
 # that stops answering (asleep, unplugged, frozen) is noticed within the two together
 # and the head rearranges the pipeline without it. A ping is a few bytes every few
@@ -100,6 +108,12 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
             raise frames.FrameError(f"expected a challenge, got {challenge['type']}")
         auth = proof(key, role, pipeline, challenge["nonce"]) if key else ""
         await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline, auth=auth))
+        if role == "data":
+            # nothing more until the stage has taken the proof and lifted its size limit
+            # (a control connection waits for its welcome the same way)
+            ready = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+            if ready["type"] != "ready":
+                raise frames.FrameError(f"expected ready, got {ready['type']}")
     except BaseException:
         await ws.close()
         raise
@@ -160,7 +174,8 @@ class StageServer:
         self.rejected_frames = 0
 
     async def start(self):
-        self._server = await serve(self._handle, self.host, self.port, **WS_OPTIONS)
+        self._server = await serve(self._handle, self.host, self.port,
+                                   **dict(WS_OPTIONS, max_size=PROOF_MAX, max_queue=PROOF_QUEUE))
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -252,14 +267,19 @@ class StageServer:
                 raise frames.FrameError("not authorized")   # says nothing of what was wrong
             if hello["pipeline"] != self.pipeline:
                 raise frames.FrameError("wrong pipeline")
+            _lift_proof_limit(ws)
         except (frames.FrameError, ConnectionClosed) as exc:
             log.warning("refused connection: %s", exc)
             self.rejected_frames += 1
             await ws.close(1008, str(exc)[:120] or "bad hello")
             return
         if hello["role"] == "control":
-            await self._control(ws)
+            await self._control(ws)   # its first message, the welcome, says the proof was taken
         else:
+            try:
+                await ws.send(frames.control("ready"))
+            except ConnectionClosed:
+                return
             await self._data(ws)
 
     async def _control(self, ws):
@@ -678,3 +698,9 @@ def _is_decode(frame: frames.Frame) -> bool:
     return not frame.meta.get("partial") and not frame.meta.get("new") \
         and all(r[2] == 1 for r in frame.meta["rows"])
 
+
+def _lift_proof_limit(ws) -> None:
+    """A proven peer may send activations: the message size and queue of WS_OPTIONS.
+    websockets reads the limits per frame, so raising them here takes effect at once."""
+    ws.protocol.max_message_size = WS_OPTIONS["max_size"]
+    ws.recv_messages.high, ws.recv_messages.low = WS_OPTIONS["max_queue"], WS_OPTIONS["max_queue"] // 4

@@ -289,6 +289,9 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "get_stats": {},
     "shutdown": {},
     # stage -> head
+    # a data link's hello was proven: the link may now carry activations (a data link's
+    # peer sends nothing more before it, so no activation meets the pre-proof size limit)
+    "ready": {},
     "welcome": {"version": _INT, "free_memory": _INT, "speed": _NUM, "device": _STR, "device_name": _STR,
                 "quantized": _BOOL},
     "progress": {"done": _INT, "total": _INT, "what": _STR},

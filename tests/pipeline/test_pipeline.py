@@ -380,14 +380,20 @@ def hello(role="data", version=PROTOCOL_VERSION, pipeline="local", key=""):
     return answer
 
 
+READY = object()   # in expect_policy_close: wait for the stage's "ready", as a proven data link does
+
+
 async def expect_policy_close(address: str, *messages, timeout: float = 10.0) -> str:
-    """Send messages (a callable gets the challenge's nonce); the stage must close this
-    connection with 1008 and a reason."""
+    """Send messages (a callable gets the challenge's nonce; READY waits for the stage to
+    take the proof); the stage must close this connection with 1008 and a reason."""
     async with connect(address) as ws:
         try:
             challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
             assert challenge["type"] == "challenge" and set(challenge) == {"type", "nonce"}
             for m in messages:
+                if m is READY:
+                    assert frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))["type"] == "ready"
+                    continue
                 await ws.send(m(challenge["nonce"]) if callable(m) else m)
             while True:
                 await asyncio.wait_for(ws.recv(), timeout)
@@ -419,7 +425,7 @@ async def test_bad_frames_close_only_that_connection(pipeline):
     n_bad = 0
     for r in pipeline.remotes:
         for name, frame in bad_frames.items():
-            reason = await expect_policy_close(r.address, hello(key=pipeline.route), frame)
+            reason = await expect_policy_close(r.address, hello(key=pipeline.route), READY, frame)
             n_bad += 1
             if name == "wrong hidden size":
                 assert "hidden size" in reason
