@@ -67,6 +67,18 @@ async def api_url(pipeline):
         await runner.cleanup()
 
 
+@pytest.fixture
+async def client(api_url):
+    """The openai package's client on the session's API: what users' programs use."""
+    from openai import AsyncOpenAI
+
+    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
 @pytest.fixture(scope="session")
 def default_source():
     from engine.model.sources import resolve

@@ -12,22 +12,13 @@ import json
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI, BadRequestError
+from openai import BadRequestError
 
 from engine.pipeline.head import Done
 from engine.core.sampling import SamplingParams
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24
-
-
-@pytest.fixture
-async def client(api_url):
-    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def _direct(head, prompt: list[int], max_tokens: int) -> tuple[str, Done]:

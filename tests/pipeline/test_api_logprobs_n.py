@@ -14,21 +14,11 @@ import json
 import math
 
 import pytest
-from openai import AsyncOpenAI
 
 from engine.core.sampling import SamplingParams
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 FRUIT = [{"role": "user", "content": "Name a fruit and say why you like it."}]
-
-
-@pytest.fixture
-async def client(api_url):
-    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def check_chat_logprobs(content, text: str, top: int):

@@ -16,7 +16,6 @@ import signal
 from collections import Counter
 
 import pytest
-from openai import AsyncOpenAI
 
 from conftest import pipeline_config
 
@@ -25,15 +24,6 @@ from engine.pipeline.head import Delta, Done
 
 HAIKU = [{"role": "user", "content": "Write a haiku about the sea."}]
 MAX_TOKENS = 24
-
-
-@pytest.fixture
-async def client(api_url):
-    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture(scope="module")
