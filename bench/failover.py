@@ -1,8 +1,11 @@
 """A friend's machine dies mid-reply: how long until the next token, and is it the same reply?
 
-For each context length and each way of dying, a fresh 3-stage pipeline on this machine
-(the head and two stage processes, the default model) runs one greedy request
-uninterrupted, then again with the middle stage killed once the reply has 10 tokens:
+For each setup, context length and way of dying, a fresh 3-stage pipeline on this
+machine (the head and two stage processes, the default model) runs one greedy request
+uninterrupted, then again with the middle stage killed once the reply has 10 tokens.
+Setups: `default` is what `potluck serve --stages 3` runs (no --threads: the processes
+share this CPU's cores and split the layers by their share of it); a number pins that
+many torch threads per process, as `--threads N` does.
 
   * closed  SIGKILL: the kernel closes its sockets, the head sees it at once;
   * silent  SIGSTOP: nothing closes (a laptop asleep, a cable pulled); only the
@@ -19,7 +22,8 @@ The time from the death to the reply's next token is split into
   replay   prefilling the sequence's history on the new arrangement -> next token
 and the interrupted reply is compared with the uninterrupted one token for token.
 
-    .venv/bin/python bench/failover.py [--contexts 100,1000,4000] [--kinds closed,silent,leaving] [--json out.json]
+    .venv/bin/python bench/failover.py [--threads default,1] [--contexts 100,1000,4000]
+        [--kinds closed,silent,leaving] [--json out.json]
 
 Targets (issue 22, this machine): detect <= 1 s closed, <= 10 s silent; death to next
 token <= 15 s at 1k context; outputs identical in every row.
@@ -47,7 +51,7 @@ TEXT = ("The history of the city goes back many centuries. Merchants came from f
         "salt, cloth and spices, and the river carried their boats to the sea. ")
 
 
-async def one_row(context: int, kind: str, threads: int) -> dict:
+async def one_row(context: int, kind: str, threads: int | None) -> dict:
     from engine.core.sampling import SamplingParams
     from engine.pipeline.head import Delta
     from engine.pipeline.launch import PipelineConfig, launch
@@ -79,7 +83,7 @@ async def one_row(context: int, kind: str, threads: int) -> dict:
         left = next(e for e in head.events if e["event"] == "left")
         rec = next(e for e in head.events if e["event"] == "recovered")
         next_token = next(t for t in times if t > rec["t"])
-        return {"context": len(ids), "kind": kind, "detect_s": left["t"] - killed_at, "replan_s": rec["replan_s"],
+        return {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": left["t"] - killed_at, "replan_s": rec["replan_s"],
                 "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": next_token - killed_at,
                 "identical": got == reference, "stages_after": head.n_stages}
     finally:
@@ -88,28 +92,54 @@ async def one_row(context: int, kind: str, threads: int) -> dict:
         await pipe.close()
 
 
+def setup_name(threads: int | None) -> str:
+    return "default (shared cores)" if threads is None else f"--threads {threads}"
+
+
+def parse_setups(text: str) -> list[int | None]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        out.append(None if part == "default" else int(part))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="100,1000,4000")
     ap.add_argument("--kinds", default="closed,silent,leaving")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (3 processes share the CPU)")
+    ap.add_argument("--threads", default="default,1",
+                    help="setups to run, comma-separated: 'default' (no --threads, as potluck serve runs: the "
+                         "processes share the CPU's cores) and/or torch threads per process (default: default,1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.ERROR)
     rows = []
-    for context in [int(c) for c in args.contexts.split(",")]:
-        for kind in args.kinds.split(","):
-            row = asyncio.run(one_row(context, kind, args.threads))
-            rows.append(row)
-            print(f"  {context} tokens, {kind}: {row['total_s']:.1f} s to the next token, "
-                  f"identical={row['identical']}", file=sys.stderr, flush=True)
-    print("\n| context | death | detect s | re-plan s | load s | replay s | death -> next token s | identical |")
-    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    for threads in parse_setups(args.threads):
+        for context in [int(c) for c in args.contexts.split(",")]:
+            for kind in args.kinds.split(","):
+                try:
+                    row = asyncio.run(one_row(context, kind, threads))
+                except Exception as exc:  # a failover that fails is a row of the table, not a crash
+                    row = {"setup": setup_name(threads), "context": context, "kind": kind, "failed": str(exc)}
+                rows.append(row)
+                print(f"  {row['setup']}, {context} tokens, {kind}: "
+                      + (f"FAILED: {row['failed']}" if "failed" in row else
+                         f"{row['total_s']:.1f} s to the next token, identical={row['identical']}"),
+                      file=sys.stderr, flush=True)
+    print("\n| setup | context | death | detect s | re-plan s | load s | replay s | death -> next token s | identical |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['kind']} | {r['detect_s']:.2f} | {r['replan_s']:.2f} | {r['load_s']:.2f} "
-              f"| {r['replay_s']:.2f} | {r['total_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+        if "failed" in r:
+            print(f"| {r['setup']} | {r['context']} | {r['kind']} | | | | | | FAILED: {r['failed'][:80]} |")
+            continue
+        print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['detect_s']:.2f} | {r['replan_s']:.2f} "
+              f"| {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['total_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+    all_rows = rows
+    failed = [r for r in rows if "failed" in r]
+    rows = [r for r in rows if "failed" not in r]
     closed = [r for r in rows if r["kind"] in ("closed", "leaving")]
     silent = [r for r in rows if r["kind"] == "silent"]
     k1 = [r for r in rows if 500 <= r["context"] <= 2000]
@@ -124,10 +154,12 @@ def main(argv=None) -> int:
         worst = max(r["total_s"] for r in k1)
         print(f"death -> next token at ~1k context: worst {worst:.2f} s (target <= 15): "
               f"{'PASS' if worst <= 15 else 'MISS'}")
-    same = all(r["identical"] for r in rows)
+    same = all(r["identical"] for r in rows) and not failed
     print(f"outputs identical to an uninterrupted run in every row: {'PASS' if same else 'MISS'}")
+    if failed:
+        print(f"failovers that failed: {len(failed)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(all_rows, indent=1))
     return 0
 
 
