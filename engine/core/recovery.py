@@ -4,18 +4,19 @@ does the I/O -- closing connections, saying hello, loading layers, replaying seq
 -- and feeds this object what happened; tests feed it plain events and a clock.
 
     rec = Recovery(["ws://a", "ws://b"], wait_timeout=300)
-    rec.formed(["ws://a", "ws://b"], now)          # these hold layers now
+    rec.formed(["ws://a", "ws://b"])               # these hold layers now
     if rec.lost(1, "ws://a", "stage 1 left: switched off", rec.epoch):
         asks = rec.begin(["ws://a", "ws://b"], ranges, now, lost=1)   # a new arrangement
         for ask in asks:                           # hello each machine as ask says
             rec.answered(ask)  or  rec.unanswered(ask, why, now)
         rec.forming(now)                           # split the layers, load them ...
         rec.no_room(need, have, now)               # ... or the machines left cannot:
-        rec.to_ask(now); rec.wait_s(now)           #   ask who left now and then,
+        rec.to_ask(now); rec.take(address)         #   ask who left every wait_s(now),
         rec.gave_up(now)                           #   until the host's timeout passes
         rec.recovered(now, stages, ranges, replayed)
     rec.watching / rec.may_ask / rec.to_ask(now) / rec.came(address)   # machines coming back
-    rec.offer(address, now); rec.take(address); rec.rank(address)
+    rec.offer(address, now)                        # a machine offers itself
+    rec.rank(address)                              # its place in the pipeline's order
 
 Every rearrangement bumps `epoch`: what the head computed for an older arrangement is
 void. `status` is what the pipeline is doing about it (None: serving), `events` the

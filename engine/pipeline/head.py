@@ -1,10 +1,13 @@
 """The head: owns the requests, runs stage 0, and keeps every stage busy.
 
-A thin asyncio driver around the core scheduler (engine/core/scheduler.py), which
-decides admission, micro-batches and prompt chunks: the head connects the stages,
-computes stage 0's share of each step, hands volumes to the link, streams tokens to
-each request's queue as they arrive, and frees a finished or cancelled sequence on
-every stage.
+A thin asyncio driver around two sans-I/O objects: the core scheduler
+(engine/core/scheduler.py), which decides admission, micro-batches and prompt chunks,
+and the recovery (engine/core/recovery.py), which decides what happens when a stage
+leaves. The head connects the stages, computes stage 0's share of each step, hands
+volumes to the link, streams tokens to each request's queue as they arrive, frees a
+finished or cancelled sequence on every stage, and -- when a stage leaves -- lets the
+old arrangement go, asks the machines the recovery names, loads the new split and
+replays every live sequence (the failover section, in the order it happens).
 """
 
 from __future__ import annotations
