@@ -65,9 +65,10 @@ installers: setup
 	installer/build-windows.sh
 
 # installs them into an empty home (no venv, no checkout on the path) and asks the model;
-# the Windows one silently under wine
+# the Windows one silently under wine, then runs it (chat, serve, the app's tour: its
+# screenshots land in dist/windows-tour/); the slowest steps' times are printed
 installers-test: installers
-	$(BIN)/python -m pytest -q -ra -m installers tests/installer
+	$(BIN)/python -m pytest -q -ra --durations=12 -m installers tests/installer
 
 bench: setup
 	$(BIN)/python bench/overhead.py
