@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -385,6 +386,42 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
             serve.kill()
             serve.wait()
         log.close()
+
+
+def test_terminal_chat_defaults_a_stage_killed_mid_reply(tmp_path):
+    """`potluck chat --stages 3` with its defaults (no --threads): the reply it prints
+    with a stage process killed (kill -9) mid-reply is the one it prints uninterrupted."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "engine", "chat", "--stages", "3", "--temperature", "0", "--max-tokens",
+            str(TOKENS), "--prompt", "Write a short story about a lighthouse keeper."]
+
+    def chat(kill: bool) -> str:
+        log = open(tmp_path / f"chat-{kill}.log", "wb")
+        p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=default_env())
+        out, killed = b"", not kill
+        try:
+            while chunk := os.read(p.stdout.fileno(), 256):
+                out += chunk
+                if not killed and len(out.partition(b"bot> ")[2]) > 24:
+                    os.kill(stage_children(p.pid)[0], signal.SIGKILL)
+                    killed = True
+            assert p.wait(60) == 0, (tmp_path / f"chat-{kill}.log").read_text(errors="replace")[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+        assert killed, out
+        text = out.decode().partition("bot> ")[2]
+        reply, _, stats = text.partition("\n     [")
+        # '[N tokens, first after Xs, R tok/s]'; a failed reply's error would follow the rate
+        assert re.match(r"\d+ tokens, first after [\d.]+s, [\d.]+ tok/s\]", stats), text
+        return reply + "|" + stats.split(",")[0]
+
+    reference = chat(False)
+    assert chat(True) == reference
 
 
 async def test_node_hosting_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
