@@ -138,7 +138,7 @@ def screenshot_menu(path: str) -> int:
     bundle's Qt, its plugins, fonts and our SVG icons load (the installers' smoke tests)."""
     if not has_display():
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
-    from PySide6.QtCore import QPoint
+    from PySide6.QtCore import QCoreApplication, QEvent, QPoint
     from PySide6.QtWidgets import QApplication
 
     from .controller import Controller
@@ -148,13 +148,20 @@ def screenshot_menu(path: str) -> int:
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Potluck")
-    shell = Shell(Controller(Settings(), history=History(None, keep=False)), use_tray=False)
+    controller = Controller(Settings(), history=History(None, keep=False))
+    shell = Shell(controller, use_tray=False)
     shell.chat.hide()
     shell.menu.popup(QPoint(10, 10))
     for _ in range(5):
         app.processEvents()
     ok = shell.menu.grab().save(path)
     shell.menu.hide()
+    # Qt deletes the windows and the menu now, not Python's collector at exit: left to it,
+    # the teardown order aborted the process ("shared QObject was deleted directly")
+    shell.close()
+    controller.shutdown()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+    app.processEvents()
     if not ok:
         print(f"potluck-app: could not write {path}", file=sys.stderr)
         return 1
@@ -273,6 +280,11 @@ def main(argv=None) -> int:
         return app.exec()
     finally:
         single.release()
+        # what quitting handed to deleteLater goes now, while Qt still runs, not in
+        # whatever order Python's collector picks at exit (that order can abort)
+        from PySide6.QtCore import QCoreApplication, QEvent
+
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
 
 
 if __name__ == "__main__":
