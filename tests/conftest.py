@@ -72,7 +72,8 @@ async def client(api_url):
     """The openai package's client on the session's API: what users' programs use."""
     from openai import AsyncOpenAI
 
-    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=120)
+    # generous: a forced tool call's grammar and a loaded machine can take minutes
+    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=300)
     try:
         yield c
     finally:

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from openai import AsyncOpenAI
-
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
@@ -19,15 +16,6 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 24}},
                    "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-
-
-@pytest.fixture
-async def client(api_url):
-    c = AsyncOpenAI(base_url=api_url, api_key="x", max_retries=0, timeout=300)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def test_a_named_call_is_forced_and_its_result_goes_back_in(client, pipeline):
