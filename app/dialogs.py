@@ -35,6 +35,14 @@ WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "
                    ("int8 — about half the memory", "int8"), ("nf4 — about a quarter of the memory", "nf4")]
 
 
+def _weights_name(weights: str, plan: dict) -> str:
+    """Unquantized weights at the compute dtype read "full (float32)" on a CPU, as the
+    terminal's first screen says them (engine/core/precision.py full_label), not bf16."""
+    if weights == "bf16" and plan.get("dtype") not in (None, "bfloat16"):
+        return f"full ({plan['dtype']})"
+    return weights
+
+
 def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -202,7 +210,7 @@ class HostDialog(QDialog):
         self.last_plan = plan
         self.last_error = None
         color = "#15803d" if plan["fits"] else "#b91c1c"
-        weights = f" · {plan['weights']} weights" if plan.get("weights") else ""
+        weights = f" · {_weights_name(plan['weights'], plan)} weights" if plan.get("weights") else ""
         self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
                                 f"Needed here: {_gib(plan['needed_here_bytes'])} · available: "
                                 f"{_gib(plan['available_bytes'])} · {plan['layers']} layers{weights}")
@@ -220,11 +228,7 @@ class HostDialog(QDialog):
         self.weights_table.setRowCount(len(rows))
         for i, r in enumerate(rows):
             chosen = r["weights"] == plan.get("weights")
-            name = r["weights"]
-            if name == "bf16" and plan.get("dtype") not in (None, "bfloat16"):
-                # unquantized weights at the compute dtype: "full (float32)" on a CPU, as the
-                # terminal's first screen says (engine/core/precision.py full_label)
-                name = f"full ({plan['dtype']})"
+            name = _weights_name(r["weights"], plan)
             if not r.get("available", True):
                 verdict = "needs bitsandbytes"
             else:

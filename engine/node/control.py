@@ -537,7 +537,8 @@ class Node:
         local_needed, fits = row["here_bytes"], row["fits_here"] and row["available"]
         gib = 2**30
         here = f"on {self.device_name}" if self.device.startswith("cuda") else "here"
-        label = chosen if chosen != precision.FULL or nbytes == 2 else f"{chosen} ({compute_dtype(self.device)})"
+        # "full (float32)" on a CPU, as the first screen and the host dialog say it
+        label = chosen if chosen != precision.FULL else precision.full_label(compute_dtype(self.device))
         message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here} with {label} weights; "
                    f"{available / gib:.1f} GiB available")
         if not row["available"]:
