@@ -176,7 +176,7 @@ def test_plan_says_what_each_weight_precision_needs_here(node):
     assert rows[0]["available"] and plan["requested_weights"] == "auto"
     # auto: the highest precision that fits this machine; plenty of memory here
     assert plan["weights"] == "bf16" and plan["needed_bytes"] == rows[0]["bytes"]
-    assert plan["needed_here_bytes"] == rows[0]["here_bytes"] and "bf16" in plan["message"]
+    assert plan["needed_here_bytes"] == rows[0]["here_bytes"] and "full (float32)" in plan["message"]  # a CPU computes at float32
 
     if not rows[2]["available"]:
         pytest.skip("no bitsandbytes here: bf16 only")
