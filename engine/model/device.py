@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -14,6 +15,22 @@ class DeviceError(ModelError):
 
 
 AUTO = "auto"
+
+
+def attention_kernels(device: torch.device):
+    """The scaled-dot-product-attention kernels a step may use on this device.
+
+    On CUDA, torch prefers cuDNN's attention on Hopper, and cuDNN builds an execution
+    plan for every new key length: a decode step has a new one each token, so at batch 1
+    the plan building, on the CPU, was most of the step (bench/RESULTS.md, "GPU"). Flash
+    and memory-efficient attention take any length without a plan; the math kernel stays
+    as the fallback for what neither supports.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def pick_device(requested: str | None = AUTO) -> str:

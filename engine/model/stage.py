@@ -42,7 +42,7 @@ from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
 from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
-from engine.model.device import pick_device
+from engine.model.device import attention_kernels, pick_device
 from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.rope import per_row_rotary
 from engine.model.sources import ModelError, ModelSource
@@ -434,9 +434,11 @@ class StageModel:
             raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
         log = self.step_log
         if log is None:
-            return self._held_step(batch, inputs)
+            with attention_kernels(self.device):
+                return self._held_step(batch, inputs)
         cut_ins, t0 = self.gate.cut_ins, time.perf_counter()
-        out = self._held_step(batch, inputs)
+        with attention_kernels(self.device):
+            out = self._held_step(batch, inputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not its launch's
         seconds = time.perf_counter() - t0

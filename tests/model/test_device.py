@@ -96,3 +96,16 @@ async def test_the_default_model_answers_on_the_gpu_without_a_flag():
         assert done.error is None and "Paris" in text
     finally:
         await pipe.close()
+
+
+def test_gpu_steps_keep_off_cudnn_attention_which_plans_anew_for_every_length():
+    """cuDNN's attention builds a plan per key length (each decode token): on an H200 that
+    was most of a batch-1 step. The stage's steps run with it off, and only there."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with dev.attention_kernels(torch.device("cuda", 0)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()           # the fallback stays
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with dev.attention_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
