@@ -37,7 +37,8 @@ from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
 from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ModelError, resolve
 from engine.model import catalog
-from engine.wire.stage_auth import is_loopback, new_nonce, proof, split_address, verify
+from engine.wire.sealed_socket import SealedSocket
+from engine.wire.stage_auth import HelloOpener, answer_hello, is_loopback, new_nonce, split_address
 from engine.core.sampling import SamplingError
 from engine.model.grammar import Grammars
 from engine.model.sampler import Sampler
@@ -61,7 +62,9 @@ log = logging.getLogger("potluck.stage")
                        # 11: sampling carries presence_penalty and frequency_penalty
                        # 12: a data link waits for the stage's "ready" after its hello (until a
                        #     hello is proven only PROOF_MAX bytes are read per message)
-PROTOCOL_VERSION = 12
+                       # 13: the hello's auth is a Noise NNpsk0 message, the stage answers
+                       #     "accept", and everything after is sealed (stage_auth.py)
+PROTOCOL_VERSION = 13
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -97,8 +100,9 @@ class Inbox(asyncio.Queue):
 
 async def connect_stage(address: str, role: str, pipeline: str, key: str = "", timeout: float = 30.0):
     """Open a connection to a stage and say hello, proving `key` against its challenge
-    (the share's secret for a control connection, the route token for a data link).
-    An address 'ws://host:port#secret' brings its own secret."""
+    (the share's secret for a control connection, the route token for a data link), and
+    return it sealed (a SealedSocket). An address 'ws://host:port#secret' brings its own
+    secret; a stage on loopback with none takes the empty key."""
     url, secret = split_address(address)
     key = key or secret or ""
     ws = await asyncio.wait_for(connect(url, **CLIENT_WS_OPTIONS), timeout)
@@ -106,18 +110,23 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
         challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
         if challenge["type"] != "challenge":
             raise frames.FrameError(f"expected a challenge, got {challenge['type']}")
-        auth = proof(key, role, pipeline, challenge["nonce"]) if key else ""
-        await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline, auth=auth))
+        opener = HelloOpener(key, role, pipeline, challenge["nonce"])
+        await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline,
+                                     auth=opener.auth))
+        accept = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+        if accept["type"] != "accept":
+            raise frames.FrameError(f"expected accept, got {accept['type']}")
+        sealed = SealedSocket(ws, opener.accept(accept["auth"]))
         if role == "data":
             # nothing more until the stage has taken the proof and lifted its size limit
             # (a control connection waits for its welcome the same way)
-            ready = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+            ready = frames.parse_control(await asyncio.wait_for(sealed.recv(), timeout))
             if ready["type"] != "ready":
                 raise frames.FrameError(f"expected ready, got {ready['type']}")
     except BaseException:
         await ws.close()
         raise
-    return ws
+    return sealed
 
 
 def remote_model_ok(spec: str) -> bool:
@@ -144,6 +153,7 @@ class StageServer:
         self.accept_models = frozenset(accept_models)   # what the owner allows beyond the list
         self._route: str | None = None   # the data-link token of the head that configured us
         self._route_set = asyncio.Event()
+        self._data_links: set = set()     # the data links that proved the route token
         self.cores = cores  # a CoreLease when this machine's cores are shared (engine/model/cores.py)
         self.pipeline = pipeline
         self.device = pick_device(device)
@@ -210,6 +220,8 @@ class StageServer:
         for ws in (self._next_ws,):
             if ws is not None:
                 await ws.close()
+        if self._sender_task is not None:
+            self._sender_task.cancel()
         self._closed.set()
         if wait_s and self._server is not None:
             try:
@@ -255,32 +267,40 @@ class StageServer:
             if hello["version"] != PROTOCOL_VERSION:
                 raise frames.FrameError(f"protocol version {hello['version']} not supported")
             # control: the share's secret (none on loopback: this machine's own pipeline);
-            # data: the route token of the head that configured this stage
+            # data: the route token of the head that holds this stage
             if hello["role"] == "data" and self._route is None:
                 # the head configures every stage at once; the one before may be quicker
                 try:
                     await asyncio.wait_for(self._route_set.wait(), HELLO_TIMEOUT)
                 except asyncio.TimeoutError:
                     raise frames.FrameError("not authorized") from None
-            key = self.secret if hello["role"] == "control" else self._route
-            if key is not None and not verify(key, hello["role"], hello["pipeline"], nonce, hello["auth"]):
-                raise frames.FrameError("not authorized")   # says nothing of what was wrong
-            if hello["pipeline"] != self.pipeline:
-                raise frames.FrameError("wrong pipeline")
+            key = (self.secret or "") if hello["role"] == "control" else self._route
+            if key is None or hello["pipeline"] != self.pipeline:
+                raise frames.FrameError("not authorized")
+            answer, seal = answer_hello(key, hello["role"], hello["pipeline"], nonce, hello["auth"])
+            await ws.send(frames.control("accept", auth=answer))
             _lift_proof_limit(ws)
         except (frames.FrameError, ConnectionClosed) as exc:
             log.warning("refused connection: %s", exc)
             self.rejected_frames += 1
             await ws.close(1008, str(exc)[:120] or "bad hello")
             return
+        sealed = SealedSocket(ws, seal)
         if hello["role"] == "control":
-            await self._control(ws)   # its first message, the welcome, says the proof was taken
-        else:
-            try:
-                await ws.send(frames.control("ready"))
-            except ConnectionClosed:
-                return
-            await self._data(ws)
+            await self._control(sealed)   # its first message, the welcome, says the proof was taken
+            return
+        route = key
+        if route != self._route:   # the head that gave it let go meanwhile
+            await ws.close(1008, "not authorized")
+            return
+        self._data_links.add(sealed)
+        try:
+            await sealed.send(frames.control("ready"))
+            await self._data(sealed)
+        except ConnectionClosed:
+            pass
+        finally:
+            self._data_links.discard(sealed)
 
     async def _control(self, ws):
         if self._control_ws is not None:
@@ -320,7 +340,13 @@ class StageServer:
             pass
         finally:
             self._control_ws = None
-            # the head is gone: its sequences are gone too
+            # the head is gone, and the route token it gave out with it: no data link may
+            # prove it any more, and the ones that did are closed
+            self._route = None
+            self._route_set = asyncio.Event()
+            for link in list(self._data_links):
+                await link.close(1008, "the head that opened this link has gone")
+            # its sequences are gone too
             if self.stage is not None:
                 await self._run(self._free, list(self.stage.kv.seqs))
 

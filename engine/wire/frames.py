@@ -281,6 +281,9 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     # head -> stage (and stage -> next stage, role data); auth: the proof of the share's
     # secret (control) or of the pipeline's route token (data)
     "hello": {"role": _STR, "version": _INT, "pipeline": _STR, "auth": _STR},
+    # stage -> the peer whose hello proved its key: the handshake's answer; everything
+    # after it, both ways, is sealed
+    "accept": {"auth": _STR},
     "configure": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "next": _OPT_STR,
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
                   "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR, "acks": _BOOL,

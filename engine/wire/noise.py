@@ -255,3 +255,86 @@ class TransportCipher:
             raise NoiseError("tampered frame (authentication failed)") from None
         self.n += 1
         return out
+
+
+# ---- NNpsk0: two parties that share only a key -----------------------------------------
+#
+#     Noise_NNpsk0_25519_ChaChaPoly_SHA256
+#         -> psk, e
+#         <- e, ee
+#
+# A stage connection's two ends know no static keys of each other, only a shared secret
+# (the share's secret for a head, the pipeline's route token for a data link). Both
+# ephemeral keys make every connection's session keys fresh, so a recorded handshake
+# cannot be replayed into a connection of its own; with psk0 a wrong key fails on the
+# first message, before the responder answers anything.
+
+NNPSK0 = b"Noise_NNpsk0_25519_ChaChaPoly_SHA256"
+
+
+class PskInitiator:
+    """write_1() -> bytes; read_2(bytes) -> payload; then keys() = (send, receive)."""
+
+    def __init__(self, psk: bytes, prologue: bytes, ephemeral: X25519PrivateKey | None = None):
+        if len(psk) != 32:
+            raise ValueError("psk must be 32 bytes")
+        self.psk = psk
+        self.e = ephemeral or X25519PrivateKey.generate()
+        self.sym = _Symmetric(NNPSK0)
+        self.sym.mix_hash(prologue)
+
+    def write_1(self, payload: bytes = b"") -> bytes:
+        sym = self.sym
+        sym.mix_key_and_hash(self.psk)                          # psk
+        e_pub = public_bytes(self.e)
+        sym.mix_hash(e_pub)                                     # e
+        sym.mix_key(e_pub)
+        return e_pub + sym.encrypt_and_hash(payload)
+
+    def read_2(self, msg: bytes) -> bytes:
+        sym, msg = self.sym, bytes(msg)
+        if len(msg) < DHLEN + TAGLEN:
+            raise NoiseError("handshake answer too short")
+        re = msg[:DHLEN]
+        sym.mix_hash(re)                                        # e
+        sym.mix_key(re)
+        sym.mix_key(_dh(self.e, re))                            # ee
+        return sym.decrypt_and_hash(msg[DHLEN:], "the answer does not prove the same key")
+
+    def keys(self) -> tuple[bytes, bytes]:
+        return self.sym.split()
+
+
+class PskResponder:
+    """read_1(bytes) -> payload (NoiseError: not the same key); write_2() -> bytes; keys()."""
+
+    def __init__(self, psk: bytes, prologue: bytes, ephemeral: X25519PrivateKey | None = None):
+        if len(psk) != 32:
+            raise ValueError("psk must be 32 bytes")
+        self.psk = psk
+        self.e = ephemeral or X25519PrivateKey.generate()
+        self.sym = _Symmetric(NNPSK0)
+        self.sym.mix_hash(prologue)
+        self.re: bytes | None = None
+
+    def read_1(self, msg: bytes) -> bytes:
+        sym, msg = self.sym, bytes(msg)
+        if len(msg) < DHLEN + TAGLEN:
+            raise NoiseError("handshake message too short")
+        sym.mix_key_and_hash(self.psk)
+        self.re = msg[:DHLEN]
+        sym.mix_hash(self.re)
+        sym.mix_key(self.re)
+        return sym.decrypt_and_hash(msg[DHLEN:], "wrong key")
+
+    def write_2(self, payload: bytes = b"") -> bytes:
+        sym = self.sym
+        e_pub = public_bytes(self.e)
+        sym.mix_hash(e_pub)
+        sym.mix_key(e_pub)
+        sym.mix_key(_dh(self.e, self.re))                       # ee
+        return e_pub + sym.encrypt_and_hash(payload)
+
+    def keys(self) -> tuple[bytes, bytes]:
+        k1, k2 = self.sym.split()
+        return k2, k1

@@ -30,7 +30,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 from engine.pipeline.stage_server import PROTOCOL_VERSION
 from engine.wire import frames
-from engine.wire.stage_auth import proof
+from engine.wire.stage_auth import HelloOpener
 
 URL = sys.argv[1]
 
@@ -44,10 +44,10 @@ STEP = frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, {"rows": [[1, 0, 1]]}, 
 
 CASES = {
     "control hello, no proof, then configure": lambda n: [hello("control", ""), CONFIGURE],
-    "control hello, a guessed secret, then shutdown": lambda n: [hello("control", proof("potluck", "control", "local", n)),
+    "control hello, a guessed secret, then shutdown": lambda n: [hello("control", HelloOpener("potluck", "control", "local", n).auth),
                                                                  frames.control("shutdown")],
     "data hello, no proof, then a step": lambda n: [hello("data", ""), STEP],
-    "data hello, a guessed route, then a step": lambda n: [hello("data", proof("0" * 32, "data", "local", n)), STEP],
+    "data hello, a guessed route, then a step": lambda n: [hello("data", HelloOpener("0" * 32, "data", "local", n).auth), STEP],
     "configure without hello": lambda n: [CONFIGURE],
     "shutdown without hello": lambda n: [frames.control("shutdown")],
     "a step without hello": lambda n: [STEP],
@@ -197,6 +197,11 @@ def test_hosting_from_one_home_over_a_friends_app_share_on_the_lan(tmp_path):
             # what the friend reads off Pipeline status: its LAN address and the secret
             assert address.startswith(f"ws://{net.addr(1)}:7860#"), address
 
+            # someone watching the LAN: every packet on the host's side of the wire
+            capture = tmp_path / "lan.bin"
+            observer = net.popen(0, [py, "-m", "testkit.sniff", "right", str(capture)], text=True,
+                                 stdout=subprocess.PIPE)
+            Lines(observer.stdout).wait_for(lambda s: s.startswith("sniffing"), 30)
             status, r = ctl(0, "POST", "/host", {"model": "default", "stages": 1, "stage_addr": [address]})
             assert status == 200, r
             st = wait(0, lambda s: s["state"] in ("serving", "error"))
@@ -211,6 +216,19 @@ def test_hosting_from_one_home_over_a_friends_app_share_on_the_lan(tmp_path):
             assert status == 200 and "Paris" in r["choices"][0]["message"]["content"], r
             friend = wait(1, lambda s: s["sharing"]["connected"] and s["sharing"]["layers"])
             assert friend["sharing"]["layers"][1] == 30      # the friend holds the last layers
+
+            # the observer saw the whole exchange (weights never cross; activations do) and
+            # learned nothing of it: no prompt, reply, message, model name or secret
+            observer.terminate()
+            observer.wait(20)
+            seen = capture.read_bytes()
+            assert len(seen) > 50_000, len(seen)
+            answer = r["choices"][0]["message"]["content"]
+            secret = address.rsplit("#", 1)[1]
+            # (the handshake itself is in the clear: a challenge, a hello and an accept)
+            for plain in (b"capital of France", answer.encode(), b"Paris", b"configure", b"route",
+                          b"SmolLM2", b"welcome", secret.encode(), b"PTLK"):
+                assert plain not in seen, f"the LAN observer read {plain!r}"
         finally:
             for p in nodes:
                 p.stdin.close()

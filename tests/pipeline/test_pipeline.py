@@ -30,7 +30,7 @@ from engine.model.sources import ModelError, ModelSource, resolve
 from engine.core.partition import parse_layers
 from engine.core.sampling import SamplingParams
 from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer, connect_stage
-from engine.wire.stage_auth import proof
+from engine.wire.stage_auth import HelloOpener
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_CMD = ("engine", "stage", "--announce")
@@ -371,38 +371,51 @@ async def test_admission_waits_for_kv_budget(tiny_folder, spare_stages):
 
 # ---- bad peers ------------------------------------------------------------------------
 
-def hello(role="data", version=PROTOCOL_VERSION, pipeline="local", key=""):
-    """A hello answering the stage's challenge: a function of its nonce. key: the proof's
-    key (the route token for data, the secret for control); "" sends an empty proof."""
+def hello(role="data", version=PROTOCOL_VERSION, pipeline="local", key=None):
+    """A hello answering the stage's challenge: a function of its nonce. key: the key its
+    handshake proves (the route token for data, the secret for control; "" is a loopback
+    stage's own); None sends an empty auth."""
     def answer(nonce: str) -> str:
         return json.dumps({"type": "hello", "role": role, "version": version, "pipeline": pipeline,
-                           "auth": proof(key, role, pipeline, nonce) if key else ""})
+                           "auth": HelloOpener(key, role, pipeline, nonce).auth if key is not None else ""})
     return answer
 
 
-READY = object()   # in expect_policy_close: wait for the stage's "ready", as a proven data link does
+def assert_policy_close(exc: ConnectionClosed) -> str:
+    assert exc.rcvd is not None, "closed without a close frame"
+    assert exc.rcvd.code == 1008, (exc.rcvd.code, exc.rcvd.reason)
+    assert exc.rcvd.reason
+    return exc.rcvd.reason
 
 
 async def expect_policy_close(address: str, *messages, timeout: float = 10.0) -> str:
-    """Send messages (a callable gets the challenge's nonce; READY waits for the stage to
-    take the proof); the stage must close this connection with 1008 and a reason."""
+    """Send messages (a callable gets the challenge's nonce); the stage must close this
+    connection with 1008 and a reason."""
     async with connect(address) as ws:
         try:
             challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
             assert challenge["type"] == "challenge" and set(challenge) == {"type", "nonce"}
             for m in messages:
-                if m is READY:
-                    assert frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))["type"] == "ready"
-                    continue
                 await ws.send(m(challenge["nonce"]) if callable(m) else m)
             while True:
                 await asyncio.wait_for(ws.recv(), timeout)
         except ConnectionClosed as exc:
-            assert exc.rcvd is not None, "closed without a close frame"
-            assert exc.rcvd.code == 1008, (exc.rcvd.code, exc.rcvd.reason)
-            assert exc.rcvd.reason
-            return exc.rcvd.reason
+            return assert_policy_close(exc)
     raise AssertionError("unreachable")
+
+
+async def expect_sealed_close(address: str, key: str, message, timeout: float = 10.0) -> str:
+    """A data link that proves `key`, then sends `message` sealed, as a stage would: the
+    stage must open it, refuse it and close this connection with 1008 and a reason."""
+    ws = await connect_stage(address, "data", "local", key=key, timeout=timeout)
+    try:
+        await ws.send(message)
+        while True:
+            await asyncio.wait_for(ws.recv(), timeout)
+    except ConnectionClosed as exc:
+        return assert_policy_close(exc)
+    finally:
+        await ws.close()
 
 
 async def test_bad_frames_close_only_that_connection(pipeline):
@@ -425,16 +438,16 @@ async def test_bad_frames_close_only_that_connection(pipeline):
     n_bad = 0
     for r in pipeline.remotes:
         for name, frame in bad_frames.items():
-            reason = await expect_policy_close(r.address, hello(key=pipeline.route), READY, frame)
+            reason = await expect_sealed_close(r.address, pipeline.route, frame)
             n_bad += 1
             if name == "wrong hidden size":
                 assert "hidden size" in reason
         for bad_hello in (hello(pipeline="someone-else", key=pipeline.route), hello(version=99, key=pipeline.route),
                           hello(role="admin"), b"binary hello", "not json", json.dumps({"type": "hello", "role": "data"}),
-                          hello(), hello(key="not the route token")):
+                          hello(), hello(key="not the route token"), hello(key="")):
             await expect_policy_close(r.address, bad_hello)
         # a second head is turned away while ours holds the stage
-        reason = await expect_policy_close(r.address, hello(role="control"))
+        reason = await expect_policy_close(r.address, hello(role="control", key=""))
         assert "already" in reason
 
     after = await pipeline.stage_stats()

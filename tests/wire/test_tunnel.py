@@ -193,6 +193,41 @@ def test_interoperates_with_noiseprotocol():
         assert lib.decrypt(ChaCha20Poly1305(tx).encrypt(noise._nonce(0), b"y", b"")) == b"y"
 
 
+
+def test_the_stage_links_nnpsk0_interoperates_with_noiseprotocol():
+    """The stage links' handshake (NNpsk0) agrees byte for byte with the noiseprotocol
+    package, both ways round, and a wrong psk fails on the first message."""
+    conn = pytest.importorskip("noise.connection")
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    psk = os.urandom(32)
+    ours = noise.PskInitiator(psk, b"pro")
+    lib = conn.NoiseConnection.from_name(noise.NNPSK0)
+    lib.set_as_responder()
+    lib.set_prologue(b"pro")
+    lib.set_psks(psk=psk)
+    lib.start_handshake()
+    assert lib.read_message(ours.write_1(b"hello")) == b"hello"
+    assert ours.read_2(lib.write_message(b"world")) == b"world"
+    tx, rx = ours.keys()
+    assert ChaCha20Poly1305(rx).decrypt(noise._nonce(0), lib.encrypt(b"z"), b"") == b"z"
+    assert lib.decrypt(ChaCha20Poly1305(tx).encrypt(noise._nonce(0), b"x", b"")) == b"x"
+
+    lib = conn.NoiseConnection.from_name(noise.NNPSK0)
+    lib.set_as_initiator()
+    lib.set_prologue(b"pro")
+    lib.set_psks(psk=psk)
+    lib.start_handshake()
+    ours = noise.PskResponder(psk, b"pro")
+    assert ours.read_1(lib.write_message(b"a")) == b"a"
+    assert lib.read_message(ours.write_2(b"b")) == b"b"
+    tx, _ = ours.keys()
+    assert lib.decrypt(ChaCha20Poly1305(tx).encrypt(noise._nonce(0), b"y", b"")) == b"y"
+
+    for psk2, prologue in ((os.urandom(32), b"pro"), (psk, b"another nonce")):
+        with pytest.raises(noise.NoiseError, match="wrong key"):
+            noise.PskResponder(psk2, prologue).read_1(noise.PskInitiator(psk, b"pro").write_1())
+
 # ---- the tunnel, direct and through the relay -----------------------------------------------
 async def _echo_server():
     async def echo(r, w):

@@ -1,0 +1,114 @@
+"""Stage links are sealed (protocol 13): what a peer that proved its key may still not do,
+and what a proof or a recorded message is worth on another connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from conftest import THREADS
+from engine.pipeline.launch import PipelineConfig, launch
+from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer, connect_stage
+from engine.wire import frames
+from engine.wire.stage_auth import HelloOpener
+
+
+async def closed_with(ws, timeout: float = 10.0) -> tuple[int, str]:
+    """Read until the stage closes this connection; its close code and reason."""
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), timeout)
+    except ConnectionClosed as exc:
+        assert exc.rcvd is not None, "closed without a close frame"
+        return exc.rcvd.code, exc.rcvd.reason
+
+
+@pytest.fixture
+async def stage():
+    server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS).start()
+    try:
+        yield server, f"ws://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+async def head_link(address: str):
+    """A control link, as a head opens one (loopback, no secret: the empty key), welcomed."""
+    ws = await connect_stage(address, "control", "local")
+    assert frames.parse_control(await asyncio.wait_for(ws.recv(), 30))["type"] == "welcome"
+    return ws
+
+
+async def test_after_the_proof_only_sealed_messages_in_order_are_taken(stage):
+    """A proven link that sends a plain message, replays a sealed one or flips a bit of one
+    is closed with the reason; the stage serves the next head."""
+    server, address = stage
+    stats = frames.control("get_stats")
+
+    ws = await head_link(address)
+    sealed = ws.seal.seal(stats)
+    await ws.ws.send(sealed)
+    assert frames.parse_control(await ws.recv())["type"] == "stats"   # taken once
+    await ws.ws.send(sealed)                                          # the same message again
+    code, reason = await closed_with(ws)
+    assert code == 1008 and "replayed" in reason, reason
+
+    ws = await head_link(address)
+    await ws.ws.send(stats)                                           # plain, after the handshake
+    code, reason = await closed_with(ws)
+    assert code == 1008 and "plain" in reason, reason
+
+    ws = await head_link(address)
+    sealed = bytearray(ws.seal.seal(stats))
+    sealed[-20] ^= 1                                                  # one bit of the ciphertext
+    await ws.ws.send(bytes(sealed))
+    code, reason = await closed_with(ws)
+    assert code == 1008 and "tampered" in reason, reason
+
+    ws = await head_link(address)
+    await ws.send(stats)
+    assert frames.parse_control(await ws.recv())["type"] == "stats"
+    await ws.close()
+    assert not server.closed
+
+
+async def test_a_recorded_hello_proves_nothing_on_another_connection(pipeline):
+    """The handshake is bound to the connection's challenge: a hello recorded on one
+    connection (an observer has it) is refused on the next."""
+    address = pipeline.remotes[0].address
+    async with connect(address) as first:
+        nonce = json.loads(await first.recv())["nonce"]
+        recorded = frames.control("hello", role="data", version=PROTOCOL_VERSION, pipeline="local",
+                                  auth=HelloOpener(pipeline.route, "data", "local", nonce).auth)
+        await first.send(recorded)
+        assert json.loads(await first.recv())["type"] == "accept"   # it was good here
+    async with connect(address) as second:
+        await second.recv()
+        await second.send(recorded)
+        code, reason = await closed_with(second)
+    assert (code, reason) == (1008, "not authorized")
+
+
+async def test_a_route_token_dies_with_its_head():
+    """A data link proven with the route token is closed when the head that gave the token
+    lets go of the stage, and the token proves nothing after."""
+    server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS).start()
+    address = f"ws://127.0.0.1:{server.port}"
+    try:
+        pipe = await launch(PipelineConfig(stage_addr=[address], threads=THREADS))
+        route = pipe.head.route
+        link = await connect_stage(address, "data", "local", key=route)   # proven: "ready" came
+        await pipe.close()
+        code, reason = await closed_with(link)
+        assert code == 1008 and "head" in reason, reason
+        with pytest.raises(ConnectionClosed) as refused:
+            await connect_stage(address, "data", "local", key=route, timeout=30)
+        assert refused.value.rcvd.reason == "not authorized"
+        assert not server.closed                          # the stage itself serves on
+    finally:
+        await server.close()
