@@ -362,7 +362,7 @@ def _invites(args) -> int:
             return 2
         me = load_or_create_identity(folder)
         _, code = state.create_invite(me.public, routes.get("relay", ""), routes.get("direct", []),
-                                      ttl_s=args.expires * 3600, max_uses=args.uses)
+                                      ttl_s=args.expires * 3600, max_uses=args.uses, kinds=routes.get("kinds"))
         print(code)
         return 0
     data = state.data()

@@ -18,6 +18,9 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# the public STUN servers are on the internet, which tests never reach: a test that
+# needs one starts its own (testkit/homenet.py) and names it
+os.environ.setdefault("POTLUCK_STUN", "")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # GUI tests (pytest-qt): no display needed
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

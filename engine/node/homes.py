@@ -74,7 +74,7 @@ class Friends:
             bound = await self.tunnels.listen(host or "0.0.0.0", port_n, advertise=advertise or None)
         if relay:
             await self.tunnels.use_relay(relay)
-        self.state.set_routes(self.tunnels.relay_url, self.tunnels.direct_addresses)
+        self.state.set_routes(self.tunnels.relay_url, self.tunnels.direct_addresses, self.tunnels.direct_kinds)
         return bound
 
     @property

@@ -5,8 +5,12 @@ O reads as 0, I and L as 1; dashes and spaces ignored) of
 
     version u8 | pipeline id 8 B | invite id 8 B | join secret 16 B (128 bits)
     | host public key 32 B | expires u32 (unix s) | max uses u16
-    | relay URL (u8 length + ASCII) | direct addresses (u8 count, each u8 length + ASCII)
-    | checksum: the first 4 bytes of SHA-256 of all the above
+    | relay URL (u8 length + ASCII) | direct addresses (u8 count, each: kind u8
+    | u8 length + ASCII) | checksum: the first 4 bytes of SHA-256 of all the above
+
+The kind says what an address is (engine/wire/candidates.py: lan, given, mapped, ipv6,
+public), so the joiner tries them in a sensible order and says which path it took.
+Version 1 codes, whose addresses carry no kind, still parse (each is "given").
 
 A character outside the alphabet or a checksum that does not match raises InviteError
 ("this code has a typo ..."): a mistyped code never reaches the network. The host
@@ -34,7 +38,9 @@ from pathlib import Path
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _DECODE = {c: i for i, c in enumerate(ALPHABET)}
 _DECODE.update({"O": 0, "I": 1, "L": 1})
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+KIND_CODES = ("given", "lan", "mapped", "ipv6", "public")
 CHECKSUM = 4
 MAX_CODE_CHARS = 2000
 _FIXED = struct.Struct("<B8s8s16s32sIH")
@@ -54,6 +60,13 @@ class Invite:
     max_uses: int
     relay: str = ""            # ws(s)://host:port of a relay, or ""
     direct: list[str] = field(default_factory=list)   # ws://addr:port the host listens on
+    kinds: list[str] = field(default_factory=list)    # each direct address's kind ("given" if none)
+
+    def __post_init__(self):
+        if not self.kinds:
+            self.kinds = ["given"] * len(self.direct)
+        if len(self.kinds) != len(self.direct) or any(k not in KIND_CODES for k in self.kinds):
+            raise ValueError("every direct address needs one of the known kinds")
 
     @property
     def pipeline_id(self) -> str:
@@ -110,7 +123,8 @@ def encode(inv: Invite) -> str:
     body += _str(inv.relay, "relay URL")
     if len(inv.direct) > 16:
         raise ValueError("at most 16 direct addresses")
-    body += bytes([len(inv.direct)]) + b"".join(_str(a, "address") for a in inv.direct)
+    body += bytes([len(inv.direct)]) + b"".join(bytes([KIND_CODES.index(k)]) + _str(a, "address")
+                                                for a, k in zip(inv.direct, inv.kinds))
     body += hashlib.sha256(body).digest()[:CHECKSUM]
     text = _b32encode(body)
     return "-".join(text[i:i + 5] for i in range(0, len(text), 5))
@@ -132,17 +146,24 @@ def parse(code: str) -> Invite:
     if not hmac.compare_digest(hashlib.sha256(body).digest()[:CHECKSUM], check):
         raise InviteError("this code has a typo (its checksum does not match): copy it again")
     version = body[0]
-    if version != VERSION:
+    if version not in READS:
         raise InviteError(f"this code is for another version of Potluck (code version {version}, "
-                          f"this one reads {VERSION})")
+                          f"this one reads {', '.join(map(str, READS))})")
     try:
         _, pipeline, invite_id, secret, host_key, expires, max_uses = _FIXED.unpack_from(body)
         pos = _FIXED.size
         relay, pos = _read_str(body, pos)
         count = body[pos]
         pos += 1
-        direct = []
+        direct, kinds = [], []
         for _ in range(count):
+            if version >= 2:
+                if body[pos] >= len(KIND_CODES):
+                    raise InviteError("this code is damaged (an address of an unknown kind)")
+                kinds.append(KIND_CODES[body[pos]])
+                pos += 1
+            else:
+                kinds.append("given")
             a, pos = _read_str(body, pos)
             direct.append(a)
         if pos != len(body):
@@ -154,7 +175,7 @@ def parse(code: str) -> Invite:
             raise InviteError(f"this code names an address that is not a ws:// URL: {url!r}")
     if not relay and not direct:
         raise InviteError("this code names neither a relay nor an address to reach the host")
-    return Invite(pipeline, invite_id, secret, host_key, expires, max_uses, relay, direct)
+    return Invite(pipeline, invite_id, secret, host_key, expires, max_uses, relay, direct, kinds)
 
 
 def _read_str(b: bytes, pos: int) -> tuple[str, int]:
@@ -210,17 +231,18 @@ class HostState:
     def pipeline(self) -> bytes:
         return bytes.fromhex(self._read()["pipeline"])
 
-    def set_routes(self, relay: str, direct: list[str]):
+    def set_routes(self, relay: str, direct: list[str], kinds: list[str] | None = None):
         """Remember how friends reach this host (for `potluck invites --new`)."""
         with self._locked() as data:
-            data["routes"] = {"relay": relay, "direct": list(direct)}
+            data["routes"] = {"relay": relay, "direct": list(direct), "kinds": list(kinds or [])}
 
     def create_invite(self, host_key: bytes, relay: str = "", direct: list[str] | None = None,
-                      ttl_s: float = 24 * 3600, max_uses: int = 1) -> tuple[Invite, str]:
+                      ttl_s: float = 24 * 3600, max_uses: int = 1,
+                      kinds: list[str] | None = None) -> tuple[Invite, str]:
         if not 1 <= max_uses <= 65535:
             raise ValueError("uses must be 1..65535")
         inv = Invite(self.pipeline, secrets.token_bytes(8), secrets.token_bytes(16), host_key,
-                     int(time.time() + ttl_s), max_uses, relay, list(direct or []))
+                     int(time.time() + ttl_s), max_uses, relay, list(direct or []), list(kinds or []))
         code = encode(inv)
         with self._locked() as data:
             data["invites"][inv.invite_id.hex()] = {

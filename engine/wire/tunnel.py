@@ -48,6 +48,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
 from engine.wire.invite import HostState, Invite, InviteError
 from engine.wire.noise import Initiator, NoiseError, Responder, TransportCipher
@@ -353,6 +354,9 @@ class TunnelHost:
         self._seen_ephemeral: OrderedDict = OrderedDict()
         self._server = None
         self.direct_addresses: list[str] = []
+        self.direct_kinds: list[str] = []
+        self.gathered = None            # candidates.Gathered: the mapping, the NAT, for status/doctor
+        self._mapper = None
         self.relay_url = ""
         self._relay_task: asyncio.Task | None = None
         self._tasks: set = set()
@@ -360,15 +364,34 @@ class TunnelHost:
         self._hops = 0
 
     # -- setup
-    async def listen(self, host: str = "0.0.0.0", port: int = 0, advertise: list[str] | None = None):
+    async def listen(self, host: str = "0.0.0.0", port: int = 0, advertise: list[str] | None = None,
+                     upnp: bool | None = None):
+        """Accept joiners directly on host:port. The invite's addresses: `advertise` as
+        given, else every candidate gathered for the port (engine/wire/candidates.py),
+        among them a mapping on the home router (UPnP; upnp=None: unless POTLUCK_UPNP=0),
+        kept until close()."""
+        from engine.wire import candidates as cand
+
         self._server = await serve(lambda ws: self.accept(ws, "direct"), host, port, **WS_OPTIONS)
         bound = self._server.sockets[0].getsockname()[1]
+        wildcard = host in ("0.0.0.0", "::", "")
         if advertise:
-            self.direct_addresses = [a if a.startswith("ws") else f"ws://{a}:{bound}" for a in advertise]
-        elif host not in ("0.0.0.0", "::"):
-            self.direct_addresses = [f"ws://{host}:{bound}"]
+            found = [cand.Candidate("given", a if a.startswith("ws") else cand.url_for(a, bound)) for a in advertise]
+        elif not wildcard and stage_auth.is_loopback(host):
+            found = [cand.Candidate("given", cand.url_for(host, bound))]     # this machine only
         else:
-            self.direct_addresses = [f"ws://{a}:{bound}" for a in _local_addresses()]
+            if upnp is None:
+                upnp = os.environ.get("POTLUCK_UPNP", "1") != "0"
+            self._mapper = cand.PortMapper() if upnp else None
+            self.gathered = await cand.gather(bound, upnp=upnp, mapper=self._mapper,
+                                              addresses=None if wildcard else [])
+            found = ([] if wildcard else [cand.Candidate("given", cand.url_for(host, bound))]) + self.gathered.candidates
+            if self.gathered.mapping.external:
+                self.on_event(f"the router maps {cand.url_for(*self.gathered.mapping.external)} to this computer")
+            elif upnp:
+                self.on_event(f"no port mapping: {self.gathered.mapping.why_not}")
+        self.direct_addresses = [c.url for c in found]
+        self.direct_kinds = [c.kind for c in found]
         self._watch_revocations()
         return bound
 
@@ -379,7 +402,7 @@ class TunnelHost:
 
     def invite(self, ttl_s: float = 24 * 3600, uses: int = 1) -> str:
         _, code = self.state.create_invite(self.identity.public, self.relay_url, self.direct_addresses,
-                                           ttl_s=ttl_s, max_uses=uses)
+                                           ttl_s=ttl_s, max_uses=uses, kinds=self.direct_kinds)
         return code
 
     async def wait_peer(self) -> Peer:
@@ -392,6 +415,9 @@ class TunnelHost:
             self._revoke_watch.cancel()
         if self._server is not None:
             self._server.close()
+        if self._mapper is not None:
+            await self._mapper.close()      # the router forgets the mapping now, not at lease end
+            self._mapper = None
         for p in self.peers.values():
             if p.session:
                 await p.session.close("host shutting down")
@@ -582,18 +608,6 @@ class _Refused(Exception):
     pass
 
 
-def _local_addresses() -> list[str]:
-    """This machine's non-loopback IPv4 addresses (for an invite's direct list)."""
-    import psutil
-
-    out = []
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family == socket.AF_INET and not a.address.startswith("127."):
-                out.append(a.address)
-    return out
-
-
 # ---- the joiner's side ----------------------------------------------------------------
 def _hello_prefix(mode: int, pipeline: bytes, invite_id: bytes) -> bytes:
     return MAGIC + bytes([mode]) + pipeline + invite_id
@@ -601,24 +615,23 @@ def _hello_prefix(mode: int, pipeline: bytes, invite_id: bytes) -> bytes:
 
 async def open_session(invite: Invite, identity: Identity, target: tuple[str, int], *, name: str = "",
                        member: bool = False, prefer: str = "auto", log_event=None) -> Session:
-    """Reach the host (direct addresses first, then the relay), authenticate, and
-    return a started Session whose streams lead to `target` (our stage server).
+    """Reach the host (its direct addresses first, raced, then the relay), authenticate,
+    and return a started Session whose streams lead to `target` (our stage server).
     prefer: "auto", "direct" or "relay". Raises TunnelError with the reasons."""
     say = log_event or (lambda text: log.info(text))
-    routes = []
-    if prefer in ("auto", "direct"):
-        routes += [("direct", a) for a in invite.direct]
-    if prefer in ("auto", "relay") and invite.relay:
-        routes.append(("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}"))
-    if not routes:
+    direct = [(f"direct ({k})" if k != "given" else "direct", a)
+              for k, a in sorted(zip(invite.kinds, invite.direct), key=lambda ka: _KIND_ORDER.get(ka[0], 9))]
+    relay = ([("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}")]
+             if prefer in ("auto", "relay") and invite.relay else [])
+    if prefer == "relay":
+        direct = []
+    if not direct and not relay:
         raise TunnelError(f"the code offers no {prefer} route")
     errors = []
-    for path, url in routes:
-        try:
-            ws = await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
-        except (OSError, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as exc:
-            errors.append(f"{path} {url}: {exc or type(exc).__name__}")
-            say(f"{path} route {url} unreachable ({exc or type(exc).__name__})")
+    rounds = ([direct] if direct else []) + ([relay] if relay else [])
+    for routes in rounds:
+        path, url, ws = await _first_to_connect(routes, errors, say)
+        if ws is None:
             continue
         try:
             return await _client_handshake(ws, invite, identity, target, name, member, path)
@@ -632,6 +645,47 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
             errors.append(f"{path} {url}: {reason}")
             say(f"{path} route {url} failed ({reason})")
     raise TunnelError("cannot reach the host: " + "; ".join(errors))
+
+
+_KIND_ORDER = {"lan": 0, "given": 1, "mapped": 2, "ipv6": 3, "public": 4}
+STAGGER_S = 0.25    # happy eyeballs: the next address starts this long after the one before
+
+
+async def _first_to_connect(routes, errors: list, say):
+    """Open WebSockets to the routes, each STAGGER_S after the one before (in the order
+    given), and keep the first that opens; the rest are closed. An address that cannot
+    work (another home's private address) costs no more than its stagger."""
+    async def attempt(i, path, url):
+        await asyncio.sleep(i * STAGGER_S)
+        return path, url, await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+
+    tasks = [asyncio.ensure_future(attempt(i, p, u)) for i, (p, u) in enumerate(routes)]
+    names = {t: (p, u) for t, (p, u) in zip(tasks, routes)}
+    winner = None
+    try:
+        pending = set(tasks)
+        while pending and winner is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                exc = t.exception()
+                if exc is None and winner is None:
+                    winner = t.result()
+                elif exc is not None:
+                    path, url = names[t]
+                    errors.append(f"{path} {url}: {exc or type(exc).__name__}")
+                    say(f"{path} route {url} unreachable ({exc or type(exc).__name__})")
+                else:
+                    await t.result()[2].close()
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            if not t.done() or t.cancelled():
+                continue
+            if t.exception() is None and (winner is None or t.result() is not winner):
+                await t.result()[2].close()
+    return winner if winner is not None else (None, None, None)
 
 
 async def _client_handshake(ws, invite: Invite, identity: Identity, target, name, member, path) -> Session:

@@ -1,0 +1,244 @@
+"""The addresses a friend may reach this host on ("candidates"), and the router's mapping.
+
+A host that listens for friends directly (TunnelHost.listen) gathers, for its port:
+
+  * lan      its private IPv4 addresses: a friend in the same home;
+  * mapped   a port mapping asked of the home router over UPnP-IGD (async-upnp-client,
+             the maintained client Home Assistant uses): the router's public address
+             and the mapped port, renewed while the host listens and removed when it
+             stops. Most home routers grant one; it is how two homes connect with no
+             server of their own;
+  * ipv6     its global IPv6 addresses: routers seldom NAT IPv6, though many firewall it;
+  * public   its public IPv4 address as a STUN server sees it (engine/wire/stun.py), on
+             the same port: reachable when the owner forwarded that port by hand, or
+             the machine has no NAT in front of it;
+  * given    addresses the owner named (--advertise): tried as they are.
+
+The invite carries them (engine/wire/invite.py, version 2), and the joiner tries them
+in KIND_ORDER, racing the connects (engine/wire/tunnel.py). What is learnt along the
+way -- whether the router granted a mapping and why not, the NAT's behaviour -- goes
+to `potluck doctor` and the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+log = logging.getLogger("potluck.candidates")
+
+KINDS = ("lan", "given", "mapped", "ipv6", "public")
+KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
+LEASE_S = 3600          # the router forgets a mapping this long after its last renewal
+SEARCH_S = 2            # SSDP: how long routers get to answer
+IGD = "urn:schemas-upnp-org:device:InternetGatewayDevice:1"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: str      # one of KINDS
+    url: str       # ws://address:port
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown candidate kind {self.kind!r}")
+
+
+def url_for(address: str, port: int) -> str:
+    return f"ws://[{address}]:{port}" if ":" in address else f"ws://{address}:{port}"
+
+
+def classify(address: str) -> str | None:
+    """The kind of one of this machine's own addresses, or None (not for others)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return None
+    if ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        return None
+    if ip.version == 6:
+        return "ipv6" if ip.is_global else None
+    if ip.is_private or ipaddress.ip_address(address) in ipaddress.ip_network("100.64.0.0/10"):
+        return "lan"
+    return "public"
+
+
+def local_candidates(port: int, addresses: list[str]) -> list[Candidate]:
+    out = []
+    for a in addresses:
+        kind = classify(a)
+        if kind is not None:
+            out.append(Candidate(kind, url_for(a.split("%")[0], port)))
+    return out
+
+
+def interface_addresses() -> list[str]:
+    import psutil
+
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)]
+
+
+def ordered(cands: list[Candidate]) -> list[Candidate]:
+    """Deduplicated (by URL, first kind wins), in the order a joiner tries them."""
+    seen, out = set(), []
+    for c in sorted(cands, key=lambda c: KIND_ORDER[c.kind]):
+        if c.url not in seen:
+            seen.add(c.url)
+            out.append(c)
+    return out
+
+
+@dataclass
+class MappingResult:
+    external: tuple[str, int] | None = None
+    why_not: str = ""            # a sentence for the doctor when there is no mapping
+
+
+class PortMapper:
+    """One TCP port mapping on the home router (UPnP-IGD), kept while the host listens.
+
+        m = PortMapper()
+        result = await m.open(7870)          # external (ip, port), or why_not
+        ...
+        await m.close()                      # removes the mapping
+    """
+
+    def __init__(self, description: str = "Potluck", lease_s: int = LEASE_S, search_s: float = SEARCH_S):
+        self.description, self.lease_s, self.search_s = description, lease_s, search_s
+        self._igd = None
+        self._session = None
+        self._renew: asyncio.Task | None = None
+        self.result = MappingResult()
+        self._mapping: tuple[int, int, str] | None = None     # external port, internal port, client
+
+    async def open(self, internal_port: int) -> MappingResult:
+        try:
+            self.result = await self._open(internal_port)
+        except Exception as exc:  # noqa: BLE001 -- a router that answers oddly must not stop hosting
+            log.info("port mapping failed: %r", exc)
+            self.result = MappingResult(None, f"the router's UPnP answered with an error ({type(exc).__name__}: {exc})")
+        return self.result
+
+    async def _open(self, internal_port: int) -> MappingResult:
+        from async_upnp_client.aiohttp import AiohttpSessionRequester
+        from async_upnp_client.client_factory import UpnpFactory
+        from async_upnp_client.profiles.igd import IgdDevice
+        from async_upnp_client.search import async_search
+        import aiohttp
+
+        found: list[str] = []
+
+        async def on_answer(headers):
+            location = headers.get("location")
+            if location and location not in found:
+                found.append(location)
+
+        await async_search(on_answer, timeout=max(1, int(self.search_s)), search_target=IGD)
+        if not found:
+            return MappingResult(None, "no UPnP router answered on this network (UPnP off on the router, "
+                                       "or no home router in front of this computer)")
+        self._session = aiohttp.ClientSession()
+        requester = AiohttpSessionRequester(self._session, with_sleep=True)
+        device = await UpnpFactory(requester, non_strict=True).async_create_device(found[0])
+        self._igd = IgdDevice(device, None)
+        external_ip = await self._igd.async_get_external_ip_address()
+        if not external_ip:
+            return MappingResult(None, "the UPnP router does not say its public address")
+        client = _source_toward(device.device_url)
+        last = None
+        for external_port in (internal_port, internal_port + 1, internal_port + 2):
+            try:
+                await self._add(external_port, internal_port, client)
+            except Exception as exc:  # noqa: BLE001 -- taken by another device: try the next
+                last = exc
+                continue
+            self._mapping = (external_port, internal_port, client)
+            self._renew = asyncio.ensure_future(self._renew_loop())
+            return MappingResult((external_ip, external_port))
+        return MappingResult(None, f"the UPnP router refused a mapping ({type(last).__name__}: {last})")
+
+    async def _add(self, external_port: int, internal_port: int, client: str):
+        await self._igd.async_add_port_mapping(
+            remote_host=ipaddress.IPv4Address("0.0.0.0"), external_port=external_port, protocol="TCP",
+            internal_port=internal_port, internal_client=ipaddress.IPv4Address(client), enabled=True,
+            description=self.description, lease_duration=timedelta(seconds=self.lease_s))
+
+    async def _renew_loop(self):
+        while True:
+            await asyncio.sleep(self.lease_s / 2)
+            try:
+                await self._add(*self._mapping)
+            except Exception as exc:  # noqa: BLE001 -- the next renewal tries again
+                log.warning("renewing the port mapping failed: %r", exc)
+
+    async def close(self):
+        if self._renew is not None:
+            self._renew.cancel()
+        if self._igd is not None and self._mapping is not None:
+            try:
+                await asyncio.wait_for(self._igd.async_delete_port_mapping(
+                    remote_host=ipaddress.IPv4Address("0.0.0.0"), external_port=self._mapping[0],
+                    protocol="TCP"), 5)
+            except Exception as exc:  # noqa: BLE001 -- the lease ends it anyway
+                log.info("removing the port mapping failed: %r", exc)
+            self._mapping = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _source_toward(url: str) -> str:
+    """This machine's address toward the router (the mapping's internal client)."""
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or "192.0.2.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+@dataclass
+class Gathered:
+    candidates: list[Candidate] = field(default_factory=list)
+    mapping: MappingResult = field(default_factory=MappingResult)
+    nat: str = "unknown"          # stun.nat_behaviour
+    public: str | None = None     # the public IPv4 address STUN servers saw
+
+
+async def gather(port: int, *, upnp: bool = True, stun_servers: list[tuple[str, int]] | None = None,
+                 mapper: PortMapper | None = None, addresses: list[str] | None = None) -> Gathered:
+    """Every candidate for `port`, the router's mapping (kept open by `mapper`) and the NAT's
+    behaviour, gathered at once: the slowest part (SSDP, STUN) takes about two seconds."""
+    from engine.wire import stun
+
+    g = Gathered(local_candidates(port, interface_addresses() if addresses is None else addresses))
+    jobs = []
+    if upnp and mapper is not None:
+        jobs.append(mapper.open(port))
+    servers = stun.servers_from_env() if stun_servers is None else stun_servers
+    if servers:
+        jobs.append(stun.query(servers))
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    for r in results:
+        if isinstance(r, MappingResult):
+            g.mapping = r
+            if r.external:
+                g.candidates.append(Candidate("mapped", url_for(*r.external)))
+        elif isinstance(r, tuple):
+            local, seen = r
+            g.nat = stun.nat_behaviour(local, seen)
+            if seen:
+                g.public = seen[0].address[0]
+                if classify(g.public) == "public":
+                    g.candidates.append(Candidate("public", url_for(g.public, port)))
+        elif isinstance(r, BaseException):
+            log.info("gathering candidates: %r", r)
+    if upnp and mapper is None:
+        g.mapping = MappingResult(None, "not asked (port mapping off)")
+    g.candidates = ordered(g.candidates)
+    return g

@@ -1,0 +1,166 @@
+"""Candidates, STUN and invite v2 (issue 33): the sans-I/O parts, and the joiner's race."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import struct
+import time
+
+import pytest
+from websockets.asyncio.server import serve
+
+from engine.wire import candidates as cand
+from engine.wire import invite as inv
+from engine.wire import stun
+from engine.wire.tunnel import CONNECT_TIMEOUT, _first_to_connect
+
+# RFC 5769 section 2.2: a Binding success with XOR-MAPPED-ADDRESS 192.0.2.1:32853 (plus
+# SOFTWARE, MESSAGE-INTEGRITY and FINGERPRINT, which a reader must step over)
+RFC5769_TXID = bytes.fromhex("b7e7a701bc34d686fa87dfae")
+RFC5769_IPV4 = bytes.fromhex(
+    "0101003c2112a442b7e7a701bc34d686fa87dfae"
+    "8022000b7465737420766563746f7220"
+    "002000080001a147e112a643"
+    "000800142b91f599fd9e90c38c7489f92af9ba53f06be7d7"
+    "80280004c07d4c96")
+
+
+def test_the_rfc_5769_binding_answer_reads_as_its_address():
+    assert stun.parse_response(RFC5769_IPV4, RFC5769_TXID) == ("192.0.2.1", 32853)
+
+
+def test_a_request_is_a_binding_with_the_magic_cookie():
+    msg, txid = stun.request()
+    assert len(msg) == 20 and len(txid) == 12
+    assert struct.unpack("!HHI", msg[:8]) == (0x0001, 0, 0x2112A442) and msg[8:] == txid
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda m: m[:19], "size"),
+    (lambda m: m[:8] + b"\0" * 12 + m[20:], "not an answer"),
+    (lambda m: b"\x01\x11" + m[2:], "not a Binding success"),
+    (lambda m: m[:-4], "length"),
+    (lambda m: m[:2] + b"\x00\x08" + m[4:20] + b"\x00\x20\x00\x40" + m[24:28], "past the message"),
+    (lambda m: m[:2] + b"\x00\x00" + m[4:20], "no mapped address"),
+])
+def test_a_damaged_or_foreign_answer_is_refused_with_the_reason(damage, why):
+    with pytest.raises(stun.StunError, match=why):
+        stun.parse_response(damage(RFC5769_IPV4), RFC5769_TXID)
+
+
+def test_the_nat_behaviour_follows_from_what_two_servers_saw():
+    a, b = ("100.64.0.1", 3478), ("100.64.0.2", 3478)
+    local = ("192.168.1.2", 40000)
+    same = [stun.Mapped(a, ("100.64.5.1", 40000)), stun.Mapped(b, ("100.64.5.1", 40000))]
+    other = [stun.Mapped(a, ("100.64.5.1", 40000)), stun.Mapped(b, ("100.64.5.1", 51234))]
+    assert stun.nat_behaviour(local, same) == "endpoint-independent"
+    assert stun.nat_behaviour(local, other) == "symmetric"
+    assert stun.nat_behaviour(local, same[:1]) == "unknown"
+    assert stun.nat_behaviour(local, []) == "unknown"
+    assert stun.nat_behaviour(("100.64.9.9", 40000), [stun.Mapped(a, ("100.64.9.9", 40000))]) == "open"
+
+
+async def test_query_asks_every_server_from_one_socket_and_skips_the_silent():
+    """Against two STUN responders written here from RFC 8489's layout (not our encoder),
+    and one name that does not resolve and one address that never answers."""
+    seen_from = []
+
+    class Responder(asyncio.DatagramProtocol):
+        def connection_made(self, transport):
+            self.t = transport
+
+        def datagram_received(self, data, addr):
+            seen_from.append(addr)
+            txid = data[8:20]
+            port = addr[1] ^ 0x2112
+            ip = bytes(x ^ y for x, y in zip(socket.inet_aton(addr[0]), struct.pack("!I", 0x2112A442)))
+            attr = struct.pack("!HHBBH", 0x0020, 8, 0, 1, port) + ip
+            self.t.sendto(struct.pack("!HHI", 0x0101, len(attr), 0x2112A442) + txid + attr, addr)
+
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_datagram_endpoint(Responder, local_addr=("127.0.0.1", 0)) for _ in range(2)]
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    try:
+        names = [("127.0.0.1", t.get_extra_info("sockname")[1]) for t, _ in servers]
+        local, seen = await stun.query(names + [("no-such-host.invalid", 3478), silent.getsockname()],
+                                       timeout=1.0)
+        assert sorted(m.server for m in seen) == sorted(names)
+        assert {m.address for m in seen} == {("127.0.0.1", local[1])}     # one socket, one mapping
+        assert len({a for a in seen_from}) == 1
+    finally:
+        for t, _ in servers:
+            t.close()
+        silent.close()
+
+
+def test_candidates_are_classified_ordered_and_deduplicated():
+    found = cand.local_candidates(7870, ["127.0.0.1", "192.168.1.20", "fe80::1%eth0", "2001:db8::5",
+                                         "2a00:1450:4001:81a::200e", "100.64.3.3", "8.8.4.4", "::1"])
+    assert [(c.kind, c.url) for c in found] == [
+        ("lan", "ws://192.168.1.20:7870"), ("ipv6", "ws://[2a00:1450:4001:81a::200e]:7870"),
+        ("lan", "ws://100.64.3.3:7870"), ("public", "ws://8.8.4.4:7870")]
+    mixed = found + [cand.Candidate("mapped", "ws://81.2.69.160:7871"), cand.Candidate("given", "ws://8.8.4.4:7870")]
+    assert [c.kind for c in cand.ordered(mixed)] == ["lan", "lan", "given", "mapped", "ipv6"]
+    with pytest.raises(ValueError):
+        cand.Candidate("punched", "ws://1.2.3.4:1")
+
+
+def _invite(**over):
+    kw = dict(pipeline=b"p" * 8, invite_id=b"i" * 8, secret=b"s" * 16, host_key=b"k" * 32,
+              expires=int(time.time()) + 3600, max_uses=2, relay="",
+              direct=["ws://192.168.1.20:7870", "ws://81.2.69.160:7871", "ws://[2a00:1450::1]:7870"],
+              kinds=["lan", "mapped", "ipv6"])
+    kw.update(over)
+    return inv.Invite(**kw)
+
+
+def test_an_invite_carries_its_addresses_kinds_and_a_version_1_code_still_parses():
+    code = inv.encode(_invite())
+    back = inv.parse(code)
+    assert back.direct == _invite().direct and back.kinds == ["lan", "mapped", "ipv6"]
+
+    # a version 1 code, as the last release wrote it: addresses without kinds
+    old = _invite()
+    body = inv._FIXED.pack(1, old.pipeline, old.invite_id, old.secret, old.host_key, old.expires, old.max_uses)
+    body += inv._str("", "relay") + bytes([len(old.direct)]) + b"".join(inv._str(a, "a") for a in old.direct)
+    body += hashlib.sha256(body).digest()[:inv.CHECKSUM]
+    back = inv.parse(inv._b32encode(body))
+    assert back.direct == old.direct and back.kinds == ["given"] * 3
+
+    # a kind this version does not know is a damaged code, said so
+    body = inv._FIXED.pack(2, old.pipeline, old.invite_id, old.secret, old.host_key, old.expires, old.max_uses)
+    body += inv._str("", "relay") + b"\x01\x09" + inv._str(old.direct[0], "a")
+    body += hashlib.sha256(body).digest()[:inv.CHECKSUM]
+    with pytest.raises(inv.InviteError, match="unknown kind"):
+        inv.parse(inv._b32encode(body))
+
+
+async def test_the_joiner_races_the_addresses_and_a_dead_one_costs_only_its_stagger():
+    """The first address accepts TCP and never answers (another home's private address
+    behaves like this, or worse); the second is the host. The host wins long before the
+    first would time out, and the loser is closed."""
+    async def handler(ws):
+        await ws.wait_closed()
+
+    async def mute(reader, writer):
+        await asyncio.sleep(3600)
+
+    black = await asyncio.start_server(mute, "127.0.0.1", 0)
+    async with serve(handler, "127.0.0.1", 0) as host:
+        dead = f"ws://127.0.0.1:{black.sockets[0].getsockname()[1]}"
+        good = f"ws://127.0.0.1:{host.sockets[0].getsockname()[1]}"
+        errors, said = [], []
+        t0 = time.monotonic()
+        path, url, ws = await _first_to_connect([("direct (lan)", dead), ("direct (mapped)", good)], errors, said.append)
+        took = time.monotonic() - t0
+        try:
+            assert (path, url) == ("direct (mapped)", good)
+            assert took < CONNECT_TIMEOUT, took
+        finally:
+            await ws.close()
+        path, url, ws = await _first_to_connect([("direct (lan)", "ws://127.0.0.1:9")], errors, said.append)
+        assert ws is None and errors and "127.0.0.1:9" in errors[-1]
+    black.close()
