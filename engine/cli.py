@@ -555,7 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/model/cores.py
 
     sub.add_parser("prepare", help="convert the embedded default model for split loading (make setup runs it)")
-    sub.add_parser("doctor", help="can this machine compute on its GPU? if not, what to install")
+    p = sub.add_parser("doctor", help="can this machine compute on its GPU, can friends in other homes reach it? "
+                                      "if not, what to do")
+    p.add_argument("--no-network", action="store_true", help="skip the network checks (router mapping, NAT)")
     p = sub.add_parser("gpu", help="the torch build this engine runs on (the app's GPU setup asks)",
                        epilog="`potluck gpu --enable [--index URL]` installs the CUDA build for an NVIDIA GPU and "
                               "`potluck gpu --disable` goes back to the CPU build: the potluck command hands "
@@ -608,7 +610,7 @@ def main(argv=None) -> int:
     if args.cmd == "doctor":
         from engine.node.doctor import main as doctor
 
-        return doctor()
+        return doctor(network=not args.no_network)
     try:
         return asyncio.run(COMMANDS[args.cmd](args))
     except KeyboardInterrupt:

@@ -1,13 +1,17 @@
-"""`potluck doctor`: can this machine compute on its GPU, and if not, what to do.
+"""`potluck doctor`: can this machine compute on its GPU, can friends reach it, and if
+not, what to do.
 
 The facts come from NVML (is there an NVIDIA GPU and driver: node/gpu.py) and from torch
 (is this a CUDA build, does it see the GPU); `advise` turns them into plain words and is
-pure, so each case is tested without a GPU.
+pure, so each case is tested without a GPU. The network's facts come from gathering a
+host's candidates once (engine/wire/candidates.py: a trial port mapping on the router,
+removed at once, and STUN), and `advise_network` says what they mean for joining across
+homes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # PyTorch's own package index for CUDA builds; the suffix is the CUDA version
 TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -58,7 +62,59 @@ def advise(f: Facts) -> tuple[bool, list[str]]:
         "version it supports), or install a torch built for an older CUDA, then run `potluck doctor` again"]
 
 
-def main() -> int:
+@dataclass
+class NetFacts:
+    lan: list[str] = field(default_factory=list)      # private IPv4 addresses
+    ipv6: list[str] = field(default_factory=list)     # global IPv6 addresses
+    mapped: str | None = None                         # the trial mapping the router granted
+    mapping_why: str = ""                             # why there was none
+    nat: str = "unknown"                              # stun.nat_behaviour
+    public: str | None = None                         # the public address STUN servers saw
+    stun_servers: int = 0                             # how many were asked
+
+
+async def gather_network(port: int = 7870) -> NetFacts:
+    from engine.wire import candidates, stun
+
+    mapper = candidates.PortMapper(description="Potluck doctor (a trial, removed at once)", lease_s=120)
+    try:
+        g = await candidates.gather(port, upnp=True, mapper=mapper)
+    finally:
+        await mapper.close()
+    ext = g.mapping.external
+    return NetFacts([c.url for c in g.candidates if c.kind == "lan"], [c.url for c in g.candidates if c.kind == "ipv6"],
+                    candidates.url_for(*ext) if ext else None, g.mapping.why_not, g.nat, g.public,
+                    len(stun.servers_from_env()))
+
+
+def advise_network(n: NetFacts) -> list[str]:
+    lines = [f"LAN: {', '.join(n.lan) if n.lan else 'no private IPv4 address'}",
+             f"IPv6: {', '.join(n.ipv6) if n.ipv6 else 'no global IPv6 address'}"]
+    if n.mapped:
+        lines.append(f"router port mapping (UPnP): granted ({n.mapped}): friends in other homes can join you "
+                     "directly, with no relay")
+    else:
+        lines.append(f"router port mapping (UPnP): none -- {n.mapping_why}. Friends in other homes need a "
+                     "relay, or a port you forward by hand on your router (then give --advertise)")
+    if not n.stun_servers:
+        lines.append("NAT: not checked (no STUN servers: POTLUCK_STUN is empty)")
+    elif n.nat == "unknown" and n.public is None:
+        lines.append("NAT: unknown (no STUN server answered: offline, or UDP blocked)")
+    else:
+        meaning = {"open": "no NAT in front of this computer: friends reach it directly",
+                   "endpoint-independent": "a friendly NAT: one mapping serves every peer",
+                   "symmetric": "a strict NAT (a new port for each peer): direct paths need a mapping or "
+                                "your friend's side to be reachable, else the relay",
+                   "unknown": "only one STUN server answered"}[n.nat]
+        lines.append(f"NAT: {n.nat} ({meaning}); public address {n.public}")
+    return lines
+
+
+def main(network: bool = True) -> int:
     ok, lines = advise(gather())
     print("\n".join(lines))
+    if network:
+        import asyncio
+
+        print("\n".join(advise_network(asyncio.run(gather_network()))))
     return 0 if ok else 1

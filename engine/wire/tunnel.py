@@ -529,8 +529,12 @@ class TunnelHost:
         try:
             hello = json.loads(payload or b"{}")
             name = str(hello.get("name", ""))[:64] if isinstance(hello, dict) else ""
+            # which of the invite's addresses the joiner came in on (for the status only)
+            kind = hello.get("kind") if isinstance(hello, dict) else None
         except ValueError:
-            name = ""
+            name, kind = "", None
+        if path == "direct" and kind in ("lan", "mapped", "ipv6", "public"):
+            path = f"direct ({kind})"
         await ws.send(b"\x01" + r.write_2(json.dumps({"pipeline": self.pipeline.hex()}).encode()))
         send_key, recv_key = r.keys()
         session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name)
@@ -692,7 +696,10 @@ async def _client_handshake(ws, invite: Invite, identity: Identity, target, name
     mode = MODE_MEMBER if member else MODE_JOIN
     prologue = _hello_prefix(mode, invite.pipeline, b"\x00" * 8 if member else invite.invite_id)
     ini = Initiator(identity.private, invite.host_key, prologue, psk=None if member else invite.psk())
-    await ws.send(prologue + ini.write_1(json.dumps({"name": name[:64], "t": int(time.time())}).encode()))
+    said = {"name": name[:64], "t": int(time.time())}
+    if path.startswith("direct ("):
+        said["kind"] = path[len("direct ("):-1]
+    await ws.send(prologue + ini.write_1(json.dumps(said).encode()))
     answer = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT * 2)
     if not isinstance(answer, (bytes, bytearray)) or not answer:
         raise TunnelError("the host answered something that is not a handshake")

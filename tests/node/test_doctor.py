@@ -38,3 +38,19 @@ def test_the_command_runs_here():
     out = subprocess.run([sys.executable, "-m", "engine", "doctor"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "--device auto computes on: cpu" in out.stdout
+
+
+def test_the_network_advice_says_what_the_router_and_nat_mean_for_friends():
+    from engine.node.doctor import NetFacts, advise_network
+
+    granted = "\n".join(advise_network(NetFacts(lan=["ws://192.168.1.5:7870"], mapped="ws://81.2.69.160:7870",
+                                                nat="endpoint-independent", public="81.2.69.160", stun_servers=3)))
+    assert "granted (ws://81.2.69.160:7870)" in granted and "no relay" in granted
+    assert "friendly NAT" in granted and "no global IPv6" in granted
+    refused = "\n".join(advise_network(NetFacts(mapping_why="no UPnP router answered", nat="symmetric",
+                                                public="81.2.69.160", stun_servers=3)))
+    assert "no UPnP router answered" in refused and "relay" in refused and "forward" in refused
+    assert "strict NAT" in refused
+    offline = "\n".join(advise_network(NetFacts(stun_servers=2)))
+    assert "no STUN server answered" in offline
+    assert "not checked" in "\n".join(advise_network(NetFacts()))
