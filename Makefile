@@ -16,7 +16,7 @@ QT_LIBS := libegl1 libgl1 libfontconfig1 libglib2.0-0 libdbus-1-3 libxkbcommon0 
            libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 \
            libxcb-render-util0 libxcb-shape0 libxcb-xinerama0 libxcb-xkb1 libx11-xcb1 fonts-dejavu-core
 
-.PHONY: setup qt-libs run chat serve test bench screenshots installers installers-test clean
+.PHONY: setup qt-libs net-test-tools run chat serve test bench screenshots installers installers-test clean
 
 setup: $(STAMP)
 
@@ -55,8 +55,19 @@ serve: setup
 
 # the installer tests check whatever dist/ holds, which may predate this checkout's code:
 # they run under installers-test, right after the build
-test: setup
+test: setup net-test-tools
 	$(BIN)/python -m pytest -q -ra -m "not installers"
+
+# the path tests (tests/node/test_home_paths.py) build homes in network namespaces from
+# Debian's real parts: iptables NAT, miniupnpd (UPnP-IGD, NAT-PMP) and coturn (STUN).
+# Installed with apt-get when this runs as root and they are missing (no service started);
+# without them those tests skip and say why
+net-test-tools: setup
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	   ! { command -v iptables && command -v miniupnpd && command -v turnserver; } >/dev/null 2>&1; then \
+	  echo "Installing the emulated homes' routers (apt-get: $$($(BIN)/python -m testkit.homenet --packages))"; \
+	  $(BIN)/python -m testkit.homenet --install >/dev/null; \
+	fi
 
 # every installer into dist/: the Linux .deb and .run (a PyInstaller bundle of this
 # checkout) and the Windows Potluck-Setup-<version>.exe (embedded Python + wheels + NSIS)

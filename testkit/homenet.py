@@ -88,6 +88,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 import sys
 import tempfile
 import threading
@@ -190,8 +191,19 @@ def stun_available() -> tuple[bool, str]:
 def install_packages() -> None:
     """apt-get install APT_PACKAGES (as root), without starting any system service."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", *APT_PACKAGES], check=True, env=env)
+    # a policy-rc.d that says "no" keeps the packages' postinst from starting coturn or
+    # miniupnpd as services on the machine itself (Debian's documented switch)
+    policy = Path("/usr/sbin/policy-rc.d")
+    ours = not policy.exists()
+    if ours:
+        policy.write_text("#!/bin/sh\nexit 101\n")
+        policy.chmod(0o755)
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *APT_PACKAGES], check=True, env=env)
+    finally:
+        if ours:
+            policy.unlink()
     upnp_available.cache_clear()
     stun_available.cache_clear()
     homenet_available.cache_clear()

@@ -35,6 +35,8 @@ The head asks for each stage's next hop at every arrangement (Head.hop: Friends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -67,7 +69,9 @@ DEAD_AFTER = 60.0
 MAX_STREAMS = 32
 WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
 
-CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING = range(1, 11)
+CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE = range(1, 12)
+DIRECT_RETRY_S = 30.0
+MODE_RESUME = 3                  # a second channel for a session that exists: see Session.move_to
 STAGE = 0                        # OPEN's target on a joiner: its own stage server
 _INNER = struct.Struct("<BI")
 
@@ -84,7 +88,7 @@ def parse_inner(data: bytes) -> tuple[int, int, bytes]:
     if len(data) < _INNER.size:
         raise NoiseError("inner frame shorter than its header")
     kind, stream = _INNER.unpack_from(data)
-    if not CONFIRM <= kind <= LISTENING:
+    if not CONFIRM <= kind <= MOVE:
         raise NoiseError(f"unknown inner frame type {kind}")
     return kind, stream, bytes(data[_INNER.size:])
 
@@ -97,16 +101,30 @@ def parse_hello(msg) -> tuple[int, bytes, bytes, bytes, bytes]:
     if len(msg) < PROLOGUE_LEN or msg[:4] != MAGIC:
         raise NoiseError("not a Potluck tunnel handshake")
     mode = msg[4]
-    if mode not in (MODE_JOIN, MODE_MEMBER):
+    if mode not in (MODE_JOIN, MODE_MEMBER, MODE_RESUME):
         raise NoiseError(f"unknown handshake mode {mode}")
     return mode, msg[5:13], msg[13:21], msg[:PROLOGUE_LEN], msg[PROLOGUE_LEN:]
 
 
 # ---- a session: streams over one authenticated channel ------------------------------
 class Session:
+    """Streams over one authenticated channel, which may move to another mid-stream.
+
+    Moving (relayed -> direct): the joiner opens a second channel and proves on it that it
+    holds this session's keys (TunnelHost._resume); then each side sends MOVE as its last
+    frame on the old channel and goes on, with the same ciphers and counters, on the new
+    one, and each reads the old channel until the other's MOVE. Both channels are ordered,
+    so nothing is lost or repeated, and a frame on the new channel opens only under the
+    session's keys at the next counter."""
+
     def __init__(self, ws, send_key: bytes, recv_key: bytes, *, role: str, peer_key: bytes, path: str,
-                 target: tuple[str, int] | None = None, name: str = ""):
-        self.ws = ws
+                 target: tuple[str, int] | None = None, name: str = "", handshake_hash: bytes = b""):
+        self.ws_in = self.ws_out = ws
+        self._next: tuple | None = None      # (channel, path) proven for a move, not yet moved to
+        self.resume_key = hmac.new(handshake_hash or os.urandom(32), b"potluck resume", hashlib.sha256).digest()
+        self.resume_id = hashlib.sha256(self.resume_key).digest()[:8]
+        self.moves = 0
+        self.moved = asyncio.Event()         # set at each completed move (both directions)
         self.tx, self.rx = TransportCipher(send_key), TransportCipher(recv_key)
         self.role, self.peer_key, self.path, self.target, self.name = role, peer_key, path, target, name
         self.streams: dict[int, asyncio.StreamWriter] = {}
@@ -135,10 +153,11 @@ class Session:
         async with self._send_lock:  # counters must go out in the order they were taken
             frame = self.tx.encrypt(pack_inner(kind, stream, payload))
             self.bytes_out += len(frame)
-            await self.ws.send(frame)
+            await self.ws_out.send(frame)
 
     async def recv_inner(self, timeout: float | None = None) -> tuple[int, int, bytes]:
-        data = await asyncio.wait_for(self.ws.recv(), timeout) if timeout else await self.ws.recv()
+        ws = self.ws_in
+        data = await asyncio.wait_for(ws.recv(), timeout) if timeout else await ws.recv()
         if not isinstance(data, (bytes, bytearray)):
             raise NoiseError("text frame inside a tunnel")
         self.bytes_in += len(data)
@@ -159,7 +178,8 @@ class Session:
         except Exception:   # noqa: BLE001  the channel may be gone already
             pass
         self.closed.set()
-        await self.ws.close()
+        for ws in {self.ws_in, self.ws_out} | ({self._next[0]} if self._next else set()):
+            await ws.close()
         for t in list(self._pumps.values()) + self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
@@ -214,6 +234,8 @@ class Session:
                 elif kind == BYE:
                     self.close_reason = f"the peer closed the tunnel: {payload.decode(errors='replace')[:200]}"
                     break
+                elif kind == MOVE:
+                    await self._moved_in()
                 elif kind in (CONFIRM, READY):
                     raise NoiseError("handshake frame after the handshake")
         except NoiseError as exc:
@@ -222,6 +244,42 @@ class Session:
         except (ConnectionClosed, OSError, ConnectionError) as exc:
             self.close_reason = self.close_reason or f"channel closed ({exc})"
         await self.close(self.close_reason or "closed")
+
+    def expect_move(self, ws, path: str):
+        """A channel proven to reach the peer of this session (TunnelHost._resume, or the
+        joiner's own resume): the peer's MOVE will switch reading to it."""
+        if self._next is not None:
+            raise NoiseError("a move is under way already")
+        self._next = (ws, path)
+
+    async def move_to(self, ws, path: str):
+        """The joiner's side of a move, once `ws` is proven: say MOVE on the old channel and
+        send on the new one from now on; reading follows at the host's MOVE."""
+        self.expect_move(ws, path)
+        async with self._send_lock:
+            await self.ws_out.send(self.tx.encrypt(pack_inner(MOVE, 0)))
+            self.ws_out = ws
+
+    async def _moved_in(self):
+        """The peer's MOVE: its frames come on the new channel from now on. The host then
+        moves its own sending (its MOVE ends the old channel); the side that moved both
+        ways last closes the old channel."""
+        if self._next is None:
+            raise NoiseError("MOVE without a proven channel to move to")
+        old = self.ws_in
+        new, path = self._next
+        self.ws_in = new
+        if self.ws_out is old:
+            async with self._send_lock:
+                await old.send(self.tx.encrypt(pack_inner(MOVE, 0)))
+                self.ws_out = new
+        self._next = None
+        self.path = path
+        self.moves += 1
+        self.moved.set()
+        # the old channel carried its last frame; its closing handshake must not hold up
+        # this reader (a relay answers it late, if at all)
+        asyncio.ensure_future(old.close())
 
     async def _on_open(self, sid: int, payload: bytes):
         target_id = struct.unpack("<I", payload)[0] if len(payload) == 4 else (STAGE if not payload else -1)
@@ -480,6 +538,7 @@ class TunnelHost:
         """Handles one channel (direct or relayed) until its session ends."""
         try:
             session = await self._handshake(ws, path)
+            resumed = session.ws_in is not ws and session._next is not None
         except _Refused as exc:
             await self._reject(ws, str(exc))
             return
@@ -490,8 +549,9 @@ class TunnelHost:
             log.exception("unexpected error in a handshake")
             await self._reject(ws, f"internal error: {type(exc).__name__}")
             return
-        await session.closed.wait()
-        self.on_event(f"peer {session.peer_id} ({session.name}) disconnected: {session.close_reason}")
+        await session.closed.wait()      # the channel's handler lives as long as the session
+        if not resumed:
+            self.on_event(f"peer {session.peer_id} ({session.name}) disconnected: {session.close_reason}")
 
     async def _handshake(self, ws, path: str) -> Session:
         try:
@@ -504,6 +564,8 @@ class TunnelHost:
             raise _Refused(str(exc)) from None
         if pipeline != self.pipeline:
             raise _Refused("this host serves another pipeline")
+        if mode == MODE_RESUME:
+            return await self._resume(ws, path, invite_id)
         psk = None
         if mode == MODE_JOIN:
             try:
@@ -537,7 +599,8 @@ class TunnelHost:
             path = f"direct ({kind})"
         await ws.send(b"\x01" + r.write_2(json.dumps({"pipeline": self.pipeline.hex()}).encode()))
         send_key, recv_key = r.keys()
-        session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name)
+        session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name,
+                          handshake_hash=r.handshake_hash)
         try:
             kind, _, _ = await session.recv_inner(HANDSHAKE_TIMEOUT)
         except asyncio.TimeoutError:
@@ -555,6 +618,33 @@ class TunnelHost:
         await session.send(READY)
         self.accepted += 1
         await self._attach(session)
+        return session
+
+    async def _resume(self, ws, path: str, resume_id: bytes) -> Session:
+        """A second channel for a session that exists (a joiner on the relay found a direct
+        path): it must prove the session's keys, then the session moves onto it."""
+        session = next((p.session for p in self.peers.values() if p.session is not None
+                        and not p.session.closed.is_set() and hmac.compare_digest(p.session.resume_id, resume_id)),
+                       None)
+        if session is None:
+            raise _Refused("no such session to resume")
+        nonce = os.urandom(16)
+        await ws.send(b"\x02" + nonce)
+        try:
+            answer = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise _Refused("no proof within the handshake timeout") from None
+        if not isinstance(answer, bytes) or len(answer) < 32 or not hmac.compare_digest(
+                answer[:32], hmac.new(session.resume_key, b"joiner" + nonce, hashlib.sha256).digest()):
+            raise _Refused("not the session's keys")
+        kind = answer[32:40].decode(errors="replace")
+        here = f"direct ({kind})" if path == "direct" and kind in ("lan", "mapped", "ipv6", "public") else path
+        try:
+            session.expect_move(ws, here)
+        except NoiseError as exc:
+            raise _Refused(str(exc)) from None
+        await ws.send(b"\x03" + hmac.new(session.resume_key, b"host" + nonce, hashlib.sha256).digest())
+        self.on_event(f"peer {session.peer_id} ({session.name}) moving to {here}")
         return session
 
     async def _attach(self, session: Session):
@@ -623,8 +713,7 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
     and return a started Session whose streams lead to `target` (our stage server).
     prefer: "auto", "direct" or "relay". Raises TunnelError with the reasons."""
     say = log_event or (lambda text: log.info(text))
-    direct = [(f"direct ({k})" if k != "given" else "direct", a)
-              for k, a in sorted(zip(invite.kinds, invite.direct), key=lambda ka: _KIND_ORDER.get(ka[0], 9))]
+    direct = direct_routes(invite)
     relay = ([("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}")]
              if prefer in ("auto", "relay") and invite.relay else [])
     if prefer == "relay":
@@ -648,10 +737,48 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
             reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
             errors.append(f"{path} {url}: {reason}")
             say(f"{path} route {url} failed ({reason})")
-    raise TunnelError("cannot reach the host: " + "; ".join(errors))
+    hint = ("" if invite.relay or prefer == "relay" else
+            ". No direct path reaches the host, and this code names no relay: the host can turn on UPnP "
+            "on their router (`potluck doctor` checks it), forward the port to their computer, or host "
+            "with a relay (--relay)")
+    raise TunnelError("cannot reach the host: " + "; ".join(errors) + hint)
 
 
 _KIND_ORDER = {"lan": 0, "given": 1, "mapped": 2, "ipv6": 3, "public": 4}
+
+
+def direct_routes(invite: Invite) -> list[tuple[str, str]]:
+    """(path, url) of the invite's direct addresses, in the order a joiner tries them."""
+    return [(f"direct ({k})" if k != "given" else "direct", a)
+            for k, a in sorted(zip(invite.kinds, invite.direct), key=lambda ka: _KIND_ORDER.get(ka[0], 9))]
+
+
+async def resume_direct(session: Session, invite: Invite, say) -> bool:
+    """A relayed session tries the invite's direct addresses; where one opens and the
+    host there proves it holds this session (and we prove it to it), the session moves
+    onto it mid-stream (Session.move_to). Returns whether it moved."""
+    errors: list[str] = []
+    path, url, ws = await _first_to_connect(direct_routes(invite), errors, lambda text: None)
+    if ws is None:
+        return False
+    try:
+        await ws.send(_hello_prefix(MODE_RESUME, invite.pipeline, session.resume_id))
+        challenge = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT)
+        if not isinstance(challenge, bytes) or len(challenge) != 17 or challenge[0] != 2:
+            raise TunnelError(f"the host there did not take the session: {bytes(challenge[1:])[:200]!r}")
+        nonce = challenge[1:]
+        kind = path[len("direct ("):-1] if path.startswith("direct (") else ""
+        await ws.send(hmac.new(session.resume_key, b"joiner" + nonce, hashlib.sha256).digest() + kind.encode()[:8])
+        confirm = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT)
+        if not (isinstance(confirm, bytes) and len(confirm) == 33 and confirm[0] == 3 and hmac.compare_digest(
+                confirm[1:], hmac.new(session.resume_key, b"host" + nonce, hashlib.sha256).digest())):
+            raise TunnelError("the answer there is not from the host of this session")
+        await session.move_to(ws, path)
+        return True
+    except (TunnelError, NoiseError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
+        say(f"{path} {url} opened but the session could not move there ({exc or type(exc).__name__})")
+        await ws.close()
+        return False
 STAGGER_S = 0.25    # happy eyeballs: the next address starts this long after the one before
 
 
@@ -711,6 +838,7 @@ async def _client_handshake(ws, invite: Invite, identity: Identity, target, name
         raise TunnelError(str(exc)) from None
     send_key, recv_key = ini.keys()
     session = Session(ws, send_key, recv_key, role="joiner", peer_key=invite.host_key, path=path,
+                      handshake_hash=ini.handshake_hash,
                       target=target, name=name)
     await session.send(CONFIRM)
     try:
@@ -729,8 +857,12 @@ class Joiner:
     the invite; after a drop it reconnects as a member (its key is allowlisted)."""
 
     def __init__(self, invite: Invite, identity: Identity, target: tuple[str, int], name: str = "",
-                 prefer: str = "auto", on_event=None):
+                 prefer: str = "auto", on_event=None, direct_retry_s: float | None = None):
         self.invite, self.identity, self.target, self.name, self.prefer = invite, identity, target, name, prefer
+        # while relayed, how often the direct addresses are tried again (a router's mapping
+        # may come late, a firewall may open): the session then moves there mid-stream
+        self.direct_retry_s = float(os.environ.get("POTLUCK_DIRECT_RETRY_S", DIRECT_RETRY_S)) \
+            if direct_retry_s is None else direct_retry_s
         self.on_event = on_event or (lambda text: log.info(text))
         self.session: Session | None = None
         self.member = False
@@ -748,7 +880,11 @@ class Joiner:
             await self.connect()
         delay = 1.0
         while True:
-            await self.session.closed.wait()
+            seeker = asyncio.ensure_future(self._seek_direct(self.session))
+            try:
+                await self.session.closed.wait()
+            finally:
+                seeker.cancel()
             self.on_event(f"tunnel closed: {self.session.close_reason}")
             if "revoked" in self.session.close_reason:
                 raise TunnelError(self.session.close_reason)
@@ -763,6 +899,22 @@ class Joiner:
                         raise
                     self.on_event(f"reconnect failed: {exc}")
                     delay = min(delay * 2, 30.0)
+
+
+    async def _seek_direct(self, session: Session):
+        while session.path == "relay" and self.invite.direct and self.prefer != "relay":
+            try:
+                await asyncio.wait_for(session.closed.wait(), self.direct_retry_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if await resume_direct(session, self.invite, self.on_event):
+                try:      # the host's MOVE ends the old channel: then the move is whole
+                    await asyncio.wait_for(session.moved.wait(), HANDSHAKE_TIMEOUT)
+                except asyncio.TimeoutError:
+                    await session.close("the host did not finish moving to the direct path")
+                    return
+                self.on_event(f"moved to {session.path}: no longer relayed")
 
 
 def default_name() -> str:

@@ -1,0 +1,139 @@
+"""Both ends of a tunnel between two homes, as processes, for the path tests (issue 33).
+
+    python -m testkit.pathpeer host --folder F [--relay URL] [--no-upnp] [--seconds S]
+    python -m testkit.pathpeer join --folder F --code CODE
+
+The host (engine/wire/tunnel.py TunnelHost, the node's own code) listens on 0.0.0.0:7870,
+gathers its candidates (a UPnP mapping included unless --no-upnp), prints `CODE <invite>`
+and `CANDIDATES <json>`, waits for one joiner, then streams numbered lines through the
+tunnel to the joiner's echo server for S seconds and checks each echo: one line a
+`PATH <path>` whenever the session's path changes, and at the end `RESULT <json>` (lines
+sent, echoes in order, the paths seen). Then it closes (removing the router's mapping)
+and prints `CLOSED`.
+
+The joiner runs an echo server on loopback and engine.wire.tunnel.Joiner over the code
+(POTLUCK_DIRECT_RETRY_S applies), printing `JOINED <path>` and the Joiner's events, or
+`FAILED <reason>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+async def host(a) -> int:
+    from engine.wire.identity import load_or_create_identity
+    from engine.wire.invite import HostState
+    from engine.wire.tunnel import TunnelHost
+
+    folder = Path(a.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    th = TunnelHost(load_or_create_identity(folder), HostState(folder), on_event=lambda t: say("EVENT", t))
+    await th.listen("0.0.0.0", 7870, upnp=not a.no_upnp)
+    if a.relay:
+        await th.use_relay(a.relay)
+        await asyncio.sleep(1.0)          # registered before the code goes out
+    say("CANDIDATES", json.dumps({"direct": th.direct_addresses, "kinds": th.direct_kinds,
+                                  "nat": th.gathered.nat if th.gathered else None,
+                                  "mapping": th.gathered.mapping.why_not if th.gathered else None}))
+    say("CODE", th.invite(uses=1))
+    try:
+        peer = await asyncio.wait_for(th.wait_peer(), a.wait)
+    except asyncio.TimeoutError:
+        say("RESULT", json.dumps({"joined": False}))
+        await th.close()
+        say("CLOSED")
+        return 0
+    say("JOINED", peer.path)
+    reader, writer = await asyncio.open_connection("127.0.0.1", peer.port)
+    paths, sent, echoed, bad = [peer.path], 0, 0, []
+
+    async def read_echoes():
+        nonlocal echoed
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            if int(line) != echoed:
+                bad.append((echoed, line.decode().strip()))
+            echoed += 1
+
+    reading = asyncio.ensure_future(read_echoes())
+    t_end = time.monotonic() + a.seconds
+    while time.monotonic() < t_end:
+        writer.write(f"{sent}\n".encode())
+        await writer.drain()
+        sent += 1
+        if peer.path != paths[-1]:
+            paths.append(peer.path)
+            say("PATH", peer.path)
+        await asyncio.sleep(0.02)
+    for _ in range(200):                   # the last echoes are on their way
+        if echoed >= sent:
+            break
+        await asyncio.sleep(0.05)
+    reading.cancel()
+    writer.close()
+    say("RESULT", json.dumps({"joined": True, "sent": sent, "echoed": echoed, "out_of_order": bad[:5],
+                              "paths": paths, "moves": peer.session.moves if peer.session else None}))
+    await th.close()
+    say("CLOSED")
+    return 0
+
+
+async def join(a) -> int:
+    from engine.wire.identity import load_or_create_identity
+    from engine.wire.invite import parse
+    from engine.wire.tunnel import Joiner, TunnelError
+
+    async def echo(r, w):
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
+    folder = Path(a.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    joiner = Joiner(parse(a.code), load_or_create_identity(folder), ("127.0.0.1", srv.sockets[0].getsockname()[1]),
+                    name="friend", on_event=lambda t: say("EVENT", t))
+    try:
+        session = await joiner.connect()
+    except TunnelError as exc:
+        say("FAILED", exc)
+        return 1
+    say("JOINED", session.path)
+    try:
+        await joiner.run()
+    except TunnelError as exc:
+        say("ENDED", exc)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    h = sub.add_parser("host")
+    h.add_argument("--folder", required=True)
+    h.add_argument("--relay", default="")
+    h.add_argument("--no-upnp", action="store_true")
+    h.add_argument("--seconds", type=float, default=3.0)
+    h.add_argument("--wait", type=float, default=60.0)
+    j = sub.add_parser("join")
+    j.add_argument("--folder", required=True)
+    j.add_argument("--code", required=True)
+    a = p.parse_args(argv)
+    return asyncio.run(host(a) if a.cmd == "host" else join(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

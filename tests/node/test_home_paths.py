@@ -1,0 +1,175 @@
+"""Two homes behind real NAT routers (testkit/homenet.py: iptables NAT and firewalls,
+miniupnpd, coturn, a relay on the public side): which path a join takes, with no
+server of the homes' own where the routers allow it (issue 33).
+
+Each cell runs the node's tunnel code in two processes (testkit/pathpeer.py), the host
+in home 0 and the joiner in home 1, and streams numbered lines through the tunnel; the
+default model's pipeline over such a tunnel is tests/node/test_across_homes.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testkit.homenet import HomeSpec, home_internet, homenet_available, stun_available, upnp_available
+
+ok, why = homenet_available()
+pytestmark = pytest.mark.skipif(not ok, reason=f"emulated homes unavailable: {why}")
+has_upnp, why_upnp = upnp_available()
+has_stun, _ = stun_available()
+
+
+class Peer:
+    """A pathpeer process, its lines read as they come."""
+
+    def __init__(self, net, ns, argv, env):
+        self.p = net.popen(ns, [sys.executable, "-m", "testkit.pathpeer", *argv], env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+
+    def wait_for(self, prefix: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        for line in self.lines:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        raise AssertionError(f"no {prefix!r} within {timeout:g} s:\n" + "\n".join(self.lines[-30:]))
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        self.lines += self.p.stdout.read().splitlines()       # what it said after we stopped reading
+
+
+def _env(tmp_path, **extra):
+    return dict(os.environ, HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path), **extra)
+
+
+def _run_cell(net, tmp_path, *, relay: bool = False, upnp: bool = True, seconds: float = 2.0,
+              during=None, env_extra=None):
+    env = _env(tmp_path, **(env_extra or {}))
+    relay_proc = None
+    argv = ["host", "--folder", str(tmp_path / "host"), "--seconds", str(seconds), "--wait", "90"]
+    if relay:
+        relay_proc = net.popen(net.public, [sys.executable, "-m", "engine", "relay", "--host", "0.0.0.0",
+                                            "--port", "8765"], env=env, text=True, stdout=subprocess.PIPE)
+        relay_proc.stdout.readline()
+        argv += ["--relay", f"ws://{net.public_addr}:8765"]
+    if not upnp:
+        argv.append("--no-upnp")
+    host = Peer(net, net.host(0), argv, env)
+    joiner = None
+    try:
+        cands = json.loads(host.wait_for("CANDIDATES", 60))
+        code = host.wait_for("CODE", 30)
+        joiner = Peer(net, net.host(1), ["join", "--folder", str(tmp_path / "joiner"), "--code", code], env)
+        joined = _joined_or_failed(joiner)
+        if joined.startswith("FAILED"):
+            return cands, None, joined, None, host, joiner
+        first = joined[len("JOINED"):].strip()
+        if during is not None:
+            host.wait_for("JOINED", 30)
+            during(host, joiner)
+        result = json.loads(host.wait_for("RESULT", 120 + seconds))
+        host.wait_for("CLOSED", 30)
+        return cands, first, None, result, host, joiner
+    finally:
+        for p in (joiner, host):
+            if p is not None:
+                p.stop()
+        if relay_proc is not None:
+            relay_proc.terminate()
+            relay_proc.wait(20)
+
+
+def _joined_or_failed(joiner: Peer, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = joiner.p.stdout.readline()
+        if not line:
+            break
+        joiner.lines.append(line.rstrip("\n"))
+        if line.startswith("JOINED") or line.startswith("FAILED"):
+            return line.strip()
+    raise AssertionError("the joiner neither joined nor failed:\n" + "\n".join(joiner.lines[-30:]))
+
+
+def _streamed_whole(result: dict) -> bool:
+    return result["joined"] and result["sent"] > 10 and result["echoed"] == result["sent"] \
+        and not result["out_of_order"]
+
+
+@pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")
+def test_two_homes_join_with_no_relay_through_the_routers_mapping(tmp_path):
+    """Home 0's router grants a UPnP mapping, home 1 sits behind a symmetric NAT, nobody
+    runs a relay: the invite carries the mapped address, the friend joins on it, and the
+    mapping is gone from the router once the host stops."""
+    with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="symmetric")], stun=has_stun,
+                       subnet=61) as net:
+        env = {"POTLUCK_STUN": f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478"} if has_stun else {}
+        cands, first, failed, result, host, _ = _run_cell(net, tmp_path, env_extra=env)
+        assert failed is None, failed
+        assert f"ws://{net.wan_addr(0)}:7870" in cands["direct"], cands
+        assert cands["kinds"][cands["direct"].index(f"ws://{net.wan_addr(0)}:7870")] == "mapped"
+        if has_stun:
+            assert cands["nat"] == "endpoint-independent", cands
+        assert first == "direct (mapped)"
+        assert result["paths"] == ["direct (mapped)"] and _streamed_whole(result), result
+        rules = net.exec(net.router(0), ["nft", "list", "table", "inet", "miniupnpd"]).stdout
+        assert "7870" not in rules, rules                     # the host removed its mapping
+
+
+def test_without_a_mapping_or_a_relay_the_join_says_what_would_help(tmp_path):
+    """Both homes behind NAT, no UPnP, no relay: no path can exist, and the friend is
+    told so, with what the host can do."""
+    with home_internet([HomeSpec(nat="eim"), HomeSpec(nat="eim")], subnet=62) as net:
+        cands, first, failed, _, _, _ = _run_cell(net, tmp_path, upnp=False)
+        assert first is None and failed.startswith("FAILED"), failed
+        assert cands["kinds"] == ["lan"], cands                  # its private address only
+        assert "no relay" in failed and "UPnP" in failed and "forward" in failed, failed
+
+
+def test_a_host_with_no_nat_is_joined_directly_on_its_own_address(tmp_path):
+    with home_internet([HomeSpec(nat=None), HomeSpec(nat="symmetric")], subnet=63) as net:
+        cands, first, failed, result, _, _ = _run_cell(net, tmp_path, upnp=False)
+        assert failed is None, failed
+        assert cands["kinds"] == ["public"], cands
+        assert first == "direct (public)" and _streamed_whole(result), result
+
+
+@pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")
+def test_a_relayed_tunnel_moves_to_a_direct_path_mid_stream_without_losing_a_line(tmp_path):
+    """The friend's router first blocks the host's mapped port (the join goes through the
+    relay); it opens while lines stream, and the tunnel moves to the direct path within
+    the retry interval: every line echoed once, in order."""
+    with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="eim")], subnet=64) as net:
+        block = ["iptables", "-I", "FORWARD", "-d", net.wan_addr(0), "-p", "tcp", "--dport", "7870", "-j", "DROP"]
+        net.exec(net.router(1), block)
+
+        def unblock(host, joiner):
+            time.sleep(2.0)                                      # lines flow through the relay first
+            net.exec(net.router(1), ["iptables", "-D", *block[2:]])
+            host.wait_for("PATH direct (mapped)", 30)
+
+        _, first, failed, result, host, joiner = _run_cell(
+            net, tmp_path, relay=True, seconds=8.0, during=unblock, env_extra={"POTLUCK_DIRECT_RETRY_S": "1"})
+        assert failed is None, failed
+        assert first == "relay", joiner.lines
+        assert result["paths"] == ["relay", "direct (mapped)"] and result["moves"] == 1, "\n".join(host.lines + ["--"] + joiner.lines)
+        assert _streamed_whole(result), result
+        assert any("moved to direct (mapped)" in line for line in joiner.lines), joiner.lines
