@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 
 
+# in every line: what an observer of the wire must never find in the bytes it captured
+MARKER = "potluck-plaintext-line-marker"
+
+
 def say(*parts) -> None:
     print(*parts, flush=True)
 
@@ -63,14 +67,14 @@ async def host(a) -> int:
             line = await reader.readline()
             if not line:
                 return
-            if int(line) != echoed:
+            if int(line.split()[0]) != echoed:
                 bad.append((echoed, line.decode().strip()))
             echoed += 1
 
     reading = asyncio.ensure_future(read_echoes())
     t_end = time.monotonic() + a.seconds
     while time.monotonic() < t_end:
-        writer.write(f"{sent}\n".encode())
+        writer.write(f"{sent} {MARKER}\n".encode())
         await writer.drain()
         sent += 1
         if peer.path != paths[-1]:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from testkit.pathpeer import MARKER
 from testkit.homenet import HomeSpec, home_internet, homenet_available, stun_available, upnp_available
 
 ok, why = homenet_available()
@@ -61,9 +62,15 @@ def _env(tmp_path, **extra):
 
 
 def _run_cell(net, tmp_path, *, relay: bool = False, upnp: bool = True, seconds: float = 2.0,
-              during=None, env_extra=None):
+              during=None, env_extra=None, watch=None):
+    """watch=(namespace, interface): an observer captures that wire meanwhile, into
+    tmp_path/"wire.bin"."""
     env = _env(tmp_path, **(env_extra or {}))
-    relay_proc = None
+    relay_proc = observer = None
+    if watch is not None:
+        observer = net.popen(watch[0], [sys.executable, "-m", "testkit.sniff", watch[1], str(tmp_path / "wire.bin")],
+                             env=env, text=True, stdout=subprocess.PIPE)
+        observer.stdout.readline()
     argv = ["host", "--folder", str(tmp_path / "host"), "--seconds", str(seconds), "--wait", "90"]
     if relay:
         relay_proc = net.popen(net.public, [sys.executable, "-m", "engine", "relay", "--host", "0.0.0.0",
@@ -92,9 +99,10 @@ def _run_cell(net, tmp_path, *, relay: bool = False, upnp: bool = True, seconds:
         for p in (joiner, host):
             if p is not None:
                 p.stop()
-        if relay_proc is not None:
-            relay_proc.terminate()
-            relay_proc.wait(20)
+        for p in (relay_proc, observer):
+            if p is not None:
+                p.terminate()
+                p.wait(20)
 
 
 def _joined_or_failed(joiner: Peer, timeout: float = 60.0) -> str:
@@ -122,7 +130,7 @@ def test_two_homes_join_with_no_relay_through_the_routers_mapping(tmp_path):
     with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="symmetric")], stun=has_stun,
                        subnet=61) as net:
         env = {"POTLUCK_STUN": f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478"} if has_stun else {}
-        cands, first, failed, result, host, _ = _run_cell(net, tmp_path, env_extra=env)
+        cands, first, failed, result, host, _ = _run_cell(net, tmp_path, env_extra=env, watch=(net.router(0), "wan"))
         assert failed is None, failed
         assert f"ws://{net.wan_addr(0)}:7870" in cands["direct"], cands
         assert cands["kinds"][cands["direct"].index(f"ws://{net.wan_addr(0)}:7870")] == "mapped"
@@ -130,6 +138,9 @@ def test_two_homes_join_with_no_relay_through_the_routers_mapping(tmp_path):
             assert cands["nat"] == "endpoint-independent", cands
         assert first == "direct (mapped)"
         assert result["paths"] == ["direct (mapped)"] and _streamed_whole(result), result
+        # someone on the internet side of the host's router saw the tunnel, not the lines
+        seen = (tmp_path / "wire.bin").read_bytes()
+        assert len(seen) > 20_000 and MARKER.encode() not in seen, len(seen)
         rules = net.exec(net.router(0), ["nft", "list", "table", "inet", "miniupnpd"]).stdout
         assert "7870" not in rules, rules                     # the host removed its mapping
 
