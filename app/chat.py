@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
                                QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
 from .client import ChatStream
+from .pipeline_text import friend_label
 from .store import DamagedConversation, Message
 
 FLUSH_MS = 80
@@ -281,7 +282,7 @@ class ChatWindow(QMainWindow):
             for i, s in enumerate(hosting["stages"]):
                 a, b = s["layers"]
                 where = "this computer (head)" if i == 0 else (
-                    f"{s['name']} (via {s.get('via')})" if s.get("name") else s["address"])
+                    friend_label(s))
                 kv = f", {s['kv_tokens']} KV tokens" if s.get("kv_tokens") is not None else ""
                 link = s.get("link") or {}
                 if link.get("rtt_ms") is not None:

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from . import autostart, gpu_enable
 from .secrets_store import get_secret, set_secret
+from .pipeline_text import friend_label
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
@@ -566,7 +567,7 @@ def status_html(st: dict) -> str:
                    "<tr><th>Computer</th><th>Computes on</th><th>Layers</th><th>KV tokens</th></tr>")
         for s in h["stages"]:
             a, b = s["layers"]
-            who = f"{s['name']} (via {s.get('via')})" if s.get("name") else s["address"]
+            who = friend_label(s)
             on = s.get("device_name") or s.get("device") or "?"
             out.append(f"<tr><td>{who}</td><td>{on}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
         out.append("</table>")

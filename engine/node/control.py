@@ -364,10 +364,14 @@ class Node:
             info["openai_url"] = self.openai_url
             info["api_lan_url"] = self.api_lan_url
             info["invite"] = self.invite_code
-            info["friends"] = self.friends
             for st, f in zip(info["stages"][1:], self.friends):
                 st["name"] = f["name"] or f["node_id"]
-                st["via"] = f["via"]
+                peer = f.get("peer")
+                live = peer.session.link() if peer is not None and peer.session is not None else None
+                # the path as it is now (a relayed friend moves to a direct path by itself)
+                st["via"] = live["path"] if live else f["via"]
+                st["tunnel"] = live
+            info["friends"] = [{k: v for k, v in f.items() if k != "peer"} for f in self.friends]
             hosting = info
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,
@@ -632,7 +636,7 @@ class Node:
                                 friends=[p.name or p.node_id for p in peers])
 
         peers = await gate.wait(n, on_arrival=arrived)
-        self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path} for p in peers]
+        self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]
         self.loading.update(message=f"Loading {args['model']} across {n + 1} computers…",
                             friends=[p.name or p.node_id for p in peers])
         return await gate.route(peers, cfg)

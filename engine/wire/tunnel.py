@@ -43,7 +43,7 @@ import os
 import socket
 import struct
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from websockets.asyncio.client import connect
@@ -125,6 +125,9 @@ class Session:
         self.resume_id = hashlib.sha256(self.resume_key).digest()[:8]
         self.moves = 0
         self.moved = asyncio.Event()         # set at each completed move (both directions)
+        self.rtt: float | None = None        # seconds, from the keepalive's PING/PONG
+        self._ping_sent: float | None = None
+        self._recent: deque = deque(maxlen=4096)   # (time, bytes) of recent frames both ways
         self.tx, self.rx = TransportCipher(send_key), TransportCipher(recv_key)
         self.role, self.peer_key, self.path, self.target, self.name = role, peer_key, path, target, name
         self.streams: dict[int, asyncio.StreamWriter] = {}
@@ -153,6 +156,7 @@ class Session:
         async with self._send_lock:  # counters must go out in the order they were taken
             frame = self.tx.encrypt(pack_inner(kind, stream, payload))
             self.bytes_out += len(frame)
+            self._recent.append((time.monotonic(), len(frame)))
             await self.ws_out.send(frame)
 
     async def recv_inner(self, timeout: float | None = None) -> tuple[int, int, bytes]:
@@ -162,6 +166,7 @@ class Session:
             raise NoiseError("text frame inside a tunnel")
         self.bytes_in += len(data)
         self.last_rx = time.monotonic()
+        self._recent.append((self.last_rx, len(data)))
         return parse_inner(self.rx.decrypt(data))
 
     def start(self):
@@ -192,13 +197,23 @@ class Session:
             if not fut.done():
                 fut.cancel()
 
+    def link(self, window: float = 5.0) -> dict:
+        """What the status shows of this tunnel: its path, round trip and recent goodput."""
+        now = time.monotonic()
+        recent = sum(n for t, n in self._recent if now - t <= window)
+        return {"path": self.path, "rtt_ms": None if self.rtt is None else self.rtt * 1000,
+                "mbit_s": recent * 8 / window / 1e6}
+
     async def _keepalive(self):
+        first = True
         while not self.closed.is_set():
-            await asyncio.sleep(PING_INTERVAL)
+            await asyncio.sleep(0.0 if first else PING_INTERVAL)   # a round trip to show at once
+            first = False
             if time.monotonic() - self.last_rx > DEAD_AFTER:
                 await self.close(f"no traffic from the peer for {DEAD_AFTER:g} s")
                 return
             try:
+                self._ping_sent = time.monotonic()
                 await self.send(PING)
             except (ConnectionClosed, OSError):
                 await self.close("channel closed")
@@ -231,6 +246,8 @@ class Session:
                         t.cancel()
                 elif kind == PING:
                     await self.send(PONG)
+                elif kind == PONG and self._ping_sent is not None:
+                    self.rtt, self._ping_sent = time.monotonic() - self._ping_sent, None
                 elif kind == BYE:
                     self.close_reason = f"the peer closed the tunnel: {payload.decode(errors='replace')[:200]}"
                     break

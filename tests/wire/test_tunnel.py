@@ -281,6 +281,12 @@ async def test_direct_and_relay_tunnels_carry_streams(tmp_path):
         peer = await asyncio.wait_for(home.host.wait_peer(), 10)
         assert s1.path == "direct" and peer.path == "direct" and peer.name == "bob"
         assert await _roundtrip(peer)
+        for _ in range(100):     # the keepalive's first PING goes out at once: a round trip to show
+            if peer.session.link()["rtt_ms"] is not None:
+                break
+            await asyncio.sleep(0.05)
+        link = peer.session.link()
+        assert link["path"] == "direct" and 0 < link["rtt_ms"] < 5000 and link["mbit_s"] > 0, link
         await s1.close("test")
         assert seen == []                       # direct: the relay saw nothing
         # the same key again, now through the relay, as an allowlisted member

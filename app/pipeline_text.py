@@ -1,0 +1,17 @@
+"""How the app names a friend's stage and the path to it (the chat window's header and
+Pipeline status say the same): pure, from the node's status."""
+
+from __future__ import annotations
+
+
+def friend_label(stage: dict) -> str:
+    """'Ana (direct (mapped), 23 ms)': who holds the stage, the tunnel's path (direct, and
+    how: LAN, the router's mapping, IPv6, a public address; or relayed) and its round
+    trip; a stage reached by address is named by it."""
+    if not stage.get("name"):
+        return stage.get("address", "?")
+    via = stage.get("via") or "connecting"
+    if via == "relay":
+        via = "relayed"
+    rtt = (stage.get("tunnel") or {}).get("rtt_ms")
+    return f"{stage['name']} ({via}{f', {rtt:.0f} ms' if rtt is not None else ''})"
