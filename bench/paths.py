@@ -1,6 +1,7 @@
-"""What sealing the stage links costs (issue 33): sealed vs plain, side by side.
+"""Paths between homes (issue 33): what sealing costs, what going direct gains, and
+which path each kind of home gets.
 
-Two parts, both in this one process (2 cores: nothing else runs beside them):
+Three parts:
 
   * seal      one message sealed and opened (engine/wire/stage_auth.py Seal) at the
               sizes the links carry: a decode step's activations (576 floats), a
@@ -8,18 +9,26 @@ Two parts, both in this one process (2 cores: nothing else runs beside them):
               message and MB/s.
   * link      the default model's 2-stage pipeline (the head holds stage 0, an
               in-process StageServer the rest) over one emulated link, a
-              testkit.linkemu.ShapedLink (50 Mbit/s, 20 ms one way by default):
-              TTFT and TPOT of greedy replies, with the links sealed (as shipped)
-              and plain (Seal's seal/open swapped for a copy that keeps its framing
-              but skips the cipher: the links as they were before protocol 13).
-              Each round launches a fresh pipeline per mode, alternating which goes
-              first, so the machine's drift falls on both; the median round is kept.
+              testkit.linkemu.ShapedLink (50 Mbit/s, 20 ms one way by default), four ways:
+                plain   the stage link with Seal's cipher swapped for a copy that keeps
+                        its framing (the LAN link as it was before protocol 13)
+                sealed  the stage link as shipped (a friend's share on the LAN)
+                direct  through the tunnel between homes (engine/wire/tunnel.py, Noise),
+                        the joiner reaching the host's address over the shaped link
+                relay   through the tunnel via a relay (engine/wire/relay.py): both the
+                        host's and the joiner's leg cross a shaped link like it
+              TTFT and TPOT of greedy replies; each round starts each way afresh, in a
+              rotating order, so the machine's drift falls on all; median round kept.
+  * matrix    (--matrix, as root with the Debian parts of testkit/homenet.py) the
+              join in emulated homes, NAT A x NAT B x router UPnP x relay: the path
+              taken and the time from the code to a joined tunnel, by
+              testkit/pathpeer.py's processes.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py                  # ~3 min
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py --rate 0 --delay 0  # plain loopback, no shaping
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py                  # seal + link, ~5 min
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py --matrix         # + the matrix, ~5 min more
 
-The target (issue 33): sealing costs at most 5% of decode tok/s. The ratio printed is
-sealed / plain decode tok/s, so >= 0.95 passes.
+Targets (issue 33): sealing costs at most 5% of decode tok/s (sealed / plain >= 0.95);
+every cell where a direct path is possible gets one, within 3 s of the join.
 """
 
 from __future__ import annotations
@@ -71,67 +80,172 @@ class PlainSeal:
         return message[1:].decode() if message[0] == 1 else message[1:]
 
 
-async def one_mode(mode: str, a) -> dict:
+async def _measure(head, a) -> dict:
     from engine.core.sampling import SamplingParams
     from engine.pipeline.head import Done
+
+    ttft, tpot = [], []
+    for text in PROMPTS:
+        prompt = head.chat_prompt([{"role": "user", "content": text}])
+        handle = head.submit(prompt, SamplingParams(greedy=True, max_tokens=a.tokens))
+        times = []
+        t0 = time.perf_counter()
+        async for ev in handle:
+            if isinstance(ev, Done):
+                break
+            times += [time.perf_counter()] * len(ev.token_ids)
+        ttft.append(times[0] - t0)
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+    return {"ttft": statistics.mean(ttft), "tpot": statistics.mean(tpot)}
+
+
+async def one_mode(mode: str, a, folder: Path) -> dict:
     from engine.pipeline.launch import PipelineConfig, launch
     from engine.pipeline.stage_server import StageServer
     from engine.wire import stage_auth
+    from engine.wire.identity import load_or_create_identity
+    from engine.wire.invite import HostState, parse
+    from engine.wire.relay import Relay
+    from engine.wire.tunnel import TunnelHost, open_session
     from testkit.linkemu import ShapedLink
+
+    def shaped(port: int) -> ShapedLink:
+        return ShapedLink("127.0.0.1", 0, "127.0.0.1", port, rate_bps=a.rate * 1e6, delay_s=a.delay / 1e3)
 
     saved = stage_auth.Seal.seal, stage_auth.Seal.open
     if mode == "plain":
         stage_auth.Seal.seal, stage_auth.Seal.open = PlainSeal.seal, PlainSeal.open
+    closing: list = []
     server = await StageServer("127.0.0.1", 0, pipeline="local", threads=1).start()
-    link = None
-    port = server.port
-    if a.rate > 0:
-        link = ShapedLink("127.0.0.1", 0, "127.0.0.1", server.port, rate_bps=a.rate * 1e6, delay_s=a.delay / 1e3)
-        port = await link.start()
-    pipe = None
+    closing.append(server.close)
     try:
-        pipe = await launch(PipelineConfig(stage_addr=[f"ws://127.0.0.1:{port}"], threads=1))
-        head = pipe.head
-        ttft, tpot = [], []
-        for text in PROMPTS:
-            prompt = head.chat_prompt([{"role": "user", "content": text}])
-            handle = head.submit(prompt, SamplingParams(greedy=True, max_tokens=a.tokens))
-            times = []
-            t0 = time.perf_counter()
-            async for ev in handle:
-                if isinstance(ev, Done):
-                    break
-                times += [time.perf_counter()] * len(ev.token_ids)
-            ttft.append(times[0] - t0)
-            if len(times) > 1:
-                tpot.append((times[-1] - times[0]) / (len(times) - 1))
-        return {"ttft": statistics.mean(ttft), "tpot": statistics.mean(tpot)}
+        if mode in ("plain", "sealed"):
+            link = shaped(server.port)
+            address = f"ws://127.0.0.1:{await link.start()}"
+            closing.append(link.close)
+            pipeline = "local"
+        else:
+            home = folder / f"{mode}-{time.monotonic_ns()}"
+            th = TunnelHost(load_or_create_identity(home / "host"), HostState(home / "host"))
+            closing.append(th.close)
+            if mode == "direct":
+                port = await th.listen("127.0.0.1", 0)
+                link = shaped(port)
+                th_addr = f"ws://127.0.0.1:{await link.start()}"
+                closing.append(link.close)
+                th.direct_addresses, th.direct_kinds = [th_addr], ["given"]
+            else:
+                relay = await Relay().start("127.0.0.1", 0)
+                closing.append(relay.close)
+                link = shaped(relay.port)
+                url = f"ws://127.0.0.1:{await link.start()}"
+                closing.append(link.close)
+                await th.use_relay(url)
+                while not relay.pipelines:
+                    await asyncio.sleep(0.05)
+            invite = parse(th.invite())
+            session = await open_session(invite, load_or_create_identity(home / "joiner"),
+                                         ("127.0.0.1", server.port), prefer=mode)
+            closing.append(lambda: session.close("done"))
+            peer = await th.wait_peer()
+            address, pipeline = peer.address, "local"
+        pipe = await launch(PipelineConfig(stage_addr=[address], threads=1, pipeline=pipeline))
+        closing.append(pipe.close)
+        return await _measure(pipe.head, a)
     finally:
-        if pipe is not None:
-            await pipe.close()
-        if link is not None:
-            await link.close()
-        await server.close()
+        for close in reversed(closing):
+            try:
+                await close()
+            except Exception:  # noqa: BLE001 -- tearing down; the next mode starts afresh
+                pass
         stage_auth.Seal.seal, stage_auth.Seal.open = saved
 
 
+MODES = ("plain", "sealed", "direct", "relay")
+
+
 async def link_rounds(a) -> dict:
-    results = {"sealed": [], "plain": []}
-    for r in range(a.rounds):
-        order = ("sealed", "plain") if r % 2 == 0 else ("plain", "sealed")
-        for mode in order:
-            m = await one_mode(mode, a)
-            results[mode].append(m)
-            log(f"round {r + 1} {mode}: TTFT {m['ttft'] * 1e3:.0f} ms, TPOT {m['tpot'] * 1e3:.1f} ms")
+    import tempfile
+
+    results = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(a.rounds):
+            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+            for mode in order:
+                m = await one_mode(mode, a, Path(folder))
+                results[mode].append(m)
+                log(f"round {r + 1} {mode}: TTFT {m['ttft'] * 1e3:.0f} ms, TPOT {m['tpot'] * 1e3:.1f} ms")
     return results
+
+
+def matrix(a) -> list[dict]:
+    """The emulated-homes matrix: one host (home 0), one joiner (home 1) per cell."""
+    import json as _json
+    import subprocess
+    import tempfile
+
+    from testkit.homenet import HomeSpec, home_internet, homenet_available, upnp_available
+
+    ok, why = homenet_available()
+    if not ok or not upnp_available()[0]:
+        print(f"\n(matrix skipped: {why if not ok else upnp_available()[1]})")
+        return []
+    rows = []
+    nats = {"eim": "eim", "symmetric": "symmetric", "none": None}
+    for na in nats:
+        for nb in nats:
+            for upnp in (True, False):
+                for relay in (True, False):
+                    if na == "none" and upnp:
+                        continue               # no router in front of the host: nothing to map
+                    spec = [HomeSpec(nat=nats[na], upnp=upnp and na != "none"), HomeSpec(nat=nats[nb])]
+                    with tempfile.TemporaryDirectory() as tmp, home_internet(spec, subnet=90) as net:
+                        env = dict(os.environ, HOME=tmp, POTLUCK_STUN="", PYTHONPATH=os.pathsep.join(sys.path))
+                        procs = []
+                        try:
+                            if relay:
+                                r = net.popen(net.public, [sys.executable, "-m", "engine", "relay", "--host",
+                                                           "0.0.0.0", "--port", "8765"], env=env, text=True,
+                                              stdout=subprocess.PIPE)
+                                procs.append(r)
+                                r.stdout.readline()
+                            argv = [sys.executable, "-m", "testkit.pathpeer", "host", "--folder", f"{tmp}/h",
+                                    "--seconds", "0.5", "--wait", "30"] + (["--relay", f"ws://{net.public_addr}:8765"]
+                                                                            if relay else []) + \
+                                   ([] if upnp else ["--no-upnp"])
+                            h = net.popen(net.host(0), argv, env=env, text=True, stdout=subprocess.PIPE)
+                            procs.append(h)
+                            code = next(line.split(" ", 1)[1].strip() for line in h.stdout if line.startswith("CODE"))
+                            t0 = time.perf_counter()
+                            j = net.popen(net.host(1), [sys.executable, "-m", "testkit.pathpeer", "join", "--folder",
+                                                        f"{tmp}/j", "--code", code], env=env, text=True,
+                                          stdout=subprocess.PIPE)
+                            procs.append(j)
+                            line = next(line for line in j.stdout if line.startswith(("JOINED", "FAILED")))
+                            took = time.perf_counter() - t0
+                        finally:
+                            for p in procs:
+                                p.terminate()
+                                p.wait(20)
+                    path = line.split(" ", 1)[1].strip() if line.startswith("JOINED") else "no path"
+                    possible = na == "none" or upnp
+                    rows.append({"host NAT": na, "joiner NAT": nb, "UPnP": "on" if upnp else "off",
+                                 "relay": "yes" if relay else "no", "path": path, "join s": took,
+                                 "direct possible": possible,
+                                 "ok": (path.startswith("direct") and took <= 3.0) if possible
+                                 else (path == "relay" if relay else path == "no path")})
+                    log(f"{rows[-1]}")
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", type=float, default=50.0, help="link rate, Mbit/s each way (0: no shaping)")
+    p.add_argument("--rate", type=float, default=50.0, help="link rate, Mbit/s each way")
     p.add_argument("--delay", type=float, default=20.0, help="one-way delay, ms")
     p.add_argument("--tokens", type=int, default=24, help="new tokens per reply")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of (sealed, plain), alternating order")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every link mode, rotating order")
+    p.add_argument("--matrix", action="store_true", help="also the emulated-homes matrix (root, Debian parts)")
     p.add_argument("--repeat", type=int, default=8, help="MiB sealed per size in the seal part")
     a = p.parse_args(argv)
 
@@ -144,19 +258,32 @@ def main(argv=None) -> int:
     for name, us, mbs in seal_micro(a.repeat):
         print(f"| {name:<26} | {us:>8.1f} | {mbs:>7.0f} |")
 
-    shaped = f"{a.rate:g} Mbit/s, {a.delay:g} ms one way" if a.rate > 0 else "loopback, unshaped"
-    log(f"2-stage pipeline over {shaped}, {a.rounds} rounds")
+    shaped = f"{a.rate:g} Mbit/s, {a.delay:g} ms one way"
+    log(f"2-stage pipeline over {shaped}, {a.rounds} rounds of {', '.join(MODES)}")
     res = asyncio.run(link_rounds(a))
     med = {m: {k: statistics.median(x[k] for x in res[m]) for k in ("ttft", "tpot")} for m in res}
-    print(f"\nThe default model's 2-stage pipeline over one link ({shaped}); "
-          f"{len(PROMPTS)} replies of {a.tokens} tokens a round, median of {a.rounds} rounds\n")
-    print(f"| {'links':<8} | {'TTFT ms':>8} | {'TPOT ms':>8} | {'decode tok/s':>12} |")
-    print(f"|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 14}|")
-    for mode in ("plain", "sealed"):
+    print(f"\nThe default model's 2-stage pipeline over one link ({shaped}; the relay's two legs each "
+          f"like it); {len(PROMPTS)} replies of {a.tokens} tokens a round, median of {a.rounds} rounds\n")
+    print(f"| {'links':<8} | {'TTFT ms':>8} | {'TPOT ms':>8} | {'decode tok/s':>12} | {'vs plain':>8} |")
+    print(f"|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 14}|{'-' * 10}|")
+    for mode in MODES:
         m = med[mode]
-        print(f"| {mode:<8} | {m['ttft'] * 1e3:>8.0f} | {m['tpot'] * 1e3:>8.1f} | {1 / m['tpot']:>12.2f} |")
+        print(f"| {mode:<8} | {m['ttft'] * 1e3:>8.0f} | {m['tpot'] * 1e3:>8.1f} | {1 / m['tpot']:>12.2f} | "
+              f"{med['plain']['tpot'] / m['tpot']:>8.3f} |")
     ratio = med["plain"]["tpot"] / med["sealed"]["tpot"]
     print(f"\nsealed / plain decode tok/s: {ratio:.3f}  (target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'})")
+    print(f"direct / relay decode tok/s: {med['relay']['tpot'] / med['direct']['tpot']:.2f}")
+    if a.matrix:
+        rows = matrix(a)
+        if rows:
+            cols = list(rows[0])
+            print("\nJoining across emulated homes (testkit/homenet.py; no hole punching yet: a direct "
+                  "path is possible when the host has no NAT or its router maps the port)\n")
+            print("| " + " | ".join(cols) + " |")
+            print("|" + "|".join("---" for _ in cols) + "|")
+            for r in rows:
+                print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+            print(f"\ncells as they should be: {sum(r['ok'] for r in rows)} of {len(rows)}")
     return 0
 
 
