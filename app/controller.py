@@ -228,6 +228,10 @@ class Controller(QObject):
 
         self._act("POST", "/host", request, done)
 
+    def reply(self, code: str, cb=None):
+        """A friend's reply code for the pipeline we host (POST /host/reply)."""
+        self._act("POST", "/host/reply", {"code": code}, cb)
+
     def models(self, cb):
         """The node's curated model list, each with its weights' size per precision."""
         self.client.call("GET", "/models", cb=cb)

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
-                               QVBoxLayout)
+                               QVBoxLayout, QWidget)
 
 from . import autostart, gpu_enable
 from .secrets_store import get_secret, set_secret
@@ -82,7 +82,8 @@ class HostDialog(QDialog):
         self.invitees.setToolTip("How many friends' computers join with the invite code")
         form.addRow("Friends to invite:", self.invitees)
         self.listen = QLineEdit("0.0.0.0:7870")
-        self.listen.setToolTip("Where friends reach this computer directly (your router may need a port forward)")
+        self.listen.setToolTip("Where friends reach this computer directly: Potluck asks your router to map this "
+                               "port (UPnP); where it will not, a friend gets a reply code to paste below, or use a relay")
         form.addRow("Accept friends on:", self.listen)
         self.relay = QLineEdit()
         self.relay.setPlaceholderText("optional: ws://relay:8765, reachable from both homes")
@@ -148,6 +149,19 @@ class HostDialog(QDialog):
         self.invite.setPlaceholderText("the invite code appears here: send it to your friends")
         self.invite.hide()
         lay.addWidget(self.invite)
+        # a friend who cannot reach this computer gets a reply code (their router may map a
+        # port where ours does not): pasted here, this computer connects to them instead
+        self.reply_row = QWidget()
+        row = QHBoxLayout(self.reply_row)
+        row.setContentsMargins(0, 0, 0, 0)
+        self.reply = QLineEdit()
+        self.reply.setPlaceholderText("a friend's reply code, if they got one instead of joining")
+        self.reply_button = QPushButton("Connect to them")
+        self.reply_button.clicked.connect(self.take_reply)
+        row.addWidget(self.reply)
+        row.addWidget(self.reply_button)
+        self.reply_row.hide()
+        lay.addWidget(self.reply_row)
         self.buttons = QDialogButtonBox()
         self.start_button = self.buttons.addButton("Start hosting", QDialogButtonBox.AcceptRole)
         self.buttons.addButton(QDialogButtonBox.Close)
@@ -262,6 +276,20 @@ class HostDialog(QDialog):
 
         self.c.host(self.request(), done)
 
+    def take_reply(self):
+        code = self.reply.text().strip()
+        if not code:
+            return
+
+        def done(result, error):
+            if error:
+                self.result.setText(f"<span style='color:#b91c1c'>{html.escape(str(error))}</span>")
+            else:
+                self.reply.clear()
+                self.result.setText("Connecting to your friend with their reply code…")
+
+        self.c.reply(code, done)
+
     def on_status(self, st: dict):
         if not self.started:
             return
@@ -270,6 +298,7 @@ class HostDialog(QDialog):
         if code:
             self.invite.setText(code)
             self.invite.show()
+            self.reply_row.setVisible(bool(loading))       # while friends are awaited
         if loading and loading.get("message"):
             text = loading["message"]
             if loading.get("weights_table"):  # what the head settled, against the whole pool

@@ -322,7 +322,11 @@ async def _join(args) -> int:
     try:
         joined = await join_stage(invite, name=args.name, prefer=args.prefer, device=args.device,
                                   threads=args.threads, config=args.config, on_event=lambda t: _say(f"  {t}"),
-                                  accept_models=args.accept_model)
+                                  accept_models=args.accept_model,
+                                  reply_listen=None if args.no_reply else args.reply_listen,
+                                  on_reply=lambda code: print(f"Reply code (send it to the host, who runs "
+                                                              f"`potluck invites --reply CODE` or pastes it in "
+                                                              f"the app):\n{code}", flush=True))
     except HomeError as exc:   # the host could not be reached
         _say(f"potluck: {exc}")
         return 1
@@ -344,7 +348,7 @@ async def _join(args) -> int:
 def _invites(args) -> int:
     """`potluck invites`: list this host's invites and members; make or revoke one."""
     from engine.wire.identity import config_dir, load_or_create_identity
-    from engine.wire.invite import HostState
+    from engine.wire.invite import HostState, InviteError
 
     folder = config_dir(args.config)
     state = HostState(folder)
@@ -354,6 +358,14 @@ def _invites(args) -> int:
         except KeyError as exc:
             print(f"potluck: {exc.args[0]}", file=sys.stderr)
             return 2
+        return 0
+    if args.reply:
+        try:
+            r = state.add_reply(args.reply)
+        except InviteError as exc:
+            print(f"potluck: that reply code cannot be used: {exc}", file=sys.stderr)
+            return 2
+        print(f"reply taken: the running host connects to {', '.join(r.direct)}")
         return 0
     if args.new:
         routes = state.data().get("routes") or {}
@@ -432,6 +444,10 @@ def _add_homes_args(sub):
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
     p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
                    help="auto: a direct address from the code first, then the relay")
+    p.add_argument("--reply-listen", default="0.0.0.0:7871", metavar="HOST:PORT",
+                   help="when nothing in the code reaches the host: listen here (asking this router for a "
+                        "mapping) and show a reply code for the host to paste (default %(default)s)")
+    p.add_argument("--no-reply", action="store_true", help="fail instead of offering a reply code")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--config", default=None)
@@ -442,6 +458,7 @@ def _add_homes_args(sub):
     p = sub.add_parser("invites", help="list this host's invites and members; make or revoke one")
     p.add_argument("--revoke", metavar="ID", help="an invite id or a member's node id")
     p.add_argument("--new", action="store_true", help="make a new code (with the host's last relay/addresses)")
+    p.add_argument("--reply", metavar="CODE", help="a friend's reply code: the running host connects to them")
     p.add_argument("--uses", type=int, default=1)
     p.add_argument("--expires", type=float, default=24.0, help="hours")
     p.add_argument("--config", default=None)

@@ -50,6 +50,16 @@ async def host(a) -> int:
                                   "nat": th.gathered.nat if th.gathered else None,
                                   "mapping": th.gathered.mapping.why_not if th.gathered else None}))
     say("CODE", th.invite(uses=1))
+    if a.reply_stdin:      # a line on stdin: a joiner's reply code, as pasted in the app
+        async def replies():
+            loop = asyncio.get_running_loop()
+            while line := await loop.run_in_executor(None, sys.stdin.readline):
+                try:
+                    th.take_reply(line.strip())
+                    say("REPLY-TAKEN")
+                except Exception as exc:  # noqa: BLE001 -- said, for the test to read
+                    say("REPLY-REFUSED", exc)
+        asyncio.ensure_future(replies())
     try:
         peer = await asyncio.wait_for(th.wait_peer(), a.wait)
     except asyncio.TimeoutError:
@@ -109,7 +119,8 @@ async def join(a) -> int:
     folder = Path(a.folder)
     folder.mkdir(parents=True, exist_ok=True)
     joiner = Joiner(parse(a.code), load_or_create_identity(folder), ("127.0.0.1", srv.sockets[0].getsockname()[1]),
-                    name="friend", on_event=lambda t: say("EVENT", t))
+                    name="friend", on_event=lambda t: say("EVENT", t),
+                    reply_listen=a.reply_listen or None, on_reply=lambda code: say("REPLY", code))
     try:
         session = await joiner.connect()
     except TunnelError as exc:
@@ -132,9 +143,11 @@ def main(argv=None) -> int:
     h.add_argument("--no-upnp", action="store_true")
     h.add_argument("--seconds", type=float, default=3.0)
     h.add_argument("--wait", type=float, default=60.0)
+    h.add_argument("--reply-stdin", action="store_true", help="take reply codes from stdin")
     j = sub.add_parser("join")
     j.add_argument("--folder", required=True)
     j.add_argument("--code", required=True)
+    j.add_argument("--reply-listen", default="", help="HOST:PORT: offer a reply code when the host is unreachable")
     a = p.parse_args(argv)
     return asyncio.run(host(a) if a.cmd == "host" else join(a))
 

@@ -135,6 +135,7 @@ class Node:
         app.router.add_post("/stop", self.h_stop)
         app.router.add_post("/power", self.h_power)
         app.router.add_post("/host/offer", self.h_offer)
+        app.router.add_post("/host/reply", self.h_reply)
         return app
 
     @web.middleware
@@ -285,6 +286,24 @@ class Node:
         if self.head is None:
             raise NodeError("this computer hosts no pipeline", 409)
         self.head.offer(address)
+        return web.json_response(await self.status())
+
+    async def h_reply(self, request):
+        """A friend's reply code (they cannot reach this host; it can reach them): the host
+        connects to their addresses, and they join as if they had come in."""
+        from engine.wire.invite import InviteError
+
+        body = await self._body(request)
+        code = body.get("code")
+        if not isinstance(code, str) or not code.strip() or len(code) > 2000:
+            raise NodeError("'code' must be the friend's reply code")
+        gate = self.friends_gate
+        if gate is None:
+            raise NodeError("this computer is not waiting for friends (host with friends to invite first)", 409)
+        try:
+            gate.tunnels.take_reply(code)
+        except InviteError as exc:
+            raise NodeError(f"that reply code cannot be used: {exc}") from None
         return web.json_response(await self.status())
 
     async def h_power(self, request):

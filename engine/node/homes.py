@@ -162,13 +162,14 @@ class Joined:
                 await self.joiner.session.close(why[:120])
             except Exception:  # the tunnel may be gone already
                 pass
+        await self.joiner.close()
         await self.server.close()
 
 
 async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str | None = None,
                      prefer: str = "auto", device: str = "auto", threads: int | None = None,
                      memory_cap: int | None = None, config: str | None = None, on_event=None,
-                     accept_models=()) -> Joined:
+                     accept_models=(), reply_listen: str | None = None, on_reply=None) -> Joined:
     """A stage server on loopback, connected to the host through the invite's tunnel.
     Pass the joiner of an earlier session to rejoin as a member (after a pause)."""
     # behind the tunnel: on loopback, but the head is a friend's (models by name only)
@@ -178,12 +179,13 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
     if joiner is None:
         me = load_or_create_identity(config_dir(config))
         joiner = Joiner(invite, me, ("127.0.0.1", server.port), name=name or default_name(),
-                        prefer=prefer, on_event=on_event)
+                        prefer=prefer, on_event=on_event, reply_listen=reply_listen, on_reply=on_reply)
     else:
         joiner.target = ("127.0.0.1", server.port)   # a new stage server behind the same membership
     try:
         await joiner.connect()
     except (TunnelError, OSError) as exc:
+        await joiner.close()
         await server.close()
         raise HomeError(f"could not reach the host's pipeline: {exc}") from None
     return Joined(server, joiner)

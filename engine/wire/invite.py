@@ -178,6 +178,78 @@ def parse(code: str) -> Invite:
     return Invite(pipeline, invite_id, secret, host_key, expires, max_uses, relay, direct, kinds)
 
 
+# ---- reply codes: a joiner's addresses, for the host to connect to -----------------------
+#
+# When no address in the invite reaches the host (its router maps nothing and there is no
+# relay), the joiner listens itself, gathers its own candidates (its router may map) and
+# shows a reply code for the host to paste: the same alphabet and checksum as an invite,
+#
+#     version u8 (REPLY_VERSION) | pipeline id 8 B | invite id 8 B
+#     | addresses (u8 count, each: kind u8 | u8 length + ASCII) | checksum 4 B
+#
+# It carries no secret: the host only opens a connection to an address in it and says
+# nothing until the joiner's Noise handshake (with the invite's secret) arrives on it.
+REPLY_VERSION = 0x81
+
+
+@dataclass
+class Reply:
+    pipeline: bytes
+    invite_id: bytes
+    direct: list[str]
+    kinds: list[str]
+
+    @property
+    def key(self) -> str:
+        """Names this reply in the host's record (the same code added twice is one)."""
+        return hashlib.sha256(self.invite_id + "|".join(self.direct).encode()).hexdigest()[:16]
+
+
+def encode_reply(r: Reply) -> str:
+    if not 1 <= len(r.direct) <= 16:
+        raise ValueError("a reply carries 1 to 16 addresses")
+    body = bytes([REPLY_VERSION]) + r.pipeline + r.invite_id + bytes([len(r.direct)])
+    body += b"".join(bytes([KIND_CODES.index(k)]) + _str(a, "address") for a, k in zip(r.direct, r.kinds))
+    body += hashlib.sha256(body).digest()[:CHECKSUM]
+    text = _b32encode(body)
+    return "-".join(text[i:i + 5] for i in range(0, len(text), 5))
+
+
+def parse_reply(code: str) -> Reply:
+    """The reply in `code`, or InviteError with a message for a person."""
+    if not isinstance(code, str) or len(code) > MAX_CODE_CHARS:
+        raise InviteError("this is not a reply code")
+    text = "".join(ch for ch in code.strip().upper() if ch not in "- \t\r\n")
+    if not text:
+        raise InviteError("the reply code is empty")
+    data = _b32decode(text)
+    if len(data) < 18 + CHECKSUM:
+        raise InviteError("this code has a typo: it is too short (part of it missing?)")
+    body, check = data[:-CHECKSUM], data[-CHECKSUM:]
+    if not hmac.compare_digest(hashlib.sha256(body).digest()[:CHECKSUM], check):
+        raise InviteError("this code has a typo (its checksum does not match): copy it again")
+    if body[0] != REPLY_VERSION:
+        raise InviteError("this is an invite code, not a reply: the friend who was invited pastes it "
+                          "(`potluck join`)" if body[0] in READS else "this is not a reply code")
+    try:
+        pipeline, invite_id, count, pos = body[1:9], body[9:17], body[17], 18
+        direct, kinds = [], []
+        for _ in range(count):
+            if body[pos] >= len(KIND_CODES):
+                raise InviteError("this code is damaged (an address of an unknown kind)")
+            kinds.append(KIND_CODES[body[pos]])
+            a, pos = _read_str(body, pos + 1)
+            direct.append(a)
+        if pos != len(body) or not direct:
+            raise InviteError("this code is damaged (its fields do not fit)")
+    except (IndexError, UnicodeDecodeError):
+        raise InviteError("this code is damaged (its fields do not fit)") from None
+    for url in direct:
+        if not url.startswith("ws://") or any(c.isspace() for c in url):
+            raise InviteError(f"this code names an address that is not a ws:// URL: {url!r}")
+    return Reply(pipeline, invite_id, direct, kinds)
+
+
 def _read_str(b: bytes, pos: int) -> tuple[str, int]:
     n = b[pos]
     s = b[pos + 1: pos + 1 + n]
@@ -249,6 +321,26 @@ class HostState:
                 "secret": inv.secret.hex(), "expires": inv.expires, "max_uses": max_uses, "uses": 0,
                 "created": int(time.time()), "revoked": False, "code": code}
         return inv, code
+
+    def add_reply(self, code: str) -> Reply:
+        """Take a joiner's reply code (InviteError: not one, or not for an invite of ours);
+        a running host dials its addresses (TunnelHost watches this record)."""
+        r = parse_reply(code)
+        if r.pipeline != self.pipeline:
+            raise InviteError("this reply answers an invite of another host's pipeline")
+        self.invite_psk(r.invite_id)          # an invite of ours, still usable: else why not
+        with self._locked() as data:
+            data.setdefault("replies", {})[r.key] = {"code": code.strip(), "added": int(time.time())}
+        return r
+
+    def replies(self) -> list[Reply]:
+        out = []
+        for rec in (self._read().get("replies") or {}).values():
+            try:
+                out.append(parse_reply(rec["code"]))
+            except (InviteError, KeyError, TypeError):
+                continue
+        return out
 
     def invite_psk(self, invite_id: bytes) -> bytes:
         """The psk for a join with this invite, or InviteError saying why it is refused."""

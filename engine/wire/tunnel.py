@@ -52,7 +52,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
-from engine.wire.invite import HostState, Invite, InviteError
+from engine.wire.invite import HostState, Invite, InviteError, Reply, encode_reply
 from engine.wire.noise import Initiator, NoiseError, Responder, TransportCipher
 
 log = logging.getLogger("potluck.tunnel")
@@ -436,6 +436,7 @@ class TunnelHost:
         self._relay_task: asyncio.Task | None = None
         self._tasks: set = set()
         self._revoke_watch: asyncio.Task | None = None
+        self._dialers: dict[str, asyncio.Task] = {}   # reply key -> the task dialing that joiner
         self._hops = 0
 
     # -- setup
@@ -475,6 +476,40 @@ class TunnelHost:
         self._relay_task = asyncio.ensure_future(self._relay_loop())
         self._watch_revocations()
 
+    def take_reply(self, code: str) -> Reply:
+        """A joiner's reply code (InviteError if it is none of ours): dial its addresses
+        now, and again whenever that joiner's tunnel drops, while this host runs."""
+        r = self.state.add_reply(code)
+        self._dial_replies()
+        self._watch_revocations()
+        return r
+
+    def _dial_replies(self):
+        for r in self.state.replies():
+            if r.pipeline == self.pipeline and r.key not in self._dialers:
+                self._dialers[r.key] = asyncio.ensure_future(self._dial(r))
+
+    async def _dial(self, r: Reply):
+        """Connect to a joiner that cannot reach us (it listens: its reply code), and run
+        the usual handshake on that connection, the joiner speaking first."""
+        from engine.wire.candidates import KIND_ORDER
+
+        routes = [("direct (reply)", url) for _, url in
+                  sorted(zip(r.kinds, r.direct), key=lambda ku: KIND_ORDER.get(ku[0], 9))]
+        backoff = 1.0
+        while True:
+            errors: list[str] = []
+            path, url, ws = await _first_to_connect(routes, errors, lambda text: None)
+            if ws is None:
+                self.on_event(f"reply {r.key}: no address of the joiner answers ({'; '.join(errors)[:300]})")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            backoff = 1.0
+            await self.accept(ws, path)          # until that session ends
+            await ws.close()
+            await asyncio.sleep(1.0)
+
     def invite(self, ttl_s: float = 24 * 3600, uses: int = 1) -> str:
         _, code = self.state.create_invite(self.identity.public, self.relay_url, self.direct_addresses,
                                            ttl_s=ttl_s, max_uses=uses, kinds=self.direct_kinds)
@@ -488,6 +523,8 @@ class TunnelHost:
             self._relay_task.cancel()
         if self._revoke_watch:
             self._revoke_watch.cancel()
+        for t in self._dialers.values():
+            t.cancel()
         if self._server is not None:
             self._server.close()
         if self._mapper is not None:
@@ -713,6 +750,7 @@ class TunnelHost:
                     except InviteError as exc:
                         self.on_event(f"peer {peer.node_id}: {exc}; disconnecting")
                         await peer.session.close(str(exc))
+            self._dial_replies()          # `potluck invites --reply CODE` from another terminal
 
 
 class _Refused(Exception):
@@ -874,7 +912,8 @@ class Joiner:
     the invite; after a drop it reconnects as a member (its key is allowlisted)."""
 
     def __init__(self, invite: Invite, identity: Identity, target: tuple[str, int], name: str = "",
-                 prefer: str = "auto", on_event=None, direct_retry_s: float | None = None):
+                 prefer: str = "auto", on_event=None, direct_retry_s: float | None = None,
+                 reply_listen: str | None = None, on_reply=None):
         self.invite, self.identity, self.target, self.name, self.prefer = invite, identity, target, name, prefer
         # while relayed, how often the direct addresses are tried again (a router's mapping
         # may come late, a firewall may open): the session then moves there mid-stream
@@ -883,10 +922,22 @@ class Joiner:
         self.on_event = on_event or (lambda text: log.info(text))
         self.session: Session | None = None
         self.member = False
+        # when nothing in the invite reaches the host: listen on this HOST:PORT, show a reply
+        # code (on_reply(code)) and wait for the host to connect (None: fail instead)
+        self.reply_listen, self.on_reply = reply_listen, on_reply
+        self.reply_code: str | None = None
+        self._incoming: asyncio.Queue | None = None
+        self._reply_server = None
+        self._mapper = None
 
     async def connect(self) -> Session:
-        self.session = await open_session(self.invite, self.identity, self.target, name=self.name,
-                                          member=self.member, prefer=self.prefer, log_event=self.on_event)
+        try:
+            self.session = await open_session(self.invite, self.identity, self.target, name=self.name,
+                                              member=self.member, prefer=self.prefer, log_event=self.on_event)
+        except TunnelError as exc:
+            if self.reply_listen is None or "refused" in str(exc) or self.prefer == "relay":
+                raise
+            self.session = await self._by_reply(str(exc))
         self.member = True
         self.on_event(f"connected to the host via {self.session.path}")
         return self.session
@@ -918,6 +969,56 @@ class Joiner:
                     delay = min(delay * 2, 30.0)
 
 
+    async def _by_reply(self, why: str) -> Session:
+        """Listen, gather this machine's candidates (its router's mapping among them), show
+        a reply code, and take the host's connection when it comes."""
+        from engine.wire import candidates as cand
+
+        if self._reply_server is None:
+            self._incoming = asyncio.Queue()
+
+            async def handler(ws):
+                done = asyncio.Event()
+                await self._incoming.put((ws, done))
+                await done.wait()          # the connection lives as long as its session
+
+            host, _, port = self.reply_listen.rpartition(":")
+            self._reply_server = await serve(handler, host or "0.0.0.0", int(port or 0), **WS_OPTIONS)
+            bound = self._reply_server.sockets[0].getsockname()[1]
+            self._mapper = cand.PortMapper()
+            g = await cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper)
+            if not g.candidates:
+                raise TunnelError(f"{why}; and this computer has no address the host could reach either")
+            self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
+                                                 [c.url for c in g.candidates], [c.kind for c in g.candidates]))
+            self.on_event("the host cannot be reached from here; it can reach this computer instead: "
+                          f"send the host this reply code ({', '.join(c.kind for c in g.candidates)})")
+            if self.on_reply is not None:
+                self.on_reply(self.reply_code)
+        while True:
+            ws, done = await self._incoming.get()
+            try:
+                session = await _client_handshake(ws, self.invite, self.identity, self.target, self.name,
+                                                  self.member, "direct (reply)")
+            except TunnelError:
+                done.set()
+                raise
+            except (ConnectionClosed, OSError, asyncio.TimeoutError, NoiseError) as exc:
+                self.on_event(f"a connection to the reply address failed ({exc or type(exc).__name__})")
+                done.set()
+                continue
+            asyncio.ensure_future(_release_when_closed(session, done))
+            return session
+
+    async def close(self):
+        """Stop listening for the host (a reply code's listener) and remove its mapping."""
+        if self._reply_server is not None:
+            self._reply_server.close()
+            self._reply_server = None
+        if self._mapper is not None:
+            await self._mapper.close()
+            self._mapper = None
+
     async def _seek_direct(self, session: Session):
         while session.path == "relay" and self.invite.direct and self.prefer != "relay":
             try:
@@ -932,6 +1033,11 @@ class Joiner:
                     await session.close("the host did not finish moving to the direct path")
                     return
                 self.on_event(f"moved to {session.path}: no longer relayed")
+
+
+async def _release_when_closed(session: Session, done: asyncio.Event):
+    await session.closed.wait()
+    done.set()
 
 
 def default_name() -> str:

@@ -30,8 +30,12 @@ class Peer:
 
     def __init__(self, net, ns, argv, env):
         self.p = net.popen(ns, [sys.executable, "-m", "testkit.pathpeer", *argv], env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
         self.lines: list[str] = []
+
+    def send(self, line: str):
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
 
     def wait_for(self, prefix: str, timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
@@ -184,3 +188,37 @@ def test_a_relayed_tunnel_moves_to_a_direct_path_mid_stream_without_losing_a_lin
         assert result["paths"] == ["relay", "direct (mapped)"] and result["moves"] == 1, "\n".join(host.lines + ["--"] + joiner.lines)
         assert _streamed_whole(result), result
         assert any("moved to direct (mapped)" in line for line in joiner.lines), joiner.lines
+
+
+@pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")
+def test_a_friend_whose_router_maps_is_reached_by_the_host_through_a_reply_code(tmp_path):
+    """The host's router maps nothing (symmetric NAT, no UPnP) and there is no relay; the
+    friend's router grants a mapping. The friend is shown a reply code; the host pastes
+    it and connects to the friend, and the tunnel works as any other."""
+    with home_internet([HomeSpec(nat="symmetric"), HomeSpec(nat="eim", upnp=True)], subnet=65) as net:
+        env = _env(tmp_path)
+        host = Peer(net, net.host(0), ["host", "--folder", str(tmp_path / "host"), "--no-upnp", "--reply-stdin",
+                                       "--seconds", "2", "--wait", "90"], env)
+        joiner = None
+        try:
+            code = host.wait_for("CODE", 60)
+            joiner = Peer(net, net.host(1), ["join", "--folder", str(tmp_path / "joiner"), "--code", code,
+                                             "--reply-listen", "0.0.0.0:7871"], env)
+            reply = joiner.wait_for("REPLY", 60)
+            assert f"ws://{net.wan_addr(1)}:7871" in _reply_urls(reply)
+            host.send(reply)
+            host.wait_for("REPLY-TAKEN", 30)
+            assert joiner.wait_for("JOINED", 60) == "direct (reply)"
+            assert host.wait_for("JOINED", 30) == "direct (reply)"
+            result = json.loads(host.wait_for("RESULT", 120))
+            assert _streamed_whole(result), result
+        finally:
+            for p in (joiner, host):
+                if p is not None:
+                    p.stop()
+
+
+def _reply_urls(code: str) -> list[str]:
+    from engine.wire.invite import parse_reply
+
+    return parse_reply(code).direct

@@ -164,3 +164,30 @@ async def test_the_joiner_races_the_addresses_and_a_dead_one_costs_only_its_stag
         path, url, ws = await _first_to_connect([("direct (lan)", "ws://127.0.0.1:9")], errors, said.append)
         assert ws is None and errors and "127.0.0.1:9" in errors[-1]
     black.close()
+
+
+def test_a_reply_code_round_trips_and_an_invite_pasted_as_a_reply_is_named():
+    r = inv.Reply(b"p" * 8, b"i" * 8, ["ws://81.2.69.160:7871", "ws://192.168.2.5:7871"], ["mapped", "lan"])
+    back = inv.parse_reply(inv.encode_reply(r))
+    assert (back.pipeline, back.invite_id, back.direct, back.kinds) == (r.pipeline, r.invite_id, r.direct, r.kinds)
+    with pytest.raises(inv.InviteError, match="invite code, not a reply"):
+        inv.parse_reply(inv.encode(_invite()))
+    code = inv.encode_reply(r)
+    typo = code[:10] + ("A" if code[10] != "A" else "B") + code[11:]
+    with pytest.raises(inv.InviteError, match="typo"):
+        inv.parse_reply(typo)
+
+
+def test_a_host_takes_only_replies_to_its_own_usable_invites(tmp_path):
+    state = inv.HostState(tmp_path)
+    invite, _ = state.create_invite(b"k" * 32, direct=["ws://192.168.1.2:7870"], kinds=["lan"])
+    good = inv.encode_reply(inv.Reply(state.pipeline, invite.invite_id, ["ws://81.2.69.160:7871"], ["mapped"]))
+    assert state.add_reply(good).direct == ["ws://81.2.69.160:7871"]
+    state.add_reply(good)                                   # the same code twice is one
+    assert len(state.replies()) == 1
+    other = inv.encode_reply(inv.Reply(b"x" * 8, invite.invite_id, ["ws://81.2.69.160:7871"], ["mapped"]))
+    with pytest.raises(inv.InviteError, match="another host"):
+        state.add_reply(other)
+    unknown = inv.encode_reply(inv.Reply(state.pipeline, b"z" * 8, ["ws://81.2.69.160:7871"], ["mapped"]))
+    with pytest.raises(inv.InviteError, match="unknown invite"):
+        state.add_reply(unknown)
