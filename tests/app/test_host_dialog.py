@@ -144,3 +144,19 @@ def test_the_api_for_the_network_is_asked_for_with_a_key_kept_in_the_keyring(dia
     assert dialog.request()["api_key"] == req["api_key"]              # and kept
     dialog.api_key.setText("my-own-key-123")
     assert dialog.request()["api_key"] == "my-own-key-123" == get_secret("api_key")
+
+
+def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
+    """While the pipeline waits for friends, the dialog offers a field for a friend's reply
+    code (they could not reach this computer); it goes to the node as POST /host/reply."""
+    d = dialog
+    replies = []
+    d.c.reply = lambda code, cb=None: (replies.append(code), cb and cb({}, None))
+    d.started = True
+    d.on_status({"loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8"}})
+    assert d.invite.text() == "0411V-648F8" and d.reply_row.isVisibleTo(d)
+    d.reply.setText("  7M2QK-ABCDE  ")
+    d.reply_button.click()
+    assert replies == ["7M2QK-ABCDE"] and d.reply.text() == "" and "reply code" in d.result.text()
+    d.on_status({"hosting": {"invite": "0411V-648F8", "stages": []}})    # everyone came: no more replies
+    assert not d.reply_row.isVisibleTo(d)
