@@ -222,3 +222,21 @@ def _reply_urls(code: str) -> list[str]:
     from engine.wire.invite import parse_reply
 
     return parse_reply(code).direct
+
+
+@pytest.mark.skipif(not (has_upnp and has_stun), reason="needs miniupnpd and coturn")
+def test_doctor_tells_each_home_what_its_router_and_nat_allow(tmp_path):
+    """`potluck doctor` in three homes, against the real router daemon and STUN server."""
+    with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="symmetric"), HomeSpec(nat=None)],
+                       stun=True, subnet=66) as net:
+        env = _env(tmp_path, POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
+        said = {}
+        for i in range(3):
+            p = net.popen(net.host(i), [sys.executable, "-m", "engine", "doctor"], env=env, text=True,
+                          stdout=subprocess.PIPE)
+            said[i] = p.communicate(timeout=120)[0]
+        assert f"granted (ws://{net.wan_addr(0)}:7870)" in said[0] and "endpoint-independent" in said[0], said[0]
+        assert "no UPnP router answered" in said[1] and "NAT: symmetric" in said[1], said[1]
+        assert "NAT: open" in said[2], said[2]
+        rules = net.exec(net.router(0), ["nft", "list", "table", "inet", "miniupnpd"]).stdout
+        assert "7870" not in rules, rules             # the doctor's trial mapping is gone
