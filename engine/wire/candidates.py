@@ -4,7 +4,8 @@ A host that listens for friends directly (TunnelHost.listen) gathers, for its po
 
   * lan      its private IPv4 addresses: a friend in the same home;
   * mapped   a port mapping asked of the home router over UPnP-IGD (async-upnp-client,
-             the maintained client Home Assistant uses): the router's public address
+             the maintained client Home Assistant uses), or where no router answers
+             that, over NAT-PMP (engine/wire/natpmp.py): the router's public address
              and the mapped port, renewed while the host listens and removed when it
              stops. Most home routers grant one; it is how two homes connect with no
              server of their own;
@@ -108,8 +109,11 @@ class PortMapper:
         await m.close()                      # removes the mapping
     """
 
-    def __init__(self, description: str = "Potluck", lease_s: int = LEASE_S, search_s: float = SEARCH_S):
+    def __init__(self, description: str = "Potluck", lease_s: int = LEASE_S, search_s: float = SEARCH_S,
+                 natpmp: bool = True, upnp_igd: bool = True):
         self.description, self.lease_s, self.search_s = description, lease_s, search_s
+        self.natpmp, self.upnp_igd = natpmp, upnp_igd
+        self._pmp_gateway: str | None = None     # set while a NAT-PMP mapping is held
         self._igd = None
         self._session = None
         self._renew: asyncio.Task | None = None
@@ -118,11 +122,35 @@ class PortMapper:
 
     async def open(self, internal_port: int) -> MappingResult:
         try:
-            self.result = await self._open(internal_port)
+            self.result = (await self._open(internal_port) if self.upnp_igd
+                           else MappingResult(None, "UPnP-IGD not asked"))
         except Exception as exc:  # noqa: BLE001 -- a router that answers oddly must not stop hosting
             log.info("port mapping failed: %r", exc)
             self.result = MappingResult(None, f"the router's UPnP answered with an error ({type(exc).__name__}: {exc})")
+        if self.result.external is None and self.natpmp:
+            pmp = await self._open_natpmp(internal_port)
+            self.result = pmp if pmp.external else MappingResult(None, f"{self.result.why_not}; {pmp.why_not}")
         return self.result
+
+    async def _open_natpmp(self, internal_port: int) -> MappingResult:
+        from engine.wire import natpmp
+
+        gateway = natpmp.default_gateway()
+        if gateway is None:
+            return MappingResult(None, "NAT-PMP: no default gateway to ask")
+        try:
+            addr = await natpmp.ask(gateway, natpmp.external_address_request(), 0)
+            if addr["result"] != 0:
+                return MappingResult(None, f"NAT-PMP: the router says {addr['meaning']}")
+            got = await natpmp.ask(gateway, natpmp.map_request(internal_port, internal_port, self.lease_s), natpmp.TCP)
+        except (natpmp.NatPmpError, OSError) as exc:
+            return MappingResult(None, f"NAT-PMP: {exc}")
+        if got["result"] != 0:
+            return MappingResult(None, f"NAT-PMP: the router refused a mapping ({got['meaning']})")
+        self._pmp_gateway = gateway
+        self._mapping = (got["external_port"], internal_port, "")
+        self._renew = asyncio.ensure_future(self._renew_loop())
+        return MappingResult((addr["external"], got["external_port"]))
 
     async def _open(self, internal_port: int) -> MappingResult:
         from async_upnp_client.aiohttp import AiohttpSessionRequester
@@ -163,6 +191,12 @@ class PortMapper:
         return MappingResult(None, f"the UPnP router refused a mapping ({type(last).__name__}: {last})")
 
     async def _add(self, external_port: int, internal_port: int, client: str):
+        if self._pmp_gateway is not None:
+            from engine.wire import natpmp
+
+            await natpmp.ask(self._pmp_gateway, natpmp.map_request(internal_port, external_port, self.lease_s),
+                             natpmp.TCP)
+            return
         await self._igd.async_add_port_mapping(
             remote_host=ipaddress.IPv4Address("0.0.0.0"), external_port=external_port, protocol="TCP",
             internal_port=internal_port, internal_client=ipaddress.IPv4Address(client), enabled=True,
@@ -179,6 +213,14 @@ class PortMapper:
     async def close(self):
         if self._renew is not None:
             self._renew.cancel()
+        if self._pmp_gateway is not None and self._mapping is not None:
+            from engine.wire import natpmp
+
+            try:     # lifetime 0 deletes (RFC 6886 3.4)
+                await natpmp.ask(self._pmp_gateway, natpmp.map_request(self._mapping[1], 0, 0), natpmp.TCP, tries=2)
+            except (natpmp.NatPmpError, OSError) as exc:
+                log.info("removing the NAT-PMP mapping failed: %r", exc)
+            self._mapping = self._pmp_gateway = None
         if self._igd is not None and self._mapping is not None:
             try:
                 await asyncio.wait_for(self._igd.async_delete_port_mapping(

@@ -240,3 +240,38 @@ def test_doctor_tells_each_home_what_its_router_and_nat_allow(tmp_path):
         assert "NAT: open" in said[2], said[2]
         rules = net.exec(net.router(0), ["nft", "list", "table", "inet", "miniupnpd"]).stdout
         assert "7870" not in rules, rules             # the doctor's trial mapping is gone
+
+
+@pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")
+def test_a_router_that_speaks_only_nat_pmp_maps_the_port_too(tmp_path):
+    """PortMapper without UPnP-IGD asks the default gateway over NAT-PMP (miniupnpd speaks
+    both): the mapping reaches the PC from another home, and is gone after close()."""
+    import asyncio
+    import socket
+
+    from engine.wire.candidates import PortMapper
+
+    with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="eim")], subnet=67) as net:
+        server = net.socket(net.host(0))
+        server.bind(("0.0.0.0", 7870))
+        server.listen()
+        mapper = PortMapper(upnp_igd=False)
+
+        async def open_it():
+            return await mapper.open(7870)
+
+        result = net.call_in(net.host(0), asyncio.run, open_it())
+        assert result.external == (net.wan_addr(0), 7870), result
+        probe = net.socket(net.host(1))
+        probe.settimeout(10)
+        probe.connect((net.wan_addr(0), 7870))               # through home 1's NAT and home 0's mapping
+        conn, _ = server.accept()
+        conn.close()
+        probe.close()
+        net.call_in(net.host(0), asyncio.run, mapper.close())
+        again = net.socket(net.host(1))
+        again.settimeout(3)
+        with pytest.raises(OSError):
+            again.connect((net.wan_addr(0), 7870))
+        again.close()
+        server.close()

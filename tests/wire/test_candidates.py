@@ -191,3 +191,20 @@ def test_a_host_takes_only_replies_to_its_own_usable_invites(tmp_path):
     unknown = inv.encode_reply(inv.Reply(state.pipeline, b"z" * 8, ["ws://81.2.69.160:7871"], ["mapped"]))
     with pytest.raises(inv.InviteError, match="unknown invite"):
         state.add_reply(unknown)
+
+
+def test_nat_pmp_messages_follow_rfc_6886():
+    from engine.wire import natpmp
+
+    assert natpmp.external_address_request() == b"\x00\x00"
+    assert natpmp.map_request(7870, 7870, 3600) == bytes.fromhex("0002 0000 1ebe 1ebe 00000e10")
+    addr = natpmp.parse_response(bytes.fromhex("0080" "0000" "00001234" "510245a0"), 0)
+    assert addr == {"result": 0, "meaning": "success", "epoch": 0x1234, "external": "81.2.69.160"}
+    got = natpmp.parse_response(bytes.fromhex("0082" "0000" "00000009" "1ebe" "1ebf" "00000e10"), natpmp.TCP)
+    assert (got["internal_port"], got["external_port"], got["lifetime"]) == (7870, 7871, 3600)
+    refused = natpmp.parse_response(bytes.fromhex("0082000200000009"), natpmp.TCP)
+    assert refused["result"] == 2 and "refused" in refused["meaning"]
+    for bad, op in ((b"\x00\x80", 0), (bytes.fromhex("0081" "0000" "00001234" "510245a0"), 0),
+                    (bytes.fromhex("0080" "0000" "00001234" "510245"), 0)):
+        with pytest.raises(natpmp.NatPmpError):
+            natpmp.parse_response(bad, op)
