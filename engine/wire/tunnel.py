@@ -71,6 +71,7 @@ WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=N
 
 CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE = range(1, 12)
 DIRECT_RETRY_S = 30.0
+REPLY_QUEUE = 8                  # connections to a joiner's reply listener waiting their turn
 MODE_RESUME = 3                  # a second channel for a session that exists: see Session.move_to
 STAGE = 0                        # OPEN's target on a joiner: its own stage server
 _INNER = struct.Struct("<BI")
@@ -505,10 +506,13 @@ class TunnelHost:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
-            backoff = 1.0
+            t0 = time.monotonic()
             await self.accept(ws, path)          # until that session ends
             await ws.close()
-            await asyncio.sleep(1.0)
+            # a session that lasted is redialled at once; a refused or failed handshake
+            # (revoked, used up, someone else listening there) ever more slowly
+            backoff = 1.0 if time.monotonic() - t0 > 30 else min(backoff * 2, 30.0)
+            await asyncio.sleep(backoff)
 
     def invite(self, ttl_s: float = 24 * 3600, uses: int = 1) -> str:
         _, code = self.state.create_invite(self.identity.public, self.relay_url, self.direct_addresses,
@@ -978,6 +982,11 @@ class Joiner:
             self._incoming = asyncio.Queue()
 
             async def handler(ws):
+                # anyone may connect here (the address is in a code): a few wait their
+                # turn, more are turned away, so a flood costs bounded memory
+                if self._incoming.qsize() >= REPLY_QUEUE:
+                    await ws.close(1013, "busy")
+                    return
                 done = asyncio.Event()
                 await self._incoming.put((ws, done))
                 await done.wait()          # the connection lives as long as its session
@@ -1000,10 +1009,9 @@ class Joiner:
             try:
                 session = await _client_handshake(ws, self.invite, self.identity, self.target, self.name,
                                                   self.member, "direct (reply)")
-            except TunnelError:
-                done.set()
-                raise
-            except (ConnectionClosed, OSError, asyncio.TimeoutError, NoiseError) as exc:
+            except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError, NoiseError) as exc:
+                # even a refusal: whoever connected here need not be the host (a refusal
+                # is not authenticated), and the host redials; so wait for the next one
                 self.on_event(f"a connection to the reply address failed ({exc or type(exc).__name__})")
                 done.set()
                 continue
