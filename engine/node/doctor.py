@@ -73,8 +73,14 @@ class NetFacts:
     stun_servers: int = 0                             # how many were asked
 
 
-async def gather_network(port: int = 7870) -> NetFacts:
+async def gather_network(port: int | None = None) -> NetFacts:
+    import secrets
+
     from engine.wire import candidates, stun
+
+    # the trial asks for a port nobody uses: asking for a host's own (7870) would update
+    # its live mapping, and removing the trial would then remove that
+    port = port or 20000 + secrets.randbelow(30000)
 
     mapper = candidates.PortMapper(description="Potluck doctor (a trial, removed at once)", lease_s=120)
     try:

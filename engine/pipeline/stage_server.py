@@ -343,9 +343,9 @@ class StageServer:
             # the head is gone, and the route token it gave out with it: no data link may
             # prove it any more, and the ones that did are closed
             self._route = None
-            self._route_set = asyncio.Event()
-            for link in list(self._data_links):
-                await link.close(1008, "the head that opened this link has gone")
+            self._route_set.clear()     # a data hello waiting now waits for the next head
+            await asyncio.gather(*(link.close(1008, "the head that opened this link has gone")
+                                   for link in list(self._data_links)), return_exceptions=True)
             # its sequences are gone too
             if self.stage is not None:
                 await self._run(self._free, list(self.stage.kv.seqs))

@@ -114,6 +114,7 @@ class PortMapper:
         self.description, self.lease_s, self.search_s = description, lease_s, search_s
         self.natpmp, self.upnp_igd = natpmp, upnp_igd
         self._pmp_gateway: str | None = None     # set while a NAT-PMP mapping is held
+        self.granted_s = lease_s                 # the lease the router granted
         self._igd = None
         self._session = None
         self._renew: asyncio.Task | None = None
@@ -148,6 +149,7 @@ class PortMapper:
         if got["result"] != 0:
             return MappingResult(None, f"NAT-PMP: the router refused a mapping ({got['meaning']})")
         self._pmp_gateway = gateway
+        self.granted_s = got["lifetime"] or self.lease_s
         self._mapping = (got["external_port"], internal_port, "")
         self._renew = asyncio.ensure_future(self._renew_loop())
         return MappingResult((addr["external"], got["external_port"]))
@@ -183,10 +185,20 @@ class PortMapper:
             try:
                 await self._add(external_port, internal_port, client)
             except Exception as exc:  # noqa: BLE001 -- taken by another device: try the next
-                last = exc
-                continue
+                if "725" in str(exc) or "OnlyPermanentLeasesSupported" in str(exc):
+                    # an IGDv1 router that takes only permanent mappings: one, removed on close
+                    self.lease_s = 0
+                    try:
+                        await self._add(external_port, internal_port, client)
+                    except Exception as again:  # noqa: BLE001
+                        last = again
+                        continue
+                else:
+                    last = exc
+                    continue
             self._mapping = (external_port, internal_port, client)
-            self._renew = asyncio.ensure_future(self._renew_loop())
+            if self.lease_s:             # a permanent mapping needs no renewal
+                self._renew = asyncio.ensure_future(self._renew_loop())
             return MappingResult((external_ip, external_port))
         return MappingResult(None, f"the UPnP router refused a mapping ({type(last).__name__}: {last})")
 
@@ -194,8 +206,10 @@ class PortMapper:
         if self._pmp_gateway is not None:
             from engine.wire import natpmp
 
-            await natpmp.ask(self._pmp_gateway, natpmp.map_request(internal_port, external_port, self.lease_s),
-                             natpmp.TCP)
+            got = await natpmp.ask(self._pmp_gateway, natpmp.map_request(internal_port, external_port,
+                                                                          self.lease_s), natpmp.TCP)
+            if got["result"] != 0:
+                raise natpmp.NatPmpError(f"the router refused the renewal ({got['meaning']})")
             return
         await self._igd.async_add_port_mapping(
             remote_host=ipaddress.IPv4Address("0.0.0.0"), external_port=external_port, protocol="TCP",
@@ -204,7 +218,9 @@ class PortMapper:
 
     async def _renew_loop(self):
         while True:
-            await asyncio.sleep(self.lease_s / 2)
+            # half the lease asked for (a router may grant less: NAT-PMP says how much,
+            # and renewing at half of that keeps it; UPnP grants what it was asked or fails)
+            await asyncio.sleep(max(30.0, min(self.lease_s, self.granted_s) / 2))
             try:
                 await self._add(*self._mapping)
             except Exception as exc:  # noqa: BLE001 -- the next renewal tries again

@@ -146,6 +146,9 @@ def parse(code: str) -> Invite:
     if not hmac.compare_digest(hashlib.sha256(body).digest()[:CHECKSUM], check):
         raise InviteError("this code has a typo (its checksum does not match): copy it again")
     version = body[0]
+    if version == REPLY_VERSION:
+        raise InviteError("this is a reply code, not an invite: the host pastes it (`potluck invites --reply`, "
+                          "or the host dialog)")
     if version not in READS:
         raise InviteError(f"this code is for another version of Potluck (code version {version}, "
                           f"this one reads {', '.join(map(str, READS))})")
@@ -334,12 +337,18 @@ class HostState:
         return r
 
     def replies(self) -> list[Reply]:
+        """The replies to dial: those to invites that are still ours, not revoked, not expired."""
+        data = self._read()
+        invites, now = data.get("invites") or {}, time.time()
         out = []
-        for rec in (self._read().get("replies") or {}).values():
+        for rec in (data.get("replies") or {}).values():
             try:
-                out.append(parse_reply(rec["code"]))
+                r = parse_reply(rec["code"])
             except (InviteError, KeyError, TypeError):
                 continue
+            inv = invites.get(r.invite_id.hex())
+            if inv is not None and not inv.get("revoked") and now <= inv.get("expires", 0):
+                out.append(r)
         return out
 
     def invite_psk(self, invite_id: bytes) -> bytes:

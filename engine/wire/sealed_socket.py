@@ -28,7 +28,10 @@ class SealedSocket:
             return self.seal.open(message)
         except SealError as exc:
             await self.ws.close(1008, str(exc)[:120])
-            return await self.ws.recv()   # raises ConnectionClosed, as any closed link does
+            # nothing after a bad message is taken: websockets still hands out what was
+            # queued before (and during) the close, so drain it until the close shows
+            while True:
+                await self.ws.recv()      # ends in ConnectionClosed, as any closed link does
 
     async def __aiter__(self):
         while True:

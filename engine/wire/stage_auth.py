@@ -143,9 +143,9 @@ def answer_hello(key: str, role: str, pipeline: str, nonce: str, auth: str) -> t
     try:
         hs = PskResponder(stage_psk(key, role, pipeline), _prologue(role, pipeline, nonce))
         hs.read_1(bytes.fromhex(auth))
-    except ValueError:   # not hex, too short, or another key (NoiseError)
+        answer = hs.write_2().hex()     # a low-order ephemeral fails here (NoiseError)
+    except ValueError:   # not hex, too short, another key, a bad point (NoiseError)
         raise NotAuthorized() from None
-    answer = hs.write_2().hex()
     return answer, Seal(*hs.keys())
 
 

@@ -148,20 +148,26 @@ async def query(servers: list[tuple[str, int]], *, local_port: int = 0, timeout:
         local = transport.get_extra_info("sockname")[:2]
         pending: dict[bytes, tuple[str, int]] = {}
         targets: dict[bytes, tuple[str, int]] = {}
-        for host, port in servers:
+        async def resolve(host, port):
             try:
-                infos = await asyncio.wait_for(loop.getaddrinfo(host, port, family=socket.AF_INET,
-                                                                type=socket.SOCK_DGRAM), timeout)
+                return await asyncio.wait_for(loop.getaddrinfo(host, port, family=socket.AF_INET,
+                                                               type=socket.SOCK_DGRAM), timeout)
             except (OSError, asyncio.TimeoutError):
+                return None
+
+        # names resolved at once, not one after another: a dead resolver costs one timeout
+        for (host, port), infos in zip(servers, await asyncio.gather(*(resolve(h, p) for h, p in servers))):
+            if not infos:
                 continue
             msg, txid = request()
             pending[txid] = (host, port)
             targets[txid] = infos[0][4][:2]
         seen: list[Mapped] = []
+        start = loop.time()
         for attempt in range(tries):
             for txid in pending:
                 transport.sendto(HEADER.pack(BINDING_REQUEST, 0, MAGIC, txid), targets[txid])
-            deadline = loop.time() + timeout / tries * (attempt + 1)
+            deadline = start + timeout / tries * (attempt + 1)     # all of it within `timeout`
             while pending and loop.time() < deadline:
                 try:
                     data, _ = await asyncio.wait_for(proto.answers.get(), max(0.0, deadline - loop.time()))

@@ -81,6 +81,13 @@ class TunnelError(RuntimeError):
     """A tunnel could not be set up or was refused; str() says why."""
 
 
+class HostRefused(TunnelError):
+    """Whoever answered refused us in words. Before the Noise answer such a refusal is not
+    authenticated (anyone at that address may say it), so it never ends a joiner by
+    itself: other addresses are still tried, and a joiner gives up only when refusals
+    keep coming (Joiner.GIVE_UP_AFTER)."""
+
+
 def pack_inner(kind: int, stream: int, payload: bytes = b"") -> bytes:
     return _INNER.pack(kind, stream) + payload
 
@@ -119,10 +126,13 @@ class Session:
     session's keys at the next counter."""
 
     def __init__(self, ws, send_key: bytes, recv_key: bytes, *, role: str, peer_key: bytes, path: str,
-                 target: tuple[str, int] | None = None, name: str = "", handshake_hash: bytes = b""):
+                 target: tuple[str, int] | None = None, name: str = ""):
         self.ws_in = self.ws_out = ws
         self._next: tuple | None = None      # (channel, path) proven for a move, not yet moved to
-        self.resume_key = hmac.new(handshake_hash or os.urandom(32), b"potluck resume", hashlib.sha256).digest()
+        # the key a second channel is proven with: from the session's secret keys (never
+        # from the handshake hash, which an observer of a member's IK handshake can compute)
+        i2r, r2i = (send_key, recv_key) if role == "joiner" else (recv_key, send_key)
+        self.resume_key = hmac.new(i2r + r2i, b"potluck resume", hashlib.sha256).digest()
         self.resume_id = hashlib.sha256(self.resume_key).digest()[:8]
         self.moves = 0
         self.moved = asyncio.Event()         # set at each completed move (both directions)
@@ -184,8 +194,10 @@ class Session:
         except Exception:   # noqa: BLE001  the channel may be gone already
             pass
         self.closed.set()
-        for ws in {self.ws_in, self.ws_out} | ({self._next[0]} if self._next else set()):
-            await ws.close()
+        # at once, together: a closing handshake the peer no longer answers must not hold
+        # up the streams' end (each would wait websockets' close timeout in turn)
+        channels = {self.ws_in, self.ws_out} | ({self._next[0]} if self._next else set())
+        await asyncio.gather(*(asyncio.wait_for(ws.close(), 2.0) for ws in channels), return_exceptions=True)
         for t in list(self._pumps.values()) + self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
@@ -197,6 +209,17 @@ class Session:
         for fut in self._listening.values():
             if not fut.done():
                 fut.cancel()
+
+    def _spawn_send(self, kind: int):
+        async def send():
+            try:
+                await self.send(kind)
+            except (ConnectionClosed, OSError):
+                pass
+
+        task = asyncio.ensure_future(send())
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
 
     def link(self, window: float = 5.0) -> dict:
         """What the status shows of this tunnel: its path, round trip and recent goodput."""
@@ -246,7 +269,9 @@ class Session:
                     if t is not None:
                         t.cancel()
                 elif kind == PING:
-                    await self.send(PONG)
+                    # not awaited here: the reader must never wait on the send lock (a send
+                    # blocked on a full channel would then stop the reading that frees it)
+                    self._spawn_send(PONG)
                 elif kind == PONG and self._ping_sent is not None:
                     self.rtt, self._ping_sent = time.monotonic() - self._ping_sent, None
                 elif kind == BYE:
@@ -498,7 +523,7 @@ class TunnelHost:
         routes = [("direct (reply)", url) for _, url in
                   sorted(zip(r.kinds, r.direct), key=lambda ku: KIND_ORDER.get(ku[0], 9))]
         backoff = 1.0
-        while True:
+        while any(x.key == r.key for x in self.state.replies()):     # until revoked or expired
             errors: list[str] = []
             path, url, ws = await _first_to_connect(routes, errors, lambda text: None)
             if ws is None:
@@ -607,6 +632,17 @@ class TunnelHost:
             log.exception("unexpected error in a handshake")
             await self._reject(ws, f"internal error: {type(exc).__name__}")
             return
+        if resumed:
+            # the joiner's MOVE should follow at once; if it does not (its wait ran out, the
+            # new connection died), this channel is dropped and the session can try again
+            before, deadline = session.moves, time.monotonic() + 2 * HANDSHAKE_TIMEOUT
+            while session.moves == before and not session.closed.is_set() and time.monotonic() < deadline \
+                    and session._next is not None and session._next[0] is ws:
+                await asyncio.sleep(0.1)
+            if session.moves == before and session._next is not None and session._next[0] is ws:
+                session._next = None
+                await ws.close(1008, "the move did not come")
+                return
         await session.closed.wait()      # the channel's handler lives as long as the session
         if not resumed:
             self.on_event(f"peer {session.peer_id} ({session.name}) disconnected: {session.close_reason}")
@@ -623,7 +659,7 @@ class TunnelHost:
         if pipeline != self.pipeline:
             raise _Refused("this host serves another pipeline")
         if mode == MODE_RESUME:
-            return await self._resume(ws, path, invite_id)
+            return await self._resume(ws, path, invite_id, msg1)
         psk = None
         if mode == MODE_JOIN:
             try:
@@ -657,8 +693,7 @@ class TunnelHost:
             path = f"direct ({kind})"
         await ws.send(b"\x01" + r.write_2(json.dumps({"pipeline": self.pipeline.hex()}).encode()))
         send_key, recv_key = r.keys()
-        session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name,
-                          handshake_hash=r.handshake_hash)
+        session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name)
         try:
             kind, _, _ = await session.recv_inner(HANDSHAKE_TIMEOUT)
         except asyncio.TimeoutError:
@@ -678,7 +713,7 @@ class TunnelHost:
         await self._attach(session)
         return session
 
-    async def _resume(self, ws, path: str, resume_id: bytes) -> Session:
+    async def _resume(self, ws, path: str, resume_id: bytes, joiner_nonce: bytes) -> Session:
         """A second channel for a session that exists (a joiner on the relay found a direct
         path): it must prove the session's keys, then the session moves onto it."""
         session = next((p.session for p in self.peers.values() if p.session is not None
@@ -686,6 +721,8 @@ class TunnelHost:
                        None)
         if session is None:
             raise _Refused("no such session to resume")
+        if len(joiner_nonce) != 16:
+            raise _Refused("a resume carries a 16-byte nonce")
         nonce = os.urandom(16)
         await ws.send(b"\x02" + nonce)
         try:
@@ -693,7 +730,7 @@ class TunnelHost:
         except asyncio.TimeoutError:
             raise _Refused("no proof within the handshake timeout") from None
         if not isinstance(answer, bytes) or len(answer) < 32 or not hmac.compare_digest(
-                answer[:32], hmac.new(session.resume_key, b"joiner" + nonce, hashlib.sha256).digest()):
+                answer[:32], hmac.new(session.resume_key, b"joiner" + nonce + joiner_nonce, hashlib.sha256).digest()):
             raise _Refused("not the session's keys")
         kind = answer[32:40].decode(errors="replace")
         here = f"direct ({kind})" if path == "direct" and kind in ("lan", "mapped", "ipv6", "public") else path
@@ -701,7 +738,7 @@ class TunnelHost:
             session.expect_move(ws, here)
         except NoiseError as exc:
             raise _Refused(str(exc)) from None
-        await ws.send(b"\x03" + hmac.new(session.resume_key, b"host" + nonce, hashlib.sha256).digest())
+        await ws.send(b"\x03" + hmac.new(session.resume_key, b"host" + nonce + joiner_nonce, hashlib.sha256).digest())
         self.on_event(f"peer {session.peer_id} ({session.name}) moving to {here}")
         return session
 
@@ -779,23 +816,27 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
         direct = []
     if not direct and not relay:
         raise TunnelError(f"the code offers no {prefer} route")
-    errors = []
+    errors: list[str] = []
+    refused: HostRefused | None = None
     rounds = ([direct] if direct else []) + ([relay] if relay else [])
     for routes in rounds:
-        path, url, ws = await _first_to_connect(routes, errors, say)
-        if ws is None:
-            continue
-        try:
-            return await _client_handshake(ws, invite, identity, target, name, member, path)
-        except TunnelError:
-            await ws.close()
-            raise           # the host answered and refused: another route would too
-        except (ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
-            await ws.close()
-            reason = getattr(exc, "rcvd", None)
-            reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
-            errors.append(f"{path} {url}: {reason}")
-            say(f"{path} route {url} failed ({reason})")
+        while routes:
+            path, url, ws = await _first_to_connect(routes, errors, say)
+            if ws is None:
+                break
+            routes = [r for r in routes if r[1] != url]      # the rest, should this one fail
+            try:
+                return await _client_handshake(ws, invite, identity, target, name, member, path)
+            except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
+                await ws.close()
+                reason = getattr(exc, "rcvd", None)
+                reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
+                errors.append(f"{path} {url}: {reason}")
+                say(f"{path} route {url} failed ({reason})")
+                if isinstance(exc, HostRefused):
+                    refused = exc       # said by whoever answered there: try the others too
+    if refused is not None:
+        raise HostRefused(f"{refused}" + (f" (also: {'; '.join(errors)})" if len(errors) > 1 else ""))
     hint = ("" if invite.relay or prefer == "relay" else
             ". No direct path reaches the host, and this code names no relay: the host can turn on UPnP "
             "on their router (`potluck doctor` checks it), forward the port to their computer, or host "
@@ -821,16 +862,19 @@ async def resume_direct(session: Session, invite: Invite, say) -> bool:
     if ws is None:
         return False
     try:
-        await ws.send(_hello_prefix(MODE_RESUME, invite.pipeline, session.resume_id))
+        mine = os.urandom(16)      # so a confirm recorded from an earlier try proves nothing now
+        await ws.send(_hello_prefix(MODE_RESUME, invite.pipeline, session.resume_id) + mine)
         challenge = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT)
         if not isinstance(challenge, bytes) or len(challenge) != 17 or challenge[0] != 2:
-            raise TunnelError(f"the host there did not take the session: {bytes(challenge[1:])[:200]!r}")
+            said = challenge[1:201] if isinstance(challenge, bytes) else str(challenge)[:200]
+            raise TunnelError(f"the host there did not take the session: {said!r}")
         nonce = challenge[1:]
         kind = path[len("direct ("):-1] if path.startswith("direct (") else ""
-        await ws.send(hmac.new(session.resume_key, b"joiner" + nonce, hashlib.sha256).digest() + kind.encode()[:8])
+        await ws.send(hmac.new(session.resume_key, b"joiner" + nonce + mine, hashlib.sha256).digest()
+                      + kind.encode()[:8])
         confirm = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT)
         if not (isinstance(confirm, bytes) and len(confirm) == 33 and confirm[0] == 3 and hmac.compare_digest(
-                confirm[1:], hmac.new(session.resume_key, b"host" + nonce, hashlib.sha256).digest())):
+                confirm[1:], hmac.new(session.resume_key, b"host" + nonce + mine, hashlib.sha256).digest())):
             raise TunnelError("the answer there is not from the host of this session")
         await session.move_to(ws, path)
         return True
@@ -890,14 +934,13 @@ async def _client_handshake(ws, invite: Invite, identity: Identity, target, name
     if not isinstance(answer, (bytes, bytearray)) or not answer:
         raise TunnelError("the host answered something that is not a handshake")
     if answer[0] == 0:
-        raise TunnelError(f"the host refused: {bytes(answer[1:]).decode(errors='replace')[:500]}")
+        raise HostRefused(f"the host refused: {bytes(answer[1:]).decode(errors='replace')[:500]}")
     try:
         ini.read_2(answer[1:])
     except NoiseError as exc:
         raise TunnelError(str(exc)) from None
     send_key, recv_key = ini.keys()
     session = Session(ws, send_key, recv_key, role="joiner", peer_key=invite.host_key, path=path,
-                      handshake_hash=ini.handshake_hash,
                       target=target, name=name)
     await session.send(CONFIRM)
     try:
@@ -905,7 +948,7 @@ async def _client_handshake(ws, invite: Invite, identity: Identity, target, name
     except NoiseError as exc:
         raise TunnelError(str(exc)) from None
     if kind == BYE:
-        raise TunnelError(f"the host refused: {payload.decode(errors='replace')[:500]}")
+        raise HostRefused(f"the host refused: {payload.decode(errors='replace')[:500]}")
     if kind != READY:
         raise TunnelError("the host did not confirm the session")
     return session.start()
@@ -934,12 +977,13 @@ class Joiner:
         self._reply_server = None
         self._mapper = None
 
+    GIVE_UP_AFTER = 5      # refusals in a row (a revoked member, a used-up code) before giving up
+
     async def connect(self) -> Session:
         try:
-            self.session = await open_session(self.invite, self.identity, self.target, name=self.name,
-                                              member=self.member, prefer=self.prefer, log_event=self.on_event)
+            self.session = await self._open()
         except TunnelError as exc:
-            if self.reply_listen is None or "refused" in str(exc) or self.prefer == "relay":
+            if self.reply_listen is None or isinstance(exc, HostRefused) or self.prefer == "relay":
                 raise
             self.session = await self._by_reply(str(exc))
         self.member = True
@@ -960,6 +1004,7 @@ class Joiner:
             self.on_event(f"tunnel closed: {self.session.close_reason}")
             if "revoked" in self.session.close_reason:
                 raise TunnelError(self.session.close_reason)
+            refusals = 0
             while True:
                 await asyncio.sleep(delay)
                 try:
@@ -967,43 +1012,80 @@ class Joiner:
                     delay = 1.0
                     break
                 except TunnelError as exc:
-                    if "refused" in str(exc):
+                    refusals = refusals + 1 if isinstance(exc, HostRefused) else 0
+                    if refusals >= self.GIVE_UP_AFTER:
                         raise
                     self.on_event(f"reconnect failed: {exc}")
                     delay = min(delay * 2, 30.0)
 
 
+    async def _open(self) -> Session:
+        return await open_session(self.invite, self.identity, self.target, name=self.name,
+                                  member=self.member, prefer=self.prefer, log_event=self.on_event)
+
     async def _by_reply(self, why: str) -> Session:
         """Listen, gather this machine's candidates (its router's mapping among them), show
-        a reply code, and take the host's connection when it comes."""
+        a reply code, and take the host's connection when it comes -- or the invite's own
+        routes, tried again meanwhile, when one of those answers first (a relay back up)."""
+        if self._reply_server is None:
+            try:
+                await self._listen_for_replies(why)
+            except BaseException:
+                await self.close()          # set up again on the next try
+                raise
+        waiting = asyncio.ensure_future(self._next_reply_session())
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiting), self.direct_retry_s)
+                except asyncio.TimeoutError:
+                    pass
+                try:
+                    return await self._open()
+                except HostRefused:
+                    raise
+                except TunnelError:
+                    continue
+        finally:
+            waiting.cancel()
+
+    async def _listen_for_replies(self, why: str):
         from engine.wire import candidates as cand
 
-        if self._reply_server is None:
-            self._incoming = asyncio.Queue()
+        self._incoming = asyncio.Queue()
 
-            async def handler(ws):
-                # anyone may connect here (the address is in a code): a few wait their
-                # turn, more are turned away, so a flood costs bounded memory
-                if self._incoming.qsize() >= REPLY_QUEUE:
-                    await ws.close(1013, "busy")
-                    return
-                done = asyncio.Event()
-                await self._incoming.put((ws, done))
-                await done.wait()          # the connection lives as long as its session
+        async def handler(ws):
+            # anyone may connect here (the address is in a code): a few wait their
+            # turn, more are turned away, so a flood costs bounded memory; and none
+            # while this joiner is connected another way
+            if self._incoming.qsize() >= REPLY_QUEUE or (self.session is not None
+                                                         and not self.session.closed.is_set()):
+                await ws.close(1013, "busy")
+                return
+            done = asyncio.Event()
+            await self._incoming.put((ws, done))
+            await done.wait()          # the connection lives as long as its session
 
-            host, _, port = self.reply_listen.rpartition(":")
+        host, _, port = self.reply_listen.rpartition(":")
+        try:
             self._reply_server = await serve(handler, host or "0.0.0.0", int(port or 0), **WS_OPTIONS)
-            bound = self._reply_server.sockets[0].getsockname()[1]
-            self._mapper = cand.PortMapper()
-            g = await cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper)
-            if not g.candidates:
-                raise TunnelError(f"{why}; and this computer has no address the host could reach either")
-            self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
-                                                 [c.url for c in g.candidates], [c.kind for c in g.candidates]))
-            self.on_event("the host cannot be reached from here; it can reach this computer instead: "
-                          f"send the host this reply code ({', '.join(c.kind for c in g.candidates)})")
-            if self.on_reply is not None:
-                self.on_reply(self.reply_code)
+        except OSError as exc:
+            raise TunnelError(f"{why}; and a reply code needs this computer to listen on "
+                              f"{self.reply_listen}, which failed ({exc.strerror or exc}): "
+                              "give another with --reply-listen") from None
+        bound = self._reply_server.sockets[0].getsockname()[1]
+        self._mapper = cand.PortMapper()
+        g = await cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper)
+        if not g.candidates:
+            raise TunnelError(f"{why}; and this computer has no address the host could reach either")
+        self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
+                                             [c.url for c in g.candidates], [c.kind for c in g.candidates]))
+        self.on_event("the host cannot be reached from here; it can reach this computer instead: "
+                      f"send the host this reply code ({', '.join(c.kind for c in g.candidates)})")
+        if self.on_reply is not None:
+            self.on_reply(self.reply_code)
+
+    async def _next_reply_session(self) -> Session:
         while True:
             ws, done = await self._incoming.get()
             try:
@@ -1015,6 +1097,9 @@ class Joiner:
                 self.on_event(f"a connection to the reply address failed ({exc or type(exc).__name__})")
                 done.set()
                 continue
+            except asyncio.CancelledError:      # connected another way meanwhile
+                done.set()
+                raise
             asyncio.ensure_future(_release_when_closed(session, done))
             return session
 
@@ -1035,8 +1120,8 @@ class Joiner:
             except asyncio.TimeoutError:
                 pass
             if await resume_direct(session, self.invite, self.on_event):
-                try:      # the host's MOVE ends the old channel: then the move is whole
-                    await asyncio.wait_for(session.moved.wait(), HANDSHAKE_TIMEOUT)
+                try:      # the host's MOVE ends the old channel (behind what it still carries)
+                    await asyncio.wait_for(session.moved.wait(), DEAD_AFTER)
                 except asyncio.TimeoutError:
                     await session.close("the host did not finish moving to the direct path")
                     return
