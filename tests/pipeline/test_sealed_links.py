@@ -70,6 +70,16 @@ async def test_after_the_proof_only_sealed_messages_in_order_are_taken(stage):
     code, reason = await closed_with(ws)
     assert code == 1008 and "tampered" in reason, reason
 
+    # a bad message, then at once a plain shutdown: nothing after the bad one is taken
+    # (websockets still hands out what was queued before the close)
+    ws = await head_link(address)
+    await ws.ws.send("garbage")
+    await ws.ws.send(frames.control("shutdown"))
+    code, _ = await closed_with(ws)
+    assert code == 1008
+    await asyncio.sleep(0.5)
+    assert not server.closed, "a plain shutdown after a bad message reached the stage"
+
     ws = await head_link(address)
     await ws.send(stats)
     assert frames.parse_control(await ws.recv())["type"] == "stats"

@@ -12,6 +12,7 @@ import os
 import time
 
 import pytest
+from websockets.asyncio.server import serve
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from websockets.asyncio.client import connect
 
@@ -498,3 +499,33 @@ async def test_joiner_reconnects_as_a_member_after_the_host_restarts(tmp_path):
     finally:
         keep.cancel()
         echo.close()
+
+
+
+async def test_a_refusal_at_one_address_does_not_stop_the_join_at_the_next(tmp_path):
+    """Refusals before the Noise answer are not authenticated: something else listening
+    at the invite's first address (another program, a stranger) that says "go away" must
+    not end the join; the host at the next address takes it."""
+    async def impostor(ws):
+        await ws.recv()
+        await ws.send(b"\x00this host serves another pipeline")
+        await ws.close()
+
+    echo, echo_port = await _echo_server()
+    home = Home(tmp_path / "host")
+    async with serve(impostor, "127.0.0.1", 0) as fake:
+        try:
+            await home.host.listen("127.0.0.1", 0)
+            real = home.host.direct_addresses[0]
+            home.host.direct_addresses = [f"ws://127.0.0.1:{fake.sockets[0].getsockname()[1]}", real]
+            home.host.direct_kinds = ["lan", "mapped"]
+            invite = inv.parse(home.host.invite())
+            said = []
+            s = await open_session(invite, load_or_create_identity(tmp_path / "j"), ("127.0.0.1", echo_port),
+                                   log_event=said.append)
+            assert s.path == "direct (mapped)", said
+            assert any("another pipeline" in x for x in said), said
+            await s.close("test")
+        finally:
+            await home.host.close()
+            echo.close()
