@@ -441,16 +441,16 @@ async def attack_host(t: Tally, w: dict, n: int, flood: int, folder: Path):
         if kind == 0:                                 # tampered
             bad = bytearray(good)
             bad[-3] ^= 0x40
-            await s.ws.send(bytes(bad))
+            await s.ws_out.send(bytes(bad))
         elif kind == 1:                               # replayed
-            await s.ws.send(good)
-            await s.ws.send(good)
+            await s.ws_out.send(good)
+            await s.ws_out.send(good)
         elif kind == 2:                               # a joiner may not open streams on the host
-            await s.ws.send(good)
-            await s.ws.send(s.tx.encrypt(tunnel.pack_inner(tunnel.OPEN, 7)))
+            await s.ws_out.send(good)
+            await s.ws_out.send(s.tx.encrypt(tunnel.pack_inner(tunnel.OPEN, 7)))
         else:                                         # unknown inner type
-            await s.ws.send(good)
-            await s.ws.send(s.tx.encrypt(bytes([99]) + bytes(4)))
+            await s.ws_out.send(good)
+            await s.ws_out.send(s.tx.encrypt(bytes([99]) + bytes(4)))
         try:
             await asyncio.wait_for(s.closed.wait(), 20)
             t.rejected(name, s.close_reason)
