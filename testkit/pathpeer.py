@@ -121,6 +121,7 @@ async def join(a) -> int:
     joiner = Joiner(parse(a.code), load_or_create_identity(folder), ("127.0.0.1", srv.sockets[0].getsockname()[1]),
                     name="friend", on_event=lambda t: say("EVENT", t),
                     reply_listen=a.reply_listen or None, on_reply=lambda code: say("REPLY", code))
+    say("START")              # imports done: the join itself starts now
     try:
         session = await joiner.connect()
     except TunnelError as exc:

@@ -889,10 +889,27 @@ async def _first_to_connect(routes, errors: list, say):
     """Open WebSockets to the routes, each STAGGER_S after the one before (in the order
     given), and keep the first that opens; the rest are closed. An address that cannot
     work (another home's private address) costs no more than its stagger."""
-    async def attempt(i, path, url):
-        await asyncio.sleep(i * STAGGER_S)
-        return path, url, await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+    # attempt i starts STAGGER_S after attempt i-1, or at once when every attempt before it
+    # has failed (another home's private address fails at once: no route)
+    failed = 0
+    turn = [asyncio.Event() for _ in routes]
 
+    async def attempt(i, path, url):
+        nonlocal failed
+        try:
+            await asyncio.wait_for(turn[i].wait(), i * STAGGER_S)
+        except asyncio.TimeoutError:
+            pass
+        try:
+            return path, url, await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+        except BaseException:
+            failed += 1
+            if failed < len(turn):
+                turn[failed].set()
+            raise
+
+    if turn:
+        turn[0].set()
     tasks = [asyncio.ensure_future(attempt(i, p, u)) for i, (p, u) in enumerate(routes)]
     names = {t: (p, u) for t, (p, u) in zip(tasks, routes)}
     winner = None
