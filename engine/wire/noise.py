@@ -272,9 +272,7 @@ class TransportCipher:
 NNPSK0 = b"Noise_NNpsk0_25519_ChaChaPoly_SHA256"
 
 
-class PskInitiator:
-    """write_1() -> bytes; read_2(bytes) -> payload; then keys() = (send, receive)."""
-
+class _PskParty:
     def __init__(self, psk: bytes, prologue: bytes, ephemeral: X25519PrivateKey | None = None):
         if len(psk) != 32:
             raise ValueError("psk must be 32 bytes")
@@ -282,6 +280,11 @@ class PskInitiator:
         self.e = ephemeral or X25519PrivateKey.generate()
         self.sym = _Symmetric(NNPSK0)
         self.sym.mix_hash(prologue)
+        self.re: bytes | None = None
+
+
+class PskInitiator(_PskParty):
+    """write_1() -> bytes; read_2(bytes) -> payload; then keys() = (send, receive)."""
 
     def write_1(self, payload: bytes = b"") -> bytes:
         sym = self.sym
@@ -305,17 +308,8 @@ class PskInitiator:
         return self.sym.split()
 
 
-class PskResponder:
+class PskResponder(_PskParty):
     """read_1(bytes) -> payload (NoiseError: not the same key); write_2() -> bytes; keys()."""
-
-    def __init__(self, psk: bytes, prologue: bytes, ephemeral: X25519PrivateKey | None = None):
-        if len(psk) != 32:
-            raise ValueError("psk must be 32 bytes")
-        self.psk = psk
-        self.e = ephemeral or X25519PrivateKey.generate()
-        self.sym = _Symmetric(NNPSK0)
-        self.sym.mix_hash(prologue)
-        self.re: bytes | None = None
 
     def read_1(self, msg: bytes) -> bytes:
         sym, msg = self.sym, bytes(msg)
