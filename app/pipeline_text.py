@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def friend_label(stage: dict) -> str:
     """'Ana (direct (mapped), 23 ms)': who holds the stage, the tunnel's path (direct, and
-    how: LAN, the router's mapping, IPv6, a public address; or relayed) and its round
+    how: LAN, the router's mapping, a punched hole, IPv6, a public address; or relayed) and its round
     trip; a stage reached by address is named by it."""
     if not stage.get("name"):
         return stage.get("address", "?")

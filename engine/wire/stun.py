@@ -138,12 +138,19 @@ class _Proto(asyncio.DatagramProtocol):
 
 
 async def query(servers: list[tuple[str, int]], *, local_port: int = 0, timeout: float = 2.0,
-                tries: int = 3) -> tuple[tuple[str, int], list[Mapped]]:
+                tries: int = 3, transport=None, answers: asyncio.Queue | None = None
+                ) -> tuple[tuple[str, int], list[Mapped]]:
     """Ask each server (from one UDP socket) where we appear to come from. Returns (our
-    local address, the answers that came), never raises for servers that do not answer."""
+    local address, the answers that came), never raises for servers that do not answer.
+    With `transport` and `answers` (the (data, addr) that socket receives), asks from a
+    socket the caller owns and keeps open: hole punching needs the mapping of the very
+    socket it punches from (engine/wire/punch.py)."""
     loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_datagram_endpoint(_Proto, local_addr=("0.0.0.0", local_port),
-                                                           family=socket.AF_INET)
+    own = transport is None
+    if own:
+        transport, proto = await loop.create_datagram_endpoint(_Proto, local_addr=("0.0.0.0", local_port),
+                                                               family=socket.AF_INET)
+        answers = proto.answers
     try:
         local = transport.get_extra_info("sockname")[:2]
         pending: dict[bytes, tuple[str, int]] = {}
@@ -170,7 +177,7 @@ async def query(servers: list[tuple[str, int]], *, local_port: int = 0, timeout:
             deadline = start + timeout / tries * (attempt + 1)     # all of it within `timeout`
             while pending and loop.time() < deadline:
                 try:
-                    data, _ = await asyncio.wait_for(proto.answers.get(), max(0.0, deadline - loop.time()))
+                    data, _ = await asyncio.wait_for(answers.get(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
                 for txid in list(pending):
@@ -186,7 +193,8 @@ async def query(servers: list[tuple[str, int]], *, local_port: int = 0, timeout:
             local = (_route_source(), local[1])
         return local, seen
     finally:
-        transport.close()
+        if own:
+            transport.close()
 
 
 def _route_source() -> str:

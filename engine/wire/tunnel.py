@@ -69,8 +69,9 @@ DEAD_AFTER = 60.0
 MAX_STREAMS = 32
 WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
 
-CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE = range(1, 12)
+CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE, PUNCH = range(1, 13)
 DIRECT_RETRY_S = 30.0
+PUNCH_TIMEOUT = 5.0              # seconds of hole punching before a try gives up
 REPLY_QUEUE = 8                  # connections to a joiner's reply listener waiting their turn
 MODE_RESUME = 3                  # a second channel for a session that exists: see Session.move_to
 STAGE = 0                        # OPEN's target on a joiner: its own stage server
@@ -96,7 +97,7 @@ def parse_inner(data: bytes) -> tuple[int, int, bytes]:
     if len(data) < _INNER.size:
         raise NoiseError("inner frame shorter than its header")
     kind, stream = _INNER.unpack_from(data)
-    if not CONFIRM <= kind <= MOVE:
+    if not CONFIRM <= kind <= PUNCH:
         raise NoiseError(f"unknown inner frame type {kind}")
     return kind, stream, bytes(data[_INNER.size:])
 
@@ -129,11 +130,17 @@ class Session:
                  target: tuple[str, int] | None = None, name: str = ""):
         self.ws_in = self.ws_out = ws
         self._next: tuple | None = None      # (channel, path) proven for a move, not yet moved to
+        # hole punching (engine/wire/punch.py): the host answers a joiner's PUNCH offer with
+        # its own UDP candidates (on_punch_offer); a joiner waits for that answer here
+        self.on_punch_offer = None
+        self._punch_answer: asyncio.Future | None = None
+        self._punching = False
         # the key a second channel is proven with: from the session's secret keys (never
         # from the handshake hash, which an observer of a member's IK handshake can compute)
         i2r, r2i = (send_key, recv_key) if role == "joiner" else (recv_key, send_key)
         self.resume_key = hmac.new(i2r + r2i, b"potluck resume", hashlib.sha256).digest()
         self.resume_id = hashlib.sha256(self.resume_key).digest()[:8]
+        self.punch_key = hmac.new(self.resume_key, b"potluck punch", hashlib.sha256).digest()
         self.moves = 0
         self.moved = asyncio.Event()         # set at each completed move (both directions)
         self.rtt: float | None = None        # seconds, from the keepalive's PING/PONG
@@ -279,6 +286,8 @@ class Session:
                     break
                 elif kind == MOVE:
                     await self._moved_in()
+                elif kind == PUNCH:
+                    self._on_punch(payload)
                 elif kind in (CONFIRM, READY):
                     raise NoiseError("handshake frame after the handshake")
         except NoiseError as exc:
@@ -323,6 +332,42 @@ class Session:
         # the old channel carried its last frame; its closing handshake must not hold up
         # this reader (a relay answers it late, if at all)
         asyncio.ensure_future(old.close())
+
+    def _on_punch(self, payload: bytes):
+        """A PUNCH frame: {"udp": [[address, port], ...]} (an offer from the joiner, the
+        answer from the host; an empty list and "why" when the host cannot punch)."""
+        from engine.wire.punch import parse_candidates
+
+        try:
+            msg = json.loads(payload)
+            cands = parse_candidates(msg.get("udp"))
+            why = str(msg.get("why", ""))[:200]
+        except (ValueError, AttributeError):
+            raise NoiseError("malformed PUNCH frame") from None
+        if self.role == "joiner":
+            if self._punch_answer is not None and not self._punch_answer.done():
+                self._punch_answer.set_result((cands, why))
+        elif self.on_punch_offer is not None and not self._punching and self.path == "relay":
+            self._punching = True              # one try at a time per session
+
+            async def run():
+                try:
+                    await self.on_punch_offer(self, cands)
+                finally:
+                    self._punching = False
+
+            task = asyncio.ensure_future(run())
+            self._tasks.append(task)
+            task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def offer_punch(self, cands: list, timeout: float) -> tuple[list, str]:
+        """Joiner: send our UDP candidates, return the host's (and its reason when none)."""
+        self._punch_answer = asyncio.get_running_loop().create_future()
+        try:
+            await self.send(PUNCH, 0, json.dumps({"udp": [list(c) for c in cands]}).encode())
+            return await asyncio.wait_for(self._punch_answer, timeout)
+        finally:
+            self._punch_answer = None
 
     async def _on_open(self, sid: int, payload: bytes):
         target_id = struct.unpack("<I", payload)[0] if len(payload) == 4 else (STAGE if not payload else -1)
@@ -762,12 +807,38 @@ class TunnelHost:
             fresh = False
             if peer.session is not None:
                 await peer.session.close("replaced by a new connection")
+        session.on_punch_offer = self._punch_for
         peer.session = session.start()
         self.on_event(f"peer {peer.node_id} ({peer.name or 'unnamed'}) connected via {session.path}")
         if fresh:
             await self._joined.put(peer)
             if self.on_peer:
                 self.on_peer(peer)
+
+    async def _punch_for(self, session: Session, theirs: list):
+        """A relayed joiner offers its UDP candidates: answer with ours, punch toward its
+        (both at once), and take its QUIC connection on the punched socket; the session
+        then moves there like any direct channel (accept -> _resume)."""
+        try:
+            from engine.wire import punch, stun
+
+            ep = await punch.UdpEndpoint.open()
+        except (ImportError, OSError) as exc:
+            await session.send(PUNCH, 0, json.dumps({"udp": [], "why": f"cannot punch here: {exc}"}).encode())
+            return
+        try:
+            mine = await ep.candidates(stun.servers_from_env())
+            await session.send(PUNCH, 0, json.dumps({"udp": [list(c) for c in mine]}).encode())
+            peer = await ep.punch(session.punch_key, theirs, PUNCH_TIMEOUT)
+            channel = await ep.quic_accept(peer)
+        except (punch.PunchError, OSError, ConnectionClosed) as exc:
+            ep.close()
+            self.on_event(f"peer {session.peer_id} ({session.name}): no punched path ({exc})")
+            return
+        try:
+            await self.accept(channel, "direct (punched)")
+        finally:
+            await channel.close()
 
     async def open_hop(self, src: Peer, dst: Peer) -> str:
         """Stage on `src` -> stage on `dst`, both in other homes: `src` gets a loopback
@@ -861,6 +932,37 @@ async def resume_direct(session: Session, invite: Invite, say) -> bool:
     path, url, ws = await _first_to_connect(direct_routes(invite), errors, lambda text: None)
     if ws is None:
         return False
+    return await _prove_and_move(session, invite, ws, path, url, say)
+
+
+async def punch_direct(session: Session, invite: Invite, say) -> bool:
+    """A relayed session punches a UDP path through both home routers (engine/wire/punch.py),
+    the candidates exchanged inside the session, and moves onto a QUIC channel there.
+    Returns whether it moved."""
+    try:
+        from engine.wire import punch, stun
+
+        ep = await punch.UdpEndpoint.open()
+    except (ImportError, OSError) as exc:
+        say(f"no hole punching here ({exc})")
+        return False
+    try:
+        mine = await ep.candidates(stun.servers_from_env())
+        theirs, why = await session.offer_punch(mine, HANDSHAKE_TIMEOUT)
+        if not theirs:
+            raise punch.PunchError(why or "the host has no UDP address to punch at")
+        peer = await ep.punch(session.punch_key, theirs, PUNCH_TIMEOUT)
+        channel = await ep.quic_connect(peer)
+    except (punch.PunchError, OSError, ConnectionClosed, asyncio.TimeoutError) as exc:
+        ep.close()
+        say(f"no punched path to the host ({exc or type(exc).__name__})")
+        return False
+    return await _prove_and_move(session, invite, channel, "direct (punched)", f"udp://{peer[0]}:{peer[1]}", say)
+
+
+async def _prove_and_move(session: Session, invite: Invite, ws, path: str, url: str, say) -> bool:
+    """On a fresh channel to the host: prove we hold the session and check that the host
+    there does too, then move the session onto it (Session.move_to)."""
     try:
         mine = os.urandom(16)      # so a confirm recorded from an earlier try proves nothing now
         await ws.send(_hello_prefix(MODE_RESUME, invite.pipeline, session.resume_id) + mine)
@@ -993,6 +1095,8 @@ class Joiner:
         self._incoming: asyncio.Queue | None = None
         self._reply_server = None
         self._mapper = None
+        # while relayed, punch a direct UDP path (POTLUCK_PUNCH=0: never)
+        self.punch = os.environ.get("POTLUCK_PUNCH", "1") != "0"
 
     GIVE_UP_AFTER = 5      # refusals in a row (a revoked member, a used-up code) before giving up
 
@@ -1130,13 +1234,20 @@ class Joiner:
             self._mapper = None
 
     async def _seek_direct(self, session: Session):
-        while session.path == "relay" and self.invite.direct and self.prefer != "relay":
-            try:
-                await asyncio.wait_for(session.closed.wait(), self.direct_retry_s)
-                return
-            except asyncio.TimeoutError:
-                pass
-            if await resume_direct(session, self.invite, self.on_event):
+        """While relayed: the invite's direct addresses again (a mapping may come late, a
+        firewall open), then hole punching; the first try of punching right away."""
+        first = True
+        while session.path == "relay" and self.prefer != "relay":
+            if not first:
+                try:
+                    await asyncio.wait_for(session.closed.wait(), self.direct_retry_s)
+                    return
+                except asyncio.TimeoutError:
+                    pass
+            moved = (not first and self.invite.direct and await resume_direct(session, self.invite, self.on_event)) \
+                or (self.punch and await punch_direct(session, self.invite, self.on_event))
+            first = False
+            if moved:
                 try:      # the host's MOVE ends the old channel (behind what it still carries)
                     await asyncio.wait_for(session.moved.wait(), DEAD_AFTER)
                 except asyncio.TimeoutError:

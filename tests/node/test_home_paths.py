@@ -175,6 +175,9 @@ def test_a_relayed_tunnel_moves_to_a_direct_path_mid_stream_without_losing_a_lin
     with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="eim")], subnet=64) as net:
         block = ["iptables", "-I", "FORWARD", "-d", net.wan_addr(0), "-p", "tcp", "--dport", "7870", "-j", "DROP"]
         net.exec(net.router(1), block)
+        # and no UDP toward the host's home either, so the move goes to the mapped port
+        # rather than a punched hole (test_two_eim_homes_punch_a_direct_path_..., below)
+        net.exec(net.router(1), ["iptables", "-I", "FORWARD", "-d", net.wan_addr(0), "-p", "udp", "-j", "DROP"])
 
         def unblock(host, joiner):
             time.sleep(2.0)                                      # lines flow through the relay first
@@ -188,6 +191,30 @@ def test_a_relayed_tunnel_moves_to_a_direct_path_mid_stream_without_losing_a_lin
         assert result["paths"] == ["relay", "direct (mapped)"] and result["moves"] == 1, "\n".join(host.lines + ["--"] + joiner.lines)
         assert _streamed_whole(result), result
         assert any("moved to direct (mapped)" in line for line in joiner.lines), joiner.lines
+
+
+@pytest.mark.skipif(not has_stun, reason="needs coturn (STUN)")
+def test_two_eim_homes_punch_a_direct_path_and_the_relayed_tunnel_moves_there(tmp_path):
+    """Both homes behind endpoint-independent NATs that map nothing (no UPnP): the join goes
+    through the relay, the two punch a UDP hole with the candidates exchanged inside the
+    tunnel, and the tunnel moves onto QUIC there mid-stream, within seconds of the join:
+    every line echoed once, in order, and the relay's side of the wire carries none."""
+    with home_internet([HomeSpec(nat="eim"), HomeSpec(nat="eim")], stun=True, subnet=68) as net:
+        env = {"POTLUCK_STUN": f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478"}
+
+        def punched(host, joiner):
+            host.wait_for("PATH direct (punched)", 20)
+
+        _, first, failed, result, host, joiner = _run_cell(
+            net, tmp_path, relay=True, upnp=False, seconds=6.0, during=punched, env_extra=env,
+            watch=(net.router(1), "wan"))
+        assert failed is None, failed
+        assert first == "relay", joiner.lines
+        assert result["paths"] == ["relay", "direct (punched)"] and result["moves"] == 1, \
+            "\n".join(host.lines + ["--"] + joiner.lines)
+        assert _streamed_whole(result), result
+        seen = (tmp_path / "wire.bin").read_bytes()
+        assert len(seen) > 20_000 and MARKER.encode() not in seen, len(seen)
 
 
 @pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")

@@ -103,7 +103,7 @@ def test_transport_and_inner_frames_never_crash(frame):
 def test_inner_frame_parser(data):
     try:
         kind, stream, payload = tunnel.parse_inner(data)
-        assert tunnel.CONFIRM <= kind <= tunnel.MOVE
+        assert tunnel.CONFIRM <= kind <= tunnel.PUNCH
     except noise.NoiseError as exc:
         assert str(exc)
 

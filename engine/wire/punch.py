@@ -1,0 +1,458 @@
+"""Direct paths through two home routers: UDP hole punching, then QUIC on the punched socket.
+
+Two homes behind NATs that map endpoint-independently (most home routers; plain Linux
+MASQUERADE) can reach each other with no port mapping and no server of their own, if
+both send first: each side's outgoing packet opens its own router for the other's
+answer. The exchange of addresses needs a channel the two already share: a relayed
+tunnel session (engine/wire/tunnel.py, inner frame PUNCH), end-to-end encrypted, so the
+relay learns nothing it did not know.
+
+    ep = await UdpEndpoint.open()
+    mine = await ep.candidates(stun_servers)      # LAN addresses + the STUN-mapped one
+    ... exchange candidates over the session ...
+    peer = await ep.punch(key, theirs, timeout)   # both sides at once
+    channel = await (ep.quic_connect(peer) if joiner else ep.quic_accept(peer))
+    await channel.send(b"..."); await channel.recv()
+
+What goes over the punched path is QUIC (aioquic, sans-I/O: this module owns the socket
+and the timers): reliable, ordered, congestion-controlled, which the tunnel's frames
+need, on the one UDP socket whose mapping was punched. QUIC's own TLS is keyed by a
+throwaway certificate and authenticates nobody; the tunnel proves the session's keys
+over the channel before anything moves onto it (TunnelHost._resume), and every frame
+on it is sealed with the session's ciphers anyway.
+
+Punch packets are MAC'd with a key derived from the session (PunchCodec): a stranger
+who guesses the port cannot make either side pick its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import hmac
+import ipaddress
+import os
+import socket
+import ssl
+import struct
+from collections import deque
+
+PUNCH_MAGIC = b"PLPU"
+_PUNCH = struct.Struct("<4sB8s16s")      # magic | flags (1: answer) | nonce | mac
+PUNCH_INTERVAL = 0.05                    # seconds between rounds of punch packets
+PUNCH_ROUNDS_AFTER = 20                  # rounds still sent once the peer is heard (its NAT may lag)
+MAX_TARGETS = 8                          # candidates of the peer punched at, at most
+ALPN = "potluck-tunnel/1"
+# one message on the channel: a tunnel frame (engine/wire/tunnel.py MAX_MESSAGE) and its
+# cipher overhead; anything longer is a protocol error and closes the connection
+MAX_MESSAGE = (64 << 10) + 1024
+SEND_BUFFER = 1 << 20        # bytes sent but not acknowledged before send() waits
+RECV_BUFFER = 4 << 20        # bytes received but not read before incoming packets are dropped
+_LEN = struct.Struct("<I")
+
+
+class PunchError(ConnectionError):
+    """No direct UDP path opened (or the QUIC connection on it failed); str() says why."""
+
+
+def punch_key(session_secret: bytes) -> bytes:
+    return hmac.new(session_secret, b"potluck punch", hashlib.sha256).digest()
+
+
+class PunchCodec:
+    """Punch packets under a key both sides derive from their session."""
+
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def make(self, answer: bool) -> bytes:
+        nonce = os.urandom(8)
+        flags = 1 if answer else 0
+        return _PUNCH.pack(PUNCH_MAGIC, flags, nonce, self._mac(flags, nonce))
+
+    def check(self, data: bytes) -> bool | None:
+        """Whether a valid packet is an answer; None for anything that is not ours."""
+        if len(data) != _PUNCH.size or data[:4] != PUNCH_MAGIC:
+            return None
+        _, flags, nonce, mac = _PUNCH.unpack(data)
+        if flags > 1 or not hmac.compare_digest(mac, self._mac(flags, nonce)):
+            return None
+        return bool(flags)
+
+    def _mac(self, flags: int, nonce: bytes) -> bytes:
+        return hmac.new(self.key, bytes([flags]) + nonce, hashlib.sha256).digest()[:16]
+
+
+class Puncher:
+    """Sans-I/O: which packets to send when, and which of the peer's addresses works.
+
+    Every PUNCH_INTERVAL a packet goes to each candidate of the peer. The first valid
+    packet from the peer (from whatever address: its NAT may show another port than it
+    thinks) names the path; since it crossed our router, ours have crossed its router
+    (both NATs filter on the exact remote), so the path works both ways. We answer on it,
+    and go on sending there for a few rounds for the peer's sake."""
+
+    def __init__(self, key: bytes, targets: list[tuple[str, int]]):
+        self.codec = PunchCodec(key)
+        self.targets = list(dict.fromkeys(targets))[:MAX_TARGETS]
+        self.peer: tuple[str, int] | None = None
+        self.answered = False           # the peer has heard us (it answered)
+        self._rounds_left = PUNCH_ROUNDS_AFTER
+
+    def round(self) -> list[tuple[bytes, tuple[str, int]]]:
+        """The packets of one round (call every PUNCH_INTERVAL until done)."""
+        if self.peer is not None:
+            self._rounds_left -= 1
+            return [(self.codec.make(answer=True), self.peer)]
+        return [(self.codec.make(answer=False), t) for t in self.targets]
+
+    @property
+    def done(self) -> bool:
+        return self.peer is not None and (self.answered or self._rounds_left <= 0)
+
+    def receive(self, data: bytes, addr: tuple[str, int]) -> list[tuple[bytes, tuple[str, int]]] | None:
+        """None when `data` is no punch packet of this session; else the packets to send
+        in reply (an answer to the first one heard)."""
+        kind = self.codec.check(data)
+        if kind is None:
+            return None
+        addr = tuple(addr[:2])
+        if self.peer is None:
+            self.peer = addr
+        elif addr != self.peer:
+            return []                    # another of its candidates got through too: one path is enough
+        self.answered = self.answered or kind
+        return [] if kind else [(self.codec.make(answer=True), addr)]
+
+
+def udp_candidates(port: int, addresses: list[str], mapped: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Where the peer should punch at: the STUN-mapped addresses first (across homes), then
+    this machine's own IPv4 addresses (the same home), never loopback or link-local."""
+    out = [tuple(m) for m in mapped]
+    for a in addresses:
+        try:
+            ip = ipaddress.ip_address(a.split("%")[0])
+        except ValueError:
+            continue
+        if ip.version == 4 and not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+            out.append((str(ip), port))
+    return list(dict.fromkeys(out))[:MAX_TARGETS]
+
+
+def parse_candidates(value) -> list[tuple[str, int]]:
+    """A peer's candidate list off the wire (JSON): [[address, port], ...], checked."""
+    if not isinstance(value, list):
+        raise ValueError("candidates must be a list")
+    out = []
+    for item in value[:MAX_TARGETS]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], int) and 0 < item[1] < 65536):
+            raise ValueError("a candidate is [address, port]")
+        ip = ipaddress.ip_address(item[0])        # ValueError for names: never resolved
+        if ip.version != 4 or ip.is_multicast or ip.is_unspecified or ip.is_loopback:
+            raise ValueError(f"not a candidate address: {item[0]}")
+        out.append((str(ip), item[1]))
+    return out
+
+
+def _throwaway_certificate():
+    """QUIC's TLS needs a server certificate; nobody checks this one (see the docstring)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "potluck")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=7))
+            .sign(key, hashes.SHA256()))
+    return cert, key
+
+
+def _configuration(is_client: bool):
+    from aioquic.quic.configuration import QuicConfiguration
+
+    cfg = QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=60.0,
+                            congestion_control_algorithm="cubic", max_datagram_size=1350,
+                            max_data=8 << 20, max_stream_data=4 << 20)
+    if is_client:
+        cfg.verify_mode = ssl.CERT_NONE
+        cfg.server_name = "potluck"
+    else:
+        cfg.certificate, cfg.private_key = _throwaway_certificate()
+    return cfg
+
+
+def _unacked(conn, stream_id: int) -> int:
+    """Bytes of a stream written but not yet acknowledged by the peer: aioquic keeps them in
+    the stream's send buffer (a private field; aioquic is pinned below 2)."""
+    stream = conn._streams.get(stream_id)
+    return len(stream.sender._buffer) if stream is not None else 0
+
+
+class UdpEndpoint(asyncio.DatagramProtocol):
+    """One UDP socket, in turn: STUN queries, hole punching, then one QUIC connection."""
+
+    def __init__(self):
+        self.transport = None
+        self._stun: asyncio.Queue | None = None
+        self._puncher: Puncher | None = None
+        self._heard = asyncio.Event()
+        self.quic: QuicChannel | None = None
+        self._accept_from: tuple[str, int] | None = None
+        self._accepted: asyncio.Future | None = None
+
+    @classmethod
+    async def open(cls, host: str = "0.0.0.0", port: int = 0) -> "UdpEndpoint":
+        loop = asyncio.get_running_loop()
+        _, ep = await loop.create_datagram_endpoint(cls, local_addr=(host, port), family=socket.AF_INET)
+        return ep
+
+    @property
+    def port(self) -> int:
+        return self.transport.get_extra_info("sockname")[1]
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def error_received(self, exc):
+        pass          # ICMP for one candidate (another home's private address): others go on
+
+    def close(self):
+        if self.quic is not None:
+            self.quic._terminate("endpoint closed")
+        if self.transport is not None:
+            self.transport.close()
+
+    def sendto(self, data: bytes, addr):
+        try:
+            self.transport.sendto(data, addr)
+        except OSError:
+            pass
+
+    def datagram_received(self, data: bytes, addr):
+        if self._puncher is not None and data[:4] == PUNCH_MAGIC:
+            # the peer's last punch rounds may still come after QUIC began: never QUIC's
+            for packet, to in self._puncher.receive(data, addr) or ():
+                self.sendto(packet, to)
+            self._heard.set()
+            return
+        if self.quic is not None and tuple(addr[:2]) == self.quic.peer:
+            self.quic._datagram(data, addr)
+            return
+        if self._stun is not None and len(data) >= 20 and data[4:8] == b"\x21\x12\xa4\x42":
+            self._stun.put_nowait((data, addr))
+            return
+        if self._accept_from is not None and tuple(addr[:2]) == self._accept_from and self.quic is None:
+            self._start_server(data, addr)
+
+    # -- STUN
+    async def candidates(self, servers: list[tuple[str, int]], timeout: float = 2.0) -> list[tuple[str, int]]:
+        """Where the peer may reach this socket: its STUN-mapped address(es), its LAN ones."""
+        from engine.wire import stun
+        from engine.wire.candidates import interface_addresses
+
+        mapped = []
+        if servers:
+            self._stun = asyncio.Queue()
+            try:
+                _, seen = await stun.query(servers, timeout=timeout, transport=self.transport, answers=self._stun)
+            finally:
+                self._stun = None
+            mapped = [m.address for m in seen]
+        return udp_candidates(self.port, interface_addresses(), mapped)
+
+    # -- punching
+    async def punch(self, key: bytes, targets: list[tuple[str, int]], timeout: float) -> tuple[str, int]:
+        """Punch at the peer's candidates until a packet of its comes back (PunchError after
+        `timeout`); returns the address it came from."""
+        if not targets:
+            raise PunchError("the peer has no address to punch at")
+        p = self._puncher = Puncher(key, targets)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not p.done:
+            for packet, to in p.round():
+                self.sendto(packet, to)
+            if p.peer is None and loop.time() > deadline:
+                raise PunchError(f"no answer from any of {len(p.targets)} address(es) within {timeout:g} s "
+                                 "(a symmetric NAT, or a firewall that drops them)")
+            self._heard.clear()
+            try:
+                await asyncio.wait_for(self._heard.wait(), PUNCH_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+        return p.peer
+
+    # -- QUIC
+    async def quic_connect(self, peer: tuple[str, int], timeout: float = 10.0) -> "QuicChannel":
+        from aioquic.quic.connection import QuicConnection
+
+        conn = QuicConnection(configuration=_configuration(is_client=True))
+        self.quic = QuicChannel(self, conn, tuple(peer), stream_id=0)
+        conn.connect(tuple(peer), now=asyncio.get_running_loop().time())
+        self.quic._transmit()
+        await self.quic._established(timeout)
+        return self.quic
+
+    async def quic_accept(self, peer: tuple[str, int], timeout: float = 10.0) -> "QuicChannel":
+        """Wait for the peer's QUIC connection (only from the punched address)."""
+        self._accept_from = tuple(peer)
+        self._accepted = asyncio.get_running_loop().create_future()
+        try:
+            channel = await asyncio.wait_for(self._accepted, timeout)
+        except asyncio.TimeoutError:
+            raise PunchError(f"no QUIC connection came from {peer[0]}:{peer[1]} within {timeout:g} s") from None
+        await channel._established(timeout)
+        return channel
+
+    def _start_server(self, data: bytes, addr):
+        from aioquic.buffer import Buffer
+        from aioquic.quic.connection import QuicConnection
+        from aioquic.quic.packet import pull_quic_header
+
+        cfg = _configuration(is_client=False)
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=cfg.connection_id_length)
+        except ValueError:
+            return
+        if header.packet_type is None or getattr(header.packet_type, "name", "") != "INITIAL":
+            return
+        conn = QuicConnection(configuration=cfg, original_destination_connection_id=header.destination_cid)
+        self.quic = QuicChannel(self, conn, tuple(addr[:2]), stream_id=0)
+        self.quic._datagram(data, addr)
+        if self._accepted is not None and not self._accepted.done():
+            self._accepted.set_result(self.quic)
+
+
+class QuicChannel:
+    """A message channel on one QUIC stream, with a WebSocket's send/recv/close, so a tunnel
+    Session can move onto it: each message is a u32 length and its bytes."""
+
+    def __init__(self, endpoint: UdpEndpoint, conn, peer: tuple[str, int], stream_id: int):
+        self.endpoint, self.conn, self.peer, self.stream_id = endpoint, conn, peer, stream_id
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._handshake = asyncio.Event()
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._rx = bytearray()
+        self._messages: deque = deque()
+        self._queued = 0
+        self.closed = False
+        self.close_reason = ""
+
+    # -- the WebSocket-like face
+    async def send(self, data: bytes):
+        if len(data) > MAX_MESSAGE:
+            raise ValueError("message too long for the channel")
+        while not self.closed and _unacked(self.conn, self.stream_id) > SEND_BUFFER:
+            self._writable.clear()
+            await self._writable.wait()
+        if self.closed:
+            raise ConnectionError(f"channel closed ({self.close_reason})")
+        self.conn.send_stream_data(self.stream_id, _LEN.pack(len(data)) + bytes(data))
+        self._transmit()
+
+    async def recv(self) -> bytes:
+        while not self._messages:
+            if self.closed:
+                raise ConnectionError(f"channel closed ({self.close_reason})")
+            self._readable.clear()
+            await self._readable.wait()
+        data = self._messages.popleft()
+        self._queued -= len(data)
+        return data
+
+    async def close(self, code: int = 1000, reason: str = ""):
+        if not self.closed:
+            self.conn.close(error_code=0 if code == 1000 else 0x100, reason_phrase=reason[:100])
+            self._transmit()
+            self._terminate(reason or "closed")
+            # the CONNECTION_CLOSE is on its way; the socket closes a moment later
+            self._loop.call_later(0.2, self.endpoint.transport.close)
+
+    # -- the engine underneath
+    async def _established(self, timeout: float):
+        try:
+            await asyncio.wait_for(self._handshake.wait(), timeout)
+        except asyncio.TimeoutError:
+            self._terminate("handshake timed out")
+            raise PunchError(f"the QUIC handshake with {self.peer[0]}:{self.peer[1]} timed out") from None
+        if self.closed:
+            raise PunchError(f"the QUIC handshake failed ({self.close_reason})")
+
+    def _datagram(self, data: bytes, addr):
+        if self.closed:
+            return
+        if self._queued > RECV_BUFFER:
+            # the reader is behind: drop, as a full router queue would; QUIC's congestion
+            # control slows the sender and resends (aioquic's flow-control windows grow
+            # with what arrives, not with what we read, so they cannot bound this)
+            return
+        self.conn.receive_datagram(data, addr, now=self._loop.time())
+        self._events()
+        self._transmit()
+
+    def _events(self):
+        from aioquic.quic import events
+
+        while (ev := self.conn.next_event()) is not None:
+            if isinstance(ev, events.HandshakeCompleted):
+                self._handshake.set()
+            elif isinstance(ev, events.StreamDataReceived) and ev.stream_id == self.stream_id:
+                self._rx += ev.data
+                self._split()
+                if ev.end_stream:
+                    self._terminate("the peer ended the stream")
+            elif isinstance(ev, events.ConnectionTerminated):
+                self._terminate(ev.reason_phrase or f"terminated (error {ev.error_code})")
+        self._writable.set()         # acknowledgements may have come: senders look again
+
+    def _split(self):
+        while len(self._rx) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._rx)
+            if n > MAX_MESSAGE:
+                self.conn.close(error_code=0x101, reason_phrase="message too long")
+                self._terminate("the peer sent a message over the limit")
+                return
+            if len(self._rx) < _LEN.size + n:
+                return
+            msg = bytes(self._rx[_LEN.size:_LEN.size + n])
+            del self._rx[:_LEN.size + n]
+            self._messages.append(msg)
+            self._queued += len(msg)
+            self._readable.set()
+
+    def _transmit(self):
+        now = self._loop.time()
+        for data, addr in self.conn.datagrams_to_send(now=now):
+            self.endpoint.sendto(data, addr)
+        at = self.conn.get_timer()
+        if self._timer is not None and self._timer_at != at:
+            self._timer.cancel()
+            self._timer = None
+        if at is not None and self._timer is None and not self.closed:
+            self._timer_at = at
+            self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _on_timer(self):
+        self._timer = None
+        self.conn.handle_timer(now=self._loop.time())
+        self._events()
+        self._transmit()
+
+    def _terminate(self, reason: str):
+        if self.closed:
+            return
+        self.closed, self.close_reason = True, reason
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for ev in (self._handshake, self._readable, self._writable):
+            ev.set()
