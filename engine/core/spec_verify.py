@@ -20,9 +20,10 @@ Random draws: the contract, so seeded runs stay reproducible
 position in order, or a sequence of k + 1 of them, generator[i] for the round's i-th
 position. The last stage's sampler (engine/model/sampler.py) seeds a fresh generator
 per token from (seed, position) (`draw_seed`), and draws each token with
-`torch.multinomial(probs, 1, generator=gen)`; passing generator[i] = that position's
-generator keeps speculation inside that scheme. Positions after the emitted token are
-never touched. Per position i = 0 .. n_accepted (the last one emits next_token):
+`torch.multinomial(probs, 1, generator=gen)` on the CPU; passing generator[i] = that
+position's generator keeps speculation inside that scheme (a generator lives on one
+device: CPU generators want CPU probabilities, as the sampler has them). Positions
+after the emitted token are never touched. Per position i = 0 .. n_accepted (the last one emits next_token):
 
   deterministic draft (draft_probs None): exactly one `probs[i].multinomial(1,
       generator=g_i)`, the sampler's own call. The target samples its token as plain
