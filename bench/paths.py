@@ -20,9 +20,10 @@ Three parts:
               TTFT and TPOT of greedy replies; each round starts each way afresh, in a
               rotating order, so the machine's drift falls on all; median round kept.
   * matrix    (--matrix, as root with the Debian parts of testkit/homenet.py) the
-              join in emulated homes, NAT A x NAT B x router UPnP x relay: the path
-              taken and the time from the code to a joined tunnel, by
-              testkit/pathpeer.py's processes.
+              join in emulated homes, NAT A x NAT B x router UPnP x relay, with a STUN
+              server on the public side: the path taken, the time from the code to a
+              joined tunnel, and for a relayed join the path it moved to (hole
+              punching) and when, by testkit/pathpeer.py's processes.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py                  # seal + link, ~5 min
     HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py --matrix         # + the matrix, ~5 min more
@@ -200,8 +201,9 @@ def matrix(a) -> list[dict]:
                     if na == "none" and upnp:
                         continue               # no router in front of the host: nothing to map
                     spec = [HomeSpec(nat=nats[na], upnp=upnp and na != "none"), HomeSpec(nat=nats[nb])]
-                    with tempfile.TemporaryDirectory() as tmp, home_internet(spec, subnet=90) as net:
-                        env = dict(os.environ, HOME=tmp, POTLUCK_STUN="", PYTHONPATH=os.pathsep.join(sys.path))
+                    with tempfile.TemporaryDirectory() as tmp, home_internet(spec, stun=True, subnet=90) as net:
+                        env = dict(os.environ, HOME=tmp, PYTHONPATH=os.pathsep.join(sys.path),
+                                   POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
                         procs = []
                         try:
                             if relay:
@@ -211,7 +213,7 @@ def matrix(a) -> list[dict]:
                                 procs.append(r)
                                 r.stdout.readline()
                             argv = [sys.executable, "-m", "testkit.pathpeer", "host", "--folder", f"{tmp}/h",
-                                    "--seconds", "0.5", "--wait", "30"] + (["--relay", f"ws://{net.public_addr}:8765"]
+                                    "--seconds", "6" if relay else "0.5", "--wait", "30"] + (["--relay", f"ws://{net.public_addr}:8765"]
                                                                             if relay else []) + \
                                    ([] if upnp else ["--no-upnp"])
                             h = net.popen(net.host(0), argv, env=env, text=True, stdout=subprocess.PIPE)
@@ -228,17 +230,32 @@ def matrix(a) -> list[dict]:
                                     break
                             line = next(line for line in j.stdout if line.startswith(("JOINED", "FAILED")))
                             took = time.perf_counter() - t0
+                            moved, moved_s = "", None
+                            if line.startswith("JOINED relay"):     # hole punching, if the NATs allow
+                                for said in j.stdout:
+                                    if any(w in said for w in ("moved to", "no punched path", "no hole punching",
+                                                               "could not move there")):
+                                        if "moved to" in said:
+                                            moved = said.split("moved to", 1)[1].split(":")[0].strip()
+                                            moved_s = time.perf_counter() - t0 - took
+                                        break
                         finally:
                             for p in procs:
                                 p.terminate()
                                 p.wait(20)
                     path = line.split(" ", 1)[1].strip() if line.startswith("JOINED") else "no path"
                     possible = na == "none" or upnp
+                    # both NATs filter on the exact remote (conntrack); a hole opens unless the
+                    # side whose packets must arrive first maps per destination (symmetric)
+                    punchable = relay and not possible and (na, nb) in (("eim", "eim"), ("eim", "none"),
+                                                                          ("symmetric", "none"))
                     rows.append({"host NAT": na, "joiner NAT": nb, "UPnP": "on" if upnp else "off",
                                  "relay": "yes" if relay else "no", "path": path, "join s": took,
-                                 "direct possible": possible,
+                                 "then": moved or "-", "after s": moved_s if moved_s is not None else "-",
+                                 "direct possible": "at join" if possible else ("punched" if punchable else "no"),
                                  "ok": (path.startswith("direct") and took <= 3.0) if possible
-                                 else (path == "relay" if relay else path == "no path")})
+                                 else (path == "relay" and moved == "direct (punched)" and moved_s <= 3.0)
+                                 if punchable else (path == "relay" and not moved if relay else path == "no path")})
                     log(f"{rows[-1]}")
     return rows
 
@@ -289,9 +306,11 @@ def print_matrix(rows: list[dict]) -> None:
     if not rows:
         return
     cols = list(rows[0])
-    print("\nJoining across emulated homes (testkit/homenet.py; no hole punching yet: a direct "
-          "path is possible when the host has no NAT or its router maps the port). 'join s': from "
-          "the joiner starting to try to a working tunnel\n")
+    print("\nJoining across emulated homes (testkit/homenet.py, a STUN server on the public side). "
+          "'join s': from the joiner starting to try to a working tunnel; 'then': where a relayed "
+          "tunnel moved (hole punching) and 'after s' how long after the join. A direct path is "
+          "possible at the join when the host has no NAT or its router maps the port; later, through "
+          "the relay's tunnel, wherever a hole can be punched\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
     for r in rows:

@@ -17,6 +17,12 @@ Channel messages (WebSocket binary frames):
     then both ways   TransportCipher frames: counter u64 | ChaCha20-Poly1305(inner)
     inner            type u8 | stream u32 | payload
 
+A relayed session looks for a direct path (Joiner._seek_direct): the invite's addresses
+again, then hole punching (engine/wire/punch.py): the joiner sends PUNCH {"udp": its
+STUN-mapped and LAN UDP addresses}, the host answers PUNCH with its own, both punch at
+once, and the joiner opens QUIC on the punched socket; over it the session resumes and
+moves like any direct channel (MODE_RESUME, Session.move_to), path "direct (punched)".
+
 The joiner's first inner frame is CONFIRM (proof it holds the session keys; only then
 does the host count an invite use and allowlist the key), the host answers READY or
 BYE(reason). A stream's far end connects only to a target that end registered: a
