@@ -895,23 +895,29 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
         raise TunnelError(f"the code offers no {prefer} route")
     errors: list[str] = []
     refused: HostRefused | None = None
-    rounds = ([direct] if direct else []) + ([relay] if relay else [])
-    for routes in rounds:
-        while routes:
-            path, url, ws = await _first_to_connect(routes, errors, say)
-            if ws is None:
-                break
-            routes = [r for r in routes if r[1] != url]      # the rest, should this one fail
-            try:
-                return await _client_handshake(ws, invite, identity, target, name, member, path)
-            except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
-                await ws.close()
-                reason = getattr(exc, "rcvd", None)
-                reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
-                errors.append(f"{path} {url}: {reason}")
-                say(f"{path} route {url} failed ({reason})")
-                if isinstance(exc, HostRefused):
-                    refused = exc       # said by whoever answered there: try the others too
+    # one race: the relay joins it RELAY_AFTER_S after the direct addresses started (or at
+    # once when they have all failed), so another home's private address, which may hang
+    # until its connect times out, holds a join up by that long at most; a relayed tunnel
+    # then looks for a direct path at once (Joiner._seek_direct)
+    routes = direct + relay
+    delays = [i * STAGGER_S for i in range(len(direct))] + \
+        [max(len(direct) * STAGGER_S, RELAY_AFTER_S) if direct else 0.0 for _ in relay]
+    while routes:
+        path, url, ws = await _first_to_connect(routes, errors, say, delays)
+        if ws is None:
+            break
+        delays = [d for r, d in zip(routes, delays) if r[1] != url]
+        routes = [r for r in routes if r[1] != url]      # the rest, should this one fail
+        try:
+            return await _client_handshake(ws, invite, identity, target, name, member, path)
+        except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
+            await ws.close()
+            reason = getattr(exc, "rcvd", None)
+            reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
+            errors.append(f"{path} {url}: {reason}")
+            say(f"{path} route {url} failed ({reason})")
+            if isinstance(exc, HostRefused):
+                refused = exc       # said by whoever answered there: try the others too
     if refused is not None:
         raise HostRefused(f"{refused}" + (f" (also: {'; '.join(errors)})" if len(errors) > 1 else ""))
     hint = ("" if invite.relay or prefer == "relay" else
@@ -991,12 +997,14 @@ async def _prove_and_move(session: Session, invite: Invite, ws, path: str, url: 
         await ws.close()
         return False
 STAGGER_S = 0.25    # happy eyeballs: the next address starts this long after the one before
+RELAY_AFTER_S = 1.0  # ... and the relay this long after the first direct address
 
 
-async def _first_to_connect(routes, errors: list, say):
+async def _first_to_connect(routes, errors: list, say, delays: list[float] | None = None):
     """Open WebSockets to the routes, each STAGGER_S after the one before (in the order
-    given), and keep the first that opens; the rest are closed. An address that cannot
-    work (another home's private address) costs no more than its stagger."""
+    given; or route i at delays[i]), and keep the first that opens; the rest are closed.
+    An address that cannot work (another home's private address) costs no more than its
+    stagger."""
     # attempt i starts STAGGER_S after attempt i-1, or at once when every attempt before it
     # has failed (another home's private address fails at once: no route)
     failed = 0
@@ -1005,7 +1013,7 @@ async def _first_to_connect(routes, errors: list, say):
     async def attempt(i, path, url):
         nonlocal failed
         try:
-            await asyncio.wait_for(turn[i].wait(), i * STAGGER_S)
+            await asyncio.wait_for(turn[i].wait(), i * STAGGER_S if delays is None else delays[i])
         except asyncio.TimeoutError:
             pass
         try:
