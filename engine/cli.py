@@ -113,6 +113,10 @@ def add_pipeline_args(p):
     p.add_argument("--compute", default="in-order", choices=COMPUTE_ORDERS,
                    help="stages compute steps in arrival order (default), or decode steps cut into prompt "
                         "steps between layers: lower time per token, later first tokens")
+    p.add_argument("--speculate", default=None, choices=["auto", "off"],
+                   help="speculative decoding: auto guesses the next tokens from the conversation (prompt "
+                        "lookup) and checks them in one trip round the pipeline where that pays (slow links, a "
+                        "quoting reply); off (default, or POTLUCK_SPECULATE) decodes one token per trip")
 
 
 def pipeline_config(args, **over):

@@ -25,6 +25,9 @@ class KVCapacityError(RuntimeError):
 class SeqKV:
     slot: int
     length: int = 0   # tokens stored
+    # of those, the last ones a verification step stored (a speculative draft, issue 34):
+    # the sequence's next step may start before them, rolling them back (reserve)
+    tentative: int = 0
 
 
 class KVStore:
@@ -101,18 +104,35 @@ class KVStore:
                 V[c.slot, :, :p.length] = V[p.slot, :, :p.length]
         c.length = p.length
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop a sequence's cached tokens from `length` on (the rejected tail of a
+        speculative draft). The storage keeps the old values; the mask never lets a step
+        see past a row's own length, and the next step overwrites them by position."""
+        s = self.seqs.get(seq_id)
+        if s is None or not (0 <= length <= s.length):
+            raise ValueError(f"sequence {seq_id}: cannot truncate {self.length(seq_id)} cached tokens to {length}")
+        s.tentative = max(0, s.tentative - (s.length - length))
+        s.length = length
+
     def reserve(self, rows: list[tuple[int, int, int]]) -> None:
-        """Check a step's rows (seq_id, start, n) against lengths and the budget."""
+        """Check a step's rows (seq_id, start, n) against lengths and the budget. A row
+        may start inside its sequence's tentative tail (what the last verification step
+        stored of a draft): the rejected tokens from `start` on are rolled back first."""
         extra = 0
         for seq_id, start, n in rows:
             have = self.length(seq_id)
             if start != have:
-                raise ValueError(f"sequence {seq_id}: step starts at {start} but {have} tokens are cached")
-            extra += n
+                s = self.seqs.get(seq_id)
+                if s is None or not (have - s.tentative <= start < have):
+                    raise ValueError(f"sequence {seq_id}: step starts at {start} but {have} tokens are cached")
+            extra += n - (have - start)
         if self.used_tokens + extra > self.budget_tokens:
             raise KVCapacityError(
                 f"KV budget exceeded: {self.used_tokens + extra} tokens needed, budget {self.budget_tokens}"
             )
+        for seq_id, start, _ in rows:
+            if start < self.length(seq_id):
+                self.truncate(seq_id, start)
 
     # ---- storage ------------------------------------------------------------
     def _ensure(self, layer_idx: int, kshape, vshape, need_slots: int, need_cap: int) -> None:

@@ -98,10 +98,29 @@ class Sampler:
         self._constraints.pop(seq_id, None)
         self._counts.pop(seq_id, None)
 
-    def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None) -> list[list]:
+    def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None,
+             keep: list[int] | None = None, positions: list[int] | None = None) -> list[list]:
         """logits [B, vocab] -> token entries, one per row then one per fork (its parent's
         row): [seq_id, token] or, for a row that asked for logprobs, [seq_id, token,
-        logprob, [[token, logprob], ...top_logprobs]]."""
+        logprob, [[token, logprob], ...top_logprobs]].
+
+        keep: logits per row (None: one each; logits is then [sum(keep), vocab]). A row
+        with keep > 1 is a verification step of speculative decoding (issue 34): it gets
+        keep entries [seq_id, token], in order, the token plain decoding would draw after
+        each prefix of its draft, which the head compares with the draft
+        (engine/core/spec_verify.py verify_greedy; for a sampled row this is
+        verify_sampled's deterministic-draft scheme with per-position draws: a seeded row
+        draws position p from draw_seed(seed, p) whatever the step, so its reply is the
+        one plain decoding gives).
+        positions: the position of the (first) token each row draws, start + n - keep + 1
+        (None: where the sampler's count says): after a verification step whose draft was
+        partly rejected, the count is wrong and the step's rows say where they are."""
+        if positions is not None:
+            for sid, p in zip(seq_ids, positions):
+                if sid in self._pos:
+                    self._pos[sid] = p
+        if keep is not None and any(k > 1 for k in keep):
+            return self._step_verify(seq_ids, logits, forks, keep)
         ids = list(seq_ids)
         if forks:
             rows = list(range(len(seq_ids)))
@@ -117,6 +136,36 @@ class Sampler:
         if want:  # requests that did not ask pay nothing for it
             self._logprobs(entries, want, logits, toks)
         return entries
+
+    def _step_verify(self, seq_ids: list[int], logits: torch.Tensor, forks, keep: list[int]) -> list[list]:
+        plain_rows, plain_ids, entries, o = [], [], [], 0
+        for sid, k in zip(seq_ids, keep):
+            if k == 1:
+                plain_rows.append(o)
+                plain_ids.append(sid)
+            else:
+                entries.extend([sid, t] for t in self._verify_row(sid, logits[o: o + k]))
+            o += k
+        if plain_ids:
+            idx = torch.tensor(plain_rows, device=logits.device)
+            entries = self.step(plain_ids, logits.index_select(0, idx), forks) + entries
+        return entries
+
+    def _verify_row(self, seq_id: int, logits: torch.Tensor) -> list[int]:
+        """The token plain decoding draws after each prefix of a draft (one per row of
+        logits), each at its own position."""
+        p = self._params[seq_id]
+        if not speculable(p):
+            raise ValueError(f"sequence {seq_id}: its sampling settings rule out speculative decoding")
+        if p.is_greedy:
+            toks = logits.argmax(-1).tolist()
+            self._pos[seq_id] += len(toks)
+            return toks
+        toks = []
+        for row in logits:
+            toks.append(self._sample_row(seq_id, p, row))
+            self._pos[seq_id] += 1
+        return toks
 
     def _logprobs(self, entries: list[list], want: list[int], logits: torch.Tensor, toks: list[int]) -> None:
         # The log-softmax of the raw model logits, before the penalties (repetition,
@@ -196,6 +245,15 @@ class Sampler:
         if p.seed is not None:
             gen = torch.Generator().manual_seed(draw_seed(p.seed, self._pos[seq_id]))
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def speculable(p: SamplingParams) -> bool:
+    """Whether a request's replies may be drafted and verified (issue 34): plain greedy or
+    sampled decoding, whose every token depends on the logits at its position alone. Not
+    with logprobs (each token would need its own), a grammar (json_schema: response_format,
+    forced tool calls: the mask moves with every token) or penalties (they count the
+    tokens before)."""
+    return (not p.logprobs and p.json_schema is None and p.repetition_penalty == 1.0 and not p.penalized)
 
 
 def penalize(row: torch.Tensor, counts: Counter, presence: float, frequency: float) -> torch.Tensor:

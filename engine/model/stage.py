@@ -114,15 +114,30 @@ class EmbeddingBlockStub(nn.Module):
 
 @dataclass
 class StageBatch:
-    """One step for a set of sequences: row r extends seq_ids[r] by ns[r] tokens from starts[r]."""
+    """One step for a set of sequences: row r extends seq_ids[r] by ns[r] tokens from starts[r].
+
+    keep: per row, how many of its last positions the last stage returns logits for (None:
+    one each). A row with keep > 1 is a verification step (speculative decoding, issue
+    34): its last token and a draft, whose keep - 1 drafted tokens stay tentative in the
+    KV cache until the sequence's next step says where it goes on (model/kv.py reserve)."""
 
     seq_ids: list[int]
     starts: list[int]
     ns: list[int]
+    keep: list[int] | None = None
 
     @property
     def n_tokens(self) -> int:
         return sum(self.ns)
+
+    @property
+    def kept(self) -> list[int]:
+        return self.keep if self.keep is not None else [1] * len(self.ns)
+
+    def sub(self, idx: list[int]) -> "StageBatch":
+        """The rows idx, in that order."""
+        return StageBatch([self.seq_ids[i] for i in idx], [self.starts[i] for i in idx], [self.ns[i] for i in idx],
+                          None if self.keep is None else [self.keep[i] for i in idx])
 
 
 class StageModel:
@@ -432,6 +447,9 @@ class StageModel:
         """
         if inputs.shape[0] != batch.n_tokens or len(batch.ns) != len(batch.seq_ids):
             raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
+        if batch.keep is not None and (len(batch.keep) != len(batch.ns)
+                                       or not all(1 <= k <= n for k, n in zip(batch.keep, batch.ns))):
+            raise ValueError("each row keeps 1 to n positions")
         log = self.step_log
         if log is None:
             with attention_kernels(self.device):
@@ -444,7 +462,7 @@ class StageModel:
         seconds = time.perf_counter() - t0
         if all(n == 1 for n in batch.ns):
             log.observe("decode", len(batch.ns), seconds)
-        elif len(batch.ns) == 1 and self.gate.cut_ins == cut_ins:  # a prompt step nothing cut into
+        elif len(batch.ns) == 1 and self.gate.cut_ins == cut_ins and batch.keep is None:  # a prompt step nothing cut into
             log.observe("prefill", batch.ns[0], seconds)
         return out
 
@@ -467,20 +485,17 @@ class StageModel:
         offsets = [0]
         for n in batch.ns:
             offsets.append(offsets[-1] + n)
+        # rows per output: the last stage returns kept[i] logits per row, the others n hidden states
+        per = batch.kept if self.last else batch.ns
         parts = {}
         for idx in (decode, prefill):
-            sub = StageBatch([batch.seq_ids[i] for i in idx], [batch.starts[i] for i in idx],
-                             [batch.ns[i] for i in idx])
+            sub = batch.sub(idx)
             x = torch.cat([inputs[offsets[i]: offsets[i + 1]] for i in idx])
             out = self._forward(sub, x)
-            if self.last:
-                for j, i in enumerate(idx):
-                    parts[i] = out[j: j + 1]
-            else:
-                o = 0
-                for i in idx:
-                    parts[i] = out[o: o + batch.ns[i]]
-                    o += batch.ns[i]
+            o = 0
+            for i in idx:
+                parts[i] = out[o: o + per[i]]
+                o += per[i]
         return torch.cat([parts[i] for i in range(len(batch.ns))])
 
     def _forward(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
@@ -494,8 +509,8 @@ class StageModel:
             if not (all(s + n - T == top for s, n in zip(batch.starts, batch.ns))
                     or (T == 1 and len({(s + 1) // fs for s in batch.starts}) == 1)):
                 outs, o = [], 0
-                for seq_id, start, n in rows:
-                    outs.append(self._forward(StageBatch([seq_id], [start], [n]), inputs[o: o + n]))
+                for r, (seq_id, start, n) in enumerate(rows):
+                    outs.append(self._forward(batch.sub([r]), inputs[o: o + n]))
                     o += n
                 return torch.cat(outs)
         for seq_id, start, _ in rows:
@@ -528,14 +543,22 @@ class StageModel:
             # which must not reach the activations its first layer is handed
             kwargs["inputs_embeds"] = h.clone()
         try:
-            if self.last:
+            if self.last and batch.keep is None:
                 out = self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+            elif self.last:
+                # a verification row's logits at each of its last keep positions, packed
+                keep = batch.keep
+                logits = self.model(**kwargs, logits_to_keep=max(keep)).logits
+                K = logits.shape[1]
+                out = torch.cat([logits[r, K - k:] for r, k in enumerate(keep)])
             else:
                 out = self._base(**kwargs).last_hidden_state
         finally:
             self._injected.h = self._injected.alibi = None
-        for seq_id, _, n in rows:
-            kv.seqs[seq_id].length += n
+        for (seq_id, _, n), k in zip(rows, batch.kept):
+            s = kv.seqs[seq_id]
+            s.length += n
+            s.tentative = k - 1   # a verification row's drafted tokens, until the next step
         if self.last:
             return out.float()
         out = out.reshape(B * T, -1)

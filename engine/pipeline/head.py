@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -48,10 +49,16 @@ from engine.core.partition import check_partition
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.core.tool_calls import without_tool_messages
+from engine.core.drafts import PromptLookup
+from engine.core.spec_verify import verify_greedy
+from engine.core.speculation import SpecPolicy
+from engine.model.sampler import speculable
 from engine.pipeline.stage_server import connect_stage
 from engine.wire.stage_auth import new_route, split_address
 
 log = logging.getLogger("potluck.head")
+
+SPECULATE_CHOICES = ("auto", "off")   # speculative decoding: the policy decides, or never
 
 
 class PipelineError(RuntimeError):
@@ -100,6 +107,12 @@ class Sequence(Seq):
     # after a stage left: prompt + tokens generated so far, prefilled on the new stages
     # so decoding goes on where it was (None: the prompt is what the stages are sent)
     replay: list[int] | None = None
+    # speculative decoding (issue 34): whether its requests' settings allow it, its prompt
+    # lookup (fed the prompt and every emitted token, never a rejected guess), and the
+    # draft its step now in flight carries after its last token
+    spec: bool = False
+    lookup: PromptLookup | None = None
+    draft: list[int] = field(default_factory=list)
 
     @property
     def source_tokens(self) -> list[int]:
@@ -113,6 +126,7 @@ class Sequence(Seq):
         self.max_tokens = self.params.max_tokens - len(self.generated)
         self.pos = self.in_flight = 0
         self.opened = self.needs_free = False
+        self.draft = []   # a verification in flight on the old stages: its answer never comes
         # a choice still waiting for its parent's prompt replays as a prompt of its own
         self.forks, self.parent = [], None
 
@@ -170,8 +184,18 @@ class Head:
                  compute: str = "in-order", weights: str = "auto", say=None,
                  cores=None, cpu_homes: list[list[int]] | None = None, same_machine: bool = False,
                  hop=None, memory_cap: int | None = None,
-                 wait_timeout: float = 300.0):
+                 wait_timeout: float = 300.0, speculate: str | None = None, spec_policy: SpecPolicy | None = None):
         self.source = source
+        # speculative decoding (issue 34): "auto" drafts by prompt lookup where the policy
+        # (engine/core/speculation.py) says it pays, "off" never (None: POTLUCK_SPECULATE,
+        # else off until the whole suite has run with it on)
+        speculate = speculate or os.environ.get("POTLUCK_SPECULATE") or "off"
+        if speculate not in SPECULATE_CHOICES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_CHOICES)}, not {speculate!r}")
+        self.speculate = speculate
+        self.spec_policy = spec_policy or SpecPolicy()
+        # micro-batch id -> (launch time, tokens drafted, a decode step): its trip's measurements
+        self._trips: dict[int, tuple[float, int, bool]] = {}
         self.cores = cores  # a CoreLease when local stage processes share this CPU
         # when they do, each stage's share of it stands in for the speed probes (which
         # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5. Kept
@@ -484,9 +508,16 @@ class Head:
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
             "recovering": self.recovering,
+            "speculation": self.speculation(),
             "events": self.events[-20:],
             "error": self.error,
         }
+
+    def speculation(self) -> dict:
+        """The switch, and tokens per trip and acceptance so far (status, the chat window)."""
+        st = self.spec_policy.stats()
+        return {"mode": self.speculate, "tokens_per_trip": st["tokens_per_trip"], "acceptance": st["acceptance"],
+                "rounds": st["rounds"]}
 
     def _settle_weights(self, cfg, mems: list[int]) -> str:
         """The precision every stage loads: the user's, the checkpoint's own if it was
@@ -556,6 +587,9 @@ class Head:
                              f"holds at most {self.capacity}; lower max_tokens or n, or shorten the prompt")
         for s in seqs:
             self.seqs[s.id] = s
+            # n > 1 choices decode side by side already; logprobs, grammars and penalties
+            # need each token's own step (engine/model/sampler.py speculable)
+            s.spec = n == 1 and speculable(s.params)
         self.sched.add(seq)
         # kick on the loop's next turn, once: requests submitted together (a burst, a
         # client's batch) then start in one step instead of the first alone and the
@@ -622,8 +656,11 @@ class Head:
         # KV behind that free, a leak) or it is waiting for its prompt chunks to drain
         # (needs_free: it rides along unsent and is freed when this step returns).
         g.seqs = [s for s in g.seqs if not s.done or s.needs_free]
-        rows, inputs, new, forks = [], [], {}, {}
-        for r in self.sched.step_rows(g):
+        rows, inputs, new, forks, keep = [], [], {}, {}, []
+        step_rows = self.sched.step_rows(g)
+        self.spec_policy.set_load(sum(1 for r in step_rows if not r.new))
+        drafted = 0
+        for r in step_rows:
             s = r.seq
             if r.new:
                 src = s.source_tokens
@@ -636,7 +673,15 @@ class Head:
                     forks[s.id] = [f.id for f in r.forks]
             else:
                 inputs.append(s.generated[-1])
-            rows.append([s.id, r.pos, r.n])
+            n, s.draft = r.n, []
+            if not r.new:
+                s.draft = self._draft(s)
+                if s.draft:   # checked in this one step: the last token and the draft
+                    inputs.extend(s.draft)
+                    n = s.in_flight = 1 + len(s.draft)
+                    drafted += len(s.draft)
+            keep.append(n if s.draft else 1)
+            rows.append([s.id, r.pos, n])
         if not rows:
             for s in g.seqs:  # no step to trail behind: free now
                 if s.needs_free:
@@ -646,8 +691,10 @@ class Head:
             g.in_flight = False
             self._kick()
             return
-        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                           keep if drafted else None)
         x = torch.tensor(inputs, dtype=torch.long)
+        self._trips[g.id] = (time.monotonic(), drafted, not new)
         try:
             if self.remotes:
                 decode = not new
@@ -712,6 +759,27 @@ class Head:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),
                                self.link.sched.link.bandwidth, compute_seconds)
 
+    def _draft(self, s: Sequence) -> list[int]:
+        """Up to k tokens guessed to follow a decoding sequence, k from the policy ([]: a
+        plain step). Never past its max_tokens: the KV its admission reserved holds the
+        draft, and nothing past the window is drafted."""
+        if self.speculate == "off" or not s.spec or s.cancelled:
+            return []
+        k = min(self.spec_policy.k_for(s.id), s.params.max_tokens - len(s.generated) - 1)
+        if k <= 0:
+            return []
+        t0 = time.perf_counter()
+        if s.lookup is None:
+            s.lookup = PromptLookup()
+        known = len(s.lookup)
+        if known < len(s.prompt):
+            s.lookup.extend(s.prompt[known:])
+            known = len(s.prompt)
+        s.lookup.extend(s.generated[known - len(s.prompt):])
+        draft = s.lookup.propose(k)
+        self.spec_policy.observe_draft((time.perf_counter() - t0) / k)
+        return draft
+
     def _local_last(self, batch, x, new, forks):
         if self.sampler.grammars is None:   # loads nothing until a request has a schema
             self.sampler.grammars = Grammars(lambda: self.tokenizer, self.stage0.vocab_size)
@@ -720,7 +788,8 @@ class Head:
         for parent, children in forks.items():
             for c in children:
                 self.stage0.fork(parent, c)
-        return self.sampler.step(batch.seq_ids, logits, forks)
+        positions = [st + n - k + 1 for st, n, k in zip(batch.starts, batch.ns, batch.kept)]
+        return self.sampler.step(batch.seq_ids, logits, forks, batch.keep, positions)
 
     async def _read_stage(self, index: int, r: RemoteStage, epoch: int):
         """Tokens (from the last stage) and step errors (from any stage)."""
@@ -950,25 +1019,49 @@ class Head:
         if not g.in_flight or step != g.step:
             log.warning("stale tokens for micro-batch %d step %d ignored", group_id, step)
             return
+        self._measure_trip(group_id, errors)
         members = {s.id: s for s in g.seqs}
         for sid, msg in errors:
             s = members.get(sid)
             if s is not None and not s.done:
                 s.in_flight = 0
                 self._finish(s, "error", msg)
+        by_seq: dict[int, list] = {}   # a verification step answers one entry per position
         for entry in tokens:
-            sid, tok = entry[0], entry[1]
+            by_seq.setdefault(entry[0], []).append(entry)
+        for sid, entries in by_seq.items():
             s = members.get(sid)
             if s is None or s.done or not s.in_flight:
                 continue
+            draft, s.draft = s.draft, []
+            if draft:
+                if len(entries) != len(draft) + 1:
+                    s.in_flight = 0
+                    self._finish(s, "error", f"a verification of {len(draft)} drafted tokens came back with "
+                                             f"{len(entries)} tokens")
+                    continue
+                # the last stage drew what plain decoding would after each prefix of the
+                # draft: the draft stands while it agrees (engine/core/spec_verify.py)
+                verdict = verify_greedy(draft, [e[1] for e in entries])
+                s.in_flight = verdict.n_accepted + 1   # what stays in every stage's KV
+                self.spec_policy.observe_round(sid, len(draft), verdict.n_accepted)
+                emitted = [(t, None) for t in draft[:verdict.n_accepted]] + [(verdict.next_token, None)]
+            else:
+                if s.spec and s.generated and self.speculate != "off":   # a plain decode round
+                    self.spec_policy.observe_round(sid, 0, 0)
+                entry = entries[0]
+                lp = None
+                if len(entry) == 4 and s.params.logprobs:
+                    lp = TokenLogprob(entry[1], entry[2], [(t, v) for t, v in entry[3][:s.params.top_logprobs]])
+                emitted = [(entry[1], lp)]
             self.sched.advance(s)
             if s.cancelled:
                 self._finish(s, "cancelled")
                 continue
-            lp = None
-            if len(entry) == 4 and s.params.logprobs:
-                lp = TokenLogprob(tok, entry[2], [(t, v) for t, v in entry[3][:s.params.top_logprobs]])
-            self._append(s, tok, lp)
+            for tok, lp in emitted:
+                if s.done:
+                    break   # a stop, the end or max_tokens: what the draft guessed after it is not said
+                self._append(s, tok, lp)
         for s in g.seqs:
             if s.in_flight and not s.done:
                 # the step came back without it: a fork whose parent's step failed (every
@@ -981,6 +1074,18 @@ class Head:
                 asyncio.ensure_future(self._free_everywhere([s.id]))
         self.sched.on_result(g)
         self._kick()
+
+    def _measure_trip(self, group_id: int, errors: list) -> None:
+        """A decode step's trip, head to head, for the speculation policy: a plain one
+        times the ring, one with drafts the extra tokens' cost (over the plain trip)."""
+        t0, drafted, decode = self._trips.pop(group_id, (None, 0, False))
+        if t0 is None or not decode or errors:
+            return
+        seconds = time.monotonic() - t0
+        if not drafted:
+            self.spec_policy.observe_trip(seconds)
+        elif self.spec_policy.trip is not None:
+            self.spec_policy.observe_verify_extra((seconds - self.spec_policy.trip) / drafted)
 
     def _append(self, s: Sequence, tok: int, lp: TokenLogprob | None = None):
         if s.t_first is None:
@@ -1015,6 +1120,7 @@ class Head:
             return
         s.done = True
         self.seqs.pop(s.id, None)
+        self.spec_policy.drop(s.id)
         in_group = self.sched.release(s)
         if free and in_group:
             if s.in_flight:

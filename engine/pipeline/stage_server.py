@@ -64,7 +64,11 @@ log = logging.getLogger("potluck.stage")
                        #     hello is proven only PROOF_MAX bytes are read per message)
                        # 13: the hello's auth is a Noise NNpsk0 message, the stage answers
                        #     "accept", and everything after is sealed (stage_auth.py)
-PROTOCOL_VERSION = 13
+                       # 14: a step's row for an open sequence may carry its last token and
+                       #     a draft (n > 1): every stage keeps the draft's KV tentative, the
+                       #     last stage answers one token per position (speculative decoding),
+                       #     and the sequence's next row may start inside that tail (rollback)
+PROTOCOL_VERSION = 14
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -569,7 +573,10 @@ class StageServer:
             return _results(self._compute_one(queued[0]))
         stage = self.stage
         rows = [r for f in queued for r in f.meta["rows"]]
-        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        keeps = [_kept(f) for f in queued]
+        keep = [k for ks in keeps for k in ks]
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                           keep if any(k > 1 for k in keep) else None)
         try:
             if stage.last:
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
@@ -579,12 +586,13 @@ class StageServer:
         except (ValueError, SamplingError, RuntimeError):
             return [r for f in queued for r in _results(self._compute_one(f))]  # each frame: its own error
         results, o = [], 0
-        for f in queued:
+        for f, ks in zip(queued, keeps):
             ids = [r[0] for r in f.meta["rows"]]
-            part = out[o: o + len(ids)]
-            o += len(ids)
+            width = sum(ks) if stage.last else sum(r[2] for r in f.meta["rows"])
+            part = out[o: o + width]
+            o += width
             if stage.last:
-                meta = {"tokens": self.sampler.step(ids, part)}
+                meta = {"tokens": self.sampler.step(ids, part, None, _keep(f), _positions(f))}
                 results.append(("head", frames.encode(frames.FrameType.TOKENS, f.micro_batch, f.step, meta)))
             else:
                 q8 = self.compress == "all"
@@ -596,7 +604,7 @@ class StageServer:
         """Returns ("head" | "next", bytes[, kind]) to send, None, or a list of those."""
         stage = self.stage
         rows = frame.meta["rows"]
-        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], _keep(frame))
         forks = _forks(frame)
         try:
             if stage.last and not frame.meta.get("partial"):
@@ -624,7 +632,7 @@ class StageServer:
         if stage.last and frame.meta.get("partial"):
             return None  # a prompt chunk: nothing to sample yet
         if stage.last:
-            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks)}
+            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks, batch.keep, _positions(frame))}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         kind = "decode" if _is_decode(frame) else "prefill"
         bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
@@ -641,11 +649,11 @@ class StageServer:
         why = step_failure(first, str(self.device))
         forks = _forks(frame)
         outs, good, failed, o = [], [], [], 0
-        for r in rows:
+        for r, k in zip(rows, _kept(frame)):
             x = frame.tensor[o: o + r[2]]
             o += r[2]
             try:
-                outs.append(stage.forward(StageBatch([r[0]], [r[1]], [r[2]]), x))
+                outs.append(stage.forward(StageBatch([r[0]], [r[1]], [r[2]], None if k == 1 else [k]), x))
                 good.append(r)
             except torch.OutOfMemoryError as exc:
                 failed.append([r[0], step_failure(exc, str(self.device))])
@@ -659,7 +667,10 @@ class StageServer:
         log.warning("out of memory in a step of %d sequences: %d went on one by one (%s)", len(rows), len(good), why)
         ids = [r[0] for r in good]
         if stage.last:
-            entries = self.sampler.step(ids, torch.cat(outs), forks) if outs else []
+            sub = {**frame.meta, "rows": good}
+            good_frame = frames.Frame(frame.type, frame.micro_batch, frame.step, sub, None)
+            entries = self.sampler.step(ids, torch.cat(outs), forks, _keep(good_frame),
+                                        _positions(good_frame)) if outs else []
             meta = {"tokens": entries, "errors": failed}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         out = []
@@ -718,11 +729,33 @@ def _results(out) -> list:
     return out if isinstance(out, list) else [out]
 
 
+def _kept(frame: frames.Frame) -> list[int]:
+    """Per row, the positions whose logits the last stage returns: all of a verification
+    row's (speculative decoding, issue 34: a sequence already open, in a step that is no
+    prompt chunk, with more than one token: its last token and a draft), one otherwise."""
+    if frame.meta.get("partial"):
+        return [1] * len(frame.meta["rows"])
+    new = frame.meta.get("new", {})
+    return [r[2] if r[2] > 1 and str(r[0]) not in new else 1 for r in frame.meta["rows"]]
+
+
+def _keep(frame: frames.Frame) -> list[int] | None:
+    """_kept, or None when the step verifies no draft (the common case)."""
+    kept = _kept(frame)
+    return kept if any(k > 1 for k in kept) else None
+
+
+def _positions(frame: frames.Frame) -> list[int]:
+    """The position of the (first) token each row draws: a verification row draws one
+    after each of its tokens, any other row after its last."""
+    return [r[1] + r[2] - k + 1 for r, k in zip(frame.meta["rows"], _kept(frame))]
+
+
 def _is_decode(frame: frames.Frame) -> bool:
     # a step that opens a sequence is prefill even when its last prompt piece is one
-    # token: sent as decode it could overtake that sequence's own queued prompt chunks
-    return not frame.meta.get("partial") and not frame.meta.get("new") \
-        and all(r[2] == 1 for r in frame.meta["rows"])
+    # token: sent as decode it could overtake that sequence's own queued prompt chunks.
+    # A verification step (rows of a few tokens: speculative decoding) is a decode step.
+    return not frame.meta.get("partial") and not frame.meta.get("new")
 
 
 def _lift_proof_limit(ws) -> None:

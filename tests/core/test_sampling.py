@@ -481,3 +481,46 @@ def test_penalties_leave_logprobs_raw():
     ref = torch.log_softmax(x[0], -1)
     assert math.isclose(second[2], ref[1].item(), rel_tol=1e-6)
     assert [t for t, _ in second[3]] == [0, 1]            # the raw model's ranking, not the penalised one
+
+
+# ---- verification rows (speculative decoding, issue 34) --------------------------------
+
+def test_a_verification_row_draws_what_plain_decoding_draws_at_each_position():
+    """A row of k + 1 logits answers k + 1 tokens, each the one plain decoding draws at
+    that position: greedy the argmax, seeded sampling from draw_seed(seed, position),
+    so the head's comparison with the draft keeps seeded replies reproducible."""
+    import torch
+
+    from engine.model.sampler import Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    for params in (SamplingParams(greedy=True), SamplingParams(temperature=0.9, seed=11, top_p=0.9)):
+        plain = Sampler()
+        plain.open(1, params, list(range(10)))
+        # plain decoding: one token per step, positions 10, 11, ... (start + n of each step)
+        want = [plain.step([1], logits[i:i + 1], positions=[10 + i])[0][1] for i in range(5)]
+        spec = Sampler()
+        spec.open(1, params, list(range(10)))
+        # a verification row starting at 9 (the last token) with 4 drafted: positions 10..14
+        got = spec.step([1], logits, keep=[5], positions=[10])
+        assert [e[1] for e in got] == want and all(e[0] == 1 for e in got)
+        # a plain row after it, told where the sequence really is, draws as plain decoding would
+        again = spec.step([1], logits[2:3], positions=[12])
+        assert again[0][1] == plain.step([1], logits[2:3], positions=[12])[0][1]
+
+
+def test_a_verification_row_is_refused_where_each_token_needs_its_own_step():
+    import pytest
+    import torch
+
+    from engine.model.sampler import Sampler, speculable
+
+    for params in (SamplingParams(greedy=True, logprobs=True), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(repetition_penalty=1.2)):
+        assert not speculable(params)
+        s = Sampler()
+        s.open(1, params, [1, 2])
+        with pytest.raises(ValueError, match="speculative"):
+            s.step([1], torch.zeros(3, 8), keep=[3], positions=[2])
+    assert speculable(SamplingParams(greedy=True)) and speculable(SamplingParams(temperature=0.5, seed=1))

@@ -212,6 +212,29 @@ def test_reserve_checks_start_and_budget():
     assert store.used_tokens == 6 and not store.has(1)  # a refused reserve changes nothing
 
 
+def test_a_step_may_start_inside_the_tentative_tail_and_rolls_it_back():
+    """Speculative decoding (issue 34): a verification step's drafted tokens stay
+    tentative; the sequence's next step starts where the accepted ones end, and the
+    rejected ones are dropped then -- never earlier than the tail, never on a refusal."""
+    store = KVStore(12, torch.float32)
+    d = Driver(store, n_layers=1)
+    d.step([0], [6])
+    s = store.seqs[0]
+    store.reserve([(0, 6, 5)])
+    s.length, s.tentative = 11, 4       # what StageModel records after a 5-token verification row
+    with pytest.raises(ValueError, match="step starts at 6 but 11"):
+        store.reserve([(0, 6, 1)])      # before the tail: the last token itself was no guess
+    with pytest.raises(KVCapacityError):
+        store.reserve([(0, 8, 5)])      # rolling back 3 frees 3: 8 + 5 > 12
+    assert store.length(0) == 11 and s.tentative == 4   # a refused reserve changes nothing
+    store.reserve([(0, 9, 1)])          # two of four drafted tokens stood
+    assert store.length(0) == 9 and s.tentative == 2 and store.used_tokens == 9
+    store.truncate(0, 9)
+    with pytest.raises(ValueError):
+        store.truncate(0, 10)
+    store.free(0)
+
+
 def test_contiguous_slots_return_views():
     store = KVStore(1000, torch.float32)
     d = Driver(store, n_layers=1)
