@@ -909,7 +909,11 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
         delays = [d for r, d in zip(routes, delays) if r[1] != url]
         routes = [r for r in routes if r[1] != url]      # the rest, should this one fail
         try:
-            return await _client_handshake(ws, invite, identity, target, name, member, path)
+            session = await _client_handshake(ws, invite, identity, target, name, member, path)
+            if path == "relay" and direct:
+                say(f"no direct route to the host answered within {delays[-1]:g} s "
+                    f"({', '.join(u for _, u in direct)}): joined through the relay; looking for a direct path")
+            return session
         except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
             await ws.close()
             reason = getattr(exc, "rcvd", None)

@@ -137,7 +137,7 @@ def test_chat_through_the_relay_sees_only_ciphertext(homes, tmp_path):
         relay.wait(20)
     assert "Paris" in answer, answer
     assert "stage 1 via relay" in host_err, host_err
-    assert "via relay" in joiner_out and "direct route" in joiner_out, joiner_out   # tried direct first
+    assert "via relay" in joiner_out and "no direct route to the host answered" in joiner_out, joiner_out
     seen = dump.read_bytes()
     assert len(seen) > 100_000, len(seen)   # the activations went through it
     for plain in (PROMPT.encode(), b"capital of France", answer.encode(), b"Paris", b"PTLK",
@@ -180,8 +180,10 @@ def test_three_homes_through_the_relay(tmp_path):
         code = out.wait_for(lambda s: s.strip() != "", 10).strip()
         joiners = []
         for i, node in enumerate((2, 3)):
+            # the homes of this star reach each other, so a hole would be punched at once
+            # (tests/node/test_home_paths.py has that): this test is the relay's hops
             joiners.append(net.popen(node, [py, "-m", "engine", "join", code, "--threads", "1", "--name", f"f{i}"],
-                                     env=_env(tmp_path, f"joiner3-{i}"), text=True))
+                                     env=dict(_env(tmp_path, f"joiner3-{i}"), POTLUCK_PUNCH="0"), text=True))
             err.wait_for(lambda s, i=i: f"(f{i})" in s and "connected via relay" in s, 60)
         answer = out.wait_for(lambda s: s.startswith("bot>"), 300)
         out.wait_for(lambda s: "via relay" in s, 10)
