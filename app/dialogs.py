@@ -365,6 +365,7 @@ class JoinDialog(QDialog):
         self.buttons.rejected.connect(self.reject)
         lay.addWidget(self.buttons)
         self.last_error: str | None = None
+        self.reply_code: str | None = None
         self.describe(controller.status)
 
     def describe(self, st: dict):
@@ -394,7 +395,16 @@ class JoinDialog(QDialog):
                 return
             sharing = result.get("sharing") or {}
             joined = sharing.get("joined")
-            if joined:
+            joining = sharing.get("joining") or {}
+            if joining.get("reply_code"):
+                # the host's addresses do not answer from here; the host can reach us instead
+                self.reply_code = joining["reply_code"]
+                self.result.setText(
+                    "<b>Your friend's computer cannot be reached from here.</b> It can reach this one "
+                    "instead: send your friend this <b>reply code</b> (select it and copy), to paste into "
+                    "their host window's “Connect to them”. You can close this window; Potluck joins as "
+                    f"soon as they do.<br><br><code>{html.escape(self.reply_code)}</code>")
+            elif joined:
                 self.result.setText(f"<b>Joined.</b> This computer is part of pipeline {joined['pipeline'][:8]}… "
                                     f"(connected {joined.get('via') or '…'}); the host assigns its layers.")
             elif sharing.get("paused"):

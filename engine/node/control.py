@@ -109,6 +109,13 @@ class Node:
         self.joiner = None
         self.joiner_task: asyncio.Task | None = None
         self.join_events: list[str] = []
+        # a join that reaches none of the host's addresses listens here and shows a reply
+        # code for the host to connect to (POTLUCK_REPLY_LISTEN=off: the join fails instead);
+        # /join answers once the code is there, and the join goes on in `_joining`
+        self.reply_listen = os.environ.get("POTLUCK_REPLY_LISTEN", "0.0.0.0:7871")
+        self.reply_code: str | None = None
+        self._reply_shown: asyncio.Event | None = None
+        self._joining: asyncio.Task | None = None
         self.paused_reason: str | None = None
         # the share's stage server stopped by itself (told to shut down, crashed): how often
         # it was started again, and why the last time
@@ -261,12 +268,36 @@ class Node:
             self.share_wanted = True
             self.error = None
             if not self._decide().paused:
-                try:
-                    await self._start_share()
-                except NodeError:
-                    self.share_wanted, self.invite = False, None
-                    raise
+                self._reply_shown = asyncio.Event()
+                task = asyncio.ensure_future(self._start_share(reply=True))
+                shown = asyncio.ensure_future(self._reply_shown.wait())
+                await asyncio.wait({task, shown}, return_when=asyncio.FIRST_COMPLETED)
+                shown.cancel()
+                if task.done():
+                    try:
+                        task.result()
+                    except NodeError:
+                        self.share_wanted, self.invite = False, None
+                        raise
+                else:        # waiting for the host to use our reply code
+                    self._joining = task
+                    task.add_done_callback(self._joined_by_reply)
         return await self.status()
+
+    def _joined_by_reply(self, task: asyncio.Task):
+        if self._joining is task:
+            self._joining = None
+        self.reply_code = None
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.error = getattr(exc, "message", None) or str(exc)
+            self.share_wanted, self.invite = False, None
+
+    def _on_reply(self, code: str):
+        self.reply_code = code
+        self._join_event("the host's addresses do not answer from here: send the host your reply code")
+        if self._reply_shown is not None:
+            self._reply_shown.set()
 
     async def h_limits(self, request):
         body = await self._body(request)
@@ -415,6 +446,9 @@ class Node:
                 sharing["joined"] = {"pipeline": self.invite.pipeline_id,
                                      "via": getattr(sess, "path", None) if sess is not None else None,
                                      "events": self.join_events[-5:]}
+        if self._joining is not None and not self._joining.done() and self.invite is not None:
+            sharing["joining"] = {"pipeline": self.invite.pipeline_id, "reply_code": self.reply_code,
+                                  "events": self.join_events[-5:]}
         return {"state": self.state(), "pid": os.getpid(), "uptime": time.time() - self.started,
                 "error": self.error, "loading": self.loading, "hosting": hosting, "sharing": sharing,
                 "openai_url": self.openai_url if self.head is not None else None,
@@ -693,7 +727,9 @@ class Node:
                 return
         await self._apply_policy()
 
-    async def _start_share(self):
+    async def _start_share(self, reply: bool = False):
+        """reply: a first join, which may offer a reply code (see join_invite); a resume
+        after a pause fails instead of waiting on one."""
         from engine.pipeline.stage_server import StageServer
 
         if self.stage_server is not None:
@@ -718,7 +754,9 @@ class Node:
             # a resume after a pause rejoins with the same joiner: a member by now
             joined = await join_stage(self.invite, joiner=self.joiner, device=self.device, threads=self.threads,
                                       memory_cap=self._memory_cap(), on_event=self._join_event,
-                                      accept_models=self.accept_models)
+                                      accept_models=self.accept_models,
+                                      reply_listen=self.reply_listen if reply and self.reply_listen != "off" else None,
+                                      on_reply=self._on_reply)
         except HomeError as exc:
             raise NodeError(str(exc), 502) from None
         self.stage_server, self.joiner = joined.server, joined.joiner
@@ -745,6 +783,11 @@ class Node:
             await self._stop_share("membership ended")
 
     async def _stop_share(self, why: str, leave_s: float = LEAVE_S):
+        joining, self._joining = self._joining, None
+        if joining is not None and not joining.done() and joining is not asyncio.current_task():
+            joining.cancel()            # its reply listener and stage server close with it
+            await asyncio.gather(joining, return_exceptions=True)
+        self.reply_code = None
         srv, self.stage_server = self.stage_server, None
         if srv is None:
             return

@@ -188,4 +188,8 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
         await joiner.close()
         await server.close()
         raise HomeError(f"could not reach the host's pipeline: {exc}") from None
+    except asyncio.CancelledError:      # given up while waiting (on a reply code, say)
+        await joiner.close()
+        await server.close()
+        raise
     return Joined(server, joiner)

@@ -502,3 +502,81 @@ def test_host_with_friends_and_join_from_another_node(tmp_path):
         for p in (host, friend):
             p.stdin.close()
         assert host.wait(60) == 0 and friend.wait(60) == 0
+
+
+def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
+    """The invite's address does not answer from the friend's side (rewritten here to a
+    closed port) and there is no relay: the friend's /join answers at once with a reply
+    code and keeps waiting; the host's node takes the code (POST /host/reply, the host
+    dialog's "Connect to them") and connects to the friend; the pipeline serves."""
+    from dataclasses import replace
+
+    from engine.wire.invite import encode, parse
+
+    old = {k: os.environ.get(k) for k in ("POTLUCK_HOME", "POTLUCK_KEYSTORE", "POTLUCK_REPLY_LISTEN", "POTLUCK_UPNP")}
+    os.environ.update(POTLUCK_KEYSTORE="file", POTLUCK_UPNP="0")
+    try:
+        os.environ["POTLUCK_HOME"] = str(tmp_path / "host")
+        host, hport = start_node()
+        os.environ.update(POTLUCK_HOME=str(tmp_path / "friend"), POTLUCK_REPLY_LISTEN="0.0.0.0:0")
+        friend, fport = start_node()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
+        assert status == 200, r
+        invite = parse(wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))["loading"]["invite"])
+        unreachable = encode(replace(invite, direct=["ws://127.0.0.1:9"], kinds=["lan"]))
+        status, fst = call(fport, "POST", "/join", {"code": unreachable}, timeout=120)
+        assert status == 200, fst
+        joining = fst["sharing"]["joining"]
+        assert joining["reply_code"] and any("reply code" in e for e in joining["events"]), fst
+        assert call(hport, "POST", "/host/reply", {"code": joining["reply_code"]})[0] == 200
+        st = wait_status(hport, lambda s: s["state"] == "serving", timeout=300)
+        assert st["hosting"]["stages"][1]["via"] == "direct (reply)", st["hosting"]["stages"]
+        fst = wait_status(fport, lambda s: (s["sharing"].get("joined") or {}).get("via") == "direct (reply)")
+        assert "joining" not in fst["sharing"]
+        body = json.dumps({"model": "default", "max_tokens": 8, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+        req = urllib.request.Request(st["openai_url"] + "/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert "Paris" in json.loads(resp.read())["choices"][0]["message"]["content"]
+    finally:
+        for p in (host, friend):
+            p.stdin.close()
+        assert host.wait(60) == 0 and friend.wait(60) == 0
+
+
+def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
+    """Sharing switched off while the host has not used the reply code yet: the wait ends,
+    its listener closes, and the node is idle again."""
+    old = {k: os.environ.get(k) for k in ("POTLUCK_HOME", "POTLUCK_KEYSTORE", "POTLUCK_REPLY_LISTEN", "POTLUCK_UPNP")}
+    os.environ.update(POTLUCK_HOME=str(tmp_path / "friend"), POTLUCK_KEYSTORE="file", POTLUCK_UPNP="0",
+                      POTLUCK_REPLY_LISTEN="127.0.0.1:0")
+    try:
+        friend, fport = start_node()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        from engine.wire.invite import HostState
+
+        (tmp_path / "a-host-that-is-not-running").mkdir()
+        state = HostState(tmp_path / "a-host-that-is-not-running")
+        _, code = state.create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+        status, fst = call(fport, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200 and fst["sharing"]["joining"]["reply_code"], fst
+        assert call(fport, "POST", "/share", {"on": False})[0] == 200
+        st = wait_status(fport, lambda s: "joining" not in s["sharing"])
+        assert st["state"] == "idle" and not st["error"], st
+    finally:
+        friend.stdin.close()
+        assert friend.wait(60) == 0

@@ -1,0 +1,53 @@
+"""The join dialog as a thin client of the node's /join: what it shows for each answer,
+without a node (the live join is tests/node/test_node.py's)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missing: run `make qt-libs`")
+pytest.importorskip("pytestqt")
+
+CODE = "0AX1D-9RACJ-TCJYY-40NYW-0XC5Q-WWXAF-WRA1E-HZMSF-4R5TW-CTYX7-5X51J-7NPTF"
+
+
+@pytest.fixture
+def dialog(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.dialogs import JoinDialog
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False, local_stages=2), history=History(tmp_path / "h.sqlite3"))
+    d = JoinDialog(c)
+    qtbot.addWidget(d)
+    d.answers = []
+    # what the node's POST /join answers, set per test
+    c.join = lambda code=None, pipeline=None, port=None, relay=None, cb=None: cb(*d.answers.pop(0))
+    yield d
+    c.shutdown()
+
+
+def test_a_join_that_needs_the_host_to_connect_shows_the_reply_code_to_send(dialog):
+    d = dialog
+    reply = "R1ABC-DEFGH-JKMNP-QRSTV"
+    d.answers.append(({"state": "idle", "sharing": {"joining": {"pipeline": "5c55ab92", "reply_code": reply,
+                                                                "events": []}}}, None))
+    d.code.setText(CODE)
+    d.join()
+    text = d.result.text()
+    assert d.reply_code == reply and reply in text and "reply code" in text and "Connect to them" in text
+
+
+def test_a_direct_join_and_a_refusal_read_as_such(dialog):
+    d = dialog
+    d.answers.append(({"state": "sharing", "sharing": {"joined": {"pipeline": "5c55ab92fc", "via": "direct (punched)"}}},
+                      None))
+    d.code.setText(CODE)
+    d.join()
+    assert "Joined." in d.result.text() and "direct (punched)" in d.result.text() and d.reply_code is None
+    d.answers.append((None, "could not reach the host's pipeline: the host refused: invite revoked"))
+    d.join()
+    assert "invite revoked" in d.result.text() and d.last_error
