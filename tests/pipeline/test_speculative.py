@@ -1,0 +1,238 @@
+"""Speculative decoding across the pipeline (issue 34): prompt lookup drafts on the head,
+the last stage answers a token per drafted position, every stage rolls back what was
+rejected -- and the reply is the one plain decoding gives, token for token.
+
+One 3-stage pipeline of the default model (a head and two stage processes) serves the
+module: each test runs its prompts with speculation off, then forced on (a policy that
+drafts 4 tokens whenever prompt lookup has a guess), and compares. The KV test runs a
+tiny random model in this process, where the cache can be read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import pipeline_config
+
+from engine.core.sampling import SamplingParams
+from engine.core.speculation import SpecPolicy
+from engine.model.sources import resolve
+from engine.model.stage import StageBatch, StageModel
+from engine.pipeline.head import Delta, Done
+from engine.pipeline.launch import launch
+
+QUOTE = ("Repeat exactly, word for word: The quick brown fox jumps over the lazy dog. "
+         "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!")
+CHAT = "Name three colors and say why the sky is blue."
+TOKENS = 40
+
+
+class Always(SpecPolicy):
+    """Drafts k tokens every round (where prompt lookup has any): the test's speculation on."""
+
+    def __init__(self, k: int = 4):
+        super().__init__()
+        self.k = k
+
+    def k_for(self, seq_id: int) -> int:
+        return self.k
+
+
+@pytest.fixture(scope="module")
+async def pipe():
+    p = await launch(pipeline_config(speculate="off"))
+    p.head.eos_ids = set()   # every reply runs its full length: past the quote, drafts get rejected too
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+@pytest.fixture
+def head(pipe):
+    return pipe.head
+
+
+def greedy(n: int = TOKENS) -> SamplingParams:
+    return SamplingParams(greedy=True, max_tokens=n)
+
+
+async def reply(head, question: str, params: SamplingParams, on_token=None) -> tuple[list[int], str, Done]:
+    h = head.submit(head.chat_prompt([{"role": "user", "content": question}]), params)
+    toks, parts = [], []
+    async for ev in h:
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+            parts.append(ev.text)
+            if on_token is not None:
+                on_token(len(toks))
+        else:
+            assert ev.error is None, ev
+            return toks, "".join(parts), ev
+    raise AssertionError("no Done")
+
+
+async def replies(head, asks) -> list[list[int]]:
+    got = await asyncio.wait_for(asyncio.gather(*(reply(head, q, p) for q, p in asks)), 300)
+    return [t for t, _, _ in got]
+
+
+def speculate(head, k: int = 4) -> Always:
+    head.speculate, head.spec_policy = "auto", Always(k)
+    return head.spec_policy
+
+
+def plain(head):
+    head.speculate, head.spec_policy = "off", SpecPolicy()
+
+
+async def test_greedy_replies_are_token_identical_and_drafts_are_accepted(head):
+    asks = [(QUOTE, greedy()), (CHAT, greedy())]
+    plain(head)
+    reference = await replies(head, asks)
+    policy = speculate(head)
+    try:
+        got = await replies(head, asks)
+    finally:
+        plain(head)
+    assert got == reference
+    stats = policy.stats()
+    # the quoting reply copies its prompt: drafts stand, and trips carry more than a token
+    assert stats["acceptance"] and stats["acceptance"] > 0.15, stats
+    assert stats["tokens_per_trip"] > 1.3, stats
+    print(f"\nspeculation on a quote and a chat ({[len(t) for t in got]} tokens): "
+          f"{stats['tokens_per_trip']:.2f} tokens per trip, acceptance {stats['acceptance']:.2f} "
+          f"over {stats['rounds']} decode rounds")
+    assert head.info()["speculation"]["mode"] == "off"
+    await all_freed(head)
+
+
+async def test_concurrent_requests_with_and_without_speculation_side_by_side(head):
+    # seeded sampling rows verify too (each position drawn from its own seed), a
+    # logprobs row and a penalized row decode plainly in the same steps
+    asks = [(QUOTE, greedy()), (CHAT, greedy(24)),
+            (QUOTE, SamplingParams(temperature=0.7, seed=7, max_tokens=TOKENS)),
+            (QUOTE, SamplingParams(greedy=True, max_tokens=16, logprobs=True, top_logprobs=2)),
+            (QUOTE, SamplingParams(temperature=0.8, seed=3, max_tokens=16, presence_penalty=0.5))]
+    plain(head)
+    reference = await replies(head, asks)
+    policy = speculate(head)
+    try:
+        got = await replies(head, asks)
+    finally:
+        plain(head)
+    assert got == reference
+    assert policy.stats()["acceptance"] > 0.15
+    await all_freed(head)
+
+
+async def test_a_stop_string_ends_a_reply_inside_an_accepted_draft(head):
+    params = SamplingParams(greedy=True, max_tokens=TOKENS, stop=["lazy"])
+    plain(head)
+    ref_toks, ref_text, ref_done = await reply(head, QUOTE, params)
+    speculate(head)
+    try:
+        toks, text, done = await reply(head, QUOTE, params)
+    finally:
+        plain(head)
+    assert (toks, text, done.finish_reason) == (ref_toks, ref_text, ref_done.finish_reason)
+    assert done.finish_reason == "stop" and "lazy" not in text
+    await all_freed(head)
+
+
+async def test_max_tokens_is_never_passed_by_a_draft(head):
+    speculate(head, 8)
+    try:
+        toks, _, done = await reply(head, QUOTE, greedy(7))
+    finally:
+        plain(head)
+    assert len(toks) == done.completion_tokens <= 7
+    await all_freed(head)
+
+
+async def all_freed(head, timeout=15):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        stats = await head.stage_stats()
+        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
+            return stats
+        assert asyncio.get_running_loop().time() < deadline, stats
+        await asyncio.sleep(0.1)
+
+
+# ---- the KV cache after a rejection ---------------------------------------------------
+
+def test_kv_after_a_rejected_draft_equals_kv_decoded_without_speculation(tiny_folder):
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    n = source.config().num_hidden_layers
+    # the whole model as one stage: first (token ids in) and last (logits out)
+    stage = StageModel(source, 0, n, dtype=torch.float32, device="cpu")
+    prompt = list(range(5, 25))
+
+    def step(seq, start, toks, keep=None):
+        return stage.forward(StageBatch([seq], [start], [len(toks)], keep), torch.tensor(toks))
+
+    # plain: the prompt, then 6 tokens one at a time
+    out = step(1, 0, prompt)
+    plain_toks = [int(out[-1].argmax())]
+    for i in range(6):
+        out = step(1, len(prompt) + i, plain_toks[-1:])
+        plain_toks.append(int(out[-1].argmax()))
+    # speculative: the prompt, then the first token and a draft whose third guess is wrong
+    step(2, 0, prompt)
+    wrong = (plain_toks[3] + 1) % stage.vocab_size
+    draft = plain_toks[1:3] + [wrong, plain_toks[4]]
+    logits = step(2, len(prompt), plain_toks[:1] + draft, keep=[5])
+    assert logits.shape[0] == 5
+    target = logits.argmax(-1).tolist()
+    assert target[:3] == plain_toks[1:4]   # the target's choice after each prefix
+    assert stage.kv.length(2) == len(prompt) + 5 and stage.kv.seqs[2].tentative == 4
+    # two drafted tokens stood: the next step starts after them, rolling back the rest
+    at = len(prompt) + 3
+    out = step(2, at, [target[2]])
+    assert int(out[-1].argmax()) == plain_toks[4]
+    out = step(2, at + 1, [plain_toks[4]])
+    assert int(out[-1].argmax()) == plain_toks[5]
+    length = at + 2
+    assert stage.kv.length(2) == length and stage.kv.length(1) == len(prompt) + 6
+    a, b = stage.kv.seqs[1].slot, stage.kv.seqs[2].slot
+    for layer in stage.kv._k:
+        for store in (stage.kv._k, stage.kv._v):
+            assert torch.allclose(store[layer][a, :, :length], store[layer][b, :, :length], atol=1e-5), layer
+    # a step may not start before the tentative tail, nor after the end
+    with pytest.raises(ValueError):
+        step(2, 3, [1])
+    with pytest.raises(ValueError):
+        step(2, length + 1, [1])
+
+
+async def test_failover_mid_reply_with_speculation_replays_the_same_reply(pipe):
+    # last in this module: it leaves the pipeline with two stages
+    head = pipe.head
+    asks = [(QUOTE, greedy()), (CHAT, greedy())]
+    plain(head)
+    reference = await replies(head, asks)
+    policy = speculate(head)
+    procs = list(pipe.local.procs)
+    killed = []
+
+    def on_token(n):
+        if n >= 12 and not killed:
+            killed.append(n)
+            os.kill(procs[1].pid, signal.SIGKILL)   # the last stage: the one that verifies
+
+    try:
+        got = await asyncio.wait_for(asyncio.gather(reply(head, QUOTE, greedy(), on_token),
+                                                    reply(head, CHAT, greedy())), 300)
+    finally:
+        plain(head)
+    assert killed
+    assert [t for t, _, _ in got] == reference
+    assert [e["event"] for e in head.info()["events"]].count("recovered") == 1
+    assert policy.stats()["acceptance"] > 0.15
