@@ -831,7 +831,7 @@ class Node:
                 await srv.close(wait_s=10)  # until the port is free
             if decision.paused and self.stage_server is not None:
                 await self._stop_share(f"paused by the GPU owner: {decision.reason}")
-            elif not decision.paused and self.stage_server is None:
+            elif not decision.paused and self.stage_server is None and (self._joining is None or self._joining.done()):
                 try:
                     await self._start_share()
                 except (OSError, NodeError) as exc:

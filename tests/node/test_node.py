@@ -461,54 +461,14 @@ def test_join_with_an_invite_code(tmp_path):
         assert proc.wait(30) == 0
 
 
-def test_host_with_friends_and_join_from_another_node(tmp_path):
-    """Two nodes, as two homes would run them: one hosts and hands out an invite, the
-    other joins with it; the pipeline spans both and answers through the first's API."""
-    old = {k: os.environ.get(k) for k in ("POTLUCK_HOME", "POTLUCK_KEYSTORE")}
-    os.environ["POTLUCK_KEYSTORE"] = "file"
-    try:
-        os.environ["POTLUCK_HOME"] = str(tmp_path / "host")
-        host, hport = start_node()
-        os.environ["POTLUCK_HOME"] = str(tmp_path / "friend")
-        friend, fport = start_node()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        assert call(hport, "POST", "/host", {"model": "default", "friends": 1})[0] == 400  # no way in
-        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
-        assert status == 200 and [s["where"] for s in r["plan"]["split"]][1].startswith("friend 1")
-        st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
-        assert st["state"] == "loading" and "Waiting for friends" in st["loading"]["message"]
-        status, fst = call(fport, "POST", "/join", {"code": st["loading"]["invite"]}, timeout=120)
-        assert status == 200 and fst["sharing"]["joined"]["via"] == "direct", fst
-        st = wait_status(hport, lambda s: s["state"] == "serving", timeout=300)
-        stages = st["hosting"]["stages"]
-        assert len(stages) == 2 and stages[1]["via"] == "direct" and st["hosting"]["invite"]
-        body = json.dumps({"model": "default", "max_tokens": 8, "temperature": 0,
-                           "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
-        req = urllib.request.Request(st["openai_url"] + "/chat/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            answer = json.loads(resp.read())["choices"][0]["message"]["content"]
-        assert "Paris" in answer
-        fst = wait_status(fport, lambda s: s["sharing"]["layers"] is not None and s["sharing"]["connected"])
-        assert fst["sharing"]["layers"] == stages[1]["layers"]
-        assert call(hport, "POST", "/stop", {"what": "host"})[1]["state"] == "idle"
-    finally:
-        for p in (host, friend):
-            p.stdin.close()
-        assert host.wait(60) == 0 and friend.wait(60) == 0
-
-
 def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
-    """The invite's address does not answer from the friend's side (rewritten here to a
-    closed port) and there is no relay: the friend's /join answers at once with a reply
-    code and keeps waiting; the host's node takes the code (POST /host/reply, the host
-    dialog's "Connect to them") and connects to the friend; the pipeline serves."""
+    """Two nodes, as two homes would run them: one hosts and hands out an invite, the other
+    joins with it; the pipeline spans both and answers through the first's API. The
+    invite's address does not answer from the friend's side (rewritten here to a closed
+    port) and there is no relay: the friend's /join answers at once with a reply code and
+    keeps waiting; the host's node takes the code (POST /host/reply, the host dialog's
+    "Connect to them") and connects to the friend. (A node joining on the invite's own
+    address: test_join_with_an_invite_code.)"""
     from dataclasses import replace
 
     from engine.wire.invite import encode, parse
@@ -527,9 +487,12 @@ def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
             else:
                 os.environ[k] = v
     try:
+        assert call(hport, "POST", "/host", {"model": "default", "friends": 1})[0] == 400  # no way in
         status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
-        assert status == 200, r
-        invite = parse(wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))["loading"]["invite"])
+        assert status == 200 and [s["where"] for s in r["plan"]["split"]][1].startswith("friend 1"), r
+        st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
+        assert st["state"] == "loading" and "Waiting for friends" in st["loading"]["message"]
+        invite = parse(st["loading"]["invite"])
         unreachable = encode(replace(invite, direct=["ws://127.0.0.1:9"], kinds=["lan"]))
         status, fst = call(fport, "POST", "/join", {"code": unreachable}, timeout=120)
         assert status == 200, fst
@@ -546,6 +509,9 @@ def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert "Paris" in json.loads(resp.read())["choices"][0]["message"]["content"]
+        fst = wait_status(fport, lambda s: s["sharing"]["layers"] is not None and s["sharing"]["connected"])
+        assert fst["sharing"]["layers"] == st["hosting"]["stages"][1]["layers"]
+        assert call(hport, "POST", "/stop", {"what": "host"})[1]["state"] == "idle"
     finally:
         for p in (host, friend):
             p.stdin.close()
