@@ -22,7 +22,10 @@ numbers are noisy, and a gain inside the noise is not worth the rollbacks and th
 host's work. On a fast link the trip is mostly compute, an extra token costs nearly a
 step, and this gives 0; across homes the trip is mostly wire and k grows.
 
-Busy: above `busy_above` active sequences (4) speculation is off for everyone. The
+Busy: above `busy_above` active sequences (4) speculation is off for everyone. Active
+means every sequence the pipeline holds (set_load), in every micro-batch, not the rows
+of the step being built: a step of one row among four busy micro-batches is a busy
+pipeline. The
 micro-batches (DESIGN.md) already fill the ring's bubbles then, the stages are
 compute-bound, and rejected draft tokens are compute taken from other people's tokens:
 throughput matters more than one person's latency, and the n-scaled cost above
@@ -40,6 +43,11 @@ Re-probe: a sequence turned off by low acceptance sends no evidence, so it would
 off; if speculation would pay at a good acceptance (`probe_accept`, 0.8) it drafts k = 1
 once every `reprobe_every` (16) rounds, and a change of content (the reply starts
 quoting code) turns it back on.
+
+Start gently: until a verification step has been timed (verify_extra) and a draft
+(draft), k is at most 1. An unmeasured cost would count as free, and free extra tokens
+make the largest k look best: the first rounds would send k_max drafted tokens through
+every stage before anyone knew what one costs. One drafted token measures both.
 
 Pure and deterministic: no clock, no I/O, the same measurements give the same answers.
 k_for counts rounds for the re-probe, so call it once per decode round of a sequence.
@@ -113,8 +121,8 @@ class SpecPolicy:
     def __init__(self, config: SpecConfig | None = None):
         self.config = config or SpecConfig()
         self._seqs: dict[int, _Seq] = {}
-        # measurements, smoothed; None until the first. An unmeasured draft or verification
-        # counts as free: the first rounds that speculate measure them.
+        # measurements, smoothed; None until the first. While the draft or the verification
+        # is unmeasured, k is at most 1 (start gently): the first rounds that draft measure them.
         self.trip: float | None = None      # seconds of a plain decode step, head to head
         self._draft: float | None = None    # seconds per drafted token
         self._verify: float | None = None   # seconds per extra token in a step
@@ -157,6 +165,8 @@ class SpecPolicy:
             self._verify = self._smooth(self._verify, max(0.0, seconds_per_extra_token))
 
     def set_load(self, active_sequences: int) -> None:
+        """Every sequence the pipeline now holds (all micro-batches), for the busy cut-off
+        and the n sharing each round."""
         self.active = max(1, int(active_sequences))
 
     def drop(self, seq_id: int) -> None:
@@ -176,6 +186,11 @@ class SpecPolicy:
     @property
     def verify_extra(self) -> float:
         return self._verify or 0.0
+
+    @property
+    def measured(self) -> bool:
+        """Whether a draft and a verification have both been timed (until then k <= 1)."""
+        return self._draft is not None and self._verify is not None
 
     # ---- decisions ------------------------------------------------------------------------
     def acceptance(self, seq_id: int) -> float:
@@ -202,7 +217,7 @@ class SpecPolicy:
         k = pick(self.acceptance(seq_id))
         if k:
             s.idle = 0
-            return k
+            return k if self.measured else 1
         if not pick(c.probe_accept):
             s.idle = 0          # off whatever the acceptance: the link or the load, not the content
             return 0
@@ -223,7 +238,7 @@ class SpecPolicy:
             "tokens_per_trip": ratio(self._tokens, self._rounds),
             "acceptance": ratio(self._accepted, self._proposed),
             "rounds": self._rounds,
-            "trip": self.trip, "draft": self.draft, "verify_extra": self.verify_extra,
+            "trip": self.trip, "draft": self.draft, "verify_extra": self.verify_extra, "measured": self.measured,
             "active": self.active,
             "sequences": {
                 sid: {"k": s.k, "acceptance": ratio(s.accepted, s.proposed),

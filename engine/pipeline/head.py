@@ -658,7 +658,9 @@ class Head:
         g.seqs = [s for s in g.seqs if not s.done or s.needs_free]
         rows, inputs, new, forks, keep = [], [], {}, {}, []
         step_rows = self.sched.step_rows(g)
-        self.spec_policy.set_load(sum(1 for r in step_rows if not r.new))
+        # busy is every sequence the pipeline holds, in every micro-batch: a step of one
+        # row among full micro-batches is a busy pipeline (core/speculation.py)
+        self.spec_policy.set_load(self._active())
         drafted = 0
         for r in step_rows:
             s = r.seq
@@ -758,6 +760,10 @@ class Head:
     def _q8(self, kind: str, out: torch.Tensor, compute_seconds: float) -> bool:
         return should_compress(self.compress, kind, out.numel() * out.element_size(),
                                self.link.sched.link.bandwidth, compute_seconds)
+
+    def _active(self) -> int:
+        """Sequences the pipeline holds now (admitted, not finished), all micro-batches."""
+        return sum(1 for g in self.groups for s in g.seqs if not s.done)
 
     def _draft(self, s: Sequence) -> list[int]:
         """Up to k tokens guessed to follow a decoding sequence, k from the policy ([]: a

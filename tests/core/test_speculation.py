@@ -209,3 +209,36 @@ def test_config_is_checked():
     with pytest.raises(ValueError):
         SpecConfig(busy_above=0)
     assert policy(trip=0.1, k_max=0).k_for(1) == 0
+
+
+# ---- starting gently ------------------------------------------------------------------------
+
+
+def test_k_is_one_until_the_verification_and_the_draft_are_timed():
+    # a slow trip and a good draft: unmeasured costs would read as free and k as k_max
+    p = policy(trip=0.1)
+    feed(p, 1, 0.9, 30)
+    assert not p.measured
+    assert p.k_for(1) == 1
+    p.observe_draft(0.0005)
+    assert p.k_for(1) == 1                  # the verification is still untimed
+    p.observe_verify_extra(0.002)
+    assert p.measured and p.stats()["measured"]
+    assert p.k_for(1) > 2                   # now the model speaks
+    # the verification timed first, the draft not yet: still gentle
+    q = policy(trip=0.1, verify=0.002)
+    feed(q, 1, 0.9, 30)
+    assert q.k_for(1) == 1
+    # off stays off: gentle never turns a 0 into a 1
+    assert policy(trip=0.010, k_max=8).k_for(2) in (0, 1)
+    r = policy(trip=0.010, draft=0.0001, verify=0.008)
+    assert r.k_for(1) == 0
+
+
+def test_busy_counts_every_active_sequence_not_the_step_rows():
+    # four micro-batches of two: a step carries two decode rows, the pipeline holds eight
+    p = policy(trip=0.05, draft=0.001, verify=0.003)
+    feed(p, 1, 0.8, 60)
+    p.set_load(8)
+    assert p.k_for(1) == 0
+    assert p.stats()["active"] == 8

@@ -38,8 +38,10 @@ class Always(SpecPolicy):
     def __init__(self, k: int = 4):
         super().__init__()
         self.k = k
+        self.most_active = 0   # the most sequences the head said the pipeline held
 
     def k_for(self, seq_id: int) -> int:
+        self.most_active = max(self.most_active, self.active)
         return self.k
 
 
@@ -128,6 +130,8 @@ async def test_concurrent_requests_with_and_without_speculation_side_by_side(hea
         plain(head)
     assert got == reference
     assert policy.stats()["acceptance"] > 0.15
+    # the busy cut-off counts every sequence the pipeline holds, not one micro-batch's rows
+    assert policy.most_active == len(asks), (policy.most_active, head.micro_batches)
     await all_freed(head)
 
 
