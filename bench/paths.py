@@ -22,8 +22,10 @@ Three parts:
   * matrix    (--matrix, as root with the Debian parts of testkit/homenet.py) the
               join in emulated homes, NAT A x NAT B x router UPnP x relay, with a STUN
               server on the public side: the path taken, the time from the code to a
-              joined tunnel, and for a relayed join the path it moved to (hole
-              punching) and when, by testkit/pathpeer.py's processes.
+              joined tunnel, for a relayed join the path it moved to (hole punching)
+              and when, and with no relay the join by the friend's reply code (its
+              address, or a hole punched from both sides), by testkit/pathpeer.py's
+              processes.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py                  # seal + link, ~5 min
     HF_HUB_OFFLINE=1 .venv/bin/python bench/paths.py --matrix         # + the matrix, ~5 min more
@@ -182,8 +184,6 @@ async def link_rounds(a) -> dict:
 
 def matrix(a) -> list[dict]:
     """The emulated-homes matrix: one host (home 0), one joiner (home 1) per cell."""
-    import json as _json
-    import subprocess
     import tempfile
 
     from testkit.homenet import HomeSpec, home_internet, homenet_available, upnp_available
@@ -202,62 +202,97 @@ def matrix(a) -> list[dict]:
                         continue               # no router in front of the host: nothing to map
                     spec = [HomeSpec(nat=nats[na], upnp=upnp and na != "none"), HomeSpec(nat=nats[nb])]
                     with tempfile.TemporaryDirectory() as tmp, home_internet(spec, stun=True, subnet=90) as net:
-                        env = dict(os.environ, HOME=tmp, PYTHONPATH=os.pathsep.join(sys.path),
-                                   POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
-                        procs = []
-                        try:
-                            if relay:
-                                r = net.popen(net.public, [sys.executable, "-m", "engine", "relay", "--host",
-                                                           "0.0.0.0", "--port", "8765"], env=env, text=True,
-                                              stdout=subprocess.PIPE)
-                                procs.append(r)
-                                r.stdout.readline()
-                            argv = [sys.executable, "-m", "testkit.pathpeer", "host", "--folder", f"{tmp}/h",
-                                    "--seconds", "6" if relay else "0.5", "--wait", "30"] + (["--relay", f"ws://{net.public_addr}:8765"]
-                                                                            if relay else []) + \
-                                   ([] if upnp else ["--no-upnp"])
-                            h = net.popen(net.host(0), argv, env=env, text=True, stdout=subprocess.PIPE)
-                            procs.append(h)
-                            code = next(line.split(" ", 1)[1].strip() for line in h.stdout if line.startswith("CODE"))
-                            t0 = time.perf_counter()
-                            j = net.popen(net.host(1), [sys.executable, "-m", "testkit.pathpeer", "join", "--folder",
-                                                        f"{tmp}/j", "--code", code], env=env, text=True,
-                                          stdout=subprocess.PIPE)
-                            procs.append(j)
-                            for line in j.stdout:         # the joiner's own start-up does not count
-                                if line.startswith("START"):
-                                    t0 = time.perf_counter()
-                                    break
-                            line = next(line for line in j.stdout if line.startswith(("JOINED", "FAILED")))
-                            took = time.perf_counter() - t0
-                            moved, moved_s = "", None
-                            if line.startswith("JOINED relay"):     # hole punching, if the NATs allow
-                                for said in j.stdout:
-                                    if any(w in said for w in ("moved to", "no punched path", "no hole punching",
-                                                               "could not move there")):
-                                        if "moved to" in said:
-                                            moved = said.split("moved to", 1)[1].split(":")[0].strip()
-                                            moved_s = time.perf_counter() - t0 - took
-                                        break
-                        finally:
-                            for p in procs:
-                                p.terminate()
-                                p.wait(20)
-                    path = line.split(" ", 1)[1].strip() if line.startswith("JOINED") else "no path"
+                        path, took, moved, moved_s = _cell(net, tmp, upnp, relay)
                     possible = na == "none" or upnp
                     # both NATs filter on the exact remote (conntrack); a hole opens unless the
                     # side whose packets must arrive first maps per destination (symmetric)
-                    punchable = relay and not possible and (na, nb) in (("eim", "eim"), ("eim", "none"),
-                                                                          ("symmetric", "none"))
+                    punchable = not possible and (na, nb) in (("eim", "eim"), ("eim", "none"), ("symmetric", "none"))
+                    # without a relay: the friend's reply code (its own open address, or a hole)
+                    by_reply = not possible and not relay and (nb == "none" or punchable)
                     rows.append({"host NAT": na, "joiner NAT": nb, "UPnP": "on" if upnp else "off",
                                  "relay": "yes" if relay else "no", "path": path, "join s": took,
                                  "then": moved or "-", "after s": moved_s if moved_s is not None else "-",
-                                 "direct possible": "at join" if possible else ("punched" if punchable else "no"),
+                                 "direct possible": "at join" if possible else ("reply code" if by_reply else
+                                                                                "punched" if relay and punchable
+                                                                                else "no"),
                                  "ok": (path.startswith("direct") and took <= 3.0) if possible
+                                 else (path.startswith("direct") and moved_s <= 3.0) if by_reply
                                  else (path == "relay" and moved == "direct (punched)" and moved_s <= 3.0)
-                                 if punchable else (path == "relay" and not moved if relay else path == "no path")})
+                                 if relay and punchable else (path == "relay" and not moved if relay else path == "no path")})
                     log(f"{rows[-1]}")
     return rows
+
+
+def _cell(net, tmp: str, upnp: bool, relay: bool):
+    """One join, host in home 0 and joiner in home 1: (path, seconds from the joiner's start
+    to its tunnel, where a relayed tunnel moved or "reply code", and how long that took:
+    the move after the join, or from the host taking the code to the join)."""
+    import queue
+    import subprocess
+    import threading
+
+    def lines(p) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [q.put(x) for x in p.stdout] + [q.put(None)], daemon=True).start()
+        return q
+
+    def next_line(q, prefixes, deadline):
+        while True:
+            try:
+                line = q.get(timeout=max(0.01, deadline - time.perf_counter()))
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            if any(w in line for w in prefixes):
+                return line
+
+    env = dict(os.environ, HOME=tmp, PYTHONPATH=os.pathsep.join(sys.path),
+               POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
+    procs = []
+    try:
+        if relay:
+            r = net.popen(net.public, [sys.executable, "-m", "engine", "relay", "--host", "0.0.0.0", "--port", "8765"],
+                          env=env, text=True, stdout=subprocess.PIPE)
+            procs.append(r)
+            r.stdout.readline()
+        argv = [sys.executable, "-m", "testkit.pathpeer", "host", "--folder", f"{tmp}/h", "--seconds",
+                "6" if relay else "0.5", "--wait", "30"] + \
+            (["--relay", f"ws://{net.public_addr}:8765"] if relay else ["--reply-stdin"]) + \
+            ([] if upnp else ["--no-upnp"])
+        h = net.popen(net.host(0), argv, env=env, text=True, stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+        procs.append(h)
+        hq = lines(h)
+        code = next_line(hq, ("CODE",), time.perf_counter() + 60).split(" ", 1)[1].strip()
+        j = net.popen(net.host(1), [sys.executable, "-m", "testkit.pathpeer", "join", "--folder", f"{tmp}/j",
+                                    "--code", code] + ([] if relay else ["--reply-listen", "0.0.0.0:7871"]),
+                      env=env, text=True, stdout=subprocess.PIPE)
+        procs.append(j)
+        jq = lines(j)
+        next_line(jq, ("START",), time.perf_counter() + 60)        # the joiner's own start-up does not count
+        t0 = time.perf_counter()
+        line = next_line(jq, ("JOINED", "FAILED", "REPLY "), t0 + 30) or "FAILED (nothing within 30 s)"
+        moved, moved_s = "", None
+        if line.startswith("REPLY "):           # the friend sends the host its reply code
+            h.stdin.write(line.split(" ", 1)[1].strip() + "\n")
+            h.stdin.flush()
+            t_code = time.perf_counter()
+            line = next_line(jq, ("JOINED", "FAILED"), t_code + 20) or "FAILED (the reply code led nowhere in 20 s)"
+            moved = "reply code"
+            moved_s = time.perf_counter() - t_code if line.startswith("JOINED") else None
+        took = time.perf_counter() - t0
+        if line.startswith("JOINED relay"):     # hole punching, if the NATs allow
+            said = next_line(jq, ("moved to", "no punched path", "no hole punching", "could not move there"),
+                             time.perf_counter() + 30) or ""
+            if "moved to" in said:
+                moved = said.split("moved to", 1)[1].split(":")[0].strip()
+                moved_s = time.perf_counter() - t0 - took
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(20)
+    path = line.split(" ", 1)[1].strip() if line.startswith("JOINED") else "no path"
+    return path, took, moved, moved_s
 
 
 def main(argv=None) -> int:
@@ -308,9 +343,11 @@ def print_matrix(rows: list[dict]) -> None:
     cols = list(rows[0])
     print("\nJoining across emulated homes (testkit/homenet.py, a STUN server on the public side). "
           "'join s': from the joiner starting to try to a working tunnel; 'then': where a relayed "
-          "tunnel moved (hole punching) and 'after s' how long after the join. A direct path is "
-          "possible at the join when the host has no NAT or its router maps the port; later, through "
-          "the relay's tunnel, wherever a hole can be punched\n")
+          "tunnel moved (hole punching) and 'after s' how long after the join, or 'reply code' when "
+          "there is no relay: the friend's code went to the host, and 'after s' is from the host "
+          "taking it to the joined tunnel. A direct path is possible at the join when the host has no "
+          "NAT or its router maps the port; else wherever the friend is reachable or a hole can be "
+          "punched: through the relay's tunnel, or with no relay by the reply code\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
     for r in rows:

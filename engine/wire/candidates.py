@@ -14,6 +14,9 @@ A host that listens for friends directly (TunnelHost.listen) gathers, for its po
              the same port: reachable when the owner forwarded that port by hand, or
              the machine has no NAT in front of it;
   * given    addresses the owner named (--advertise): tried as they are.
+  * udp      not a route: the public address of a UDP socket kept open while the host
+             listens (STUN), for hole punching when a friend's reply code comes back
+             with theirs (engine/wire/punch.py, TunnelHost.take_reply).
 
 The invite carries them (engine/wire/invite.py, version 2), and the joiner tries them
 in KIND_ORDER, racing the connects (engine/wire/tunnel.py). What is learnt along the
@@ -32,7 +35,7 @@ from datetime import timedelta
 
 log = logging.getLogger("potluck.candidates")
 
-KINDS = ("lan", "given", "mapped", "ipv6", "public")
+KINDS = ("lan", "given", "mapped", "ipv6", "public", "udp")
 KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
 LEASE_S = 3600          # the router forgets a mapping this long after its last renewal
 SEARCH_S = 2            # SSDP: how long routers get to answer

@@ -40,7 +40,9 @@ _DECODE = {c: i for i, c in enumerate(ALPHABET)}
 _DECODE.update({"O": 0, "I": 1, "L": 1})
 VERSION = 2
 READS = (1, 2)
-KIND_CODES = ("given", "lan", "mapped", "ipv6", "public")
+# "udp": a socket's public address for hole punching (engine/wire/punch.py), udp://a:port;
+# never a WebSocket route, only where to punch at when a reply code comes back
+KIND_CODES = ("given", "lan", "mapped", "ipv6", "public", "udp")
 CHECKSUM = 4
 MAX_CODE_CHARS = 2000
 _FIXED = struct.Struct("<B8s8s16s32sIH")
@@ -84,6 +86,11 @@ class Invite:
 
 def join_psk(secret: bytes, pipeline: bytes, invite_id: bytes) -> bytes:
     return hmac.new(secret, b"potluck join v1" + pipeline + invite_id, hashlib.sha256).digest()
+
+
+def rendezvous_key(psk: bytes) -> bytes:
+    """The punch key of a join without a relay (engine/wire/punch.py): from the invite's psk."""
+    return hmac.new(psk, b"potluck rendezvous", hashlib.sha256).digest()
 
 
 def _b32encode(data: bytes) -> str:
@@ -173,9 +180,9 @@ def parse(code: str) -> Invite:
             raise InviteError("this code has trailing bytes")
     except (IndexError, struct.error, UnicodeDecodeError):
         raise InviteError("this code is damaged (its fields do not fit)") from None
-    for url in ([relay] if relay else []) + direct:
-        if not (url.startswith("ws://") or url.startswith("wss://")) or any(c.isspace() for c in url):
-            raise InviteError(f"this code names an address that is not a ws:// URL: {url!r}")
+    if relay and (not relay.startswith(("ws://", "wss://")) or any(c.isspace() for c in relay)):
+        raise InviteError(f"this code names an address that is not a ws:// URL: {relay!r}")
+    _check_addresses(direct, kinds, ("ws://", "wss://"))
     if not relay and not direct:
         raise InviteError("this code names neither a relay nor an address to reach the host")
     return Invite(pipeline, invite_id, secret, host_key, expires, max_uses, relay, direct, kinds)
@@ -247,10 +254,32 @@ def parse_reply(code: str) -> Reply:
             raise InviteError("this code is damaged (its fields do not fit)")
     except (IndexError, UnicodeDecodeError):
         raise InviteError("this code is damaged (its fields do not fit)") from None
-    for url in direct:
-        if not url.startswith("ws://") or any(c.isspace() for c in url):
-            raise InviteError(f"this code names an address that is not a ws:// URL: {url!r}")
+    _check_addresses(direct, kinds, ("ws://",))
     return Reply(pipeline, invite_id, direct, kinds)
+
+
+def _check_addresses(direct: list[str], kinds: list[str], schemes: tuple[str, ...]):
+    for url, kind in zip(direct, kinds):
+        want = ("udp://",) if kind == "udp" else schemes
+        if not url.startswith(want) or any(c.isspace() for c in url):
+            raise InviteError(f"this code names an address that is not a {want[0]} URL: {url!r}")
+
+
+def udp_addresses(direct: list[str], kinds: list[str]) -> list[tuple[str, int]]:
+    """The hole-punching candidates among a code's addresses (kind "udp"), as (ip, port);
+    anything that is not a literal IPv4 address and port is left out, never resolved."""
+    from engine.wire.punch import parse_candidates
+
+    out = []
+    for url, kind in zip(direct, kinds):
+        if kind != "udp":
+            continue
+        host, _, port = url[len("udp://"):].rpartition(":")
+        try:
+            out += parse_candidates([[host, int(port)]])
+        except ValueError:
+            continue
+    return out
 
 
 def _read_str(b: bytes, pos: int) -> tuple[str, int]:
@@ -350,6 +379,15 @@ class HostState:
             if inv is not None and not inv.get("revoked") and now <= inv.get("expires", 0):
                 out.append(r)
         return out
+
+    def rendezvous_key(self, invite_id: bytes) -> bytes:
+        """What a joiner's and this host's punch packets prove for an invite of ours (its
+        secret: only the two of them know it), even once the invite is used up: a member
+        that comes back through a reply code punches with it too."""
+        rec = self._read().get("invites", {}).get(invite_id.hex())
+        if rec is None or rec["revoked"] or time.time() > rec["expires"]:
+            raise InviteError("no such invite (revoked, expired or unknown)")
+        return rendezvous_key(join_psk(bytes.fromhex(rec["secret"]), self.pipeline, invite_id))
 
     def invite_psk(self, invite_id: bytes) -> bytes:
         """The psk for a join with this invite, or InviteError saying why it is refused."""

@@ -195,22 +195,44 @@ def _unacked(conn, stream_id: int) -> int:
 
 
 class UdpEndpoint(asyncio.DatagramProtocol):
-    """One UDP socket, in turn: STUN queries, hole punching, then one QUIC connection."""
+    """One UDP socket: STUN queries, hole punching, QUIC connections (one per peer address).
 
-    def __init__(self):
+    exclusive: the socket serves one connection and closes with it (a relayed session's
+    punch); else it lives on for more peers (a host's rendezvous socket, whose mapped
+    address is in its invites) and keeps its NAT mapping open (keepalive)."""
+
+    def __init__(self, exclusive: bool = True):
+        self.exclusive = exclusive
         self.transport = None
         self._stun: asyncio.Queue | None = None
-        self._puncher: Puncher | None = None
+        self._punchers: list[Puncher] = []
         self._heard = asyncio.Event()
-        self.quic: QuicChannel | None = None
-        self._accept_from: tuple[str, int] | None = None
-        self._accepted: asyncio.Future | None = None
+        self._channels: dict[tuple[str, int], QuicChannel] = {}
+        self._accepting: dict[tuple[str, int], asyncio.Future] = {}
+        self._keepalive: asyncio.Task | None = None
+        self.mapped: list[tuple[str, int]] = []
 
     @classmethod
-    async def open(cls, host: str = "0.0.0.0", port: int = 0) -> "UdpEndpoint":
+    async def open(cls, host: str = "0.0.0.0", port: int = 0, exclusive: bool = True) -> "UdpEndpoint":
         loop = asyncio.get_running_loop()
-        _, ep = await loop.create_datagram_endpoint(cls, local_addr=(host, port), family=socket.AF_INET)
+        _, ep = await loop.create_datagram_endpoint(lambda: cls(exclusive), local_addr=(host, port),
+                                                    family=socket.AF_INET)
         return ep
+
+    def keep_mapping(self, server: tuple[str, int], interval: float = 20.0):
+        """Refresh this socket's NAT mapping by asking `server` (STUN) every `interval`
+        seconds: home routers forget an idle UDP mapping after 30 s to a few minutes."""
+        async def loop():
+            from engine.wire import stun
+
+            infos = await asyncio.get_running_loop().getaddrinfo(*server, family=socket.AF_INET,
+                                                                 type=socket.SOCK_DGRAM)
+            while True:
+                self.sendto(stun.request()[0], infos[0][4][:2])
+                await asyncio.sleep(interval)
+
+        if self._keepalive is None:
+            self._keepalive = asyncio.ensure_future(loop())
 
     @property
     def port(self) -> int:
@@ -223,10 +245,22 @@ class UdpEndpoint(asyncio.DatagramProtocol):
         pass          # ICMP for one candidate (another home's private address): others go on
 
     def close(self):
-        if self.quic is not None:
-            self.quic._terminate("endpoint closed")
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        for ch in list(self._channels.values()):
+            ch._terminate("endpoint closed")
+        for fut in self._accepting.values():
+            if not fut.done():
+                fut.cancel()
         if self.transport is not None:
             self.transport.close()
+
+    def _forget(self, channel: "QuicChannel"):
+        if self._channels.get(channel.peer) is channel:
+            del self._channels[channel.peer]
+        if self.exclusive and self.transport is not None:
+            # the CONNECTION_CLOSE is on its way; the socket closes a moment later
+            asyncio.get_running_loop().call_later(0.2, self.transport.close)
 
     def sendto(self, data: bytes, addr):
         try:
@@ -235,20 +269,27 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             pass
 
     def datagram_received(self, data: bytes, addr):
-        if self._puncher is not None and data[:4] == PUNCH_MAGIC:
+        peer = tuple(addr[:2])
+        if data[:4] == PUNCH_MAGIC:
             # the peer's last punch rounds may still come after QUIC began: never QUIC's
-            for packet, to in self._puncher.receive(data, addr) or ():
-                self.sendto(packet, to)
-            self._heard.set()
+            for p in self._punchers:
+                out = p.receive(data, peer)
+                if out is not None:
+                    for packet, to in out:
+                        self.sendto(packet, to)
+                    self._heard.set()
+                    break
             return
-        if self.quic is not None and tuple(addr[:2]) == self.quic.peer:
-            self.quic._datagram(data, addr)
+        ch = self._channels.get(peer)
+        if ch is not None:
+            ch._datagram(data, addr)
             return
         if self._stun is not None and len(data) >= 20 and data[4:8] == b"\x21\x12\xa4\x42":
             self._stun.put_nowait((data, addr))
             return
-        if self._accept_from is not None and tuple(addr[:2]) == self._accept_from and self.quic is None:
-            self._start_server(data, addr)
+        fut = self._accepting.get(peer)
+        if fut is not None and not fut.done():
+            self._start_server(data, peer, fut)
 
     # -- STUN
     async def candidates(self, servers: list[tuple[str, int]], timeout: float = 2.0) -> list[tuple[str, int]]:
@@ -264,53 +305,71 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             finally:
                 self._stun = None
             mapped = [m.address for m in seen]
+        self.mapped = list(dict.fromkeys(tuple(m) for m in mapped))     # what the internet sees
         return udp_candidates(self.port, interface_addresses(), mapped)
 
     # -- punching
-    async def punch(self, key: bytes, targets: list[tuple[str, int]], timeout: float) -> tuple[str, int]:
+    async def punch(self, key: bytes, targets: list[tuple[str, int]], timeout: float | None,
+                    interval: float = PUNCH_INTERVAL) -> tuple[str, int]:
         """Punch at the peer's candidates until a packet of its comes back (PunchError after
-        `timeout`); returns the address it came from."""
+        `timeout`; None: until cancelled); returns the address it came from. `interval`:
+        between rounds until then (a side that waits for its peer to start keeps its own
+        router open with a round a second)."""
         if not targets:
             raise PunchError("the peer has no address to punch at")
-        p = self._puncher = Puncher(key, targets)
+        p = Puncher(key, targets)
+        self._punchers.append(p)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not p.done:
-            for packet, to in p.round():
-                self.sendto(packet, to)
-            if p.peer is None and loop.time() > deadline:
-                raise PunchError(f"no answer from any of {len(p.targets)} address(es) within {timeout:g} s "
-                                 "(a symmetric NAT, or a firewall that drops them)")
-            self._heard.clear()
-            try:
-                await asyncio.wait_for(self._heard.wait(), PUNCH_INTERVAL)
-            except asyncio.TimeoutError:
-                pass
-        return p.peer
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            while not p.done:
+                for packet, to in p.round():
+                    self.sendto(packet, to)
+                if p.peer is None and deadline is not None and loop.time() > deadline:
+                    raise PunchError(f"no answer from any of {len(p.targets)} address(es) within {timeout:g} s "
+                                     "(a symmetric NAT, or a firewall that drops them)")
+                self._heard.clear()
+                try:
+                    await asyncio.wait_for(self._heard.wait(), interval if p.peer is None else PUNCH_INTERVAL)
+                except asyncio.TimeoutError:
+                    pass
+            return p.peer
+        finally:
+            self._punchers.remove(p)
 
     # -- QUIC
     async def quic_connect(self, peer: tuple[str, int], timeout: float = 10.0) -> "QuicChannel":
         from aioquic.quic.connection import QuicConnection
 
+        peer = tuple(peer)
+        old = self._channels.get(peer)
+        if old is not None:
+            old._terminate("replaced by a new connection")
         conn = QuicConnection(configuration=_configuration(is_client=True))
-        self.quic = QuicChannel(self, conn, tuple(peer), stream_id=0)
-        conn.connect(tuple(peer), now=asyncio.get_running_loop().time())
-        self.quic._transmit()
-        await self.quic._established(timeout)
-        return self.quic
-
-    async def quic_accept(self, peer: tuple[str, int], timeout: float = 10.0) -> "QuicChannel":
-        """Wait for the peer's QUIC connection (only from the punched address)."""
-        self._accept_from = tuple(peer)
-        self._accepted = asyncio.get_running_loop().create_future()
-        try:
-            channel = await asyncio.wait_for(self._accepted, timeout)
-        except asyncio.TimeoutError:
-            raise PunchError(f"no QUIC connection came from {peer[0]}:{peer[1]} within {timeout:g} s") from None
+        channel = self._channels[peer] = QuicChannel(self, conn, peer, stream_id=0)
+        conn.connect(peer, now=asyncio.get_running_loop().time())
+        channel._transmit()
         await channel._established(timeout)
         return channel
 
-    def _start_server(self, data: bytes, addr):
+    async def quic_accept(self, peer: tuple[str, int], timeout: float = 10.0) -> "QuicChannel":
+        """Wait for the peer's QUIC connection (only from the punched address)."""
+        peer = tuple(peer)
+        old = self._channels.get(peer)
+        if old is not None:
+            old._terminate("replaced by a new connection")
+        fut = self._accepting[peer] = asyncio.get_running_loop().create_future()
+        try:
+            channel = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise PunchError(f"no QUIC connection came from {peer[0]}:{peer[1]} within {timeout:g} s") from None
+        finally:
+            if self._accepting.get(peer) is fut:
+                del self._accepting[peer]
+        await channel._established(timeout)
+        return channel
+
+    def _start_server(self, data: bytes, addr, fut: asyncio.Future):
         from aioquic.buffer import Buffer
         from aioquic.quic.connection import QuicConnection
         from aioquic.quic.packet import pull_quic_header
@@ -323,10 +382,9 @@ class UdpEndpoint(asyncio.DatagramProtocol):
         if header.packet_type is None or getattr(header.packet_type, "name", "") != "INITIAL":
             return
         conn = QuicConnection(configuration=cfg, original_destination_connection_id=header.destination_cid)
-        self.quic = QuicChannel(self, conn, tuple(addr[:2]), stream_id=0)
-        self.quic._datagram(data, addr)
-        if self._accepted is not None and not self._accepted.done():
-            self._accepted.set_result(self.quic)
+        channel = self._channels[addr] = QuicChannel(self, conn, addr, stream_id=0)
+        channel._datagram(data, addr)
+        fut.set_result(channel)
 
 
 class QuicChannel:
@@ -374,8 +432,6 @@ class QuicChannel:
             self.conn.close(error_code=0 if code == 1000 else 0x100, reason_phrase=reason[:100])
             self._transmit()
             self._terminate(reason or "closed")
-            # the CONNECTION_CLOSE is on its way; the socket closes a moment later
-            self._loop.call_later(0.2, self.endpoint.transport.close)
 
     # -- the engine underneath
     async def _established(self, timeout: float):
@@ -456,3 +512,4 @@ class QuicChannel:
             self._timer = None
         for ev in (self._handshake, self._readable, self._writable):
             ev.set()
+        self.endpoint._forget(self)

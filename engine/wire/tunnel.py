@@ -58,7 +58,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
-from engine.wire.invite import HostState, Invite, InviteError, Reply, encode_reply
+from engine.wire.invite import HostState, Invite, InviteError, Reply, encode_reply, rendezvous_key, udp_addresses
 from engine.wire.noise import Initiator, NoiseError, Responder, TransportCipher
 
 log = logging.getLogger("potluck.tunnel")
@@ -515,6 +515,9 @@ class TunnelHost:
         self._revoke_watch: asyncio.Task | None = None
         self._dialers: dict[str, asyncio.Task] = {}   # reply key -> the task dialing that joiner
         self._hops = 0
+        # the socket whose public address invites carry for hole punching (kind "udp"):
+        # a friend's reply code with its own lets the two punch with no relay
+        self._udp = None
 
     # -- setup
     async def listen(self, host: str = "0.0.0.0", port: int = 0, advertise: list[str] | None = None,
@@ -536,9 +539,11 @@ class TunnelHost:
             if upnp is None:
                 upnp = os.environ.get("POTLUCK_UPNP", "1") != "0"
             self._mapper = cand.PortMapper() if upnp else None
-            self.gathered = await cand.gather(bound, upnp=upnp, mapper=self._mapper,
-                                              addresses=None if wildcard else [])
-            found = ([] if wildcard else [cand.Candidate("given", cand.url_for(host, bound))]) + self.gathered.candidates
+            self.gathered, rendezvous = await asyncio.gather(
+                cand.gather(bound, upnp=upnp, mapper=self._mapper, addresses=None if wildcard else []),
+                self._open_rendezvous())
+            found = ([] if wildcard else [cand.Candidate("given", cand.url_for(host, bound))]) + \
+                self.gathered.candidates + rendezvous
             if self.gathered.mapping.external:
                 self.on_event(f"the router maps {cand.url_for(*self.gathered.mapping.external)} to this computer")
             elif upnp:
@@ -547,6 +552,29 @@ class TunnelHost:
         self.direct_kinds = [c.kind for c in found]
         self._watch_revocations()
         return bound
+
+    async def _open_rendezvous(self) -> list:
+        """A UDP socket kept open (and its NAT mapping fresh) while hosting; its public
+        address, as STUN servers see it, goes in invites as kind "udp"."""
+        from engine.wire import candidates as cand, stun
+
+        servers = stun.servers_from_env()
+        if not servers or os.environ.get("POTLUCK_PUNCH", "1") == "0":
+            return []
+        try:
+            from engine.wire.punch import UdpEndpoint
+
+            ep = await UdpEndpoint.open(exclusive=False)
+        except (ImportError, OSError) as exc:
+            log.info("no rendezvous socket: %s", exc)
+            return []
+        await ep.candidates(servers)
+        if not ep.mapped or stun._is_own(ep.mapped[0][0]):
+            ep.close()             # no STUN answer, or no NAT (then the TCP address works)
+            return []
+        ep.keep_mapping(servers[0])
+        self._udp = ep
+        return [cand.Candidate("udp", f"udp://{a}:{p}") for a, p in ep.mapped[:2]]
 
     async def use_relay(self, url: str):
         self.relay_url = url.rstrip("/")
@@ -563,16 +591,46 @@ class TunnelHost:
 
     def _dial_replies(self):
         for r in self.state.replies():
-            if r.pipeline == self.pipeline and r.key not in self._dialers:
+            if r.pipeline != self.pipeline:
+                continue
+            if r.key not in self._dialers and any(k != "udp" for k in r.kinds):
                 self._dialers[r.key] = asyncio.ensure_future(self._dial(r))
+            if r.key + "/udp" not in self._dialers and self._udp is not None and udp_addresses(r.direct, r.kinds):
+                self._dialers[r.key + "/udp"] = asyncio.ensure_future(self._punch_reply(r))
+
+    async def _punch_reply(self, r: Reply):
+        """A joiner's reply code with UDP candidates: punch toward them from the socket our
+        invites named (the joiner punches toward it meanwhile) and take its QUIC
+        connection; the joiner's usual handshake then runs over it."""
+        from engine.wire.punch import PunchError, punch_key
+
+        targets = udp_addresses(r.direct, r.kinds)
+        backoff = 1.0
+        while any(x.key == r.key for x in self.state.replies()) and self._udp is not None:
+            try:
+                key = punch_key(self.state.rendezvous_key(r.invite_id))
+                peer = await self._udp.punch(key, targets, PUNCH_TIMEOUT * 2)
+                channel = await self._udp.quic_accept(peer)
+            except (PunchError, InviteError, OSError) as exc:
+                self.on_event(f"reply {r.key}: no punched path to the joiner ({exc})")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            t0 = time.monotonic()
+            try:
+                await self.accept(channel, "direct (punched)")
+            finally:
+                await channel.close()
+            backoff = 1.0 if time.monotonic() - t0 > 30 else min(backoff * 2, 30.0)
+            await asyncio.sleep(backoff)
 
     async def _dial(self, r: Reply):
         """Connect to a joiner that cannot reach us (it listens: its reply code), and run
         the usual handshake on that connection, the joiner speaking first."""
         from engine.wire.candidates import KIND_ORDER
 
-        routes = [("direct (reply)", url) for _, url in
-                  sorted(zip(r.kinds, r.direct), key=lambda ku: KIND_ORDER.get(ku[0], 9))]
+        routes = [("direct (reply)", url) for kind, url in
+                  sorted(zip(r.kinds, r.direct), key=lambda ku: KIND_ORDER.get(ku[0], 9)) if kind != "udp"]
         backoff = 1.0
         while any(x.key == r.key for x in self.state.replies()):     # until revoked or expired
             errors: list[str] = []
@@ -610,6 +668,9 @@ class TunnelHost:
         if self._mapper is not None:
             await self._mapper.close()      # the router forgets the mapping now, not at lease end
             self._mapper = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
         for p in self.peers.values():
             if p.session:
                 await p.session.close("host shutting down")
@@ -937,7 +998,8 @@ _KIND_ORDER = {"lan": 0, "given": 1, "mapped": 2, "ipv6": 3, "public": 4}
 def direct_routes(invite: Invite) -> list[tuple[str, str]]:
     """(path, url) of the invite's direct addresses, in the order a joiner tries them."""
     return [(f"direct ({k})" if k != "given" else "direct", a)
-            for k, a in sorted(zip(invite.kinds, invite.direct), key=lambda ka: _KIND_ORDER.get(ka[0], 9))]
+            for k, a in sorted(zip(invite.kinds, invite.direct), key=lambda ka: _KIND_ORDER.get(ka[0], 9))
+            if k != "udp"]
 
 
 async def resume_direct(session: Session, invite: Invite, say) -> bool:
@@ -1113,6 +1175,8 @@ class Joiner:
         self._incoming: asyncio.Queue | None = None
         self._reply_server = None
         self._mapper = None
+        self._udp = None               # with no relay: the socket we punch toward the host from
+        self._punch_task: asyncio.Task | None = None
         # while relayed, punch a direct UDP path (POTLUCK_PUNCH=0: never)
         self.punch = os.environ.get("POTLUCK_PUNCH", "1") != "0"
 
@@ -1202,7 +1266,7 @@ class Joiner:
                 await ws.close(1013, "busy")
                 return
             done = asyncio.Event()
-            await self._incoming.put((ws, done))
+            await self._incoming.put((ws, done, "direct (reply)"))
             await done.wait()          # the connection lives as long as its session
 
         host, _, port = self.reply_listen.rpartition(":")
@@ -1214,22 +1278,65 @@ class Joiner:
                               "give another with --reply-listen") from None
         bound = self._reply_server.sockets[0].getsockname()[1]
         self._mapper = cand.PortMapper()
-        g = await cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper)
-        if not g.candidates:
+        g, udp = await asyncio.gather(
+            cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper),
+            self._punch_toward_host())
+        if not g.candidates and not udp:
             raise TunnelError(f"{why}; and this computer has no address the host could reach either")
+        cands = (g.candidates + udp)[:16]
         self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
-                                             [c.url for c in g.candidates], [c.kind for c in g.candidates]))
+                                             [c.url for c in cands], [c.kind for c in cands]))
         self.on_event("the host cannot be reached from here; it can reach this computer instead: "
                       f"send the host this reply code ({', '.join(c.kind for c in g.candidates)})")
         if self.on_reply is not None:
             self.on_reply(self.reply_code)
 
+    async def _punch_toward_host(self) -> list:
+        """With the host's punching address in the invite (kind "udp"): a socket of ours, its
+        public address for the reply code, and punching toward the host from it, a round a
+        second, until the host (given our code) punches back; then QUIC, and the join's
+        handshake over it (_next_reply_session)."""
+        from engine.wire import candidates as cand, stun
+
+        targets = udp_addresses(self.invite.direct, self.invite.kinds)
+        servers = stun.servers_from_env()
+        if not targets or not servers or not self.punch:
+            return []
+        try:
+            from engine.wire.punch import UdpEndpoint
+
+            self._udp = await UdpEndpoint.open(exclusive=False)
+        except (ImportError, OSError):
+            return []
+        await self._udp.candidates(servers)
+        if not self._udp.mapped:
+            return []
+        self._punch_task = asyncio.ensure_future(self._punch_loop(targets))
+        return [cand.Candidate("udp", f"udp://{a}:{p}") for a, p in self._udp.mapped[:2]]
+
+    async def _punch_loop(self, targets):
+        from engine.wire.punch import PunchError, punch_key
+
+        key = punch_key(rendezvous_key(self.invite.psk()))
+        while True:
+            try:
+                peer = await self._udp.punch(key, targets, None, interval=1.0)
+                channel = await self._udp.quic_connect(peer)
+            except (PunchError, OSError) as exc:
+                self.on_event(f"no punched path to the host ({exc})")
+                await asyncio.sleep(1.0)
+                continue
+            done = asyncio.Event()
+            await self._incoming.put((channel, done, "direct (punched)"))
+            await done.wait()
+            await channel.close()
+
     async def _next_reply_session(self) -> Session:
         while True:
-            ws, done = await self._incoming.get()
+            ws, done, path = await self._incoming.get()
             try:
                 session = await _client_handshake(ws, self.invite, self.identity, self.target, self.name,
-                                                  self.member, "direct (reply)")
+                                                  self.member, path)
             except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError, NoiseError) as exc:
                 # even a refusal: whoever connected here need not be the host (a refusal
                 # is not authenticated), and the host redials; so wait for the next one
@@ -1250,6 +1357,12 @@ class Joiner:
         if self._mapper is not None:
             await self._mapper.close()
             self._mapper = None
+        if self._punch_task is not None:
+            self._punch_task.cancel()
+            self._punch_task = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
 
     async def _seek_direct(self, session: Session):
         """While relayed: the invite's direct addresses again (a mapping may come late, a
@@ -1262,7 +1375,7 @@ class Joiner:
                     return
                 except asyncio.TimeoutError:
                     pass
-            moved = (not first and self.invite.direct and await resume_direct(session, self.invite, self.on_event)) \
+            moved = (not first and direct_routes(self.invite) and await resume_direct(session, self.invite, self.on_event)) \
                 or (self.punch and await punch_direct(session, self.invite, self.on_event))
             first = False
             if moved:

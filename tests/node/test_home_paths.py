@@ -245,6 +245,37 @@ def test_a_friend_whose_router_maps_is_reached_by_the_host_through_a_reply_code(
                     p.stop()
 
 
+@pytest.mark.skipif(not has_stun, reason="needs coturn (STUN)")
+def test_two_eim_homes_with_no_relay_and_no_mapping_punch_through_a_reply_code(tmp_path):
+    """Neither router maps, and there is no relay: the invite carries the host's punching
+    address (STUN), the friend's reply code carries theirs, and once the host takes the
+    code both punch; the join's own handshake then runs over QUIC on the hole."""
+    with home_internet([HomeSpec(nat="eim"), HomeSpec(nat="eim")], stun=True, subnet=69) as net:
+        env = _env(tmp_path, POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
+        host = Peer(net, net.host(0), ["host", "--folder", str(tmp_path / "host"), "--no-upnp", "--reply-stdin",
+                                       "--seconds", "2", "--wait", "90"], env)
+        joiner = None
+        try:
+            cands = json.loads(host.wait_for("CANDIDATES", 60))
+            assert "udp" in cands["kinds"], cands
+            code = host.wait_for("CODE", 30)
+            joiner = Peer(net, net.host(1), ["join", "--folder", str(tmp_path / "joiner"), "--code", code,
+                                             "--reply-listen", "0.0.0.0:7871"], env)
+            reply = joiner.wait_for("REPLY", 60)
+            assert any(u.startswith(f"udp://{net.wan_addr(1)}:") for u in _reply_urls(reply)), reply
+            time.sleep(1.5)                  # the friend sends the code; meanwhile it punches alone
+            host.send(reply)
+            host.wait_for("REPLY-TAKEN", 30)
+            assert joiner.wait_for("JOINED", 60) == "direct (punched)", joiner.lines
+            assert host.wait_for("JOINED", 30) == "direct (punched)"
+            result = json.loads(host.wait_for("RESULT", 120))
+            assert _streamed_whole(result), result
+        finally:
+            for p in (joiner, host):
+                if p is not None:
+                    p.stop()
+
+
 def _reply_urls(code: str) -> list[str]:
     from engine.wire.invite import parse_reply
 
