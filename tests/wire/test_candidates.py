@@ -208,3 +208,29 @@ def test_nat_pmp_messages_follow_rfc_6886():
                     (bytes.fromhex("0080" "0000" "00001234" "510245"), 0)):
         with pytest.raises(natpmp.NatPmpError):
             natpmp.parse_response(bad, op)
+
+
+def test_punching_addresses_ride_in_codes_but_are_never_dialled(tmp_path):
+    """Kind "udp" (a socket's public address for hole punching): in an invite and in a reply
+    code, only as udp://literal-address:port; a joiner never opens a WebSocket to it; host
+    and joiner derive the same punch key from the invite, and nobody else can."""
+    from engine.wire.invite import rendezvous_key, udp_addresses
+    from engine.wire.tunnel import direct_routes
+
+    state = inv.HostState(tmp_path)
+    invite, code = state.create_invite(b"k" * 32, direct=["ws://192.168.1.2:7870", "udp://81.2.69.160:40000"],
+                                       kinds=["lan", "udp"])
+    back = inv.parse(code)
+    assert back.kinds == ["lan", "udp"] and udp_addresses(back.direct, back.kinds) == [("81.2.69.160", 40000)]
+    assert direct_routes(back) == [("direct (lan)", "ws://192.168.1.2:7870")]
+    assert state.rendezvous_key(invite.invite_id) == rendezvous_key(back.psk())
+    assert rendezvous_key(inv.join_psk(b"x" * 16, back.pipeline, back.invite_id)) != rendezvous_key(back.psk())
+
+    r = inv.Reply(state.pipeline, invite.invite_id, ["udp://81.2.69.161:50000"], ["udp"])
+    assert inv.parse_reply(inv.encode_reply(r)).direct == ["udp://81.2.69.161:50000"]
+    for bad in (inv.Reply(state.pipeline, invite.invite_id, ["ws://81.2.69.161:50000"], ["udp"]),
+                inv.Reply(state.pipeline, invite.invite_id, ["udp://81.2.69.161:50000"], ["mapped"])):
+        with pytest.raises(inv.InviteError, match="not a"):
+            inv.parse_reply(inv.encode_reply(bad))
+    # names are never resolved, nor loopback punched at
+    assert udp_addresses(["udp://example.com:5", "udp://127.0.0.1:5", "udp://1.2.3.4:x"], ["udp"] * 3) == []
