@@ -246,3 +246,14 @@ class SpecPolicy:
                       "tokens_per_trip": ratio(s.rounds + s.accepted, s.rounds), "rounds": s.rounds}
                 for sid, s in self._seqs.items()},
         }
+
+
+def describe(info: dict | None) -> str:
+    """'speculation: 2.4 tokens/trip, 71% accepted' (and the draft model, when one drafts)
+    from Head.info()["speculation"], for status and the chat window; '' where speculation
+    has not run (off, or nothing drafted yet)."""
+    if not info or info.get("mode") == "off" or info.get("acceptance") is None or not info.get("tokens_per_trip"):
+        return ""
+    draft = info.get("draft")
+    by = f" ({draft})" if draft and draft != "prompt lookup" else ""
+    return f"speculation{by}: {info['tokens_per_trip']:.1f} tokens/trip, {info['acceptance']:.0%} accepted"

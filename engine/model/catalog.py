@@ -22,6 +22,9 @@ class Entry:
     config: dict = field(repr=False)  # the config.json fields the estimates need
     gated: bool = False  # the hub asks you to accept a license (and log in) first
     note: str = ""
+    # a draft model for speculative decoding (issue 34): a small sibling of the same
+    # tokenizer, run beside the host's own stage (--draft auto picks it; engine/model/draft.py)
+    draft: str = ""
 
     @property
     def layers(self) -> int:
@@ -62,30 +65,36 @@ def _cfg(hidden, inter, layers, heads, kv_heads, vocab, tied, **extra) -> dict:
                 tie_word_embeddings=tied, **extra)
 
 
+# draft models (issue 34): the smallest instruct sibling of each tokenizer family. Llama
+# 3.2 1B shares Llama 3.1's 128256-token tokenizer; Qwen2.5 0.5B every Qwen2.5's (their
+# LM heads are padded to different widths, the tokens are the same); gemma-2 2b gemma-2's.
+LLAMA_DRAFT = "meta-llama/Llama-3.2-1B-Instruct"
+QWEN_DRAFT = "Qwen/Qwen2.5-0.5B-Instruct"
+
 MODELS: list[Entry] = [
     Entry("default", "SmolLM2-135M-Instruct", 134.5e6, _cfg(576, 1536, 30, 9, 3, 49152, True),
           note="built in, works offline"),
     Entry("Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct", 0.494e9,
           _cfg(896, 4864, 24, 14, 2, 151936, True)),
     Entry("Qwen/Qwen2.5-1.5B-Instruct", "Qwen2.5-1.5B-Instruct", 1.54e9,
-          _cfg(1536, 8960, 28, 12, 2, 151936, True)),
+          _cfg(1536, 8960, 28, 12, 2, 151936, True), draft=QWEN_DRAFT),
     Entry("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-Instruct-v0.3", 7.25e9,
           _cfg(4096, 14336, 32, 32, 8, 32768, False)),
     Entry("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B-Instruct", 7.62e9,
-          _cfg(3584, 18944, 28, 28, 4, 152064, False)),
+          _cfg(3584, 18944, 28, 28, 4, 152064, False), draft=QWEN_DRAFT),
     Entry("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B-Instruct", 8.03e9,
-          _cfg(4096, 14336, 32, 32, 8, 128256, False), gated=True),
+          _cfg(4096, 14336, 32, 32, 8, 128256, False), gated=True, draft=LLAMA_DRAFT),
     Entry("google/gemma-2-9b-it", "gemma-2-9b-it", 9.24e9,
-          _cfg(3584, 14336, 42, 16, 8, 256000, True, head_dim=256), gated=True),
+          _cfg(3584, 14336, 42, 16, 8, 256000, True, head_dim=256), gated=True, draft="google/gemma-2-2b-it"),
     Entry("Qwen/Qwen2.5-32B-Instruct", "Qwen2.5-32B-Instruct", 32.8e9,
-          _cfg(5120, 27648, 64, 40, 8, 152064, False)),
+          _cfg(5120, 27648, 64, 40, 8, 152064, False), draft=QWEN_DRAFT),
     # mixture of experts: all 8 experts' weights load, 2 compute per token
     Entry("mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B-Instruct-v0.1", 46.7e9,
           _cfg(4096, 14336, 32, 32, 8, 32000, False, num_local_experts=8, num_experts_per_tok=2)),
     Entry("meta-llama/Llama-3.1-70B-Instruct", "Llama-3.1-70B-Instruct", 70.6e9,
-          _cfg(8192, 28672, 80, 64, 8, 128256, False), gated=True),
+          _cfg(8192, 28672, 80, 64, 8, 128256, False), gated=True, draft=LLAMA_DRAFT),
     Entry("Qwen/Qwen2.5-72B-Instruct", "Qwen2.5-72B-Instruct", 72.7e9,
-          _cfg(8192, 29568, 80, 64, 8, 152064, False)),
+          _cfg(8192, 29568, 80, 64, 8, 152064, False), draft=QWEN_DRAFT),
 ]
 
 _BY_KEY = {k.lower(): e for e in MODELS for k in (e.id, e.name)}
@@ -100,6 +109,12 @@ def find(spec: str) -> Entry | None:
             if spec == e.label() or spec.startswith(e.name + " — "):
                 return e
     return hit
+
+
+def draft_for(spec: str) -> str:
+    """The curated draft model for a model spec ('' when the catalog pairs it with none)."""
+    e = find(spec)
+    return e.draft if e is not None else ""
 
 
 def gb(n: float) -> str:

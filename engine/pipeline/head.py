@@ -52,7 +52,10 @@ from engine.core.tool_calls import without_tool_messages
 from engine.core.drafts import PromptLookup
 from engine.core.spec_verify import verify_greedy
 from engine.core.speculation import SpecPolicy
+from engine.core.speculation import describe as describe_speculation
 from engine.model.sampler import speculable
+from engine.model import catalog
+from engine.model.draft import DraftModel
 from engine.pipeline.stage_server import connect_stage
 from engine.wire.stage_auth import new_route, split_address
 
@@ -184,7 +187,8 @@ class Head:
                  compute: str = "in-order", weights: str = "auto", say=None,
                  cores=None, cpu_homes: list[list[int]] | None = None, same_machine: bool = False,
                  hop=None, memory_cap: int | None = None,
-                 wait_timeout: float = 300.0, speculate: str | None = None, spec_policy: SpecPolicy | None = None):
+                 wait_timeout: float = 300.0, speculate: str | None = None, spec_policy: SpecPolicy | None = None,
+                 draft: str | None = None):
         self.source = source
         # speculative decoding (issue 34): "auto" drafts by prompt lookup where the policy
         # (engine/core/speculation.py) says it pays, "off" never (None: POTLUCK_SPECULATE,
@@ -194,6 +198,10 @@ class Head:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_CHOICES)}, not {speculate!r}")
         self.speculate = speculate
         self.spec_policy = spec_policy or SpecPolicy()
+        # a draft model beside stage 0 ('MODEL[@WEIGHTS]', engine/model/draft.py): it drafts
+        # instead of prompt lookup; loaded at start, it never leaves this machine
+        self.draft_spec = draft
+        self.drafter: DraftModel | None = None
         # micro-batch id -> (launch time, tokens drafted, a decode step): its trip's measurements
         self._trips: dict[int, tuple[float, int, bool]] = {}
         self.cores = cores  # a CoreLease when local stage processes share this CPU
@@ -316,8 +324,27 @@ class Head:
         self.fingerprint = await self._run(self.source.fingerprint)
         for r in self.remotes:
             await self._hello(r)
+        if self.draft_spec:
+            await self._load_draft()
         await self._form()
         return self
+
+    async def _load_draft(self):
+        """The draft model, on this machine's device before stage 0 loads (its memory is
+        taken from what stage 0 may hold)."""
+        spec = self.draft_spec
+        if spec == "auto":   # the catalog's pairing for this model
+            spec = catalog.draft_for(self.source.spec) or catalog.draft_for(self.source.name)
+            if not spec:
+                self.say(f"No draft model is paired with {self.source.name} in the catalog: prompt lookup drafts")
+                return
+        self.progress(0, 0, 1, "loading the draft model")
+        self.drafter = await self._run(lambda: DraftModel.load(
+            spec, dtype=self.dtype, device=self.device, target_tokenizer=self.tokenizer,
+            target_name=self.source.name, target_vocab=self.config.vocab_size))
+        self.say(f"Draft model: {self.drafter.name} on {self.device_name}, "
+                 f"{self.drafter.param_bytes / 2**20:.0f} MiB; it drafts where speculation pays"
+                 + ("" if self.speculate != "off" else " (speculation is off: --speculate auto turns it on)"))
 
     def _remember(self, address: str) -> str:
         url, secret = split_address(address)
@@ -354,6 +381,8 @@ class Head:
         n_layers = cfg.num_hidden_layers
         fingerprint = self.fingerprint
         mine = free_memory(self.device) if self.memory_cap is None else min(free_memory(self.device), self.memory_cap)
+        if self.drafter is not None and self.memory_cap is not None:
+            mine = max(0, mine - self.drafter.param_bytes)   # the cap holds the draft model too
         mems = [mine] + [r.welcome["free_memory"] for r in self.remotes]
         if self.same_machine:
             mems = [min(mems) // self.n_stages] * self.n_stages
@@ -417,6 +446,8 @@ class Head:
         self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
         budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
         self.sched.capacity = min(budgets)
+        if self.drafter is not None:   # every admitted sequence's reservation, drafts included, fits
+            self.drafter.model.kv.budget_tokens = self.sched.capacity
         self.recovery.formed([r.address for r in self.remotes])
         self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
 
@@ -514,10 +545,13 @@ class Head:
         }
 
     def speculation(self) -> dict:
-        """The switch, and tokens per trip and acceptance so far (status, the chat window)."""
+        """The switch, who drafts, and tokens per trip and acceptance so far (status, the
+        chat window)."""
         st = self.spec_policy.stats()
-        return {"mode": self.speculate, "tokens_per_trip": st["tokens_per_trip"], "acceptance": st["acceptance"],
-                "rounds": st["rounds"]}
+        out = {"mode": self.speculate, "draft": self.drafter.name if self.drafter is not None else "prompt lookup",
+                "tokens_per_trip": st["tokens_per_trip"], "acceptance": st["acceptance"], "rounds": st["rounds"]}
+        out["summary"] = describe_speculation(out)
+        return out
 
     def _settle_weights(self, cfg, mems: list[int]) -> str:
         """The precision every stage loads: the user's, the checkpoint's own if it was
@@ -661,6 +695,9 @@ class Head:
         # busy is every sequence the pipeline holds, in every micro-batch: a step of one
         # row among full micro-batches is a busy pipeline (core/speculation.py)
         self.spec_policy.set_load(self._active())
+        drafts = await self._drafts([r.seq for r in step_rows if not r.new])
+        if epoch != self.recovery.epoch:
+            return  # a stage left while the draft model drafted: its sequences are replayed
         drafted = 0
         for r in step_rows:
             s = r.seq
@@ -677,7 +714,7 @@ class Head:
                 inputs.append(s.generated[-1])
             n, s.draft = r.n, []
             if not r.new:
-                s.draft = self._draft(s)
+                s.draft = drafts.get(s.id) or []
                 if s.draft:   # checked in this one step: the last token and the draft
                     inputs.extend(s.draft)
                     n = s.in_flight = 1 + len(s.draft)
@@ -765,15 +802,42 @@ class Head:
         """Sequences the pipeline holds now (admitted, not finished), all micro-batches."""
         return sum(1 for g in self.groups for s in g.seqs if not s.done)
 
-    def _draft(self, s: Sequence) -> list[int]:
-        """Up to k tokens guessed to follow a decoding sequence, k from the policy ([]: a
+    def _k(self, s: Sequence) -> int:
+        """Tokens to draft after a decoding sequence this round, k from the policy (0: a
         plain step). Never past its max_tokens: the KV its admission reserved holds the
         draft, and nothing past the window is drafted."""
         if self.speculate == "off" or not s.spec or s.cancelled:
-            return []
-        k = min(self.spec_policy.k_for(s.id), s.params.max_tokens - len(s.generated) - 1)
-        if k <= 0:
-            return []
+            return 0
+        return max(0, min(self.spec_policy.k_for(s.id), s.params.max_tokens - len(s.generated) - 1))
+
+    async def _drafts(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """This round's drafts for the decoding sequences of a step: seq id -> tokens."""
+        ks = {s.id: k for s in seqs if (k := self._k(s)) > 0}
+        if not ks:
+            return {}
+        if self.drafter is None:
+            return {s.id: self._draft(s, ks[s.id]) for s in seqs if s.id in ks}
+        asks = [(s.id, s.prompt + s.generated, ks[s.id]) for s in seqs if s.id in ks]
+        live = [sid for sid, x in self.seqs.items() if not x.done]
+        drafter = self.drafter
+
+        def run():
+            drafter.retain(live)   # sequences that finished since: their draft KV goes
+            return drafter.draft(asks)
+
+        t0 = time.perf_counter()
+        try:
+            out = await self._run(run)
+        except (ValueError, RuntimeError) as exc:   # a guess is never worth a failed reply
+            log.warning("the draft model failed: %s; plain steps this round", exc)
+            return {}
+        n = sum(len(v) for v in out.values())
+        if n:   # the whole batch's drafting, per drafted token (core/speculation.py's model)
+            self.spec_policy.observe_draft((time.perf_counter() - t0) / n)
+        return out
+
+    def _draft(self, s: Sequence, k: int) -> list[int]:
+        """Prompt lookup's guess of up to k tokens after a decoding sequence."""
         t0 = time.perf_counter()
         if s.lookup is None:
             s.lookup = PromptLookup()

@@ -41,6 +41,7 @@ class PipelineConfig:
     compress: str = "off"                 # off | auto | prefill | all (engine/core/compression.py)
     compute: str = "in-order"             # in-order | decode-first (engine/core/step_gate.py)
     speculate: str | None = None          # auto | off (None: POTLUCK_SPECULATE, else off; pipeline/head.py)
+    draft: str | None = None              # a draft model 'MODEL[@WEIGHTS]' beside stage 0 (engine/model/draft.py)
     pipeline: str = "local"               # the name stages check at hello
     memory_cap_mb: float | None = None    # the most memory the head's own stage may use (None: what is free)
     # when a stage leaves and the ones left cannot hold the model: how long requests wait
@@ -98,7 +99,7 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 pipeline=cfg.pipeline, cores=cores, cpu_homes=local.homes if cores else None,
                 hop=cfg.hop, weights=cfg.weights, say=say, same_machine=local is not None,
                 memory_cap=None if cfg.memory_cap_mb is None else int(cfg.memory_cap_mb * 2**20),
-                wait_timeout=cfg.wait_timeout, speculate=cfg.speculate)
+                wait_timeout=cfg.wait_timeout, speculate=cfg.speculate, draft=cfg.draft)
     try:
         await head.start()
     except BaseException:

@@ -63,3 +63,20 @@ def test_importing_it_pulls_in_no_torch():
     code = "import sys, engine.model.catalog; print([m for m in ('torch', 'transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_draft_pairings_are_small_siblings_of_the_same_tokenizer_family():
+    assert catalog.draft_for("meta-llama/Llama-3.1-70B-Instruct") == "meta-llama/Llama-3.2-1B-Instruct"
+    assert catalog.draft_for("Qwen2.5-72B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert catalog.draft_for("default") == "" and catalog.draft_for("someone/something") == ""
+    family = {"meta-llama": 128256, "Qwen": (151936, 152064), "google": 256000}
+    paired = [e for e in catalog.MODELS if e.draft]
+    assert len(paired) >= 5
+    for e in paired:
+        org = e.id.split("/")[0]
+        assert e.draft.split("/")[0] == org and e.draft != e.id, e
+        want = family[org]
+        assert e.vocab in (want if isinstance(want, tuple) else (want,)), e
+        listed = catalog.find(e.draft)
+        if listed is not None:   # a draft the catalog lists is far smaller than its target
+            assert listed.params * 3 < e.params and not listed.draft

@@ -21,6 +21,7 @@ from conftest import pipeline_config
 
 from engine.core.sampling import SamplingParams
 from engine.core.speculation import SpecPolicy
+from engine.model.draft import DraftModel
 from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 from engine.pipeline.head import Delta, Done
@@ -84,6 +85,19 @@ async def replies(head, asks) -> list[list[int]]:
     return [t for t, _, _ in got]
 
 
+_PLAIN: dict[str, list[list[int]]] = {}
+
+
+async def plain_replies(head, asks) -> list[list[int]]:
+    """The replies without speculation, computed once per module (greedy and seeded
+    replies are the same every time: test_pipeline.py's determinism tests)."""
+    key = repr(asks)
+    if key not in _PLAIN:
+        plain(head)
+        _PLAIN[key] = await replies(head, asks)
+    return _PLAIN[key]
+
+
 def speculate(head, k: int = 4) -> Always:
     head.speculate, head.spec_policy = "auto", Always(k)
     return head.spec_policy
@@ -95,8 +109,7 @@ def plain(head):
 
 async def test_greedy_replies_are_token_identical_and_drafts_are_accepted(head):
     asks = [(QUOTE, greedy()), (CHAT, greedy())]
-    plain(head)
-    reference = await replies(head, asks)
+    reference = await plain_replies(head, asks)
     policy = speculate(head)
     try:
         got = await replies(head, asks)
@@ -169,6 +182,51 @@ async def all_freed(head, timeout=15):
         await asyncio.sleep(0.1)
 
 
+async def test_a_draft_model_gives_the_same_replies_and_its_drafts_stand(head):
+    # the default model itself at 4 bits beside stage 0: its guesses drift from the
+    # target's now and then (rejections roll back its own cache too), mostly they stand
+    asks = [(QUOTE, greedy()), (CHAT, greedy())]
+    reference = await plain_replies(head, asks)
+    head.drafter = await head._run(lambda: DraftModel.load(
+        "default@nf4", dtype=head.dtype, device=head.device, target_tokenizer=head.tokenizer,
+        target_vocab=head.config.vocab_size, kv_budget_tokens=head.capacity))
+    policy = speculate(head)
+    try:
+        got = await replies(head, asks)
+        info = head.info()["speculation"]
+    finally:
+        plain(head)
+        head.drafter = None
+    assert got == reference
+    stats = policy.stats()
+    # the chat reply too: a draft model guesses prose that prompt lookup cannot
+    assert stats["tokens_per_trip"] > 1.5 and stats["acceptance"] > 0.3, stats
+    assert info["draft"] == "SmolLM2-135M-Instruct (nf4)" and info["tokens_per_trip"] == stats["tokens_per_trip"]
+    assert info["summary"].startswith("speculation (SmolLM2-135M-Instruct (nf4)): ") and "accepted" in info["summary"]
+    print(f"\ndraft model on a quote and a chat: {stats['tokens_per_trip']:.2f} tokens per trip, "
+          f"acceptance {stats['acceptance']:.2f} over {stats['rounds']} decode rounds")
+    await all_freed(head)
+
+
+# ---- what status says ------------------------------------------------------------------
+
+
+def test_speculation_says_tokens_per_trip_and_acceptance_where_it_ran():
+    # the chat window's header and the terminal chat say it (app/pipeline_text.py over
+    # engine/core/speculation.py describe: pure text, no Qt needed)
+    from app.pipeline_text import speculation_label
+
+    ran = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4, "acceptance": 0.712, "rounds": 30}
+    assert speculation_label({"speculation": ran}) == "speculation: 2.4 tokens/trip, 71% accepted"
+    drafted = dict(ran, draft="SmolLM2-135M-Instruct (nf4)")
+    assert speculation_label({"speculation": drafted}) == \
+        "speculation (SmolLM2-135M-Instruct (nf4)): 2.4 tokens/trip, 71% accepted"
+    # off, on but nothing drafted yet, or a head too old to say: nothing
+    assert speculation_label({"speculation": dict(ran, mode="off")}) == ""
+    assert speculation_label({"speculation": dict(ran, acceptance=None, tokens_per_trip=1.0)}) == ""
+    assert speculation_label({}) == ""
+
+
 # ---- the KV cache after a rejection ---------------------------------------------------
 
 def test_kv_after_a_rejected_draft_equals_kv_decoded_without_speculation(tiny_folder):
@@ -220,8 +278,7 @@ async def test_failover_mid_reply_with_speculation_replays_the_same_reply(pipe):
     # last in this module: it leaves the pipeline with two stages
     head = pipe.head
     asks = [(QUOTE, greedy()), (CHAT, greedy())]
-    plain(head)
-    reference = await replies(head, asks)
+    reference = await plain_replies(head, asks)
     policy = speculate(head)
     procs = list(pipe.local.procs)
     killed = []

@@ -1,0 +1,173 @@
+"""A draft model on the host (issue 34, item 1b): a small model of the target's
+tokenizer that guesses the next k tokens of every decoding sequence, greedily, beside
+stage 0 on the host's own device. Its guesses are checked by the pipeline in one trip
+(engine/pipeline/head.py); nothing of it ever leaves the host.
+
+It is the engine's own machinery: one StageModel holding all the draft's layers (first
+and last stage at once: token ids in, logits out) and its KV cache, so every sequence
+drafting in a round is one batched step per drafted position, and a rejected guess is
+rolled back by truncating the cache (engine/model/kv.py), not recomputed.
+
+In step with the conversation: each round is handed each sequence's whole context (the
+prompt and every emitted token, never a rejected guess). The draft's cache holds a
+prefix of it from the last round -- the context then, and the guesses it fed itself
+after it. The longest prefix both agree on stays; the rest is truncated away (the
+rejected guesses) and the new tokens (the target's own token after the accepted ones,
+or a whole prompt the first time) are fed in one step. A sequence the head no longer
+holds is freed at the next round (`retain`).
+
+Which model: `--draft MODEL[@WEIGHTS]`, any model spec Potluck loads ('default', a hub
+id, a folder, a .gguf), at WEIGHTS (bf16 -- full precision at the compute dtype --,
+int8 or nf4; default bf16). Its tokenizer must be the target's: the same vocabulary,
+token for token (`check_tokenizers`). On a CPU-only machine the default model itself,
+quantized (`--draft default@int8`), is a stand-in that shows the mechanism -- its
+guesses agree with the target nearly always, and bitsandbytes' CPU kernels make it
+slower than the target itself, so the policy (engine/core/speculation.py) only drafts
+with it over slow links. The catalog (engine/model/catalog.py) names real pairs: a
+1B sibling for a 70B.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.core import precision
+from engine.model.kv import KVCapacityError
+from engine.model.sources import ModelError, ModelSource, resolve
+from engine.model.stage import StageBatch, StageModel
+
+log = logging.getLogger("potluck.draft")
+
+DRAFT_WEIGHTS = (precision.FULL,) + precision.QUANTIZED
+
+
+def parse_draft(spec: str) -> tuple[str, str]:
+    """'MODEL[@WEIGHTS]' -> (model spec, weights). WEIGHTS: bf16 (default), int8, nf4."""
+    spec = (spec or "").strip()
+    if not spec:
+        raise ModelError("--draft needs a model: 'default', a Hugging Face id, a folder or a .gguf")
+    model, at, weights = spec.rpartition("@")
+    if not at:
+        return spec, precision.FULL
+    if weights not in DRAFT_WEIGHTS:
+        raise ModelError(f"draft weights {weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)} "
+                         f"(as in --draft {model or 'MODEL'}@int8)")
+    if not model:
+        raise ModelError(f"--draft {spec!r} names no model")
+    return model, weights
+
+
+def check_tokenizers(draft_tokenizer, target_tokenizer, draft_name: str, target_name: str) -> None:
+    """A draft proposes token ids the target reads as its own: the vocabularies must be
+    the same, id for id (special tokens included)."""
+    a, b = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if a != b:
+        differ = len(set(a.items()) ^ set(b.items()))
+        raise ModelError(f"the draft model {draft_name} does not share {target_name}'s tokenizer "
+                         f"({len(a)} and {len(b)} tokens, {differ} entries differ): a draft must be of the "
+                         "same tokenizer family (the catalog names pairs that are)")
+
+
+class DraftModel:
+    """Greedy drafts for many sequences at once from one whole-model StageModel."""
+
+    def __init__(self, model: StageModel, name: str, vocab_limit: int | None = None):
+        if not (model.first and model.last):
+            raise ValueError("a draft model holds all its layers")
+        self.model = model
+        self.name = name
+        # ids the target can take: a draft whose LM head is padded wider proposes none beyond
+        self.vocab_limit = vocab_limit or model.vocab_size
+        self.tokens: dict[int, list[int]] = {}   # per sequence: what its KV cache holds
+        self.drafted = 0                          # tokens proposed since load (status)
+
+    @classmethod
+    def load(cls, spec: str, *, dtype: torch.dtype, device: str, kv_budget_tokens: int = 1 << 16,
+             target_tokenizer=None, target_name: str = "the target", target_vocab: int | None = None,
+             source: ModelSource | None = None) -> "DraftModel":
+        model_spec, weights = parse_draft(spec)
+        source = source or resolve(model_spec)
+        if target_tokenizer is not None:
+            check_tokenizers(source.tokenizer(), target_tokenizer, source.name, target_name)
+        n = source.config().num_hidden_layers
+        stage = StageModel(source, 0, n, dtype=dtype, device=device, kv_budget_tokens=kv_budget_tokens,
+                           weights=weights)
+        label = source.name if weights == precision.FULL else f"{source.name} ({weights})"
+        return cls(stage, label, min(target_vocab or stage.vocab_size, stage.vocab_size))
+
+    @property
+    def param_bytes(self) -> int:
+        return self.model.param_bytes()
+
+    def free(self, seq_id: int) -> None:
+        self.tokens.pop(seq_id, None)
+        self.model.free(seq_id)
+
+    def retain(self, live) -> None:
+        """Free every sequence's cache but those of `live` (ids the head still holds)."""
+        live = set(live)
+        for sid in [s for s in self.tokens if s not in live]:
+            self.free(sid)
+
+    @torch.inference_mode()
+    def draft(self, asks: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """asks: (seq_id, context, k) -- the sequence's every token so far, and how many to
+        guess after it. Returns seq_id -> up to k guessed tokens (fewer where the cache is
+        full: that sequence then drafts nothing this round)."""
+        asks = [(sid, list(ctx), k) for sid, ctx, k in asks if k > 0 and ctx]
+        if not asks:
+            return {}
+        kv = self.model.kv
+        # 1. in step: keep the longest prefix the cache and the context agree on (at most
+        # all but the context's last token, whose logits give the first guess)
+        rows = []
+        for sid, ctx, k in asks:
+            have = self.tokens.get(sid, [])
+            keep, top = 0, min(len(have), len(ctx) - 1)
+            while keep < top and have[keep] == ctx[keep]:
+                keep += 1
+            if kv.has(sid) and kv.length(sid) > keep:
+                kv.truncate(sid, keep)
+            self.tokens[sid] = ctx[:keep]
+            rows.append((sid, keep, ctx[keep:], k))
+        out: dict[int, list[int]] = {sid: [] for sid, _, _ in asks}
+        try:
+            logits = self._step([(sid, start, feed) for sid, start, feed, _ in rows])
+        except KVCapacityError as exc:
+            log.warning("draft model: %s; no drafts this round", exc)
+            for sid, _, _ in asks:
+                self.free(sid)
+            return {}
+        guess = self._greedy(logits)
+        live = []
+        for (sid, start, feed, k), g in zip(rows, guess):
+            self.tokens[sid].extend(feed)
+            out[sid].append(g)
+            if k > 1:
+                live.append((sid, k))
+        # 2. one batched step per further position, for the sequences that want it
+        while live:
+            try:
+                logits = self._step([(sid, len(self.tokens[sid]), [out[sid][-1]]) for sid, _ in live])
+            except KVCapacityError as exc:
+                log.warning("draft model: %s; drafts cut short", exc)
+                break
+            nxt = []
+            for (sid, k), g in zip(live, self._greedy(logits)):
+                self.tokens[sid].append(out[sid][-1])
+                out[sid].append(g)
+                if len(out[sid]) < k:
+                    nxt.append((sid, k))
+            live = nxt
+        self.drafted += sum(len(v) for v in out.values())
+        return out
+
+    def _step(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [len(r[2]) for r in rows])
+        x = torch.tensor([t for r in rows for t in r[2]], dtype=torch.long)
+        return self.model.forward(batch, x)
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        return logits[:, : self.vocab_limit].argmax(-1).tolist()

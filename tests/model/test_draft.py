@@ -1,0 +1,84 @@
+"""The draft model (engine/model/draft.py): greedy guesses from its own KV cache, batched
+over sequences, kept in step with what the target accepted (rejected guesses rolled
+back), and refused when its tokenizer is not the target's. A tiny random model in this
+process stands in for both the draft and a plain greedy decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.draft import DraftModel, check_tokenizers, parse_draft
+from engine.model.sources import ModelError, resolve
+from engine.model.stage import StageBatch, StageModel
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    folder, _ = tiny_folder("llama", seed=0)
+    return resolve(str(folder))
+
+
+def whole(source) -> StageModel:
+    return StageModel(source, 0, source.config().num_hidden_layers, dtype=torch.float32, device="cpu")
+
+
+def greedy(stage: StageModel, ctx: list[int], n: int, seq: int = 99) -> list[int]:
+    """Plain greedy decoding, a token per step, in a fresh cache slot."""
+    stage.free(seq)
+    out = stage.forward(StageBatch([seq], [0], [len(ctx)]), torch.tensor(ctx))
+    toks = [int(out[-1].argmax())]
+    for i in range(n - 1):
+        out = stage.forward(StageBatch([seq], [len(ctx) + i], [1]), torch.tensor(toks[-1:]))
+        toks.append(int(out[-1].argmax()))
+    stage.free(seq)
+    return toks
+
+
+def test_drafts_are_greedy_and_stay_in_step_after_a_rejection(tiny):
+    ref = whole(tiny)
+    d = DraftModel(whole(tiny), "tiny")
+    a, b = list(range(5, 25)), list(range(40, 52))
+    got = d.draft([(1, a, 4), (2, b, 2)])
+    assert got == {1: greedy(ref, a, 4), 2: greedy(ref, b, 2)}
+    # sequence 1: two guesses stood and the target said something else next; sequence 2:
+    # everything stood and the target added its own token
+    wrong = (got[1][2] + 1) % 256
+    a2 = a + got[1][:2] + [wrong]
+    b2 = b + got[2] + [7]
+    again = d.draft([(1, a2, 3), (2, b2, 5)])
+    assert again == {1: greedy(ref, a2, 3), 2: greedy(ref, b2, 5)}
+    # the rejected guess is gone from the cache: it holds the context and the guesses fed
+    assert d.tokens[1] == a2 + again[1][:2] and d.model.kv.length(1) == len(a2) + 2
+    # a whole new turn after the reply (the context shrinks and changes): still greedy
+    a3 = a2[:10] + [3, 4, 5]
+    assert d.draft([(1, a3, 2)]) == {1: greedy(ref, a3, 2)}
+    # finished sequences are freed at the next round
+    d.retain([1])
+    assert set(d.tokens) == {1} and not d.model.kv.has(2)
+    assert d.draft([(1, a3, 0)]) == {}
+
+
+def test_a_full_draft_cache_drafts_nothing_rather_than_failing(tiny):
+    d = DraftModel(whole(tiny), "tiny")
+    d.model.kv.budget_tokens = 16
+    assert d.draft([(1, list(range(5, 25)), 3)]) == {}
+    assert not d.model.kv.has(1)
+
+
+def test_draft_specs_and_tokenizers(tiny, default_source):
+    assert parse_draft("default") == ("default", "bf16")
+    assert parse_draft("default@int8") == ("default", "int8")
+    assert parse_draft("meta-llama/Llama-3.2-1B-Instruct@nf4") == ("meta-llama/Llama-3.2-1B-Instruct", "nf4")
+    for bad in ("", "default@int4", "@int8"):
+        with pytest.raises(ModelError):
+            parse_draft(bad)
+    tok = default_source.tokenizer()
+    check_tokenizers(tok, tok, "a", "b")
+
+    class Other:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    with pytest.raises(ModelError, match="tokenizer"):
+        check_tokenizers(Other(), tok, "other", "SmolLM2")
