@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
                                QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
 from .client import ChatStream
-from .pipeline_text import friend_label
+from .pipeline_text import friend_label, speculation_label
 from .store import DamagedConversation, Message
 
 FLUSH_MS = 80
@@ -292,6 +292,9 @@ class ChatWindow(QMainWindow):
                 on = f" ({s['device_name']})" if s.get("device_name") else ""
                 parts.append(f"layers {a}–{b - 1}: {where}{on}{kv}")
             parts.append(f"{hosting.get('tokens_served', 0)} tokens served")
+            spec = speculation_label(hosting)
+            if spec:
+                parts.append(spec)
             self.pipeline_label.setText("  ·  ".join(parts))
             self.url_field.setText(hosting.get("openai_url") or "")
         elif not loading:

@@ -110,5 +110,6 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
         text, done = await reply(handle, echo=_write)
         rate = done.completion_tokens / max(done.seconds - (done.ttft or 0), 1e-6)
         print(f"\n     [{done.completion_tokens} tokens, first after {done.ttft or 0:.2f}s, "
-              f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}]")
+              f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}]"
+              + (f" {spec}" if (spec := head.speculation()["summary"]) else ""))
         messages.append({"role": "assistant", "content": text})
