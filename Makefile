@@ -55,8 +55,9 @@ serve: setup
 
 # the installer tests check whatever dist/ holds, which may predate this checkout's code:
 # they run under installers-test, right after the build
+# the slowest tests are listed at the end: CI has 90 minutes, and that is where they go
 test: setup net-test-tools
-	$(BIN)/python -m pytest -q -ra -m "not installers"
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not installers"
 
 # the path tests (tests/node/test_home_paths.py) build homes in network namespaces from
 # Debian's real parts: iptables NAT, miniupnpd (UPnP-IGD, NAT-PMP) and coturn (STUN).
