@@ -100,17 +100,19 @@ def advise_network(n: NetFacts) -> list[str]:
         lines.append(f"router port mapping (UPnP): granted ({n.mapped}): friends in other homes can join you "
                      "directly, with no relay")
     else:
-        lines.append(f"router port mapping (UPnP): none -- {n.mapping_why}. Friends in other homes need a "
-                     "relay, or a port you forward by hand on your router (then give --advertise)")
+        lines.append(f"router port mapping (UPnP): none -- {n.mapping_why}. Friends in other homes reach you "
+                     "by a punched hole where both NATs allow it (below), else need a relay, or a port you "
+                     "forward by hand on your router (then give --advertise)")
     if not n.stun_servers:
         lines.append("NAT: not checked (no STUN servers: POTLUCK_STUN is empty)")
     elif n.nat == "unknown" and n.public is None:
         lines.append("NAT: unknown (no STUN server answered: offline, or UDP blocked)")
     else:
         meaning = {"open": "no NAT in front of this computer: friends reach it directly",
-                   "endpoint-independent": "a friendly NAT: one mapping serves every peer",
-                   "symmetric": "a strict NAT (a new port for each peer): direct paths need a mapping or "
-                                "your friend's side to be reachable, else the relay",
+                   "endpoint-independent": "a friendly NAT: one mapping serves every peer, so hole "
+                                           "punching works with a friend whose NAT is not symmetric",
+                   "symmetric": "a strict NAT (a new port for each peer): no hole punching; direct paths "
+                                "need a mapping or your friend's side to be reachable, else the relay",
                    "unknown": "only one STUN server answered"}[n.nat]
         lines.append(f"NAT: {n.nat} ({meaning}); public address {n.public}")
     return lines
