@@ -751,6 +751,14 @@ async def run_suite(scale: float = 1.0, log=print, folder: Path | None = None) -
     t0 = time.monotonic()
     log(f"starting relay, host and joiner in {folder} ...")
     w = await start_world(folder)
+    try:
+        return await _attack(w, t, t0, n, flood, folder, log, scale)
+    finally:
+        for k in ("relay", "host", "joiner"):      # also when an attack raised: no process outlives the suite
+            w[k].stop()
+
+
+async def _attack(w, t, t0, n, flood, folder, log, scale) -> dict:
     legit = Legit(w["api"])
     async with aiohttp.ClientSession() as s:
         assert await legit.one(s), f"the pipeline does not serve before the attacks: {legit.errors}"
