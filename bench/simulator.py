@@ -36,6 +36,12 @@ dynamic (jit and K in M..2M), compress (dynamic and compress="auto": prefill vol
 int8 blocks while the link is clearly slower than compute), cut-in (dynamic, and decode steps
 cut into prompt steps).
 
+Speculative decoding (issue 34; simulate(..., spec=Spec(...)), off by default): the head asks
+engine/core/speculation.py's SpecPolicy for k per decoding sequence, as head.py does, and
+feeds it the simulated clock's measurements (plain trips, the extra tokens' cost, the
+draft's cost, the load); a round drafting k carries 1 + k tokens, charged as 1 + k decode
+rows, and keeps a seeded truncated-geometric number of them (see Spec).
+
 Context: a decode row attending to c tokens costs ctx_cost x T_d(1) x (c - 8) more than
 the profile's (its probes attend to 8 tokens); bench/weaklink.py measures ctx_cost
 (engine.core.profile.context_cost) and records it. Omitted: the same for prompt chunks (a
@@ -71,6 +77,7 @@ from engine.core import scheduler as core  # noqa: E402
 from engine.core.compression import q8_ratio, should_compress  # noqa: E402
 from engine.core.link_scheduler import GoodputMeter, LinkScheduler  # noqa: E402
 from engine.core.profile import PROFILE_CONTEXT, interp  # noqa: E402
+from engine.core.speculation import SpecConfig, SpecPolicy  # noqa: E402
 from engine.core.step_gate import MAX_CUT_INS  # noqa: E402
 from engine.pipeline.link import LinkSender  # noqa: E402
 from engine.pipeline.stage_server import MAX_MERGED_ROWS  # noqa: E402
@@ -125,6 +132,31 @@ POLICIES = {
     "compress": Policy("jit", dynamic=True, compress="auto"),
     "cut-in": Policy("jit", dynamic=True, cut_in=True),   # dynamic, and decode steps cut into prompt steps
 }
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Speculative decoding on the simulated head (issue 34), decided by the engine's own
+    engine/core/speculation.py SpecPolicy, fed the simulated clock's measurements as head.py
+    feeds it the wall clock's: each decode row's k from k_for (capped so no row drafts past
+    its n_out), a round drafting k carries 1 + k tokens and is charged as 1 + k decode rows
+    (T_d of the step's decode tokens: the weights are read once), the host drafts k tokens
+    for `draft` seconds each on the head's compute before the step, and the number that
+    stand is drawn per round from a seeded truncated geometric (each drafted token stands
+    with probability `accept`, given the ones before it stood; at most k). The round emits
+    that many + 1 tokens; the rejected ones' KV is rolled back (nothing to simulate: the
+    position advances by what stood)."""
+    accept: float                       # per-token acceptance of the draft
+    draft: float = 0.0                  # host seconds per drafted token
+    seed: int = 0
+    config: SpecConfig | None = None    # the policy's settings (None: SpecConfig())
+    k: int | None = None                # draft this many every round instead of asking the policy
+
+    def __post_init__(self):
+        if not 0.0 <= self.accept <= 1.0 or self.draft < 0.0 or (self.k is not None and self.k < 0):
+            raise ValueError(f"speculation settings out of range: {self}")
+
+
 ALIASES = {"fifo+c64": "fifo-chunk", "jit+dyn": "dynamic", "+auto-chunk": "dynamic", "+cut-in": "cut-in",
            "+compress": "compress"}   # bench/weaklink.py's names
 
@@ -171,17 +203,23 @@ class Curve:
         return t
 
 
+def decode_row(s, n: int) -> bool:
+    """A decode row: one token, or (speculation) the last token and the k drafted after it."""
+    return n == 1 or (n == getattr(s, "drafted", 0) + 1)
+
+
 def step_time(decode: Curve, prefill: Curve, rows: list, ctx_cost: float = 0.0) -> float:
     """A step's compute as the stage runs it (StageModel._step): decode rows and prompt
     rows go as two sub-batches one after the other, prompt rows left-padded to the
-    longest of them. The decode profile was taken at a context of PROFILE_CONTEXT
+    longest of them; a verification row of 1 + k tokens counts as 1 + k decode rows
+    (speculation: the step reads the weights once). The decode profile was taken at a context of PROFILE_CONTEXT
     tokens; each decode row's longer context adds ctx_cost (engine.core.profile.context_cost)
     of a 1-row step per token."""
-    n_decode = sum(1 for _, n in rows if n == 1)
-    prompts = [n for _, n in rows if n > 1]
+    n_decode = sum(n for s, n in rows if decode_row(s, n))
+    prompts = [n for s, n in rows if not decode_row(s, n)]
     t = decode(n_decode) if n_decode else 0.0
     if ctx_cost and n_decode:
-        extra = sum(max(0, s.n_in + s.generated - PROFILE_CONTEXT) for s, n in rows if n == 1)
+        extra = sum(n * max(0, s.n_in + s.generated - PROFILE_CONTEXT) for s, n in rows if decode_row(s, n))
         t += ctx_cost * decode(1) * extra
     if prompts:
         t += prefill(len(prompts) * max(prompts))
@@ -300,6 +338,7 @@ class Seq(core.Seq):
     first: float | None = None
     last: float | None = None
     times: list = field(default_factory=list)   # each token's time (to compare timelines)
+    drafted: int = 0     # tokens drafted in its step now in flight (speculation; 0: none)
 
     @property
     def n_in(self) -> int:
@@ -320,7 +359,7 @@ class Step:
 
     @property
     def decode(self) -> bool:
-        return not self.partial and all(n == 1 for _, n in self.rows)
+        return not self.partial and all(decode_row(s, n) for s, n in self.rows)
 
 
 class Link:
@@ -494,7 +533,9 @@ class Stage:
                 kind = "decode" if step.decode else "prefill"
                 self.out.submit(self.sim.volume_bytes(step, kind, self.out, now - started), kind, step)
             elif not step.partial:
-                self.sim.back.put(FRAME_HEADER + ROW_META * len(step.rows), self.sim.head.on_tokens, step)
+                # a token per row, and per drafted position of a verification row
+                entries = sum(n if s.drafted and n == s.drafted + 1 else 1 for s, n in step.rows)
+                self.sim.back.put(FRAME_HEADER + ROW_META * entries, self.sim.head.on_tokens, step)
         self._serve()
 
 
@@ -516,6 +557,11 @@ class Head:
         self.k_samples: list[int] = []
         self._jobs: deque = deque()          # the head's compute: (seconds, decode?, generator)
         self.compute = Compute(sim)
+        # speculative decoding (Spec): the engine's policy, fed the simulated clock
+        self.spec: Spec | None = sim.spec
+        self.spec_policy = SpecPolicy(self.spec.config) if self.spec is not None else None
+        self.rng = random.Random(self.spec.seed if self.spec is not None else 0)
+        self._trips: dict[int, tuple] = {}   # group id -> (launch time, tokens drafted, decode?)
 
     @property
     def micro_batches(self) -> int:
@@ -571,14 +617,32 @@ class Head:
                     s.pos += c
                     s.in_flight -= c
         rows, meta = [], FRAME_HEADER
-        for r in self.sched.step_rows(g):
+        step_rows = self.sched.step_rows(g)
+        spec, drafted = self.spec, 0
+        if spec is not None:   # as head.py: every sequence the pipeline holds, all micro-batches
+            self.spec_policy.set_load(sum(1 for x in self.sched.groups for s in x.seqs if not s.done))
+        for r in step_rows:
+            n = r.n
+            r.seq.drafted = 0
             if r.new:
                 meta += NEW_META + PROMPT_META * r.seq.n_in
-            rows.append((r.seq, r.n))
+            elif spec is not None:
+                k = self._k_for(r.seq)
+                if k:   # checked in this one step: the last token and the draft
+                    r.seq.drafted = k
+                    n = r.seq.in_flight = 1 + k
+                    drafted += k
+            rows.append((r.seq, n))
             meta += ROW_META
         step = Step(g, rows, False, meta)
+        if drafted:   # the host drafts on its own device, beside stage 0, before the step
+            self.spec_policy.observe_draft(spec.draft)
+            if spec.draft:
+                yield drafted * spec.draft, True
         sched = self.link.sched
         t0 = self.sim.clock.now
+        if spec is not None:
+            self._trips[g.id] = (t0, drafted, step.decode)
         if step.decode:   # head.py tells the scheduler when it hands the step to its thread
             sched.decode_compute_started(t0, len(rows))
         yield step_time(self.decode, self.prefill, rows, self.pipe.ctx_cost), step.decode
@@ -587,18 +651,58 @@ class Head:
         kind = "decode" if step.decode else "prefill"
         self.link.submit(self.sim.volume_bytes(step, kind, self.link, self.sim.clock.now - t0), kind, step)
 
+    def _k_for(self, s: Seq) -> int:
+        """Tokens to draft for a decoding sequence (head.py's _draft): the policy's k (or
+        the fixed one), never past its n_out."""
+        k = self.spec.k if self.spec.k is not None else self.spec_policy.k_for(s.id)
+        return max(0, min(k, s.n_out - s.generated - 1))
+
+    def _accepted(self, k: int) -> int:
+        """Drafted tokens that stand: a seeded truncated geometric (each with probability
+        accept, given the ones before it stood; at most k)."""
+        n = 0
+        while n < k and self.rng.random() < self.spec.accept:
+            n += 1
+        return n
+
+    def _measure_trip(self, step: Step, now: float) -> None:
+        """head.py's _measure_trip: a plain decode step's trip feeds the policy's trip, one
+        with drafts the extra tokens' cost over it."""
+        t0, drafted, decode = self._trips.pop(step.group.id, (None, 0, False))
+        if t0 is None or not decode:
+            return
+        pol = self.spec_policy
+        if not drafted:
+            pol.observe_trip(now - t0)
+        elif pol.trip is not None:
+            pol.observe_verify_extra((now - t0 - pol.trip) / drafted)
+
     def on_tokens(self, step: Step) -> None:
         now = self.sim.clock.now
-        for s, _ in step.rows:
+        if self.spec is not None:
+            self._measure_trip(step, now)
+        for s, n in step.rows:
+            emitted = 1
+            if s.drafted and n == s.drafted + 1:
+                accepted = self._accepted(s.drafted)
+                self.spec_policy.observe_round(s.id, s.drafted, accepted)
+                s.in_flight = accepted + 1   # what stays in every stage's KV
+                emitted = accepted + 1
+            elif self.spec is not None and s.generated:   # a plain decode round
+                self.spec_policy.observe_round(s.id, 0, 0)
+            s.drafted = 0
             self.sched.advance(s)
-            s.generated += 1
-            s.first = now if s.first is None else s.first
-            s.last = now
-            s.times.append(now)
+            for _ in range(emitted):
+                s.generated += 1
+                s.first = now if s.first is None else s.first
+                s.last = now
+                s.times.append(now)
             if s.generated >= s.n_out:
                 s.done = True
                 self.sched.release(s)
                 self.remaining -= 1
+                if self.spec is not None:
+                    self.spec_policy.drop(s.id)
         self.sched.on_result(step.group)
         if self.remaining == 0:
             self.sim.clock.stopped = True
@@ -607,10 +711,10 @@ class Head:
 
 
 class Simulation:
-    def __init__(self, pipe: Pipeline, policy: Policy):
+    def __init__(self, pipe: Pipeline, policy: Policy, spec: Spec | None = None):
         if pipe.n_stages < 2:
             raise ValueError("a pipeline to simulate has at least two stages")
-        self.pipe, self.policy = pipe, policy
+        self.pipe, self.policy, self.spec = pipe, policy, spec
         self.clock = Clock()
         self.cpu = Cpu(self.clock, pipe.cores, pipe.contention)
         # decisions (micro-batch count, just-in-time windows) from the profiles the head
@@ -655,17 +759,23 @@ class Simulation:
 
 
 def simulate(pipe: Pipeline, policy: Policy | str, requests: list[tuple[float, int, int]],
-             counted: list[bool] | None = None) -> dict:
+             counted: list[bool] | None = None, spec: Spec | None = None) -> dict:
     """Runs the requests through the pipeline; returns summary metrics (see summarize) over
-    all requests, or over those marked in `counted` (all of them still load the pipeline)."""
+    all requests, or over those marked in `counted` (all of them still load the pipeline).
+    spec: speculative decoding (Spec); then also tokens_per_trip, acceptance and the
+    policy's measured trip / verify_extra."""
     if isinstance(policy, str):
         policy = POLICIES[ALIASES.get(policy, policy)]
-    sim = Simulation(pipe, policy)
+    sim = Simulation(pipe, policy, spec)
     seqs = sim.run(requests)
     out = summarize([s for i, s in enumerate(seqs) if counted is None or counted[i]])
     ks = sim.head.k_samples
     out["k_mean"] = sum(ks) / len(ks) if ks else float(sim.head.micro_batches)
     out["link_bytes"] = [link.wire.bytes for link in sim.links]
+    if spec is not None:
+        st = sim.head.spec_policy.stats()
+        out.update(tokens_per_trip=st["tokens_per_trip"], acceptance=st["acceptance"], spec_rounds=st["rounds"],
+                   trip=st["trip"], verify_extra=st["verify_extra"])
     return out
 
 

@@ -257,3 +257,69 @@ def test_steps_take_the_work_profiles_while_decisions_follow_the_profiles():
     fast = run_one(Pipeline([PROFILE, PROFILE], 1e6, 0.025, 1000), "fifo", request)
     assert split.first == pytest.approx(as_slow.first) and split.last == pytest.approx(as_slow.last)
     assert fast.last < split.last
+
+
+# ---- speculative decoding (issue 34): the engine's SpecPolicy on the simulated clock -------
+
+FLAT = {"decode": [[1, 0.010], [16, 0.0101]], "prefill": [[32, 0.040], [256, 0.180]]}
+
+
+def _one(spec, n_out=41, delay=0.03, profile=FLAT):
+    pipe = Pipeline([profile] * 3, 12.5e6, delay, 1000)
+    s = Simulation(pipe, sim.POLICIES["jit"], spec)
+    (seq,) = s.run([(0.0, 10, n_out)])
+    return seq, s.head.spec_policy
+
+
+def test_a_fixed_draft_that_always_stands_emits_k_plus_one_tokens_per_trip():
+    plain, _ = _one(None)
+    seq, pol = _one(sim.Spec(accept=1.0, k=3))
+    assert seq.generated == 41
+    # 40 decode tokens: 10 trips of 4 instead of 40 of 1
+    assert len(set(seq.times)) == 1 + 10
+    assert pol.stats()["tokens_per_trip"] == pytest.approx(4.0)
+    assert pol.stats()["acceptance"] == 1.0
+    tpot = (seq.last - seq.first) / 40
+    plain_tpot = (plain.last - plain.first) / 40
+    assert tpot == pytest.approx(plain_tpot / 4, rel=0.05)   # a flat decode curve: extra rows are ~free
+
+
+def test_a_draft_never_passes_n_out():
+    seq, pol = _one(sim.Spec(accept=1.0, k=8), n_out=6)
+    assert seq.generated == 6 and len(seq.times) == 6
+    assert pol.stats()["tokens_per_trip"] == pytest.approx(5.0)   # one trip of 5 after the first token
+
+
+def test_the_policy_speculates_on_a_slow_link_and_not_when_drafts_fail():
+    plain, _ = _one(None, n_out=121)
+    good, pol = _one(sim.Spec(accept=0.8, seed=1), n_out=121)
+    assert pol.stats()["tokens_per_trip"] > 2.0
+    assert pol.trip == pytest.approx(3 * 0.03 + 3 * 0.010, rel=0.05)   # the ring: three hops, three steps
+    assert (good.last - good.first) < 0.6 * (plain.last - plain.first)
+    bad, pol = _one(sim.Spec(accept=0.0, seed=1), n_out=121)
+    st = pol.stats()
+    assert st["acceptance"] == 0.0 and st["tokens_per_trip"] == 1.0
+    # a handful of failed rounds (the prior, then a re-probe every 16 rounds), each costing
+    # a little: never much slower than plain decoding
+    assert (bad.last - bad.first) < 1.05 * (plain.last - plain.first)
+
+
+def test_expensive_extra_tokens_turn_speculation_off():
+    # every extra row costs a whole step (compute-bound) on a 1 ms link: it never pays
+    steep = {"decode": [[1, 0.010], [16, 0.160]], "prefill": [[32, 0.320], [256, 2.56]]}
+    plain, _ = _one(None, delay=0.001, profile=steep)
+    seq, pol = _one(sim.Spec(accept=0.7, seed=2), delay=0.001, profile=steep)
+    assert (seq.last - seq.first) < 1.05 * (plain.last - plain.first)
+    assert pol.stats()["rounds"] > 0
+
+
+def test_speculation_is_deterministic_per_seed_and_the_draft_costs_head_time():
+    pipe = Pipeline([FLAT] * 3, 12.5e6, 0.03, 1000)
+    reqs = workload(2.0, 12, seed=5, scale=0.1)
+    a = simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=3))
+    assert a == simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=3))
+    assert a != simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=4))
+    assert a["tokens_per_trip"] > 1.0
+    slow = simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=3, draft=0.02, k=4))
+    free = simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=3, draft=0.0, k=4))
+    assert slow["tpot_mean"] > free["tpot_mean"]
