@@ -74,6 +74,7 @@ HELLO_TIMEOUT = 10.0
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
 # needs a few seconds at most; the owner gets the machine back within this whatever it does
 LEAVE_S = 10.0
+LET_GO_S = 1.0  # how long a stage whose head left waits for that head's data links to close
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)
@@ -343,16 +344,21 @@ class StageServer:
         except ConnectionClosed:
             pass
         finally:
-            self._control_ws = None
             # the head is gone, and the route token it gave out with it: no data link may
             # prove it any more, and the ones that did are closed
             self._route = None
             self._route_set.clear()     # a data hello waiting now waits for the next head
-            await asyncio.gather(*(link.close(1008, "the head that opened this link has gone")
-                                   for link in list(self._data_links)), return_exceptions=True)
-            # its sequences are gone too
+            closing = [asyncio.ensure_future(link.close(1008, "the head that opened this link has gone"))
+                       for link in list(self._data_links)]
+            if closing:
+                # a frozen upstream never answers its close: wait a moment, not its timeout
+                await asyncio.wait(closing, timeout=LET_GO_S)
+            # its sequences are gone too -- before the next head may come in: a head that
+            # rearranged after a stage left replays the same sequence ids at once, and a
+            # free that came after its replay took their KV and sampling state from it
             if self.stage is not None:
                 await self._run(self._free, list(self.stage.kv.seqs))
+            self._control_ws = None
 
     async def _configure(self, ws, msg):
         loop = asyncio.get_running_loop()
