@@ -462,6 +462,11 @@ class StageModel:
         seconds = time.perf_counter() - t0
         if all(n == 1 for n in batch.ns):
             log.observe("decode", len(batch.ns), seconds)
+        elif batch.keep is not None and batch.ns == batch.keep:
+            # a verification step (speculation, issue 34): each row's last token and its
+            # draft, every position kept -- timed as a decode step of that many rows (the
+            # weights stream once for all of them, as for that many sequences)
+            log.observe("decode", batch.n_tokens, seconds)
         elif len(batch.ns) == 1 and self.gate.cut_ins == cut_ins and batch.keep is None:  # a prompt step nothing cut into
             log.observe("prefill", batch.ns[0], seconds)
         return out

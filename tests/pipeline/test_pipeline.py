@@ -696,7 +696,9 @@ async def test_profiles_follow_the_steps_in_service(inproc_stage, tiny_folder, m
     monkeypatch.setattr(ss, "PROFILE_REPORT_S", 0.0)
     server, addr = inproc_stage
     folder, _ = tiny_folder("llama", seed=0)
-    head = await start_head(resolve(str(folder)), [addr])
+    # one timed decode step per token: speculation would carry several tokens in some steps
+    # (timed as decode steps of that many rows: test_speculative.py), fewer steps than tokens
+    head = await start_head(resolve(str(folder)), [addr], speculate="off")
     head.eos_ids = set()
     try:
         def slow(p):

@@ -267,7 +267,15 @@ def test_kv_after_a_rejected_draft_equals_kv_decoded_without_speculation(tiny_fo
     for layer in stage.kv._k:
         for store in (stage.kv._k, stage.kv._v):
             assert torch.allclose(store[layer][a, :, :length], store[layer][b, :, :length], atol=1e-5), layer
+    # verification steps are timed into the stage's profile, as decode steps of that many rows
+    from engine.core.profile import StepLog
+
+    stage.step_log = log = StepLog({"decode": [[1, 0.01], [4, 0.02], [8, 0.03]], "prefill": [[16, 0.05]]})
+    step(2, length, [plain_toks[5], 1, 2], keep=[3])
+    assert log.steps == 1 and len(log._ratio["decode"]) == 1
+    stage.step_log = None
     # a step may not start before the tentative tail, nor after the end
+    length += 3
     with pytest.raises(ValueError):
         step(2, 3, [1])
     with pytest.raises(ValueError):
