@@ -54,8 +54,11 @@ target, LaMDA 2B draft, dialog -- a draft 1.5% of its target's size on chat, as 
 70B. Bracketed by 0.61 (their LaMDA 100M draft) and 0.80 (a stronger pair, e.g. their
 T5-XXL/T5-base on translation: 0.80). Cross-check: a llama.cpp run of Llama-3-70B
 Q4_K_M with a Llama-3-8B Q4_K_M draft on 2x RTX 3090 + RTX 4080 reported 58.7% of drafted
-tokens accepted at a draft length of 8 (devquasar.com, "Speculative decoding tradeoffs:
-GPU with large models, Llama 70B / 8B"), which is alpha ~0.88 if every round drafted 8.
+tokens accepted at a draft length of 8 (https://devquasar.com/uncategorized/speculative-
+decoding-tradeoffs-gpu-with-large-models-llama-70b-8b/), which is alpha ~0.88 if every
+round drafted all 8 (llama.cpp stops a draft early when the draft is unsure, so less).
+The Table 3 figures are quoted from the paper as remembered here (no network to re-check
+them when this was written): re-check before quoting them further.
 
 Workloads: one user -- a 512-token prompt, a 256-token reply; sixteen users -- sixteen
 requests at once, lengths drawn (seeded) from bench/simulator.py's Azure-conversation-like
