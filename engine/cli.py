@@ -114,16 +114,16 @@ def add_pipeline_args(p):
                    help="stages compute steps in arrival order (default), or decode steps cut into prompt "
                         "steps between layers: lower time per token, later first tokens")
     p.add_argument("--speculate", default=None, choices=["auto", "off"],
-                   help="speculative decoding: auto guesses the next tokens from the conversation (prompt "
-                        "lookup) and checks them in one trip round the pipeline where that pays (slow links, a "
-                        "quoting reply); off (default, or POTLUCK_SPECULATE) decodes one token per trip")
+                   help="speculative decoding: auto (default; or POTLUCK_SPECULATE) guesses the next tokens "
+                        "from the conversation (prompt lookup, or --draft's model) and checks them in one trip "
+                        "round the pipeline where that pays (slow links, a quoting reply): replies are the same "
+                        "token for token; off decodes one token per trip")
     p.add_argument("--draft", default=None, metavar="MODEL[@WEIGHTS]",
                    help="a draft model of the same tokenizer, on this machine beside the first stage, that "
                         "guesses the next tokens for speculation instead of prompt lookup: 'default', a Hugging "
                         "Face id, a folder or a .gguf, optionally @bf16 (default), @int8 or @nf4 (e.g. "
                         "meta-llama/Llama-3.2-1B-Instruct for a Llama-3.1-70B; on a CPU-only machine "
-                        "'default@int8' stands in); auto: the catalog's pairing for --model. Drafts only with "
-                        "--speculate auto")
+                        "'default@int8' stands in); auto: the catalog's pairing for --model. Not with --speculate off")
 
 
 def pipeline_config(args, **over):

@@ -190,10 +190,12 @@ class Head:
                  wait_timeout: float = 300.0, speculate: str | None = None, spec_policy: SpecPolicy | None = None,
                  draft: str | None = None):
         self.source = source
-        # speculative decoding (issue 34): "auto" drafts by prompt lookup where the policy
-        # (engine/core/speculation.py) says it pays, "off" never (None: POTLUCK_SPECULATE,
-        # else off until the whole suite has run with it on)
-        speculate = speculate or os.environ.get("POTLUCK_SPECULATE") or "off"
+        # speculative decoding (issue 34): "auto" drafts (prompt lookup, or the draft model)
+        # where the policy (engine/core/speculation.py) says it pays, "off" never (None:
+        # POTLUCK_SPECULATE, else auto: replies are token-identical either way -- test_pipeline,
+        # test_failover and test_api pass with it on -- and the policy measures a draft
+        # with k = 1 and keeps it off where it does not pay)
+        speculate = speculate or os.environ.get("POTLUCK_SPECULATE") or "auto"
         if speculate not in SPECULATE_CHOICES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_CHOICES)}, not {speculate!r}")
         self.speculate = speculate
@@ -342,6 +344,7 @@ class Head:
         self.drafter = await self._run(lambda: DraftModel.load(
             spec, dtype=self.dtype, device=self.device, target_tokenizer=self.tokenizer,
             target_name=self.source.name, target_vocab=self.config.vocab_size))
+        self.progress(0, 1, 1, "loading the draft model")
         self.say(f"Draft model: {self.drafter.name} on {self.device_name}, "
                  f"{self.drafter.param_bytes / 2**20:.0f} MiB; it drafts where speculation pays"
                  + ("" if self.speculate != "off" else " (speculation is off: --speculate auto turns it on)"))

@@ -40,7 +40,7 @@ class PipelineConfig:
     prompt_chunk: int | str | None = "auto"
     compress: str = "off"                 # off | auto | prefill | all (engine/core/compression.py)
     compute: str = "in-order"             # in-order | decode-first (engine/core/step_gate.py)
-    speculate: str | None = None          # auto | off (None: POTLUCK_SPECULATE, else off; pipeline/head.py)
+    speculate: str | None = None          # auto | off (None: POTLUCK_SPECULATE, else auto; pipeline/head.py)
     draft: str | None = None              # a draft model 'MODEL[@WEIGHTS]' beside stage 0 (engine/model/draft.py)
     pipeline: str = "local"               # the name stages check at hello
     memory_cap_mb: float | None = None    # the most memory the head's own stage may use (None: what is free)
