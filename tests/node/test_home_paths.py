@@ -233,16 +233,21 @@ def test_a_friend_whose_router_maps_is_reached_by_the_host_through_a_reply_code(
                                              "--reply-listen", "0.0.0.0:7871"], env)
             reply = joiner.wait_for("REPLY", 60)
             assert f"ws://{net.wan_addr(1)}:7871" in _reply_urls(reply)
-            host.send(reply)
-            host.wait_for("REPLY-TAKEN", 30)
-            assert joiner.wait_for("JOINED", 60) == "direct (reply)"
-            assert host.wait_for("JOINED", 30) == "direct (reply)"
-            result = json.loads(host.wait_for("RESULT", 120))
-            assert _streamed_whole(result), result
+            _host_takes_the_reply(host, joiner, reply, "direct (reply)")
         finally:
             for p in (joiner, host):
                 if p is not None:
                     p.stop()
+
+
+def _host_takes_the_reply(host: Peer, joiner: Peer, reply: str, path: str):
+    """The host pastes the friend's reply code: both ends joined on `path`, lines streamed whole."""
+    host.send(reply)
+    host.wait_for("REPLY-TAKEN", 30)
+    assert joiner.wait_for("JOINED", 60) == path, joiner.lines
+    assert host.wait_for("JOINED", 30) == path
+    result = json.loads(host.wait_for("RESULT", 120))
+    assert _streamed_whole(result), result
 
 
 @pytest.mark.skipif(not has_stun, reason="needs coturn (STUN)")
@@ -264,12 +269,7 @@ def test_two_eim_homes_with_no_relay_and_no_mapping_punch_through_a_reply_code(t
             reply = joiner.wait_for("REPLY", 60)
             assert any(u.startswith(f"udp://{net.wan_addr(1)}:") for u in _reply_urls(reply)), reply
             time.sleep(1.5)                  # the friend sends the code; meanwhile it punches alone
-            host.send(reply)
-            host.wait_for("REPLY-TAKEN", 30)
-            assert joiner.wait_for("JOINED", 60) == "direct (punched)", joiner.lines
-            assert host.wait_for("JOINED", 30) == "direct (punched)"
-            result = json.loads(host.wait_for("RESULT", 120))
-            assert _streamed_whole(result), result
+            _host_takes_the_reply(host, joiner, reply, "direct (punched)")
         finally:
             for p in (joiner, host):
                 if p is not None:

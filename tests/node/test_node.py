@@ -36,13 +36,14 @@ def _env():
     return env
 
 
-def start_node(*extra, token_stdin=True):
+def start_node(*extra, token_stdin=True, env: dict | None = None):
+    """A `potluck node` process and its API port; env: variables for that process only."""
     args = [sys.executable, "-m", "engine", "node", "--share-host", "127.0.0.1", "--share-port", "0",
             "--threads", "1", "--poll", "0.3", *extra]
     if token_stdin:
         args.append("--token-stdin")
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_env(), cwd=ROOT)
+                            env={**_env(), **(env or {})}, cwd=ROOT)
     if token_stdin:
         proc.stdin.write((TOKEN + "\n").encode())
         proc.stdin.flush()
@@ -134,6 +135,8 @@ def test_no_gpu_panel_says_so(node):
     ({"api_lan_port": 8000}, "needs an API key"),
     ({"api_lan_port": 70000, "api_key": "k" * 20}, "'api_lan_port'"),
     ({"api_lan_port": 8000, "api_key": "short"}, "'api_key'"),
+    ({"draft": 5}, "'draft'"),
+    ({"draft": "   "}, "'draft'"),
 ])
 def test_bad_plan_requests(node, body, words):
     status, r = call(node, "POST", "/plan", body)
@@ -151,6 +154,9 @@ def test_the_curated_models_with_their_sizes_come_from_the_node(node):
         assert fits["nf4"] >= fits["int8"] >= fits["bf16"]
     assert r["models"][0]["fits_here"]["bf16"]  # the built-in model fits anywhere
     assert not next(m for m in r["models"] if "72B" in m["id"])["fits_here"]["bf16"]
+    # the catalog's draft pairing, for a host request's draft (speculation, issue 34)
+    assert all(isinstance(m["draft"], str) for m in r["models"])
+    assert next(m for m in r["models"] if "70B" in m["id"])["draft"] == "meta-llama/Llama-3.2-1B-Instruct"
 
 
 def test_plan_for_the_default_model(node):
@@ -427,17 +433,7 @@ def test_join_with_an_invite_code(tmp_path):
     host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--listen", "127.0.0.1:0", "--peers", "1",
                              "--threads", "1", "--max-tokens", "8", "--prompt", "What is the capital of France?"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=host_env, cwd=ROOT)
-    old_home = os.environ.get("POTLUCK_HOME")
-    os.environ["POTLUCK_HOME"] = str(tmp_path / "joiner")
-    os.environ["POTLUCK_KEYSTORE"] = "file"
-    try:
-        proc, port = start_node()
-    finally:
-        os.environ.pop("POTLUCK_KEYSTORE")
-        if old_home is None:
-            os.environ.pop("POTLUCK_HOME")
-        else:
-            os.environ["POTLUCK_HOME"] = old_home
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file"})
     try:
         line = ""
         while not line.startswith("Invite code"):
@@ -473,19 +469,10 @@ def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
 
     from engine.wire.invite import encode, parse
 
-    old = {k: os.environ.get(k) for k in ("POTLUCK_HOME", "POTLUCK_KEYSTORE", "POTLUCK_REPLY_LISTEN", "POTLUCK_UPNP")}
-    os.environ.update(POTLUCK_KEYSTORE="file", POTLUCK_UPNP="0")
-    try:
-        os.environ["POTLUCK_HOME"] = str(tmp_path / "host")
-        host, hport = start_node()
-        os.environ.update(POTLUCK_HOME=str(tmp_path / "friend"), POTLUCK_REPLY_LISTEN="0.0.0.0:0")
-        friend, fport = start_node()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    common = {"POTLUCK_KEYSTORE": "file", "POTLUCK_UPNP": "0"}
+    host, hport = start_node(env={**common, "POTLUCK_HOME": str(tmp_path / "host")})
+    friend, fport = start_node(env={**common, "POTLUCK_HOME": str(tmp_path / "friend"),
+                                    "POTLUCK_REPLY_LISTEN": "0.0.0.0:0"})
     try:
         assert call(hport, "POST", "/host", {"model": "default", "friends": 1})[0] == 400  # no way in
         status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
@@ -521,17 +508,8 @@ def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
 def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     """Sharing switched off while the host has not used the reply code yet: the wait ends,
     its listener closes, and the node is idle again."""
-    old = {k: os.environ.get(k) for k in ("POTLUCK_HOME", "POTLUCK_KEYSTORE", "POTLUCK_REPLY_LISTEN", "POTLUCK_UPNP")}
-    os.environ.update(POTLUCK_HOME=str(tmp_path / "friend"), POTLUCK_KEYSTORE="file", POTLUCK_UPNP="0",
-                      POTLUCK_REPLY_LISTEN="127.0.0.1:0")
-    try:
-        friend, fport = start_node()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    friend, fport = start_node(env={"POTLUCK_HOME": str(tmp_path / "friend"), "POTLUCK_KEYSTORE": "file",
+                                    "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "127.0.0.1:0"})
     try:
         from engine.wire.invite import HostState
 
