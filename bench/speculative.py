@@ -77,6 +77,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from testkit.cpuprobe import CpuProbe  # noqa: E402
+
 DELAYS_MS = (1, 15, 30)
 RATE_MBIT = 100.0
 LAYERS = "0:10,10:20,20:30"          # the default model's 30 layers over 3 stages, evenly
@@ -208,32 +210,6 @@ class Proxies:
         self.proc = None
 
 
-class CpuProbe:
-    """Cores that processes other than this one and its children used meanwhile."""
-
-    def __init__(self):
-        import psutil
-
-        self.psutil, self.me = psutil, psutil.Process()
-
-    def sample(self) -> tuple[float, float, float]:
-        t = self.psutil.cpu_times()
-        busy = t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
-        own = 0.0
-        for p in [self.me] + self.me.children(recursive=True):
-            try:
-                c = p.cpu_times()
-                own += c.user + c.system
-            except self.psutil.Error:
-                pass
-        return time.perf_counter(), busy, own
-
-    @staticmethod
-    def foreign(a, b) -> float:
-        return max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / max(b[0] - a[0], 1e-9)
-
-
-# ---- the speculation policy, counted ------------------------------------------------------
 def counting_policy():
     """A SpecPolicy that also counts rounds, emitted and drafted tokens since `reset()`:
     the acceptance and tokens per trip of one cell, however long the policy lives."""
