@@ -6,12 +6,15 @@ pipeline (a stage server, within the owner's limits: sharing.py). Clients drive 
 through a small control API:
 
     GET  /status               state (idle|loading|serving|sharing|paused|error), what runs
-    GET  /models               the curated model list, each model's weights per precision
+    GET  /models               the curated model list, each model's weights per precision and its
+                               `draft`: the catalog's draft model for speculation ('' for none)
     POST /plan   {model, stages, weights?, memory_limit_mb?}   memory needed vs available, split,
                                and what each weight precision (bf16, int8, nf4) needs here
     POST /host   {model, stages, weights?, stage_addr?, layers?, memory_limit_mb?, wait_timeout_s?, friends?,
-                  relay?, listen?}
-                               start a head; with friends, hand out an invite and wait for them
+                  relay?, listen?, draft?}
+                               start a head; with friends, hand out an invite and wait for them;
+                               draft: a draft model beside the head's stage, MODEL[@WEIGHTS] or
+                               "auto" (the catalog's pairing, /models' `draft`); none when left out
     POST /share  {on}          the Share-this-GPU toggle
     POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
     POST /limits {...}         the owner's limits (guest.Limits fields)
@@ -188,7 +191,7 @@ class Node:
         for e in catalog.MODELS:
             sizes = e.sizes()
             out.append({"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
-                        "sizes": sizes, "fits_here": {w: b <= precision.USABLE * free for w, b in sizes.items()}})
+                        "draft": e.draft, "sizes": sizes, "fits_here": {w: b <= precision.USABLE * free for w, b in sizes.items()}})
         return out
 
     async def h_plan(self, request):
@@ -507,14 +510,19 @@ class Node:
         if api_lan_port and not api_key:
             raise NodeError("the API on the LAN needs an API key ('api_key'): anyone on the network "
                             "could use this pipeline otherwise")
+        draft = body.get("draft") or None
+        if draft is not None and (not isinstance(draft, str) or not draft.strip() or len(draft) > 300):
+            raise NodeError("'draft' must be a draft model (MODEL[@WEIGHTS]) or 'auto'")
         return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
+                "draft": draft.strip() if draft else None,
                 "api_lan_port": api_lan_port, "api_key": api_key,
                 "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen,
                 "weights": weights.strip().lower(), "wait_timeout_s": float(wait), "pipeline": name.strip()}
 
     async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
                    relay: str = "", listen: str = "", weights: str = "auto", wait_timeout_s: float = 300.0,
-                   pipeline: str = "", api_lan_port: int | None = None, api_key: str = "") -> dict:
+                   pipeline: str = "", api_lan_port: int | None = None, api_key: str = "",
+                   draft: str | None = None) -> dict:
         """Memory needed vs available and the proposed split, before anything loads, and
         what each weight precision needs on this machine (`precisions`); `weights` is the
         one that will load here: the requested one, or (auto) the highest that fits."""
@@ -636,7 +644,7 @@ class Node:
         cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
                              layers=args["layers"], threads=self.threads, device=self.device,
                              weights=args.get("weights") or "auto", memory_cap_mb=args.get("memory_limit_mb"),
-                             wait_timeout=args.get("wait_timeout_s", 300.0),
+                             wait_timeout=args.get("wait_timeout_s", 300.0), draft=args.get("draft"),
                              # friends' shares check the name; our own stage processes use "local"
                              pipeline=args.get("pipeline", DEFAULT_SHARE_PIPELINE) if args["stage_addr"] else "local")
         pipe = None

@@ -48,6 +48,10 @@ def test_the_status_window_lists_what_happened():
     page = status_html(st)
     assert "ws://ana-pc:7860 left: stage 1 is leaving: &lt;sleep&gt;" in page
     assert "rearranged over 1 computer(s) in 4.2 s; 3 conversation(s) replayed" in page
+    assert "speculation" not in page   # none ran
+    st["hosting"]["speculation"] = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4,
+                                    "acceptance": 0.712, "rounds": 30}
+    assert "<p>speculation: 2.4 tokens/trip, 71% accepted</p>" in status_html(st)
 
 
 def test_the_status_window_says_the_share_was_started_again():
