@@ -22,6 +22,12 @@ prompt does not count). The counts are rebuilt, never carried: a sequence replay
 a rearrangement counts the tokens its frame says it generated (`replayed`), and a fork
 (a request's other choice, n > 1) starts from none, so each choice counts its own. Like
 the grammar's mask, none of this reaches the logprobs: they are the raw model's.
+
+A verification row of speculative decoding (issue 34) is penalized position by position:
+position j after the history plus this row's own picks at 0..j-1 (its pick is used only
+where the draft equalled those picks), each pick recorded as it is drawn; the next step's
+position (`positions`) then says how many were kept, and the picks past it leave the
+history and the counts again, so they hold exactly the accepted tokens and the bonus one.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class Sampler:
         self.grammars = grammars
         self._constraints: dict = {}    # seq_id -> grammar.Constraint, constrained requests only
         self._counts: dict[int, Counter] = {}  # seq_id -> generated token counts, penalized requests only
+        # seq_id -> (the position after, the picks) of a penalized sequence's last
+        # verification step: what its next step's position rolls back from the history
+        # and the counts where the draft was partly rejected
+        self._tails: dict[int, tuple[int, list[int]]] = {}
 
     def open(self, seq_id: int, params: SamplingParams, prompt: list[int], replayed: int = 0) -> None:
         """replayed: how many of the prompt's last tokens this sequence generated before
@@ -72,6 +82,7 @@ class Sampler:
         else:
             self._counts.pop(seq_id, None)
         self._pos[seq_id] = len(prompt)
+        self._tails.pop(seq_id, None)
 
     def open_new(self, new: dict, vocab_size: int) -> None:
         """The sequences a step opens (a frame's `new`, checked by engine/wire/frames.py)
@@ -97,6 +108,7 @@ class Sampler:
         self._pos.pop(seq_id, None)
         self._constraints.pop(seq_id, None)
         self._counts.pop(seq_id, None)
+        self._tails.pop(seq_id, None)
 
     def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None,
              keep: list[int] | None = None, positions: list[int] | None = None) -> list[list]:
@@ -119,6 +131,10 @@ class Sampler:
             for sid, p in zip(seq_ids, positions):
                 if sid in self._pos:
                     self._pos[sid] = p
+                    self._roll_back(sid, p)
+        if self._tails:
+            for sid in seq_ids:
+                self._tails.pop(sid, None)
         if keep is not None and any(k > 1 for k in keep):
             return self._step_verify(seq_ids, logits, forks, keep)
         ids = list(seq_ids)
@@ -157,15 +173,54 @@ class Sampler:
         p = self._params[seq_id]
         if not speculable(p):
             raise ValueError(f"sequence {seq_id}: its sampling settings rule out speculative decoding")
-        if p.is_greedy:
+        penalized = p.repetition_penalty != 1.0 or p.penalized
+        if p.is_greedy and not penalized:
             toks = logits.argmax(-1).tolist()
             self._pos[seq_id] += len(toks)
             return toks
         toks = []
         for row in logits:
-            toks.append(self._sample_row(seq_id, p, row))
+            # position j is penalized as plain decoding would be after this row's own
+            # picks at 0..j-1: its token counts only where the draft agreed with them
+            t = self._sample_row(seq_id, p, row)
+            toks.append(t)
             self._pos[seq_id] += 1
+            if penalized:
+                self._record(seq_id, p, t)
+        if penalized:
+            self._tails[seq_id] = (self._pos[seq_id], toks)
         return toks
+
+    def _record(self, seq_id: int, p: SamplingParams, tok: int) -> None:
+        """A drawn token into the history (repetition penalty) and the counts (presence,
+        frequency)."""
+        if p.repetition_penalty != 1.0:
+            self._history[seq_id].append(tok)
+        counts = self._counts.get(seq_id)
+        if counts is not None:
+            counts[tok] += 1
+
+    def _roll_back(self, seq_id: int, pos: int) -> None:
+        """The sequence's next token is drawn at pos: a verification step's picks past
+        it (its draft was rejected there; the picks up to it are the accepted tokens and
+        the bonus one) leave the history and the counts."""
+        tail = self._tails.pop(seq_id, None)
+        if tail is None:
+            return
+        end, toks = tail
+        extra = end - pos
+        if extra <= 0:
+            return
+        if extra > len(toks):
+            raise ValueError(f"sequence {seq_id}: position {pos} is before its last verification step")
+        if self._params[seq_id].repetition_penalty != 1.0:
+            del self._history[seq_id][pos:]
+        counts = self._counts.get(seq_id)
+        if counts is not None:
+            for t in toks[len(toks) - extra:]:
+                counts[t] -= 1
+                if counts[t] <= 0:
+                    del counts[t]
 
     def _logprobs(self, entries: list[list], want: list[int], logits: torch.Tensor, toks: list[int]) -> None:
         # The log-softmax of the raw model logits, before the penalties (repetition,
@@ -198,11 +253,7 @@ class Sampler:
             out = [self._sample_row(s, p, logits[i]) for i, (s, p) in enumerate(zip(seq_ids, params))]
         for s, t in zip(seq_ids, out):
             self._pos[s] += 1
-            if self._params[s].repetition_penalty != 1.0:
-                self._history[s].append(t)
-            counts = self._counts.get(s)
-            if counts is not None:
-                counts[t] += 1
+            self._record(s, self._params[s], t)
         for i in constrained:
             self._constraints[seq_ids[i]].consume([out[i]])
         return out
@@ -248,12 +299,14 @@ class Sampler:
 
 
 def speculable(p: SamplingParams) -> bool:
-    """Whether a request's replies may be drafted and verified (issue 34): plain greedy or
-    sampled decoding, whose every token depends on the logits at its position alone. Not
-    with logprobs (each token would need its own), a grammar (json_schema: response_format,
-    forced tool calls: the mask moves with every token) or penalties (they count the
-    tokens before)."""
-    return (not p.logprobs and p.json_schema is None and p.repetition_penalty == 1.0 and not p.penalized)
+    """Whether a request's replies may be drafted and verified (issue 34): greedy or
+    sampled decoding, with or without penalties (the repetition penalty, presence and
+    frequency: a verification row's position j is penalized after the last stage's own
+    picks at 0..j-1, which are the tokens before it wherever its pick is used, and the
+    picks past the accepted ones are rolled back). Not with logprobs (each token would
+    need its own) or a grammar (json_schema: response_format, forced tool calls: the mask
+    moves with every token)."""
+    return not p.logprobs and p.json_schema is None
 
 
 def penalize(row: torch.Tensor, counts: Counter, presence: float, frequency: float) -> torch.Tensor:

@@ -624,8 +624,8 @@ class Head:
                              f"holds at most {self.capacity}; lower max_tokens or n, or shorten the prompt")
         for s in seqs:
             self.seqs[s.id] = s
-            # n > 1 choices decode side by side already; logprobs, grammars and penalties
-            # need each token's own step (engine/model/sampler.py speculable)
+            # n > 1 choices decode side by side already; logprobs and grammars need each
+            # token's own step (engine/model/sampler.py speculable; penalties verify)
             s.spec = n == 1 and speculable(s.params)
         self.sched.add(seq)
         # kick on the loop's next turn, once: requests submitted together (a burst, a

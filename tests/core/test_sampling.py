@@ -516,11 +516,90 @@ def test_a_verification_row_is_refused_where_each_token_needs_its_own_step():
 
     from engine.model.sampler import Sampler, speculable
 
-    for params in (SamplingParams(greedy=True, logprobs=True), SamplingParams(presence_penalty=0.5),
-                   SamplingParams(repetition_penalty=1.2)):
+    for params in (SamplingParams(greedy=True, logprobs=True), SamplingParams(greedy=True, json_schema={})):
         assert not speculable(params)
-        s = Sampler()
-        s.open(1, params, [1, 2])
-        with pytest.raises(ValueError, match="speculative"):
-            s.step([1], torch.zeros(3, 8), keep=[3], positions=[2])
+    s = Sampler()
+    s.open(1, SamplingParams(greedy=True, logprobs=True), [1, 2])
+    with pytest.raises(ValueError, match="speculative"):
+        s.step([1], torch.zeros(3, 8), keep=[3], positions=[2])
     assert speculable(SamplingParams(greedy=True)) and speculable(SamplingParams(temperature=0.5, seed=1))
+    # penalties verify too (their per-position tests below)
+    assert speculable(SamplingParams(presence_penalty=0.5)) and speculable(SamplingParams(repetition_penalty=1.2))
+
+
+# ---- verification rows with penalties (issue 34) ---------------------------------------
+
+PENALIZED = [SamplingParams(greedy=True, repetition_penalty=1.3),
+             SamplingParams(greedy=True, presence_penalty=1.5, frequency_penalty=0.7),
+             SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=5),
+             SamplingParams(temperature=0.9, seed=11, presence_penalty=0.8, frequency_penalty=1.2,
+                            repetition_penalty=1.2)]
+
+
+def _peaky(n: int, seed: int) -> torch.Tensor:
+    """Logits whose top few tokens are close, so the penalties change the picks."""
+    x = torch.randn(n, 12, generator=torch.Generator().manual_seed(seed))
+    x[:, :3] += 4.0
+    return x
+
+
+def _state(s: Sampler, sid: int):
+    return list(s._history.get(sid, [])), dict(s._counts.get(sid) or {}), s._pos[sid]
+
+
+@pytest.mark.parametrize("params", PENALIZED, ids=["rep", "presence+frequency", "chat", "all"])
+def test_a_penalized_verification_row_draws_what_plain_decoding_would_and_rolls_back(params):
+    """A verification row's picks are plain decoding's after each prefix of the row's own
+    picks; the next step's position rolls the rejected ones out of the history and the
+    counts, leaving exactly plain decoding's state after the accepted tokens + the bonus."""
+    prompt = [0, 1, 2, 0, 5]
+    rows = _peaky(40, 3)
+    plain = Sampler()
+    plain.open(1, params, prompt)
+    # plain decoding: one row per step at positions 5, 6, ...
+    want = [plain.step([1], rows[i:i + 1], positions=[5 + i])[0][1] for i in range(12)]
+    assert len(set(want)) > 1
+    for accepted in (0, 2, 4):   # of a draft of 4: 0, 2 or all 4 accepted (picks kept: + 1)
+        spec = Sampler()
+        spec.open(1, params, prompt)
+        got = [e[1] for e in spec.step([1], rows[0:5], keep=[5], positions=[5])]
+        assert got == want[:5]
+        kept = accepted + 1
+        # the next step (a plain row at the position after the kept picks) rolls back the rest
+        nxt = spec.step([1], rows[kept:kept + 1], positions=[5 + kept])[0][1]
+        assert nxt == want[kept]
+        ref = Sampler()
+        ref.open(1, params, prompt)
+        for i in range(kept + 1):
+            ref.step([1], rows[i:i + 1], positions=[5 + i])
+        assert _state(spec, 1) == _state(ref, 1)
+        # and another verification row from there agrees too
+        start = kept + 1
+        got = [e[1] for e in spec.step([1], rows[start:start + 4], keep=[4], positions=[5 + start])]
+        assert got == want[start:start + 4]
+
+
+def test_a_penalized_verification_rolls_back_after_another_verification_and_a_replay():
+    params = SamplingParams(temperature=0.8, seed=2, presence_penalty=1.0, frequency_penalty=0.5,
+                            repetition_penalty=1.2)
+    prompt = [3, 4, 3]
+    rows = _peaky(30, 8)
+    plain = Sampler()
+    plain.open(7, params, prompt)
+    want = [plain.step([7], rows[i:i + 1], positions=[3 + i])[0][1] for i in range(10)]
+    spec = Sampler()
+    spec.open(7, params, prompt)
+    # two verification steps in a row: 1 of 3 drafted accepted (2 kept), then all of 3
+    assert [e[1] for e in spec.step([7], rows[0:4], keep=[4], positions=[3])] == want[:4]
+    assert [e[1] for e in spec.step([7], rows[2:6], keep=[4], positions=[5])] == want[2:6]
+    assert [e[1] for e in spec.step([7], rows[6:7], positions=[9])] == [want[6]]
+    ref = Sampler()
+    ref.open(7, params, prompt)
+    for i in range(7):
+        ref.step([7], rows[i:i + 1], positions=[3 + i])
+    assert _state(spec, 7) == _state(ref, 7)
+    # a replay (failover) rebuilds the counts from the frame: the accepted tokens only
+    replayed = Sampler()
+    replayed.open(7, params, prompt + want[:7], replayed=7)
+    assert _state(replayed, 7) == _state(ref, 7)
+    assert [e[1] for e in replayed.step([7], rows[7:10], keep=[3], positions=[10])] == want[7:10]

@@ -127,9 +127,49 @@ async def test_greedy_replies_are_token_identical_and_drafts_are_accepted(head):
     await all_freed(head)
 
 
+def chat_defaults(seed: int, n: int = TOKENS, **kw) -> SamplingParams:
+    """What `potluck chat` sends with the default model (engine/core/sampling.py
+    CHAT_DEFAULTS: repetition penalty 1.1), seeded so the reply can be compared."""
+    return SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=seed, max_tokens=n, **kw)
+
+
+async def test_penalized_replies_are_token_identical_and_drafts_are_accepted(head):
+    # the last stage penalizes each drafted position after its own picks before it, and
+    # the next step's position rolls the rejected picks out of its history and counts
+    asks = [(QUOTE, SamplingParams(greedy=True, repetition_penalty=1.1, max_tokens=TOKENS)),
+            (QUOTE, chat_defaults(1)),
+            (QUOTE, chat_defaults(9, presence_penalty=0.4, frequency_penalty=0.3)),
+            (CHAT, chat_defaults(2, 24))]
+    reference = await plain_replies(head, asks)
+    policy = speculate(head)
+    try:
+        got = await replies(head, asks)
+    finally:
+        plain(head)
+    assert got == reference
+    stats = policy.stats()
+    # drafts stood (a round that drafts nothing counts as a trip of one token)
+    assert stats["acceptance"] > 0.15 and stats["tokens_per_trip"] > 1.05, stats
+    # the chat defaults alone on the quote: what `potluck chat` gets when a reply quotes
+    alone = [(QUOTE, chat_defaults(1))]   # seed 1 quotes (the 135M model at 0.7 often wanders off)
+    policy = speculate(head)
+    try:
+        got = await replies(head, alone)
+    finally:
+        plain(head)
+    assert got == await plain_replies(head, alone)
+    one = policy.stats()
+    assert one["tokens_per_trip"] > 1.05, one
+
+    print(f"\npenalized speculation ({[len(t) for t in reference]} tokens): {stats['tokens_per_trip']:.2f} "
+          f"tokens per trip, acceptance {stats['acceptance']:.2f}; the chat defaults alone on the quote: "
+          f"{one['tokens_per_trip']:.2f} tokens per trip, acceptance {one['acceptance']:.2f}")
+    await all_freed(head)
+
+
 async def test_concurrent_requests_with_and_without_speculation_side_by_side(head):
-    # seeded sampling rows verify too (each position drawn from its own seed), a
-    # logprobs row and a penalized row decode plainly in the same steps
+    # seeded sampling rows verify too (each position drawn from its own seed), and a
+    # penalized one; a logprobs row decodes plainly in the same steps
     asks = [(QUOTE, greedy()), (CHAT, greedy(24)),
             (QUOTE, SamplingParams(temperature=0.7, seed=7, max_tokens=TOKENS)),
             (QUOTE, SamplingParams(greedy=True, max_tokens=16, logprobs=True, top_logprobs=2)),
