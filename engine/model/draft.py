@@ -30,6 +30,7 @@ with it over slow links. The catalog (engine/model/catalog.py) names real pairs:
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -82,6 +83,9 @@ class DraftModel:
         self.vocab_limit = vocab_limit or model.vocab_size
         self.tokens: dict[int, list[int]] = {}   # per sequence: what its KV cache holds
         self.drafted = 0                          # tokens proposed since load (status)
+        # the last draft() call's cost per guessed token, prompts' catch-up left out (None:
+        # that call measured none); SpecPolicy.observe_draft's input
+        self.seconds_per_token: float | None = None
 
     @classmethod
     def load(cls, spec: str, *, dtype: torch.dtype, device: str, kv_budget_tokens: int = 1 << 16,
@@ -133,6 +137,8 @@ class DraftModel:
             self.tokens[sid] = ctx[:keep]
             rows.append((sid, keep, ctx[keep:], k))
         out: dict[int, list[int]] = {sid: [] for sid, _, _ in asks}
+        self.seconds_per_token = None
+        t0 = time.perf_counter()
         try:
             logits = self._step([(sid, start, feed) for sid, start, feed, _ in rows])
         except KVCapacityError as exc:
@@ -141,6 +147,12 @@ class DraftModel:
                 self.free(sid)
             return {}
         guess = self._greedy(logits)
+        t_first = time.perf_counter() - t0
+        # a sequence new to the draft (or far behind it) was prefilled in that first step:
+        # that is the prompt's cost, not a guess's, and would make drafting look several
+        # times dearer than it is (the policy would then never draft again)
+        caught_up = any(len(feed) > k + 1 for _, _, feed, k in rows)
+        t1 = time.perf_counter()
         live = []
         for (sid, start, feed, k), g in zip(rows, guess):
             self.tokens[sid].extend(feed)
@@ -161,7 +173,13 @@ class DraftModel:
                 if len(out[sid]) < k:
                     nxt.append((sid, k))
             live = nxt
-        self.drafted += sum(len(v) for v in out.values())
+        drafted = sum(len(v) for v in out.values())
+        rest, t_rest = drafted - len(rows), time.perf_counter() - t1
+        if not caught_up and drafted:
+            self.seconds_per_token = (t_first + t_rest) / drafted
+        elif rest > 0:
+            self.seconds_per_token = t_rest / rest
+        self.drafted += drafted
         return out
 
     def _step(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:

@@ -828,15 +828,15 @@ class Head:
             drafter.retain(live)   # sequences that finished since: their draft KV goes
             return drafter.draft(asks)
 
-        t0 = time.perf_counter()
         try:
             out = await self._run(run)
         except (ValueError, RuntimeError) as exc:   # a guess is never worth a failed reply
             log.warning("the draft model failed: %s; plain steps this round", exc)
             return {}
-        n = sum(len(v) for v in out.values())
-        if n:   # the whole batch's drafting, per drafted token (core/speculation.py's model)
-            self.spec_policy.observe_draft((time.perf_counter() - t0) / n)
+        # the batch's drafting per drafted token (core/speculation.py's model), without the
+        # prefill of a prompt new to the draft model, which is no guess's cost
+        if drafter.seconds_per_token is not None:
+            self.spec_policy.observe_draft(drafter.seconds_per_token)
         return out
 
     def _draft(self, s: Sequence, k: int) -> list[int]:

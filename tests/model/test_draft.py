@@ -59,6 +59,32 @@ def test_drafts_are_greedy_and_stay_in_step_after_a_rejection(tiny):
     assert d.draft([(1, a3, 0)]) == {}
 
 
+def test_a_prompts_prefill_is_not_charged_to_its_guesses(tiny, monkeypatch):
+    """The first round for a sequence prefills its whole prompt into the draft's cache: the
+    cost per guess comes from the later positions only (else the policy, fed a cost many
+    times the real one, would never draft again); a steady round charges all of it. On a
+    clock where a step costs 1 s per token it is fed."""
+    import engine.model.draft as draft_mod
+
+    d = DraftModel(whole(tiny), "tiny")
+    now, real = [0.0], d._step
+
+    def step(rows):
+        out = real(rows)
+        now[0] += sum(len(r[2]) for r in rows)
+        return out
+
+    monkeypatch.setattr(d, "_step", step)
+    monkeypatch.setattr(draft_mod.time, "perf_counter", lambda: now[0])
+    ctx = list(range(5, 45))                         # a 40-token prompt, new to the draft
+    got = d.draft([(1, ctx, 4)])
+    assert len(got[1]) == 4 and d.seconds_per_token == 1.0     # the 3 steps after the prefill
+    # steady: two guesses stood and the target said 9: the draft feeds [9], guesses 2
+    got = d.draft([(1, ctx + got[1][:2] + [9], 2)])
+    assert len(got[1]) == 2 and d.seconds_per_token == 1.0     # 1 token fed + 1 step, 2 guesses
+    assert d.draft([(2, list(range(50, 60)), 1)]) and d.seconds_per_token is None   # all prefill
+
+
 def test_a_full_draft_cache_drafts_nothing_rather_than_failing(tiny):
     d = DraftModel(whole(tiny), "tiny")
     d.model.kv.budget_tokens = 16
