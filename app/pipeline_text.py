@@ -3,13 +3,13 @@ Pipeline status say the same): pure, from the node's status."""
 
 from __future__ import annotations
 
-from engine.core.speculation import describe
 
 
 def speculation_label(hosting: dict) -> str:
-    """'speculation: 2.4 tokens/trip, 71% accepted' where speculative decoding ran (the
-    head's status, engine/core/speculation.py describe), else ''."""
-    return describe(hosting.get("speculation"))
+    """'speculation: 2.4 tokens/trip, 71% accepted' where speculative decoding ran, else '':
+    the head says it in words (its status's speculation.summary, engine/core/speculation.py
+    describe); the app, a client of the node's API, only shows it."""
+    return str((hosting.get("speculation") or {}).get("summary") or "")
 
 
 def friend_label(stage: dict) -> str:

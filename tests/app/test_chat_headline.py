@@ -50,7 +50,8 @@ def test_the_status_window_lists_what_happened():
     assert "rearranged over 1 computer(s) in 4.2 s; 3 conversation(s) replayed" in page
     assert "speculation" not in page   # none ran
     st["hosting"]["speculation"] = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4,
-                                    "acceptance": 0.712, "rounds": 30}
+                                    "acceptance": 0.712, "rounds": 30,
+                                    "summary": "speculation: 2.4 tokens/trip, 71% accepted"}
     assert "<p>speculation: 2.4 tokens/trip, 71% accepted</p>" in status_html(st)
 
 

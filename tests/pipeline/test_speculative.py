@@ -252,19 +252,21 @@ async def test_a_draft_model_gives_the_same_replies_and_its_drafts_stand(head):
 
 
 def test_speculation_says_tokens_per_trip_and_acceptance_where_it_ran():
-    # the chat window's header and the terminal chat say it (app/pipeline_text.py over
-    # engine/core/speculation.py describe: pure text, no Qt needed)
+    # the head's status says it in words (engine/core/speculation.py describe, pure text);
+    # the chat window's header, Pipeline status and the terminal chat show that summary
     from app.pipeline_text import speculation_label
+    from engine.core.speculation import describe
 
     ran = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4, "acceptance": 0.712, "rounds": 30}
-    assert speculation_label({"speculation": ran}) == "speculation: 2.4 tokens/trip, 71% accepted"
+    assert describe(ran) == "speculation: 2.4 tokens/trip, 71% accepted"
     drafted = dict(ran, draft="SmolLM2-135M-Instruct (nf4)")
-    assert speculation_label({"speculation": drafted}) == \
-        "speculation (SmolLM2-135M-Instruct (nf4)): 2.4 tokens/trip, 71% accepted"
+    assert describe(drafted) == "speculation (SmolLM2-135M-Instruct (nf4)): 2.4 tokens/trip, 71% accepted"
     # off, on but nothing drafted yet, or a head too old to say: nothing
-    assert speculation_label({"speculation": dict(ran, mode="off")}) == ""
-    assert speculation_label({"speculation": dict(ran, acceptance=None, tokens_per_trip=1.0)}) == ""
-    assert speculation_label({}) == ""
+    assert describe(dict(ran, mode="off")) == ""
+    assert describe(dict(ran, acceptance=None, tokens_per_trip=1.0)) == ""
+    assert describe(None) == ""
+    assert speculation_label({"speculation": dict(ran, summary=describe(ran))}) == describe(ran)
+    assert speculation_label({"speculation": ran}) == "" and speculation_label({}) == ""
 
 
 # ---- the KV cache after a rejection ---------------------------------------------------
