@@ -107,14 +107,19 @@ def plain(head):
     head.speculate, head.spec_policy = "off", SpecPolicy()
 
 
+async def speculated(head, asks, k: int = 4):
+    """The replies to `asks` with speculation forced at k, and the policy that saw them."""
+    policy = speculate(head, k)
+    try:
+        return await replies(head, asks), policy
+    finally:
+        plain(head)
+
+
 async def test_greedy_replies_are_token_identical_and_drafts_are_accepted(head):
     asks = [(QUOTE, greedy()), (CHAT, greedy())]
     reference = await plain_replies(head, asks)
-    policy = speculate(head)
-    try:
-        got = await replies(head, asks)
-    finally:
-        plain(head)
+    got, policy = await speculated(head, asks)
     assert got == reference
     stats = policy.stats()
     # the quoting reply copies its prompt: drafts stand, and trips carry more than a token
@@ -141,22 +146,14 @@ async def test_penalized_replies_are_token_identical_and_drafts_are_accepted(hea
             (QUOTE, chat_defaults(9, presence_penalty=0.4, frequency_penalty=0.3)),
             (CHAT, chat_defaults(2, 24))]
     reference = await plain_replies(head, asks)
-    policy = speculate(head)
-    try:
-        got = await replies(head, asks)
-    finally:
-        plain(head)
+    got, policy = await speculated(head, asks)
     assert got == reference
     stats = policy.stats()
     # drafts stood (a round that drafts nothing counts as a trip of one token)
     assert stats["acceptance"] > 0.15 and stats["tokens_per_trip"] > 1.05, stats
     # the chat defaults alone on the quote: what `potluck chat` gets when a reply quotes
     alone = [(QUOTE, chat_defaults(1))]   # seed 1 quotes (the 135M model at 0.7 often wanders off)
-    policy = speculate(head)
-    try:
-        got = await replies(head, alone)
-    finally:
-        plain(head)
+    got, policy = await speculated(head, alone)
     assert got == await plain_replies(head, alone)
     one = policy.stats()
     assert one["tokens_per_trip"] > 1.05, one
@@ -176,11 +173,7 @@ async def test_concurrent_requests_with_and_without_speculation_side_by_side(hea
             (QUOTE, SamplingParams(temperature=0.8, seed=3, max_tokens=16, presence_penalty=0.5))]
     plain(head)
     reference = await replies(head, asks)
-    policy = speculate(head)
-    try:
-        got = await replies(head, asks)
-    finally:
-        plain(head)
+    got, policy = await speculated(head, asks)
     assert got == reference
     assert policy.stats()["acceptance"] > 0.15
     # the busy cut-off counts every sequence the pipeline holds, not one micro-batch's rows
