@@ -60,6 +60,7 @@ from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
 from engine.wire.invite import HostState, Invite, InviteError, Reply, encode_reply, rendezvous_key, udp_addresses
 from engine.wire.noise import Initiator, NoiseError, Responder, TransportCipher
+from engine.wire.punch import punch_key
 
 log = logging.getLogger("potluck.tunnel")
 
@@ -146,7 +147,7 @@ class Session:
         i2r, r2i = (send_key, recv_key) if role == "joiner" else (recv_key, send_key)
         self.resume_key = hmac.new(i2r + r2i, b"potluck resume", hashlib.sha256).digest()
         self.resume_id = hashlib.sha256(self.resume_key).digest()[:8]
-        self.punch_key = hmac.new(self.resume_key, b"potluck punch", hashlib.sha256).digest()
+        self.punch_key = punch_key(self.resume_key)     # what its punch packets prove
         self.moves = 0
         self.moved = asyncio.Event()         # set at each completed move (both directions)
         self.rtt: float | None = None        # seconds, from the keepalive's PING/PONG
@@ -602,7 +603,7 @@ class TunnelHost:
         """A joiner's reply code with UDP candidates: punch toward them from the socket our
         invites named (the joiner punches toward it meanwhile) and take its QUIC
         connection; the joiner's usual handshake then runs over it."""
-        from engine.wire.punch import PunchError, punch_key
+        from engine.wire.punch import PunchError
 
         targets = udp_addresses(r.direct, r.kinds)
         backoff = 1.0
@@ -1315,7 +1316,7 @@ class Joiner:
         return [cand.Candidate("udp", f"udp://{a}:{p}") for a, p in self._udp.mapped[:2]]
 
     async def _punch_loop(self, targets):
-        from engine.wire.punch import PunchError, punch_key
+        from engine.wire.punch import PunchError
 
         key = punch_key(rendezvous_key(self.invite.psk()))
         while True:
