@@ -246,12 +246,21 @@ class StageServer:
         try:
             await ws.send(frames.control("leaving", reason=reason[:500], seconds=float(seconds)))
             await asyncio.wait_for(ws.wait_closed(), seconds)
+            await self._let_go(ws)
             return True
         except ConnectionClosed:
+            await self._let_go(ws)
             return True
         except asyncio.TimeoutError:
             log.warning("the head did not let this stage go within %.0f s: leaving anyway", seconds)
             return False
+
+    async def _let_go(self, ws):
+        """Until the handler of control connection `ws` has closed its data links, freed its
+        sequences and let go (at most LET_GO_S and a moment): only then is this stage free."""
+        deadline = asyncio.get_running_loop().time() + LET_GO_S + 2.0
+        while self._control_ws is ws and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
