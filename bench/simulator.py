@@ -675,7 +675,7 @@ class Head:
         if not drafted:
             pol.observe_trip(now - t0)
         elif pol.trip is not None:
-            pol.observe_verify_extra((now - t0 - pol.trip) / drafted)
+            pol.observe_verify_extra((now - t0 - pol.trip) / drafted, drafted)
 
     def on_tokens(self, step: Step) -> None:
         now = self.sim.clock.now

@@ -224,8 +224,8 @@ def counting_policy():
             self.c_rounds = self.c_tokens = self.c_proposed = self.c_accepted = self.c_drafting = 0
             self.c_k = 0
 
-        def k_for(self, seq_id):
-            k = super().k_for(seq_id)
+        def k_for(self, seq_id, free=0):
+            k = super().k_for(seq_id, free)
             self.c_k += k
             return k
 
@@ -242,6 +242,29 @@ def counting_policy():
                         accepted=self.c_accepted, drafting=self.c_drafting)
 
     return Counting()
+
+
+def round_weights(drafter, kind: str) -> None:
+    """The stand-in draft's decoder weights rounded to the int8 grid (one absmax scale per
+    output row, bitsandbytes' int8 layout) and kept as float32: a quantized model's guesses
+    at float32 kernels' speed -- bitsandbytes' CPU kernels draft 3-4x slower than float32
+    on this machine (~200 ms a token against ~60), which a GPU's would not."""
+    import torch
+
+    if kind != "int8":
+        raise SystemExit(f"--round-draft {kind!r}: only int8")
+    n = 0
+    with torch.no_grad():
+        for name, mod in drafter.model.model.named_modules():   # StageModel.model: the nn.Module
+            if isinstance(mod, torch.nn.Linear) and "lm_head" not in name:
+                w = mod.weight
+                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+                w.copy_((w / scale).round().clamp(-127, 127) * scale)
+                n += 1
+    if not n:
+        raise RuntimeError("the draft model has no Linear layers to round")
+    drafter.name += " (int8-rounded)"
+    log(f"draft model: {n} decoder matrices rounded to int8")
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -287,7 +310,7 @@ class Bench:
         self.a = a
         self.head = None
         self.policies: dict[float, object] = {}     # one per delay, kept across its requests
-        self.modes = ["off", "lookup"] + (["draft"] if a.draft_ok else [])
+        self.modes = ["off", "lookup"] + (["draft", "draft-sync"] if a.draft_ok else [])
         self.drafter = None       # the draft model, parked while another mode runs
 
     def set_mode(self, mode: str, delay_ms: float) -> None:
@@ -297,15 +320,20 @@ class Bench:
             return
         head.speculate = "auto"
         head.spec_policy = self.policies.setdefault((delay_ms, mode), counting_policy())
-        head.drafter = self.drafter if mode == "draft" else None
+        head.drafter = self.drafter if mode.startswith("draft") else None
+        head.draft_ahead = mode != "draft-sync"
 
     async def single(self, mode: str, delay_ms: float, prompt: list[int]) -> dict:
         self.set_mode(mode, delay_ms)
         pol = self.head.spec_policy if mode != "off" else None
         if pol is not None:
             pol.reset()
+        d = self.drafter
+        before = (d.drafted, d.from_chain) if d is not None else (0, 0)
         rec = await one_request(self.head, prompt, self.a.tokens)
         rec["counts"] = pol.counts() if pol is not None else None
+        if d is not None and mode.startswith("draft"):   # guesses the model handed out, and of them drafted ahead
+            rec["chain"] = [d.drafted - before[0], d.from_chain - before[1]]
         return rec
 
     async def burst(self, mode: str, delay_ms: float, prompts: list[list[int]]) -> dict:
@@ -353,6 +381,8 @@ async def run(a) -> dict:
         bench.drafter, head.drafter = head.drafter if a.draft_ok else None, None
         if a.draft_ok and bench.drafter is None:
             raise RuntimeError("the head loaded no draft model")
+        if a.draft_ok and a.round_draft:
+            round_weights(bench.drafter, a.round_draft)
         log(f"pipeline up in {time.perf_counter() - t0:.1f}s: "
             f"{[tuple(s['layers']) for s in head.info()['stages']]}")
         results["stages"] = [tuple(s["layers"]) for s in head.info()["stages"]]
@@ -384,8 +414,9 @@ async def run(a) -> dict:
                                     f"{n / span if span else float('nan'):.2f} tok/s"
                                     + (f", {c['tokens']}/{c['rounds']} tok/trip, {c['accepted']}/{c['proposed']} kept"
                                        if c else "") + f", other {rec['foreign']:.2f} cores")
-                    j = (r + 1) % len(bench.modes)
-                    burst_modes = bench.modes[j:] + bench.modes[:j]
+                    bmodes = [m for m in bench.modes if m != "draft-sync"]   # 8 users: above the busy cut-off
+                    j = (r + 1) % len(bmodes)
+                    burst_modes = bmodes[j:] + bmodes[:j]
                     for mode in burst_modes:
                         s0 = probe.sample()
                         b = await bench.burst(mode, delay, users)
@@ -425,6 +456,7 @@ def report(res: dict, a) -> dict:
     rounds = sorted({r["round"] for r in single})
     modes = ["off", "lookup"] + (["draft"] if a.draft_ok else [])
     verdicts = []
+    overlap_rows = []
     floor_rows = []   # (where, paired ratio)
 
     def cell(delay, kind, mode, r):
@@ -474,6 +506,28 @@ def report(res: dict, a) -> dict:
     print("(x / off: the median over rounds of the ratio within a round (range); accept: drafted tokens that "
           "stood / drafted;\n tok/trip: tokens per decode trip of the speculating requests; other load: cores "
           "used by processes not ours, median)")
+
+    if a.draft_ok:   # item 4: drafting ahead while a verification is in flight, on vs off
+        for delay in a.delays:
+            for kind in ("chat", "quote"):
+                sync = [rate(cell(delay, kind, "draft-sync", r)) for r in rounds]
+                ahead = [rate(cell(delay, kind, "draft", r)) for r in rounds]
+                paired = [x / y for x, y in zip(ahead, sync)]
+                spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 else ""
+                tt = []
+                for mode in ("draft-sync", "draft"):
+                    cs = [x["counts"] for r in rounds for x in cell(delay, kind, mode, r)]
+                    trips, toks = sum(c["rounds"] for c in cs), sum(c["tokens"] for c in cs)
+                    tt.append(f"{toks / trips:.2f}" if trips else "-")
+                ch = [x.get("chain") or [0, 0] for r in rounds for x in cell(delay, kind, "draft", r)]
+                handed, served = sum(c[0] for c in ch), sum(c[1] for c in ch)
+                overlap_rows.append([f"{delay:g} ms", kind, f"{med(sync):.2f}", f"{med(ahead):.2f}",
+                                     f"{med(paired):.2f}x{spread}", tt[0], tt[1],
+                                     f"{served / handed:.0%}" if handed else "-", same(delay, kind, "draft-sync")])
+        print("\nOverlap (issue 34 item 4): the draft model drafting on while a verification is in flight "
+              "(draft) vs not (draft-sync: POTLUCK_DRAFT_AHEAD=0)\n")
+        print(table(["one-way", "prompts", "sync tok/s", "ahead tok/s", "ahead / sync", "tok/trip sync",
+                     "tok/trip ahead", "guesses drafted ahead", "sync same text"], overlap_rows))
 
     brows = []
     for delay in a.delays:
@@ -550,8 +604,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="new tokens per single-user reply at most (default 40; quick 24)")
     p.add_argument("--burst-tokens", type=int, default=None, help="new tokens per reply of the 8-user burst (default 24; quick 16)")
     p.add_argument("--delays", default=",".join(map(str, DELAYS_MS)), help="one-way delays, ms")
-    p.add_argument("--draft", default="default@int8",
+    p.add_argument("--draft", default="default@bf16",
                    help="the stand-in draft model (MODEL@WEIGHTS; 'none': no draft column)")
+    p.add_argument("--round-draft", default="int8",
+                   help="round the draft's decoder weights to this grid, kept at float32 ('int8', or 'none')")
     p.add_argument("--json", default=None, help="also write the raw results here")
     a = p.parse_args(argv)
     a.rounds = a.rounds or (1 if a.quick else 3)
@@ -561,13 +617,15 @@ def main(argv=None) -> int:
     a.delays = [float(x) for x in a.delays.split(",")]
     a.draft_kind = draft_support()
     a.draft_ok = bool(a.draft_kind) and a.draft != "none"
+    a.round_draft = None if a.round_draft == "none" else a.round_draft
     import torch
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     print(f"bench/speculative.py {'--quick ' if a.quick else ''}on {os.cpu_count()} cores "
           f"({time.strftime('%Y-%m-%d %H:%M')}); this machine is shared with other engineers' test runs: "
-          f"see 'other load'. Draft model: {a.draft if a.draft_ok else NO_DRAFT}", flush=True)
+          f"see 'other load'. Draft model: {a.draft if a.draft_ok else NO_DRAFT}"
+          + (f", weights rounded to {a.round_draft}" if a.draft_ok and a.round_draft else ""), flush=True)
     res = asyncio.run(run(a))
     if a.json:
         Path(a.json).write_text(json.dumps(res, default=str))

@@ -14,13 +14,21 @@ tokens and takes
     T(k) = trip + n * k * (draft + verify_extra)
 where trip is a measured plain decode step (wire and compute, the whole ring), draft the
 host's seconds per drafted token, verify_extra how much longer a step is per extra token
-it carries, and n the active sequences: the host drafts for every one of them and every
+it carries (where steps of two or more sizes have been timed, a line through them
+instead: `verify_cost`, since on a CPU the first extra token costs most), and n the
+active sequences: the host drafts for every one of them and every
 stage computes everyone's extra tokens, so with n sequences sharing the pipeline each
 one's k lengthens the round n sharers wait on (n = 1 alone). k is the argmax of
 E(k) / T(k) over 0..k_max, and 0 unless it beats a plain step by `margin` (5%): measured
 numbers are noisy, and a gain inside the noise is not worth the rollbacks and the
 host's work. On a fast link the trip is mostly compute, an extra token costs nearly a
 step, and this gives 0; across homes the trip is mostly wire and k grows.
+
+Drafted ahead: with a draft model, the host drafts on while a verification is in flight
+(engine/pipeline/head.py, issue 34 item 4), so a round may find its first `free` guesses
+already made. Those cost the round only their verification:
+    T(k) = trip + n * (k * verify_extra + max(0, k - free) * draft)
+so a round takes what the chain holds and pays for more only where that still pays.
 
 Busy: above `busy_above` active sequences (4) speculation is off for everyone. Active
 means every sequence the pipeline holds (set_load), in every micro-batch, not the rows
@@ -67,20 +75,37 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def round_time(k: int, trip: float, draft: float, verify_extra: float, sharers: int = 1) -> float:
-    """Seconds of a round drafting k: a plain trip plus the drafting and the verification
-    of k extra tokens for each of the `sharers` active sequences."""
-    return trip + sharers * k * (draft + verify_extra)
+def round_time(k: int, trip: float, draft: float, verify_extra, sharers: int = 1, free: int = 0) -> float:
+    """Seconds of a round drafting k: a plain trip plus the verification of k extra tokens
+    and the drafting of those not drafted ahead (beyond `free`), for each of the
+    `sharers` active sequences. verify_extra: seconds per extra token, or a function of
+    a step's extra tokens giving their seconds (SpecPolicy.verify_cost)."""
+    verify = verify_extra(sharers * k) if callable(verify_extra) else sharers * k * verify_extra
+    return trip + verify + sharers * max(0, k - free) * draft
 
 
-def best_k(a: float, trip: float, draft: float, verify_extra: float, k_max: int,
-           sharers: int = 1, margin: float = 0.05) -> int:
+def fit_line(points: dict[int, float]) -> tuple[float, float]:
+    """Least squares a + b*k through (k, seconds), both kept >= 0 (an extra token never
+    saves time)."""
+    n = len(points)
+    mk = sum(points) / n
+    me = sum(points.values()) / n
+    var = sum((k - mk) ** 2 for k in points)
+    b = max(0.0, sum((k - mk) * (e - me) for k, e in points.items()) / var) if var else 0.0
+    a = me - b * mk
+    if a < 0.0:   # through the origin instead
+        a, b = 0.0, sum(k * e for k, e in points.items()) / sum(k * k for k in points)
+    return a, max(0.0, b)
+
+
+def best_k(a: float, trip: float, draft: float, verify_extra, k_max: int,
+           sharers: int = 1, margin: float = 0.05, free: int = 0) -> int:
     """The k in 0..k_max with the most tokens per second, or 0 when that does not beat a
     plain step by the margin (ties: the smaller k)."""
     plain = 1.0 / trip
     best, best_rate = 0, plain
     for k in range(1, k_max + 1):
-        rate = expected_tokens(a, k) / round_time(k, trip, draft, verify_extra, sharers)
+        rate = expected_tokens(a, k) / round_time(k, trip, draft, verify_extra, sharers, free)
         if rate > best_rate:
             best, best_rate = k, rate
     return best if best_rate >= plain * (1.0 + margin) else 0
@@ -126,6 +151,7 @@ class SpecPolicy:
         self.trip: float | None = None      # seconds of a plain decode step, head to head
         self._draft: float | None = None    # seconds per drafted token
         self._verify: float | None = None   # seconds per extra token in a step
+        self._verify_by_k: dict[int, float] = {}   # a step's extra tokens -> the seconds they add
         self.active = 1
         # totals over every sequence since start, the dropped ones too (status)
         self._rounds = self._tokens = self._proposed = self._accepted = 0
@@ -158,11 +184,31 @@ class SpecPolicy:
         if seconds_per_token >= 0.0 and math.isfinite(seconds_per_token):
             self._draft = self._smooth(self._draft, seconds_per_token)
 
-    def observe_verify_extra(self, seconds_per_extra_token: float) -> None:
+    def observe_verify_extra(self, seconds_per_extra_token: float, k: int | None = None) -> None:
         """(step time with k + 1 tokens - with 1) / k. A noisy difference of two timings
-        can come out negative: read as free, not as a gain."""
+        can come out negative: read as free, not as a gain. With k (the step's extra
+        tokens, all its sequences') it also goes to that k's own estimate: what an extra
+        token costs need not be the same for the first and the eighth (verify_cost)."""
         if math.isfinite(seconds_per_extra_token):
-            self._verify = self._smooth(self._verify, max(0.0, seconds_per_extra_token))
+            per = max(0.0, seconds_per_extra_token)
+            self._verify = self._smooth(self._verify, per)
+            if k is not None and k >= 1:
+                self._verify_by_k[k] = self._smooth(self._verify_by_k.get(k), per * k)
+
+    def verify_cost(self, k: int) -> float:
+        """Seconds a step's k extra tokens add to it. On a GPU they are nearly free (the
+        weights are read once for every row); on one CPU thread the second row costs as
+        much as the next six (a matrix-vector product becomes a small matrix product): a
+        line through what steps of each k measured, where two or more k have been seen;
+        else k times the per-token estimate."""
+        if k <= 0:
+            return 0.0
+        if k in self._verify_by_k:
+            return self._verify_by_k[k]
+        if len(self._verify_by_k) < 2:
+            return k * self.verify_extra
+        fixed, per = fit_line(self._verify_by_k)
+        return fixed + per * k
 
     def set_load(self, active_sequences: int) -> None:
         """Every sequence the pipeline now holds (all micro-batches), for the busy cut-off
@@ -199,20 +245,26 @@ class SpecPolicy:
         s = self._seqs.get(seq_id) or _Seq()
         return (c.prior_accept * c.prior_weight + s.hits) / (c.prior_weight + s.hits + s.misses)
 
-    def k_for(self, seq_id: int) -> int:
-        """Tokens to draft for this sequence's next round (0: a plain step). Once per round."""
+    @property
+    def busy(self) -> bool:
+        """More sequences than speculation serves: nobody drafts (nor drafts ahead)."""
+        return self.active > self.config.busy_above
+
+    def k_for(self, seq_id: int, free: int = 0) -> int:
+        """Tokens to draft for this sequence's next round (0: a plain step), `free` of them
+        drafted ahead already. Once per round."""
         s = self._seqs.setdefault(seq_id, _Seq())
-        s.k = self._choose(s, seq_id)
+        s.k = self._choose(s, seq_id, max(0, free))
         return s.k
 
-    def _choose(self, s: _Seq, seq_id: int) -> int:
+    def _choose(self, s: _Seq, seq_id: int, free: int) -> int:
         c = self.config
-        if self.trip is None or c.k_max == 0 or self.active > c.busy_above:
+        if self.trip is None or c.k_max == 0 or self.busy:
             s.idle = 0
             return 0
 
         def pick(a: float) -> int:
-            return best_k(a, self.trip, self.draft, self.verify_extra, c.k_max, self.active, c.margin)
+            return best_k(a, self.trip, self.draft, self.verify_cost, c.k_max, self.active, c.margin, free)
 
         k = pick(self.acceptance(seq_id))
         if k:
@@ -239,6 +291,7 @@ class SpecPolicy:
             "acceptance": ratio(self._accepted, self._proposed),
             "rounds": self._rounds,
             "trip": self.trip, "draft": self.draft, "verify_extra": self.verify_extra, "measured": self.measured,
+            "verify_by_k": dict(sorted(self._verify_by_k.items())),
             "active": self.active,
             "sequences": {
                 sid: {"k": s.k, "acceptance": ratio(s.accepted, s.proposed),

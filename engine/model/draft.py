@@ -82,9 +82,11 @@ class DraftModel:
         # ids the target can take: a draft whose LM head is padded wider proposes none beyond
         self.vocab_limit = vocab_limit or model.vocab_size
         self.tokens: dict[int, list[int]] = {}   # per sequence: what its KV cache holds
+        self.next: dict[int, int] = {}           # ... and the guess after that (chain())
         self.drafted = 0                          # tokens proposed since load (status)
-        # the last draft() call's cost per guessed token, prompts' catch-up left out (None:
-        # that call measured none); SpecPolicy.observe_draft's input
+        self.from_chain = 0                       # ... of which the chain held (drafted ahead)
+        # the last draft() call's cost per guess it computed, prompts' catch-up left out
+        # (None: that call measured none); SpecPolicy.observe_draft's input
         self.seconds_per_token: float | None = None
 
     @classmethod
@@ -107,6 +109,7 @@ class DraftModel:
 
     def free(self, seq_id: int) -> None:
         self.tokens.pop(seq_id, None)
+        self.next.pop(seq_id, None)
         self.model.free(seq_id)
 
     def retain(self, live) -> None:
@@ -115,19 +118,48 @@ class DraftModel:
         for sid in [s for s in self.tokens if s not in live]:
             self.free(sid)
 
+    def ahead_of(self, seq_id: int, context: list[int]) -> int:
+        """How many guesses after `context` the chain holds already (drafted ahead)."""
+        known = self.chain(seq_id)
+        return len(known) - len(context) if len(known) > len(context) and known[:len(context)] == context else 0
+
+    def chain(self, seq_id: int) -> list[int]:
+        """What the draft has said of a sequence: the tokens its cache holds, then its
+        guess after them. Greedy, so any context that is a prefix of it continues as the
+        rest of it -- a round drafted ahead (`stop`) is served from here for free."""
+        have = self.tokens.get(seq_id, [])
+        nxt = self.next.get(seq_id)
+        return have + [nxt] if nxt is not None else list(have)
+
     @torch.inference_mode()
-    def draft(self, asks: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def draft(self, asks: list[tuple[int, list[int], int]], stop=None) -> dict[int, list[int]]:
         """asks: (seq_id, context, k) -- the sequence's every token so far, and how many to
         guess after it. Returns seq_id -> up to k guessed tokens (fewer where the cache is
-        full: that sequence then drafts nothing this round)."""
+        full: that sequence then drafts nothing this round, or where `stop()` turned true:
+        it is asked before each position).
+
+        Guesses the chain already holds after the context (drafted ahead while the last
+        verification was in flight: the head's overlap, issue 34 item 4) cost nothing;
+        the model carries on from the chain's end for the rest."""
         asks = [(sid, list(ctx), k) for sid, ctx, k in asks if k > 0 and ctx]
-        if not asks:
+        if not asks or (stop is not None and stop()):
             return {}
         kv = self.model.kv
+        out: dict[int, list[int]] = {}
+        free = 0
         # 1. in step: keep the longest prefix the cache and the context agree on (at most
         # all but the context's last token, whose logits give the first guess)
         rows = []
         for sid, ctx, k in asks:
+            known = self.chain(sid)
+            if len(known) > len(ctx) and known[:len(ctx)] == ctx:
+                out[sid] = known[len(ctx): len(ctx) + k]
+                free += len(out[sid])
+                if len(out[sid]) == k:
+                    continue
+                ctx, k = known, k - len(out[sid])   # carry on from the chain's end
+            else:
+                out[sid] = []
             have = self.tokens.get(sid, [])
             keep, top = 0, min(len(have), len(ctx) - 1)
             while keep < top and have[keep] == ctx[keep]:
@@ -135,9 +167,13 @@ class DraftModel:
             if kv.has(sid) and kv.length(sid) > keep:
                 kv.truncate(sid, keep)
             self.tokens[sid] = ctx[:keep]
+            self.next.pop(sid, None)
             rows.append((sid, keep, ctx[keep:], k))
-        out: dict[int, list[int]] = {sid: [] for sid, _, _ in asks}
         self.seconds_per_token = None
+        if not rows:
+            self.drafted += free
+            self.from_chain += free
+            return out
         t0 = time.perf_counter()
         try:
             logits = self._step([(sid, start, feed) for sid, start, feed, _ in rows])
@@ -157,29 +193,33 @@ class DraftModel:
         for (sid, start, feed, k), g in zip(rows, guess):
             self.tokens[sid].extend(feed)
             out[sid].append(g)
+            self.next[sid] = g
             if k > 1:
-                live.append((sid, k))
+                live.append((sid, len(out[sid]) + k - 1))
         # 2. one batched step per further position, for the sequences that want it
-        while live:
+        while live and not (stop is not None and stop()):
             try:
                 logits = self._step([(sid, len(self.tokens[sid]), [out[sid][-1]]) for sid, _ in live])
             except KVCapacityError as exc:
                 log.warning("draft model: %s; drafts cut short", exc)
                 break
             nxt = []
-            for (sid, k), g in zip(live, self._greedy(logits)):
+            for (sid, want), g in zip(live, self._greedy(logits)):
                 self.tokens[sid].append(out[sid][-1])
                 out[sid].append(g)
-                if len(out[sid]) < k:
-                    nxt.append((sid, k))
+                self.next[sid] = g
+                if len(out[sid]) < want:
+                    nxt.append((sid, want))
             live = nxt
         drafted = sum(len(v) for v in out.values())
-        rest, t_rest = drafted - len(rows), time.perf_counter() - t1
-        if not caught_up and drafted:
-            self.seconds_per_token = (t_first + t_rest) / drafted
+        computed = drafted - free   # the chain's guesses cost nothing here: the policy counts them apart
+        rest, t_rest = computed - len(rows), time.perf_counter() - t1
+        if not caught_up and computed:
+            self.seconds_per_token = (t_first + t_rest) / computed
         elif rest > 0:
             self.seconds_per_token = t_rest / rest
         self.drafted += drafted
+        self.from_chain += free
         return out
 
     def _step(self, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:

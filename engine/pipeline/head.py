@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -204,6 +205,14 @@ class Head:
         # instead of prompt lookup; loaded at start, it never leaves this machine
         self.draft_spec = draft
         self.drafter: DraftModel | None = None
+        # overlap (issue 34 item 4, PipeInfer-style): while a verification is in flight the
+        # draft model drafts on after its guesses, on its own thread; where they all stand
+        # the next round's draft is already made (POTLUCK_DRAFT_AHEAD=0: never)
+        self.draft_ahead = os.environ.get("POTLUCK_DRAFT_AHEAD", "1") != "0"
+        self._ahead_stop: dict[int, threading.Event] = {}   # micro-batch id -> its step came back
+        # rounds waiting for the draft thread: drafting ahead yields to them at once
+        self._drafts_waiting = 0
+        self._drafts_lock = threading.Lock()
         # micro-batch id -> (launch time, tokens drafted, a decode step): its trip's measurements
         self._trips: dict[int, tuple[float, int, bool]] = {}
         self.cores = cores  # a CoreLease when local stage processes share this CPU
@@ -265,6 +274,8 @@ class Head:
         # decode steps' own thread, with compute="decode-first": they cut into prompt
         # steps between layers, as on the stages (engine/core/step_gate.py)
         self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="head-decode")
+        # the draft model's own thread: drafting ahead runs beside stage 0's compute
+        self._draft_exec = ThreadPoolExecutor(1, thread_name_prefix="head-draft")
         self._ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}
         # the decisions: who runs, in which micro-batch, how prompts are cut (sans-I/O)
@@ -524,6 +535,8 @@ class Head:
             self._finish(s, "error", "pipeline closed", free=False)
         self._exec.shutdown(wait=False, cancel_futures=True)
         self._decode_exec.shutdown(wait=False, cancel_futures=True)
+        self._stop_drafting_ahead()
+        self._draft_exec.shutdown(wait=False, cancel_futures=True)
 
     def info(self) -> dict:
         return {
@@ -753,6 +766,7 @@ class Head:
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out,
                                     q8=self._q8(kind, out, t1 - t0))
                 self.link.submit(frame, kind)
+                self._draft_on(g, [r.seq for r in step_rows if not r.new])
             else:
                 entries = await self._run(self._local_last, batch, x, new, forks)
                 if epoch != self.recovery.epoch:
@@ -805,39 +819,100 @@ class Head:
         """Sequences the pipeline holds now (admitted, not finished), all micro-batches."""
         return sum(1 for g in self.groups for s in g.seqs if not s.done)
 
-    def _k(self, s: Sequence) -> int:
+    def _speculates(self, s: Sequence) -> bool:
+        return self.speculate != "off" and s.spec and not s.cancelled
+
+    def _k(self, s: Sequence, free: int = 0) -> int:
         """Tokens to draft after a decoding sequence this round, k from the policy (0: a
-        plain step). Never past its max_tokens: the KV its admission reserved holds the
-        draft, and nothing past the window is drafted."""
-        if self.speculate == "off" or not s.spec or s.cancelled:
+        plain step), `free` of them drafted ahead already. Never past its max_tokens: the
+        KV its admission reserved holds the draft, and nothing past the window is drafted."""
+        if not self._speculates(s):
             return 0
-        return max(0, min(self.spec_policy.k_for(s.id), s.params.max_tokens - len(s.generated) - 1))
+        return max(0, min(self.spec_policy.k_for(s.id, free), s.params.max_tokens - len(s.generated) - 1))
+
+    async def _on_draft_thread(self, fn):
+        """Run fn on the draft model's thread, ahead of any drafting-ahead: that yields to a
+        waiting round at its next position (_draft_on's enough())."""
+        def run():
+            with self._drafts_lock:
+                self._drafts_waiting -= 1
+            return fn()
+
+        with self._drafts_lock:
+            self._drafts_waiting += 1
+        return await asyncio.get_running_loop().run_in_executor(self._draft_exec, run)
 
     async def _drafts(self, seqs: list[Sequence]) -> dict[int, list[int]]:
         """This round's drafts for the decoding sequences of a step: seq id -> tokens."""
-        ks = {s.id: k for s in seqs if (k := self._k(s)) > 0}
+        if self.drafter is None:
+            ks = {s.id: k for s in seqs if (k := self._k(s)) > 0}
+            return {s.id: self._draft(s, ks[s.id]) for s in seqs if s.id in ks}
+        if not any(self._speculates(s) for s in seqs):
+            return {}
+        drafter = self.drafter
+        # what the draft model guessed ahead during the last trip (its chains are settled
+        # once this round has the draft thread: jobs run in order, ahead-drafting first)
+        ctxs = {s.id: s.prompt + s.generated for s in seqs}
+        try:
+            free = await self._on_draft_thread(lambda: {sid: drafter.ahead_of(sid, c) for sid, c in ctxs.items()})
+        except RuntimeError:   # the thread is shut down: the head is closing
+            return {}
+        ks = {s.id: k for s in seqs if (k := self._k(s, free[s.id])) > 0}
         if not ks:
             return {}
-        if self.drafter is None:
-            return {s.id: self._draft(s, ks[s.id]) for s in seqs if s.id in ks}
-        asks = [(s.id, s.prompt + s.generated, ks[s.id]) for s in seqs if s.id in ks]
+        asks = [(sid, ctxs[sid], k) for sid, k in ks.items()]
         live = [sid for sid, x in self.seqs.items() if not x.done]
-        drafter = self.drafter
 
         def run():
             drafter.retain(live)   # sequences that finished since: their draft KV goes
-            return drafter.draft(asks)
+            return drafter.draft(asks), drafter.seconds_per_token
 
         try:
-            out = await self._run(run)
+            out, cost = await self._on_draft_thread(run)
         except (ValueError, RuntimeError) as exc:   # a guess is never worth a failed reply
             log.warning("the draft model failed: %s; plain steps this round", exc)
             return {}
-        # the batch's drafting per drafted token (core/speculation.py's model), without the
-        # prefill of a prompt new to the draft model, which is no guess's cost
-        if drafter.seconds_per_token is not None:
-            self.spec_policy.observe_draft(drafter.seconds_per_token)
+        # the batch's drafting per computed guess (core/speculation.py's model), without the
+        # prefill of a prompt new to the draft model, which is no guess's cost (guesses
+        # drafted ahead the policy counts apart)
+        if cost is not None:
+            self.spec_policy.observe_draft(cost)
         return out
+
+    def _draft_on(self, g: Group, seqs: list[Sequence]):
+        """Overlap: the step checking these sequences' drafts (or a plain step) is on its
+        way; the draft model drafts on after it, as if all of the draft stands, until the
+        step comes back (_on_tokens stops it). If every guess stood and the target's own
+        next token is the draft's next guess, the next round's guesses are ready
+        (DraftModel.chain) and cost it only their verification (SpecPolicy's `free`); if
+        not, they are dropped and it was the draft thread's idle time that paid. Not for a
+        busy pipeline, where nobody drafts."""
+        if self.drafter is None or not self.draft_ahead or self.spec_policy.busy:
+            return
+        ahead = self.spec_policy.config.k_max + 1   # the target's token, then a whole round
+        asks = [(s.id, s.prompt + s.generated + s.draft, ahead) for s in seqs if self._speculates(s) and not s.done]
+        if not asks:
+            return
+        stop = self._ahead_stop[g.id] = threading.Event()
+        drafter = self.drafter
+
+        def enough() -> bool:   # its step came back, or another micro-batch waits to draft
+            return stop.is_set() or self._drafts_waiting > 0
+
+        def run():   # queued behind other micro-batches' drafts, it may find its step back already
+            drafter.draft(asks, stop=enough)
+
+        def done(fut):
+            if not fut.cancelled() and fut.exception() is not None:
+                log.warning("drafting ahead failed: %s", fut.exception())
+
+        asyncio.get_running_loop().run_in_executor(self._draft_exec, run).add_done_callback(done)
+
+    def _stop_drafting_ahead(self, group_id: int | None = None):
+        for gid in ([group_id] if group_id is not None else list(self._ahead_stop)):
+            ev = self._ahead_stop.pop(gid, None)
+            if ev is not None:
+                ev.set()
 
     def _draft(self, s: Sequence, k: int) -> list[int]:
         """Prompt lookup's guess of up to k tokens after a decoding sequence."""
@@ -926,6 +1001,7 @@ class Head:
         if not self.recovery.lost(index, address, why, epoch):
             return  # already being dealt with, or a stage of an arrangement that is gone
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
+        self._stop_drafting_ahead()   # the steps in flight never come back
         self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back)))
 
     async def _recover_or_fail(self, rearrangement):
@@ -1092,6 +1168,7 @@ class Head:
         if not g.in_flight or step != g.step:
             log.warning("stale tokens for micro-batch %d step %d ignored", group_id, step)
             return
+        self._stop_drafting_ahead(group_id)   # its answer is here: no more guessing past it
         self._measure_trip(group_id, errors)
         members = {s.id: s for s in g.seqs}
         for sid, msg in errors:
@@ -1158,7 +1235,7 @@ class Head:
         if not drafted:
             self.spec_policy.observe_trip(seconds)
         elif self.spec_policy.trip is not None:
-            self.spec_policy.observe_verify_extra((seconds - self.spec_policy.trip) / drafted)
+            self.spec_policy.observe_verify_extra((seconds - self.spec_policy.trip) / drafted, drafted)
 
     def _append(self, s: Sequence, tok: int, lp: TokenLogprob | None = None):
         if s.t_first is None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.core.speculation import SpecConfig, SpecPolicy, best_k, expected_tokens, round_time
+from engine.core.speculation import SpecConfig, SpecPolicy, best_k, expected_tokens, fit_line, round_time
 
 
 def policy(trip=None, draft=None, verify=None, **cfg) -> SpecPolicy:
@@ -62,6 +62,45 @@ def test_round_time_and_best_k():
     assert best_k(0.0, 0.03, 0.0, 0.0, k_max=8) == 0           # nothing is ever accepted
     # free verification and a perfect draft: as many as allowed
     assert best_k(1.0, 0.03, 0.0, 0.0, k_max=5) == 5
+
+
+def test_guesses_drafted_ahead_cost_only_their_verification():
+    """A round that finds guesses drafted ahead (during the last trip) pays the draft model
+    only for the ones beyond them: it takes what is there, and more only where that pays."""
+    assert round_time(4, 0.18, 0.06, 0.02, free=3) == pytest.approx(0.18 + 4 * 0.02 + 0.06)
+    assert round_time(2, 0.18, 0.06, 0.02, free=3) == pytest.approx(0.18 + 2 * 0.02)
+    # this machine's numbers (bench/speculative.py): a 180 ms trip, a 60 ms draft token
+    assert best_k(0.94, 0.18, 0.06, 0.02, k_max=8) == 5
+    assert best_k(0.94, 0.18, 0.06, 0.02, k_max=8, free=3) == 3      # no paid token beats three free ones
+    assert best_k(0.94, 0.18, 0.06, 0.02, k_max=8, free=8) == 8
+    # a poor draft is not worth paying for, but free guesses still are
+    assert best_k(0.5, 0.18, 0.06, 0.02, k_max=8) == 0
+    assert best_k(0.5, 0.18, 0.06, 0.02, k_max=8, free=4) == 2
+    p = SpecPolicy()
+    p.observe_trip(0.18), p.observe_draft(0.06), p.observe_verify_extra(0.02)
+    assert (p.k_for(1), p.k_for(1, free=8)) == (0, 2)   # at the prior's acceptance, 0.5
+    p.set_load(5)
+    assert p.busy and p.k_for(1, free=8) == 0
+
+
+def test_a_verification_costs_what_steps_of_its_size_measured():
+    """On one CPU thread the first extra token of a step costs most (a matrix-vector
+    product becomes a matrix product) and the next ones little: with two sizes timed the
+    policy draws a line through them instead of charging every token the first's price."""
+    p = SpecPolicy()
+    p.observe_trip(0.18), p.observe_draft(0.06)
+    p.observe_verify_extra(0.04, k=1)
+    assert p.verify_cost(4) == pytest.approx(4 * 0.04)       # one size seen: k times it
+    p.observe_verify_extra(0.05 / 4, k=4)
+    assert p.verify_cost(1) == pytest.approx(0.04) and p.verify_cost(4) == pytest.approx(0.05)
+    assert p.verify_cost(8) == pytest.approx(0.04 - 0.01 / 3 + 8 * 0.01 / 3)
+    assert p.verify_cost(0) == 0.0
+    # the line lets it draft more than a per-token price would
+    assert best_k(0.94, 0.18, 0.06, lambda k: k * 0.04, k_max=8) == 4
+    assert best_k(0.94, 0.18, 0.06, p.verify_cost, k_max=8) == 7
+    # a fit that would start below zero goes through the origin; a negative slope is flat
+    assert fit_line({1: 0.01, 3: 0.05}) == (0.0, pytest.approx(0.016))
+    assert fit_line({2: 0.05, 6: 0.03}) == (pytest.approx(0.04), 0.0)
 
 
 def test_margin_keeps_a_marginal_gain_off():

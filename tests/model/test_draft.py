@@ -85,6 +85,38 @@ def test_a_prompts_prefill_is_not_charged_to_its_guesses(tiny, monkeypatch):
     assert d.draft([(2, list(range(50, 60)), 1)]) and d.seconds_per_token is None   # all prefill
 
 
+def test_guesses_drafted_ahead_are_served_from_the_chain(tiny):
+    """The head's overlap: while a verification of [d1..dk] is in flight it drafts on
+    after them; if every guess stood and the target's own token is the draft's next
+    guess, the next round's draft is already there (and costs nothing). Anything else
+    and the model carries on from where the chain and the context part. A stop()
+    turning true cuts the drafting-ahead short."""
+    ref = whole(tiny)
+    d = DraftModel(whole(tiny), "tiny")
+    ctx = list(range(5, 25))
+    first = d.draft([(1, ctx, 3)])[1]
+    ahead = d.draft([(1, ctx + first, 4)])[1]            # in flight: draft on after d3
+    assert ahead == greedy(ref, ctx + first, 4)
+    assert d.chain(1) == ctx + first + ahead
+    # all stood, and the target's token was the draft's own next guess: free
+    ctx2 = ctx + first + ahead[:1]
+    before = d.model.kv.length(1)
+    assert d.ahead_of(1, ctx2) == 3 and d.ahead_of(1, ctx + [0]) == 0
+    assert d.draft([(1, ctx2, 3)]) == {1: ahead[1:4]}
+    assert d.seconds_per_token is None and d.from_chain == 3 and d.model.kv.length(1) == before
+    # more than the chain holds: its 3 free guesses, then the model from the chain's end
+    assert d.draft([(1, ctx2, 5)]) == {1: greedy(ref, ctx2, 5)}
+    assert 0.0 < d.seconds_per_token
+    # the target said something else: no free guesses, greedy from the new context
+    ctx3 = ctx + first[:1] + [(first[1] + 1) % 256]
+    assert d.draft([(1, ctx3, 2)]) == {1: greedy(ref, ctx3, 2)}
+    # drafting ahead stops when asked (the verification came back)
+    calls = []
+    got = d.draft([(1, ctx3 + [7], 6)], stop=lambda: calls.append(1) or len(calls) > 2)
+    assert got[1] == greedy(ref, ctx3 + [7], 2)
+    assert d.draft([(1, ctx3 + [7, 8], 6)], stop=lambda: True) == {}
+
+
 def test_a_full_draft_cache_drafts_nothing_rather_than_failing(tiny):
     d = DraftModel(whole(tiny), "tiny")
     d.model.kv.budget_tokens = 16
