@@ -519,8 +519,10 @@ def report(res: dict, a) -> dict:
                     cs = [x["counts"] for r in rounds for x in cell(delay, kind, mode, r)]
                     trips, toks = sum(c["rounds"] for c in cs), sum(c["tokens"] for c in cs)
                     tt.append(f"{toks / trips:.2f}" if trips else "-")
-                ch = [x.get("chain") or [0, 0] for r in rounds for x in cell(delay, kind, "draft", r)]
-                handed, served = sum(c[0] for c in ch), sum(c[1] for c in ch)
+                # of the guesses sent for verification, those drafted ahead (the chain's)
+                recs = [x for r in rounds for x in cell(delay, kind, "draft", r)]
+                handed = sum(x["counts"]["proposed"] for x in recs)
+                served = sum((x.get("chain") or [0, 0])[1] for x in recs)
                 overlap_rows.append([f"{delay:g} ms", kind, f"{med(sync):.2f}", f"{med(ahead):.2f}",
                                      f"{med(paired):.2f}x{spread}", tt[0], tt[1],
                                      f"{served / handed:.0%}" if handed else "-", same(delay, kind, "draft-sync")])

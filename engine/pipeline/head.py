@@ -179,6 +179,15 @@ class RemoteStage:
     range: tuple[int, int] = (0, 0)
 
 
+def _yielding_thread(nice: int = 10) -> None:
+    """Lower the calling thread's CPU priority (Linux: a thread is a task of its own),
+    where the system allows it; elsewhere it runs as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
 class Head:
     def __init__(self, source: ModelSource, stage_addresses: list[str] | None = None, *,
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
@@ -274,8 +283,10 @@ class Head:
         # decode steps' own thread, with compute="decode-first": they cut into prompt
         # steps between layers, as on the stages (engine/core/step_gate.py)
         self._decode_exec = ThreadPoolExecutor(1, thread_name_prefix="head-decode")
-        # the draft model's own thread: drafting ahead runs beside stage 0's compute
-        self._draft_exec = ThreadPoolExecutor(1, thread_name_prefix="head-draft")
+        # the draft model's own thread: drafting ahead runs beside stage 0's compute, at a
+        # lower priority, so that guessing never slows what it guesses for (this
+        # machine's stage processes, the event loop that moves activations)
+        self._draft_exec = ThreadPoolExecutor(1, thread_name_prefix="head-draft", initializer=_yielding_thread)
         self._ids = itertools.count(1)
         self.seqs: dict[int, Sequence] = {}
         # the decisions: who runs, in which micro-batch, how prompts are cut (sans-I/O)
