@@ -32,6 +32,15 @@ def model_label(m: dict) -> str:
     return m["label"] + (" (accept its license on huggingface.co first)" if m.get("gated") else "")
 
 
+DRAFT_NONE = "None: prompt lookup only (guesses from the conversation)"
+
+
+def _draft_pairing_label(pairing: str) -> str:
+    if not pairing:
+        return "The catalog's pairing: none for this model (prompt lookup)"
+    return f"The catalog's pairing: {pairing}"
+
+
 WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "bf16"),
                    ("int8 — about half the memory", "int8"), ("nf4 — about a quarter of the memory", "nf4")]
 
@@ -63,7 +72,6 @@ class HostDialog(QDialog):
         self.model.addItem(DEFAULT_CHOICE, "default")
         self.model.setCurrentIndex(0)
         self.models: list[dict] = []
-        controller.models(self._show_models)
         self.model.setToolTip("Pick a model (sizes: its weights at each precision), or type a Hugging Face "
                               "model id, a local folder or a .gguf file")
         form.addRow("Model:", self.model)
@@ -73,6 +81,19 @@ class HostDialog(QDialog):
         self.weights.setToolTip("How the model's weights are stored in memory. Auto picks the highest precision "
                                 "that fits: int8 and nf4 let a bigger model fit, with slightly lower quality")
         form.addRow("Weights:", self.weights)
+        # speculative decoding's drafts (issue 34): prompt lookup always; a small draft model
+        # of the same tokenizer beside this computer's stage where the catalog pairs one
+        # (or one typed: MODEL[@WEIGHTS]); it never leaves this computer
+        self.draft = QComboBox()
+        self.draft.setEditable(True)
+        self.draft.addItem(DRAFT_NONE, "")
+        self.draft.addItem(_draft_pairing_label(""), "auto")
+        self.draft.setToolTip("Between homes every token travels the whole ring; a draft model on this computer "
+                              "guesses a few tokens ahead and the pipeline checks them in one trip. It costs this "
+                              "computer its memory and a download; Potluck drafts only where it pays")
+        form.addRow("Draft model:", self.draft)
+        self.model.currentTextChanged.connect(self._show_draft_pairing)
+        controller.models(self._show_models)   # the list fills in when the node answers
         self.stages = QSpinBox()
         self.stages.setRange(1, 8)
         self.stages.setValue(controller.settings.local_stages)
@@ -184,6 +205,25 @@ class HostDialog(QDialog):
             self.model.addItem(model_label(m), m["id"])
         if typed != DEFAULT_CHOICE:
             self.model.setEditText(typed)
+        self._show_draft_pairing()
+
+    def draft_pairing(self) -> str:
+        """The catalog's draft model for the chosen model ('' where it pairs none)."""
+        spec = self.model_spec(self.model.currentText())
+        return next((m.get("draft") or "" for m in self.models if m["id"] == spec), "")
+
+    def _show_draft_pairing(self, *_):
+        self.draft.setItemText(1, _draft_pairing_label(self.draft_pairing()))
+
+    def draft_choice(self) -> str | None:
+        """What the host request's `draft` says: None (prompt lookup only), "auto" (the
+        catalog's pairing) or a typed MODEL[@WEIGHTS]."""
+        text = self.draft.currentText().strip()
+        i = self.draft.currentIndex()
+        if i >= 0 and text == self.draft.itemText(i):
+            data = self.draft.itemData(i)
+            return None if not data or (data == "auto" and not self.draft_pairing()) else data
+        return text or None
 
     def model_spec(self, text: str) -> str:
         """What to host for the model box's text: a listed model's id, else what was typed."""
@@ -200,6 +240,9 @@ class HostDialog(QDialog):
         addrs = [a.strip() for a in self.friends.toPlainText().splitlines() if a.strip()]
         req = {"model": model, "stages": self.stages.value(), "stage_addr": addrs,
                "weights": self.weights.currentData() or "auto"}
+        draft = self.draft_choice()
+        if draft:
+            req["draft"] = draft
         if self.invitees.value():
             req.update(friends=self.invitees.value(), listen=self.listen.text().strip(),
                        relay=self.relay.text().strip())

@@ -35,7 +35,7 @@ def catalog_reply() -> list[dict]:
     from engine.model import catalog
 
     return [{"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
-             "sizes": e.sizes(), "fits_here": {}} for e in catalog.MODELS]
+             "draft": e.draft, "sizes": e.sizes(), "fits_here": {}} for e in catalog.MODELS]
 
 
 def test_the_model_list_is_the_curated_one_with_sizes(dialog):
@@ -69,6 +69,24 @@ def test_the_weights_choice_reaches_the_host_request(dialog):
     d.start()
     assert [kind for kind, _ in d.sent] == ["plan", "host"]
     assert all(req["weights"] == "nf4" for _, req in d.sent)
+
+
+def test_the_draft_model_pairing_is_shown_and_chosen_into_the_host_request(dialog):
+    from engine.model import catalog
+
+    d = dialog
+    assert "draft" not in d.request()            # prompt lookup only unless asked
+    d.draft.setCurrentIndex(1)
+    assert "none for this model" in d.draft.currentText() and "draft" not in d.request()   # the default pairs none
+    seventy = next(e for e in catalog.MODELS if e.draft and "70B" in e.name)
+    d.model.setCurrentIndex([d.model.itemData(i) for i in range(d.model.count())].index(seventy.id))
+    assert d.draft.itemText(1) == f"The catalog's pairing: {seventy.draft}"
+    assert d.request()["draft"] == "auto"
+    d.draft.setEditText("default@int8")          # any model of the same tokenizer, typed
+    d.check()
+    assert d.sent[-1] == ("plan", d.request()) and d.request()["draft"] == "default@int8"
+    d.draft.setCurrentIndex(0)
+    assert "draft" not in d.request()
 
 
 def _plan(chosen="int8", fits=True):
