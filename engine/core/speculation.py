@@ -30,6 +30,10 @@ already made. Those cost the round only their verification:
     T(k) = trip + n * (k * verify_extra + max(0, k - free) * draft)
 so a round takes what the chain holds and pays for more only where that still pays.
 
+Drafting ahead costs the host something too (a core, and the interpreter it shares
+with its own stage), so it only runs where a trip has time for at least two drafted
+positions and those would make a round pay (`ahead_pays`).
+
 Busy: above `busy_above` active sequences (4) speculation is off for everyone. Active
 means every sequence the pipeline holds (set_load), in every micro-batch, not the rows
 of the step being built: a step of one row among four busy micro-batches is a busy
@@ -249,6 +253,22 @@ class SpecPolicy:
     def busy(self) -> bool:
         """More sequences than speculation serves: nobody drafts (nor drafts ahead)."""
         return self.active > self.config.busy_above
+
+    def ahead_pays(self, seq_id: int) -> bool:
+        """Whether drafting ahead during this sequence's trips is worth its cost: the
+        guesses a trip has time for (one position of them goes on the target's own next
+        token) must make a round worth drafting. It is not free -- the draft model's
+        thread takes a core and the host's interpreter from the stage it computes
+        beside -- so where a trip is hardly longer than a drafted token (a fast link), or
+        before a draft has been timed, nobody drafts ahead."""
+        c = self.config
+        if self.trip is None or self._draft is None or self.busy or c.k_max == 0:
+            return False
+        free = min(c.k_max, int(self.trip / max(self._draft, 1e-6)) - 1)
+        if free < 1:
+            return False
+        return best_k(self.acceptance(seq_id), self.trip, self.draft, self.verify_cost, c.k_max,
+                      self.active, c.margin, free) > 0
 
     def k_for(self, seq_id: int, free: int = 0) -> int:
         """Tokens to draft for this sequence's next round (0: a plain step), `free` of them

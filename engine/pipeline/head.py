@@ -901,7 +901,8 @@ class Head:
         if self.drafter is None or not self.draft_ahead or self.spec_policy.busy:
             return
         ahead = self.spec_policy.config.k_max + 1   # the target's token, then a whole round
-        asks = [(s.id, s.prompt + s.generated + s.draft, ahead) for s in seqs if self._speculates(s) and not s.done]
+        asks = [(s.id, s.prompt + s.generated + s.draft, ahead) for s in seqs
+                if self._speculates(s) and not s.done and self.spec_policy.ahead_pays(s.id)]
         if not asks:
             return
         stop = self._ahead_stop[g.id] = threading.Event()

@@ -83,6 +83,23 @@ def test_guesses_drafted_ahead_cost_only_their_verification():
     assert p.busy and p.k_for(1, free=8) == 0
 
 
+def test_drafting_ahead_only_where_a_trip_has_time_for_guesses_that_pay():
+    p = SpecPolicy()
+    assert not p.ahead_pays(1)                       # nothing timed yet
+    p.observe_trip(0.09), p.observe_verify_extra(0.04, k=1)
+    assert not p.ahead_pays(1)                       # no draft timed
+    p.observe_draft(0.06)
+    assert not p.ahead_pays(1)                       # a fast link: one position a trip, the target's token
+    p = SpecPolicy()
+    p.observe_trip(0.19), p.observe_draft(0.06), p.observe_verify_extra(0.04, k=1)
+    assert p.ahead_pays(1)                           # 30 ms links: two guesses and the target's token
+    for _ in range(30):
+        p.observe_round(1, 4, 0)                     # a sequence the draft never guesses
+    assert not p.ahead_pays(1) and p.ahead_pays(2)
+    p.set_load(5)
+    assert not p.ahead_pays(2)                       # busy: nobody drafts
+
+
 def test_a_verification_costs_what_steps_of_its_size_measured():
     """On one CPU thread the first extra token of a step costs most (a matrix-vector
     product becomes a matrix product) and the next ones little: with two sizes timed the
