@@ -156,6 +156,7 @@ class SpecPolicy:
         self._draft: float | None = None    # seconds per drafted token
         self._verify: float | None = None   # seconds per extra token in a step
         self._verify_by_k: dict[int, float] = {}   # a step's extra tokens -> the seconds they add
+        self._ahead: float | None = None    # seconds per position drafted ahead
         self.active = 1
         # totals over every sequence since start, the dropped ones too (status)
         self._rounds = self._tokens = self._proposed = self._accepted = 0
@@ -254,17 +255,26 @@ class SpecPolicy:
         """More sequences than speculation serves: nobody drafts (nor drafts ahead)."""
         return self.active > self.config.busy_above
 
+    def observe_ahead(self, seconds_per_position: float) -> None:
+        """How long a position drafted ahead took (while the trip was in flight, beside
+        whatever else the host computed then): how many guesses a trip has time for."""
+        if seconds_per_position > 0.0 and math.isfinite(seconds_per_position):
+            self._ahead = self._smooth(self._ahead, seconds_per_position)
+
     def ahead_pays(self, seq_id: int) -> bool:
         """Whether drafting ahead during this sequence's trips is worth its cost: the
         guesses a trip has time for (one position of them goes on the target's own next
         token) must make a round worth drafting. It is not free -- the draft model's
         thread takes a core and the host's interpreter from the stage it computes
-        beside -- so where a trip is hardly longer than a drafted token (a fast link), or
-        before a draft has been timed, nobody drafts ahead."""
+        beside -- so where a trip is hardly longer than a drafted position (a fast link)
+        nobody drafts ahead. Untimed, it is tried."""
         c = self.config
-        if self.trip is None or self._draft is None or self.busy or c.k_max == 0:
+        if self.trip is None or self.busy or c.k_max == 0:
             return False
-        free = min(c.k_max, int(self.trip / max(self._draft, 1e-6)) - 1)
+        if self._ahead is None:   # untried: try it (its first runs time it)
+            free = c.k_max
+        else:
+            free = min(c.k_max, int(self.trip / max(self._ahead, 1e-6)) - 1)
         if free < 1:
             return False
         return best_k(self.acceptance(seq_id), self.trip, self.draft, self.verify_cost, c.k_max,
@@ -311,7 +321,7 @@ class SpecPolicy:
             "acceptance": ratio(self._accepted, self._proposed),
             "rounds": self._rounds,
             "trip": self.trip, "draft": self.draft, "verify_extra": self.verify_extra, "measured": self.measured,
-            "verify_by_k": dict(sorted(self._verify_by_k.items())),
+            "verify_by_k": dict(sorted(self._verify_by_k.items())), "ahead": self._ahead,
             "active": self.active,
             "sequences": {
                 sid: {"k": s.k, "acceptance": ratio(s.accepted, s.proposed),

@@ -88,6 +88,9 @@ class DraftModel:
         # the last draft() call's cost per guess it computed, prompts' catch-up left out
         # (None: that call measured none); SpecPolicy.observe_draft's input
         self.seconds_per_token: float | None = None
+        # ... and its steps after the first (one position each): what drafting ahead
+        # runs at (None: it took none)
+        self.seconds_per_position: float | None = None
 
     @classmethod
     def load(cls, spec: str, *, dtype: torch.dtype, device: str, kv_budget_tokens: int = 1 << 16,
@@ -169,7 +172,7 @@ class DraftModel:
             self.tokens[sid] = ctx[:keep]
             self.next.pop(sid, None)
             rows.append((sid, keep, ctx[keep:], k))
-        self.seconds_per_token = None
+        self.seconds_per_token = self.seconds_per_position = None
         if not rows:
             self.drafted += free
             self.from_chain += free
@@ -197,12 +200,14 @@ class DraftModel:
             if k > 1:
                 live.append((sid, len(out[sid]) + k - 1))
         # 2. one batched step per further position, for the sequences that want it
+        steps = 0
         while live and not (stop is not None and stop()):
             try:
                 logits = self._step([(sid, len(self.tokens[sid]), [out[sid][-1]]) for sid, _ in live])
             except KVCapacityError as exc:
                 log.warning("draft model: %s; drafts cut short", exc)
                 break
+            steps += 1
             nxt = []
             for (sid, want), g in zip(live, self._greedy(logits)):
                 self.tokens[sid].append(out[sid][-1])
@@ -211,6 +216,8 @@ class DraftModel:
                 if len(out[sid]) < want:
                     nxt.append((sid, want))
             live = nxt
+        if steps:   # a step drafts one position of every sequence still drafting
+            self.seconds_per_position = (time.perf_counter() - t1) / steps
         drafted = sum(len(v) for v in out.values())
         computed = drafted - free   # the chain's guesses cost nothing here: the policy counts them apart
         rest, t_rest = computed - len(rows), time.perf_counter() - t1

@@ -913,10 +913,15 @@ class Head:
 
         def run():   # queued behind other micro-batches' drafts, it may find its step back already
             drafter.draft(asks, stop=enough)
+            return drafter.seconds_per_position
 
         def done(fut):
-            if not fut.cancelled() and fut.exception() is not None:
+            if fut.cancelled():
+                return
+            if fut.exception() is not None:
                 log.warning("drafting ahead failed: %s", fut.exception())
+            elif fut.result() is not None:   # how many guesses a trip has time for (ahead_pays)
+                self.spec_policy.observe_ahead(fut.result())
 
         asyncio.get_running_loop().run_in_executor(self._draft_exec, run).add_done_callback(done)
 

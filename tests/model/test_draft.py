@@ -106,7 +106,7 @@ def test_guesses_drafted_ahead_are_served_from_the_chain(tiny):
     assert d.seconds_per_token is None and d.from_chain == 3 and d.model.kv.length(1) == before
     # more than the chain holds: its 3 free guesses, then the model from the chain's end
     assert d.draft([(1, ctx2, 5)]) == {1: greedy(ref, ctx2, 5)}
-    assert 0.0 < d.seconds_per_token
+    assert 0.0 < d.seconds_per_token and 0.0 < d.seconds_per_position
     # the target said something else: no free guesses, greedy from the new context
     ctx3 = ctx + first[:1] + [(first[1] + 1) % 256]
     assert d.draft([(1, ctx3, 2)]) == {1: greedy(ref, ctx3, 2)}
