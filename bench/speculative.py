@@ -20,10 +20,16 @@ Modes (the head's own switches, set between requests):
              sequence from engine/core/speculation.py's SpecPolicy (one policy per link
              delay, kept across that delay's requests as a serving head keeps it)
     draft    Head.speculate = "auto" with the stand-in draft model beside stage 0: the
-             default model itself at int8 (PipelineConfig.draft = "default@int8",
-             engine/model/draft.py), its own policy per delay. One head holds it; the
-             lookup mode parks it (Head.drafter = None) so both modes share the pipeline.
-             Without an engine that has --draft the column says "n/a (no draft drafter yet)"
+             default model itself, its decoder weights rounded to int8 (one absmax scale
+             per row, as bitsandbytes keeps them) and computed in float32
+             (PipelineConfig.draft = "default@bf16", then round_weights): a quantized
+             model's guesses at float32's speed -- bitsandbytes' own CPU kernels draft
+             3-4x slower than float32 here, which a GPU's would not (--draft
+             default@int8 --round-draft none measures those). Its own policy per delay.
+             One head holds it; the lookup mode parks it (Head.drafter = None) so every
+             mode shares the pipeline. Drafting ahead on (the default).
+    draft-sync  the same with Head.draft_ahead = False (POTLUCK_DRAFT_AHEAD=0): the
+             overlap table (issue 34 item 4) compares the two; single user only
 
 Workloads, greedy (temperature 0), EOS honoured (a reply ends where plain decoding ends
 it: speculation must not change what is said, so every mode does the same work):
@@ -51,7 +57,7 @@ Targets (issue 34): >= 2x single-user tok/s at 30 ms with the draft on chat prom
 >= 1.5x with prompt lookup on quoting prompts; never below 0.95x anywhere (8 users and
 the 1 ms link included).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/speculative.py           # 3 rounds, ~20 min
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/speculative.py           # 3 rounds, ~25 min
     HF_HUB_OFFLINE=1 .venv/bin/python bench/speculative.py --quick   # 1 round, short replies, ~4 min
 
 (on this 2-core machine shared with two other engineers' test runs; the full run's size

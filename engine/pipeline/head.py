@@ -1249,6 +1249,8 @@ class Head:
         if t0 is None or not decode or errors:
             return
         seconds = time.monotonic() - t0
+        if self.spec_policy.busy:
+            return   # a busy pipeline's steps queue behind each other: no trip one person would see
         if not drafted:
             self.spec_policy.observe_trip(seconds)
         elif self.spec_policy.trip is not None:

@@ -45,6 +45,9 @@ class Always(SpecPolicy):
         self.most_active = max(self.most_active, self.active)
         return self.k
 
+    def ahead_pays(self, seq_id: int) -> bool:   # a draft model drafts ahead every round
+        return True
+
 
 class Patient(DraftModel):
     """Drafts ahead to the end whenever the step comes back (a draft faster than the
