@@ -620,7 +620,9 @@ class Head:
         step_rows = self.sched.step_rows(g)
         spec, drafted = self.spec, 0
         if spec is not None:   # as head.py: every sequence the pipeline holds, all micro-batches
-            self.spec_policy.set_load(sum(1 for x in self.sched.groups for s in x.seqs if not s.done))
+            busy_groups = sum(1 for x in self.sched.groups if any(not s.done for s in x.seqs))
+            self.spec_policy.set_load(sum(1 for x in self.sched.groups for s in x.seqs if not s.done),
+                                      full=self.pipe.n_stages > 1 and busy_groups >= self.pipe.n_stages)
         for r in step_rows:
             n = r.n
             r.seq.drafted = 0

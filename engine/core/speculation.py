@@ -34,7 +34,8 @@ Drafting ahead costs the host something too (a core, and the interpreter it shar
 with its own stage), so it only runs where a trip has time for at least two drafted
 positions and those would make a round pay (`ahead_pays`).
 
-Busy: above `busy_above` active sequences (4) speculation is off for everyone. Active
+Busy: above `busy_above` active sequences (4), or with as many micro-batches in flight
+as there are stages (every stage has work queued), speculation is off for everyone. Active
 means every sequence the pipeline holds (set_load), in every micro-batch, not the rows
 of the step being built: a step of one row among four busy micro-batches is a busy
 pipeline. The
@@ -159,6 +160,7 @@ class SpecPolicy:
         self._ahead: float | None = None    # seconds per position drafted ahead (the last run)
         self._ahead_idle = 0                # asks answered no since the last try
         self.active = 1
+        self.full = False
         # totals over every sequence since start, the dropped ones too (status)
         self._rounds = self._tokens = self._proposed = self._accepted = 0
 
@@ -216,10 +218,12 @@ class SpecPolicy:
         fixed, per = fit_line(self._verify_by_k)
         return fixed + per * k
 
-    def set_load(self, active_sequences: int) -> None:
+    def set_load(self, active_sequences: int, full: bool = False) -> None:
         """Every sequence the pipeline now holds (all micro-batches), for the busy cut-off
-        and the n sharing each round."""
+        and the n sharing each round; `full`: its micro-batches keep every stage busy
+        (as many in flight as stages), so there is no idle time for extra tokens to hide in."""
         self.active = max(1, int(active_sequences))
+        self.full = bool(full)
 
     def drop(self, seq_id: int) -> None:
         """A sequence finished or was cancelled: forget it (the totals keep its rounds)."""
@@ -254,7 +258,7 @@ class SpecPolicy:
     @property
     def busy(self) -> bool:
         """More sequences than speculation serves: nobody drafts (nor drafts ahead)."""
-        return self.active > self.config.busy_above
+        return self.active > self.config.busy_above or self.full
 
     def observe_ahead(self, seconds_per_position: float) -> None:
         """How long a position drafted ahead took (while the trip was in flight, beside

@@ -721,7 +721,8 @@ class Head:
         step_rows = self.sched.step_rows(g)
         # busy is every sequence the pipeline holds, in every micro-batch: a step of one
         # row among full micro-batches is a busy pipeline (core/speculation.py)
-        self.spec_policy.set_load(self._active())
+        in_flight = sum(1 for x in self.groups if any(not q.done for q in x.seqs))
+        self.spec_policy.set_load(self._active(), full=self.n_stages > 1 and in_flight >= self.n_stages)
         drafts = await self._drafts([r.seq for r in step_rows if not r.new])
         if epoch != self.recovery.epoch:
             return  # a stage left while the draft model drafted: its sequences are replayed

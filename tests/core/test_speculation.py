@@ -81,6 +81,10 @@ def test_guesses_drafted_ahead_cost_only_their_verification():
     assert (p.k_for(1), p.k_for(1, free=8)) == (0, 2)   # at the prior's acceptance, 0.5
     p.set_load(5)
     assert p.busy and p.k_for(1, free=8) == 0
+    p.set_load(2, full=True)                 # two sequences, but every stage has a micro-batch to do
+    assert p.busy and p.k_for(1, free=8) == 0
+    p.set_load(2)
+    assert not p.busy and p.k_for(1, free=8) > 0
 
 
 def test_drafting_ahead_only_where_a_trip_has_time_for_guesses_that_pay():
