@@ -157,8 +157,7 @@ class SpecPolicy:
         self._draft: float | None = None    # seconds per drafted token
         self._verify: float | None = None   # seconds per extra token in a step
         self._verify_by_k: dict[int, float] = {}   # a step's extra tokens -> the seconds they add
-        self._ahead: float | None = None    # seconds per position drafted ahead (the last run)
-        self._ahead_idle = 0                # asks answered no since the last try
+        self._ahead: float | None = None    # seconds per position drafted ahead
         self.active = 1
         self.full = False
         # totals over every sequence since start, the dropped ones too (status)
@@ -264,9 +263,7 @@ class SpecPolicy:
         """How long a position drafted ahead took (while the trip was in flight, beside
         whatever else the host computed then): how many guesses a trip has time for."""
         if seconds_per_position > 0.0 and math.isfinite(seconds_per_position):
-            # the last one, not an average: it depends on what else the host computed
-            # then (a burst of users' steps), and a stale slow one would keep it off
-            self._ahead = seconds_per_position
+            self._ahead = self._smooth(self._ahead, seconds_per_position)
 
     def ahead_pays(self, seq_id: int) -> bool:
         """Whether drafting ahead during this sequence's trips is worth its cost: the
@@ -274,8 +271,7 @@ class SpecPolicy:
         token) must make a round worth drafting. It is not free -- the draft model's
         thread takes a core and the host's interpreter from the stage it computes
         beside -- so where a trip is hardly longer than a drafted position (a fast link)
-        nobody drafts ahead. Untimed, it is tried; off, it is tried again every
-        `reprobe_every` asks (once a round per sequence), to time it as things are now."""
+        nobody drafts ahead. Untimed, it is tried."""
         c = self.config
         if self.trip is None or self.busy or c.k_max == 0:
             return False
@@ -283,14 +279,10 @@ class SpecPolicy:
             free = c.k_max
         else:
             free = min(c.k_max, int(self.trip / max(self._ahead, 1e-6)) - 1)
-        if free >= 1 and best_k(self.acceptance(seq_id), self.trip, self.draft, self.verify_cost, c.k_max,
-                                self.active, c.margin, free) > 0:
-            return True
-        self._ahead_idle += 1
-        if self._ahead_idle >= c.reprobe_every:
-            self._ahead_idle = 0
-            return True
-        return False
+        if free < 1:
+            return False
+        return best_k(self.acceptance(seq_id), self.trip, self.draft, self.verify_cost, c.k_max,
+                      self.active, c.margin, free) > 0
 
     def k_for(self, seq_id: int, free: int = 0) -> int:
         """Tokens to draft for this sequence's next round (0: a plain step), `free` of them

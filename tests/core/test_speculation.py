@@ -93,13 +93,9 @@ def test_drafting_ahead_only_where_a_trip_has_time_for_guesses_that_pay():
     p.observe_trip(0.09), p.observe_verify_extra(0.01, k=1), p.observe_draft(0.11)
     assert p.ahead_pays(1)                           # untried: try it
     p.observe_ahead(0.06)
-    asks = [p.ahead_pays(1) for _ in range(32)]      # a fast link: one position a trip, the target's token
-    assert asks == ([False] * 15 + [True]) * 2       # but tried again now and then, to time it anew
+    assert not p.ahead_pays(1)                       # a fast link: one position a trip, the target's token
     p.observe_trip(0.4)
     assert p.ahead_pays(1)                           # the link got slower
-    p.observe_trip(0.09), p.observe_ahead(0.3)       # timed while the host was busy ...
-    p.observe_ahead(0.03)                            # ... and again once it was not: the last counts
-    assert p.ahead_pays(1)
     p = SpecPolicy()
     p.observe_trip(0.19), p.observe_draft(0.11), p.observe_verify_extra(0.04, k=1), p.observe_ahead(0.06)
     assert p.ahead_pays(1)                           # 30 ms links: two guesses and the target's token
