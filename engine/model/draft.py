@@ -216,7 +216,13 @@ class DraftModel:
                 if len(out[sid]) < want:
                     nxt.append((sid, want))
             live = nxt
-        if steps:   # a step drafts one position of every sequence still drafting
+        # a step drafts one position of every sequence still drafting; the first step counts
+        # as one too where it only fed what the last round left (a position's worth): a run
+        # stopped after it (a trip with no time for a second position) must still say so,
+        # or drafting ahead would stay untimed, and be tried again, on every trip
+        if not caught_up:
+            self.seconds_per_position = (time.perf_counter() - t0) / (steps + 1)
+        elif steps:
             self.seconds_per_position = (time.perf_counter() - t1) / steps
         drafted = sum(len(v) for v in out.values())
         computed = drafted - free   # the chain's guesses cost nothing here: the policy counts them apart

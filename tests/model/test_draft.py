@@ -115,6 +115,11 @@ def test_guesses_drafted_ahead_are_served_from_the_chain(tiny):
     got = d.draft([(1, ctx3 + [7], 6)], stop=lambda: calls.append(1) or len(calls) > 2)
     assert got[1] == greedy(ref, ctx3 + [7], 2)
     assert d.draft([(1, ctx3 + [7, 8], 6)], stop=lambda: True) == {}
+    # stopped after its first position (a trip with time for one): still timed, or the
+    # head would find drafting ahead untried, and try it, on every trip
+    calls.clear()
+    got = d.draft([(1, ctx3 + [7, 9], 6)], stop=lambda: calls.append(1) or len(calls) > 1)
+    assert len(got[1]) == 1 and d.seconds_per_position is not None and d.seconds_per_position > 0.0
 
 
 def test_a_full_draft_cache_drafts_nothing_rather_than_failing(tiny):
