@@ -20,12 +20,13 @@ Modes (the head's own switches, set between requests):
              sequence from engine/core/speculation.py's SpecPolicy (one policy per link
              delay, kept across that delay's requests as a serving head keeps it)
     draft    Head.speculate = "auto" with the stand-in draft model beside stage 0: the
-             default model itself, its decoder weights rounded to int8 (one absmax scale
-             per row, as bitsandbytes keeps them) and computed in float32
-             (PipelineConfig.draft = "default@bf16", then round_weights): a quantized
-             model's guesses at float32's speed -- bitsandbytes' own CPU kernels draft
-             3-4x slower than float32 here, which a GPU's would not (--draft
-             default@int8 --round-draft none measures those). Its own policy per delay.
+             default model itself at int8 (PipelineConfig.draft = "default@int8": on a
+             CPU torch's weight-only int8 kernel, bfloat16 activations, run by the lean
+             decode loop -- engine/model/cpu_linear.py, engine/model/lean_decoder.py).
+             It is the target's own size, so a drafted position costs about what the
+             whole ring's compute does (~55-65 ms on one thread here). `--draft
+             default@bf16 --round-draft int8` runs the earlier stand-in instead (float32
+             kernels on weights rounded to int8). Its own policy per delay.
              One head holds it; the lookup mode parks it (Head.drafter = None) so every
              mode shares the pipeline. Drafting ahead on (the default).
     draft-sync  the same with Head.draft_ahead = False (POTLUCK_DRAFT_AHEAD=0): the
@@ -612,9 +613,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="new tokens per single-user reply at most (default 40; quick 24)")
     p.add_argument("--burst-tokens", type=int, default=None, help="new tokens per reply of the 8-user burst (default 24; quick 16)")
     p.add_argument("--delays", default=",".join(map(str, DELAYS_MS)), help="one-way delays, ms")
-    p.add_argument("--draft", default="default@bf16",
+    p.add_argument("--draft", default="default@int8",
                    help="the stand-in draft model (MODEL@WEIGHTS; 'none': no draft column)")
-    p.add_argument("--round-draft", default="int8",
+    p.add_argument("--round-draft", default="none",
                    help="round the draft's decoder weights to this grid, kept at float32 ('int8', or 'none')")
     p.add_argument("--json", default=None, help="also write the raw results here")
     a = p.parse_args(argv)

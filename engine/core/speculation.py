@@ -32,7 +32,9 @@ so a round takes what the chain holds and pays for more only where that still pa
 
 Drafting ahead costs the host something too (a core, and the interpreter it shares
 with its own stage), so it only runs where a trip has time for at least two drafted
-positions and those would make a round pay (`ahead_pays`).
+positions and those would make a round pay (`ahead_pays`). A position's time is kept per
+load (active sequences): a burst's tail drafts several rows a position beside busier
+stages, which says nothing of the lone user after it.
 
 Busy: above `busy_above` active sequences (4), or with as many micro-batches in flight
 as there are stages (every stage has work queued), speculation is off for everyone. Active
@@ -157,7 +159,10 @@ class SpecPolicy:
         self._draft: float | None = None    # seconds per drafted token
         self._verify: float | None = None   # seconds per extra token in a step
         self._verify_by_k: dict[int, float] = {}   # a step's extra tokens -> the seconds they add
-        self._ahead: float | None = None    # seconds per position drafted ahead
+        # seconds per position drafted ahead, by the active sequences then (_load_key): a
+        # burst's last few users draft several rows a position beside busier stages, and
+        # their timing must not turn drafting ahead off for the one person after them
+        self._ahead: dict[int, float] = {}
         self.active = 1
         self.full = False
         # totals over every sequence since start, the dropped ones too (status)
@@ -261,9 +266,14 @@ class SpecPolicy:
 
     def observe_ahead(self, seconds_per_position: float) -> None:
         """How long a position drafted ahead took (while the trip was in flight, beside
-        whatever else the host computed then): how many guesses a trip has time for."""
+        whatever else the host computed then): how many guesses a trip has time for, at
+        the present load."""
         if seconds_per_position > 0.0 and math.isfinite(seconds_per_position):
-            self._ahead = self._smooth(self._ahead, seconds_per_position)
+            key = self._load_key()
+            self._ahead[key] = self._smooth(self._ahead.get(key), seconds_per_position)
+
+    def _load_key(self) -> int:
+        return min(self.active, self.config.busy_above)
 
     def ahead_pays(self, seq_id: int) -> bool:
         """Whether drafting ahead during this sequence's trips is worth its cost: the
@@ -275,10 +285,11 @@ class SpecPolicy:
         c = self.config
         if self.trip is None or self.busy or c.k_max == 0:
             return False
-        if self._ahead is None:   # untried: try it (its first runs time it)
+        ahead = self._ahead.get(self._load_key())
+        if ahead is None:   # untried at this load: try it (its first runs time it)
             free = c.k_max
         else:
-            free = min(c.k_max, int(self.trip / max(self._ahead, 1e-6)) - 1)
+            free = min(c.k_max, int(self.trip / max(ahead, 1e-6)) - 1)
         if free < 1:
             return False
         return best_k(self.acceptance(seq_id), self.trip, self.draft, self.verify_cost, c.k_max,
@@ -325,7 +336,8 @@ class SpecPolicy:
             "acceptance": ratio(self._accepted, self._proposed),
             "rounds": self._rounds,
             "trip": self.trip, "draft": self.draft, "verify_extra": self.verify_extra, "measured": self.measured,
-            "verify_by_k": dict(sorted(self._verify_by_k.items())), "ahead": self._ahead,
+            "verify_by_k": dict(sorted(self._verify_by_k.items())),
+            "ahead": self._ahead.get(self._load_key()), "ahead_by_load": dict(sorted(self._ahead.items())),
             "active": self.active,
             "sequences": {
                 sid: {"k": s.k, "acceptance": ratio(s.accepted, s.proposed),

@@ -79,6 +79,58 @@ def use_small_batch_linear(model: nn.Module) -> int:
     return n
 
 
+class Int8WeightLinear(nn.Module):
+    """A linear layer with int8 weights for a CPU draft model (issue 34): one absmax scale
+    per output row (as bitsandbytes keeps int8 weights), computed by torch's weight-only
+    int8 kernel on bfloat16 activations. A decode step streams the weights from memory,
+    so a quarter of float32's bytes is what makes the draft cheaper: on this project's
+    2-core test machine a matrix of the default model takes ~0.6x float32's time at 1-4
+    rows, its LM head ~0.6x at 1 row and ~0.4x at 4 (`python -m engine.model.cpu_linear`),
+    where bitsandbytes' CPU kernels take three to four times float32's. Outputs differ
+    from the float32 model's (int8 weights, bfloat16 activations): fine for guesses the
+    target checks, never for the target itself."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        # parameters (frozen), not buffers: the memory a stage counts is its parameters'
+        self.qweight = nn.Parameter(torch.round(w / scale[:, None]).to(torch.int8).contiguous(),
+                                    requires_grad=False)
+        self.scale = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def int8_kernel_works() -> bool:
+    """Whether this torch has the CPU weight-only int8 kernel (and it runs)."""
+    try:
+        w = Int8WeightLinear(nn.Linear(64, 8, bias=False))
+        return tuple(w(torch.ones(2, 64)).shape) == (2, 8)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def use_int8_weights(model: nn.Module) -> int:
+    """Replace every CPU nn.Linear (the LM head too) by an Int8WeightLinear; returns how
+    many. The float32 weights they held are dropped (a tied LM head's stay: the embedding
+    holds them)."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
+                setattr(parent, name, Int8WeightLinear(child))
+                n += 1
+    return n
+
+
 def _compare() -> None:
     """Print x @ W^T vs the small-batch product for the default model's shapes."""
     import timeit
@@ -96,6 +148,20 @@ def _compare() -> None:
             a = min(timeit.repeat(lambda: [F.linear(x, w) for w in ws], number=3, repeat=3)) / 3 / copies
             b = min(timeit.repeat(lambda: [small_batch_linear(x, w, None) for w in ws], number=3, repeat=3)) \
                 / 3 / copies
+            print(f"{name:14s} {rows:4d} {a * 1e6:8.0f}us {b * 1e6:8.0f}us {a / b:7.2f}x")
+    if not int8_kernel_works():
+        print("\nno CPU weight-only int8 kernel in this torch")
+        return
+    print(f"\n{'matrix':14s} {'rows':>4s} {'float32':>10s} {'int8 w':>10s} {'speed-up':>8s}   (a draft model's int8)")
+    for name, (n_out, n_in) in shapes.items():
+        copies = max(1, 120_000_000 // (n_out * n_in * 4))
+        lins = [nn.Linear(n_in, n_out, bias=False) for _ in range(copies)]
+        q8 = [Int8WeightLinear(m) for m in lins]
+        for rows in (1, 4):
+            x = torch.randn(rows, n_in)
+            with torch.inference_mode():
+                a = min(timeit.repeat(lambda: [F.linear(x, m.weight) for m in lins], number=3, repeat=3)) / 3 / copies
+                b = min(timeit.repeat(lambda: [m(x) for m in q8], number=3, repeat=3)) / 3 / copies
             print(f"{name:14s} {rows:4d} {a * 1e6:8.0f}us {b * 1e6:8.0f}us {a / b:7.2f}x")
 
 

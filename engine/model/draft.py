@@ -19,23 +19,27 @@ holds is freed at the next round (`retain`).
 Which model: `--draft MODEL[@WEIGHTS]`, any model spec Potluck loads ('default', a hub
 id, a folder, a .gguf), at WEIGHTS (bf16 -- full precision at the compute dtype --,
 int8 or nf4; default bf16). Its tokenizer must be the target's: the same vocabulary,
-token for token (`check_tokenizers`). On a CPU-only machine the default model itself,
-quantized (`--draft default@int8`), is a stand-in that shows the mechanism -- its
-guesses agree with the target nearly always, and bitsandbytes' CPU kernels make it
-slower than the target itself, so the policy (engine/core/speculation.py) only drafts
-with it over slow links. The catalog (engine/model/catalog.py) names real pairs: a
-1B sibling for a 70B.
+token for token (`check_tokenizers`). int8 on a CPU is torch's weight-only int8 kernel
+(engine/model/cpu_linear.py), elsewhere bitsandbytes. On a CPU-only machine the default
+model itself, quantized (`--draft default@int8`), is a stand-in that shows the mechanism:
+its guesses agree with the target nearly always, but it is the target's own size, so a
+drafted token costs most of what a whole trip's compute does, and the policy
+(engine/core/speculation.py) only drafts with it over slow links. The catalog
+(engine/model/catalog.py) names real pairs: a 1B sibling for a 70B.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 
 from engine.core import precision
+from engine.model.cpu_linear import int8_kernel_works, use_int8_weights
 from engine.model.kv import KVCapacityError
+from engine.model.lean_decoder import LeanDecoder, supports
 from engine.model.sources import ModelError, ModelSource, resolve
 from engine.model.stage import StageBatch, StageModel
 
@@ -74,7 +78,7 @@ def check_tokenizers(draft_tokenizer, target_tokenizer, draft_name: str, target_
 class DraftModel:
     """Greedy drafts for many sequences at once from one whole-model StageModel."""
 
-    def __init__(self, model: StageModel, name: str, vocab_limit: int | None = None):
+    def __init__(self, model: StageModel | LeanDecoder, name: str, vocab_limit: int | None = None):
         if not (model.first and model.last):
             raise ValueError("a draft model holds all its layers")
         self.model = model
@@ -95,16 +99,29 @@ class DraftModel:
     @classmethod
     def load(cls, spec: str, *, dtype: torch.dtype, device: str, kv_budget_tokens: int = 1 << 16,
              target_tokenizer=None, target_name: str = "the target", target_vocab: int | None = None,
-             source: ModelSource | None = None) -> "DraftModel":
+             source: ModelSource | None = None, lean: bool | None = None) -> "DraftModel":
+        if lean is None:
+            lean = os.environ.get("POTLUCK_LEAN_DRAFT", "1") != "0"
         model_spec, weights = parse_draft(spec)
         source = source or resolve(model_spec)
         if target_tokenizer is not None:
             check_tokenizers(source.tokenizer(), target_tokenizer, source.name, target_name)
         n = source.config().num_hidden_layers
+        # int8 on a CPU: torch's weight-only int8 kernel, not bitsandbytes' (whose CPU
+        # kernels draft three to four times slower than float32: a draft slower than the
+        # target it drafts for)
+        cpu_int8 = weights == "int8" and torch.device(device).type == "cpu" and int8_kernel_works()
         stage = StageModel(source, 0, n, dtype=dtype, device=device, kv_budget_tokens=kv_budget_tokens,
-                           weights=weights)
+                           weights=precision.FULL if cpu_int8 else weights)
+        if cpu_int8:
+            use_int8_weights(stage.model)
+        model = stage
+        # the lean loop over the same weights: half a CPU step's time was transformers'
+        # Python (engine/model/lean_decoder.py); POTLUCK_LEAN_DRAFT=0 keeps the StageModel's
+        if lean and supports(stage):
+            model = LeanDecoder(stage)
         label = source.name if weights == precision.FULL else f"{source.name} ({weights})"
-        return cls(stage, label, min(target_vocab or stage.vocab_size, stage.vocab_size))
+        return cls(model, label, min(target_vocab or stage.vocab_size, stage.vocab_size))
 
     @property
     def param_bytes(self) -> int:

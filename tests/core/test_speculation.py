@@ -104,6 +104,14 @@ def test_drafting_ahead_only_where_a_trip_has_time_for_guesses_that_pay():
     assert not p.ahead_pays(1) and p.ahead_pays(2)
     p.set_load(5)
     assert not p.ahead_pays(2)                       # busy: nobody drafts
+    p = SpecPolicy()                                 # a position's time is kept per load
+    p.observe_trip(0.19), p.observe_draft(0.11), p.observe_verify_extra(0.001, k=1), p.observe_ahead(0.06)
+    p.set_load(2)
+    assert p.ahead_pays(1)                           # untried at two users: try it
+    p.observe_ahead(0.3)                             # two rows a position, beside busier stages
+    assert not p.ahead_pays(1)
+    p.set_load(1)
+    assert p.ahead_pays(1)                           # the burst's timing is not the lone user's
 
 
 def test_a_verification_costs_what_steps_of_its_size_measured():

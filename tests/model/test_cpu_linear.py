@@ -68,3 +68,29 @@ def test_switch_covers_float32_linears_only_and_keeps_the_state_dict():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+
+def test_int8_weights_compute_what_their_dequantized_matrix_does():
+    """A CPU draft model's int8 layers: per-row absmax int8 weights, bfloat16 activations
+    -- close to the float32 product of the dequantized matrix, at a quarter the bytes."""
+    from engine.model.cpu_linear import Int8WeightLinear, int8_kernel_works, use_int8_weights
+    if not int8_kernel_works():
+        pytest.skip("no CPU weight-only int8 kernel in this torch")
+    g = torch.Generator().manual_seed(3)
+    lin = nn.Linear(96, 300, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(300, 96, generator=g))
+    q = Int8WeightLinear(lin)
+    assert q.qweight.dtype == torch.int8 and not q.qweight.requires_grad
+    deq = q.qweight.float() * q.scale.float()[:, None]
+    assert (deq - lin.weight).abs().max() <= lin.weight.abs().amax(1).max() / 127   # rounding, not garbage
+    for rows in (1, 4, 7):
+        x = torch.randn(2, rows, 96, generator=g)
+        out = q(x)
+        ref = F.linear(x, deq, lin.bias)
+        assert out.shape == (2, rows, 300) and out.dtype == torch.float32
+        assert (out - ref).norm() / ref.norm() < 2e-2   # bfloat16 activations: ~3 digits
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(SmallBatchLinear(16, 4)))
+    assert use_int8_weights(model) == 2
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert model(torch.randn(3, 8)).shape == (3, 4)

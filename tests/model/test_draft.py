@@ -145,3 +145,24 @@ def test_draft_specs_and_tokenizers(tiny, default_source):
 
     with pytest.raises(ModelError, match="tokenizer"):
         check_tokenizers(Other(), tok, "other", "SmolLM2")
+
+
+def test_an_int8_draft_on_a_cpu_uses_torchs_int8_kernel(tiny_folder):
+    """--draft MODEL@int8 on a CPU: torch's weight-only int8 layers (bitsandbytes' CPU
+    kernels draft slower than float32), a quarter of the decoder's bytes, real guesses."""
+    from torch import nn
+
+    from engine.model.cpu_linear import Int8WeightLinear, int8_kernel_works
+    if not int8_kernel_works():
+        pytest.skip("no CPU weight-only int8 kernel in this torch")
+    folder, _ = tiny_folder("llama", seed=0)
+    full = DraftModel.load(str(folder), dtype=torch.float32, device="cpu")
+    d = DraftModel.load(f"{folder}@int8", dtype=torch.float32, device="cpu")
+    assert d.name.endswith("(int8)")
+    layers = [m for m in d.model.model.modules() if isinstance(m, (nn.Linear, Int8WeightLinear))]
+    assert layers and all(isinstance(m, Int8WeightLinear) for m in layers)
+    assert d.param_bytes < full.param_bytes
+    ctx = list(range(5, 25))
+    guesses = d.draft([(1, ctx, 4)])[1]
+    assert len(guesses) == 4 and all(0 <= t < d.vocab_limit for t in guesses)
+
