@@ -778,7 +778,9 @@ class Head:
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out,
                                     q8=self._q8(kind, out, t1 - t0))
                 self.link.submit(frame, kind)
-                self._draft_on(g, [r.seq for r in step_rows if not r.new])
+                # a new sequence too: its prompt's trip is the time to prefill it into the
+                # draft model, which its first decode round would otherwise wait for
+                self._draft_on(g, [r.seq for r in step_rows])
             else:
                 entries = await self._run(self._local_last, batch, x, new, forks)
                 if epoch != self.recovery.epoch:
@@ -897,8 +899,10 @@ class Head:
         step comes back (_on_tokens stops it). If every guess stood and the target's own
         next token is the draft's next guess, the next round's guesses are ready
         (DraftModel.chain) and cost it only their verification (SpecPolicy's `free`); if
-        not, they are dropped and it was the draft thread's idle time that paid. Not for a
-        busy pipeline, where nobody drafts."""
+        not, they are dropped and it was the draft thread's idle time that paid. For a
+        sequence whose prompt this step carries, the draft model reads the prompt first
+        (one step, however long the prompt) and guesses on from there. Not for a busy
+        pipeline, where nobody drafts."""
         if self.drafter is None or not self.draft_ahead or self.spec_policy.busy:
             return
         ahead = self.spec_policy.config.k_max + 1   # the target's token, then a whole round
