@@ -275,18 +275,21 @@ class SpecPolicy:
     def _load_key(self) -> int:
         return min(self.active, self.config.busy_above)
 
-    def ahead_pays(self, seq_id: int) -> bool:
+    def ahead_pays(self, seq_id: int, untried: bool = True) -> bool:
         """Whether drafting ahead during this sequence's trips is worth its cost: the
         guesses a trip has time for (one position of them goes on the target's own next
         token) must make a round worth drafting. It is not free -- the draft model's
         thread takes a core and the host's interpreter from the stage it computes
         beside -- so where a trip is hardly longer than a drafted position (a fast link)
-        nobody drafts ahead. Untimed, it is tried."""
+        nobody drafts ahead. Untimed at this load, it is tried (`untried`; False: not
+        until it is timed -- for work too dear to try it with, a prompt's prefill)."""
         c = self.config
         if self.trip is None or self.busy or c.k_max == 0:
             return False
         ahead = self._ahead.get(self._load_key())
         if ahead is None:   # untried at this load: try it (its first runs time it)
+            if not untried:
+                return False
             free = c.k_max
         else:
             free = min(c.k_max, int(self.trip / max(ahead, 1e-6)) - 1)

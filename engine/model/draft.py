@@ -143,6 +143,15 @@ class DraftModel:
         known = self.chain(seq_id)
         return len(known) - len(context) if len(known) > len(context) and known[:len(context)] == context else 0
 
+    def unread(self, seq_id: int, context: list[int]) -> int:
+        """Tokens of `context` the draft's cache does not hold: what a draft after it
+        would feed first (a whole prompt for a sequence new to the draft model)."""
+        have = self.tokens.get(seq_id, [])
+        keep, top = 0, min(len(have), len(context))
+        while keep < top and have[keep] == context[keep]:
+            keep += 1
+        return len(context) - keep
+
     def chain(self, seq_id: int) -> list[int]:
         """What the draft has said of a sequence: the tokens its cache holds, then its
         guess after them. Greedy, so any context that is a prefix of it continues as the

@@ -117,6 +117,9 @@ class Sequence(Seq):
     spec: bool = False
     lookup: PromptLookup | None = None
     draft: list[int] = field(default_factory=list)
+    # the draft model has yet to read this sequence's context: read it while its step is
+    # in flight (Head._draft_on), draft from the round after
+    draft_unread: bool = False
 
     @property
     def source_tokens(self) -> list[int]:
@@ -219,6 +222,9 @@ class Head:
         # the next round's draft is already made (POTLUCK_DRAFT_AHEAD=0: never)
         self.draft_ahead = os.environ.get("POTLUCK_DRAFT_AHEAD", "1") != "0"
         self._ahead_stop: dict[int, threading.Event] = {}   # micro-batch id -> its step came back
+        # draft-thread jobs reading a context new to the draft model (a prompt's worth of
+        # compute): rounds meanwhile go without drafts rather than wait for them
+        self._draft_reading = 0
         # rounds waiting for the draft thread: drafting ahead yields to them at once
         self._drafts_waiting = 0
         self._drafts_lock = threading.Lock()
@@ -778,9 +784,7 @@ class Head:
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out,
                                     q8=self._q8(kind, out, t1 - t0))
                 self.link.submit(frame, kind)
-                # a new sequence too: its prompt's trip is the time to prefill it into the
-                # draft model, which its first decode round would otherwise wait for
-                self._draft_on(g, [r.seq for r in step_rows])
+                self._draft_on(g, [r.seq for r in step_rows if not r.new], [r.seq for r in step_rows if r.new])
             else:
                 entries = await self._run(self._local_last, batch, x, new, forks)
                 if epoch != self.recovery.epoch:
@@ -863,15 +867,31 @@ class Head:
             return {s.id: self._draft(s, ks[s.id]) for s in seqs if s.id in ks}
         if not any(self._speculates(s) for s in seqs):
             return {}
+        if self._draft_reading:
+            return {}   # the draft thread reads a new context (a prompt's compute): no waiting on it
         drafter = self.drafter
         # what the draft model guessed ahead during the last trip (its chains are settled
-        # once this round has the draft thread: jobs run in order, ahead-drafting first)
+        # once this round has the draft thread: jobs run in order, ahead-drafting first),
+        # and how much of each context it has yet to read
         ctxs = {s.id: s.prompt + s.generated for s in seqs}
         try:
-            free = await self._on_draft_thread(lambda: {sid: drafter.ahead_of(sid, c) for sid, c in ctxs.items()})
+            seen = await self._on_draft_thread(
+                lambda: {sid: (drafter.ahead_of(sid, c), drafter.unread(sid, c)) for sid, c in ctxs.items()})
         except RuntimeError:   # the thread is shut down: the head is closing
             return {}
-        ks = {s.id: k for s in seqs if (k := self._k(s, free[s.id])) > 0}
+        ks = {}
+        for s in seqs:
+            free, unread = seen[s.id]
+            k = self._k(s, free)
+            if k <= 0:
+                continue
+            if unread > self.spec_policy.config.k_max + 2 and self.draft_ahead:
+                # more than a round's catch-up: a context new to the draft model. Reading it
+                # is a prompt's compute, no round should wait on: it is read while this
+                # step is in flight, and drafts start the round after
+                s.draft_unread = True
+                continue
+            ks[s.id] = k
         if not ks:
             return {}
         asks = [(sid, ctxs[sid], k) for sid, k in ks.items()]
@@ -893,21 +913,37 @@ class Head:
             self.spec_policy.observe_draft(cost)
         return out
 
-    def _draft_on(self, g: Group, seqs: list[Sequence]):
+    def _draft_on(self, g: Group, seqs: list[Sequence], prompts: list[Sequence] = ()):
         """Overlap: the step checking these sequences' drafts (or a plain step) is on its
         way; the draft model drafts on after it, as if all of the draft stands, until the
         step comes back (_on_tokens stops it). If every guess stood and the target's own
         next token is the draft's next guess, the next round's guesses are ready
         (DraftModel.chain) and cost it only their verification (SpecPolicy's `free`); if
-        not, they are dropped and it was the draft thread's idle time that paid. For a
-        sequence whose prompt this step carries, the draft model reads the prompt first
-        (one step, however long the prompt) and guesses on from there. Not for a busy
-        pipeline, where nobody drafts."""
+        not, they are dropped and it was the draft thread's idle time that paid.
+
+        `prompts`, the sequences whose prompt this step carries: the prompt's trip is the
+        time to read it into the draft model (one step, however long), which their first
+        decode round would otherwise wait for -- where drafting ahead is known to pay at
+        this load (a prompt is too dear a step to try it with). Not for a busy pipeline,
+        where nobody drafts."""
         if self.drafter is None or not self.draft_ahead or self.spec_policy.busy:
             return
         ahead = self.spec_policy.config.k_max + 1   # the target's token, then a whole round
-        asks = [(s.id, s.prompt + s.generated + s.draft, ahead) for s in seqs
-                if self._speculates(s) and not s.done and self.spec_policy.ahead_pays(s.id)]
+        policy = self.spec_policy
+        asks, reading = [], False
+        for s in seqs:
+            if not self._speculates(s) or s.done:
+                continue
+            pays = policy.ahead_pays(s.id)
+            if s.draft_unread:   # its context, read now (then guesses on, where that pays)
+                s.draft_unread, reading = False, True
+                asks.append((s.id, s.prompt + s.generated + s.draft, ahead if pays else 1))
+            elif pays:
+                asks.append((s.id, s.prompt + s.generated + s.draft, ahead))
+        for s in prompts:
+            if self._speculates(s) and not s.done and policy.ahead_pays(s.id, untried=False):
+                asks.append((s.id, s.prompt + s.generated, ahead))
+                reading = True
         if not asks:
             return
         stop = self._ahead_stop[g.id] = threading.Event()
@@ -921,6 +957,8 @@ class Head:
             return drafter.seconds_per_position
 
         def done(fut):
+            if reading:
+                self._draft_reading -= 1
             if fut.cancelled():
                 return
             if fut.exception() is not None:
@@ -929,6 +967,8 @@ class Head:
                 self.spec_policy.observe_ahead(fut.result())
 
         asyncio.get_running_loop().run_in_executor(self._draft_exec, run).add_done_callback(done)
+        if reading:   # counted once it is queued: done() runs on this loop, after this
+            self._draft_reading += 1
 
     def _stop_drafting_ahead(self, group_id: int | None = None):
         for gid in ([group_id] if group_id is not None else list(self._ahead_stop)):

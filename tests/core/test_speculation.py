@@ -92,10 +92,11 @@ def test_drafting_ahead_only_where_a_trip_has_time_for_guesses_that_pay():
     assert not p.ahead_pays(1)                       # no trip timed yet
     p.observe_trip(0.09), p.observe_verify_extra(0.01, k=1), p.observe_draft(0.11)
     assert p.ahead_pays(1)                           # untried: try it
+    assert not p.ahead_pays(1, untried=False)        # ... but not with a prompt's prefill
     p.observe_ahead(0.06)
     assert not p.ahead_pays(1)                       # a fast link: one position a trip, the target's token
     p.observe_trip(0.4)
-    assert p.ahead_pays(1)                           # the link got slower
+    assert p.ahead_pays(1) and p.ahead_pays(1, untried=False)   # the link got slower
     p = SpecPolicy()
     p.observe_trip(0.19), p.observe_draft(0.11), p.observe_verify_extra(0.04, k=1), p.observe_ahead(0.06)
     assert p.ahead_pays(1)                           # 30 ms links: two guesses and the target's token

@@ -102,6 +102,9 @@ def test_guesses_drafted_ahead_are_served_from_the_chain(tiny):
     ctx2 = ctx + first + ahead[:1]
     before = d.model.kv.length(1)
     assert d.ahead_of(1, ctx2) == 3 and d.ahead_of(1, ctx + [0]) == 0
+    # what a draft after a context would read first: nothing new here, all of it for a
+    # sequence the draft model has not seen (the head has that read while a trip is out)
+    assert d.unread(1, ctx2) == 0 and d.unread(1, ctx + [0]) == 1 and d.unread(5, ctx) == len(ctx)
     assert d.draft([(1, ctx2, 3)]) == {1: ahead[1:4]}
     assert d.seconds_per_token is None and d.from_chain == 3 and d.model.kv.length(1) == before
     # more than the chain holds: its 3 free guesses, then the model from the chain's end
