@@ -885,11 +885,14 @@ class Head:
             k = self._k(s, free)
             if k <= 0:
                 continue
-            if unread > self.spec_policy.config.k_max + 2 and self.draft_ahead:
+            k_max = self.spec_policy.config.k_max
+            if unread > k_max + 2 and self.draft_ahead:
                 # more than a round's catch-up: a context new to the draft model. Reading it
                 # is a prompt's compute, no round should wait on: it is read while this
-                # step is in flight, and drafts start the round after
-                s.draft_unread = True
+                # step is in flight, and drafts start the round after -- where the sequence
+                # has two whole rounds of guesses left to pay for it (a burst's last tokens
+                # do not: there it would only take the host's cores from everyone's stage 0)
+                s.draft_unread = s.params.max_tokens - len(s.generated) >= 2 * k_max
                 continue
             ks[s.id] = k
         if not ks:
