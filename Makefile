@@ -57,7 +57,7 @@ serve: setup
 # they run under installers-test, right after the build
 # the slowest tests are listed at the end: CI has 90 minutes, and that is where they go
 test: setup net-test-tools
-	$(BIN)/python -m pytest -q -ra --durations=30 -m "not installers"
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not installers" -n 2 --dist loadfile
 
 # the path tests (tests/node/test_home_paths.py) build homes in network namespaces from
 # Debian's real parts: iptables NAT, miniupnpd (UPnP-IGD, NAT-PMP) and coturn (STUN).
