@@ -647,7 +647,7 @@ def main(argv=None) -> int:
         print(f"potluck: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a clear line for the user; details with -v
-        from engine.pipeline.head import PipelineError
+        from engine.pipeline.requests import PipelineError
 
         if isinstance(exc, (PipelineError, OSError)):
             print(f"potluck: {exc}", file=sys.stderr)

@@ -34,7 +34,9 @@ from engine.pipeline.stage_server import StageServer
 from engine.wire import shortcode
 from engine.wire.identity import config_dir, load_or_create_identity
 from engine.wire.invite import HostState, Invite, InviteError, parse
-from engine.wire.tunnel import Joiner, Peer, TunnelError, TunnelHost, default_name
+from engine.wire.tunnel_host import Peer, TunnelHost
+from engine.wire.tunnel_join import Joiner, default_name
+from engine.wire.tunnel_session import TunnelError
 
 
 class HomeError(Exception):

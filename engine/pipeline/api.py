@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engine.pipeline.head import Delta, Done, Head, PipelineError
+from engine.pipeline.head import Head
+from engine.pipeline.requests import Delta, Done, PipelineError
 from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, TUNABLE,
                                   SamplingError, SamplingParams)
 from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, forced_call_schema

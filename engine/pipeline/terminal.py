@@ -6,7 +6,8 @@ import asyncio
 import sys
 
 from engine.core.sampling import PENALTIES, SamplingError, SamplingParams
-from engine.pipeline.head import Delta, Done, Head
+from engine.pipeline.head import Head
+from engine.pipeline.requests import Delta, Done
 
 
 def ask(head: Head, messages: list[dict], params: SamplingParams):

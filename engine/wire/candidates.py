@@ -19,7 +19,7 @@ A host that listens for friends directly (TunnelHost.listen) gathers, for its po
              with theirs (engine/wire/punch.py, TunnelHost.take_reply).
 
 The invite carries them (engine/wire/invite.py, version 2), and the joiner tries them
-in KIND_ORDER, racing the connects (engine/wire/tunnel.py). What is learnt along the
+in KIND_ORDER, racing the connects (engine/wire/tunnel_routes.py). What is learnt along the
 way -- whether the router granted a mapping and why not, the NAT's behaviour -- goes
 to `potluck doctor` and the status.
 """

@@ -1,0 +1,297 @@
+"""Hosting a pipeline: the host request's checks (host_args), the memory plan, and the head
+with its OpenAI-compatible API, started in the background and stopped; friends invited to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from engine.core import precision
+from engine.model.device import DTYPES, compute_dtype, free_memory
+from engine.node.control_basics import NodeError, lan_address
+
+log = logging.getLogger("potluck.node")
+
+DEFAULT_SHARE_PIPELINE = "potluck"   # the name a plain "Share this GPU" accepts
+
+
+class Hosting:
+    """Mixed into control.Node: its __init__ holds the state these methods read and change."""
+
+    def start_hosting(self, args: dict, name: str | None = None):
+        """Start loading the pipeline `args` describes (host_args) in the background;
+        status() shows its progress."""
+        self.error = None
+        # shown in the status: never the API key
+        self.host_request = dict(args, api_key="(set)") if args.get("api_key") else args
+        self.loading = {"message": f"Loading {name or args['model']}…", "stages": {}}
+        self.host_task = asyncio.ensure_future(self._host(args))
+
+    def host_args(self, body: dict) -> dict:
+        model = body.get("model", "default")
+        if not isinstance(model, str) or not model.strip():
+            raise NodeError("'model' must be a model name, a Hugging Face id or a folder")
+        stages = body.get("stages", 2)
+        if isinstance(stages, bool) or not isinstance(stages, int) or not (1 <= stages <= 8):
+            raise NodeError("'stages' must be a whole number from 1 to 8")
+        addrs = body.get("stage_addr", []) or []
+        if not isinstance(addrs, list) or not all(isinstance(a, str) and a.startswith(("ws://", "wss://"))
+                                                   for a in addrs):
+            raise NodeError("'stage_addr' must be a list of ws:// addresses")
+        layers = body.get("layers")
+        if layers is not None and not isinstance(layers, str):
+            raise NodeError("'layers' must be text like '0:10,10:30'")
+        friends = body.get("friends", 0)
+        if isinstance(friends, bool) or not isinstance(friends, int) or not (0 <= friends <= 8):
+            raise NodeError("'friends' must be a whole number from 0 to 8")
+        relay = body.get("relay") or ""
+        listen = body.get("listen") or ""
+        if not isinstance(relay, str) or (relay and not relay.startswith(("ws://", "wss://"))):
+            raise NodeError("'relay' must be a ws:// address")
+        if not isinstance(listen, str) or (listen and ":" not in listen):
+            raise NodeError("'listen' must be HOST:PORT, e.g. 0.0.0.0:7870")
+        if friends and not (relay or listen):
+            raise NodeError("friends need a way in: give a relay address and/or a listen address")
+        if friends and addrs:
+            raise NodeError("invite friends or give stage addresses, not both")
+        weights = body.get("weights")
+        weights = "auto" if weights is None else weights
+        if not isinstance(weights, str) or weights.strip().lower() not in precision.CHOICES:
+            raise NodeError(f"'weights' must be one of {', '.join(precision.CHOICES)} "
+                            "(auto: the highest precision that fits)")
+        limit = body.get("memory_limit_mb", self.policy.limits.vram_cap_mb)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+            raise NodeError("'memory_limit_mb' must be a positive number")
+        # the name friends' shares expect (theirs is "potluck" unless they chose another)
+        name = body.get("pipeline", DEFAULT_SHARE_PIPELINE)
+        if not isinstance(name, str) or not (0 < len(name.strip()) <= 64):
+            raise NodeError("'pipeline' must be the name the friends' shares use (default potluck)")
+        wait = body.get("wait_timeout_s", 300)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (0 <= wait <= 86400):
+            raise NodeError("'wait_timeout_s' must be a number of seconds from 0 to 86400")
+        api_lan_port = body.get("api_lan_port")
+        api_key = body.get("api_key") or ""
+        if api_lan_port is not None and (isinstance(api_lan_port, bool) or not isinstance(api_lan_port, int)
+                                         or not 1 <= api_lan_port <= 65535):
+            raise NodeError("'api_lan_port' must be a port number from 1 to 65535")
+        if not isinstance(api_key, str) or (api_key and not 8 <= len(api_key) <= 256):
+            raise NodeError("'api_key' must be 8 to 256 characters")
+        if api_lan_port and not api_key:
+            raise NodeError("the API on the LAN needs an API key ('api_key'): anyone on the network "
+                            "could use this pipeline otherwise")
+        draft = body.get("draft") or None
+        if draft is not None and (not isinstance(draft, str) or not draft.strip() or len(draft) > 300):
+            raise NodeError("'draft' must be a draft model (MODEL[@WEIGHTS]) or 'auto'")
+        return {"model": model.strip(), "stages": stages, "stage_addr": addrs, "layers": layers,
+                "draft": draft.strip() if draft else None,
+                "api_lan_port": api_lan_port, "api_key": api_key,
+                "memory_limit_mb": limit, "friends": friends, "relay": relay, "listen": listen,
+                "weights": weights.strip().lower(), "wait_timeout_s": float(wait), "pipeline": name.strip()}
+
+    async def plan(self, model: str, stages: int, stage_addr: list, layers, memory_limit_mb, friends: int = 0,
+                   relay: str = "", listen: str = "", weights: str = "auto", wait_timeout_s: float = 300.0,
+                   pipeline: str = "", api_lan_port: int | None = None, api_key: str = "",
+                   draft: str | None = None) -> dict:
+        """Memory needed vs available and the proposed split, before anything loads, and
+        what each weight precision needs on this machine (`precisions`); `weights` is the
+        one that will load here: the requested one, or (auto) the highest that fits."""
+        from engine.model.sources import ModelError, resolve
+
+        loop = asyncio.get_running_loop()
+        try:
+            source = await loop.run_in_executor(None, resolve, model)
+            cfg = await loop.run_in_executor(None, source.config)
+        except ModelError as exc:
+            raise NodeError(str(exc)) from None
+        except Exception as exc:  # a broken config, an unreadable folder
+            raise NodeError(f"cannot read model '{model}': {exc}") from None
+        from engine.model.cores import cpu_shares
+        from engine.core.partition import lm_head_layers_estimate, parse_layers, partition
+        from engine.model.quant import bnb_missing, prequantized
+
+        n = cfg.num_hidden_layers
+        friends_stages = bool(friends or stage_addr)
+        if friends:  # friends' stages: known once they join, planned as placeholders
+            stage_addr = [f"friend {i + 1} (joins with the invite)" for i in range(friends)]
+        # what the head will load here: at its compute dtype (bf16 on a GPU), into the
+        # memory of the device it computes on (VRAM on a GPU, host RAM on the CPU)
+        nbytes = DTYPES[compute_dtype(self.device)].itemsize
+        available = await loop.run_in_executor(None, free_memory, self.device)
+        if memory_limit_mb is not None:
+            available = min(available, int(memory_limit_mb * 2**20))
+        total_stages = (1 + len(stage_addr)) if stage_addr else stages
+        if layers:
+            try:
+                split = parse_layers(layers, n)
+            except Exception as exc:
+                raise NodeError(str(exc)) from None
+            if len(split) != total_stages:
+                raise NodeError(f"{len(split)} layer ranges for {total_stages} stages")
+        else:
+            # what the head will do: the LM head weighs on the last stage; local stage
+            # processes split by their share of this CPU (friends: unknown until they join)
+            extra = [0.0] * total_stages
+            extra[-1] = lm_head_layers_estimate(cfg)
+            speeds = [1.0] * total_stages if stage_addr else cpu_shares(total_stages, os.cpu_count() or 1)
+            try:
+                split = partition(n, speeds, None, extra)
+            except Exception as exc:
+                raise NodeError(str(exc)) from None
+        from engine.wire.stage_auth import split_address
+
+        # a friend's address may carry its share's secret: never echoed back
+        where = ["this machine"] * (total_stages if not stage_addr else 1) + [split_address(a)[0] for a in stage_addr]
+        # Each precision's weights, and what of them this machine holds: all of them when
+        # every stage runs here, else the head's stage (friends' memory is only known once
+        # they connect: the head then settles `auto` against the whole pool).
+        here_range = tuple(split[0]) if stage_addr else (0, n)
+        usable = available * precision.USABLE  # the rest: KV cache, activations, slack
+        missing = bnb_missing()
+        rows = []
+        for w in (precision.FULL,) + precision.QUANTIZED:
+            here_bytes = precision.slice_bytes(cfg, *here_range, w, nbytes)
+            rows.append({"weights": w, "bytes": precision.slice_bytes(cfg, 0, n, w, nbytes),
+                         "here_bytes": here_bytes, "fits_here": here_bytes <= usable,
+                         "available": missing is None or w == precision.FULL})
+        try:
+            saved = prequantized(cfg)  # a checkpoint saved quantized loads as it was saved
+        except ModelError as exc:  # quantized some other way (GPTQ, AWQ, FP4...)
+            raise NodeError(str(exc)) from None
+        if saved and weights not in ("auto", saved):
+            raise NodeError(f"this checkpoint is saved as {saved}; it cannot load as {weights}: "
+                            f"choose {saved} or Auto")
+        if saved:
+            chosen = saved
+        elif weights != "auto":
+            chosen = weights
+        else:  # the highest precision that fits here, else the smallest there is
+            usable_rows = [r for r in rows if r["available"]]
+            chosen = next((r["weights"] for r in usable_rows if r["fits_here"]), usable_rows[-1]["weights"])
+        row = next(r for r in rows if r["weights"] == chosen)
+        local_needed, fits = row["here_bytes"], row["fits_here"] and row["available"]
+        gib = 2**30
+        here = f"on {self.device_name}" if self.device.startswith("cuda") else "here"
+        # "full (float32)" on a CPU, as the first screen and the host dialog say it
+        label = chosen if chosen != precision.FULL else precision.full_label(compute_dtype(self.device))
+        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here} with {label} weights; "
+                   f"{available / gib:.1f} GiB available")
+        if not row["available"]:
+            message = f"{source.name} cannot load {chosen} weights here: {missing}"
+        elif not fits:
+            smaller = next((r["weights"] for r in rows if r["available"] and r["fits_here"]), None)
+            hint = (f"Choose {smaller} weights, add friends' GPUs" if smaller and weights != "auto" else
+                    "Add friends' GPUs")
+            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.2f} GiB {here} "
+                       f"with {label} weights but only {usable / gib:.2f} GiB can be used. {hint}, pick a "
+                       f"smaller model, or raise the memory limit in Settings.")
+        if saved and fits:
+            message += f". The checkpoint is saved as {saved}, so it loads as {saved}"
+        if friends_stages and fits:
+            message += (". Friends' memory is known once they join: the pipeline then picks the weights for "
+                        "the whole pool" if weights == "auto" and not saved else
+                        ". Friends' memory is known once they join")
+        return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": row["bytes"],
+                "device": self.device, "dtype": compute_dtype(self.device),
+                "needed_here_bytes": local_needed, "available_bytes": available, "usable_bytes": int(usable),
+                "fits": fits, "weights": chosen, "requested_weights": weights,
+                "precisions": rows,
+                "split": [{"where": w, "layers": list(r)} for w, r in zip(where, split)], "message": message}
+
+    async def _host(self, args: dict):
+        from engine.pipeline.api import serve_api
+        from engine.pipeline.launch import PipelineConfig, launch
+
+        def progress(stage, done, total, what):
+            if self.loading is not None:
+                self.loading["stages"][str(stage)] = {"done": done, "total": total, "what": what}
+
+        def say(text):  # the head's table of what each weight precision needs across the pool
+            log.info("host: %s", text)
+            if self.loading is not None:
+                self.loading["weights_table"] = text
+
+        cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
+                             layers=args["layers"], threads=self.threads, device=self.device,
+                             weights=args.get("weights") or "auto", memory_cap_mb=args.get("memory_limit_mb"),
+                             wait_timeout=args.get("wait_timeout_s", 300.0), draft=args.get("draft"),
+                             # friends' shares check the name; our own stage processes use "local"
+                             pipeline=args.get("pipeline", DEFAULT_SHARE_PIPELINE) if args["stage_addr"] else "local")
+        pipe = None
+        try:
+            if args.get("friends"):
+                cfg = await self._wait_for_friends(args, cfg)
+            pipe = await launch(cfg, progress, say)
+            if self.friends_gate is not None:
+                self.friends_gate.follow(pipe.head)  # friends joining later take a slice
+            self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
+            port = self.api_runner.addresses[0][1]
+            self.openai_url = f"http://127.0.0.1:{port}/v1"
+            if args.get("api_lan_port"):
+                self.api_lan_runner = await serve_api(pipe.head, "0.0.0.0", args["api_lan_port"],
+                                                      api_key=args["api_key"])
+                self.api_lan_url = f"http://{lan_address()}:{args['api_lan_port']}/v1"
+            self.pipe, self.head = pipe, pipe.head
+            self.loading = None
+        except asyncio.CancelledError:
+            if pipe is not None:
+                await pipe.close()
+            raise
+        except Exception as exc:
+            log.exception("hosting failed")
+            for runner in (self.api_runner, self.api_lan_runner):   # e.g. the LAN port is taken
+                if runner is not None:
+                    await runner.cleanup()
+            self.api_runner = self.api_lan_runner = None
+            self.openai_url = self.api_lan_url = None
+            if pipe is not None:
+                await pipe.close()
+            if self.friends_gate is not None:
+                gate, self.friends_gate = self.friends_gate, None
+                await gate.close()
+            self.loading = None
+            self.error = f"Could not start the pipeline: {exc}"
+
+    async def _wait_for_friends(self, args: dict, cfg):
+        """Invite friends (engine/node/homes.py) and wait for them; they become the stages."""
+        from engine.node.homes import Friends
+
+        self.friends_gate = gate = Friends(on_event=lambda t: log.info("host: %s", t))
+        await gate.open(args["relay"], args["listen"])
+        n = args["friends"]
+        code = gate.invite(ttl_s=24 * 3600, uses=n)
+        self.invite_code = code
+
+        def arrived(peers):
+            self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
+                                friends=[p.name or p.node_id for p in peers])
+
+        peers = await gate.wait(n, on_arrival=arrived)
+        self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]
+        self.loading.update(message=f"Loading {args['model']} across {n + 1} computers…",
+                            friends=[p.name or p.node_id for p in peers])
+        return await gate.route(peers, cfg)
+
+    async def _stop_host(self):
+        if self.host_task is not None and not self.host_task.done():
+            self.host_task.cancel()
+            try:
+                await self.host_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.host_task = None
+        for runner in (self.api_runner, self.api_lan_runner):
+            if runner is not None:
+                await runner.cleanup()
+        self.api_runner = self.api_lan_runner = None
+        self.api_lan_url = None
+        if self.pipe is not None:
+            pipe, self.pipe, self.head = self.pipe, None, None
+            await pipe.close()
+        self.openai_url = None
+        self.loading = None
+        if self.friends_gate is not None:
+            gate, self.friends_gate = self.friends_gate, None
+            await gate.close()
+        self.invite_code, self.friends = None, []

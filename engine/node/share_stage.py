@@ -1,0 +1,202 @@
+"""Sharing this GPU: the stage server a friend's head drives (a plain share, or a join by invite
+with its reply code), paused and resumed by the owner's limits (sharing.py) and by sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine.node.gpu import gpu_summary, own_pids, read_gpus
+from engine.node.control_basics import NodeError
+from engine.pipeline.stage_server import LEAVE_S
+
+log = logging.getLogger("potluck.node")
+
+# logind lets a sleep inhibitor delay suspend by InhibitDelayMaxSec (5 s by default), and
+# Windows gives a power broadcast about 2 s: a stage going to sleep gets this long to be
+# let go (its head closes the connection as soon as it starts moving the layers)
+SLEEP_LEAVE_S = 3.0
+
+
+class Sharing:
+    """Mixed into control.Node: its __init__ holds the state these methods read and change."""
+
+    async def set_share(self, on: bool):
+        async with self._lock:
+            self.share_wanted = on
+            if not on:
+                await self._stop_share("sharing switched off by the owner")
+                self.paused_reason = None
+                return
+        await self._apply_policy()
+
+    async def join_invite(self, code: str, relay: str = "") -> dict:
+        """Contribute this machine through the host's tunnel (engine/wire/tunnel.py): a stage on
+        loopback, reached only through the end-to-end encrypted session the invite opens."""
+        from engine.node.homes import HomeError, redeem
+
+        try:
+            invite = await redeem(code, relay)
+        except HomeError as exc:
+            raise NodeError(str(exc)) from None
+        async with self._lock:
+            await self._stop_share("joining another pipeline")
+            self.invite, self.joiner = invite, None
+            self.share_pipeline = invite.pipeline_id
+            self.share_wanted = True
+            self.error = None
+            if not self._decide().paused:
+                self._reply_shown = asyncio.Event()
+                task = asyncio.ensure_future(self._start_share(reply=True))
+                shown = asyncio.ensure_future(self._reply_shown.wait())
+                await asyncio.wait({task, shown}, return_when=asyncio.FIRST_COMPLETED)
+                shown.cancel()
+                if task.done():
+                    try:
+                        task.result()
+                    except NodeError:
+                        self.share_wanted, self.invite = False, None
+                        raise
+                else:        # waiting for the host to use our reply code
+                    self._joining = task
+                    task.add_done_callback(self._joined_by_reply)
+        return await self.status()
+
+    def _joined_by_reply(self, task: asyncio.Task):
+        if self._joining is task:
+            self._joining = None
+        self.reply_code = None
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.error = getattr(exc, "message", None) or str(exc)
+            self.share_wanted, self.invite = False, None
+
+    def _on_reply(self, code: str):
+        self.reply_code = code
+        self._join_event("the host's addresses do not answer from here: send the host your reply code")
+        if self._reply_shown is not None:
+            self._reply_shown.set()
+
+    async def _start_share(self, reply: bool = False):
+        """reply: a first join, which may offer a reply code (see join_invite); a resume
+        after a pause fails instead of waiting on one."""
+        from engine.pipeline.stage_server import StageServer
+
+        if self.stage_server is not None:
+            return
+        if self.invite is None:
+            if self._share_secret is None:
+                from engine.wire.identity import share_secret
+
+                self._share_secret = share_secret()
+            # whoever connects is someone else's head, even over loopback: it proves the
+            # secret and may only ask for models by name (stage_server.remote_model_ok)
+            self.stage_server = await StageServer(self.share_host, self.share_port, pipeline=self.share_pipeline,
+                                                  secret=self._share_secret, trusted_head=False,
+                                                  accept_models=self.accept_models,
+                                                  device=self.device, threads=self.threads,
+                                                  memory_cap=self._memory_cap()).start()
+            log.info("sharing on ws://%s:%d", self.share_host, self.stage_server.port)
+            return
+        from engine.node.homes import HomeError, join_stage
+
+        try:
+            # a resume after a pause rejoins with the same joiner: a member by now
+            joined = await join_stage(self.invite, joiner=self.joiner, device=self.device, threads=self.threads,
+                                      memory_cap=self._memory_cap(), on_event=self._join_event,
+                                      accept_models=self.accept_models,
+                                      reply_listen=self.reply_listen if reply and self.reply_listen != "off" else None,
+                                      on_reply=self._on_reply)
+        except HomeError as exc:
+            raise NodeError(str(exc), 502) from None
+        self.stage_server, self.joiner = joined.server, joined.joiner
+        self.joiner_task = asyncio.ensure_future(self._keep_joined(self.joiner))
+
+    def _memory_cap(self) -> int | None:
+        """The owner's VRAM cap in bytes, for a stage started now (None: no cap)."""
+        cap = self.policy.limits.vram_cap_mb
+        return None if cap is None else int(cap * 2**20)
+
+    def _join_event(self, text: str):
+        self.join_events.append(text)
+        del self.join_events[:-20]
+        log.info("join: %s", text)
+
+    async def _keep_joined(self, joiner):
+        try:
+            await joiner.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # revoked, or the host refuses us now
+            self.error = f"The host's pipeline ended this machine's membership: {exc}"
+            self.share_wanted = False
+            await self._stop_share("membership ended")
+
+    async def _stop_share(self, why: str, leave_s: float = LEAVE_S):
+        joining, self._joining = self._joining, None
+        if joining is not None and not joining.done() and joining is not asyncio.current_task():
+            joining.cancel()            # its reply listener and stage server close with it
+            await asyncio.gather(joining, return_exceptions=True)
+        self.reply_code = None
+        srv, self.stage_server = self.stage_server, None
+        if srv is None:
+            return
+        if srv.stage is not None:
+            # tell the head first: it moves this stage's layers to the others and replays
+            # the conversations there, then lets go (or we go anyway after leave_s)
+            await srv.leave(why, leave_s)
+        if srv.connected:   # the head hears why before the server goes
+            await srv.close(why)
+        task, self.joiner_task = self.joiner_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if self.joiner is not None and self.joiner.session is not None:
+            try:
+                await self.joiner.session.close(why[:120])
+            except Exception:
+                pass
+        await srv.close(wait_s=10)  # until the port is free: sharing may start again on it
+
+    def _decide(self, reading=None):
+        return self.policy.evaluate(reading, own_pids(), self.idle_seconds, time.monotonic())
+
+    async def _apply_policy(self):
+        gpus, _why = await asyncio.get_running_loop().run_in_executor(None, read_gpus)
+        decision = self._decide(gpus[0] if gpus else None)
+        async with self._lock:
+            if self.asleep:
+                self.paused_reason = "this computer is asleep"
+                return
+            self.paused_reason = decision.reason if decision.paused else None
+            if not self.share_wanted:
+                return
+            srv = self.stage_server
+            if srv is not None and srv.closed and self.invite is None:
+                # it stopped by itself (a head told it to shut down, it crashed): the toggle
+                # still says "sharing", so share again rather than report a port nobody serves
+                self.share_restarts += 1
+                self.share_stopped = "the shared stage stopped by itself; started again"
+                log.warning("%s (%d so far)", self.share_stopped, self.share_restarts)
+                self.stage_server = None
+                await srv.close(wait_s=10)  # until the port is free
+            if decision.paused and self.stage_server is not None:
+                await self._stop_share(f"paused by the GPU owner: {decision.reason}")
+            elif not decision.paused and self.stage_server is None and (self._joining is None or self._joining.done()):
+                try:
+                    await self._start_share()
+                except (OSError, NodeError) as exc:
+                    self.error = f"Could not share this GPU: {getattr(exc, 'message', exc)}"
+                    self.share_wanted = False
+
+    async def _policy_loop(self):
+        while True:
+            try:
+                self.gpu = await asyncio.get_running_loop().run_in_executor(None, gpu_summary)
+                await self._apply_policy()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("policy check failed")
+            await asyncio.sleep(self.poll_seconds)

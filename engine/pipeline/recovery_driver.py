@@ -1,0 +1,196 @@
+"""The head's failover I/O: RecoveryDriver (a mixin of Head), in the order it happens.
+A stage lost or a machine offered: let go, rewind, ask, re-form, replay; the watch for those that left.
+
+The decisions (who is gone, whom to ask back and when, when to give up, what the status
+says) are engine/core/recovery.py's; forming the new ring is engine/pipeline/ring_formation.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from websockets.exceptions import ConnectionClosed
+
+from engine.model.sources import ModelError
+from engine.core.partition import NoRoom
+from engine.core.recovery import PROBE_TIMEOUT_S, Ask
+from engine.core.scheduler import Scheduler
+from engine.model.sampler import Sampler
+from engine.pipeline.requests import PipelineError, Sequence
+from engine.pipeline.ring_formation import RemoteStage
+
+log = logging.getLogger("potluck.head")
+
+
+class RecoveryDriver:
+    """Head's failover: a stage lost, a machine offered or back, the rearrangement and the
+    watch (a mixin of Head)."""
+
+    def offer(self, address: str):
+        """A machine offers its stage (ws://...): the head takes it in as soon as it
+        answers -- a pipeline waiting for room at once, a running one by a rearrangement
+        (every sequence replays, nothing is lost)."""
+        if self.recovery.offer(self._remember(address), time.monotonic()):
+            self._ensure_watch()
+
+    def _stage_lost(self, index: int, why: str, epoch: int, ask_back: bool = True):
+        """A stage left (its connection closed or went silent, it sent garbage, its
+        owner took it back): rearrange the pipeline over the stages left and go on."""
+        address = self.remotes[index - 1].address if 0 < index <= len(self.remotes) else None
+        if not self.recovery.lost(index, address, why, epoch):
+            return  # already being dealt with, or a stage of an arrangement that is gone
+        log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
+        self._stop_drafting_ahead()   # the steps in flight never come back
+        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back)))
+
+    async def _recover_or_fail(self, rearrangement):
+        try:
+            await rearrangement
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a rearrangement that breaks must say so, not leave requests hanging
+            log.exception("rearranging the pipeline failed")
+            self._pipeline_failed(self.recovery.broke(exc))
+        finally:
+            self._ensure_watch()
+
+    async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None):
+        """Drop stage `lost` (or take in `joined`, a machine that came back), split the
+        layers over who is there, and replay every live sequence on the new arrangement."""
+        asks = self.recovery.begin([r.address for r in self.remotes], self.ranges, time.monotonic(), lost,
+                                   ask_back, joined.address if joined is not None else None)
+        hints = self._profile_hints(lost)
+        await self._let_go()
+        live = self._rewind()
+        self.remotes = await self._ask(asks) + ([joined] if joined is not None else [])
+        capacity = self.sched.capacity
+        self.stage0 = None  # its layers change: the old slice goes before the new one loads
+        while True:
+            self.remotes.sort(key=lambda r: self.recovery.rank(r.address))
+            self._fresh_scheduler(capacity)
+            self.recovery.forming(time.monotonic())
+            try:
+                await self._form(hints)
+                break
+            except NoRoom as exc:
+                log.warning("%s", self.recovery.no_room(exc.need, exc.have, time.monotonic()))
+                r = await self._wait_for_machine()
+                if r is None:
+                    self._pipeline_failed(self.recovery.gave_up(time.monotonic()))
+                    return
+                self.remotes.append(r)
+            except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
+                self._pipeline_failed(self.recovery.cannot_go_on(exc))
+                return
+        done = self.recovery.recovered(time.monotonic(), self.n_stages, self.ranges, len(live))
+        log.warning("pipeline rearranged over %d stage(s) in %.1f s; %d sequence(s) replayed",
+                    self.n_stages, done["seconds"], len(live))
+        self._kick()
+
+    def _profile_hints(self, lost: int | None) -> dict:
+        """Each machine's last profile, for the layers it held: the stages left start from
+        it scaled to their new share instead of profiling again while everyone waits."""
+        hints = {"head": (self.profiles[0], self.ranges[0][1] - self.ranges[0][0])} if self.profiles else {}
+        for i, r in enumerate(self.remotes, start=1):
+            if i != lost and i < len(self.profiles):
+                hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
+        return hints
+
+    async def _let_go(self):
+        """Let the old arrangement's connections go, all at once: a dead peer's each waits
+        out its close timeout; a live stage frees what it held for this head when its head
+        goes."""
+        for t in self._readers:
+            t.cancel()
+        self._readers = []
+        closing = [ws.close() for ws in [self._data_ws] + [r.ws for r in self.remotes] if ws is not None]
+        if self.link is not None:
+            closing.append(self.link.close())
+        self.link = self._data_ws = None
+        await asyncio.gather(*closing, return_exceptions=True)
+
+    def _rewind(self) -> list[Sequence]:
+        """Every live sequence back to the queue with its history, in arrival order."""
+        live = sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id)
+        for s in live:
+            s.rewind()
+        return live
+
+    async def _ask(self, asks: list[Ask]) -> list[RemoteStage]:
+        """The old arrangement's machines, asked to go on as the recovery says: those that answer."""
+        answered = []
+        for ask in asks:
+            r = RemoteStage(ask.address)
+            try:
+                await self._hello(r, attempts=ask.attempts, timeout=ask.timeout)
+            except PipelineError as exc:
+                self.recovery.unanswered(ask, str(exc), time.monotonic())
+                continue
+            self.recovery.answered(ask)
+            answered.append(r)
+        return answered
+
+    def _fresh_scheduler(self, capacity: int):
+        """A scheduler for the new arrangement, holding the rewound sequences and any
+        request that arrived meanwhile, in arrival order."""
+        self.n_stages = 1 + len(self.remotes)
+        self.sched = Scheduler(self.n_stages, **self._sched_args)
+        # until the new arrangement says what it holds, a request arriving meanwhile is
+        # judged by the old one's (it waits in the queue either way)
+        self.sched.capacity = capacity
+        self.sampler = Sampler()
+        for s in sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id):
+            self.sched.add(s)
+
+    async def _wait_for_machine(self) -> RemoteStage | None:
+        """The machines there are cannot hold the model: requests wait until a machine that
+        left comes back or another offers itself (None: the host's timeout passed first)."""
+        while self.recovery.gave_up(time.monotonic()) is None:
+            r = await self._probe()
+            if r is not None:
+                self.recovery.take(r.address)
+                return r
+            await asyncio.sleep(self.recovery.wait_s(time.monotonic()))
+        return None
+
+    async def _probe(self) -> RemoteStage | None:
+        """The first machine the recovery says to ask that answers, with its control
+        connection open."""
+        for address in self.recovery.to_ask(time.monotonic()):
+            r = RemoteStage(address)
+            try:
+                await self._hello(r, attempts=1, timeout=PROBE_TIMEOUT_S)
+                return r
+            except PipelineError:
+                continue
+        return None
+
+    def _ensure_watch(self):
+        if self.recovery.watching and (self._watch is None or self._watch.done()):
+            self._watch = asyncio.ensure_future(self._watch_loop())
+
+    async def _watch_loop(self):
+        """While machines that left may come back, ask them now and then; one that answers
+        gets a slice again (a rearrangement: every sequence replays, nothing is lost)."""
+        while self.recovery.watching:
+            await asyncio.sleep(self.recovery.watch_s)
+            if not self.recovery.may_ask:
+                continue  # a rearrangement in progress asks them itself
+            r = await self._probe()
+            if r is None:
+                continue
+            if not self.recovery.may_ask:  # a stage left meanwhile
+                await r.ws.close()
+                continue
+            log.warning("%s", self.recovery.came(r.address))
+            self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(joined=r)))
+            return  # _recover_or_fail starts a new watch if others are still away
+
+    def _pipeline_failed(self, why: str):
+        if not self.recovery.fail(why):
+            return
+        log.error("pipeline failed: %s", why)
+        for s in list(self.seqs.values()):
+            self._finish(s, "error", why, free=False)

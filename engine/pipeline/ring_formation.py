@@ -1,0 +1,246 @@
+"""How the head forms its ring of stages: RingFormation (a mixin of Head) and RemoteStage.
+Connecting each stage, settling the weights, splitting and loading the layers, profiles, reading stages.
+
+The head (engine/pipeline/head.py) forms the ring at start and again after every
+rearrangement (engine/pipeline/recovery_driver.py); each stage's control connection is
+read here for tokens, step errors, a stage leaving, new profiles and stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from websockets.exceptions import ConnectionClosed, WebSocketException
+
+from engine.wire import frames
+from engine.model.device import free_memory, kv_budget_tokens_for, memory_for_kv, speed_score
+from engine.model.sources import ModelError
+from engine.pipeline.link import open_link
+from engine.core import precision
+from engine.core.partition import lm_head_layers_estimate, partition, shared_cpu_speeds
+from engine.core.profile import interp, scaled
+from engine.model.measure import load_and_measure
+from engine.model.quant import bnb_missing, prequantized
+from engine.model.stage import StageModel
+from engine.pipeline.requests import PipelineError
+from engine.pipeline.stage_server import connect_stage
+from engine.wire.stage_auth import split_address
+
+log = logging.getLogger("potluck.head")
+
+
+@dataclass
+class RemoteStage:
+    address: str
+    ws: object = None
+    welcome: dict | None = None
+    configured: dict | None = None
+    range: tuple[int, int] = (0, 0)
+
+
+class RingFormation:
+    """Head's stages: hello, the split and the loading, the weights, profiles, each stage's
+    connection read (a mixin of Head)."""
+
+    def _remember(self, address: str) -> str:
+        url, secret = split_address(address)
+        if secret:
+            self._secrets[url] = secret
+        return url
+
+    async def _hello(self, r: RemoteStage, attempts: int = 1, timeout: float = 30):
+        """The control connection to a stage, and its welcome (free memory, speed, device)."""
+        for attempt in range(attempts):
+            try:
+                r.ws = await connect_stage(r.address, "control", self.pipeline,
+                                           key=self._secrets.get(r.address, ""), timeout=timeout)
+                r.welcome = frames.parse_control(await asyncio.wait_for(r.ws.recv(), timeout))
+            except (OSError, asyncio.TimeoutError, WebSocketException, frames.FrameError) as exc:
+                # (a process killed mid-handshake answers with no HTTP at all: InvalidMessage)
+                if r.ws is not None:  # connected but no welcome (a frozen machine): let it go
+                    asyncio.ensure_future(r.ws.close())
+                    r.ws = None
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(0.5)  # a stage lets its last head go before it takes the next
+                    continue
+                raise PipelineError(f"cannot reach stage at {r.address}: {exc}") from None
+            if r.welcome["type"] != "welcome":
+                raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
+            return
+
+    async def _form(self, hints: dict | None = None):
+        """Split the layers over the stages there are, load each stage's share, open the links.
+
+        hints: address (or "head") -> (profile, layers it was measured for): after a stage
+        left, the stages left start from their last profile scaled to their new share."""
+        cfg = self.config
+        n_layers = cfg.num_hidden_layers
+        fingerprint = self.fingerprint
+        mine = free_memory(self.device) if self.memory_cap is None else min(free_memory(self.device), self.memory_cap)
+        if self.drafter is not None and self.memory_cap is not None:
+            mine = max(0, mine - self.drafter.param_bytes)   # the cap holds the draft model too
+        mems = [mine] + [r.welcome["free_memory"] for r in self.remotes]
+        if self.same_machine:
+            mems = [min(mems) // self.n_stages] * self.n_stages
+        self.weights = self._settle_weights(cfg, mems)
+        if self.layers_override and len(self.layers_override) == self.n_stages:
+            self.ranges = list(self.layers_override)
+        else:
+            homes = [self.cpu_homes.get(k) for k in ["head"] + [r.address for r in self.remotes]]
+            if all(h is not None for h in homes):
+                speeds = shared_cpu_speeds(homes)
+            else:  # a machine of its own among them (or none shares this CPU): probe
+                speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
+            caps = precision.layer_caps(cfg, self.weights, self.dtype.itemsize, mems)
+            extra = [0.0] * self.n_stages
+            extra[-1] = lm_head_layers_estimate(cfg)
+            self.ranges = partition(n_layers, speeds, caps, extra)
+        for r, rng in zip(self.remotes, self.ranges[1:]):
+            r.range = rng
+
+        def hint(key, rng):
+            if not hints or key not in hints:
+                return None
+            prof, n = hints[key]
+            return scaled(prof, (rng[1] - rng[0]) / max(1, n))
+
+        async def configure(i, r):
+            nxt = self.remotes[i + 1].address if i + 1 < len(self.remotes) else None
+            if nxt is not None and self.hop is not None:
+                nxt = await self.hop(r.address, nxt)
+            await r.ws.send(frames.control(
+                "configure", model=self.source.spec, start=r.range[0], end=r.range[1],
+                fingerprint=fingerprint, next=nxt, dtype=self.dtype_name,
+                kv_budget_tokens=self.kv_budget_override, threads=None, link=self.link_mode,
+                compress=self.compress, compute=self.compute, acks=self.acks, weights=self.weights,
+                profile=hint(r.address, r.range), route=self.route))
+            while True:
+                msg = frames.parse_control(await r.ws.recv())
+                if msg["type"] == "progress":
+                    self.progress(i + 1, msg["done"], msg["total"], msg["what"])
+                elif msg["type"] == "configured":
+                    r.configured = msg
+                    return
+                elif msg["type"] == "error":
+                    raise PipelineError(f"stage {i + 1} ({r.address}): {msg['message']}")
+
+        def load_local():
+            weights = precision.slice_bytes(cfg, *self.ranges[0], self.weights, self.dtype.itemsize)
+            budget = self.kv_budget_override or kv_budget_tokens_for(
+                cfg, self.ranges[0], self.dtype, self.device, memory_for_kv(weights, self.device, self.memory_cap))
+            return load_and_measure(lambda: StageModel(
+                self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
+                kv_budget_tokens=budget, cores=self.cores, weights=self.weights,
+                progress=lambda d, t, w: self.progress(0, d, t, w)), profile=hint("head", self.ranges[0]))
+
+        try:
+            results = await asyncio.gather(self._run(load_local),
+                                           *(configure(i, r) for i, r in enumerate(self.remotes)))
+        except ConnectionClosed as exc:
+            raise PipelineError(f"a stage closed its connection during setup: {exc}") from None
+        self.stage0, profile0 = results[0]
+        self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
+        budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]
+        self.sched.capacity = min(budgets)
+        if self.drafter is not None:   # every admitted sequence's reservation, drafts included, fits
+            self.drafter.model.kv.budget_tokens = self.sched.capacity
+        self.recovery.formed([r.address for r in self.remotes])
+        self.sched.hop_bytes = cfg.hidden_size * self.dtype.itemsize
+
+        if self.remotes:
+            self._data_ws = await connect_stage(self.remotes[0].address, "data", self.pipeline, key=self.route)
+            epoch = self.recovery.epoch
+            self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
+                                  on_failed=lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}",
+                                                                         epoch),
+                                  acked=self.acks)
+            for i, r in enumerate(self.remotes):
+                self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r, epoch)))
+
+    def _settle_weights(self, cfg, mems: list[int]) -> str:
+        """The precision every stage loads: the user's, the checkpoint's own if it was
+        saved quantized, or (auto) the highest at which the model fits the pool."""
+        saved = prequantized(cfg)
+        quantized_ok = bnb_missing() is None and all(r.welcome.get("quantized") for r in self.remotes)
+        devices = sorted({self.device_name} | {r.welcome["device_name"] for r in self.remotes})
+        where = (f"this machine's {self.n_stages} stage(s) ({self.device_name})" if self.same_machine
+                 else f"{self.n_stages} stage(s) ({', '.join(devices)})")
+        chosen = saved or self.weights
+        if chosen == "auto":
+            chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok)
+        elif chosen in precision.QUANTIZED and not quantized_ok:
+            raise ModelError(f"{chosen} weights need bitsandbytes on every machine of the pipeline, and "
+                             "at least one lacks it: install it there (pip install bitsandbytes) or "
+                             "choose --weights bf16")
+        self.say(precision.table(cfg, self.dtype.itemsize, self.dtype_name, mems, chosen, quantized_ok, where))
+        return chosen
+
+    def refresh_own_profile(self):
+        """Stage 0's profile as its steps in service time it (core/profile.py StepLog)."""
+        step_log = self.stage0.step_log if self.stage0 is not None else None
+        if step_log is not None and step_log.steps:
+            self.profiles[0] = step_log.profile()
+
+    async def _read_stage(self, index: int, r: RemoteStage, epoch: int):
+        """Tokens (from the last stage) and step errors (from any stage)."""
+        try:
+            async for data in r.ws:
+                if isinstance(data, str):
+                    msg = frames.parse_control(data)
+                    if msg["type"] == "error":
+                        log.warning("stage %d: %s", index, msg["message"])
+                    elif msg["type"] == "leaving":
+                        # its owner is taking it back (sharing off, a game, sleep): move its
+                        # layers now, while it waits for us to let it go
+                        log.warning("stage %d is leaving in %.0f s: %s", index, msg["seconds"], msg["reason"])
+                        self._stage_lost(index, f"stage {index} ({r.address}) is leaving: {msg['reason']}", epoch,
+                                         ask_back=False)
+                        return
+                    elif msg["type"] == "profile":   # checked point by point by parse_control
+                        self.profiles[index] = msg["profile"]
+                    elif msg["type"] == "stats":
+                        fut = self._stats_waiters.pop(index, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
+                    continue
+                frame = frames.decode(data)
+                if frame.type != frames.FrameType.TOKENS:
+                    raise frames.FrameError("stages send the head token frames only")
+                self._on_tokens(frame.micro_batch, frame.step, frame.meta.get("tokens", []),
+                                frame.meta.get("errors", []))
+        except frames.FrameError as exc:
+            await r.ws.close(1008, str(exc)[:120])
+            self._stage_lost(index, f"stage {index} sent a bad frame: {exc}", epoch)
+            return
+        except ConnectionClosed as exc:
+            reason = exc.rcvd.reason if exc.rcvd is not None else ""
+            if exc.sent is not None and exc.sent.code == 1011 and exc.rcvd is None:
+                # our heartbeat went unanswered: the stage is frozen or unreachable, and
+                # asking it back would only wait out another timeout
+                self._stage_lost(index, f"stage {index} ({r.address}) stopped answering", epoch, ask_back=False)
+                return
+            if reason:
+                self._stage_lost(index, f"stage {index} ({r.address}) left: {reason}", epoch)
+                return
+        # (a clean close ends the loop without an exception: its reason is on the connection)
+        reason = getattr(r.ws, "close_reason", None)
+        self._stage_lost(index, f"stage {index} ({r.address}) " + (f"left: {reason}" if reason else "disconnected"),
+                         epoch)
+
+    async def stage_stats(self) -> list[dict]:
+        """Every stage (head first): sequences held, tokens cached, frames refused,
+        decode steps that cut into prompt steps."""
+        # one query at a time: answers carry no id, so two callers would take each other's
+        async with self._stats_lock:
+            kv = self.stage0.kv
+            out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0,
+                    "cut_ins": self.stage0.gate.cut_ins}]
+            for i, r in enumerate(self.remotes, start=1):
+                fut = asyncio.get_running_loop().create_future()
+                self._stats_waiters[i] = fut
+                await r.ws.send(frames.control("get_stats"))
+                msg = await asyncio.wait_for(fut, 30)
+                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected", "cut_ins")})
+            return out

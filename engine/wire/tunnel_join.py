@@ -1,0 +1,357 @@
+"""The joiner's side of the tunnels: open_session reaches the host and authenticates, and Joiner
+keeps this machine's stage connected (reconnecting, seeking a direct path, or a reply code).
+
+default_name: what a joiner calls itself to the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from engine.wire.identity import Identity
+from engine.wire.invite import Invite, Reply, encode_reply, rendezvous_key, udp_addresses
+from engine.wire.noise import Initiator, NoiseError
+from engine.wire.punch import punch_key
+from engine.wire.tunnel_routes import (RELAY_AFTER_S, STAGGER_S, _first_to_connect, direct_routes, punch_direct,
+                                       resume_direct)
+from engine.wire.tunnel_session import (BYE, CONFIRM, DEAD_AFTER, HANDSHAKE_TIMEOUT, MODE_JOIN, MODE_MEMBER, READY,
+                                        WS_OPTIONS, HostRefused, Session, TunnelError, _hello_prefix)
+
+log = logging.getLogger("potluck.tunnel")
+
+DIRECT_RETRY_S = 30.0
+REPLY_QUEUE = 8                  # connections to a joiner's reply listener waiting their turn
+
+
+async def open_session(invite: Invite, identity: Identity, target: tuple[str, int], *, name: str = "",
+                       member: bool = False, prefer: str = "auto", log_event=None) -> Session:
+    """Reach the host (its direct addresses first, raced, then the relay), authenticate,
+    and return a started Session whose streams lead to `target` (our stage server).
+    prefer: "auto", "direct" or "relay". Raises TunnelError with the reasons."""
+    say = log_event or (lambda text: log.info(text))
+    direct = direct_routes(invite)
+    relay = ([("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}")]
+             if prefer in ("auto", "relay") and invite.relay else [])
+    if prefer == "relay":
+        direct = []
+    if not direct and not relay:
+        raise TunnelError(f"the code offers no {prefer} route")
+    errors: list[str] = []
+    refused: HostRefused | None = None
+    # one race: the relay joins it RELAY_AFTER_S after the direct addresses started (or at
+    # once when they have all failed), so another home's private address, which may hang
+    # until its connect times out, holds a join up by that long at most; a relayed tunnel
+    # then looks for a direct path at once (Joiner._seek_direct)
+    routes = direct + relay
+    delays = [i * STAGGER_S for i in range(len(direct))] + \
+        [max(len(direct) * STAGGER_S, RELAY_AFTER_S) if direct else 0.0 for _ in relay]
+    while routes:
+        path, url, ws = await _first_to_connect(routes, errors, say, delays)
+        if ws is None:
+            break
+        delays = [d for r, d in zip(routes, delays) if r[1] != url]
+        routes = [r for r in routes if r[1] != url]      # the rest, should this one fail
+        try:
+            session = await _client_handshake(ws, invite, identity, target, name, member, path)
+            if path == "relay" and direct:
+                say(f"no direct route to the host answered within {delays[-1]:g} s "
+                    f"({', '.join(u for _, u in direct)}): joined through the relay; looking for a direct path")
+            return session
+        except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
+            await ws.close()
+            reason = getattr(exc, "rcvd", None)
+            reason = reason.reason if reason is not None and reason.reason else (str(exc) or type(exc).__name__)
+            errors.append(f"{path} {url}: {reason}")
+            say(f"{path} route {url} failed ({reason})")
+            if isinstance(exc, HostRefused):
+                refused = exc       # said by whoever answered there: try the others too
+    if refused is not None:
+        raise HostRefused(f"{refused}" + (f" (also: {'; '.join(errors)})" if len(errors) > 1 else ""))
+    hint = ("" if invite.relay or prefer == "relay" else
+            ". No direct path reaches the host, and this code names no relay: the host can turn on UPnP "
+            "on their router (`potluck doctor` checks it), forward the port to their computer, or host "
+            "with a relay (--relay)")
+    raise TunnelError("cannot reach the host: " + "; ".join(errors) + hint)
+
+
+async def _client_handshake(ws, invite: Invite, identity: Identity, target, name, member, path) -> Session:
+    mode = MODE_MEMBER if member else MODE_JOIN
+    prologue = _hello_prefix(mode, invite.pipeline, b"\x00" * 8 if member else invite.invite_id)
+    ini = Initiator(identity.private, invite.host_key, prologue, psk=None if member else invite.psk())
+    said = {"name": name[:64], "t": int(time.time())}
+    if path.startswith("direct ("):
+        said["kind"] = path[len("direct ("):-1]
+    await ws.send(prologue + ini.write_1(json.dumps(said).encode()))
+    answer = await asyncio.wait_for(ws.recv(), HANDSHAKE_TIMEOUT * 2)
+    if not isinstance(answer, (bytes, bytearray)) or not answer:
+        raise TunnelError("the host answered something that is not a handshake")
+    if answer[0] == 0:
+        raise HostRefused(f"the host refused: {bytes(answer[1:]).decode(errors='replace')[:500]}")
+    try:
+        ini.read_2(answer[1:])
+    except NoiseError as exc:
+        raise TunnelError(str(exc)) from None
+    send_key, recv_key = ini.keys()
+    session = Session(ws, send_key, recv_key, role="joiner", peer_key=invite.host_key, path=path,
+                      target=target, name=name)
+    await session.send(CONFIRM)
+    try:
+        kind, _, payload = await session.recv_inner(HANDSHAKE_TIMEOUT * 2)
+    except NoiseError as exc:
+        raise TunnelError(str(exc)) from None
+    if kind == BYE:
+        raise HostRefused(f"the host refused: {payload.decode(errors='replace')[:500]}")
+    if kind != READY:
+        raise TunnelError("the host did not confirm the session")
+    return session.start()
+
+
+class Joiner:
+    """Keeps this machine's stage connected to the host: the first session joins with
+    the invite; after a drop it reconnects as a member (its key is allowlisted)."""
+
+    def __init__(self, invite: Invite, identity: Identity, target: tuple[str, int], name: str = "",
+                 prefer: str = "auto", on_event=None, direct_retry_s: float | None = None,
+                 reply_listen: str | None = None, on_reply=None):
+        self.invite, self.identity, self.target, self.name, self.prefer = invite, identity, target, name, prefer
+        # while relayed, how often the direct addresses are tried again (a router's mapping
+        # may come late, a firewall may open): the session then moves there mid-stream
+        self.direct_retry_s = float(os.environ.get("POTLUCK_DIRECT_RETRY_S", DIRECT_RETRY_S)) \
+            if direct_retry_s is None else direct_retry_s
+        self.on_event = on_event or (lambda text: log.info(text))
+        self.session: Session | None = None
+        self.member = False
+        # when nothing in the invite reaches the host: listen on this HOST:PORT, show a reply
+        # code (on_reply(code)) and wait for the host to connect (None: fail instead)
+        self.reply_listen, self.on_reply = reply_listen, on_reply
+        self.reply_code: str | None = None
+        self._incoming: asyncio.Queue | None = None
+        self._reply_server = None
+        self._mapper = None
+        self._udp = None               # with no relay: the socket we punch toward the host from
+        self._punch_task: asyncio.Task | None = None
+        # while relayed, punch a direct UDP path (POTLUCK_PUNCH=0: never)
+        self.punch = os.environ.get("POTLUCK_PUNCH", "1") != "0"
+
+    GIVE_UP_AFTER = 5      # refusals in a row (a revoked member, a used-up code) before giving up
+
+    async def connect(self) -> Session:
+        try:
+            self.session = await self._open()
+        except TunnelError as exc:
+            if self.reply_listen is None or isinstance(exc, HostRefused) or self.prefer == "relay":
+                raise
+            self.session = await self._by_reply(str(exc))
+        self.member = True
+        self.on_event(f"connected to the host via {self.session.path}")
+        return self.session
+
+    async def run(self):
+        """Reconnects until the host refuses us (revoked) or is gone for good."""
+        if self.session is None:
+            await self.connect()
+        delay = 1.0
+        while True:
+            seeker = asyncio.ensure_future(self._seek_direct(self.session))
+            try:
+                await self.session.closed.wait()
+            finally:
+                seeker.cancel()
+            self.on_event(f"tunnel closed: {self.session.close_reason}")
+            if "revoked" in self.session.close_reason:
+                raise TunnelError(self.session.close_reason)
+            refusals = 0
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    await self.connect()
+                    delay = 1.0
+                    break
+                except TunnelError as exc:
+                    refusals = refusals + 1 if isinstance(exc, HostRefused) else 0
+                    if refusals >= self.GIVE_UP_AFTER:
+                        raise
+                    self.on_event(f"reconnect failed: {exc}")
+                    delay = min(delay * 2, 30.0)
+
+
+    async def _open(self) -> Session:
+        return await open_session(self.invite, self.identity, self.target, name=self.name,
+                                  member=self.member, prefer=self.prefer, log_event=self.on_event)
+
+    async def _by_reply(self, why: str) -> Session:
+        """Listen, gather this machine's candidates (its router's mapping among them), show
+        a reply code, and take the host's connection when it comes -- or the invite's own
+        routes, tried again meanwhile, when one of those answers first (a relay back up)."""
+        if self._reply_server is None:
+            try:
+                await self._listen_for_replies(why)
+            except BaseException:
+                await self.close()          # set up again on the next try
+                raise
+        waiting = asyncio.ensure_future(self._next_reply_session())
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiting), self.direct_retry_s)
+                except asyncio.TimeoutError:
+                    pass
+                try:
+                    return await self._open()
+                except HostRefused:
+                    raise
+                except TunnelError:
+                    continue
+        finally:
+            waiting.cancel()
+
+    async def _listen_for_replies(self, why: str):
+        from engine.wire import candidates as cand
+
+        self._incoming = asyncio.Queue()
+
+        async def handler(ws):
+            # anyone may connect here (the address is in a code): a few wait their
+            # turn, more are turned away, so a flood costs bounded memory; and none
+            # while this joiner is connected another way
+            if self._incoming.qsize() >= REPLY_QUEUE or (self.session is not None
+                                                         and not self.session.closed.is_set()):
+                await ws.close(1013, "busy")
+                return
+            done = asyncio.Event()
+            await self._incoming.put((ws, done, "direct (reply)"))
+            await done.wait()          # the connection lives as long as its session
+
+        host, _, port = self.reply_listen.rpartition(":")
+        try:
+            self._reply_server = await serve(handler, host or "0.0.0.0", int(port or 0), **WS_OPTIONS)
+        except OSError as exc:
+            raise TunnelError(f"{why}; and a reply code needs this computer to listen on "
+                              f"{self.reply_listen}, which failed ({exc.strerror or exc}): "
+                              "give another with --reply-listen") from None
+        bound = self._reply_server.sockets[0].getsockname()[1]
+        self._mapper = cand.PortMapper()
+        g, udp = await asyncio.gather(
+            cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper),
+            self._punch_toward_host())
+        if not g.candidates and not udp:
+            raise TunnelError(f"{why}; and this computer has no address the host could reach either")
+        cands = (g.candidates + udp)[:16]
+        self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
+                                             [c.url for c in cands], [c.kind for c in cands]))
+        self.on_event("the host cannot be reached from here; it can reach this computer instead: "
+                      f"send the host this reply code ({', '.join(c.kind for c in g.candidates)})")
+        if self.on_reply is not None:
+            self.on_reply(self.reply_code)
+
+    async def _punch_toward_host(self) -> list:
+        """With the host's punching address in the invite (kind "udp"): a socket of ours, its
+        public address for the reply code, and punching toward the host from it, a round a
+        second, until the host (given our code) punches back; then QUIC, and the join's
+        handshake over it (_next_reply_session)."""
+        from engine.wire import candidates as cand, stun
+
+        targets = udp_addresses(self.invite.direct, self.invite.kinds)
+        servers = stun.servers_from_env()
+        if not targets or not servers or not self.punch:
+            return []
+        try:
+            from engine.wire.punch import UdpEndpoint
+
+            self._udp = await UdpEndpoint.open(exclusive=False)
+        except (ImportError, OSError):
+            return []
+        await self._udp.candidates(servers)
+        if not self._udp.mapped:
+            return []
+        self._punch_task = asyncio.ensure_future(self._punch_loop(targets))
+        return [cand.Candidate("udp", f"udp://{a}:{p}") for a, p in self._udp.mapped[:2]]
+
+    async def _punch_loop(self, targets):
+        from engine.wire.punch import PunchError
+
+        key = punch_key(rendezvous_key(self.invite.psk()))
+        while True:
+            try:
+                peer = await self._udp.punch(key, targets, None, interval=1.0)
+                channel = await self._udp.quic_connect(peer)
+            except (PunchError, OSError) as exc:
+                self.on_event(f"no punched path to the host ({exc})")
+                await asyncio.sleep(1.0)
+                continue
+            done = asyncio.Event()
+            await self._incoming.put((channel, done, "direct (punched)"))
+            await done.wait()
+            await channel.close()
+
+    async def _next_reply_session(self) -> Session:
+        while True:
+            ws, done, path = await self._incoming.get()
+            try:
+                session = await _client_handshake(ws, self.invite, self.identity, self.target, self.name,
+                                                  self.member, path)
+            except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError, NoiseError) as exc:
+                # even a refusal: whoever connected here need not be the host (a refusal
+                # is not authenticated), and the host redials; so wait for the next one
+                self.on_event(f"a connection to the reply address failed ({exc or type(exc).__name__})")
+                done.set()
+                continue
+            except asyncio.CancelledError:      # connected another way meanwhile
+                done.set()
+                raise
+            asyncio.ensure_future(_release_when_closed(session, done))
+            return session
+
+    async def close(self):
+        """Stop listening for the host (a reply code's listener) and remove its mapping."""
+        if self._reply_server is not None:
+            self._reply_server.close()
+            self._reply_server = None
+        if self._mapper is not None:
+            await self._mapper.close()
+            self._mapper = None
+        if self._punch_task is not None:
+            self._punch_task.cancel()
+            self._punch_task = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+
+    async def _seek_direct(self, session: Session):
+        """While relayed: the invite's direct addresses again (a mapping may come late, a
+        firewall open), then hole punching; the first try of punching right away."""
+        first = True
+        while session.path == "relay" and self.prefer != "relay":
+            if not first:
+                try:
+                    await asyncio.wait_for(session.closed.wait(), self.direct_retry_s)
+                    return
+                except asyncio.TimeoutError:
+                    pass
+            moved = (not first and direct_routes(self.invite) and await resume_direct(session, self.invite, self.on_event)) \
+                or (self.punch and await punch_direct(session, self.invite, self.on_event))
+            first = False
+            if moved:
+                try:      # the host's MOVE ends the old channel (behind what it still carries)
+                    await asyncio.wait_for(session.moved.wait(), DEAD_AFTER)
+                except asyncio.TimeoutError:
+                    await session.close("the host did not finish moving to the direct path")
+                    return
+                self.on_event(f"moved to {session.path}: no longer relayed")
+
+
+async def _release_when_closed(session: Session, done: asyncio.Event):
+    await session.closed.wait()
+    done.set()
+
+
+def default_name() -> str:
+    return os.environ.get("POTLUCK_NAME") or socket.gethostname()[:64]
