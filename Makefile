@@ -16,7 +16,7 @@ QT_LIBS := libegl1 libgl1 libfontconfig1 libglib2.0-0 libdbus-1-3 libxkbcommon0 
            libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 \
            libxcb-render-util0 libxcb-shape0 libxcb-xinerama0 libxcb-xkb1 libx11-xcb1 fonts-dejavu-core
 
-.PHONY: setup qt-libs net-test-tools run chat serve test bench screenshots installers installers-test clean
+.PHONY: setup qt-libs net-test-tools run chat serve test bench screenshots installers installers-test installers-check installer-tools clean
 
 setup: $(STAMP)
 
@@ -80,8 +80,15 @@ installers: setup
 # installs them into an empty home (no venv, no checkout on the path) and asks the model;
 # the Windows one silently under wine, then runs it (chat, serve, the app's tour: its
 # screenshots land in dist/windows-tour/); the slowest steps' times are printed
-installers-test: installers
-	$(BIN)/python -m pytest -q -ra --durations=12 -m installers tests/installer
+installers-test: installers installers-check
+
+# the Debian packages the installers' build and tests use (NSIS, mingw-w64, wine)
+installer-tools: setup
+	installer/build-windows.sh --tools
+
+# the installer tests alone, on whatever dist/ holds now (.ci/run times build and tests apart)
+installers-check: setup
+	$(BIN)/python -m pytest -q -ra --durations=12 -m installers -n 2 --dist loadfile tests/installer
 
 bench: setup
 	$(BIN)/python bench/overhead.py

@@ -12,7 +12,9 @@ VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
 
 if [ "${1:-}" != "--skip-bundle" ]; then
   make setup
-  .venv/bin/python -m pip install --quiet -e ".[build]"
+  # PyInstaller alone, not the project again: CI builds this while the tests run from the
+  # same venv, and reinstalling the project would pull it from under them
+  .venv/bin/python -m pip install --quiet "$(.venv/bin/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["build"][0])')"
   .venv/bin/pyinstaller --noconfirm --log-level WARN build.spec
 fi
 [ -x dist/potluck/potluck ] || { echo "no dist/potluck/potluck: build the bundle first" >&2; exit 1; }
@@ -63,10 +65,12 @@ DEB_OUT="dist/potluck_${VERSION}_amd64.deb"
 dpkg-deb --root-owner-group -Zxz -z6 --build "$DEB" "$DEB_OUT" >/dev/null
 
 # --- .run: a shell script with the bundle appended, installs under ~/.local ------------------
+# Its payload is the .deb's own data.tar.xz (./opt/potluck/... inside): the bundle is
+# compressed once, not twice (xz over a GB is most of this script's time)
 RUN_OUT="dist/potluck-${VERSION}-linux-x86_64.run"
-tar -C dist -cf - potluck | xz -T0 -6 > "$WORK/payload.tar.xz"
+(cd "$WORK" && ar x "$ROOT/$DEB_OUT" data.tar.xz)
 sed "s/@VERSION@/$VERSION/" installer/linux/run-header.sh > "$RUN_OUT"
-cat "$WORK/payload.tar.xz" >> "$RUN_OUT"
+cat "$WORK/data.tar.xz" >> "$RUN_OUT"
 chmod 755 "$RUN_OUT"
 
 ls -l --block-size=M "$DEB_OUT" "$RUN_OUT"

@@ -26,6 +26,9 @@ need() {  # the Debian packages this build uses, installed when root (as `make s
   fi
 }
 need
+# --tools: only the Debian packages (CI installs them before it builds beside the tests:
+# two apt-gets at once would fight over dpkg's lock)
+[ "${1:-}" = "--tools" ] && exit 0
 make --no-print-directory setup
 
 mkdir -p "$CACHE/wheels" dist

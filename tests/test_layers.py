@@ -152,3 +152,17 @@ def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
             test_imports_go_down_only(fake)
     finally:
         fake.unlink()
+
+
+MAX_LINES = 800   # a module past this holds more than one thing: split it by what it holds
+
+
+@pytest.mark.parametrize("path", sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "app").rglob("*.py")]),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_is_a_room_a_newcomer_can_read(path):
+    """No module of the engine or the app over MAX_LINES, and each says what it holds."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.count("\n")
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by what it holds"
+    if text.strip():
+        assert ast.get_docstring(ast.parse(text)), f"{path.relative_to(ROOT)} has no docstring saying what it holds"

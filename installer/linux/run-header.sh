@@ -18,7 +18,8 @@ say "Installing Potluck @VERSION@ into $DEST ..."
 # unpack beside the old install, then swap: an interrupted update leaves the old one working
 rm -rf "$DEST.new" "$DEST.old"
 mkdir "$DEST.new"
-if ! tail -n +"$SKIP" "$0" | xz -dc | tar -x -C "$DEST.new" --strip-components=1; then
+# the payload is the .deb's data.tar.xz: the bundle is its ./opt/potluck
+if ! tail -n +"$SKIP" "$0" | xz -dc | tar -x -C "$DEST.new" --strip-components=3 ./opt/potluck; then
   rm -rf "$DEST.new"; say "Unpacking failed (is the disk full?). Nothing was changed." >&2; exit 1
 fi
 [ -d "$DEST" ] && mv "$DEST" "$DEST.old"

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -88,17 +89,27 @@ def reference_generate(model, prompt: list[int], max_new: int, eos: set[int]) ->
     return toks
 
 
-def stage_pids() -> set[int]:
+def stage_pids(run: str) -> set[int]:
+    """The stage processes that cli(..., run=run) started and that still live. Tests run in
+    parallel workers, so other tests' stages come and go meanwhile: a stage is ours when it
+    inherited our run's mark."""
     pids = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if all(part in cmd for part in STAGE_CMD):
-            pids.add(p.info["pid"])
+            try:
+                if p.environ().get(RUN_MARK) == run:
+                    pids.add(p.info["pid"])
+            except psutil.Error:   # gone meanwhile, or not ours to read
+                pass
     return pids
 
 
-def cli(*args, timeout=180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false")
+RUN_MARK = "POTLUCK_TEST_RUN"
+
+
+def cli(*args, timeout=180, run: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", **{RUN_MARK: run})
     return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -594,24 +605,24 @@ async def test_bad_layer_ranges_fail_before_anything_loads(default_source):
 
 
 async def test_cli_bad_layers_exit_code():
-    before = stage_pids()
-    r = await asyncio.to_thread(cli, "chat", "--layers", "0:10,12:30", "--prompt", "hi")
+    run = uuid.uuid4().hex
+    r = await asyncio.to_thread(cli, "chat", "--layers", "0:10,12:30", "--prompt", "hi", run=run)
     assert r.returncode == 2, r.stderr
     assert "gap" in r.stderr
     assert "Traceback" not in r.stderr
-    assert stage_pids() - before == set()
+    assert stage_pids(run) == set()
 
 
 async def test_cli_chat_smoke():
-    before = stage_pids()
+    run = uuid.uuid4().hex
     r = await asyncio.to_thread(cli, "chat", "--stages", "2", "--prompt", "What is the capital of France?",
-                                "--max-tokens", "20", "--temperature", "0")
+                                "--max-tokens", "20", "--temperature", "0", run=run)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     deadline = time.monotonic() + 5
-    while stage_pids() - before and time.monotonic() < deadline:
+    while stage_pids(run) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    assert stage_pids() - before == set(), "the CLI left stage processes behind"
+    assert stage_pids(run) == set(), "the CLI left stage processes behind"
 
 
 async def test_stage_process_dies(tiny_folder):
