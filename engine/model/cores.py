@@ -49,6 +49,13 @@ event loop to save two thread hand-offs did exactly that: bench/overhead.py meas
 the 2- and 3-stage pipelines several percent further behind the single process than
 before (see bench/RESULTS.md), and the change was reverted.
 
+The machine is its owner's first. A step runs on no more threads than the cores other
+programs leave free (engine/core/cpu_share.py decides, from the machine's busy time less
+the pipeline's own: each process of the pipeline leaves its pid in the lease directory),
+and borrows no core beyond them: with a busy program on one of two cores, a step on two
+OpenMP threads waited at every operator's barrier for the one the scheduler had given
+away, and the default 3-stage pipeline decoded 6.5x slower (bench/busy_cpu.py).
+
 Locks are flock(2) on files in a directory the pipeline's parent creates; a process
 that dies releases its locks with its file descriptors. Windows has no flock with shared
 locks, so there (LEASES is False) local stages keep to their home cores and never borrow.
@@ -57,7 +64,11 @@ locks, so there (LEASES is False) local stages keep to their home cores and neve
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
+from typing import Callable
+
+from engine.core.cpu_share import CpuReading, ForeignLoad, step_threads, usable_cores
 
 try:
     import fcntl
@@ -98,11 +109,48 @@ def cpu_shares(processes: int, n_cores: int) -> list[float]:
     return [sum(1 / sum(c in h for h in homes) for c in home) for home in homes]
 
 
+class CpuReader:
+    """CpuReadings of this machine for the pipeline whose lease directory this is: the
+    machine's busy time from psutil (niced time is its own column, left out) and the CPU
+    time of the processes that left their pid there."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._procs: dict[int, object] = {}
+
+    def __call__(self) -> CpuReading:
+        import psutil
+
+        t = time.monotonic()
+        c = psutil.cpu_times()
+        busy = c.user + c.system + sum(getattr(c, k, 0.0) for k in ("irq", "softirq", "steal"))
+        ours = 0.0
+        for name in os.listdir(self.directory):
+            if not name.startswith("pid-"):
+                continue
+            pid = int(name[4:])
+            try:
+                p = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
+                times = p.cpu_times()
+                ours += times.user + times.system
+            except (psutil.Error, ValueError):  # ended (its file stays after a SIGKILL)
+                self._procs.pop(pid, None)
+        return CpuReading(t, busy, ours)
+
+
+def no_others() -> CpuReading:
+    """A reading of a machine with no other programs on it."""
+    return CpuReading(time.monotonic(), 0.0, 0.0)
+
+
 class CoreLease:
     def __init__(self, directory: str, home: list[int], n_cores: int,
-                 borrow_min_tokens: int = BORROW_MIN_TOKENS, set_threads=None):
+                 borrow_min_tokens: int = BORROW_MIN_TOKENS, set_threads=None,
+                 read_cpu: Callable[[], CpuReading] | None = None):
+        """read_cpu: the machine's readings (a CpuReader over the directory by default)."""
         if not home or any(not 0 <= c < n_cores for c in home):
             raise ValueError(f"home cores {home} outside 0..{n_cores - 1}")
+        self.n_cores = n_cores
         self.home = sorted(set(home))
         self.others = [c for c in range(n_cores) if c not in self.home]
         self.borrow_min_tokens = borrow_min_tokens
@@ -118,6 +166,18 @@ class CoreLease:
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
         self._threads = None
+        # other programs' load: this process is one of the pipeline's, whose time is not theirs
+        self._pid_file = os.path.join(directory, f"pid-{os.getpid()}")
+        with open(self._pid_file, "w"):
+            pass
+        if read_cpu is None:
+            # POTLUCK_CPU_SHARE=0: every step borrows every idle core whatever else runs
+            # (bench/busy_cpu.py --compare measures the difference side by side)
+            read_cpu = CpuReader(directory) if os.environ.get("POTLUCK_CPU_SHARE", "1") != "0" else no_others
+        self._read_cpu = read_cpu
+        self.foreign = ForeignLoad(n_cores)
+        self.usable = n_cores
+        self.capped_steps = 0     # steps that ran on fewer threads than cores held, for other programs
         self.borrowed_steps = 0   # steps that ran with borrowed cores
         self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
 
@@ -139,8 +199,11 @@ class CoreLease:
             for c in self.home:
                 self._take_home(c)
                 held.append(c)
+            usable = self._usable()
             if n_tokens >= self.borrow_min_tokens:
                 for c in self.others:
+                    if len(held) + len(self._borrowed) >= usable:
+                        break       # the rest are other programs'
                     try:
                         fcntl.flock(self._fds[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
@@ -148,8 +211,11 @@ class CoreLease:
                     self._borrowed.append(c)
             if self._borrowed:
                 self.borrowed_steps += 1
-            self._threads_for(len(held) + len(self._borrowed))
-            yield len(held) + len(self._borrowed)
+            threads = step_threads(len(held) + len(self._borrowed), usable)
+            if threads < len(held):
+                self.capped_steps += 1
+            self._threads_for(threads)
+            yield threads
         finally:
             for c in self._borrowed:
                 fcntl.flock(self._fds[c], fcntl.LOCK_UN)
@@ -173,7 +239,17 @@ class CoreLease:
             keep.append(c)
         if len(keep) != len(self._borrowed):
             self._borrowed = keep
-            self._threads_for(len(self.home) + len(keep))
+            self._threads_for(step_threads(len(self.home) + len(keep), self.usable))
+
+    def _usable(self) -> int:
+        """Cores free of other programs, from a fresh reading when the last is old enough."""
+        if self.foreign.due(time.monotonic()):
+            try:
+                self.foreign.observe(self._read_cpu())
+            except (OSError, ValueError):  # no reading this time: the estimate stands
+                pass
+        self.usable = usable_cores(self.n_cores, self.foreign.cores)
+        return self.usable
 
     def _take_home(self, c: int) -> None:
         try:
@@ -201,6 +277,10 @@ class CoreLease:
             self._threads = n
 
     def close(self):
+        try:
+            os.unlink(self._pid_file)
+        except OSError:
+            pass
         for fd in (*self._fds.values(), *self._want.values()):
             os.close(fd)
         self._fds.clear()

@@ -4,16 +4,36 @@ flock(2) locks belong to open file descriptions, so two CoreLease objects in one
 process contend exactly as two processes do.
 """
 
+import os
 import threading
+import time
 
 import pytest
 
-from engine.model.cores import CoreLease, home_cores
+from engine.core.cpu_share import CpuReading
+from engine.model.cores import CoreLease, CpuReader, home_cores
 
 
-def lease(tmp_path, home, n=2, log=None):
+def quiet():
+    """A machine nobody else uses (these tests share a real, busy one): nothing but ours."""
+    return CpuReading(time.monotonic(), 0.0, 0.0)
+
+
+def lease(tmp_path, home, n=2, log=None, read_cpu=quiet):
     return CoreLease(str(tmp_path), home, n, borrow_min_tokens=16,
-                     set_threads=(log.append if log is not None else (lambda t: None)))
+                     set_threads=(log.append if log is not None else (lambda t: None)), read_cpu=read_cpu)
+
+
+class OneBusyProgram:
+    """Readings of a machine where another program keeps one core busy: the machine's busy
+    time grows a second per second more than ours."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+
+    def __call__(self):
+        t = time.monotonic()
+        return CpuReading(t, 1.0 * (t - self.t0), 0.0)
 
 
 def test_home_cores_deal_out_the_machine():
@@ -90,3 +110,49 @@ def test_local_pipeline_cpu_shares():
     assert len(shares) == 3 and sum(shares) <= n + 1e-9 and min(shares) > 0
     if n == 2:
         assert shares == [0.5, 1.0, 0.5]  # head and stage 2 take turns on core 0
+
+
+def test_a_busy_program_keeps_its_core_a_step_runs_on_what_is_left(tmp_path):
+    """With another program busy on one of two cores, a big step borrows nothing and runs
+    on one thread (two would wait at every barrier for the core the scheduler gave away)."""
+    log = []
+    busy = OneBusyProgram()
+    a = lease(tmp_path, [0], log=log, read_cpu=busy)
+    lease(tmp_path, [1])                      # the other stage, idle: its core is free to borrow
+    with a.hold(64) as threads:               # the first reading only starts the clock
+        assert threads == 2
+    deadline = time.monotonic() + 30
+    while a.usable == 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        with a.hold(64) as threads:
+            pass
+    assert a.usable == 1 and threads == 1 and log[-1] == 1
+    assert a.foreign.cores > 0.35          # past the slack: a core lost, within a second or so
+
+
+def test_two_home_cores_run_on_one_thread_beside_a_busy_program(tmp_path):
+    busy = OneBusyProgram()
+    a = lease(tmp_path, [0, 1], log=[], read_cpu=busy)
+    deadline = time.monotonic() + 30
+    while a.usable == 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        with a.hold(1) as threads:
+            pass
+    assert threads == 1 and a.capped_steps >= 1
+
+
+def test_the_reader_counts_the_pipelines_own_processes_not_the_machines_others(tmp_path):
+    """CpuReader: this process left its pid (the lease did), so the CPU it burns is ours."""
+    a = CoreLease(str(tmp_path), [0], 2, set_threads=lambda t: None)
+    assert os.path.exists(tmp_path / f"pid-{os.getpid()}")
+    read = CpuReader(str(tmp_path))
+    r0 = read()
+    spin_until = time.process_time() + 0.5
+    while time.process_time() < spin_until:
+        pass
+    r1 = read()
+    assert r1.ours_s - r0.ours_s >= 0.4          # our spin
+    assert r1.machine_busy_s - r0.machine_busy_s >= 0.4   # the machine saw it too
+    a.close()
+    assert not os.path.exists(tmp_path / f"pid-{os.getpid()}")
+    assert read().ours_s == 0.0                   # gone from the pipeline with its lease
