@@ -56,8 +56,13 @@ serve: setup
 # the installer tests check whatever dist/ holds, which may predate this checkout's code:
 # they run under installers-test, right after the build
 # the slowest tests are listed at the end: CI has 90 minutes, and that is where they go
+# two test processes (pytest-xdist): much of the suite waits on sockets, timers and child
+# processes; the long synchronous modules run as a session of their own after the rest
+# (tests/conftest.py, LATE_MODULES)
+PYTEST_PAR := -n 2 --dist loadfile
 test: setup net-test-tools
-	$(BIN)/python -m pytest -q -ra --durations=30 -m "not installers" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not installers" $(PYTEST_PAR) --late skip
+	$(BIN)/python -m pytest -q -ra --durations=10 -m "not installers" $(PYTEST_PAR) --late only
 
 # the path tests (tests/node/test_home_paths.py) build homes in network namespaces from
 # Debian's real parts: iptables NAT, miniupnpd (UPnP-IGD, NAT-PMP) and coturn (STUN).

@@ -9,12 +9,15 @@ to the GUI thread as Qt signals.
 from __future__ import annotations
 
 import html
+import logging
 import threading
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QProgressBar, QVBoxLayout
 
 from . import gpu_enable as ge
+
+log = logging.getLogger("potluck.app")
 
 
 class GpuOffer(QObject):
@@ -40,8 +43,9 @@ class GpuOffer(QObject):
             if not gpu.names:
                 self.offered.emit(None)
                 return
-            facts, _ = ge.run_check()
+            facts, err = ge.run_check()
             if not ge.should_offer(gpu, facts):
+                log.info("no GPU offer: the engine's torch reports %s%s", facts, f" ({err})" if err and not facts else "")
                 self.offered.emit(None)
                 return
             self.gpu = gpu
@@ -50,6 +54,7 @@ class GpuOffer(QObject):
             if self.size:
                 self.offered.emit(ge.offer_label(self.size))
         except Exception:  # looking must never take the app down; no offer is the safe answer
+            log.warning("no GPU offer: looking failed", exc_info=True)
             self.offered.emit(None)
 
 

@@ -131,12 +131,26 @@ async def spare_stages():
 # run after everything that uses the session's asyncio loop. While no async test runs
 # that loop is idle, so the shared pipeline's head cannot answer its stages' WebSocket
 # pings; a few idle minutes in the middle of the session and the stages hang up on it.
+# In one process they go last. Parallel workers (pytest-xdist) take files in an order of
+# their own, so there `make test` runs them as a second session: `--late skip`, then
+# `--late only` (test_gpu_dialog, run after test_app_gui in one worker, lost its offers).
 LATE_MODULES = ("test_app_gui", "test_node")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--late", choices=("last", "skip", "only"), default="last",
+                     help="the long synchronous modules (LATE_MODULES): last (one process), "
+                          "skip them, or only them (parallel workers: two sessions)")
 
 
 def pytest_collection_modifyitems(config, items):
     late = [i for i in items if i.module.__name__.rsplit(".", 1)[-1] in LATE_MODULES]
-    if late:
+    how = config.getoption("--late")
+    if how == "skip":
+        items[:] = [i for i in items if i not in late]
+    elif how == "only":
+        items[:] = late
+    elif late:
         items[:] = [i for i in items if i not in late] + late
     # `gpu` tests need CUDA: skipped here, run on a lent GPU with `pytest -m gpu`
     if not torch.cuda.is_available():

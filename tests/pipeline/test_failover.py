@@ -631,6 +631,15 @@ async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monke
         await a.close("switched off", wait_s=10)
         await until(lambda: head.info()["events"] and head.info()["events"][-1]["event"] == "recovered")
         assert head.n_stages == 1
+        # the head alone decodes a tiny model's token in a millisecond or two: paced, the
+        # reply is surely still going when the machine is back, however busy this one is
+        alone, step = head.stage0, head.stage0.forward
+
+        def paced(*args, **kw):
+            time.sleep(0.05)
+            return step(*args, **kw)
+
+        monkeypatch.setattr(alone, "forward", paced)
         handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=200))
         await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
         back = await StageServer("127.0.0.1", port, threads=1).start()
