@@ -128,8 +128,8 @@ class CpuReader:
         for name in os.listdir(self.directory):
             if not name.startswith("pid-"):
                 continue
-            pid = int(name[4:])
             try:
+                pid = int(name[4:])
                 p = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
                 times = p.cpu_times()
                 ours += times.user + times.system
