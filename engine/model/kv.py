@@ -42,6 +42,13 @@ class KVStore:
         # layer_idx -> (keys, values); allocated at the first update of that layer
         self._k: dict[int, torch.Tensor] = {}
         self._v: dict[int, torch.Tensor] = {}
+        # counts reallocations: a captured CUDA graph holds the storage's addresses, so one
+        # captured under another generation must not replay (engine/model/cuda_graphs.py)
+        self.generation = 0
+        # keep the storage when the last sequence ends: a stage replaying graphs would
+        # otherwise capture them all again for the next reply
+        self.keep_storage = False
+        self._scratch: int | None = None
 
     # ---- bookkeeping --------------------------------------------------------
     @property
@@ -67,16 +74,26 @@ class KVStore:
         s = self.seqs[seq_id] = SeqKV(slot)
         return s
 
+    def scratch_slot(self) -> int:
+        """A slot no sequence is given: where the padding rows of a fixed-size step
+        (engine/model/static_decode.py) write what nobody reads."""
+        if self._scratch is None:
+            self._scratch = self._n_slots
+            self._n_slots += 1
+        return self._scratch
+
     def free(self, seq_id: int) -> bool:
         s = self.seqs.pop(seq_id, None)
         if s is None:
             return False
         self._free_slots.append(s.slot)
-        if not self.seqs:  # nothing live: give the memory back
+        if not self.seqs and not self.keep_storage:  # nothing live: give the memory back
+            self.generation += 1
             self._k.clear()
             self._v.clear()
             self._free_slots.clear()
             self._n_slots = 0
+            self._scratch = None
             self._capacity = 0
         return True
 
@@ -147,6 +164,7 @@ class KVStore:
             if k.shape[2] < need_cap:
                 cap = max(cap, 2 * k.shape[2])
         self._capacity = max(self._capacity, cap)
+        self.generation += 1
         newk = torch.zeros((slots, kshape[0], cap, kshape[1]), dtype=self.dtype, device=self.device)
         newv = torch.zeros((slots, vshape[0], cap, vshape[1]), dtype=self.dtype, device=self.device)
         if k is not None:

@@ -45,6 +45,7 @@ from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
 from engine.model.device import attention_kernels, pick_device
 from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.rope import per_row_rotary
+from engine.model.static_decode import decode_path
 from engine.model.sources import ModelError, ModelSource
 
 # accelerate's init_empty_weights patches torch's module constructors process-wide, so
@@ -183,7 +184,11 @@ class StageModel:
                 layer.register_forward_pre_hook(lambda *_: cores.checkpoint())
         self._plan_masks()
         self._plan_alibi()
-        per_row_rotary(self.model)  # LongRoPE, dynamic NTK: each row's own frequencies (rope.py)
+        # LongRoPE, dynamic NTK: each row's own frequencies (rope.py)
+        self.per_row_rotary = per_row_rotary(self.model)
+        # decode steps over fixed buffers, replayed as CUDA graphs on a GPU (issue 42)
+        self.static = None
+        decode_path(self)
 
     # ---- construction -------------------------------------------------------
     def _load(self, cfg) -> nn.Module:
@@ -504,6 +509,10 @@ class StageModel:
         return torch.cat([parts[i] for i in range(len(batch.ns))])
 
     def _forward(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
+        if self.static is not None:
+            out = self.static.try_step(batch, inputs)
+            if out is not None:
+                return out
         kv = self.kv
         rows = list(zip(batch.seq_ids, batch.starts, batch.ns))
         fs = self._temperature_floor

@@ -1,0 +1,155 @@
+"""Which decode steps replay a captured CUDA graph, and which graphs a stage keeps (issue 42).
+
+On a GPU a decode step is a few milliseconds of kernels, and launching them one by one
+from Python costs more than running them: the GPU idles most of every step. A captured
+graph replays the step's whole kernel sequence with one launch, but only for the shape it
+was captured at and over the same buffers. So a step is rounded up to a bucket:
+
+* rows to the next of `row_buckets` (the padding rows repeat the last real row: they
+  compute and write exactly what it does, and their outputs are dropped);
+* tokens per row as they are: 1 for decoding, 1 + k for a speculative verification
+  step, every row alike (a step whose rows differ runs eagerly);
+* keys attended over to the next power of two from `min_kv` (each row's mask hides the
+  keys past its own length), so a graph serves a whole range of context lengths;
+* where the rows sit in the KV store: in adjacent slots from `lo` (a graph attends over
+  a slice of the store, no copy) or anywhere (a graph gathers its rows' keys).
+
+Pure: the stage asks `shape_for`, the runner (engine/model/cuda_graphs.py) captures, and
+`GraphBook` remembers what was captured, what failed and why, and evicts the least
+recently used graph past `max_graphs` (each holds its buffers, and the capture pool
+grows with the largest).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_KV = 256
+# 1 + k tokens a row: a verification step of up to 8 drafted tokens (engine/core/speculation.py)
+MAX_TOKENS_PER_ROW = 9
+MAX_GRAPHS = 48
+# captures that fail (for any shape) before a stage stops trying: a family whose step
+# cannot be captured fails the same way at every shape
+MAX_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class StepShape:
+    rows: int              # a row bucket
+    tokens: int            # per row
+    kv_len: int            # keys attended over
+    lo: int | None = None  # first slot when the rows sit in adjacent slots, else None (gathered)
+
+    def label(self) -> str:
+        where = "gathered" if self.lo is None else f"slots {self.lo}+"
+        return f"{self.rows}x{self.tokens} over {self.kv_len} keys ({where})"
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    row_buckets: tuple[int, ...] = ROW_BUCKETS
+    min_kv: int = MIN_KV
+    max_kv: int | None = None            # longest context a graph attends over (None: any)
+    max_tokens: int = MAX_TOKENS_PER_ROW
+
+    def kv_bucket(self, need: int) -> int:
+        b = self.min_kv
+        while b < need:
+            b *= 2
+        return b
+
+    def shape_for(self, ns: list[int], starts: list[int], slots: list[int],
+                  keep: list[int] | None = None) -> StepShape | str:
+        """The bucket a step's rows run in, or why they run eagerly (a short reason)."""
+        if not ns:
+            return "no rows"
+        n = ns[0]
+        if any(x != n for x in ns):
+            return "rows of different lengths"
+        if n > self.max_tokens:
+            return f"rows of {n} tokens (a prompt)"
+        if n > 1 and keep != ns:
+            return "rows of several tokens that are no verification"
+        if n == 1 and keep is not None and any(k != 1 for k in keep):
+            return "a row keeps more positions than it has"
+        rows = next((b for b in self.row_buckets if b >= len(ns)), None)
+        if rows is None:
+            return f"{len(ns)} rows, more than {self.row_buckets[-1]}"
+        need = max(s + n for s in starts)
+        kv_len = self.kv_bucket(need)
+        if self.max_kv is not None and kv_len > self.max_kv:
+            if need > self.max_kv:
+                return f"a context of {need} tokens, past {self.max_kv}"
+            kv_len = self.max_kv
+        lo = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
+        return StepShape(rows, n, kv_len, lo)
+
+    def warm_shapes(self, up_to_rows: int = 16) -> list[StepShape]:
+        """What a stage captures at load: decode steps of every row bucket up to
+        `up_to_rows` in the first slots, at the shortest context (a chat's first replies)."""
+        return [StepShape(r, 1, self.min_kv, 0) for r in self.row_buckets if r <= up_to_rows]
+
+
+@dataclass
+class GraphBook:
+    """What a stage's runner captured, how long it took, and what it gave up on."""
+
+    max_graphs: int = MAX_GRAPHS
+    max_failures: int = MAX_FAILURES
+    failed: dict[StepShape, str] = field(default_factory=dict)
+    disabled: str | None = None          # why nothing is captured any more
+    captures: int = 0
+    capture_seconds: float = 0.0
+    capture_bytes: int = 0               # growth of the device's reserved memory over captures
+    replays: int = 0
+    eager: dict[str, int] = field(default_factory=dict)   # reason -> steps that ran eagerly
+    _live: OrderedDict = field(default_factory=OrderedDict)
+
+    def may_capture(self, shape: StepShape) -> bool:
+        return self.disabled is None and shape not in self.failed
+
+    def captured(self, shape: StepShape, seconds: float, grew_bytes: int) -> list[StepShape]:
+        """Record a capture; returns the shapes to drop (least recently used first)."""
+        self.captures += 1
+        self.capture_seconds += seconds
+        self.capture_bytes += max(0, grew_bytes)
+        self._live[shape] = True
+        self._live.move_to_end(shape)
+        drop = []
+        while len(self._live) > self.max_graphs:
+            old, _ = self._live.popitem(last=False)
+            drop.append(old)
+        return drop
+
+    def used(self, shape: StepShape) -> None:
+        self.replays += 1
+        if shape in self._live:
+            self._live.move_to_end(shape)
+
+    def forget(self, shape: StepShape | None = None) -> None:
+        """A graph dropped (its buffers moved: the KV store grew), or all of them."""
+        if shape is None:
+            self._live.clear()
+        else:
+            self._live.pop(shape, None)
+
+    def capture_failed(self, shape: StepShape, reason: str) -> None:
+        self.failed[shape] = reason
+        if len(self.failed) >= self.max_failures and self.disabled is None:
+            self.disabled = f"{len(self.failed)} captures failed, the last: {reason}"
+
+    def ran_eagerly(self, reason: str) -> None:
+        self.eager[reason] = self.eager.get(reason, 0) + 1
+
+    @property
+    def live(self) -> list[StepShape]:
+        return list(self._live)
+
+    def summary(self) -> dict:
+        """For the stage's status and the GPU benchmark."""
+        return {"graphs": len(self._live), "captures": self.captures, "replays": self.replays,
+                "capture_s": round(self.capture_seconds, 3), "capture_mib": round(self.capture_bytes / 2**20, 1),
+                "disabled": self.disabled, "failed": {s.label(): r for s, r in self.failed.items()},
+                "eager": dict(self.eager)}

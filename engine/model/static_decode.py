@@ -1,0 +1,313 @@
+"""A stage's decode step over fixed buffers: what a CUDA graph captures (issue 42).
+
+The eager step (engine/model/stage.py `_forward`) builds its masks, positions and cache
+view from Python lists each step and attends over exactly the keys it needs. A captured
+graph cannot: it replays the same kernels, with the same sizes and scalars, over the same
+memory. So this step reads everything that changes from device tensors it owns -- the
+inputs, each row's slot and first position -- and derives the rest on the device:
+positions, the masks (causal, sliding windows, chunks), the KV writes (by slot and
+position, `index_put_`), the keys each row attends over (a slice of the store from the
+bucket's first slot, or a gather). Its sizes come from the bucket (engine/core/
+graph_plan.py), never from the step. The same code runs eagerly on any device; on a GPU
+engine/model/cuda_graphs.py captures it once per bucket and replays it.
+
+Token-identical to the eager step (tests/model/test_static_decode.py: every family,
+batched, after a rolled-back draft): the extra keys of the bucket are masked to the
+dtype's minimum, which softmax turns into exact zeros. And data-independent: two steps of
+one bucket at other positions, slots and inputs run the same operators with the same
+sizes and scalars (the same test, under a dispatch mode that records them).
+
+What it does not run (`unsupported` says why, and the stage keeps its eager step):
+Falcon-RW's ALiBi bias and Llama 4's attention temperature, both built from host-side
+positions; the rotary scalings that pick frequencies by the batch's length; and the
+few families whose step reads values back to the host (HOST_BOUND).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.graph_plan import GraphBook, GraphPlan, StepShape
+from engine.model.device import attention_kernels
+
+log = logging.getLogger("potluck.static_decode")
+
+# the context a slot's storage is made for at once on a GPU (more grows it, and every
+# captured graph is captured again once)
+RESERVE_CAP = 8192
+
+
+def decode_path(stage) -> None:
+    """Give a stage its fixed-buffer decode step where it pays: on a CUDA device, replayed
+    as graphs (unless POTLUCK_CUDA_GRAPHS=0), with its usual buckets captured now; on the
+    CPU only when POTLUCK_STATIC_DECODE=1 (eagerly: the tests' way to run this path
+    through whole pipelines; the CPU's own step is faster there)."""
+    import os
+
+    on_gpu = stage.device.type == "cuda"
+    if on_gpu and os.environ.get("POTLUCK_CUDA_GRAPHS", "1") == "0":
+        return
+    if not on_gpu and os.environ.get("POTLUCK_STATIC_DECODE") != "1":
+        return
+    why = unsupported(stage)
+    if why:
+        log.info("decode steps run eagerly: %s", why)
+        return
+    if not on_gpu:
+        stage.static = StaticDecoder(stage)
+        return
+    from engine.model.cuda_graphs import GraphRunner
+
+    book = GraphBook()
+    static = StaticDecoder(stage, runner=GraphRunner(stage, book), book=book)
+    stage.kv.keep_storage = True
+    rows = 16
+    cap = static.plan.min_kv
+    while cap * 2 * rows <= stage.kv.budget_tokens and (static.plan.max_kv is None or cap * 2 <= static.plan.max_kv) \
+            and cap < RESERVE_CAP:
+        cap *= 2
+    static.reserve = (rows, cap) if cap * rows <= stage.kv.budget_tokens else (0, 0)
+    stage.static = static
+    t0 = time.perf_counter()
+    static.warm(sorted(static.plan.warm_shapes(rows), key=lambda s: -s.rows), stage._progress)
+    log.info("captured %d decode graphs in %.1f s (%.0f MiB)", book.captures, time.perf_counter() - t0,
+             book.capture_bytes / 2**20)
+
+
+# families whose step reads device values back to the host or makes host tensors as it
+# runs, which a graph cannot replay (tests/model/test_static_decode.py finds them)
+HOST_BOUND = {
+    "jetmoe": "its experts' row counts are read back to the host each step",
+    "dbrx": "its experts are picked with nonzero, sized by the data",
+    "falcon": "it indexes with lists made on the host each step",
+}
+
+
+def unsupported(stage) -> str | None:
+    """Why a stage's decode step cannot run over fixed buffers, or None."""
+    if stage._alibi is not None:
+        return "ALiBi attention bias (Falcon-RW)"
+    why = HOST_BOUND.get(getattr(stage.model.config, "model_type", None))
+    if why:
+        return why
+    if stage._temperature_floor:
+        return "attention temperature by position (Llama 4)"
+    if stage.per_row_rotary:
+        return "rotary frequencies that follow the context length"
+    return None
+
+
+class StaticCache:
+    """The cache transformers sees for a fixed-buffer step: writes each row's new keys at
+    its slot and positions, and hands attention the bucket's keys of each row."""
+
+    is_compileable = False
+
+    def __init__(self, store, shape: StepShape, slot: torch.Tensor, pos: torch.Tensor, need_slots: int,
+                 seq_length: int, need_cap: int = 0):
+        self.store, self.shape = store, shape
+        self.need_cap = max(need_cap, shape.kv_len)
+        self.slot, self.pos = slot, pos                      # [R], [R, T] on the device
+        self.need_slots = need_slots                         # host: storage to have (eager only)
+        self._seq_length = seq_length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        store, shape = self.store, self.shape
+        store._ensure(layer_idx, (key_states.shape[1], key_states.shape[3]),
+                      (value_states.shape[1], value_states.shape[3]), self.need_slots, self.need_cap)
+        K, V = store._k[layer_idx], store._v[layer_idx]
+        rows = self.slot[:, None]                            # [R, 1] with pos [R, T] -> [R, T, heads, dim]
+        K[rows, :, self.pos] = key_states.to(store.dtype).transpose(1, 2)
+        V[rows, :, self.pos] = value_states.to(store.dtype).transpose(1, 2)
+        L = shape.kv_len
+        if shape.lo is not None:
+            lo = shape.lo
+            return K[lo: lo + shape.rows, :, :L], V[lo: lo + shape.rows, :, :L]
+        return K[:, :, :L].index_select(0, self.slot), V[:, :, :L].index_select(0, self.slot)
+
+    # transformers asks these on paths the stage bypasses (it passes positions and masks);
+    # the length is a host value only ever read there, never in a kernel (the static
+    # path's trace test would see it)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seq_length
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.shape.kv_len, 0
+
+    @property
+    def is_sliding(self):
+        return []
+
+    def __len__(self):
+        return 0
+
+
+@dataclass
+class Buffers:
+    """One bucket's inputs on the device: what a replay reads."""
+
+    x: torch.Tensor       # token ids [R*T] (first stage) or hidden states [R*T, hidden]
+    slot: torch.Tensor    # [R] long
+    start: torch.Tensor   # [R] long: each row's first new position
+
+    @classmethod
+    def make(cls, stage, shape: StepShape) -> "Buffers":
+        n, dev = shape.rows * shape.tokens, stage.device
+        x = (torch.zeros(n, dtype=torch.long, device=dev) if stage.first
+             else torch.zeros(n, stage.hidden_size, dtype=stage.dtype, device=dev))
+        return cls(x, torch.zeros(shape.rows, dtype=torch.long, device=dev),
+                   torch.zeros(shape.rows, dtype=torch.long, device=dev))
+
+    def fill(self, inputs: torch.Tensor, slots: list[int], starts: list[int], tokens: int,
+             scratch: int | None = None) -> None:
+        """The step's rows, then padding rows: the last row's inputs and position, written
+        to the scratch slot (a real slot may be another sequence's, not in this step)."""
+        B, R = len(slots), self.slot.shape[0]
+        pad = R - B
+        self.x[: B * tokens].copy_(inputs.reshape(self.x[: B * tokens].shape), non_blocking=True)
+        host = torch.tensor([slots + [scratch] * pad, starts + [starts[-1]] * pad], dtype=torch.long)
+        if pad:
+            last = self.x[(B - 1) * tokens: B * tokens]
+            self.x[B * tokens:].view(pad, *last.shape).copy_(last.expand(pad, *last.shape))
+        self.slot.copy_(host[0], non_blocking=True)
+        self.start.copy_(host[1], non_blocking=True)
+
+
+class StaticDecoder:
+    """A stage's decode and verification steps in buckets over fixed buffers. With a
+    `runner` (cuda_graphs.GraphRunner) each bucket's step is captured and replayed;
+    without one it runs eagerly (the CPU, and every test here)."""
+
+    def __init__(self, stage, plan: GraphPlan | None = None, runner=None, book: GraphBook | None = None,
+                 check: bool = True):
+        why = unsupported(stage) if check else None
+        if why:
+            raise ValueError(f"this stage's decode step cannot run over fixed buffers: {why}")
+        self.stage = stage
+        cfg = stage.model.config
+        self.plan = plan or GraphPlan(max_kv=getattr(cfg, "max_position_embeddings", None) or None)
+        self.book = book or GraphBook()
+        self.runner = runner
+        self.buffers: dict[StepShape, Buffers] = {}
+        self.steps = 0        # steps this path ran (the rest ran eagerly)
+        # storage the KV store takes at once, (slots, tokens a slot): with graphs, every
+        # growth of the store is a recapture of every bucket used since
+        self.reserve = (0, 0)
+
+    def try_step(self, batch, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The step's output as the eager step returns it, or None: not a step for a
+        bucket (the book says why) and the eager step takes it."""
+        stage, kv = self.stage, self.stage.kv
+        for seq_id in batch.seq_ids:
+            kv.open(seq_id)
+        slots = [kv.seqs[s].slot for s in batch.seq_ids]
+        shape = self.plan.shape_for(batch.ns, batch.starts, slots, batch.keep)
+        if isinstance(shape, str):
+            self.book.ran_eagerly(shape)
+            return None
+        bufs = self.buffers.get(shape)
+        if bufs is None:
+            bufs = self.buffers[shape] = Buffers.make(stage, shape)
+        scratch = kv.scratch_slot() if shape.rows > len(slots) else None
+        bufs.fill(inputs.to(stage.device) if stage.first else inputs.to(stage.device, stage.dtype),
+                  slots, batch.starts, shape.tokens, scratch)
+        need_slots = max(slots + [scratch or 0]) + 1
+        if shape.lo is not None:
+            need_slots = max(need_slots, shape.lo + shape.rows)
+        need_slots = max(need_slots, self.reserve[0])
+        seq_length = max(batch.starts)
+
+        def run() -> torch.Tensor:
+            return self._run(shape, bufs, need_slots, seq_length)
+
+        with attention_kernels(stage.device):
+            out = run() if self.runner is None else self.runner.run(shape, run)
+        B, T = len(batch.ns), shape.tokens
+        kept = T if stage.last and batch.keep is not None else (1 if stage.last else T)
+        out = out[: B * kept].clone()       # a replay overwrites its output buffer next step
+        for seq_id, k in zip(batch.seq_ids, batch.kept):
+            s = kv.seqs[seq_id]
+            s.length += T
+            s.tentative = k - 1
+        self.steps += 1
+        return out
+
+    def warm(self, shapes: list[StepShape], progress=None) -> None:
+        """Capture these buckets before the first request (a chat's first reply then
+        replays at once). Runs each through the runner on scratch sequences that hold no
+        one's tokens; their slots and lengths are freed again."""
+        if self.runner is None:
+            return
+        kv = self.stage.kv
+        scratch = -1
+        for i, shape in enumerate(shapes):
+            if progress is not None:
+                progress(i, len(shapes), "capturing decode steps")
+            ids = list(range(scratch, scratch - shape.rows, -1))
+            try:
+                for s in ids:
+                    kv.open(s)
+                slots = [kv.seqs[s].slot for s in ids]
+                if shape.lo is not None and slots != list(range(shape.lo, shape.lo + shape.rows)):
+                    continue
+                bufs = self.buffers.setdefault(shape, Buffers.make(self.stage, shape))
+                zeros = bufs.x.new_zeros(bufs.x.shape)
+                bufs.fill(zeros, slots, [0] * shape.rows, shape.tokens)
+                need = max(max(slots) + 1, self.reserve[0])
+
+                def run(shape=shape, bufs=bufs, need=need) -> torch.Tensor:
+                    return self._run(shape, bufs, need, 0)
+
+                with attention_kernels(self.stage.device):
+                    self.runner.run(shape, run)
+            finally:
+                for s in ids:
+                    kv.free(s)
+        if progress is not None:
+            progress(len(shapes), len(shapes), "capturing decode steps")
+
+    # ---- the step itself: sizes from the bucket, values from the buffers ---------------
+    def _run(self, shape: StepShape, bufs: Buffers, need_slots: int, seq_length: int) -> torch.Tensor:
+        stage = self.stage
+        R, T, L, dev = shape.rows, shape.tokens, shape.kv_len, stage.device
+        pos = bufs.start[:, None] + torch.arange(T, device=dev)          # [R, T]
+        masks = _masks(pos, L, stage.dtype, stage._mask_windows, stage._mask_chunks)
+        mask = masks if stage._mask_dict else masks["full_attention"]
+        cache = StaticCache(stage.kv, shape, bufs.slot, pos, need_slots, seq_length, self.reserve[1])
+        kwargs = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        if stage.first:
+            kwargs["input_ids"] = bufs.x.view(R, T)
+        else:
+            h = bufs.x.view(R, T, -1)
+            stage._injected.h = h
+            kwargs["inputs_embeds"] = h.clone()   # the model may scale it in place (stage.py)
+        try:
+            if stage.last:
+                out = stage.model(**kwargs, logits_to_keep=T).logits
+                return out.reshape(R * T, -1).float() if T > 1 else out[:, -1, :].float()
+            return stage._base(**kwargs).last_hidden_state.reshape(R * T, -1)
+        finally:
+            stage._injected.h = stage._injected.alibi = None
+
+
+def _masks(pos: torch.Tensor, kv_len: int, dtype, windows: dict, chunks: dict) -> dict[str, torch.Tensor]:
+    """Additive masks [R, 1, T, kv_len] per attention type, from device positions: what
+    engine/model/kv.py build_masks gives rows without padding."""
+    key = torch.arange(kv_len, device=pos.device).view(1, 1, kv_len)
+    p = pos[:, :, None]                                                  # [R, T, 1]
+    neg = torch.finfo(dtype).min
+    out = {}
+    for name, window in windows.items():
+        allowed = key <= p
+        if window:
+            allowed = allowed & (key > p - window)
+        size = chunks.get(name)
+        if size:
+            allowed = allowed & (key // size == p // size)
+        m = torch.zeros((*allowed.shape[:1], 1, *allowed.shape[1:]), dtype=dtype, device=pos.device)
+        out[name] = m.masked_fill_(~allowed.unsqueeze(1), neg)
+    return out

@@ -1,0 +1,67 @@
+"""Which decode steps replay a CUDA graph, and which graphs a stage keeps
+(engine/core/graph_plan.py)."""
+
+from __future__ import annotations
+
+from engine.core.graph_plan import GraphBook, GraphPlan, StepShape
+
+
+def test_rows_round_up_to_a_bucket_and_keys_to_a_power_of_two():
+    plan = GraphPlan()
+    assert plan.shape_for([1], [10], [0]) == StepShape(1, 1, 256, 0)
+    assert plan.shape_for([1] * 3, [10, 300, 5], [0, 1, 2]) == StepShape(4, 1, 512, 0)
+    assert plan.shape_for([1] * 9, [0] * 9, list(range(9))) == StepShape(16, 1, 256, 0)
+    assert plan.shape_for([1], [256], [0]).kv_len == 512      # position 256 is the 257th key
+    assert plan.shape_for([1], [255], [0]).kv_len == 256
+
+
+def test_rows_in_adjacent_slots_read_a_slice_others_gather():
+    plan = GraphPlan()
+    assert plan.shape_for([1, 1], [3, 4], [5, 6]).lo == 5
+    assert plan.shape_for([1, 1], [3, 4], [6, 5]).lo is None
+    assert plan.shape_for([1, 1], [3, 4], [0, 2]).lo is None
+
+
+def test_verification_rows_are_a_bucket_of_their_own_width():
+    plan = GraphPlan()
+    assert plan.shape_for([5, 5], [10, 20], [0, 1], keep=[5, 5]) == StepShape(2, 5, 256, 0)
+    # a prompt piece of a few tokens is no verification: its step runs eagerly
+    assert isinstance(plan.shape_for([5], [0], [0], keep=None), str)
+
+
+def test_steps_that_fit_no_bucket_say_why():
+    plan = GraphPlan(max_kv=1024)
+    assert plan.shape_for([1, 5], [3, 3], [0, 1], keep=[1, 5]) == "rows of different lengths"
+    assert plan.shape_for([12], [0], [0], keep=[12]) == "rows of 12 tokens (a prompt)"
+    assert plan.shape_for([1] * 33, [0] * 33, list(range(33))) == "33 rows, more than 32"
+    assert plan.shape_for([1], [1024], [0]) == "a context of 1025 tokens, past 1024"
+    # a context under the limit whose bucket would pass it attends over the limit
+    assert GraphPlan(max_kv=600).shape_for([1], [520], [0]).kv_len == 600
+
+
+def test_warm_shapes_are_decode_steps_in_the_first_slots():
+    shapes = GraphPlan().warm_shapes(16)
+    assert [s.rows for s in shapes] == [1, 2, 4, 8, 16]
+    assert all(s.tokens == 1 and s.kv_len == 256 and s.lo == 0 for s in shapes)
+
+
+def test_the_book_evicts_the_least_recently_used_graph():
+    book = GraphBook(max_graphs=2)
+    a, b, c = StepShape(1, 1, 256, 0), StepShape(2, 1, 256, 0), StepShape(4, 1, 256, 0)
+    assert book.captured(a, 0.1, 10) == []
+    assert book.captured(b, 0.1, 10) == []
+    book.used(a)                     # b is now the least recently used
+    assert book.captured(c, 0.1, 10) == [b]
+    assert book.live == [a, c]
+    assert book.summary()["captures"] == 3 and book.summary()["replays"] == 1
+
+
+def test_failed_captures_are_not_retried_and_enough_of_them_stop_capturing():
+    book = GraphBook(max_failures=2)
+    a, b, c = StepShape(1, 1, 256, 0), StepShape(2, 1, 256, 0), StepShape(4, 1, 256, 0)
+    book.capture_failed(a, "RuntimeError: operation not permitted when stream is capturing")
+    assert not book.may_capture(a) and book.may_capture(b) and book.disabled is None
+    book.capture_failed(b, "RuntimeError: again")
+    assert not book.may_capture(c)
+    assert "2 captures failed" in book.disabled and "again" in book.disabled
+    assert book.summary()["failed"][a.label()].startswith("RuntimeError")
