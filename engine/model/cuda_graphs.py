@@ -34,12 +34,13 @@ WARMUP_RUNS = 2
 
 
 class GraphRunner:
-    def __init__(self, stage, book: GraphBook):
-        self.stage, self.book = stage, book
+    def __init__(self, stage, book: GraphBook, cuda=torch.cuda):
+        # `cuda`: torch.cuda, or the tests' stand-in for a GPU this machine lacks
+        self.stage, self.book, self.cuda = stage, book, cuda
         self.device = stage.device
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = cuda.graph_pool_handle()
         # shape -> (graph, output buffer, the KV generation it was captured under)
-        self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+        self.graphs: dict[StepShape, tuple[object, torch.Tensor, int]] = {}
 
     def run(self, shape: StepShape, step) -> torch.Tensor:
         kv = self.stage.kv
@@ -59,31 +60,31 @@ class GraphRunner:
             reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             log.warning("decode step %s runs without a CUDA graph: %s", shape.label(), reason)
             self.book.capture_failed(shape, reason)
-            torch.cuda.synchronize(self.device)
+            self.cuda.synchronize(self.device)
             return step()
 
     def _capture(self, shape: StepShape, step) -> torch.Tensor:
+        cuda = self.cuda
         t0 = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        reserved = cuda.memory_reserved(self.device)
+        side = cuda.Stream(self.device)
+        side.wait_stream(cuda.current_stream(self.device))
+        with cuda.stream(side):
             for _ in range(WARMUP_RUNS):
                 step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        cuda.current_stream(self.device).wait_stream(side)
         generation = self.stage.kv.generation
         if any(g != generation for _, _, g in self.graphs.values()):
             self.drop_all()             # the warm-up grew the store
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = step()
         if self.stage.kv.generation != generation:
             raise RuntimeError("the KV store moved while the step was captured")
         graph.replay()
         self.graphs[shape] = (graph, out, generation)
-        torch.cuda.synchronize(self.device)
-        for old in self.book.captured(shape, time.perf_counter() - t0,
-                                      torch.cuda.memory_reserved(self.device) - reserved):
+        cuda.synchronize(self.device)
+        for old in self.book.captured(shape, time.perf_counter() - t0, cuda.memory_reserved(self.device) - reserved):
             self.graphs.pop(old, None)
         return out
 

@@ -38,7 +38,7 @@ log = logging.getLogger("potluck.static_decode")
 
 # the context a slot's storage is made for at once on a GPU (more grows it, and every
 # captured graph is captured again once)
-RESERVE_CAP = 8192
+RESERVE_CAP = 2048
 
 
 def decode_path(stage) -> None:
@@ -67,10 +67,11 @@ def decode_path(stage) -> None:
     stage.kv.keep_storage = True
     rows = 16
     cap = static.plan.min_kv
-    while cap * 2 * rows <= stage.kv.budget_tokens and (static.plan.max_kv is None or cap * 2 <= static.plan.max_kv) \
-            and cap < RESERVE_CAP:
+    # at most half the budget at once: the rest is the store's to grow into as it would
+    while cap * 2 * rows <= stage.kv.budget_tokens // 2 and cap * 2 <= RESERVE_CAP \
+            and (static.plan.max_kv is None or cap * 2 <= static.plan.max_kv):
         cap *= 2
-    static.reserve = (rows, cap) if cap * rows <= stage.kv.budget_tokens else (0, 0)
+    static.reserve = (rows, cap) if cap * rows <= stage.kv.budget_tokens // 2 else (0, 0)
     stage.static = static
     t0 = time.perf_counter()
     static.warm(sorted(static.plan.warm_shapes(rows), key=lambda s: -s.rows), stage._progress)

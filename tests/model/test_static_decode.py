@@ -224,3 +224,96 @@ def test_the_stage_takes_the_path_on_the_cpu_only_when_asked(tiny_folder, monkey
     decode_path(falcon)
     assert falcon.static is None
     assert VOCAB == plain.vocab_size
+
+
+class FakeCuda:
+    """torch.cuda's graph calls, for the runner's bookkeeping on a machine without a GPU:
+    a 'capture' runs the step once, a 'replay' counts (the output buffer keeps what the
+    capture computed: only what is counted is checked here, the GPU tests check values)."""
+
+    class Graph:
+        def __init__(self):
+            self.replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+    def __init__(self):
+        import contextlib
+
+        self.null = contextlib.nullcontext
+        self.CUDAGraph = FakeCuda.Graph
+        self.captures = 0
+
+    def graph_pool_handle(self):
+        return object()
+
+    def Stream(self, device):  # noqa: N802 -- torch.cuda's name
+        return self
+
+    def current_stream(self, device):
+        return self
+
+    def wait_stream(self, other):
+        pass
+
+    def stream(self, s):
+        return self.null()
+
+    def graph(self, g, pool=None, capture_error_mode=None):
+        self.captures += 1
+        return self.null()
+
+    def memory_reserved(self, device):
+        return 0
+
+    def synchronize(self, device):
+        pass
+
+
+def test_the_graph_runner_captures_once_replays_after_and_recaptures_when_the_store_moves(tiny_folder):
+    from engine.model.cuda_graphs import WARMUP_RUNS, GraphRunner
+
+    folder, _ = tiny_folder("llama")
+    (stage,) = stages(folder, 1, False)
+    cuda = FakeCuda()
+    static = stage.static = StaticDecoder(stage)
+    static.runner = GraphRunner(stage, static.book, cuda=cuda)
+    calls = []
+    run = static._run
+    static._run = lambda *a: calls.append(1) or run(*a)
+    forward([stage], StageBatch([0], [0], [5]), PROMPTS[0])
+    forward([stage], StageBatch([0], [5], [1]), [7])
+    assert len(calls) == WARMUP_RUNS + 1 and cuda.captures == 1
+    forward([stage], StageBatch([0], [6], [1]), [8])
+    assert len(calls) == WARMUP_RUNS + 1 and static.book.replays == 1     # replayed, not run
+    stage.kv.generation += 1                                             # the store moved
+    forward([stage], StageBatch([0], [7], [1]), [9])
+    assert cuda.captures == 2 and static.book.captures == 2
+
+
+def test_a_capture_that_raises_runs_the_step_eagerly_and_enough_failures_stop_capturing(tiny_folder, caplog):
+    from engine.model.cuda_graphs import GraphRunner
+
+    folder, _ = tiny_folder("llama")
+    (stage,) = stages(folder, 1, False)
+    (ref,) = stages(folder, 1, False)
+    cuda = FakeCuda()
+
+    def refuse(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    cuda.graph = refuse
+    static = stage.static = StaticDecoder(stage)
+    static.runner = GraphRunner(stage, static.book, cuda=cuda)
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+    for chain in ([stage], [ref]):
+        forward(chain, StageBatch([0, 1, 2, 3], [0] * 4, [4] * 4), [t for p in prompts for t in p])
+    for rows in ([0], [0, 1], [0, 1, 2, 3], [0, 1]):          # buckets of 1, 2, 4, then 2 again
+        batch = StageBatch(rows, [stage.kv.length(r) for r in rows], [1] * len(rows))
+        torch.testing.assert_close(forward([stage], batch, [50] * len(rows)), forward([ref], batch, [50] * len(rows)),
+                                   atol=1e-5, rtol=1e-5)
+    book = static.book
+    assert book.disabled and "operation not permitted" in book.disabled
+    assert book.eager.get("capture failed before", 0) >= 1
+    assert "runs without a CUDA graph" in caplog.text

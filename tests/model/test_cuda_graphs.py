@@ -1,0 +1,111 @@
+"""Decode steps as CUDA graphs on a real GPU (engine/model/cuda_graphs.py): captured at
+load and on first use, replayed with the eager step's output, recaptured when the KV
+store grows, and a capture that fails leaves the step eager with its reason. Skipped
+without a GPU (`pytest -m gpu` on a lent machine runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.sources import resolve
+from engine.model.stage import StageBatch, StageModel
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 9, 14, 3, 77], [8, 1, 60, 33, 2, 90, 41, 17, 12, 6, 200], [4, 4, 150]]
+
+
+def stage(folder, graphs: bool, monkeypatch, dtype=torch.float32) -> StageModel:
+    monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "1" if graphs else "0")
+    source = resolve(str(folder))
+    return StageModel(source, 0, source.config().num_hidden_layers, dtype=dtype, device="cuda")
+
+
+def decode(s: StageModel, steps: int, prompts=PROMPTS) -> list[torch.Tensor]:
+    rows = list(range(len(prompts)))
+    out = s.forward(StageBatch(rows, [0] * len(rows), [len(p) for p in prompts]),
+                    torch.tensor([t for p in prompts for t in p]))
+    got, pos = [out.cpu()], [len(p) for p in prompts]
+    for _ in range(steps):
+        out = s.forward(StageBatch(rows, list(pos), [1] * len(rows)), out.argmax(-1).cpu())
+        got.append(out.cpu())
+        pos = [p + 1 for p in pos]
+    return got
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "gemma3_text", "deepseek_v3"])
+def test_replayed_graphs_give_the_eager_steps_logits(tiny_folder, monkeypatch, arch):
+    folder, _ = tiny_folder(arch)
+    eager = decode(stage(folder, False, monkeypatch), 12)
+    s = stage(folder, True, monkeypatch)
+    assert s.static is not None and s.static.runner is not None
+    warm = s.static.book.captures
+    assert warm == 5                                   # rows 1, 2, 4, 8, 16 at load
+    got = decode(s, 12)
+    for a, b in zip(got, eager):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    book = s.static.book
+    assert book.replays >= 11 and book.disabled is None and not book.failed, book.summary()
+    assert s.static.steps == 12
+
+
+def test_a_verification_step_replays_and_rolls_back(tiny_folder, monkeypatch):
+    folder, _ = tiny_folder("llama")
+    outs = {}
+    for graphs in (False, True):
+        s = stage(folder, graphs, monkeypatch)
+        got = [s.forward(StageBatch([0, 1], [0, 0], [5, 11]), torch.tensor(PROMPTS[0] + PROMPTS[1]))]
+        for start in ((5, 11), (7, 13), (9, 15)):          # each keeps two of five
+            got.append(s.forward(StageBatch([0, 1], list(start), [5, 5], keep=[5, 5]), torch.arange(10) + 20))
+        outs[graphs] = [g.cpu() for g in got]
+        if graphs:
+            assert s.static.book.replays >= 2
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_the_store_growing_recaptures_and_stays_right(tiny_folder, monkeypatch):
+    from engine.core.graph_plan import GraphPlan
+
+    folder, _ = tiny_folder("llama")
+    s = stage(folder, True, monkeypatch)
+    s.static.plan, s.static.reserve = GraphPlan(min_kv=64), (0, 0)   # small buckets, a store that grows
+    s.static.runner.drop_all()
+    ref = stage(folder, False, monkeypatch)
+    long = [list(range(2, 122))]                       # 120 tokens: decoding crosses 128 keys
+    got, want = decode(s, 12, long), decode(ref, 12, long)
+    for a, b in zip(got, want):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert [shape.kv_len for shape in s.static.book.live] == [256]
+    assert s.static.book.captures >= 5 + 2            # the load's, then 128 keys, then 256 after growing
+
+
+def test_a_capture_that_fails_leaves_the_step_eager_and_says_why(tiny_folder, monkeypatch, caplog):
+    folder, _ = tiny_folder("llama")
+    ref = decode(stage(folder, False, monkeypatch), 3)
+    monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "1")
+    s = stage(folder, True, monkeypatch)
+    s.static.runner.drop_all()
+    run = s.static._run
+
+    def syncing(*a):                                   # a host read inside the step: not capturable
+        out = run(*a)
+        out.sum().item()
+        return out
+
+    s.static._run = syncing
+    got = decode(s, 3)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    book = s.static.book
+    assert book.failed and "runs without a CUDA graph" in caplog.text
+
+
+def test_capture_at_load_is_cheap(tiny_folder, monkeypatch):
+    folder, _ = tiny_folder("llama")
+    s = stage(folder, True, monkeypatch, dtype=torch.bfloat16)
+    summary = s.static.book.summary()
+    assert summary["captures"] == 5 and summary["capture_s"] < 30, summary
