@@ -16,7 +16,7 @@ QT_LIBS := libegl1 libgl1 libfontconfig1 libglib2.0-0 libdbus-1-3 libxkbcommon0 
            libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0 \
            libxcb-render-util0 libxcb-shape0 libxcb-xinerama0 libxcb-xkb1 libx11-xcb1 fonts-dejavu-core
 
-.PHONY: setup qt-libs net-test-tools run chat serve test bench screenshots installers installers-test installers-check installer-tools clean
+.PHONY: setup qt-libs net-test-tools run chat serve test bench screenshots installers installers-test installers-check installer-tools gpu-pack clean
 
 setup: $(STAMP)
 
@@ -97,6 +97,21 @@ installers-check: setup
 
 bench: setup
 	$(BIN)/python bench/overhead.py
+
+# what a lent GPU machine lacks (its python3 is 3.12 with torch and transformers), in
+# .whl/ for the device's `carry`: then `bash bench/gpu_window.sh` there (bench/gpu.py says more)
+SITE := $(VENV)/lib/python3.11/site-packages
+gpu-pack: setup
+	mkdir -p .whl && rm -f .whl/*.whl
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	    -d .whl cffi==2.1.1 websockets==17.4 psutil==7.2.2
+	tar czf .whl/gpu-site.tar.gz -C $(SITE) --exclude=__pycache__ \
+	    --exclude='libbitsandbytes_[rx]*' --exclude='libbitsandbytes_cuda1[12]*' --exclude='libbitsandbytes_cuda132*' \
+	    transformers transformers-5.23.0.dist-info bitsandbytes bitsandbytes-0.50.2.dist-info gguf \
+	    gguf-0.19.0.dist-info cryptography cryptography-50.0.2.dist-info pycparser pytest_asyncio \
+	    pytest_asyncio-1.5.0.dist-info platformdirs spake2 llguidance
+	du -sh .whl
 
 # PNGs of the tray menu, the chat window, the host and join dialogs (needs Xvfb: --install gets it)
 screenshots: setup

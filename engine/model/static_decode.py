@@ -88,6 +88,14 @@ HOST_BOUND = {
 }
 
 
+def decode_counts(stage) -> dict[str, int]:
+    """For a stage's stats: decode steps run over fixed buffers, and replayed graphs."""
+    static = getattr(stage, "static", None)
+    if static is None:
+        return {"fixed_steps": 0, "graph_replays": 0}
+    return {"fixed_steps": static.steps, "graph_replays": static.book.replays}
+
+
 def unsupported(stage) -> str | None:
     """Why a stage's decode step cannot run over fixed buffers, or None."""
     if stage._alibi is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from engine.wire import frames
+from engine.model.static_decode import decode_counts
 from engine.model.device import free_memory, kv_budget_tokens_for, memory_for_kv, speed_score
 from engine.model.sources import ModelError
 from engine.pipeline.link import open_link
@@ -231,16 +232,18 @@ class RingFormation:
 
     async def stage_stats(self) -> list[dict]:
         """Every stage (head first): sequences held, tokens cached, frames refused,
-        decode steps that cut into prompt steps."""
+        decode steps that cut into prompt steps, decode steps run over fixed buffers and
+        of those replayed as CUDA graphs."""
         # one query at a time: answers carry no id, so two callers would take each other's
         async with self._stats_lock:
             kv = self.stage0.kv
             out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0,
-                    "cut_ins": self.stage0.gate.cut_ins}]
+                    "cut_ins": self.stage0.gate.cut_ins, **decode_counts(self.stage0)}]
             for i, r in enumerate(self.remotes, start=1):
                 fut = asyncio.get_running_loop().create_future()
                 self._stats_waiters[i] = fut
                 await r.ws.send(frames.control("get_stats"))
                 msg = await asyncio.wait_for(fut, 30)
-                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected", "cut_ins")})
+                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected", "cut_ins", "fixed_steps",
+                                                 "graph_replays")})
             return out

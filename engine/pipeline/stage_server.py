@@ -27,6 +27,7 @@ from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.core.precision import FULL, QUANTIZED, slice_bytes
+from engine.model.static_decode import decode_counts
 from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, memory_for_kv, pick_device,
                                  speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
@@ -346,7 +347,8 @@ class StageServer:
                     await ws.send(frames.control("stats", seqs=len(kv.seqs) if kv else 0,
                                                kv_tokens=kv.used_tokens if kv else 0,
                                                rejected=self.rejected_frames,
-                                               cut_ins=self.stage.gate.cut_ins if self.stage else 0))
+                                               cut_ins=self.stage.gate.cut_ins if self.stage else 0,
+                                               **decode_counts(self.stage)))
                 elif kind == "shutdown":
                     await self.close()
                     return

@@ -16,6 +16,23 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 9, 14, 3, 77], [8, 1, 60, 33, 2, 90, 41, 17, 12, 6, 200], [4, 4, 150]]
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """Tiny checkpoints without the default model's tokenizer (conftest's tiny_folder
+    copies it): a lent GPU machine gets this file without the 98 MB model."""
+    from testkit.tiny_models import build_tiny_model
+
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            root = tmp_path_factory.mktemp(arch)
+            built[arch] = (root, build_tiny_model(arch, root))
+        return built[arch]
+
+    return get
+
+
 def stage(folder, graphs: bool, monkeypatch, dtype=torch.float32) -> StageModel:
     monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "1" if graphs else "0")
     source = resolve(str(folder))

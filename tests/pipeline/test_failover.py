@@ -115,6 +115,23 @@ async def test_the_middle_stage_killed_mid_reply():
     assert len(stats) == 2
 
 
+async def test_decode_over_fixed_buffers_gives_the_same_replies_through_a_kill(monkeypatch):
+    """The decode step a GPU replays as CUDA graphs (engine/model/static_decode.py; on the
+    CPU run eagerly when asked), in real stage processes: the eager path's replies, token
+    for token, and again after the middle stage dies and its layers are replayed."""
+    pipe = await launch(pipeline_config())
+    pipe.head.eos_ids = set()
+    try:
+        eager = await run(pipe.head, False)
+    finally:
+        await pipe.close()
+    monkeypatch.setenv("POTLUCK_STATIC_DECODE", "1")      # the stage processes inherit it
+    head, reference, got, _, stats = await interrupted(False, [(12, 0, signal.SIGKILL)])
+    assert reference == eager
+    check(head, reference, got, 1)
+    assert all(s["fixed_steps"] > TOKENS for s in stats), stats
+
+
 async def test_the_last_stage_killed_with_seeded_sampling():
     # the last stage samples: its replacement draws each token from the seed and the
     # position, so the continuation is the one the dead stage would have drawn

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One lent GPU window (issue 42), as one command on the device machine: the GPU tests of
+# the decode graphs, then bench/gpu.py. Every log and the JSON land in $OUT as they are
+# written, so a window cut short keeps what it measured.
+#
+#   here:  make gpu-pack                      (.whl/: what the device's python lacks)
+#   there: run(command="bash bench/gpu_window.sh", carry=[".whl"], timeout_s=560)
+#
+# BENCH_ARGS picks the bench's part (default: both precisions, 2 rounds); TESTS_S and
+# BENCH_S bound each half so that the window has time left for a re-run.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT" /tmp/site
+{
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    tar xzf .whl/gpu-site.tar.gz -C /tmp/site
+} > "$OUT/setup.log" 2>&1 || { echo "setup failed: $(tail -5 "$OUT/setup.log")"; exit 1; }
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$OUT/device.txt"
+timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py \
+    2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+timeout "${BENCH_S:-380}" python3 bench/gpu.py ${BENCH_ARGS:---repeat 2} --json "$OUT/gpu.json" \
+    2>&1 | tee "$OUT/gpu.log" | tail -60
