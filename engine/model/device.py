@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -31,6 +32,30 @@ def attention_kernels(device: torch.device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+class HostStaging:
+    """Device-to-host copies of a step's output through a reusable pinned buffer per
+    thread (issue 42): a copy from the GPU into pageable memory goes through a driver
+    staging buffer at a fraction of the bus's speed, and allocating pinned memory per
+    step costs more than the copy. The tensor returned is a view of the buffer, valid
+    until the same thread's next call: frames.encode turns it into bytes at once."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __call__(self, t):
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.contiguous().cpu()
+        n = t.numel() * t.element_size()
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < n:
+            buf = self._local.buf = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        out = buf[:n].view(t.dtype).view(t.shape)
+        out.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()   # the result leaves the process now
+        return out
 
 
 def pick_device(requested: str | None = AUTO) -> str:

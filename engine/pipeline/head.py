@@ -32,7 +32,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
-from engine.model.device import DTYPES, compute_dtype, device_name, pick_device, step_failure
+from engine.model.device import DTYPES, HostStaging, compute_dtype, device_name, pick_device, step_failure
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
@@ -138,6 +138,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         self.weights = weights              # auto until start() settles it against the pool's memory
         self.say = say or (lambda text: None)
         self.kv_budget_override = kv_budget_tokens
+        self._to_host = HostStaging()   # stage 0's GPU output leaves through pinned memory
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)
         if compress not in COMPRESS_POLICIES:
             raise ValueError(f"compression policy must be one of {COMPRESS_POLICIES}")
@@ -412,7 +413,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
                     self.link.sched.decode_compute_finished(t1)
                 kind = "decode" if decode else "prefill"
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out,
-                                    q8=self._q8(kind, out, t1 - t0))
+                                    q8=self._q8(kind, out, t1 - t0), to_host=self._to_host)
                 self.link.submit(frame, kind)
                 self._draft_on(g, [r.seq for r in step_rows if not r.new], [r.seq for r in step_rows if r.new])
             else:
@@ -446,7 +447,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
                 return
             frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step,
                                 {"rows": [[s.id, s.pos, c]], "partial": True}, out,
-                                q8=self._q8("prefill", out, time.monotonic() - t0))
+                                q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
             s.pos += c
             s.in_flight -= c
             self.link.submit(frame, "prefill")

@@ -28,8 +28,8 @@ from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.core.precision import FULL, QUANTIZED, slice_bytes
 from engine.model.static_decode import decode_counts
-from engine.model.device import (DTYPES, device_name, free_memory, kv_budget_tokens_for, memory_for_kv, pick_device,
-                                 speed_score, step_failure)
+from engine.model.device import (DTYPES, HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
+                                 pick_device, speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
@@ -175,6 +175,7 @@ class StageServer:
         self.decode_first = False
         self.stage: StageModel | None = None
         self.sampler = Sampler()
+        self._to_host = HostStaging()   # a GPU step's output leaves through pinned memory
         self._control_ws = None
         self._leaving = False
         self._next_ws = None
@@ -614,7 +615,7 @@ class StageServer:
             else:
                 q8 = self.compress == "all"
                 results.append(("next", frames.encode(frames.FrameType.ACTIVATIONS, f.micro_batch, f.step,
-                                                    f.meta, part, q8=q8), "decode"))
+                                                    f.meta, part, q8=q8, to_host=self._to_host), "decode"))
         return results
 
     def _compute_one(self, frame: frames.Frame):
@@ -655,7 +656,7 @@ class StageServer:
         bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
         q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
         return ("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
-                                    frame.meta, out, q8=q8), kind)
+                                    frame.meta, out, q8=q8, to_host=self._to_host), kind)
 
     def _compute_rows(self, frame: frames.Frame, first: BaseException):
         """A step that ran out of memory, again one sequence at a time: those that fit go

@@ -83,8 +83,10 @@ def can_q8(tensor: torch.Tensor) -> bool:
 
 
 def encode(ftype: FrameType, micro_batch: int, step: int, meta: dict, tensor: torch.Tensor | None = None,
-           q8: bool = False) -> bytes:
-    """q8: send activations as blockwise int8 (31% of float32's bytes, 63% of bf16's)."""
+           q8: bool = False, to_host=None) -> bytes:
+    """q8: send activations as blockwise int8 (31% of float32's bytes, 63% of bf16's),
+    quantized where the tensor is. to_host: how a device tensor reaches host memory (a
+    stage's model/device.py HostStaging; by default `.cpu()`)."""
     meta_b = json.dumps(meta, separators=(",", ":")).encode()
     flags = 0
     if tensor is None:
@@ -92,7 +94,7 @@ def encode(ftype: FrameType, micro_batch: int, step: int, meta: dict, tensor: to
     else:
         if q8 and can_q8(tensor):
             tensor, flags = quantize_q8(tensor), FLAG_Q8
-        t = tensor.detach().contiguous().cpu()
+        t = tensor.detach().contiguous().cpu() if to_host is None else to_host(tensor).contiguous()
         code = _CODES[t.dtype]
         dims = tuple(t.shape)
         # bf16 has no numpy dtype; its bytes travel as int16

@@ -126,3 +126,16 @@ def test_capture_at_load_is_cheap(tiny_folder, monkeypatch):
     s = stage(folder, True, monkeypatch, dtype=torch.bfloat16)
     summary = s.static.book.summary()
     assert summary["captures"] == 5 and summary["capture_s"] < 30, summary
+
+
+def test_activations_leave_through_pinned_memory_with_the_same_bytes():
+    from engine.model.device import HostStaging
+    from engine.wire import frames
+
+    staging = HostStaging()
+    for shape in ((1, 4096), (16, 4096), (300, 4096)):     # the buffer grows for a prompt's
+        t = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        meta = {"rows": [[0, 0, shape[0]]]}
+        pinned = frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, meta, t, to_host=staging)
+        assert pinned == frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, meta, t)
+    assert staging._local.buf.is_pinned()
