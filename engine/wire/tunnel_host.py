@@ -27,8 +27,9 @@ from engine.wire.invite import HostState, InviteError, Reply, udp_addresses
 from engine.wire.noise import NoiseError, Responder
 from engine.wire.punch import punch_key
 from engine.wire.tunnel_routes import _first_to_connect
-from engine.wire.tunnel_session import (BYE, CONFIRM, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, MODE_JOIN, MODE_MEMBER,
-                                        MODE_RESUME, PUNCH, PUNCH_TIMEOUT, READY, WS_OPTIONS, Session, parse_hello)
+from engine.wire.tunnel_session import (BYE, CONFIRM, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, MODE_FRIEND, MODE_JOIN,
+                                        MODE_MEMBER, MODE_RESUME, PUNCH, PUNCH_TIMEOUT, READY, WS_OPTIONS, Session,
+                                        parse_hello)
 
 log = logging.getLogger("potluck.tunnel")
 
@@ -53,6 +54,16 @@ class Peer:
     @property
     def path(self) -> str:
         return self.session.path if self.session else "offline"
+
+
+@dataclass
+class HopLink:
+    """A hop between two friends' stages, as the host set it up."""
+    src: bytes
+    dst: bytes
+    names: str
+    path: str                 # "direct (lan)", "direct (mapped)", ... or "via the host"
+    rtt_ms: float | None
 
 
 class TunnelHost:
@@ -86,6 +97,7 @@ class TunnelHost:
         self._revoke_watch: asyncio.Task | None = None
         self._dialers: dict[str, asyncio.Task] = {}   # reply key -> the task dialing that joiner
         self._hops = 0
+        self.hops: dict[int, HopLink] = {}          # hop number -> the two friends and its path
         # the socket whose public address invites carry for hole punching (kind "udp"):
         # a friend's reply code with its own lets the two punch with no relay
         self._udp = None
@@ -343,6 +355,8 @@ class TunnelHost:
             raise _Refused("this host serves another pipeline")
         if mode == MODE_RESUME:
             return await self._resume(ws, path, invite_id, msg1)
+        if mode == MODE_FRIEND:
+            raise _Refused("a friend's hop goes to a friend's door, not to the host")
         psk = None
         if mode == MODE_JOIN:
             try:
@@ -479,12 +493,42 @@ class TunnelHost:
             await channel.close()
 
     async def open_hop(self, src: Peer, dst: Peer) -> str:
-        """Stage on `src` -> stage on `dst`, both in other homes: `src` gets a loopback
-        port whose connections travel src -> host -> dst inside the two tunnels.
-        Returns the address the stage on `src` should use for its next stage."""
+        """Stage on `src` -> stage on `dst`, both in other homes. Returns the address the
+        stage on `src` should use for its next stage: a loopback port on src's machine
+        whose connections go straight to dst's home (the two friends introduced,
+        friend_hop.py), or where they find no direct path, through this host inside the
+        two tunnels (POTLUCK_FRIEND_HOPS=0: always through the host)."""
+        from engine.wire.friend_hop import HopError, introduce
+
         self._hops += 1
-        port = await src.session.request_listener(self._hops, ("127.0.0.1", dst.port))
+        hop = self._hops
+        names = f"{src.name or src.node_id} → {dst.name or dst.node_id}"
+        if os.environ.get("POTLUCK_FRIEND_HOPS", "1") != "0":
+            try:
+                got = await introduce(src.session, dst.session, hop)
+                self.hops[hop] = HopLink(src.key, dst.key, names, got["path"], got["rtt_ms"])
+                self.on_event(f"{names}: {got['path']}, {got['rtt_ms']:.0f} ms")
+                return f"ws://127.0.0.1:{got['port']}"
+            except (HopError, asyncio.TimeoutError, ConnectionClosed, OSError) as exc:
+                self.on_event(f"{names}: no direct path ({exc or type(exc).__name__}); through this computer")
+        port = await src.session.request_listener(hop, ("127.0.0.1", dst.port))
+        self.hops[hop] = HopLink(src.key, dst.key, names, "via the host", None)
         return f"ws://127.0.0.1:{port}"
+
+    def hop_links(self) -> list[dict]:
+        """Each hop between two friends: who, its path and round trip (for the status)."""
+        return [{"hop": f"{h.names}", "path": h.path, "rtt_ms": h.rtt_ms} for h in self.hops.values()]
+
+    async def _end_hops_of(self, key: bytes):
+        """A friend revoked: the friends it was introduced to hear that those hops are over."""
+        from engine.wire.friend_hop import end
+
+        for hop, h in list(self.hops.items()):
+            if key in (h.src, h.dst):
+                del self.hops[hop]
+                other = self.peers.get(h.dst if key == h.src else h.src)
+                if other is not None and other.session is not None and not other.session.closed.is_set():
+                    await end(other.session, hop)
 
     def _watch_revocations(self):
         if self._revoke_watch is None:
@@ -500,6 +544,7 @@ class TunnelHost:
                     except InviteError as exc:
                         self.on_event(f"peer {peer.node_id}: {exc}; disconnecting")
                         await peer.session.close(str(exc))
+                        await self._end_hops_of(key)
             self._dial_replies()          # `potluck invites --reply CODE` from another terminal
 
 

@@ -16,6 +16,7 @@ import time
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
+from engine.wire.friend_hop import FriendHops
 from engine.wire.identity import Identity
 from engine.wire.invite import Invite, Reply, encode_reply, rendezvous_key, udp_addresses
 from engine.wire.noise import Initiator, NoiseError
@@ -102,6 +103,10 @@ async def _client_handshake(ws, invite: Invite, identity: Identity, target, name
     send_key, recv_key = ini.keys()
     session = Session(ws, send_key, recv_key, role="joiner", peer_key=invite.host_key, path=path,
                       target=target, name=name)
+    # the host may introduce this stage to another friend's (friend_hop.py), for as long
+    # as this session lasts
+    session.friends = FriendHops(identity, invite.pipeline, target, session)
+    session.on_intro = session.friends.on_intro
     await session.send(CONFIRM)
     try:
         kind, _, payload = await session.recv_inner(HANDSHAKE_TIMEOUT * 2)

@@ -36,9 +36,10 @@ DEAD_AFTER = 60.0
 MAX_STREAMS = 32
 WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
 
-CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE, PUNCH = range(1, 13)
+CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE, PUNCH, INTRO = range(1, 14)
 PUNCH_TIMEOUT = 5.0              # seconds of hole punching before a try gives up
 MODE_RESUME = 3                  # a second channel for a session that exists: see Session.move_to
+MODE_FRIEND = 4                  # a friend's stage to the next friend's, introduced by the host (friend_hop.py)
 STAGE = 0                        # OPEN's target on a joiner: its own stage server
 _INNER = struct.Struct("<BI")
 
@@ -62,7 +63,7 @@ def parse_inner(data: bytes) -> tuple[int, int, bytes]:
     if len(data) < _INNER.size:
         raise NoiseError("inner frame shorter than its header")
     kind, stream = _INNER.unpack_from(data)
-    if not CONFIRM <= kind <= PUNCH:
+    if not CONFIRM <= kind <= INTRO:
         raise NoiseError(f"unknown inner frame type {kind}")
     return kind, stream, bytes(data[_INNER.size:])
 
@@ -75,7 +76,7 @@ def parse_hello(msg) -> tuple[int, bytes, bytes, bytes, bytes]:
     if len(msg) < PROLOGUE_LEN or msg[:4] != MAGIC:
         raise NoiseError("not a Potluck tunnel handshake")
     mode = msg[4]
-    if mode not in (MODE_JOIN, MODE_MEMBER, MODE_RESUME):
+    if mode not in (MODE_JOIN, MODE_MEMBER, MODE_RESUME, MODE_FRIEND):
         raise NoiseError(f"unknown handshake mode {mode}")
     return mode, msg[5:13], msg[13:21], msg[:PROLOGUE_LEN], msg[PROLOGUE_LEN:]
 
@@ -97,8 +98,15 @@ class Session:
     session's keys at the next counter."""
 
     def __init__(self, ws, send_key: bytes, recv_key: bytes, *, role: str, peer_key: bytes, path: str,
-                 target: tuple[str, int] | None = None, name: str = ""):
+                 target: tuple[str, int] | None = None, name: str = "", friend: bool = False):
         self.ws_in = self.ws_out = ws
+        # a hop between two friends (friend_hop.py): streams to the one target only
+        self.friend = friend
+        # introductions (friend_hop.py): a joiner's FriendHops handles what the host says;
+        # the host waits here for the answers, by (op, hop)
+        self.friends = None
+        self.on_intro = None
+        self._asks: dict[tuple[str, int], asyncio.Future] = {}
         self._next: tuple | None = None      # (channel, path) proven for a move, not yet moved to
         # hole punching (engine/wire/punch.py): the host answers a joiner's PUNCH offer with
         # its own UDP candidates (on_punch_offer); a joiner waits for that answer here
@@ -171,6 +179,11 @@ class Session:
         except Exception:   # noqa: BLE001  the channel may be gone already
             pass
         self.closed.set()
+        if self.friends is not None:
+            await self.friends.close()     # a friend's trust in another came from this session
+        for fut in self._asks.values():
+            if not fut.done():
+                fut.cancel()
         # at once, together: a closing handshake the peer no longer answers must not hold
         # up the streams' end (each would wait websockets' close timeout in turn)
         channels = {self.ws_in, self.ws_out} | ({self._next[0]} if self._next else set())
@@ -224,6 +237,8 @@ class Session:
         try:
             while True:
                 kind, sid, payload = await self.recv_inner()
+                if self.friend and kind in (LISTEN, LISTENING, MOVE, PUNCH, INTRO):
+                    raise NoiseError("a frame a friend's hop does not carry")
                 if kind == DATA:
                     w = self.streams.get(sid)
                     if w is not None:
@@ -258,6 +273,8 @@ class Session:
                     await self._moved_in()
                 elif kind == PUNCH:
                     self._on_punch(payload)
+                elif kind == INTRO:
+                    self._on_intro(payload)
                 elif kind in (CONFIRM, READY):
                     raise NoiseError("handshake frame after the handshake")
         except NoiseError as exc:
@@ -329,6 +346,46 @@ class Session:
             task = asyncio.ensure_future(run())
             self._tasks.append(task)
             task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    def _on_intro(self, payload: bytes):
+        """An introduction (friend_hop.py): the host's to a joiner, or a joiner's answer."""
+        from engine.wire.friend_hop import check_intro
+
+        try:
+            raw = json.loads(payload) if len(payload) <= 8192 else None
+        except ValueError:
+            raw = None
+        msg = check_intro(raw, "host" if self.role == "joiner" else "friend")
+        if self.role == "host":
+            fut = self._asks.pop((msg["op"], msg["hop"]), None)
+            if fut is None:
+                raise NoiseError("an INTRO answer nobody asked for")
+            if not fut.done():
+                fut.set_result(msg)
+            return
+        if self.on_intro is None:
+            raise NoiseError("this end takes no introductions")
+
+        async def run():
+            try:
+                await self.on_intro(msg)
+            except NoiseError as exc:
+                await self.close(str(exc))
+            except (ConnectionClosed, OSError):
+                pass
+
+        task = asyncio.ensure_future(run())
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def ask(self, kind: int, payload: bytes, op: str, hop: int, timeout: float) -> dict:
+        """Host side: send a frame and wait for the peer's INTRO answer `op` for `hop`."""
+        fut = self._asks[(op, hop)] = asyncio.get_running_loop().create_future()
+        try:
+            await self.send(kind, 0, payload)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._asks.pop((op, hop), None)
 
     async def offer_punch(self, cands: list, timeout: float) -> tuple[list, str]:
         """Joiner: send our UDP candidates, return the host's (and its reason when none)."""

@@ -413,8 +413,10 @@ async def test_relay_limits():
         await relay.close()
 
 
-async def test_hop_between_two_joiners_goes_through_the_host(tmp_path):
-    """Three homes: stage 1 (joiner A) reaches stage 2 (joiner B) through the host."""
+async def test_hop_between_two_joiners_goes_through_the_host(tmp_path, monkeypatch):
+    """Three homes: stage 1 (joiner A) reaches stage 2 (joiner B) through the host (the
+    fallback where the two find no direct path: tests/wire/test_friend_hop.py)."""
+    monkeypatch.setenv("POTLUCK_FRIEND_HOPS", "0")
     echo, echo_port = await _echo_server()
     home = Home(tmp_path / "host")
     await home.host.listen("127.0.0.1", 0)

@@ -1,0 +1,215 @@
+"""Friend-to-friend hops (engine/wire/friend_hop.py): three homes, the host introduces
+joiner A (stage i) to joiner B (stage i+1) and A's stage reaches B's directly; where no
+address of B's answers, through the host as before; nobody but the friend the host
+named gets in at B's door, and the host ending the hop (or revoking A) closes it.
+
+Real sockets on this machine (B's door listens on its addresses, A dials them); the
+emulated homes behind NAT routers are bench/paths.py's and tests/wire/test_homes.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from websockets.asyncio.client import connect
+
+from engine.wire import invite as inv
+from engine.wire import noise
+from engine.wire.friend_hop import DIAL_TIMEOUT_S, check_intro, end
+from engine.wire.identity import load_or_create_identity
+from engine.wire.tunnel import TunnelHost, open_session
+from engine.wire.tunnel_session import LISTEN, MODE_FRIEND, WS_OPTIONS, _hello_prefix
+
+
+@pytest.fixture(autouse=True)
+def no_upnp(monkeypatch):
+    monkeypatch.setenv("POTLUCK_UPNP", "0")       # no router here: its search would only wait
+
+
+async def _echo():
+    async def echo(r, w):
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+class Three:
+    """A host and two joiners, A (target: nothing) and B (target: an echo standing for its
+    stage server), all on this machine."""
+
+    async def start(self, tmp_path):
+        self.echo, echo_port = await _echo()
+        self.events: list[str] = []
+        (tmp_path / "host").mkdir(parents=True, exist_ok=True)
+        state = inv.HostState(tmp_path / "host")
+        self.host = TunnelHost(load_or_create_identity(tmp_path / "host"), state, on_event=self.events.append)
+        await self.host.listen("127.0.0.1", 0)
+        invite = inv.parse(self.host.invite(uses=2))
+        self.a = await open_session(invite, load_or_create_identity(tmp_path / "a"), ("127.0.0.1", 9), name="ana")
+        self.pa = await asyncio.wait_for(self.host.wait_peer(), 10)
+        self.b = await open_session(invite, load_or_create_identity(tmp_path / "b"), ("127.0.0.1", echo_port),
+                                    name="ben")
+        self.pb = await asyncio.wait_for(self.host.wait_peer(), 10)
+        return self
+
+    async def close(self):
+        for s in (self.a, self.b):
+            await s.close("done")
+        await self.host.close()
+        self.echo.close()
+
+
+async def roundtrip(port: int, size: int = 200_000) -> None:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    payload = os.urandom(size)
+    w.write(payload)
+    assert await asyncio.wait_for(r.readexactly(size), 30) == payload
+    w.close()
+
+
+async def test_a_hop_between_two_friends_goes_direct_and_the_host_carries_none_of_it(tmp_path):
+    t = await Three().start(tmp_path)
+    try:
+        addr = await t.host.open_hop(t.pa, t.pb)
+        a_in, b_in = t.pa.session.bytes_in, t.pb.session.bytes_in
+        await roundtrip(int(addr.rsplit(":", 1)[1]))
+        # the 200 KB went A -> B -> A without crossing either friend's tunnel to the host
+        assert t.pa.session.bytes_in - a_in < 10_000 and t.pb.session.bytes_in - b_in < 10_000
+        (link,) = t.host.hop_links()
+        assert link["hop"] == "ana → ben" and link["path"].startswith("direct (") and link["rtt_ms"] >= 0
+        assert any("ana → ben: direct" in e for e in t.events)
+        # and a second connection on the same hop (a stage reconnecting) works as well
+        await roundtrip(int(addr.rsplit(":", 1)[1]), 10_000)
+    finally:
+        await t.close()
+
+
+async def test_no_address_of_the_next_home_answers_so_the_hop_goes_through_the_host(tmp_path, monkeypatch):
+    from engine.wire import candidates as cand
+
+    async def unreachable(port, **kw):         # B's door names an address nothing answers at
+        return cand.Gathered([cand.Candidate("public", "ws://192.0.2.1:9")])
+
+    monkeypatch.setattr(cand, "gather", unreachable)
+    t = await Three().start(tmp_path)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        addr = await t.host.open_hop(t.pa, t.pb)
+        assert loop.time() - t0 < DIAL_TIMEOUT_S + 5
+        b_in = t.pb.session.bytes_in
+        await roundtrip(int(addr.rsplit(":", 1)[1]))
+        assert t.pb.session.bytes_in - b_in > 200_000      # it crossed B's tunnel: via the host
+        (link,) = t.host.hop_links()
+        assert link["path"] == "via the host" and link["rtt_ms"] is None
+        assert any("no direct path" in e and "through this computer" in e for e in t.events)
+        assert not t.b.friends.intros                      # B forgot the introduction
+    finally:
+        await t.close()
+
+
+async def test_friend_hops_off_keeps_every_hop_through_the_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("POTLUCK_FRIEND_HOPS", "0")
+    t = await Three().start(tmp_path)
+    try:
+        addr = await t.host.open_hop(t.pa, t.pb)
+        await roundtrip(int(addr.rsplit(":", 1)[1]), 10_000)
+        assert t.host.hop_links()[0]["path"] == "via the host"
+    finally:
+        await t.close()
+
+
+async def test_only_the_introduced_friend_gets_in_and_ending_the_hop_closes_it(tmp_path):
+    t = await Three().start(tmp_path)
+    try:
+        addr = await t.host.open_hop(t.pa, t.pb)
+        intro = next(iter(t.b.friends.intros.values()))
+        door = next(a for a in t.b.friends._door_cands)
+        prologue = _hello_prefix(MODE_FRIEND, t.host.pipeline, intro.id)
+
+        async def knock(key, psk, intro_prologue=prologue) -> bytes | None:
+            async with connect(door.url, **WS_OPTIONS) as ws:
+                ini = noise.Initiator(key, t.b.friends.identity.public, intro_prologue, psk=psk)
+                await ws.send(intro_prologue + ini.write_1(b"{}"))
+                try:
+                    return await asyncio.wait_for(ws.recv(), 10)
+                except Exception:   # noqa: BLE001 -- closed on us: refused
+                    return None
+
+        stranger = load_or_create_identity(tmp_path / "stranger")
+        assert await knock(stranger.private, intro.psk) is None               # right secret, wrong friend
+        a_key = load_or_create_identity(tmp_path / "a")
+        assert await knock(a_key.private, os.urandom(32)) is None             # right friend, wrong secret
+        other = _hello_prefix(MODE_FRIEND, os.urandom(8), intro.id)
+        assert await knock(a_key.private, intro.psk, other) is None           # another pipeline
+        # the host ends the hop: B closes A's session at its door, A's hop port goes dead
+        session = t.b.friends.intros[intro.hop].sessions[0]
+        await end(t.pb.session, intro.hop)
+        await asyncio.wait_for(session.closed.wait(), 10)
+        assert intro.hop not in t.b.friends.intros
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError)):
+            await roundtrip(int(addr.rsplit(":", 1)[1]), 1000)
+    finally:
+        await t.close()
+
+
+async def test_revoking_a_friend_ends_its_hops_at_the_other_friend(tmp_path):
+    t = await Three().start(tmp_path)
+    try:
+        await t.host.open_hop(t.pa, t.pb)
+        (hop,) = t.b.friends.intros
+        t.host.state.revoke(t.pa.node_id)
+        for _ in range(100):
+            if hop not in t.b.friends.intros:
+                break
+            await asyncio.sleep(0.1)
+        assert hop not in t.b.friends.intros and not t.host.hop_links()
+    finally:
+        await t.close()
+
+
+async def test_a_friends_hop_carries_no_tunnel_control_frames(tmp_path):
+    """Inside a hop, A may only open streams to B's stage: a LISTEN (or INTRO, MOVE,
+    PUNCH) closes the session."""
+    t = await Three().start(tmp_path)
+    try:
+        await t.host.open_hop(t.pa, t.pb)
+        intro = next(iter(t.a.friends.intros.values()))
+        a_side = intro.sessions[0]
+        b_side = next(iter(t.b.friends.intros.values())).sessions[0]
+        await a_side.send(LISTEN, 7)
+        await asyncio.wait_for(b_side.closed.wait(), 10)
+        assert "does not carry" in b_side.close_reason
+    finally:
+        await t.close()
+
+
+@pytest.mark.parametrize("msg, frm, why", [
+    ({"op": "dial", "hop": 1}, "friend", "not for this end"),
+    ({"op": "door", "hop": 1, "addresses": ["ws://x"], "kinds": []}, "friend", "malformed addresses"),
+    ({"op": "door", "hop": 1, "addresses": ["file:///etc/passwd"], "kinds": ["lan"]}, "friend", "malformed"),
+    ({"op": "accept", "hop": 0, "id": "00" * 8, "psk": "00" * 32, "key": "00" * 32}, "host", "hop number"),
+    ({"op": "accept", "hop": 2, "id": "zz" * 8, "psk": "00" * 32, "key": "00" * 32}, "host", "id must be"),
+    ({"op": "dialed", "hop": 2, "port": 70000, "path": "direct", "rtt_ms": 1}, "friend", "malformed answer"),
+    ([1, 2], "host", "JSON object"),
+])
+def test_malformed_introductions_are_refused(msg, frm, why):
+    with pytest.raises(noise.NoiseError, match=why):
+        check_intro(msg, frm)
+
+
+def test_a_well_formed_introduction_reads_back():
+    msg = {"op": "dial", "hop": 3, "id": "ab" * 8, "psk": "cd" * 32, "key": "ef" * 32,
+           "addresses": ["ws://10.0.0.2:5000"], "kinds": ["lan"]}
+    got = check_intro(json.loads(json.dumps(msg)), "host")
+    assert got["id"] == bytes.fromhex("ab" * 8) and got["addresses"] == ["ws://10.0.0.2:5000"]
+    assert check_intro({"op": "door", "hop": 3, "why": "no address"}, "friend")["why"] == "no address"
