@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
                                QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
 from .client import ChatStream
-from .pipeline_text import friend_label, speculation_label
+from .pipeline_text import friend_label, hop_label, speculation_label
 from .store import DamagedConversation, Message
 
 FLUSH_MS = 80
@@ -291,6 +291,7 @@ class ChatWindow(QMainWindow):
                         kv += f" / {link['mbit_s']:.0f} Mbit/s"
                 on = f" ({s['device_name']})" if s.get("device_name") else ""
                 parts.append(f"layers {a}–{b - 1}: {where}{on}{kv}")
+            parts.extend(hop_label(h) for h in hosting.get("hops") or [])
             parts.append(f"{hosting.get('tokens_served', 0)} tokens served")
             spec = speculation_label(hosting)
             if spec:

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from . import autostart, gpu_enable
 from .secrets_store import get_secret, set_secret
-from .pipeline_text import friend_label, speculation_label
+from .pipeline_text import friend_label, hop_label, speculation_label
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
@@ -653,6 +653,9 @@ def status_html(st: dict) -> str:
             on = s.get("device_name") or s.get("device") or "?"
             out.append(f"<tr><td>{who}</td><td>{on}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
         out.append("</table>")
+        hops = [hop_label(x) for x in h.get("hops") or []]
+        if hops:    # friend to friend: straight across, or through this computer
+            out.append("<p><b>Between friends</b><br>" + "<br>".join(html.escape(x) for x in hops) + "</p>")
         spec = speculation_label(h)   # where speculation ran: tokens per trip, acceptance
         if spec:
             out.append(f"<p>{html.escape(spec)}</p>")

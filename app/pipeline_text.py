@@ -23,3 +23,13 @@ def friend_label(stage: dict) -> str:
         via = "relayed"
     rtt = (stage.get("tunnel") or {}).get("rtt_ms")
     return f"{stage['name']} ({via}{f', {rtt:.0f} ms' if rtt is not None else ''})"
+
+
+def hop_label(hop: dict) -> str:
+    """'Ana → Ben: direct (punched), 31 ms': how one friend's stage reaches the next
+    friend's (straight across, or through this computer where they found no direct path)."""
+    path = hop.get("path") or "connecting"
+    if path == "via the host":
+        path = "through this computer"
+    rtt = hop.get("rtt_ms")
+    return f"{hop.get('hop', '?')}: {path}{f', {rtt:.0f} ms' if rtt is not None else ''}"

@@ -152,6 +152,9 @@ class Node(NodeRoutes, Hosting, Sharing):
                 st["via"] = live["path"] if live else f["via"]
                 st["tunnel"] = live
             info["friends"] = [{k: v for k, v in f.items() if k != "peer"} for f in self.friends]
+            # friend to friend: each hop's path ("direct (lan)", "via the host") and round trip
+            gate = getattr(self, "friends_gate", None)
+            info["hops"] = gate.tunnels.hop_links() if gate is not None else []
             hosting = info
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,

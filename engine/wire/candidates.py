@@ -87,6 +87,29 @@ def interface_addresses() -> list[str]:
             if a.family in (socket.AF_INET, socket.AF_INET6)]
 
 
+def on_our_networks(url: str) -> bool:
+    """Whether a private address (in a ws:// URL) lies on one of this machine's own
+    networks. Another home's LAN address almost never does, and a connect there is not
+    refused but unanswered: a route to it gets a short timeout (tunnel_routes.py)."""
+    import psutil
+
+    host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family != (socket.AF_INET if ip.version == 4 else socket.AF_INET6) or not a.netmask:
+                continue
+            try:
+                if ip in ipaddress.ip_network(f"{a.address.split('%')[0]}/{a.netmask}", strict=False):
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
 def ordered(cands: list[Candidate]) -> list[Candidate]:
     """Deduplicated (by URL, first kind wins), in the order a joiner tries them."""
     seen, out = set(), []

@@ -41,7 +41,7 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire.noise import Initiator, NoiseError, Responder
-from engine.wire.tunnel_routes import _KIND_ORDER, _first_to_connect
+from engine.wire.tunnel_routes import _KIND_ORDER, _first_to_connect, open_timeouts
 from engine.wire.tunnel_session import (BYE, CONFIRM, HANDSHAKE_TIMEOUT, INTRO, MODE_FRIEND, READY, STAGE, WS_OPTIONS,
                                         Session, TunnelError, _hello_prefix, parse_hello)
 
@@ -220,8 +220,8 @@ class FriendHops:
         errors: list[str] = []
         t0 = time.monotonic()
         try:
-            path, url, ws = await asyncio.wait_for(_first_to_connect(routes, errors, lambda text: None),
-                                                   DIAL_TIMEOUT_S)
+            path, url, ws = await asyncio.wait_for(
+                _first_to_connect(routes, errors, lambda text: None, timeouts=open_timeouts(routes)), DIAL_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise HopError(f"no address of the other home answered within {DIAL_TIMEOUT_S:g} s") from None
         if ws is None:

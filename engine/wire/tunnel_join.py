@@ -21,8 +21,8 @@ from engine.wire.identity import Identity
 from engine.wire.invite import Invite, Reply, encode_reply, rendezvous_key, udp_addresses
 from engine.wire.noise import Initiator, NoiseError
 from engine.wire.punch import punch_key
-from engine.wire.tunnel_routes import (RELAY_AFTER_S, STAGGER_S, _first_to_connect, direct_routes, punch_direct,
-                                       resume_direct)
+from engine.wire.tunnel_routes import (RELAY_AFTER_S, STAGGER_S, _first_to_connect, direct_routes, open_timeouts,
+                                       punch_direct, resume_direct)
 from engine.wire.tunnel_session import (BYE, CONFIRM, DEAD_AFTER, HANDSHAKE_TIMEOUT, MODE_JOIN, MODE_MEMBER, READY,
                                         WS_OPTIONS, HostRefused, Session, TunnelError, _hello_prefix)
 
@@ -55,7 +55,7 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
     delays = [i * STAGGER_S for i in range(len(direct))] + \
         [max(len(direct) * STAGGER_S, RELAY_AFTER_S) if direct else 0.0 for _ in relay]
     while routes:
-        path, url, ws = await _first_to_connect(routes, errors, say, delays)
+        path, url, ws = await _first_to_connect(routes, errors, say, delays, open_timeouts(routes))
         if ws is None:
             break
         delays = [d for r, d in zip(routes, delays) if r[1] != url]
@@ -149,12 +149,22 @@ class Joiner:
     GIVE_UP_AFTER = 5      # refusals in a row (a revoked member, a used-up code) before giving up
 
     async def connect(self) -> Session:
+        # with no relay in the code, a reply code is the way in wherever the host's
+        # addresses fail: gather our own candidates for it while those are tried, so the
+        # code is there the moment they have failed
+        early = None
+        if self.reply_listen is not None and self._reply_server is None and self.prefer != "relay" \
+                and not self.invite.relay:
+            early = asyncio.ensure_future(self._prepare_reply())
         try:
             self.session = await self._open()
         except TunnelError as exc:
             if self.reply_listen is None or isinstance(exc, HostRefused) or self.prefer == "relay":
+                await self._drop_early(early)
                 raise
-            self.session = await self._by_reply(str(exc))
+            self.session = await self._by_reply(str(exc), early)
+        else:
+            await self._drop_early(early)
         self.member = True
         self.on_event(f"connected to the host via {self.session.path}")
         return self.session
@@ -192,15 +202,31 @@ class Joiner:
         return await open_session(self.invite, self.identity, self.target, name=self.name,
                                   member=self.member, prefer=self.prefer, log_event=self.on_event)
 
-    async def _by_reply(self, why: str) -> Session:
+    async def _drop_early(self, early) -> None:
+        """The host answered after all: no reply code needed, stop listening for one."""
+        if early is None:
+            return
+        early.cancel()
+        try:
+            await early
+        except BaseException:   # noqa: BLE001 -- cancelled or failed: either way unused
+            pass
+        await self.close()
+
+    async def _by_reply(self, why: str, early=None) -> Session:
         """Listen, gather this machine's candidates (its router's mapping among them), show
         a reply code, and take the host's connection when it comes -- or the invite's own
-        routes, tried again meanwhile, when one of those answers first (a relay back up)."""
-        if self._reply_server is None:
+        routes, tried again meanwhile, when one of those answers first (a relay back up).
+        early: the listening and gathering, started while the host's addresses were tried."""
+        if self.reply_code is None or self._reply_server is None:
             try:
-                await self._listen_for_replies(why)
-            except BaseException:
+                await (early if early is not None else self._prepare_reply())
+                self._announce_reply()
+            except TunnelError as exc:
                 await self.close()          # set up again on the next try
+                raise TunnelError(f"{why}; {exc}") from None
+            except BaseException:
+                await self.close()
                 raise
         waiting = asyncio.ensure_future(self._next_reply_session())
         try:
@@ -218,7 +244,9 @@ class Joiner:
         finally:
             waiting.cancel()
 
-    async def _listen_for_replies(self, why: str):
+    async def _prepare_reply(self):
+        """Listen for the host, map the port on the router, gather our candidates and make
+        the reply code (TunnelError when this computer has nothing the host could reach)."""
         from engine.wire import candidates as cand
 
         self._incoming = asyncio.Queue()
@@ -239,21 +267,23 @@ class Joiner:
         try:
             self._reply_server = await serve(handler, host or "0.0.0.0", int(port or 0), **WS_OPTIONS)
         except OSError as exc:
-            raise TunnelError(f"{why}; and a reply code needs this computer to listen on "
-                              f"{self.reply_listen}, which failed ({exc.strerror or exc}): "
-                              "give another with --reply-listen") from None
+            raise TunnelError(f"a reply code needs this computer to listen on {self.reply_listen}, which "
+                              f"failed ({exc.strerror or exc}): give another with --reply-listen") from None
         bound = self._reply_server.sockets[0].getsockname()[1]
         self._mapper = cand.PortMapper()
         g, udp = await asyncio.gather(
             cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper),
             self._punch_toward_host())
         if not g.candidates and not udp:
-            raise TunnelError(f"{why}; and this computer has no address the host could reach either")
+            raise TunnelError("this computer has no address the host could reach either")
         cands = (g.candidates + udp)[:16]
+        self._reply_kinds = [c.kind for c in g.candidates]
         self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
                                              [c.url for c in cands], [c.kind for c in cands]))
+
+    def _announce_reply(self):
         self.on_event("the host cannot be reached from here; it can reach this computer instead: "
-                      f"send the host this reply code ({', '.join(c.kind for c in g.candidates)})")
+                      f"send the host this reply code ({', '.join(self._reply_kinds)})")
         if self.on_reply is not None:
             self.on_reply(self.reply_code)
 
@@ -320,6 +350,7 @@ class Joiner:
         if self._reply_server is not None:
             self._reply_server.close()
             self._reply_server = None
+        self.reply_code = None
         if self._mapper is not None:
             await self._mapper.close()
             self._mapper = None

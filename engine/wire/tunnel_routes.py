@@ -31,9 +31,21 @@ def direct_routes(invite: Invite) -> list[tuple[str, str]]:
 
 STAGGER_S = 0.25    # happy eyeballs: the next address starts this long after the one before
 RELAY_AFTER_S = 1.0  # ... and the relay this long after the first direct address
+# a private address on none of our networks (another home's LAN): a LAN answers in
+# milliseconds, and waiting the full connect timeout there held a reply code up by 5 s
+FOREIGN_LAN_S = 1.0
 
 
-async def _first_to_connect(routes, errors: list, say, delays: list[float] | None = None):
+def open_timeouts(routes: list[tuple[str, str]]) -> list[float]:
+    """Each route's connect timeout: short for another home's LAN address."""
+    from engine.wire.candidates import on_our_networks
+
+    return [FOREIGN_LAN_S if path == "direct (lan)" and not on_our_networks(url) else CONNECT_TIMEOUT
+            for path, url in routes]
+
+
+async def _first_to_connect(routes, errors: list, say, delays: list[float] | None = None,
+                            timeouts: list[float] | None = None):
     """Open WebSockets to the routes, each STAGGER_S after the one before (in the order
     given; or route i at delays[i]), and keep the first that opens; the rest are closed.
     An address that cannot work (another home's private address) costs no more than its
@@ -50,7 +62,8 @@ async def _first_to_connect(routes, errors: list, say, delays: list[float] | Non
         except asyncio.TimeoutError:
             pass
         try:
-            return path, url, await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+            return path, url, await connect(url, open_timeout=CONNECT_TIMEOUT if timeouts is None else timeouts[i],
+                                            **WS_OPTIONS)
         except BaseException:
             failed += 1
             if failed < len(turn):
@@ -93,7 +106,8 @@ async def resume_direct(session: Session, invite: Invite, say) -> bool:
     host there proves it holds this session (and we prove it to it), the session moves
     onto it mid-stream (Session.move_to). Returns whether it moved."""
     errors: list[str] = []
-    path, url, ws = await _first_to_connect(direct_routes(invite), errors, lambda text: None)
+    routes = direct_routes(invite)
+    path, url, ws = await _first_to_connect(routes, errors, lambda text: None, timeouts=open_timeouts(routes))
     if ws is None:
         return False
     return await _prove_and_move(session, invite, ws, path, url, say)

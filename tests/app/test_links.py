@@ -115,3 +115,12 @@ def test_a_friends_stage_is_named_with_its_path_and_round_trip():
     assert friend_label({"name": "Bo", "via": "relay", "tunnel": {"rtt_ms": None}}) == "Bo (relayed)"
     assert friend_label({"name": "Cy", "via": None}) == "Cy (connecting)"
     assert friend_label({"address": "ws://192.168.1.5:7860"}) == "ws://192.168.1.5:7860"
+
+
+def test_a_hop_between_two_friends_says_how_it_goes():
+    from app.pipeline_text import hop_label
+
+    assert hop_label({"hop": "Ana → Ben", "path": "direct (punched)", "rtt_ms": 31.2}) == \
+        "Ana → Ben: direct (punched), 31 ms"
+    assert hop_label({"hop": "Ana → Ben", "path": "via the host", "rtt_ms": None}) == \
+        "Ana → Ben: through this computer"

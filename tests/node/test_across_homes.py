@@ -165,7 +165,8 @@ def test_chat_over_a_direct_link(homes, tmp_path):
 
 def test_three_homes_through_the_relay(tmp_path):
     """Host + two joiners (stages 1 and 2), each in its own home, the relay in a fourth
-    namespace; stage 1 -> stage 2 travels through both tunnels via the host."""
+    namespace; the host reaches each friend through the relay, and stage 1 reaches stage 2
+    straight across (the host introduces the two friends: engine/wire/friend_hop.py)."""
     py = sys.executable
     with emulated_network(4, "star", subnet=SUBNET + 1) as net:
         dump = tmp_path / "relay.bin"
@@ -190,6 +191,7 @@ def test_three_homes_through_the_relay(tmp_path):
         assert host.wait(60) == 0
         assert "Paris" in answer, answer
         assert "3 stages (stage 1 via relay, stage 2 via relay)" in err.text(), err.text()
+        assert "f0 → f1: direct (" in err.text(), err.text()
         seen = dump.read_bytes()
         for plain in (PROMPT.encode(), b"Paris", b"PTLK", b'"type"', b"configure"):
             assert plain not in seen, f"the relay saw {plain!r}"
