@@ -182,6 +182,177 @@ async def link_rounds(a) -> dict:
     return results
 
 
+# ---- the three-home ring (issue 43) ----------------------------------------------------
+RING_MODES = ("star", "direct")
+LONG_PROMPT_TOKENS = 1000
+
+
+def light_model(folder: Path) -> str:
+    """The default model's width (hidden 576, 9 heads, 3 KV heads, its vocabulary and
+    tokenizer) with one decoder layer per stage, random weights: the same activations on
+    the wire, with the little compute GPUs would give a stage, so that the ring measures the
+    paths between homes and not this machine's two cores (--ring-model default: the real one)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.model.sources import resolve
+
+    out = folder / "light-576"
+    if (out / "config.json").exists():
+        return str(out)
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+                      rope_theta=100000.0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(out))
+    src = resolve("default").root
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)
+    return str(out)
+
+
+async def ring_mode(mode: str, a, folder: Path) -> dict:
+    """The default model in three homes: the host (the head, stage 0), friend A (stage 1)
+    and friend B (stage 2), each pair of homes `ring_delay` ms apart one way, each home's
+    uplink `ring_rate` Mbit/s: both friends' tunnels cross ONE shaped link into the host
+    (its uplink is what both share), and A reaches B's door through its own. "star":
+    stage 1 -> stage 2 through the host (POTLUCK_FRIEND_HOPS=0), "direct": straight
+    across (engine/wire/friend_hop.py). Returns one reply's TPOT, a 1000-token prompt's
+    TTFT and the bytes the host's link carried each way."""
+    from engine.core.sampling import SamplingParams
+    from engine.pipeline.head import Done
+    from engine.pipeline.launch import PipelineConfig, launch
+    from engine.pipeline.stage_server import StageServer
+    from engine.wire import candidates as cand
+    from engine.wire.identity import load_or_create_identity
+    from engine.wire.invite import HostState, parse
+    from engine.wire.tunnel import TunnelHost, open_session
+    from testkit.linkemu import ShapedLink
+
+    def shaped(port: int) -> ShapedLink:
+        return ShapedLink("127.0.0.1", 0, "127.0.0.1", port, rate_bps=a.ring_rate * 1e6, delay_s=a.ring_delay / 1e3)
+
+    os.environ["POTLUCK_FRIEND_HOPS"] = "1" if mode == "direct" else "0"
+    closing: list = []
+    doors: list[ShapedLink] = []
+    real_gather = cand.gather
+
+    async def door_behind_a_link(port, **kw):      # B's door, as A reaches it: across the homes' link
+        link = shaped(port)
+        doors.append(link)
+        closing.append(link.close)
+        return cand.Gathered([cand.Candidate("lan", f"ws://127.0.0.1:{await link.start()}")])
+
+    cand.gather = door_behind_a_link
+    try:
+        home = folder / f"ring-{mode}-{time.monotonic_ns()}"
+        th = TunnelHost(load_or_create_identity(home / "host"), HostState(home / "host"))
+        closing.append(th.close)
+        port = await th.listen("127.0.0.1", 0)
+        uplink = shaped(port)
+        th.direct_addresses, th.direct_kinds = [f"ws://127.0.0.1:{await uplink.start()}"], ["given"]
+        closing.append(uplink.close)
+        invite = parse(th.invite(uses=2))
+        peers = []
+        for name in ("a", "b"):
+            server = await StageServer("127.0.0.1", 0, pipeline="local", threads=1).start()
+            closing.append(server.close)
+            session = await open_session(invite, load_or_create_identity(home / name), ("127.0.0.1", server.port),
+                                         name=name)
+            closing.append(lambda s=session: s.close("done"))
+            peers.append(await th.wait_peer())
+        by_addr = {p.address: p for p in peers}
+
+        async def hop(src: str, dst: str) -> str:
+            return await th.open_hop(by_addr[src], by_addr[dst])
+
+        model = "default" if a.ring_model == "default" else light_model(folder)
+        # speculation off: one token a trip around the ring, the path's own measure (a
+        # random model's repetitive reply would let prompt lookup guess most of it)
+        pipe = await launch(PipelineConfig(model=model, stage_addr=[p.address for p in peers], hop=hop, threads=1,
+                                           pipeline="local", speculate="off"))
+        closing.append(pipe.close)
+        head = pipe.head
+        head.eos_ids = set()
+        links = th.hop_links()
+
+        async def reply(prompt: list[int], n: int) -> list[float]:
+            times, t0 = [], time.perf_counter()
+            async for ev in head.submit(prompt, SamplingParams(greedy=True, max_tokens=n)):
+                if isinstance(ev, Done):
+                    break
+                times += [time.perf_counter()] * len(ev.token_ids)
+            return [t0] + times
+
+        def ids(text: str) -> list[int]:        # plain text: the light model has no chat template
+            return head.tokenizer.encode(text)
+
+        short = ids(PROMPTS[0])
+        await reply(short, 4)                                # warm-up: every link open, every stage loaded
+        up0, down0 = uplink.bytes_down, uplink.bytes_up
+        t = await reply(short, a.tokens)
+        tpot = (t[-1] - t[1]) / (len(t) - 2)
+        text = " ".join(PROMPTS) + " "
+        while len(ids(text)) < LONG_PROMPT_TOKENS:
+            text += " ".join(PROMPTS) + " "
+        long = ids(text)[:LONG_PROMPT_TOKENS]
+        bw = head.link.sched.link.bandwidth if head.link is not None else None
+        chunk = head.prompt_chunk_tokens()
+        t = await reply(long, 2)
+        ttft = t[1] - t[0]
+        log(f"{mode}: the head's link measured {bw and bw * 8 / 1e6 or 0:.1f} Mbit/s, prompt chunks of {chunk} tokens")
+        return {"tpot": tpot, "ttft": ttft, "host_up": uplink.bytes_down - up0,
+                "host_down": uplink.bytes_up - down0, "paths": [x["path"] for x in links]}
+    finally:
+        cand.gather = real_gather
+        os.environ.pop("POTLUCK_FRIEND_HOPS", None)
+        for close in reversed(closing):
+            try:
+                await close()
+            except Exception:  # noqa: BLE001 -- tearing down; the next mode starts afresh
+                pass
+
+
+async def ring_rounds(a) -> dict:
+    import tempfile
+
+    results = {m: [] for m in RING_MODES}
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(a.rounds):
+            for mode in (RING_MODES if r % 2 == 0 else RING_MODES[::-1]):
+                m = await ring_mode(mode, a, Path(folder))
+                results[mode].append(m)
+                log(f"ring round {r + 1} {mode} ({', '.join(m['paths'])}): TPOT {m['tpot'] * 1e3:.0f} ms, "
+                    f"TTFT of {LONG_PROMPT_TOKENS} tokens {m['ttft']:.2f} s, host link {m['host_up'] / 1e3:.0f} KB "
+                    f"out / {m['host_down'] / 1e3:.0f} KB in")
+    return results
+
+
+def print_ring(a, res: dict) -> None:
+    med = {m: {k: statistics.median(x[k] for x in res[m]) for k in ("tpot", "ttft", "host_up", "host_down")}
+           for m in res}
+    what = ("The default model" if a.ring_model == "default" else
+            "A model of the default model's width, one layer a stage (--ring-model light)")
+    print(f"\n{what} in three homes (the host, friends A and B; stages 0, 1, 2), every two homes "
+          f"{a.ring_delay:g} ms apart one way, {a.ring_rate:g} Mbit/s links; star: stage 1 -> stage 2 through "
+          f"the host, direct: straight across (issue 43). Median of {a.rounds} rounds, alternating order; one "
+          f"reply of {a.tokens} tokens (speculation off: one token a trip), then a {LONG_PROMPT_TOKENS}-token prompt\n")
+    print(f"| {'hop A -> B':<10} | {'TPOT ms':>8} | {'TTFT s (1000 tok)':>17} | {'host link out KB':>16} | "
+          f"{'host link in KB':>15} |")
+    print(f"|{'-' * 12}|{'-' * 10}|{'-' * 19}|{'-' * 18}|{'-' * 17}|")
+    for mode in RING_MODES:
+        m = med[mode]
+        print(f"| {mode:<10} | {m['tpot'] * 1e3:>8.0f} | {m['ttft']:>17.2f} | {m['host_up'] / 1e3:>16.0f} | "
+              f"{m['host_down'] / 1e3:>15.0f} |")
+    tp = med["direct"]["tpot"] / med["star"]["tpot"]
+    tt = med["direct"]["ttft"] / med["star"]["ttft"]
+    print(f"\ndirect / star per-token time: {tp:.2f}  (target <= 0.8: {'PASS' if tp <= 0.8 else 'MISS'})")
+    print(f"direct / star TTFT, {LONG_PROMPT_TOKENS}-token prompt: {tt:.2f}  (target <= 0.7: "
+          f"{'PASS' if tt <= 0.7 else 'MISS'})")
+
+
 def matrix(a) -> list[dict]:
     """The emulated-homes matrix: one host (home 0), one joiner (home 1) per cell."""
     import tempfile
@@ -302,6 +473,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=24, help="new tokens per reply")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every link mode, rotating order")
     p.add_argument("--matrix", action="store_true", help="also the emulated-homes matrix (root, Debian parts)")
+    p.add_argument("--ring", action="store_true", help="only the three-home ring, star vs direct hops (issue 43)")
+    p.add_argument("--ring-delay", type=float, default=30.0, help="ring: one-way delay between two homes, ms")
+    p.add_argument("--ring-rate", type=float, default=20.0, help="ring: each home's link, Mbit/s")
+    p.add_argument("--ring-model", choices=("light", "default"), default="light",
+                   help="ring: the default model's width with a layer a stage (light: the wire, not this CPU, "
+                        "decides) or the default model itself")
     p.add_argument("--matrix-only", action="store_true", help="only the matrix")
     p.add_argument("--repeat", type=int, default=8, help="MiB sealed per size in the seal part")
     a = p.parse_args(argv)
@@ -311,6 +488,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if a.matrix_only:
         print_matrix(matrix(a))
+        return 0
+    if a.ring:
+        log(f"three-home ring, {a.rounds} rounds of {', '.join(RING_MODES)}")
+        print_ring(a, asyncio.run(ring_rounds(a)))
         return 0
     print("\nSealing one message (seal + open, this process)\n")
     print(f"| {'message':<26} | {'µs':>8} | {'MB/s':>7} |")
