@@ -2,6 +2,7 @@
 
     python -m testkit.pathpeer host --folder F [--relay URL] [--no-upnp] [--seconds S]
     python -m testkit.pathpeer join --folder F --code CODE
+    python -m testkit.pathpeer host --folder F --hop ...   and two joiners, the first --hop-stream S
 
 The host (engine/wire/tunnel.py TunnelHost, the node's own code) listens on 0.0.0.0:7870,
 gathers its candidates (a UPnP mapping included unless --no-upnp), prints `CODE <invite>`
@@ -10,6 +11,11 @@ tunnel to the joiner's echo server for S seconds and checks each echo: one line 
 `PATH <path>` whenever the session's path changes, and at the end `RESULT <json>` (lines
 sent, echoes in order, the paths seen). Then it closes (removing the router's mapping)
 and prints `CLOSED`.
+
+With --hop the host waits for two joiners, introduces the first to the second
+(engine/wire/friend_hop.py) and prints `HOP <json>` (path, round trip, seconds); the
+first joiner (--hop-stream S) streams numbered lines through that hop to the second's
+echo server and prints `HOPRESULT <json>`.
 
 The joiner runs an echo server on loopback and engine.wire.tunnel.Joiner over the code
 (POTLUCK_DIRECT_RETRY_S applies), printing `JOINED <path>` and the Joiner's events, or
@@ -49,7 +55,7 @@ async def host(a) -> int:
     say("CANDIDATES", json.dumps({"direct": th.direct_addresses, "kinds": th.direct_kinds,
                                   "nat": th.gathered.nat if th.gathered else None,
                                   "mapping": th.gathered.mapping.why_not if th.gathered else None}))
-    say("CODE", th.invite(uses=1))
+    say("CODE", th.invite(uses=2 if a.hop else 1))
     if a.reply_stdin:      # a line on stdin: a joiner's reply code, as pasted in the app
         async def replies():
             loop = asyncio.get_running_loop()
@@ -68,6 +74,17 @@ async def host(a) -> int:
         say("CLOSED")
         return 0
     say("JOINED", peer.path)
+    if a.hop:              # a second friend, and the first one's stage reaching it
+        second = await asyncio.wait_for(th.wait_peer(), a.wait)
+        say("JOINED", second.path)
+        t0 = time.monotonic()
+        await th.open_hop(peer, second)
+        (link,) = th.hop_links()
+        say("HOP", json.dumps({**link, "seconds": time.monotonic() - t0}))
+        await asyncio.sleep(a.seconds)
+        await th.close()
+        say("CLOSED")
+        return 0
     reader, writer = await asyncio.open_connection("127.0.0.1", peer.port)
     paths, sent, echoed, bad = [peer.path], 0, 0, []
 
@@ -128,11 +145,40 @@ async def join(a) -> int:
         say("FAILED", exc)
         return 1
     say("JOINED", session.path)
+    if a.hop_stream:
+        asyncio.ensure_future(stream_through_hop(joiner, a.hop_stream))
     try:
         await joiner.run()
     except TunnelError as exc:
         say("ENDED", exc)
     return 0
+
+
+async def stream_through_hop(joiner, seconds: float) -> None:
+    """Once the host introduced this joiner to the next friend (a hop it dials), stream
+    numbered lines through it to that friend's echo for `seconds`: `HOPRESULT <json>`."""
+    for _ in range(600):
+        friends = joiner.session.friends if joiner.session is not None else None
+        dialed = [i for i in (friends.intros.values() if friends else ()) if i.listener is not None]
+        if dialed:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        say("HOPRESULT", json.dumps({"hop": False}))
+        return
+    intro = dialed[0]
+    reader, writer = await asyncio.open_connection("127.0.0.1", intro.listener.sockets[0].getsockname()[1])
+    sent = echoed = 0
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        writer.write(f"{sent} {MARKER}\n".encode())
+        await writer.drain()
+        sent += 1
+        line = await asyncio.wait_for(reader.readline(), 10)
+        echoed += int(line.split()[0]) == sent - 1
+        await asyncio.sleep(0.02)
+    writer.close()
+    say("HOPRESULT", json.dumps({"hop": True, "sent": sent, "echoed": echoed, "path": intro.sessions[0].path}))
 
 
 def main(argv=None) -> int:
@@ -145,10 +191,13 @@ def main(argv=None) -> int:
     h.add_argument("--seconds", type=float, default=3.0)
     h.add_argument("--wait", type=float, default=60.0)
     h.add_argument("--reply-stdin", action="store_true", help="take reply codes from stdin")
+    h.add_argument("--hop", action="store_true", help="wait for two joiners and introduce the first to the second")
     j = sub.add_parser("join")
     j.add_argument("--folder", required=True)
     j.add_argument("--code", required=True)
     j.add_argument("--reply-listen", default="", help="HOST:PORT: offer a reply code when the host is unreachable")
+    j.add_argument("--hop-stream", type=float, default=0.0,
+                   help="seconds of lines through a hop the host sets up from this joiner (friend_hop.py)")
     a = p.parse_args(argv)
     return asyncio.run(host(a) if a.cmd == "host" else join(a))
 

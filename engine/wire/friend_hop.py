@@ -5,8 +5,10 @@ The host introduces the two, in INTRO frames inside the tunnels it has with each
 end to end with it); B is the home of the next stage, A the one that connects to it:
 
     host -> B   {"op": "accept", "hop", "id", "psk", "key": A's node key}
-    B -> host   {"op": "door", "hop", "addresses", "kinds"}          or {"op": "door", "hop", "why"}
-    host -> A   {"op": "dial", "hop", "id", "psk", "key": B's node key, "addresses", "kinds"}
+    B -> host   {"op": "door", "hop", "addresses", "kinds", "udp"}   or {"op": "door", "hop", "why"}
+    host -> A   {"op": "dial", "hop", "id", "psk", "key": B's node key, "addresses", "kinds", "udp"}
+    A -> host   {"op": "punch", "hop", "udp"}        (only when no address answered; the host
+    host -> B   {"op": "punch", "hop", "udp"}         passes A's UDP candidates on to B)
     A -> host   {"op": "dialed", "hop", "port", "path", "rtt_ms"}    or {"op": "dialed", "hop", "why"}
     host -> A|B {"op": "end", "hop"}      the hop is over (a new arrangement, a friend revoked)
 
@@ -20,8 +22,11 @@ the door's sessions reach B's own stage server and nothing else (no LISTEN, no M
 PUNCH, no INTRO inside them), and they end when the host ends the introduction or B's
 own tunnel to the host closes (the trust came from there).
 
-Where no address of B's answers A within DIAL_TIMEOUT_S, A says why and the host sets
-the hop up through itself, as before (TunnelHost.open_hop).
+Where no address of B's answers A within DIAL_TIMEOUT_S and both have UDP candidates
+(their STUN-mapped and LAN addresses, engine/wire/punch.py), the two punch a hole at once,
+A's candidates passed to B through the host, and the same handshake runs over QUIC on
+the punched socket ("direct (punched)"). Where that fails too, A says why and the host
+sets the hop up through itself, as before (TunnelHost.open_hop).
 
 Inside: `check_intro` validates a frame's fields (pure), `FriendHops` is one joiner's
 side (opened with its session to the host), `introduce` the host's.
@@ -47,8 +52,10 @@ from engine.wire.tunnel_session import (BYE, CONFIRM, HANDSHAKE_TIMEOUT, INTRO, 
 
 log = logging.getLogger("potluck.friends")
 
-DIAL_TIMEOUT_S = 4.0       # A's try of B's addresses, before the hop goes through the host
-ANSWER_TIMEOUT_S = 15.0    # the host's wait for a friend's answer (a door gathers ~2 s)
+DIAL_TIMEOUT_S = 4.0       # A's try of B's addresses, before punching or going through the host
+PUNCH_S = 5.0              # seconds of hole punching before the hop goes through the host
+ANSWER_TIMEOUT_S = 20.0    # the host's wait for a friend's answer (a door gathers ~2 s, a dial
+                           # tries for DIAL_TIMEOUT_S and punches for PUNCH_S)
 MAX_INTROS = 8             # introductions one friend holds at once
 MAX_ADDRESSES = 12
 _HEX = re.compile(r"^[0-9a-f]*$")
@@ -64,7 +71,7 @@ def check_intro(msg, frm: str) -> dict:
     if not isinstance(msg, dict):
         raise NoiseError("an INTRO frame is a JSON object")
     op = msg.get("op")
-    allowed = ("accept", "dial", "end") if frm == "host" else ("door", "dialed")
+    allowed = ("accept", "dial", "end", "punch") if frm == "host" else ("door", "dialed", "punch")
     if op not in allowed:
         raise NoiseError(f"INTRO op {op!r} is not for this end")
     hop = msg.get("hop")
@@ -87,6 +94,13 @@ def check_intro(msg, frm: str) -> dict:
                 and all(isinstance(k, str) and len(k) <= 16 for k in kinds)):
             raise NoiseError(f"INTRO {op}: malformed addresses")
         out["addresses"], out["kinds"] = addrs, kinds
+    if op in ("door", "dial", "punch") and "why" not in msg:
+        from engine.wire.punch import parse_candidates
+
+        try:
+            out["udp"] = parse_candidates(msg.get("udp", []))
+        except ValueError as exc:
+            raise NoiseError(f"INTRO {op}: {exc}") from None
     if op in ("door", "dialed") and "why" in msg:
         out["why"] = str(msg["why"])[:300]
     if op == "dialed" and "why" not in msg:
@@ -111,6 +125,8 @@ class _Intro:
     door: bool                                  # we accept (B), not dial (A)
     sessions: list = field(default_factory=list)
     listener: asyncio.AbstractServer | None = None
+    udp: object = None                          # punch.UdpEndpoint for this hop, if any
+    punching: asyncio.Task | None = None
 
 
 class FriendHops:
@@ -132,6 +148,12 @@ class FriendHops:
         if op == "end":
             await self._end(hop)
             return
+        if op == "punch":
+            intro = self.intros.get(hop)
+            if intro is None or not intro.door or intro.udp is None or intro.punching is not None:
+                raise NoiseError("a punch for no introduction of ours")
+            intro.punching = asyncio.ensure_future(self._punch_in(intro, msg["udp"]))
+            return
         if hop in self.intros or len(self.intros) >= MAX_INTROS:
             raise NoiseError("an introduction the host already made, or too many")
         intro = self.intros[hop] = _Intro(hop, msg["id"], msg["psk"], msg["key"], door=op == "accept")
@@ -143,14 +165,15 @@ class FriendHops:
                 cands = await self._open_door()
                 if not cands:
                     raise HopError("this computer has no address another home could reach")
-                answer.update(addresses=[c.url for c in cands], kinds=[c.kind for c in cands])
+                answer.update(addresses=[c.url for c in cands], kinds=[c.kind for c in cands],
+                              udp=[list(c) for c in await self._udp_for(intro)])
             except (HopError, OSError) as exc:
                 self.intros.pop(hop, None)
                 answer["why"] = str(exc)
             await self.host.send(INTRO, 0, pack(answer))
         else:
             try:
-                port, path, rtt = await self._dial(intro, msg["addresses"], msg["kinds"])
+                port, path, rtt = await self._dial(intro, msg["addresses"], msg["kinds"], msg.get("udp", []))
                 answer = {"op": "dialed", "hop": hop, "port": port, "path": path, "rtt_ms": round(rtt * 1000, 1)}
             except (HopError, NoiseError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
                 self.intros.pop(hop, None)
@@ -163,8 +186,42 @@ class FriendHops:
             return
         if intro.listener is not None:
             intro.listener.close()
+        if intro.punching is not None:
+            intro.punching.cancel()
         for s in intro.sessions:
             await s.close("the host ended this hop")
+        if intro.udp is not None:
+            intro.udp.close()
+
+    async def _udp_for(self, intro: _Intro) -> list:
+        """A UDP socket for this hop and where the other friend may punch at it (empty
+        where punching is off or the socket cannot be opened)."""
+        if os.environ.get("POTLUCK_PUNCH", "1") == "0":
+            return []
+        try:
+            from engine.wire import punch, stun
+
+            intro.udp = await punch.UdpEndpoint.open()
+            return await intro.udp.candidates(stun.servers_from_env())
+        except (ImportError, OSError) as exc:
+            log.info("hop %d: no hole punching here (%s)", intro.hop, exc)
+            return []
+
+    async def _punch_in(self, intro: _Intro, theirs: list) -> None:
+        """B: punch toward A's candidates while A punches toward ours, take A's QUIC
+        connection on the punched socket, and run the door's handshake over it."""
+        from engine.wire import punch
+
+        try:
+            peer = await intro.udp.punch(punch.punch_key(intro.psk), theirs, PUNCH_S)
+            channel = await intro.udp.quic_accept(peer)
+        except (punch.PunchError, OSError) as exc:
+            log.info("hop %d: no punched path in (%s)", intro.hop, exc)
+            return
+        try:
+            await self._accept(channel)
+        finally:
+            await channel.close()
 
     # -- B: the door
     async def _open_door(self) -> list:
@@ -214,7 +271,8 @@ class FriendHops:
         return session.start()
 
     # -- A: the dial
-    async def _dial(self, intro: _Intro, addresses: list[str], kinds: list[str]) -> tuple[int, str, float]:
+    async def _dial(self, intro: _Intro, addresses: list[str], kinds: list[str],
+                    udp: list) -> tuple[int, str, float]:
         routes = [(f"direct ({k})", a) for k, a in sorted(zip(kinds, addresses),
                                                           key=lambda ka: _KIND_ORDER.get(ka[0], 9))]
         errors: list[str] = []
@@ -222,10 +280,14 @@ class FriendHops:
         try:
             path, url, ws = await asyncio.wait_for(
                 _first_to_connect(routes, errors, lambda text: None, timeouts=open_timeouts(routes)), DIAL_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise HopError(f"no address of the other home answered within {DIAL_TIMEOUT_S:g} s") from None
-        if ws is None:
-            raise HopError("no address of the other home answers: " + "; ".join(errors)[:300])
+            if ws is None:
+                raise HopError("no address of the other home answers: " + "; ".join(errors)[:300])
+        except (asyncio.TimeoutError, HopError) as exc:
+            why = str(exc) if isinstance(exc, HopError) else \
+                f"no address of the other home answered within {DIAL_TIMEOUT_S:g} s"
+            if not udp:
+                raise HopError(why) from None
+            path, ws = "direct (punched)", await self._punch_out(intro, udp, why)
         connected = time.monotonic()
         try:
             prologue = _hello_prefix(MODE_FRIEND, self.pipeline, intro.id)
@@ -260,6 +322,21 @@ class FriendHops:
                  (time.monotonic() - t0) * 1000)
         return intro.listener.sockets[0].getsockname()[1], path, rtt
 
+    async def _punch_out(self, intro: _Intro, theirs: list, why: str):
+        """A: no address of B's answered; punch a hole toward B's UDP candidates, ours
+        passed to B through the host so that B punches back at once, and open QUIC."""
+        from engine.wire import punch
+
+        mine = await self._udp_for(intro)
+        if not mine:
+            raise HopError(f"{why}; and no hole punching here")
+        await self.host.send(INTRO, 0, pack({"op": "punch", "hop": intro.hop, "udp": [list(c) for c in mine]}))
+        try:
+            peer = await intro.udp.punch(punch.punch_key(intro.psk), theirs, PUNCH_S)
+            return await intro.udp.quic_connect(peer)
+        except (punch.PunchError, OSError) as exc:
+            raise HopError(f"{why}; and no hole could be punched ({exc})") from None
+
     def links(self) -> dict[int, dict]:
         """Per hop this end dialed: its path and round trip (for the host's status)."""
         return {hop: s.link() for hop, i in self.intros.items() for s in i.sessions[:1] if i.listener is not None}
@@ -285,9 +362,14 @@ async def introduce(src: Session, dst: Session, hop: int, dst_target_port: int |
                                       "key": src.peer_key.hex()}), "door", hop, ANSWER_TIMEOUT_S)
     if "why" in door:
         raise HopError(f"the next stage's home opened no door: {door['why']}")
-    dialed = await src.ask(INTRO, pack({"op": "dial", "hop": hop, "id": intro_id.hex(), "psk": psk.hex(),
-                                        "key": dst.peer_key.hex(), "addresses": door["addresses"],
-                                        "kinds": door["kinds"]}), "dialed", hop, ANSWER_TIMEOUT_S)
+    src.punch_relay[hop] = dst          # A's punch candidates, passed on to B (Session._on_intro)
+    try:
+        dialed = await src.ask(INTRO, pack({"op": "dial", "hop": hop, "id": intro_id.hex(), "psk": psk.hex(),
+                                            "key": dst.peer_key.hex(), "addresses": door["addresses"],
+                                            "kinds": door["kinds"], "udp": [list(c) for c in door.get("udp", [])]}),
+                               "dialed", hop, ANSWER_TIMEOUT_S)
+    finally:
+        src.punch_relay.pop(hop, None)
     if "why" in dialed:
         await end(dst, hop)
         raise HopError(dialed["why"])

@@ -29,13 +29,17 @@ BYE(reason). A stream's far end connects only to a target that end registered: a
 joiner's own stage server, or on the host a hop it set up; a peer never names an
 address to connect to.
 
-Three or more homes: stage i must reach stage i+1, which lives in another home. The
-host asks the first joiner (LISTEN) for a loopback port whose connections it opens as
-streams to a *hop* the host registered; the host connects each such stream to the
-second joiner's loopback port on the host, i.e. into the second tunnel. Stage-to-stage
-traffic thus goes through the host's machine (both tunnels encrypted end to end with
-the host); a direct joiner-to-joiner tunnel would save that detour and is not built.
-The head asks for each stage's next hop at every arrangement (Head.hop: Friends.hop).
+Three or more homes: stage i must reach stage i+1, which lives in another home. The host
+introduces the two friends (INTRO frames, engine/wire/friend_hop.py): the next stage's
+home opens a door, the other dials it (its LAN, its router's mapping, its public address,
+or a hole the two punch) and the two run their own Noise handshake with a key the host
+made for this hop; the first friend's stage then connects to a loopback port whose
+connections go straight across. Only where they find no direct path does the host ask
+the first joiner (LISTEN) for a loopback port whose connections it opens as streams to a
+*hop* the host registered, and connect each such stream to the second joiner's loopback
+port on the host, i.e. into the second tunnel (through the host's machine, both tunnels
+encrypted end to end with the host). The head asks for each stage's next hop at every
+arrangement (Head.hop: Friends.hop).
 
 Where it lives (this module only re-exports those modules' names, so that
 `engine.wire.tunnel.X` keeps working; a test that patches a constant patches it where
@@ -45,6 +49,7 @@ the code reads it, e.g. engine.wire.tunnel_routes.STAGGER_S, not here):
     tunnel_host.py      TunnelHost and Peer: accepting joiners, dialing reply codes, hops, revocations
     tunnel_join.py      open_session and Joiner: reaching the host, reconnecting, reply codes
     tunnel_routes.py    the order and the race of an invite's addresses; a relayed session's move
+    friend_hop.py       friend-to-friend hops: the introduction, the door, the dial, the punch
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ class Session:
         self.friends = None
         self.on_intro = None
         self._asks: dict[tuple[str, int], asyncio.Future] = {}
+        self.punch_relay: dict[int, "Session"] = {}     # host: hop -> the friend A's punch goes to
         self._next: tuple | None = None      # (channel, path) proven for a move, not yet moved to
         # hole punching (engine/wire/punch.py): the host answers a joiner's PUNCH offer with
         # its own UDP candidates (on_punch_offer); a joiner waits for that answer here
@@ -356,6 +357,23 @@ class Session:
         except ValueError:
             raw = None
         msg = check_intro(raw, "host" if self.role == "joiner" else "friend")
+        if self.role == "host" and msg["op"] == "punch":
+            other = self.punch_relay.get(msg["hop"])
+            if other is None:
+                raise NoiseError("a punch for no hop this friend is dialing")
+            from engine.wire.friend_hop import pack
+
+            async def pass_on():
+                try:
+                    await other.send(INTRO, 0, pack({"op": "punch", "hop": msg["hop"],
+                                                     "udp": [list(c) for c in msg["udp"]]}))
+                except (ConnectionClosed, OSError):
+                    pass                        # B is gone: A's punch runs out, the hop goes via us
+
+            task = asyncio.ensure_future(pass_on())
+            self._tasks.append(task)
+            task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+            return
         if self.role == "host":
             fut = self._asks.pop((msg["op"], msg["hop"]), None)
             if fut is None:

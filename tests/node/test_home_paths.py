@@ -336,3 +336,50 @@ def test_a_router_that_speaks_only_nat_pmp_maps_the_port_too(tmp_path):
             again.connect((net.wan_addr(0), 7870))
         again.close()
         server.close()
+
+
+def _three_home_hop(net, tmp_path, env_extra: dict, seconds: float = 4.0) -> tuple[dict, dict, list[str]]:
+    """The host in home 0 (no NAT), friend A in home 1 and friend B in home 2; the host
+    introduces A to B (engine/wire/friend_hop.py) and A streams lines through the hop
+    to B's echo. Returns the host's HOP line, A's HOPRESULT, and everyone's lines."""
+    env = _env(tmp_path, **env_extra)
+    host = Peer(net, net.host(0), ["host", "--folder", str(tmp_path / "host"), "--hop", "--seconds",
+                                   str(seconds + 20), "--wait", "90"], env)
+    friends = []
+    try:
+        host.wait_for("CANDIDATES", 60)
+        code = host.wait_for("CODE", 30)
+        for i, extra in ((1, ["--hop-stream", str(seconds)]), (2, [])):
+            friends.append(Peer(net, net.host(i), ["join", "--folder", str(tmp_path / f"f{i}"), "--code", code,
+                                                   *extra], env))
+            assert _joined_or_failed(friends[-1]).startswith("JOINED"), friends[-1].lines
+            host.wait_for("JOINED", 30)
+        hop = json.loads(host.wait_for("HOP", 60))
+        result = json.loads(friends[0].wait_for("HOPRESULT", 60 + seconds))
+        return hop, result, host.lines + ["--"] + friends[0].lines + ["--"] + friends[1].lines
+    finally:
+        for p in friends + [host]:
+            p.stop()
+
+
+@pytest.mark.skipif(not has_stun, reason="no STUN server (coturn)")
+def test_two_friends_behind_nats_that_map_nothing_punch_their_own_hop(tmp_path):
+    """Issue 43: A's stage reaches B's across their two routers, not through the host's
+    machine: neither router maps a port, so the two punch a hole, A's candidates passed
+    to B through the host; every line through the hop comes back, in order."""
+    spec = [HomeSpec(nat=None), HomeSpec(nat="eim"), HomeSpec(nat="eim")]
+    with home_internet(spec, stun=True, subnet=62) as net:
+        hop, result, lines = _three_home_hop(net, tmp_path, {"POTLUCK_STUN": f"{net.stun_addr[0]}:3478,"
+                                                                            f"{net.stun_addr2[0]}:3478"})
+        assert hop["path"] == "direct (punched)", "\n".join(lines)
+        assert hop["seconds"] < 12, hop
+        assert result["hop"] and result["sent"] > 10 and result["echoed"] == result["sent"], result
+
+
+@pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")
+def test_a_friend_whose_router_maps_a_port_is_reached_there_by_the_other(tmp_path):
+    spec = [HomeSpec(nat=None), HomeSpec(nat="eim"), HomeSpec(nat="eim", upnp=True)]
+    with home_internet(spec, subnet=61) as net:
+        hop, result, lines = _three_home_hop(net, tmp_path, {})
+        assert hop["path"] == "direct (mapped)", "\n".join(lines)
+        assert result["hop"] and result["echoed"] == result["sent"] > 10, result

@@ -93,13 +93,34 @@ async def test_a_hop_between_two_friends_goes_direct_and_the_host_carries_none_o
         await t.close()
 
 
-async def test_no_address_of_the_next_home_answers_so_the_hop_goes_through_the_host(tmp_path, monkeypatch):
+def unreachable_door(monkeypatch):
     from engine.wire import candidates as cand
 
     async def unreachable(port, **kw):         # B's door names an address nothing answers at
         return cand.Gathered([cand.Candidate("public", "ws://192.0.2.1:9")])
 
     monkeypatch.setattr(cand, "gather", unreachable)
+
+
+async def test_no_address_of_the_next_home_answers_so_the_two_punch_a_hole(tmp_path, monkeypatch):
+    """Both friends' UDP sockets (their LAN addresses here; across homes the STUN-mapped
+    ones): A's candidates reach B through the host, both punch, QUIC carries the hop."""
+    unreachable_door(monkeypatch)
+    t = await Three().start(tmp_path)
+    try:
+        addr = await t.host.open_hop(t.pa, t.pb)
+        a_in, b_in = t.pa.session.bytes_in, t.pb.session.bytes_in
+        await roundtrip(int(addr.rsplit(":", 1)[1]))
+        assert t.pa.session.bytes_in - a_in < 10_000 and t.pb.session.bytes_in - b_in < 10_000
+        (link,) = t.host.hop_links()
+        assert link["path"] == "direct (punched)"
+    finally:
+        await t.close()
+
+
+async def test_no_address_answers_and_no_hole_so_the_hop_goes_through_the_host(tmp_path, monkeypatch):
+    unreachable_door(monkeypatch)
+    monkeypatch.setenv("POTLUCK_PUNCH", "0")
     t = await Three().start(tmp_path)
     try:
         loop = asyncio.get_running_loop()
