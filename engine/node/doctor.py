@@ -71,6 +71,7 @@ class NetFacts:
     nat: str = "unknown"                              # stun.nat_behaviour
     public: str | None = None                         # the public address STUN servers saw
     stun_servers: int = 0                             # how many were asked
+    mapping_how: str = ""                             # UPnP-IGD, PCP or NAT-PMP: what the router speaks
 
 
 async def gather_network(port: int | None = None) -> NetFacts:
@@ -90,17 +91,18 @@ async def gather_network(port: int | None = None) -> NetFacts:
     ext = g.mapping.external
     return NetFacts([c.url for c in g.candidates if c.kind == "lan"], [c.url for c in g.candidates if c.kind == "ipv6"],
                     candidates.url_for(*ext) if ext else None, g.mapping.why_not, g.nat, g.public,
-                    len(stun.servers_from_env()))
+                    len(stun.servers_from_env()), g.mapping.how)
 
 
 def advise_network(n: NetFacts) -> list[str]:
     lines = [f"LAN: {', '.join(n.lan) if n.lan else 'no private IPv4 address'}",
              f"IPv6: {', '.join(n.ipv6) if n.ipv6 else 'no global IPv6 address'}"]
     if n.mapped:
-        lines.append(f"router port mapping (UPnP): granted ({n.mapped}): friends in other homes can join you "
-                     "directly, with no relay")
+        lines.append(f"router port mapping ({n.mapping_how or 'UPnP'}): granted ({n.mapped}): friends in other "
+                     "homes can join you directly, with no relay")
     else:
-        lines.append(f"router port mapping (UPnP): none -- {n.mapping_why}. Friends in other homes reach you "
+        lines.append(f"router port mapping (UPnP, PCP, NAT-PMP): none -- {n.mapping_why}. Friends in other "
+                     "homes reach you "
                      "by a punched hole where both NATs allow it (below), else need a relay, or a port you "
                      "forward by hand on your router (then give --advertise)")
     if not n.stun_servers:

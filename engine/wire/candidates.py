@@ -124,10 +124,12 @@ def ordered(cands: list[Candidate]) -> list[Candidate]:
 class MappingResult:
     external: tuple[str, int] | None = None
     why_not: str = ""            # a sentence for the doctor when there is no mapping
+    how: str = ""                # the protocol that granted it: "UPnP-IGD", "PCP" or "NAT-PMP"
 
 
 class PortMapper:
-    """One TCP port mapping on the home router (UPnP-IGD), kept while the host listens.
+    """One TCP port mapping on the home router, kept while the host listens: asked over
+    UPnP-IGD, else PCP (RFC 6887), else NAT-PMP (RFC 6886), whichever the router speaks.
 
         m = PortMapper()
         result = await m.open(7870)          # external (ip, port), or why_not
@@ -136,10 +138,11 @@ class PortMapper:
     """
 
     def __init__(self, description: str = "Potluck", lease_s: int = LEASE_S, search_s: float = SEARCH_S,
-                 natpmp: bool = True, upnp_igd: bool = True):
+                 natpmp: bool = True, upnp_igd: bool = True, pcp: bool = True):
         self.description, self.lease_s, self.search_s = description, lease_s, search_s
-        self.natpmp, self.upnp_igd = natpmp, upnp_igd
+        self.natpmp, self.upnp_igd, self.pcp = natpmp, upnp_igd, pcp
         self._pmp_gateway: str | None = None     # set while a NAT-PMP mapping is held
+        self._pcp: tuple[str, bytes, str] | None = None   # (gateway, nonce, client) while a PCP one is
         self.granted_s = lease_s                 # the lease the router granted
         self._igd = None
         self._session = None
@@ -154,10 +157,34 @@ class PortMapper:
         except Exception as exc:  # noqa: BLE001 -- a router that answers oddly must not stop hosting
             log.info("port mapping failed: %r", exc)
             self.result = MappingResult(None, f"the router's UPnP answered with an error ({type(exc).__name__}: {exc})")
-        if self.result.external is None and self.natpmp:
-            pmp = await self._open_natpmp(internal_port)
-            self.result = pmp if pmp.external else MappingResult(None, f"{self.result.why_not}; {pmp.why_not}")
+        else:
+            if self.result.external is not None:
+                self.result.how = "UPnP-IGD"
+        for asked, open_ in ((self.pcp, self._open_pcp), (self.natpmp, self._open_natpmp)):
+            if self.result.external is None and asked:
+                got = await open_(internal_port)
+                self.result = got if got.external else MappingResult(None, f"{self.result.why_not}; {got.why_not}")
         return self.result
+
+    async def _open_pcp(self, internal_port: int) -> MappingResult:
+        from engine.wire import natpmp, pcp
+
+        gateway = natpmp.default_gateway()
+        if gateway is None:
+            return MappingResult(None, "PCP: no default gateway to ask")
+        try:
+            client, nonce = pcp.client_address(gateway), pcp.new_nonce()
+            got = await pcp.ask(gateway, pcp.map_request(nonce, pcp.TCP, internal_port, internal_port, self.lease_s,
+                                                         client), nonce)
+        except (pcp.PcpError, OSError) as exc:
+            return MappingResult(None, f"PCP: {exc}")
+        if got["result"] != 0:
+            return MappingResult(None, f"PCP: the router says {got['meaning']}")
+        self._pcp = (gateway, nonce, client)
+        self.granted_s = got["lifetime"] or self.lease_s
+        self._mapping = (got["external"][1], internal_port, client)
+        self._renew = asyncio.ensure_future(self._renew_loop())
+        return MappingResult(got["external"], how="PCP")
 
     async def _open_natpmp(self, internal_port: int) -> MappingResult:
         from engine.wire import natpmp
@@ -178,7 +205,7 @@ class PortMapper:
         self.granted_s = got["lifetime"] or self.lease_s
         self._mapping = (got["external_port"], internal_port, "")
         self._renew = asyncio.ensure_future(self._renew_loop())
-        return MappingResult((addr["external"], got["external_port"]))
+        return MappingResult((addr["external"], got["external_port"]), how="NAT-PMP")
 
     async def _open(self, internal_port: int) -> MappingResult:
         from async_upnp_client.aiohttp import AiohttpSessionRequester
@@ -229,6 +256,15 @@ class PortMapper:
         return MappingResult(None, f"the UPnP router refused a mapping ({type(last).__name__}: {last})")
 
     async def _add(self, external_port: int, internal_port: int, client: str):
+        if self._pcp is not None:
+            from engine.wire import pcp
+
+            gateway, nonce, me = self._pcp
+            got = await pcp.ask(gateway, pcp.map_request(nonce, pcp.TCP, internal_port, external_port, self.lease_s,
+                                                         me), nonce)
+            if got["result"] != 0:
+                raise pcp.PcpError(f"the router refused the renewal ({got['meaning']})")
+            return
         if self._pmp_gateway is not None:
             from engine.wire import natpmp
 
@@ -255,6 +291,15 @@ class PortMapper:
     async def close(self):
         if self._renew is not None:
             self._renew.cancel()
+        if self._pcp is not None and self._mapping is not None:
+            from engine.wire import pcp
+
+            gateway, nonce, me = self._pcp
+            try:     # lifetime 0 deletes (RFC 6887 15)
+                await pcp.ask(gateway, pcp.map_request(nonce, pcp.TCP, self._mapping[1], 0, 0, me), nonce, tries=2)
+            except (pcp.PcpError, OSError) as exc:
+                log.info("removing the PCP mapping failed: %r", exc)
+            self._mapping = self._pcp = None
         if self._pmp_gateway is not None and self._mapping is not None:
             from engine.wire import natpmp
 

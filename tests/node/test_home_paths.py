@@ -316,13 +316,13 @@ def test_a_router_that_speaks_only_nat_pmp_maps_the_port_too(tmp_path):
         server = net.socket(net.host(0))
         server.bind(("0.0.0.0", 7870))
         server.listen()
-        mapper = PortMapper(upnp_igd=False)
+        mapper = PortMapper(upnp_igd=False, pcp=False)
 
         async def open_it():
             return await mapper.open(7870)
 
         result = net.call_in(net.host(0), asyncio.run, open_it())
-        assert result.external == (net.wan_addr(0), 7870), result
+        assert result.external == (net.wan_addr(0), 7870) and result.how == "NAT-PMP", result
         probe = net.socket(net.host(1))
         probe.settimeout(10)
         probe.connect((net.wan_addr(0), 7870))               # through home 1's NAT and home 0's mapping
@@ -383,3 +383,34 @@ def test_a_friend_whose_router_maps_a_port_is_reached_there_by_the_other(tmp_pat
         hop, result, lines = _three_home_hop(net, tmp_path, {})
         assert hop["path"] == "direct (mapped)", "\n".join(lines)
         assert result["hop"] and result["echoed"] == result["sent"] > 10, result
+
+
+@pytest.mark.skipif(not has_upnp, reason=f"no UPnP daemon: {why_upnp}")
+def test_a_router_that_speaks_pcp_maps_the_port_and_forgets_it_on_close(tmp_path):
+    """Issue 43: PCP (RFC 6887), what newer routers and some carrier-grade NATs speak
+    instead of UPnP: a MAP request to the gateway (miniupnpd speaks it) maps the port, a
+    friend in another home connects through it, and deleting it (lifetime 0) closes it."""
+    import asyncio
+
+    from engine.wire.candidates import PortMapper
+
+    with home_internet([HomeSpec(nat="eim", upnp=True), HomeSpec(nat="eim")], subnet=60) as net:
+        server = net.socket(net.host(0))
+        server.bind(("0.0.0.0", 7870))
+        server.listen()
+        mapper = PortMapper(upnp_igd=False, natpmp=False)
+
+        async def open_it():
+            return await mapper.open(7870)
+
+        result = net.call_in(net.host(0), asyncio.run, open_it())
+        assert result.external == (net.wan_addr(0), 7870) and result.how == "PCP", result
+        probe = net.socket(net.host(1))
+        probe.settimeout(10)
+        probe.connect((net.wan_addr(0), 7870))
+        conn, _ = server.accept()
+        conn.close()
+        probe.close()
+        net.call_in(net.host(0), asyncio.run, mapper.close())
+        rules = net.exec(net.router(0), ["nft", "list", "table", "inet", "miniupnpd"]).stdout
+        assert "dport 7870" not in rules, rules

@@ -248,3 +248,27 @@ def test_another_homes_lan_address_gets_a_short_connect_timeout():
     routes = [("direct (lan)", cand.url_for(ours, 7870)), ("direct (lan)", foreign),
               ("direct (public)", "ws://203.0.113.5:7870"), ("relay", "ws://relay:8765/v1/join/x")]
     assert open_timeouts(routes) == [CONNECT_TIMEOUT, FOREIGN_LAN_S, CONNECT_TIMEOUT, CONNECT_TIMEOUT]
+
+
+def test_pcp_map_messages_follow_rfc_6887():
+    from engine.wire import pcp
+
+    nonce = bytes(range(12))
+    req = pcp.map_request(nonce, pcp.TCP, 7870, 7870, 3600, "192.168.1.2")
+    assert len(req) == 60 and req[0] == 2 and req[1] == 1
+    assert req[8:24] == bytes(10) + b"\xff\xff" + bytes([192, 168, 1, 2])       # the client, IPv4-mapped
+    assert req[24:36] == nonce and req[36] == 6 and req[40:44] == bytes([0x1e, 0xbe, 0x1e, 0xbe])
+    # the router's answer: success, 7200 s, mapped to 81.2.69.160:7871
+    answer = bytes([2, 0x81, 0, 0]) + (7200).to_bytes(4, "big") + (5).to_bytes(4, "big") + bytes(12) + \
+        nonce + bytes([6, 0, 0, 0]) + (7870).to_bytes(2, "big") + (7871).to_bytes(2, "big") + \
+        bytes(10) + b"\xff\xff" + bytes([81, 2, 69, 160])
+    got = pcp.parse_map_response(answer, nonce)
+    assert got["result"] == 0 and got["external"] == ("81.2.69.160", 7871) and got["lifetime"] == 7200
+    with pytest.raises(pcp.PcpError, match="another request"):
+        pcp.parse_map_response(answer, bytes(12))
+    refused = answer[:3] + bytes([2]) + answer[4:]
+    assert pcp.parse_map_response(refused, nonce)["meaning"] == "not authorized"
+    # a router that speaks only NAT-PMP answers with version 0
+    assert "NAT-PMP" in pcp.parse_map_response(bytes([0, 0x81, 0, 1, 0, 0, 0, 0]), nonce)["meaning"]
+    with pytest.raises(pcp.PcpError):
+        pcp.parse_map_response(b"\x02\x81", nonce)
