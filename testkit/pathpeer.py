@@ -158,16 +158,20 @@ async def stream_through_hop(joiner, seconds: float) -> None:
     """Once the host introduced this joiner to the next friend (a hop it dials), stream
     numbered lines through it to that friend's echo for `seconds`: `HOPRESULT <json>`."""
     for _ in range(600):
-        friends = joiner.session.friends if joiner.session is not None else None
+        session = joiner.session
+        friends = session.friends if session is not None else None
         dialed = [i for i in (friends.intros.values() if friends else ()) if i.listener is not None]
-        if dialed:
+        # or, where the two found no direct path, the host's hop (a LISTEN port: via the host)
+        listeners = list(session._hop_listeners.values()) if session is not None else []
+        if dialed or listeners:
             break
         await asyncio.sleep(0.1)
     else:
         say("HOPRESULT", json.dumps({"hop": False}))
         return
-    intro = dialed[0]
-    reader, writer = await asyncio.open_connection("127.0.0.1", intro.listener.sockets[0].getsockname()[1])
+    server = dialed[0].listener if dialed else listeners[0]
+    path = dialed[0].sessions[0].path if dialed else "via the host"
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
     sent = echoed = 0
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
@@ -178,7 +182,7 @@ async def stream_through_hop(joiner, seconds: float) -> None:
         echoed += int(line.split()[0]) == sent - 1
         await asyncio.sleep(0.02)
     writer.close()
-    say("HOPRESULT", json.dumps({"hop": True, "sent": sent, "echoed": echoed, "path": intro.sessions[0].path}))
+    say("HOPRESULT", json.dumps({"hop": True, "sent": sent, "echoed": echoed, "path": path}))
 
 
 def main(argv=None) -> int:

@@ -101,6 +101,7 @@ def check_intro(msg, frm: str) -> dict:
             out["udp"] = parse_candidates(msg.get("udp", []))
         except ValueError as exc:
             raise NoiseError(f"INTRO {op}: {exc}") from None
+        out["symmetric"] = msg.get("symmetric") is True     # its router maps each destination anew
     if op in ("door", "dialed") and "why" in msg:
         out["why"] = str(msg["why"])[:300]
     if op == "dialed" and "why" not in msg:
@@ -152,7 +153,7 @@ class FriendHops:
             intro = self.intros.get(hop)
             if intro is None or not intro.door or intro.udp is None or intro.punching is not None:
                 raise NoiseError("a punch for no introduction of ours")
-            intro.punching = asyncio.ensure_future(self._punch_in(intro, msg["udp"]))
+            intro.punching = asyncio.ensure_future(self._punch_in(intro, msg["udp"], msg["symmetric"]))
             return
         if hop in self.intros or len(self.intros) >= MAX_INTROS:
             raise NoiseError("an introduction the host already made, or too many")
@@ -166,14 +167,16 @@ class FriendHops:
                 if not cands:
                     raise HopError("this computer has no address another home could reach")
                 answer.update(addresses=[c.url for c in cands], kinds=[c.kind for c in cands],
-                              udp=[list(c) for c in await self._udp_for(intro)])
+                              udp=[list(c) for c in await self._udp_for(intro)],
+                              symmetric=bool(intro.udp is not None and intro.udp.symmetric))
             except (HopError, OSError) as exc:
                 self.intros.pop(hop, None)
                 answer["why"] = str(exc)
             await self.host.send(INTRO, 0, pack(answer))
         else:
             try:
-                port, path, rtt = await self._dial(intro, msg["addresses"], msg["kinds"], msg.get("udp", []))
+                port, path, rtt = await self._dial(intro, msg["addresses"], msg["kinds"], msg.get("udp", []),
+                                                   msg.get("symmetric", False))
                 answer = {"op": "dialed", "hop": hop, "port": port, "path": path, "rtt_ms": round(rtt * 1000, 1)}
             except (HopError, NoiseError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
                 self.intros.pop(hop, None)
@@ -207,13 +210,14 @@ class FriendHops:
             log.info("hop %d: no hole punching here (%s)", intro.hop, exc)
             return []
 
-    async def _punch_in(self, intro: _Intro, theirs: list) -> None:
-        """B: punch toward A's candidates while A punches toward ours, take A's QUIC
-        connection on the punched socket, and run the door's handshake over it."""
+    async def _punch_in(self, intro: _Intro, theirs: list, theirs_symmetric: bool) -> None:
+        """B: punch toward A's candidates while A punches toward ours (predicting ports
+        where one router maps each destination anew), take A's QUIC connection on the
+        punched socket, and run the door's handshake over it."""
         from engine.wire import punch
 
         try:
-            peer = await intro.udp.punch(punch.punch_key(intro.psk), theirs, PUNCH_S)
+            peer = await self._punch(intro, theirs, theirs_symmetric)
             channel = await intro.udp.quic_accept(peer)
         except (punch.PunchError, OSError) as exc:
             log.info("hop %d: no punched path in (%s)", intro.hop, exc)
@@ -271,8 +275,23 @@ class FriendHops:
         return session.start()
 
     # -- A: the dial
+    async def _punch(self, intro: _Intro, theirs: list, theirs_symmetric: bool) -> tuple[str, int]:
+        """Punch at the other friend (both at once); with one symmetric NAT between them,
+        by port prediction (punch.py). The socket that got through becomes the hop's."""
+        from engine.wire import punch
+
+        key = punch.punch_key(intro.psk)
+        role = punch.predict_roles(intro.udp.symmetric, theirs_symmetric)
+        if role is None:
+            return await intro.udp.punch(key, theirs, PUNCH_S)
+        ep, peer = await intro.udp.punch_predicting(key, theirs, role)
+        if ep is not intro.udp:
+            intro.udp.close()
+            intro.udp = ep
+        return peer
+
     async def _dial(self, intro: _Intro, addresses: list[str], kinds: list[str],
-                    udp: list) -> tuple[int, str, float]:
+                    udp: list, theirs_symmetric: bool = False) -> tuple[int, str, float]:
         routes = [(f"direct ({k})", a) for k, a in sorted(zip(kinds, addresses),
                                                           key=lambda ka: _KIND_ORDER.get(ka[0], 9))]
         errors: list[str] = []
@@ -287,7 +306,7 @@ class FriendHops:
                 f"no address of the other home answered within {DIAL_TIMEOUT_S:g} s"
             if not udp:
                 raise HopError(why) from None
-            path, ws = "direct (punched)", await self._punch_out(intro, udp, why)
+            path, ws = "direct (punched)", await self._punch_out(intro, udp, theirs_symmetric, why)
         connected = time.monotonic()
         try:
             prologue = _hello_prefix(MODE_FRIEND, self.pipeline, intro.id)
@@ -322,7 +341,7 @@ class FriendHops:
                  (time.monotonic() - t0) * 1000)
         return intro.listener.sockets[0].getsockname()[1], path, rtt
 
-    async def _punch_out(self, intro: _Intro, theirs: list, why: str):
+    async def _punch_out(self, intro: _Intro, theirs: list, theirs_symmetric: bool, why: str):
         """A: no address of B's answered; punch a hole toward B's UDP candidates, ours
         passed to B through the host so that B punches back at once, and open QUIC."""
         from engine.wire import punch
@@ -330,9 +349,10 @@ class FriendHops:
         mine = await self._udp_for(intro)
         if not mine:
             raise HopError(f"{why}; and no hole punching here")
-        await self.host.send(INTRO, 0, pack({"op": "punch", "hop": intro.hop, "udp": [list(c) for c in mine]}))
+        await self.host.send(INTRO, 0, pack({"op": "punch", "hop": intro.hop, "udp": [list(c) for c in mine],
+                                             "symmetric": intro.udp.symmetric}))
         try:
-            peer = await intro.udp.punch(punch.punch_key(intro.psk), theirs, PUNCH_S)
+            peer = await self._punch(intro, theirs, theirs_symmetric)
             return await intro.udp.quic_connect(peer)
         except (punch.PunchError, OSError) as exc:
             raise HopError(f"{why}; and no hole could be punched ({exc})") from None
@@ -366,7 +386,8 @@ async def introduce(src: Session, dst: Session, hop: int, dst_target_port: int |
     try:
         dialed = await src.ask(INTRO, pack({"op": "dial", "hop": hop, "id": intro_id.hex(), "psk": psk.hex(),
                                             "key": dst.peer_key.hex(), "addresses": door["addresses"],
-                                            "kinds": door["kinds"], "udp": [list(c) for c in door.get("udp", [])]}),
+                                            "kinds": door["kinds"], "udp": [list(c) for c in door.get("udp", [])],
+                                            "symmetric": door.get("symmetric", False)}),
                                "dialed", hop, ANSWER_TIMEOUT_S)
     finally:
         src.punch_relay.pop(hop, None)

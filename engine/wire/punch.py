@@ -84,6 +84,45 @@ class PunchCodec:
         return hmac.new(self.key, bytes([flags]) + nonce, hashlib.sha256).digest()[:16]
 
 
+# Port prediction (the "birthday" punch) toward a NAT that maps every destination anew
+# (symmetric): its side opens HARD_SOCKETS sockets, each punching at the other side's
+# one mapped address, so its router holds that many mappings on random ports; the other
+# side (its mapping endpoint-independent) sprays the symmetric side's public address at
+# random ports. A probe that lands on one of those mappings is a reply to it for the
+# symmetric router, and the path opens both ways. With 256 mappings and 512 probes over
+# the ~64k ports a router picks from, about 6 tries in 7 meet; a pair of symmetric NATs
+# is given up at once (their odds are nil).
+HARD_SOCKETS = 256
+SPRAY_PROBES = 512
+SPRAY_PER_ROUND = 32
+PREDICT_S = 4.0
+EPHEMERAL = (1024, 65535)
+
+
+def spray_ports(rng, count: int, avoid: set[int] = frozenset()) -> list[int]:
+    """`count` distinct random ports a NAT might map to, none of `avoid`."""
+    out: set[int] = set()
+    while len(out) < count:
+        p = rng.randint(*EPHEMERAL)
+        if p not in avoid:
+            out.add(p)
+    return list(out)
+
+
+def predict_roles(mine_symmetric: bool, theirs_symmetric: bool) -> str | None:
+    """'hard' (open many sockets), 'easy' (spray), None (plain punching), or raise
+    PunchError when both sides map per destination."""
+    if mine_symmetric and theirs_symmetric:
+        raise PunchError("both homes' routers map every destination anew (symmetric NATs): no hole can be "
+                         "punched between them; a port mapping (UPnP or PCP) on either router, or the "
+                         "host's machine, carries the hop")
+    if mine_symmetric:
+        return "hard"
+    if theirs_symmetric:
+        return "easy"
+    return None
+
+
 class Puncher:
     """Sans-I/O: which packets to send when, and which of the peer's addresses works.
 
@@ -93,9 +132,12 @@ class Puncher:
     (both NATs filter on the exact remote), so the path works both ways. We answer on it,
     and go on sending there for a few rounds for the peer's sake."""
 
-    def __init__(self, key: bytes, targets: list[tuple[str, int]]):
+    def __init__(self, key: bytes, targets: list[tuple[str, int]], spray: list[tuple[str, int]] = ()):
         self.codec = PunchCodec(key)
         self.targets = list(dict.fromkeys(targets))[:MAX_TARGETS]
+        # port prediction's probes (the easy side toward a symmetric NAT): a few a round,
+        # each address once, beside the targets
+        self.spray = list(spray)[:SPRAY_PROBES]
         self.peer: tuple[str, int] | None = None
         self.answered = False           # the peer has heard us (it answered)
         self._rounds_left = PUNCH_ROUNDS_AFTER
@@ -105,7 +147,8 @@ class Puncher:
         if self.peer is not None:
             self._rounds_left -= 1
             return [(self.codec.make(answer=True), self.peer)]
-        return [(self.codec.make(answer=False), t) for t in self.targets]
+        probes, self.spray = self.spray[:SPRAY_PER_ROUND], self.spray[SPRAY_PER_ROUND:]
+        return [(self.codec.make(answer=False), t) for t in self.targets + probes]
 
     @property
     def done(self) -> bool:
@@ -331,6 +374,74 @@ class UdpEndpoint(asyncio.DatagramProtocol):
                 self._heard.clear()
                 try:
                     await asyncio.wait_for(self._heard.wait(), interval if p.peer is None else PUNCH_INTERVAL)
+                except asyncio.TimeoutError:
+                    pass
+            return p.peer
+        finally:
+            self._punchers.remove(p)
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether two STUN servers saw this socket at different ports: a router that maps
+        every destination anew (candidates() asked them)."""
+        return len({p for _, p in self.mapped}) > 1
+
+    async def punch_predicting(self, key: bytes, targets: list[tuple[str, int]], role: str,
+                               timeout: float = PREDICT_S) -> tuple["UdpEndpoint", tuple[str, int]]:
+        """Port prediction, `role` from predict_roles: "easy" punches the targets from this
+        socket and sprays the symmetric side's public address at random ports; "hard"
+        punches the targets from HARD_SOCKETS fresh sockets, keeps the one the peer's
+        probe reaches and closes the rest. Returns (the endpoint that got through, the
+        peer's address); PunchError within `timeout` when none did."""
+        import random
+
+        if role == "easy":
+            publics = sorted({a for a, _ in targets if ipaddress.ip_address(a).is_global})
+            if not publics:
+                raise PunchError("port prediction needs the other side's public address")
+            rng = random.Random(os.urandom(8))
+            spray = [(publics[0], p) for p in spray_ports(rng, SPRAY_PROBES, {p for _, p in targets})]
+            p = Puncher(key, targets, spray)
+            return self, await self._punch_with(p, timeout)
+        extra: list[UdpEndpoint] = []
+        try:
+            for _ in range(HARD_SOCKETS):
+                extra.append(await UdpEndpoint.open())
+        except OSError:
+            pass                   # fewer sockets (a descriptor limit): worse odds, same way
+        tasks = {asyncio.ensure_future(ep.punch(key, targets, timeout, interval=0.5)): ep for ep in [self] + extra}
+        winner = None
+        try:
+            pending = set(tasks)
+            while pending and winner is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if not t.cancelled() and t.exception() is None and winner is None:
+                        winner = (tasks[t], t.result())
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            for t, ep in tasks.items():
+                if ep is not self and (winner is None or ep is not winner[0]):
+                    ep.close()
+        if winner is None:
+            raise PunchError(f"port prediction: none of {len(tasks)} mappings was met within {timeout:g} s")
+        return winner
+
+    async def _punch_with(self, p: "Puncher", timeout: float) -> tuple[str, int]:
+        self._punchers.append(p)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while not p.done:
+                for packet, to in p.round():
+                    self.sendto(packet, to)
+                if p.peer is None and loop.time() > deadline:
+                    raise PunchError(f"port prediction: no probe met a mapping within {timeout:g} s")
+                self._heard.clear()
+                try:
+                    await asyncio.wait_for(self._heard.wait(), PUNCH_INTERVAL)
                 except asyncio.TimeoutError:
                     pass
             return p.peer

@@ -366,7 +366,8 @@ class Session:
             async def pass_on():
                 try:
                     await other.send(INTRO, 0, pack({"op": "punch", "hop": msg["hop"],
-                                                     "udp": [list(c) for c in msg["udp"]]}))
+                                                     "udp": [list(c) for c in msg["udp"]],
+                                                     "symmetric": msg["symmetric"]}))
                 except (ConnectionClosed, OSError):
                     pass                        # B is gone: A's punch runs out, the hop goes via us
 

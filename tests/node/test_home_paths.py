@@ -414,3 +414,32 @@ def test_a_router_that_speaks_pcp_maps_the_port_and_forgets_it_on_close(tmp_path
         net.call_in(net.host(0), asyncio.run, mapper.close())
         rules = net.exec(net.router(0), ["nft", "list", "table", "inet", "miniupnpd"]).stdout
         assert "dport 7870" not in rules, rules
+
+
+@pytest.mark.skipif(not has_stun, reason="no STUN server (coturn)")
+@pytest.mark.parametrize("nat_a, nat_b", [("symmetric", "eim"), ("eim", "symmetric")])
+def test_a_friend_behind_a_symmetric_nat_is_reached_by_predicting_its_ports(tmp_path, nat_a, nat_b):
+    """Issue 43: one router maps every destination anew (symmetric: a mobile hotspot, a
+    CGNAT), the other endpoint-independently, neither maps a port. The symmetric side
+    opens many mappings toward the other, the other sprays its public address at random
+    ports; a probe meets one and the hop is direct, within seconds, whichever side is
+    the symmetric one."""
+    spec = [HomeSpec(nat=None), HomeSpec(nat=nat_a), HomeSpec(nat=nat_b)]
+    with home_internet(spec, stun=True, subnet=58 if nat_a == "symmetric" else 57) as net:
+        hop, result, lines = _three_home_hop(net, tmp_path, {"POTLUCK_STUN": f"{net.stun_addr[0]}:3478,"
+                                                                            f"{net.stun_addr2[0]}:3478"})
+        assert hop["path"] == "direct (punched)", "\n".join(lines)
+        assert hop["seconds"] < 15, hop
+        assert result["hop"] and result["sent"] > 10 and result["echoed"] == result["sent"], result
+
+
+@pytest.mark.skipif(not has_stun, reason="no STUN server (coturn)")
+def test_two_symmetric_nats_give_up_at_once_and_the_hop_goes_through_the_host(tmp_path):
+    spec = [HomeSpec(nat=None), HomeSpec(nat="symmetric"), HomeSpec(nat="symmetric")]
+    with home_internet(spec, stun=True, subnet=56) as net:
+        hop, result, lines = _three_home_hop(net, tmp_path, {"POTLUCK_STUN": f"{net.stun_addr[0]}:3478,"
+                                                                            f"{net.stun_addr2[0]}:3478"})
+        assert hop["path"] == "via the host", "\n".join(lines)
+        assert hop["seconds"] < 12, hop
+        assert any("symmetric" in x and "no direct path" in x for x in lines), "\n".join(lines)
+        assert result["hop"] and result["echoed"] == result["sent"] > 10, result
