@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -373,7 +374,7 @@ def matrix(a) -> list[dict]:
                         continue               # no router in front of the host: nothing to map
                     spec = [HomeSpec(nat=nats[na], upnp=upnp and na != "none"), HomeSpec(nat=nats[nb])]
                     with tempfile.TemporaryDirectory() as tmp, home_internet(spec, stun=True, subnet=90) as net:
-                        path, took, moved, moved_s = _cell(net, tmp, upnp, relay)
+                        path, took, moved, moved_s, code_s = _cell(net, tmp, upnp, relay)
                     possible = na == "none" or upnp
                     # both NATs filter on the exact remote (conntrack); a hole opens unless the
                     # side whose packets must arrive first maps per destination (symmetric)
@@ -383,15 +384,82 @@ def matrix(a) -> list[dict]:
                     rows.append({"host NAT": na, "joiner NAT": nb, "UPnP": "on" if upnp else "off",
                                  "relay": "yes" if relay else "no", "path": path, "join s": took,
                                  "then": moved or "-", "after s": moved_s if moved_s is not None else "-",
+                                 "code s": code_s if code_s is not None else "-",
                                  "direct possible": "at join" if possible else ("reply code" if by_reply else
                                                                                 "punched" if relay and punchable
                                                                                 else "no"),
                                  "ok": (path.startswith("direct") and took <= 3.0) if possible
-                                 else (path.startswith("direct") and moved_s <= 3.0) if by_reply
+                                 else (path.startswith("direct") and moved_s <= 3.0 and code_s is not None
+                                       and code_s <= 3.0) if by_reply
                                  else (path == "relay" and moved == "direct (punched)" and moved_s <= 3.0)
                                  if relay and punchable else (path == "relay" and not moved if relay else path == "no path")})
                     log(f"{rows[-1]}")
     return rows
+
+
+def goodput(a) -> list[dict]:
+    """TCP against punched QUIC over the same shaped link (tbf shapes every packet, UDP
+    as well as TCP): the joiner's home link at --goodput-rate Mbit/s each way; the host's
+    router maps the port (a direct TCP tunnel) or maps nothing (the relayed tunnel
+    punches a hole and moves to QUIC), then --goodput-mb MB go through the tunnel to the
+    joiner's echo and back."""
+    import subprocess
+    import tempfile
+
+    from testkit.homenet import HomeSpec, home_internet, homenet_available, upnp_available
+
+    ok, why = homenet_available()
+    if not ok or not upnp_available()[0]:
+        print(f"\n(goodput skipped: {why if not ok else upnp_available()[1]})")
+        return []
+    rows = []
+    for r in range(a.rounds):
+        for kind in (("tcp", "quic") if r % 2 == 0 else ("quic", "tcp")):
+            spec = [HomeSpec(nat="eim", upnp=kind == "tcp"), HomeSpec(nat="eim")]
+            with tempfile.TemporaryDirectory() as tmp, home_internet(spec, stun=True, subnet=91) as net:
+                net.shape(1, a.goodput_rate * 1e6)
+                env = dict(os.environ, HOME=tmp, PYTHONPATH=os.pathsep.join(sys.path),
+                           POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
+                procs = []
+                try:
+                    argv = [sys.executable, "-m", "testkit.pathpeer", "host", "--folder", f"{tmp}/h", "--wait", "60",
+                            "--bulk", str(a.goodput_mb)]
+                    if kind == "quic":
+                        rl = net.popen(net.public, [sys.executable, "-m", "engine", "relay", "--host", "0.0.0.0",
+                                                    "--port", "8765"], env=env, text=True, stdout=subprocess.PIPE)
+                        procs.append(rl)
+                        rl.stdout.readline()
+                        argv += ["--relay", f"ws://{net.public_addr}:8765", "--no-upnp"]
+                    h = net.popen(net.host(0), argv, env=env, text=True, stdout=subprocess.PIPE)
+                    procs.append(h)
+                    code = next(x for x in h.stdout if x.startswith("CODE")).split(" ", 1)[1].strip()
+                    procs.append(net.popen(net.host(1), [sys.executable, "-m", "testkit.pathpeer", "join", "--folder",
+                                                         f"{tmp}/j", "--code", code], env=env, text=True,
+                                           stdout=subprocess.DEVNULL))
+                    line = next((x for x in h.stdout if x.startswith("BULK")), "BULK {}")
+                    res = json.loads(line.split(" ", 1)[1])
+                finally:
+                    for p in procs:
+                        p.terminate()
+                        p.wait(20)
+            mbit = res["bytes"] * 8 / res["seconds"] / 1e6 if res.get("seconds") else float("nan")
+            rows.append({"transport": kind, "path": res.get("path", "?"), "Mbit/s": mbit})
+            log(f"goodput round {r + 1} {kind}: {res.get('path')}, {mbit:.1f} Mbit/s each way")
+    return rows
+
+
+def print_goodput(a, rows: list[dict]) -> None:
+    if not rows:
+        return
+    med = {k: statistics.median(r["Mbit/s"] for r in rows if r["transport"] == k) for k in ("tcp", "quic")}
+    paths = {k: next(r["path"] for r in rows if r["transport"] == k) for k in ("tcp", "quic")}
+    print(f"\nGoodput through the tunnel, the joiner's home link shaped to {a.goodput_rate:g} Mbit/s each way "
+          f"(tbf: UDP and TCP alike), {a.goodput_mb:g} MB to the joiner's echo and back, median of {a.rounds}\n")
+    print("| transport | path | Mbit/s each way | of the link |")
+    print("|---|---|---:|---:|")
+    for k in ("tcp", "quic"):
+        print(f"| {k} | {paths[k]} | {med[k]:.1f} | {med[k] / a.goodput_rate:.2f} |")
+    print(f"\npunched QUIC / TCP goodput: {med['quic'] / med['tcp']:.2f}")
 
 
 def _cell(net, tmp: str, upnp: bool, relay: bool):
@@ -444,6 +512,7 @@ def _cell(net, tmp: str, upnp: bool, relay: bool):
         t0 = time.perf_counter()
         line = next_line(jq, ("JOINED", "FAILED", "REPLY "), t0 + 30) or "FAILED (nothing within 30 s)"
         moved, moved_s = "", None
+        code_s = time.perf_counter() - t0 if line.startswith("REPLY ") else None
         if line.startswith("REPLY "):           # the friend sends the host its reply code
             h.stdin.write(line.split(" ", 1)[1].strip() + "\n")
             h.stdin.flush()
@@ -463,7 +532,7 @@ def _cell(net, tmp: str, upnp: bool, relay: bool):
             p.terminate()
             p.wait(20)
     path = line.split(" ", 1)[1].strip() if line.startswith("JOINED") else "no path"
-    return path, took, moved, moved_s
+    return path, took, moved, moved_s, code_s
 
 
 def main(argv=None) -> int:
@@ -474,6 +543,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of every link mode, rotating order")
     p.add_argument("--matrix", action="store_true", help="also the emulated-homes matrix (root, Debian parts)")
     p.add_argument("--ring", action="store_true", help="only the three-home ring, star vs direct hops (issue 43)")
+    p.add_argument("--goodput", action="store_true", help="only TCP vs punched QUIC goodput (root, Debian parts)")
+    p.add_argument("--goodput-rate", type=float, default=20.0, help="goodput: the joiner's link, Mbit/s")
+    p.add_argument("--goodput-mb", type=float, default=10.0, help="goodput: MB each way")
     p.add_argument("--ring-delay", type=float, default=30.0, help="ring: one-way delay between two homes, ms")
     p.add_argument("--ring-rate", type=float, default=20.0, help="ring: each home's link, Mbit/s")
     p.add_argument("--ring-model", choices=("light", "default"), default="light",
@@ -488,6 +560,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if a.matrix_only:
         print_matrix(matrix(a))
+        return 0
+    if a.goodput:
+        print_goodput(a, goodput(a))
         return 0
     if a.ring:
         log(f"three-home ring, {a.rounds} rounds of {', '.join(RING_MODES)}")
@@ -526,7 +601,8 @@ def print_matrix(rows: list[dict]) -> None:
           "'join s': from the joiner starting to try to a working tunnel; 'then': where a relayed "
           "tunnel moved (hole punching) and 'after s' how long after the join, or 'reply code' when "
           "there is no relay: the friend's code went to the host, and 'after s' is from the host "
-          "taking it to the joined tunnel. A direct path is possible at the join when the host has no "
+          "taking it to the joined tunnel ('code s': from the joiner starting to its reply code; "
+          "target 3 s). A direct path is possible at the join when the host has no "
           "NAT or its router maps the port; else wherever the friend is reachable or a hole can be "
           "punched: through the relay's tunnel, or with no relay by the reply code\n")
     print("| " + " | ".join(cols) + " |")

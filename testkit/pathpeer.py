@@ -85,6 +85,35 @@ async def host(a) -> int:
         await th.close()
         say("CLOSED")
         return 0
+    if a.bulk:             # goodput: once the path is direct, MB through the joiner's echo
+        for _ in range(int(a.wait * 10)):
+            if peer.path.startswith("direct"):
+                break
+            await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", peer.port)
+        size, block = int(a.bulk * 1e6), b"x" * (64 << 10)
+
+        async def pour():
+            left = size
+            while left > 0:
+                writer.write(block[:min(left, len(block))])
+                await writer.drain()
+                left -= len(block)
+
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(pour())
+        got = 0
+        while got < size:
+            chunk = await asyncio.wait_for(reader.read(1 << 20), 60)
+            if not chunk:
+                break
+            got += len(chunk)
+        await task
+        say("BULK", json.dumps({"path": peer.path, "bytes": got, "seconds": time.monotonic() - t0}))
+        writer.close()
+        await th.close()
+        say("CLOSED")
+        return 0
     reader, writer = await asyncio.open_connection("127.0.0.1", peer.port)
     paths, sent, echoed, bad = [peer.path], 0, 0, []
 
@@ -196,6 +225,8 @@ def main(argv=None) -> int:
     h.add_argument("--wait", type=float, default=60.0)
     h.add_argument("--reply-stdin", action="store_true", help="take reply codes from stdin")
     h.add_argument("--hop", action="store_true", help="wait for two joiners and introduce the first to the second")
+    h.add_argument("--bulk", type=float, default=0.0,
+                   help="MB through the joiner's echo once the path is direct (goodput): `BULK <json>`")
     j = sub.add_parser("join")
     j.add_argument("--folder", required=True)
     j.add_argument("--code", required=True)

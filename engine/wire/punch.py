@@ -109,6 +109,13 @@ def spray_ports(rng, count: int, avoid: set[int] = frozenset()) -> list[int]:
     return list(out)
 
 
+def symmetric_pair(cands: list[tuple[str, int]]) -> bool:
+    """Whether a peer's candidates show a symmetric NAT: the two STUN-mapped addresses it
+    lists first (UdpEndpoint.candidates) share a public address at different ports."""
+    public = [(a, p) for a, p in cands if ipaddress.ip_address(a).is_global]
+    return len(public) >= 2 and public[0][0] == public[1][0] and public[0][1] != public[1][1]
+
+
 def predict_roles(mine_symmetric: bool, theirs_symmetric: bool) -> str | None:
     """'hard' (open many sockets), 'easy' (spray), None (plain punching), or raise
     PunchError when both sides map per destination."""
@@ -387,7 +394,8 @@ class UdpEndpoint(asyncio.DatagramProtocol):
         return len({p for _, p in self.mapped}) > 1
 
     async def punch_predicting(self, key: bytes, targets: list[tuple[str, int]], role: str,
-                               timeout: float = PREDICT_S) -> tuple["UdpEndpoint", tuple[str, int]]:
+                               timeout: float | None = PREDICT_S,
+                               interval: float = 0.5) -> tuple["UdpEndpoint", tuple[str, int]]:
         """Port prediction, `role` from predict_roles: "easy" punches the targets from this
         socket and sprays the symmetric side's public address at random ports; "hard"
         punches the targets from HARD_SOCKETS fresh sockets, keeps the one the peer's
@@ -409,7 +417,10 @@ class UdpEndpoint(asyncio.DatagramProtocol):
                 extra.append(await UdpEndpoint.open())
         except OSError:
             pass                   # fewer sockets (a descriptor limit): worse odds, same way
-        tasks = {asyncio.ensure_future(ep.punch(key, targets, timeout, interval=0.5)): ep for ep in [self] + extra}
+        # each socket punches every `interval` (a side that waits long for the other keeps
+        # its many mappings open with a packet each every few seconds)
+        tasks = {asyncio.ensure_future(ep.punch(key, targets, timeout, interval=interval)): ep
+                 for ep in [self] + extra}
         winner = None
         try:
             pending = set(tasks)
@@ -426,7 +437,8 @@ class UdpEndpoint(asyncio.DatagramProtocol):
                 if ep is not self and (winner is None or ep is not winner[0]):
                     ep.close()
         if winner is None:
-            raise PunchError(f"port prediction: none of {len(tasks)} mappings was met within {timeout:g} s")
+            raise PunchError(f"port prediction: none of {len(tasks)} mappings was met"
+                             + (f" within {timeout:g} s" if timeout else ""))
         return winner
 
     async def _punch_with(self, p: "Puncher", timeout: float) -> tuple[str, int]:

@@ -33,6 +33,10 @@ from engine.wire.tunnel_session import (BYE, CONFIRM, CONNECT_TIMEOUT, HANDSHAKE
 
 log = logging.getLogger("potluck.tunnel")
 
+# a host behind a symmetric NAT predicting ports toward a joiner's reply code: how long its
+# mappings stay open for the joiner's bursts of probes (tunnel_join.py: one every 8 s)
+PREDICT_REPLY_S = 12.0
+
 
 @dataclass
 class Peer:
@@ -185,15 +189,23 @@ class TunnelHost:
         """A joiner's reply code with UDP candidates: punch toward them from the socket our
         invites named (the joiner punches toward it meanwhile) and take its QUIC
         connection; the joiner's usual handshake then runs over it."""
-        from engine.wire.punch import PunchError
+        from engine.wire.punch import PunchError, predict_roles, symmetric_pair
 
         targets = udp_addresses(r.direct, r.kinds)
         backoff = 1.0
         while any(x.key == r.key for x in self.state.replies()) and self._udp is not None:
             try:
                 key = punch_key(self.state.rendezvous_key(r.invite_id))
-                peer = await self._udp.punch(key, targets, PUNCH_TIMEOUT * 2)
-                channel = await self._udp.quic_accept(peer)
+                # a symmetric NAT on either side: port prediction (punch.py); ours symmetric,
+                # our mappings stay open long enough for the joiner's next burst of probes
+                role = predict_roles(self._udp.symmetric, symmetric_pair(targets))
+                if role is None:
+                    ep, peer = self._udp, await self._udp.punch(key, targets, PUNCH_TIMEOUT * 2)
+                else:
+                    ep, peer = await self._udp.punch_predicting(key, targets, role,
+                                                                timeout=PREDICT_REPLY_S if role == "hard"
+                                                                else PUNCH_TIMEOUT * 2)
+                channel = await ep.quic_accept(peer)
             except (PunchError, InviteError, OSError) as exc:
                 self.on_event(f"reply {r.key}: no punched path to the joiner ({exc})")
                 await asyncio.sleep(backoff)

@@ -29,6 +29,12 @@ from engine.wire.tunnel_session import (BYE, CONFIRM, DEAD_AFTER, HANDSHAKE_TIME
 log = logging.getLogger("potluck.tunnel")
 
 DIRECT_RETRY_S = 30.0
+# port prediction with no relay (_punch_loop), while the host has not taken our reply code
+# yet: the symmetric side keeps its 256 mappings open with a packet each this often, and
+# the other side sprays a burst of probes for BURST_S every BURST_S + BURST_REST_S
+KEEP_OPEN_S = 5.0
+BURST_S = 2.0
+BURST_REST_S = 6.0
 REPLY_QUEUE = 8                  # connections to a joiner's reply listener waiting their turn
 
 
@@ -311,16 +317,33 @@ class Joiner:
         return [cand.Candidate("udp", f"udp://{a}:{p}") for a, p in self._udp.mapped[:2]]
 
     async def _punch_loop(self, targets):
-        from engine.wire.punch import PunchError
+        """Punch toward the host's rendezvous address until the host, given our reply code,
+        punches back; with a symmetric NAT on one side, by port prediction (punch.py): our
+        side symmetric, 256 mappings kept open toward the host until it sprays them; the
+        host's side symmetric, a burst of probes at its public address every few seconds,
+        each meeting the mappings it opens once it has our code."""
+        from engine.wire.punch import PunchError, predict_roles, symmetric_pair
 
         key = punch_key(rendezvous_key(self.invite.psk()))
+        try:
+            role = predict_roles(self._udp.symmetric, symmetric_pair(targets))
+        except PunchError as exc:
+            self.on_event(f"no punched path to the host ({exc})")
+            return
         while True:
+            ep = self._udp
             try:
-                peer = await self._udp.punch(key, targets, None, interval=1.0)
-                channel = await self._udp.quic_connect(peer)
+                if role is None:
+                    peer = await ep.punch(key, targets, None, interval=1.0)
+                elif role == "hard":
+                    ep, peer = await ep.punch_predicting(key, targets, "hard", timeout=None, interval=KEEP_OPEN_S)
+                else:
+                    ep, peer = await ep.punch_predicting(key, targets, "easy", timeout=BURST_S)
+                channel = await ep.quic_connect(peer)
             except (PunchError, OSError) as exc:
-                self.on_event(f"no punched path to the host ({exc})")
-                await asyncio.sleep(1.0)
+                if role != "easy":
+                    self.on_event(f"no punched path to the host ({exc})")
+                await asyncio.sleep(1.0 if role != "easy" else BURST_REST_S)
                 continue
             done = asyncio.Event()
             await self._incoming.put((channel, done, "direct (punched)"))

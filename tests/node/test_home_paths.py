@@ -251,11 +251,14 @@ def _host_takes_the_reply(host: Peer, joiner: Peer, reply: str, path: str):
 
 
 @pytest.mark.skipif(not has_stun, reason="needs coturn (STUN)")
-def test_two_eim_homes_with_no_relay_and_no_mapping_punch_through_a_reply_code(tmp_path):
+@pytest.mark.parametrize("nat_host, nat_joiner", [("eim", "eim"), ("symmetric", "eim"), ("eim", "symmetric")])
+def test_homes_with_no_relay_and_no_mapping_punch_through_a_reply_code(tmp_path, nat_host, nat_joiner):
     """Neither router maps, and there is no relay: the invite carries the host's punching
     address (STUN), the friend's reply code carries theirs, and once the host takes the
-    code both punch; the join's own handshake then runs over QUIC on the hole."""
-    with home_internet([HomeSpec(nat="eim"), HomeSpec(nat="eim")], stun=True, subnet=69) as net:
+    code both punch; the join's own handshake then runs over QUIC on the hole. Where one
+    router maps each destination anew (symmetric), by port prediction (issue 43)."""
+    subnet = {("eim", "eim"): 69, ("symmetric", "eim"): 55, ("eim", "symmetric"): 54}[nat_host, nat_joiner]
+    with home_internet([HomeSpec(nat=nat_host), HomeSpec(nat=nat_joiner)], stun=True, subnet=subnet) as net:
         env = _env(tmp_path, POTLUCK_STUN=f"{net.stun_addr[0]}:3478,{net.stun_addr2[0]}:3478")
         host = Peer(net, net.host(0), ["host", "--folder", str(tmp_path / "host"), "--no-upnp", "--reply-stdin",
                                        "--seconds", "2", "--wait", "90"], env)

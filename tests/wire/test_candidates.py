@@ -238,7 +238,7 @@ def test_punching_addresses_ride_in_codes_but_are_never_dialled(tmp_path):
 
 def test_another_homes_lan_address_gets_a_short_connect_timeout():
     from engine.wire import candidates as cand
-    from engine.wire.tunnel_routes import CONNECT_TIMEOUT, FOREIGN_LAN_S, open_timeouts
+    from engine.wire.tunnel_routes import CONNECT_TIMEOUT, FOREIGN_LAN_S, PUBLIC_S, open_timeouts
 
     ours = next((a for a in cand.interface_addresses() if cand.classify(a) == "lan"), None)
     if ours is None:
@@ -246,8 +246,9 @@ def test_another_homes_lan_address_gets_a_short_connect_timeout():
     assert cand.on_our_networks(cand.url_for(ours, 7870))
     foreign = "ws://10.254.253.9:7870" if not ours.startswith("10.") else "ws://172.31.254.9:7870"
     routes = [("direct (lan)", cand.url_for(ours, 7870)), ("direct (lan)", foreign),
-              ("direct (public)", "ws://203.0.113.5:7870"), ("relay", "ws://relay:8765/v1/join/x")]
-    assert open_timeouts(routes) == [CONNECT_TIMEOUT, FOREIGN_LAN_S, CONNECT_TIMEOUT, CONNECT_TIMEOUT]
+              ("direct (public)", "ws://203.0.113.5:7870"), ("direct (mapped)", "ws://203.0.113.5:7871"),
+              ("relay", "ws://relay:8765/v1/join/x")]
+    assert open_timeouts(routes) == [CONNECT_TIMEOUT, FOREIGN_LAN_S, PUBLIC_S, CONNECT_TIMEOUT, CONNECT_TIMEOUT]
 
 
 def test_pcp_map_messages_follow_rfc_6887():
