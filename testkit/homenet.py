@@ -116,6 +116,7 @@ class HomeSpec:
     nat: str | None = "eim"
     upnp: bool = False
     lan: str | None = None          # a /24 or wider, e.g. "192.168.1.0/24"; default 192.168.(i+1).0/24
+    igd: bool = True                # with upnp: UPnP-IGD too (False: the router speaks PCP and NAT-PMP only)
 
     def __post_init__(self):
         if self.nat not in NAT_KINDS:
@@ -430,7 +431,7 @@ COMMIT
             f.write(f"""ext_ifname=wan
 listening_ip=lan
 enable_natpmp=yes
-enable_upnp=yes
+enable_upnp={"yes" if self.homes[i].igd else "no"}
 secure_mode=yes
 system_uptime=no
 uuid={uuid.uuid4()}
@@ -445,7 +446,8 @@ deny 0-65535 0.0.0.0/0 0-65535
 """)
         name = f"miniupnpd{i}"
         p = self._daemon(name, r, ["miniupnpd", "-d", "-f", conf, "-P", os.path.join(self.tmp, f"{name}.pid")])
-        self._wait_listening(name, r, p, [f"udp {self.gateway(i)}:5351", "udp 0.0.0.0%lan:1900"])
+        self._wait_listening(name, r, p, [f"udp {self.gateway(i)}:5351"] +
+                             (["udp 0.0.0.0%lan:1900"] if self.homes[i].igd else []))
 
     def _start_stun(self) -> None:
         p = self._daemon("turnserver", self.public, [

@@ -60,7 +60,7 @@ from engine.wire.tunnel_join import DIRECT_RETRY_S, REPLY_QUEUE, Joiner, default
 from engine.wire.tunnel_routes import (  # noqa: F401
     RELAY_AFTER_S, STAGGER_S, _first_to_connect, direct_routes, punch_direct, resume_direct)
 from engine.wire.tunnel_session import (  # noqa: F401
-    BYE, CHUNK, CLOSE, CONFIRM, CONNECT_TIMEOUT, DATA, DEAD_AFTER, HANDSHAKE_TIMEOUT, LISTEN, LISTENING, MAGIC,
-    MAX_MESSAGE, MAX_STREAMS, MODE_JOIN, MODE_MEMBER, MODE_RESUME, MOVE, OPEN, PING, PING_INTERVAL, PONG,
+    BYE, CHUNK, CLOSE, CONFIRM, CONNECT_TIMEOUT, DATA, DEAD_AFTER, HANDSHAKE_TIMEOUT, INTRO, LISTEN, LISTENING, MAGIC,
+    MAX_MESSAGE, MAX_STREAMS, MODE_FRIEND, MODE_JOIN, MODE_MEMBER, MODE_RESUME, MOVE, OPEN, PING, PING_INTERVAL, PONG,
     PROLOGUE_LEN, PUNCH, PUNCH_TIMEOUT, READY, STAGE, WS_OPTIONS, HostRefused, Session, TunnelError, log,
     pack_inner, parse_hello, parse_inner)

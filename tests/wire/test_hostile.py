@@ -103,9 +103,34 @@ def test_transport_and_inner_frames_never_crash(frame):
 def test_inner_frame_parser(data):
     try:
         kind, stream, payload = tunnel.parse_inner(data)
-        assert tunnel.CONFIRM <= kind <= tunnel.PUNCH
+        assert tunnel.CONFIRM <= kind <= tunnel.INTRO
     except noise.NoiseError as exc:
         assert str(exc)
+
+
+_JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True)
+                        | st.text(max_size=80),
+                        lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=12), kids,
+                                                                                 max_size=8), max_leaves=30)
+_INTRO_KEYS = st.sampled_from(["op", "hop", "id", "psk", "key", "addresses", "kinds", "udp", "symmetric", "why",
+                               "port", "path", "rtt_ms"])
+_OPS = st.sampled_from(["accept", "dial", "end", "punch", "door", "dialed", "??"])
+
+
+@FUZZ
+@given(st.one_of(_JSONISH, st.dictionaries(_INTRO_KEYS, _JSONISH | _OPS, max_size=12)),
+       st.sampled_from(["host", "friend"]))
+def test_introduction_frames_never_crash(msg, frm):
+    """Issue 43's INTRO frames (engine/wire/friend_hop.py): whatever a peer puts in one,
+    it is read as a checked introduction or refused with NoiseError."""
+    from engine.wire.friend_hop import check_intro
+
+    try:
+        out = check_intro(msg, frm)
+    except noise.NoiseError:
+        return
+    assert out["op"] in (("accept", "dial", "end", "punch") if frm == "host" else ("door", "dialed", "punch"))
+    assert isinstance(out["hop"], int) and 0 < out["hop"] < 2**31
 
 
 @pytest.mark.slow
