@@ -151,6 +151,10 @@ class PortMapper:
         self._mapping: tuple[int, int, str] | None = None     # external port, internal port, client
 
     async def open(self, internal_port: int) -> MappingResult:
+        # which of PCP and NAT-PMP the gateway speaks is found out while SSDP looks for a
+        # UPnP router (its search is the slowest part, ~2 s): a gateway that speaks neither
+        # then costs nothing more (asked one after the other, their silence cost ~5 s more)
+        speaks = asyncio.ensure_future(self._speaks())
         try:
             self.result = (await self._open(internal_port) if self.upnp_igd
                            else MappingResult(None, "UPnP-IGD not asked"))
@@ -160,11 +164,42 @@ class PortMapper:
         else:
             if self.result.external is not None:
                 self.result.how = "UPnP-IGD"
-        for asked, open_ in ((self.pcp, self._open_pcp), (self.natpmp, self._open_natpmp)):
-            if self.result.external is None and asked:
+        if self.result.external is not None:
+            speaks.cancel()
+            return self.result
+        pcp_ok, pmp_ok, why = await speaks
+        for ok, open_ in ((pcp_ok, self._open_pcp), (pmp_ok, self._open_natpmp)):
+            if self.result.external is None and ok:
                 got = await open_(internal_port)
                 self.result = got if got.external else MappingResult(None, f"{self.result.why_not}; {got.why_not}")
+        if self.result.external is None and why:
+            self.result = MappingResult(None, f"{self.result.why_not}; {why}")
         return self.result
+
+    async def _speaks(self) -> tuple[bool, bool, str]:
+        """(PCP answers, NAT-PMP answers, why neither) of the default gateway, at once."""
+        from engine.wire import natpmp, pcp
+
+        if not (self.pcp or self.natpmp):
+            return False, False, ""
+        gateway = natpmp.default_gateway()
+        if gateway is None:
+            return False, False, "PCP, NAT-PMP: no default gateway to ask"
+
+        async def pmp() -> bool:
+            try:
+                return (await natpmp.ask(gateway, natpmp.external_address_request(), 0, tries=2))["result"] == 0
+            except (natpmp.NatPmpError, OSError):
+                return False
+
+        async def pcp_() -> bool:
+            try:
+                return await pcp.speaks(gateway, pcp.client_address(gateway))
+            except OSError:
+                return False
+
+        got_pcp, got_pmp = await asyncio.gather(pcp_() if self.pcp else _false(), pmp() if self.natpmp else _false())
+        return got_pcp, got_pmp, "" if got_pcp or got_pmp else "the router speaks neither PCP nor NAT-PMP"
 
     async def _open_pcp(self, internal_port: int) -> MappingResult:
         from engine.wire import natpmp, pcp
@@ -319,6 +354,10 @@ class PortMapper:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _false() -> bool:
+    return False
 
 
 def _source_toward(url: str) -> str:

@@ -54,6 +54,20 @@ def map_request(nonce: bytes, protocol: int, internal_port: int, suggested_port:
         _MAP.pack(nonce, protocol, internal_port, suggested_port, _v6("0.0.0.0"))
 
 
+ANNOUNCE = 0
+
+
+def announce_request(client: str) -> bytes:
+    """An ANNOUNCE request (RFC 6887 section 14.1): asks nothing, but a PCP server answers
+    it: whether the gateway speaks PCP at all, found out without making a mapping."""
+    return _HEADER.pack(VERSION, ANNOUNCE, 0, 0, _v6(client))
+
+
+def parse_announce_response(data: bytes) -> bool:
+    """Whether `data` is a PCP server's answer to ANNOUNCE (any result: it speaks PCP)."""
+    return len(data) >= _ANSWER.size and data[0] == VERSION and data[1] == 0x80 | ANNOUNCE
+
+
 def parse_map_response(data: bytes, nonce: bytes) -> dict:
     """{"result", "meaning", "lifetime", "epoch"} and on success "external": (address, port);
     PcpError for what is no answer to our request (another nonce, not a MAP answer)."""
@@ -89,6 +103,29 @@ class _Proto(asyncio.DatagramProtocol):
 
     def datagram_received(self, data, addr):
         self.answers.put_nowait(data)
+
+
+async def speaks(gateway: str, client: str, tries: int = 2) -> bool:
+    """Whether the gateway answers PCP (ANNOUNCE), within ~0.75 s: a router on the LAN
+    answers in milliseconds, and one that does not speak PCP never does."""
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_datagram_endpoint(_Proto, remote_addr=(gateway, PORT))
+    try:
+        wait = 0.25
+        for _ in range(tries):
+            transport.sendto(announce_request(client))
+            deadline = loop.time() + wait
+            while loop.time() < deadline:
+                try:
+                    data = await asyncio.wait_for(proto.answers.get(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+                if parse_announce_response(data):
+                    return True
+            wait *= 2
+        return False
+    finally:
+        transport.close()
 
 
 async def ask(gateway: str, request: bytes, nonce: bytes, tries: int = 3) -> dict:
