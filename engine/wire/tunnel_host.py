@@ -537,7 +537,12 @@ class TunnelHost:
 
     def hop_links(self) -> list[dict]:
         """Each hop between two friends: who, its path and round trip (for the status)."""
-        return [{"hop": f"{h.names}", "path": h.path, "rtt_ms": h.rtt_ms} for h in self.hops.values()]
+        def live(key: bytes) -> bool:
+            p = self.peers.get(key)
+            return p is not None and p.session is not None and not p.session.closed.is_set()
+
+        return [{"hop": f"{h.names}", "path": h.path, "rtt_ms": h.rtt_ms} for h in self.hops.values()
+                if live(h.src) and live(h.dst)]
 
     async def _end_hops_of(self, key: bytes):
         """A friend revoked: the friends it was introduced to hear that those hops are over."""

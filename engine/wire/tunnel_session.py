@@ -403,6 +403,12 @@ class Session:
         try:
             await self.send(kind, 0, payload)
             return await asyncio.wait_for(fut, timeout)
+        except asyncio.CancelledError:
+            # the session closed under the wait (close() cancels what is asked): a lost
+            # friend, not a cancelled caller
+            if fut.cancelled() and not asyncio.current_task().cancelling():
+                raise ConnectionError(f"the tunnel closed: {self.close_reason or 'closed'}") from None
+            raise
         finally:
             self._asks.pop((op, hop), None)
 
