@@ -103,6 +103,8 @@ class Recovery:
         self._joined = False
         self._deadline: float | None = None
         self._what = ""
+        self._index: dict[str, int] = {}   # the old arrangement's machines -> their stage index
+        self._need_have: tuple[int, int] | None = None   # the last no_room's
 
     # ---- the machines ----------------------------------------------------------
     def formed(self, holders: list[str]) -> None:
@@ -179,6 +181,8 @@ class Recovery:
         self._kept = [True] + [False] * len(holders)
         self._joined = joined is not None
         self._deadline = None
+        self._need_have = None
+        self._index = {address: i for i, address in enumerate(holders, start=1)}
         self.holders = []
         asks = []
         for i, address in enumerate(holders, start=1):
@@ -201,6 +205,23 @@ class Recovery:
             self._record("left", stage=None, address=ask.address, why=why)
         self.away[ask.address] = now
 
+    def gone_meanwhile(self, address: str, why: str, now: float) -> str:
+        """A machine of the new arrangement left while it was being formed or waited for
+        room (a second loss): its layers are missing too, it is asked back like the
+        others, and a wait's status names every missing range. The status."""
+        i = self._index.get(address)
+        if i is not None and i < len(self._kept):
+            self._kept[i] = False
+        self.away[address] = now
+        self._record("left", stage=i, address=address, why=why)
+        if self._need_have is not None and self.missing():
+            # the room left is not known until the layers are split again: say who went
+            self._what = describe_layers(self.missing())
+            self.status = f"waiting for a GPU to hold {self._what} (another machine left meanwhile: {why})"
+        else:
+            self.status = f"{address} left too ({why}): rearranging the pipeline"
+        return self.status
+
     def missing(self) -> list[tuple[int, int]]:
         """Every range of layers the old arrangement held that nobody holds now."""
         return missing_ranges(self._old_ranges, self._kept)
@@ -214,6 +235,7 @@ class Recovery:
         comes back, or wait_timeout passes. The status, which names what is missing."""
         if self._deadline is None:
             self._deadline = now + self.wait_timeout
+        self._need_have = (need, have)
         self.status, self._what = waiting_status(self.missing(), need, have)
         self._record("waiting", why=self.status)
         return self.status

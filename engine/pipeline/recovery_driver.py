@@ -82,6 +82,8 @@ class RecoveryDriver:
                     return
                 self.remotes.append(r)
             except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
+                if self._drop_gone():
+                    continue       # a machine left while the layers loaded: split again over the rest
                 self._pipeline_failed(self.recovery.cannot_go_on(exc))
                 return
         done = self.recovery.recovered(time.monotonic(), self.n_stages, self.ranges, len(live))
@@ -148,12 +150,26 @@ class RecoveryDriver:
         """The machines there are cannot hold the model: requests wait until a machine that
         left comes back or another offers itself (None: the host's timeout passed first)."""
         while self.recovery.gave_up(time.monotonic()) is None:
+            self._drop_gone()      # a survivor that leaves meanwhile: its layers are missing too
             r = await self._probe()
             if r is not None:
                 self.recovery.take(r.address)
                 return r
             await asyncio.sleep(self.recovery.wait_s(time.monotonic()))
         return None
+
+    def _drop_gone(self) -> bool:
+        """The machines of the arrangement being formed whose control connection closed
+        (a second machine gone during a recovery): dropped, recorded, asked back later.
+        Whether there were any."""
+        gone = [r for r in self.remotes if r.ws is None or getattr(r.ws, "close_code", None) is not None]
+        for r in gone:
+            self.remotes.remove(r)
+            why = f"its connection closed ({getattr(r.ws, 'close_reason', '') or 'no reason'})"
+            log.warning("%s", self.recovery.gone_meanwhile(r.address, why, time.monotonic()))
+        if gone:
+            self._ensure_watch()
+        return bool(gone)
 
     async def _probe(self) -> RemoteStage | None:
         """The first machine the recovery says to ask that answers, with its control

@@ -170,3 +170,19 @@ def test_failure_messages_lead_with_who_left():
     assert rec.cannot_go_on("stage 1: out of memory") == \
         "stage 1 (ws://a:1) disconnected; the stages left cannot go on: stage 1: out of memory"
     assert rec.broke(KeyError("x")) == "stage 1 (ws://a:1) disconnected; rearranging the pipeline failed: 'x'"
+
+
+def test_a_survivor_lost_while_waiting_for_room_adds_its_layers_to_the_wait():
+    """Issue 44: the second loss while the pipeline waits is recorded, the machine is asked
+    back like the first, and the status names both machines' layers."""
+    rec = running()
+    assert rec.lost(1, A, "stage 1 (ws://a:1) disconnected", epoch=0)
+    asks = rec.begin([A, B], THREE, now=10.0, lost=1)
+    rec.unanswered(asks[0], "cannot reach", now=12.0)
+    rec.answered(asks[1])
+    rec.no_room(30, 20, now=13.0)
+    assert "layers 12–26" in rec.status
+    status = rec.gone_meanwhile(B, "its connection closed", now=20.0)
+    assert status == rec.status and "layers 12–29" in status and "left meanwhile" in status, status
+    assert set(rec.away) == {A, B}
+    assert [e["event"] for e in rec.events] == ["left", "waiting", "left"]

@@ -568,6 +568,54 @@ async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_fol
             await b.close()
 
 
+async def test_a_second_machine_lost_while_waiting_is_noticed_and_waited_for_too(tiny_folder):
+    """Issue 44: the pipeline waits for room after one machine left, and a survivor dies
+    meanwhile. The head notices at once (not when loading on it fails), the status names
+    both machines' layers, one machine offering itself is not enough any more, and the
+    reply goes on unchanged once a second one comes."""
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    cap = tiny_cap(source, 2)   # of 6 layers: three machines needed
+    a = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+    b = await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start()
+    head = await tiny_head(source, [f"ws://127.0.0.1:{a.port}", f"ws://127.0.0.1:{b.port}"], memory_cap=cap)
+    extra = []
+    try:
+        reference, _ = await tiny_reply(head)
+        handle = head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=30))
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        first, second = head.ranges[1], head.ranges[2]
+        await a.close("switched off")
+        await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
+        await b.close("switched off too")
+        both = f"layers {first[0]}–{second[1] - 1}"         # the two machines' layers, adjacent
+        await until(lambda: both in (head.info()["recovering"] or ""), timeout=30)
+        status = head.info()["recovering"]
+        assert "left meanwhile" in status and head.error is None, status
+        for _ in range(2):      # one machine is not enough now; the second completes the ring
+            extra.append(await StageServer("127.0.0.1", 0, memory_cap=cap, threads=1).start())
+            head.offer(f"ws://127.0.0.1:{extra[-1].port}")
+            await asyncio.sleep(1.0)
+            assert head.error is None, head.error
+        toks = []
+        async for ev in handle:
+            if isinstance(ev, Delta):
+                toks.extend(ev.token_ids)
+            else:
+                assert ev.error is None, ev
+        assert toks == reference
+        kinds = [e["event"] for e in head.info()["events"]]
+        assert kinds.count("left") == 2 and kinds[-1] == "recovered", kinds
+        assert head.n_stages == 3
+    finally:
+        await head.close()
+        for s in [a, b] + extra:
+            await s.close()
+
+
 async def test_two_stages_lost_at_once_the_status_names_every_missing_layer(tiny_folder):
     """Three machines, none able to hold the model alone; both stages go at once. The
     status names all the layers nobody holds (once it named only the first stage's,
