@@ -280,15 +280,16 @@ class FriendHops:
         by port prediction (punch.py). The socket that got through becomes the hop's."""
         from engine.wire import punch
 
-        key = punch.punch_key(intro.psk)
-        role = punch.predict_roles(intro.udp.symmetric, theirs_symmetric)
-        if role is None:
-            return await intro.udp.punch(key, theirs, PUNCH_S)
-        ep, peer = await intro.udp.punch_predicting(key, theirs, role)
-        if ep is not intro.udp:
-            intro.udp.close()
-            intro.udp = ep
-        return peer
+        # prediction meets by chance (98 in 100): a second try, both sides at once again
+        tries = 2 if intro.udp.symmetric != theirs_symmetric else 1
+        for attempt in range(tries):
+            try:
+                intro.udp, peer = await intro.udp.punch_either(punch.punch_key(intro.psk), theirs, PUNCH_S,
+                                                               theirs_symmetric)
+                return peer
+            except punch.PunchError:
+                if attempt + 1 == tries:
+                    raise
 
     async def _dial(self, intro: _Intro, addresses: list[str], kinds: list[str],
                     udp: list, theirs_symmetric: bool = False) -> tuple[int, str, float]:

@@ -67,8 +67,10 @@ class _Proto(asyncio.DatagramProtocol):
         self.answers.put_nowait(data)
 
 
-async def ask(gateway: str, request: bytes, opcode: int, tries: int = 4) -> dict:
-    """One request, retransmitted after 250, 500, 1000 ms...; NatPmpError if unanswered."""
+async def exchange(gateway: str, request: bytes, read, tries: int):
+    """Send `request` to the gateway's port 5351, retransmitted after 250, 500, 1000 ms...
+    (RFC 6886 3.1, RFC 6887 8.1.1), until an answer `read(data)` accepts (it raises
+    ValueError for what is not ours); None when nothing answered. PCP shares it (pcp.py)."""
     loop = asyncio.get_running_loop()
     transport, proto = await loop.create_datagram_endpoint(_Proto, remote_addr=(gateway, PORT))
     try:
@@ -82,13 +84,21 @@ async def ask(gateway: str, request: bytes, opcode: int, tries: int = 4) -> dict
                 except asyncio.TimeoutError:
                     break
                 try:
-                    return parse_response(data, opcode)
-                except NatPmpError:
+                    return read(data)
+                except ValueError:
                     continue
             wait *= 2
-        raise NatPmpError(f"no NAT-PMP answer from the gateway {gateway}")
+        return None
     finally:
         transport.close()
+
+
+async def ask(gateway: str, request: bytes, opcode: int, tries: int = 4) -> dict:
+    """One request, retransmitted; NatPmpError if unanswered."""
+    got = await exchange(gateway, request, lambda data: parse_response(data, opcode), tries)
+    if got is None:
+        raise NatPmpError(f"no NAT-PMP answer from the gateway {gateway}")
+    return got
 
 
 def default_gateway() -> str | None:

@@ -13,7 +13,6 @@ every renewal and the deletion (lifetime 0) repeat: the router ties the mapping 
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import os
 import socket
@@ -97,56 +96,24 @@ def client_address(gateway: str) -> str:
         return s.getsockname()[0]
 
 
-class _Proto(asyncio.DatagramProtocol):
-    def __init__(self):
-        self.answers: asyncio.Queue = asyncio.Queue()
-
-    def datagram_received(self, data, addr):
-        self.answers.put_nowait(data)
-
-
 async def speaks(gateway: str, client: str, tries: int = 2) -> bool:
     """Whether the gateway answers PCP (ANNOUNCE), within ~0.75 s: a router on the LAN
     answers in milliseconds, and one that does not speak PCP never does."""
-    loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_datagram_endpoint(_Proto, remote_addr=(gateway, PORT))
-    try:
-        wait = 0.25
-        for _ in range(tries):
-            transport.sendto(announce_request(client))
-            deadline = loop.time() + wait
-            while loop.time() < deadline:
-                try:
-                    data = await asyncio.wait_for(proto.answers.get(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    break
-                if parse_announce_response(data):
-                    return True
-            wait *= 2
-        return False
-    finally:
-        transport.close()
+    from engine.wire.natpmp import exchange
+
+    def read(data: bytes) -> bool:
+        if not parse_announce_response(data):
+            raise PcpError("not an answer to ANNOUNCE")
+        return True
+
+    return bool(await exchange(gateway, announce_request(client), read, tries))
 
 
 async def ask(gateway: str, request: bytes, nonce: bytes, tries: int = 3) -> dict:
-    """One request, retransmitted after 250, 500 ms...; PcpError if unanswered."""
-    loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_datagram_endpoint(_Proto, remote_addr=(gateway, PORT))
-    try:
-        wait = 0.25
-        for _ in range(tries):
-            transport.sendto(request)
-            deadline = loop.time() + wait
-            while loop.time() < deadline:
-                try:
-                    data = await asyncio.wait_for(proto.answers.get(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    break
-                try:
-                    return parse_map_response(data, nonce)
-                except PcpError:
-                    continue
-            wait *= 2
+    """One MAP request, retransmitted after 250, 500 ms...; PcpError if unanswered."""
+    from engine.wire.natpmp import exchange
+
+    got = await exchange(gateway, request, lambda data: parse_map_response(data, nonce), tries)
+    if got is None:
         raise PcpError(f"no PCP answer from the gateway {gateway}")
-    finally:
-        transport.close()
+    return got

@@ -494,14 +494,7 @@ class TunnelHost:
             mine = await ep.candidates(stun.servers_from_env())
             await session.send(PUNCH, 0, json.dumps({"udp": [list(c) for c in mine]}).encode())
             # a symmetric NAT on one side: port prediction (punch.py); the joiner decides alike
-            role = punch.predict_roles(ep.symmetric, punch.symmetric_pair(theirs))
-            if role is None:
-                peer = await ep.punch(session.punch_key, theirs, PUNCH_TIMEOUT)
-            else:
-                used, peer = await ep.punch_predicting(session.punch_key, theirs, role)
-                if used is not ep:
-                    ep.close()
-                    ep = used
+            ep, peer = await ep.punch_either(session.punch_key, theirs, PUNCH_TIMEOUT)
             channel = await ep.quic_accept(peer)
         except (punch.PunchError, OSError, ConnectionClosed) as exc:
             ep.close()

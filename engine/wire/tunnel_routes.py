@@ -134,14 +134,7 @@ async def punch_direct(session: Session, invite: Invite, say) -> bool:
         if not theirs:
             raise punch.PunchError(why or "the host has no UDP address to punch at")
         # a symmetric NAT on one side: port prediction (punch.py); the host decides alike
-        role = punch.predict_roles(ep.symmetric, punch.symmetric_pair(theirs))
-        if role is None:
-            peer = await ep.punch(session.punch_key, theirs, PUNCH_TIMEOUT)
-        else:
-            used, peer = await ep.punch_predicting(session.punch_key, theirs, role)
-            if used is not ep:
-                ep.close()
-                ep = used
+        ep, peer = await ep.punch_either(session.punch_key, theirs, PUNCH_TIMEOUT)
         channel = await ep.quic_connect(peer)
     except (punch.PunchError, OSError, ConnectionClosed, asyncio.TimeoutError) as exc:
         ep.close()
