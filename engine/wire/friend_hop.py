@@ -169,17 +169,17 @@ class FriendHops:
                 answer.update(addresses=[c.url for c in cands], kinds=[c.kind for c in cands],
                               udp=[list(c) for c in await self._udp_for(intro)],
                               symmetric=bool(intro.udp is not None and intro.udp.symmetric))
-            except (HopError, OSError) as exc:
-                self.intros.pop(hop, None)
-                answer["why"] = str(exc)
+            except Exception as exc:  # noqa: BLE001 -- whatever broke, the host hears why and goes via itself
+                await self._end(hop)
+                answer = {"op": "door", "hop": hop, "why": str(exc) or type(exc).__name__}
             await self.host.send(INTRO, 0, pack(answer))
         else:
             try:
                 port, path, rtt = await self._dial(intro, msg["addresses"], msg["kinds"], msg.get("udp", []),
                                                    msg.get("symmetric", False))
                 answer = {"op": "dialed", "hop": hop, "port": port, "path": path, "rtt_ms": round(rtt * 1000, 1)}
-            except (HopError, NoiseError, ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
-                self.intros.pop(hop, None)
+            except Exception as exc:  # noqa: BLE001 -- as above: the hop goes through the host
+                await self._end(hop)
                 answer = {"op": "dialed", "hop": hop, "why": str(exc) or type(exc).__name__}
             await self.host.send(INTRO, 0, pack(answer))
 
