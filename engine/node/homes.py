@@ -54,7 +54,7 @@ class Friends:
         self.tunnels = TunnelHost(self.me, self.state, on_event=on_event)
         # (src's tunnel session, dst's port) -> address; keyed on the session object itself,
         # so a reconnected friend (a new session) gets a new hop
-        self._hops: dict[tuple[object, int], str] = {}
+        self._hops: dict[object, tuple[object, str]] = {}   # A's session -> (B's session, the hop address)
         self._follow: asyncio.Task | None = None
 
     @property
@@ -104,17 +104,21 @@ class Friends:
 
     async def hop(self, src: str, dst: str) -> str:
         """How the stage at address `src` (a friend's, as the head reaches it) reaches the
-        one at `dst`: a loopback port on src's machine whose connections travel through
-        both tunnels via this host. The head asks at every arrangement (after a friend
-        leaves, neighbours change); a hop lasts as long as src's tunnel session."""
+        one at `dst`: a loopback port on src's machine whose connections go straight to
+        dst's home (engine/wire/friend_hop.py) or, where the two find no direct path,
+        through both tunnels via this host. The head asks at every arrangement (after a
+        friend leaves, neighbours change); a hop lasts as long as both friends' sessions."""
         peers = {p.address: p for p in self.tunnels.peers.values()}
         a, b = peers.get(src), peers.get(dst)
         if a is None or b is None:
             return dst  # not a friend behind a tunnel: reached as the head reaches it
-        key = (a.session, b.port)
-        if key not in self._hops:
-            self._hops[key] = await self.tunnels.open_hop(a, b)
-        return self._hops[key]
+        # a stage has one next hop at a time (opening one ends the one before), and a
+        # direct hop lasts as long as both friends' sessions: the hop is asked again when
+        # either changed (a friend came back) or the next stage is another one
+        held = self._hops.get(a.session)
+        if held is None or held[0] is not b.session:
+            self._hops[a.session] = (b.session, await self.tunnels.open_hop(a, b))
+        return self._hops[a.session][1]
 
     def follow(self, head) -> None:
         """From now on, friends who join (with a code still valid) offer their stage to

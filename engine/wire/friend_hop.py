@@ -338,6 +338,14 @@ class FriendHops:
             await session.open_stream(reader, writer, target=STAGE)
 
         intro.listener = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+
+        async def close_with_session(listener=intro.listener):
+            await session.closed.wait()        # B's door went (it left, or the host ended the hop):
+            listener.close()                   # A's stage reconnecting here fails at once
+
+        task = asyncio.ensure_future(close_with_session())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         log.info("hop %d: direct to the next stage via %s in %.0f ms", intro.hop, path,
                  (time.monotonic() - t0) * 1000)
         return intro.listener.sockets[0].getsockname()[1], path, rtt
@@ -366,6 +374,8 @@ class FriendHops:
         if self.closed:
             return
         self.closed = True
+        for t in list(self._tasks):
+            t.cancel()
         for hop in list(self.intros):
             await self._end(hop)
         if self._door is not None:

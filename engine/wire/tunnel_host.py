@@ -516,6 +516,7 @@ class TunnelHost:
         self._hops += 1
         hop = self._hops
         names = f"{src.name or src.node_id} → {dst.name or dst.node_id}"
+        await self._end_hops_from(src.key)     # a stage has one next stage: the old hop is over
         if os.environ.get("POTLUCK_FRIEND_HOPS", "1") != "0":
             try:
                 got = await introduce(src.session, dst.session, hop)
@@ -536,6 +537,18 @@ class TunnelHost:
 
         return [{"hop": f"{h.names}", "path": h.path, "rtt_ms": h.rtt_ms} for h in self.hops.values()
                 if live(h.src) and live(h.dst)]
+
+    async def _end_hops_from(self, key: bytes):
+        from engine.wire.friend_hop import end
+
+        for hop, h in list(self.hops.items()):
+            if h.src == key:
+                del self.hops[hop]
+                for k in (h.src, h.dst):
+                    p = self.peers.get(k)
+                    if h.path != "via the host" and p is not None and p.session is not None \
+                            and not p.session.closed.is_set():
+                        await end(p.session, hop)
 
     async def _end_hops_of(self, key: bytes):
         """A friend revoked: the friends it was introduced to hear that those hops are over."""
