@@ -224,7 +224,7 @@ class Joiner:
         a reply code, and take the host's connection when it comes -- or the invite's own
         routes, tried again meanwhile, when one of those answers first (a relay back up).
         early: the listening and gathering, started while the host's addresses were tried."""
-        if self.reply_code is None or self._reply_server is None:
+        if early is not None or self._reply_server is None:    # (a reconnect's code is out already)
             try:
                 await (early if early is not None else self._prepare_reply())
                 self._announce_reply()

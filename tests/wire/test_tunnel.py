@@ -531,3 +531,30 @@ async def test_a_refusal_at_one_address_does_not_stop_the_join_at_the_next(tmp_p
         finally:
             await home.host.close()
             echo.close()
+
+
+async def test_a_reply_code_is_shown_when_the_hosts_addresses_fail_however_fast_it_was_made(tmp_path, monkeypatch):
+    """The joiner makes its reply code while it tries the host's addresses: shown the
+    moment they have failed, whether making it took longer than failing (a router to
+    ask) or not (nothing to ask: here)."""
+    from engine.wire.tunnel import Joiner
+
+    monkeypatch.setenv("POTLUCK_UPNP", "0")
+    (tmp_path / "h").mkdir()
+    state = inv.HostState(tmp_path / "h")
+    _, code = state.create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+    shown = []
+    j = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", 9),
+               reply_listen="127.0.0.1:0", on_reply=shown.append)
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(j.connect())
+    try:
+        for _ in range(100):
+            if shown:
+                break
+            await asyncio.sleep(0.05)
+        assert shown and shown[0] == j.reply_code and time.monotonic() - t0 < 3.0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await j.close()
