@@ -263,7 +263,7 @@ class StaticDecoder:
                 slots = [kv.seqs[s].slot for s in ids]
                 if shape.lo is not None and slots != list(range(shape.lo, shape.lo + shape.rows)):
                     continue
-                bufs = self.buffers.setdefault(shape, Buffers.make(self.stage, shape))
+                bufs = self.buffers.get(shape) or self.buffers.setdefault(shape, Buffers.make(self.stage, shape))
                 zeros = bufs.x.new_zeros(bufs.x.shape)
                 bufs.fill(zeros, slots, [0] * shape.rows, shape.tokens)
                 need = max(max(slots) + 1, self.reserve[0])
