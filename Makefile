@@ -70,7 +70,7 @@ test: setup net-test-tools
 # without them those tests skip and say why
 net-test-tools: setup
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	   ! { command -v iptables && command -v miniupnpd && command -v turnserver; } >/dev/null 2>&1; then \
+	   ! { command -v iptables && command -v miniupnpd && command -v turnserver && command -v conntrack; } >/dev/null 2>&1; then \
 	  echo "Installing the emulated homes' routers (apt-get: $$($(BIN)/python -m testkit.homenet --packages))"; \
 	  $(BIN)/python -m testkit.homenet --install >/dev/null || \
 	    echo "Could not install them: the path tests will skip, saying so"; \

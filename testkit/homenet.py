@@ -71,7 +71,8 @@ TCP port 3478 of both public addresses: `net.stun_addr` and `net.stun_addr2`
 log is `net.log("turnserver")`.
 
 Packages (Debian): `python -m testkit.homenet --install` runs
-`apt-get install -y iptables nftables miniupnpd-nftables coturn` (APT_PACKAGES). Not the
+`apt-get install -y iptables nftables miniupnpd-nftables coturn conntrack` (APT_PACKAGES;
+conntrack flushes a router's NAT table for the chaos run, testkit/chaos.py). Not the
 "miniupnpd" package: that one adds debconf questions and a system service; the -nftables
 package alone is just the daemon. coturn's own service stays off (its /etc/default/coturn
 leaves it disabled).
@@ -103,7 +104,7 @@ from testkit.netns import Link, NetnsError, Network, netns_available, sh
 __all__ = ["APT_PACKAGES", "HomeSpec", "HomeNet", "home_internet", "homenet_available",
            "upnp_available", "stun_available", "install_packages", "NetnsError"]
 
-APT_PACKAGES = ("iptables", "nftables", "miniupnpd-nftables", "coturn")
+APT_PACKAGES = ("iptables", "nftables", "miniupnpd-nftables", "coturn", "conntrack")
 STUN_PORT = 3478
 NAT_KINDS = ("eim", "symmetric", None)
 CLONE_NEWNET = 0x40000000

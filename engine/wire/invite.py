@@ -389,8 +389,10 @@ class HostState:
             raise InviteError("no such invite (revoked, expired or unknown)")
         return rendezvous_key(join_psk(bytes.fromhex(rec["secret"]), self.pipeline, invite_id))
 
-    def invite_psk(self, invite_id: bytes) -> bytes:
-        """The psk for a join with this invite, or InviteError saying why it is refused."""
+    def invite_psk(self, invite_id: bytes, used_up_ok: bool = False) -> bytes:
+        """The psk for a join with this invite, or InviteError saying why it is refused.
+        used_up_ok: a used-up invite still gives its psk (a member joining with the code
+        again, its node started afresh: the host admits it once it knows the key)."""
         rec = self._read().get("invites", {}).get(invite_id.hex())
         if rec is None:
             raise InviteError("unknown invite (not issued by this host, or deleted)")
@@ -398,7 +400,7 @@ class HostState:
             raise InviteError("this invite was revoked by the host")
         if time.time() > rec["expires"]:
             raise InviteError("this invite has expired")
-        if rec["uses"] >= rec["max_uses"]:
+        if rec["uses"] >= rec["max_uses"] and not used_up_ok:
             raise InviteError(f"this invite is used up ({rec['max_uses']} use(s))")
         return join_psk(bytes.fromhex(rec["secret"]), self.pipeline, invite_id)
 
@@ -408,7 +410,16 @@ class HostState:
 
         with self._locked() as data:
             rec = data["invites"].get(invite_id.hex())
+            known = data["members"].get(node_key.hex())
+            if rec is not None and known is not None and known.get("invite") == invite_id.hex() \
+                    and not known["revoked"] and not rec["revoked"]:
+                # a member joining with its code again (its node lost what it knew): the
+                # same machine, not one more use
+                known["name"] = name[:64] or known["name"]
+                return
             if rec is None or rec["revoked"] or rec["uses"] >= rec["max_uses"] or time.time() > rec["expires"]:
+                if rec is not None and rec["uses"] >= rec["max_uses"]:
+                    raise InviteError(f"this invite is used up ({rec['max_uses']} use(s))")
                 raise InviteError("this invite is no longer valid")
             rec["uses"] += 1
             data["members"][node_key.hex()] = {"node_id": node_id(node_key), "name": name[:64],

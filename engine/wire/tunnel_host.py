@@ -369,12 +369,15 @@ class TunnelHost:
             return await self._resume(ws, path, invite_id, msg1)
         if mode == MODE_FRIEND:
             raise _Refused("a friend's hop goes to a friend's door, not to the host")
-        psk = None
+        psk, used_up = None, None
         if mode == MODE_JOIN:
             try:
                 psk = self.state.invite_psk(invite_id)
             except InviteError as exc:
-                raise _Refused(str(exc)) from None
+                if "used up" not in str(exc):
+                    raise _Refused(str(exc)) from None
+                # perhaps a member joining with the code again: known once its key is read
+                psk, used_up = self.state.invite_psk(invite_id, used_up_ok=True), str(exc)
         r = Responder(self.identity.private, prologue, psk=psk)
         try:
             payload = r.read_1(msg1)
@@ -386,11 +389,13 @@ class TunnelHost:
         while len(self._seen_ephemeral) > 100_000:
             self._seen_ephemeral.popitem(last=False)
         key = r.remote_static
-        if mode == MODE_MEMBER:
+        if mode == MODE_MEMBER or used_up:
             try:
-                self.state.check_member(key)
+                rec = self.state.check_member(key)
             except InviteError as exc:
-                raise _Refused(str(exc)) from None
+                raise _Refused(used_up or str(exc)) from None
+            if used_up and rec.get("invite") != invite_id.hex():
+                raise _Refused(used_up)
         try:
             hello = json.loads(payload or b"{}")
             name = str(hello.get("name", ""))[:64] if isinstance(hello, dict) else ""

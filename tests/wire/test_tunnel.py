@@ -74,9 +74,13 @@ def test_host_state_expiry_uses_and_revocation(tmp_path):
     assert inv.parse(code).invite_id == i.invite_id
     assert st.invite_psk(i.invite_id) == i.psk()
     st.record_join(i.invite_id, b"a" * 32, "alice")
+    st.record_join(i.invite_id, b"a" * 32, "alice")     # the same machine again: not a second use
     st.record_join(i.invite_id, b"b" * 32, "bob")
     with pytest.raises(inv.InviteError, match="used up"):
         st.invite_psk(i.invite_id)
+    with pytest.raises(inv.InviteError, match="used up"):
+        st.record_join(i.invite_id, b"c" * 32, "carol")
+    assert st.invite_psk(i.invite_id, used_up_ok=True) == i.psk()
     assert st.check_member(b"a" * 32)["name"] == "alice"
     with pytest.raises(inv.InviteError, match="unknown node key"):
         st.check_member(b"c" * 32)
@@ -334,6 +338,12 @@ async def test_refusals_have_clear_reasons(tmp_path):
         await s.close("done")
         # used up
         other_me = load_or_create_identity(tmp_path / "joiner2")
+        with pytest.raises(TunnelError, match="used up"):
+            await open_session(good, other_me, target)
+        # ...but the member it admitted may join with it again (its node started afresh and
+        # no longer knows it is a member): the same machine, not one more use
+        s = await open_session(good, me, target)
+        await s.close("done")
         with pytest.raises(TunnelError, match="used up"):
             await open_session(good, other_me, target)
         # expired

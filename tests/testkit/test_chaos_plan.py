@@ -1,0 +1,65 @@
+"""The chaos run's decisions (testkit/chaos_plan.py): the seeded schedule, the checker's
+verdicts, and the growth summary."""
+
+from __future__ import annotations
+
+from testkit.chaos_plan import COMBOS, KINDS, FAILED, LOST, OK, WRONG, check, grew, judge, requests, schedule
+
+
+def test_the_schedule_is_the_seeds_and_each_kind_comes_before_any_repeats():
+    a, b = schedule(7, 300), schedule(7, 300)
+    assert a == b and schedule(8, 300) != a
+    kinds = KINDS + COMBOS
+    first = [e.name for e in a[:len(kinds)]]
+    assert sorted(first) == sorted(kinds)
+    for e in a:
+        for f in e.faults:
+            if f.kind in ("kill", "freeze", "cut", "slow", "share"):
+                assert f.target in (1, 2)
+            if f.kind in ("freeze", "cut"):
+                assert 2.0 <= f.duration_s <= 60.0
+        if e.name == "two":
+            assert len(e.faults) == 2 and e.faults[0].kind != e.faults[1].kind
+        if e.name == "during_recovery":
+            assert e.after_recovery_starts and e.faults[0].kind == "kill"
+            assert e.faults[0].target != e.faults[1].target   # the other friend, while the first is missed
+    assert max(f.duration_s for e in schedule(7, 3600, short=True) for f in e.faults) <= 20.0
+
+
+def test_the_pool_has_every_kind_of_request_and_keys_are_unique():
+    pool = requests()
+    assert {r.kind for r in pool} == {"chat", "seeded", "tool", "long"}
+    assert len({r.key for r in pool}) == len(pool)
+    assert all(r.body.get("n") == 2 and r.body.get("seed") is not None for r in pool if r.kind == "seeded")
+
+
+def _done(*texts, finish="stop"):
+    return {"status": "done", "choices": [{"text": t, "tool_calls": "", "finish_reason": finish} for t in texts]}
+
+
+def test_the_checker_judges_every_kind_of_outcome():
+    ref = (("Paris.", "", "stop"),)
+    assert judge(_done("Paris."), ref) == (OK, "")
+    assert judge(_done("Par"), ref)[0] == WRONG                      # shortened and called finished
+    assert judge(_done("Paris.", finish=None), ref)[0] == WRONG      # no finish reason
+    assert judge(_done("Paris.", "Paris."), ref)[0] == WRONG         # a second choice nobody asked for
+    assert judge({"status": "error", "error": "the host restarted"}, ref) == (FAILED, "the host restarted")
+    assert judge({"status": "error", "error": " "}, ref)[0] == LOST  # an error that says nothing
+    assert judge({"status": "hang", "deadline_s": 300}, ref)[0] == LOST
+    assert judge({**_done("Paris."), "dupes": ["a second [DONE]"]}, ref)[0] == LOST
+    v = check({"a": ref}, [{"key": "a", "kind": "chat", **_done("Paris.")},
+                           {"key": "a", "kind": "chat", "status": "error", "error": "generation failed: x y"},
+                           {"key": "a", "kind": "chat", **_done("Rome.")}])
+    assert v["counts"] == {OK: 1, WRONG: 1, FAILED: 1, LOST: 0}
+    assert v["reasons"] == {"generation failed: x y": 1} and v["bad"][0]["verdict"] == WRONG
+
+
+def test_growth_is_measured_after_warm_up_per_process():
+    mb = 2**20
+    samples = [{"t": t, "pid": 1, "role": "host node", "rss": (100 + t) * mb, "fds": 20, "threads": 9, "children": 0}
+               for t in range(0, 100, 10)]
+    samples += [{"t": 95, "pid": 2, "role": "friend1 node", "rss": 50 * mb, "fds": 10, "threads": 5, "children": 0}]
+    rows = grew(samples, warmup_s=50, min_life_s=10)
+    assert [r["pid"] for r in rows] == [1]             # the one sampled once is left out
+    r = rows[0]
+    assert r["rss_mb"] == 150 and r["rss_last_mb"] == 190 and abs(r["rss_growth"] - 40 / 150) < 1e-3
