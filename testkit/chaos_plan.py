@@ -210,11 +210,16 @@ def _reason(why: str) -> str:
 def grew(samples: list[dict], warmup_s: float, min_life_s: float = 0.0) -> list[dict]:
     """Per process (by pid): its first sample after warm-up against its last and its
     largest, for RSS, descriptors and threads. samples: {t, pid, role, rss, fds, threads,
-    children}; t counts from the run's start. Processes that lived under min_life_s after
-    warm-up (started again by a fault, say) are left out: their growth is their loading."""
+    children}; t counts from the run's start. Warm-up counts from the run's start and,
+    for a process started later (again, after a fault), from its own first sample: until
+    then its growth is its loading. Processes sampled for under min_life_s after their
+    warm-up are left out."""
     by_pid: dict[int, list[dict]] = {}
+    born: dict[int, float] = {}
     for s in samples:
-        if s["t"] >= warmup_s:
+        born[s["pid"]] = min(born.get(s["pid"], s["t"]), s["t"])
+    for s in samples:
+        if s["t"] >= max(warmup_s, born[s["pid"]] + warmup_s if born[s["pid"]] > 0 else warmup_s):
             by_pid.setdefault(s["pid"], []).append(s)
     out = []
     for pid, ss in by_pid.items():

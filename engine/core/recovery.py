@@ -31,8 +31,11 @@ from dataclasses import dataclass
 # how often machines that left are asked whether they are back, and for how long
 WATCH_S, REJOIN_GRACE_S = 2.0, 600.0
 # how the stages left are asked to go on (they should answer: they are up), and how
-# the one that left is (briefly: it may only have dropped its connection)
-SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S = 10, 30.0
+# the one that left is (briefly: it may only have dropped its connection). A stage
+# still letting its last head go refuses at once, so it is asked again; one that says
+# nothing within SURVIVOR_WITHIN_S (asleep, its line cut at the same moment) is gone
+# too: every request waits while it is asked, and the watch asks it back later
+SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S, SURVIVOR_WITHIN_S = 10, 5.0, 8.0
 LOST_ATTEMPTS, LOST_TIMEOUT_S = 1, 2.0
 # a machine that left or offered itself, asked whether it is (still) there
 PROBE_TIMEOUT_S = 2.0
@@ -79,6 +82,7 @@ class Ask:
     attempts: int
     timeout: float
     lost: bool       # the one that left
+    within: float | None = None   # no attempt starts after this many seconds
 
 
 class Recovery:
@@ -191,7 +195,7 @@ class Recovery:
             elif i == lost:
                 asks.append(Ask(address, i, LOST_ATTEMPTS, LOST_TIMEOUT_S, True))
             else:
-                asks.append(Ask(address, i, SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S, False))
+                asks.append(Ask(address, i, SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S, False, SURVIVOR_WITHIN_S))
         if joined is not None:
             self.take(joined)
         return asks

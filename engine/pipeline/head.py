@@ -151,6 +151,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         self.compute = compute
         self.link: LinkSender | None = None
         self.profiles: list[dict] = []
+        # every machine's last profile by address (and the layers it was measured for),
+        # kept after it leaves: one that comes back starts from it (recovery_driver.py)
+        self.known_profiles: dict[str, tuple[dict, int]] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_lock = asyncio.Lock()
         self.pipeline = pipeline

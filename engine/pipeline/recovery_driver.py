@@ -61,7 +61,7 @@ class RecoveryDriver:
         layers over who is there, and replay every live sequence on the new arrangement."""
         asks = self.recovery.begin([r.address for r in self.remotes], self.ranges, time.monotonic(), lost,
                                    ask_back, joined.address if joined is not None else None)
-        hints = self._profile_hints(lost)
+        hints = self._profile_hints()
         await self._let_go()
         live = self._rewind()
         self.remotes = await self._ask(asks) + ([joined] if joined is not None else [])
@@ -91,14 +91,19 @@ class RecoveryDriver:
                     self.n_stages, done["seconds"], len(live))
         self._kick()
 
-    def _profile_hints(self, lost: int | None) -> dict:
+    def _profile_hints(self) -> dict:
         """Each machine's last profile, for the layers it held: the stages left start from
-        it scaled to their new share instead of profiling again while everyone waits."""
-        hints = {"head": (self.profiles[0], self.ranges[0][1] - self.ranges[0][0])} if self.profiles else {}
+        it scaled to their new share instead of profiling again while everyone waits, and
+        so does a machine that comes back (a laptop that slept, a node started again: the
+        same address through its tunnel), whose measuring would pause every request for
+        seconds. Steps in service correct a profile that no longer fits."""
+        known = self.known_profiles
+        if self.profiles:
+            known["head"] = (self.profiles[0], self.ranges[0][1] - self.ranges[0][0])
         for i, r in enumerate(self.remotes, start=1):
-            if i != lost and i < len(self.profiles):
-                hints[r.address] = (self.profiles[i], r.range[1] - r.range[0])
-        return hints
+            if i < len(self.profiles):
+                known[r.address] = (self.profiles[i], r.range[1] - r.range[0])
+        return dict(known)
 
     async def _let_go(self):
         """Let the old arrangement's connections go, all at once: a dead peer's each waits
@@ -121,18 +126,20 @@ class RecoveryDriver:
         return live
 
     async def _ask(self, asks: list[Ask]) -> list[RemoteStage]:
-        """The old arrangement's machines, asked to go on as the recovery says: those that answer."""
-        answered = []
-        for ask in asks:
+        """The old arrangement's machines, asked to go on as the recovery says, all at once
+        (one that says nothing costs its wait once, not once per machine after it): those
+        that answer, in the old order."""
+        async def one(ask: Ask) -> RemoteStage | None:
             r = RemoteStage(ask.address)
             try:
-                await self._hello(r, attempts=ask.attempts, timeout=ask.timeout)
+                await self._hello(r, attempts=ask.attempts, timeout=ask.timeout, within=ask.within)
             except PipelineError as exc:
                 self.recovery.unanswered(ask, str(exc), time.monotonic())
-                continue
+                return None
             self.recovery.answered(ask)
-            answered.append(r)
-        return answered
+            return r
+
+        return [r for r in await asyncio.gather(*(one(a) for a in asks)) if r is not None]
 
     def _fresh_scheduler(self, capacity: int):
         """A scheduler for the new arrangement, holding the rewound sequences and any

@@ -9,6 +9,7 @@ read here for tokens, step errors, a stage leaving, new profiles and stats.
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from dataclasses import dataclass
 
@@ -51,9 +52,13 @@ class RingFormation:
             self._secrets[url] = secret
         return url
 
-    async def _hello(self, r: RemoteStage, attempts: int = 1, timeout: float = 30):
-        """The control connection to a stage, and its welcome (free memory, speed, device)."""
+    async def _hello(self, r: RemoteStage, attempts: int = 1, timeout: float = 30, within: float | None = None):
+        """The control connection to a stage, and its welcome (free memory, speed, device).
+        within: seconds after which no further attempt starts (each gets what is left)."""
+        end = None if within is None else time.monotonic() + within
         for attempt in range(attempts):
+            if end is not None:
+                timeout = max(0.5, min(timeout, end - time.monotonic()))
             try:
                 r.ws = await connect_stage(r.address, "control", self.pipeline,
                                            key=self._secrets.get(r.address, ""), timeout=timeout)
@@ -63,7 +68,7 @@ class RingFormation:
                 if r.ws is not None:  # connected but no welcome (a frozen machine): let it go
                     asyncio.ensure_future(r.ws.close())
                     r.ws = None
-                if attempt + 1 < attempts:
+                if attempt + 1 < attempts and (end is None or time.monotonic() + 0.5 < end):
                     await asyncio.sleep(0.5)  # a stage lets its last head go before it takes the next
                     continue
                 raise PipelineError(f"cannot reach stage at {r.address}: {exc}") from None

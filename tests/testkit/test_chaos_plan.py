@@ -59,7 +59,11 @@ def test_growth_is_measured_after_warm_up_per_process():
     samples = [{"t": t, "pid": 1, "role": "host node", "rss": (100 + t) * mb, "fds": 20, "threads": 9, "children": 0}
                for t in range(0, 100, 10)]
     samples += [{"t": 95, "pid": 2, "role": "friend1 node", "rss": 50 * mb, "fds": 10, "threads": 5, "children": 0}]
+    # started again at 40 s: it loads until 90 s, and from there it is flat
+    samples += [{"t": t, "pid": 3, "role": "friend2 node", "rss": (300 if t >= 90 else 50 + t) * mb, "fds": 10,
+                 "threads": 5, "children": 0} for t in range(40, 200, 10)]
     rows = grew(samples, warmup_s=50, min_life_s=10)
-    assert [r["pid"] for r in rows] == [1]             # the one sampled once is left out
-    r = rows[0]
+    assert [r["pid"] for r in rows] == [3, 1]          # the one sampled once is left out
+    assert rows[0]["rss_growth"] == 0.0 and rows[0]["rss_mb"] == 300
+    r = rows[1]
     assert r["rss_mb"] == 150 and r["rss_last_mb"] == 190 and abs(r["rss_growth"] - 40 / 150) < 1e-3
