@@ -194,7 +194,7 @@ class Node(NodeRoutes, Hosting, Sharing):
     async def close(self):
         if self._policy_task is not None:
             self._policy_task.cancel()
-        await self._stop_host()
+        await self._stop_host("Potluck on the host computer is shutting down")
         await self._stop_share("this computer's Potluck is shutting down")
 
 

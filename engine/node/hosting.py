@@ -273,7 +273,7 @@ class Hosting:
                             friends=[p.name or p.node_id for p in peers])
         return await gate.route(peers, cfg)
 
-    async def _stop_host(self):
+    async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
         if self.host_task is not None and not self.host_task.done():
             self.host_task.cancel()
             try:
@@ -281,14 +281,17 @@ class Hosting:
             except (asyncio.CancelledError, Exception):
                 pass
         self.host_task = None
+        if self.pipe is not None:
+            # the pipeline first: each reply still streaming ends with why, and the API
+            # gets a moment to send it before its connections close
+            pipe, self.pipe, self.head = self.pipe, None, None
+            await pipe.close(why)
+            await asyncio.sleep(0.2)
         for runner in (self.api_runner, self.api_lan_runner):
             if runner is not None:
                 await runner.cleanup()
         self.api_runner = self.api_lan_runner = None
         self.api_lan_url = None
-        if self.pipe is not None:
-            pipe, self.pipe, self.head = self.pipe, None, None
-            await pipe.close()
         self.openai_url = None
         self.loading = None
         if self.friends_gate is not None:

@@ -277,8 +277,12 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         """Why the pipeline cannot serve (None: it can)."""
         return self.recovery.failed
 
-    async def close(self):
+    async def close(self, why: str = "the pipeline was stopped"):
+        """Stop: every request still running ends first, with `why` (an API client reads
+        it in its stream), then the stages are let go."""
         self.recovery.close()
+        for s in list(self.seqs.values()):
+            self._finish(s, "error", why, free=False)
         for task in (self._recovery, self._watch):
             if task is not None and not task.done():
                 task.cancel()  # what it connected is closed below
@@ -292,8 +296,6 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
                 await r.ws.close()
         if self._data_ws is not None:
             await self._data_ws.close()
-        for s in list(self.seqs.values()):
-            self._finish(s, "error", "pipeline closed", free=False)
         self._exec.shutdown(wait=False, cancel_futures=True)
         self._decode_exec.shutdown(wait=False, cancel_futures=True)
         self._stop_drafting_ahead()

@@ -55,8 +55,8 @@ class Pipeline:
     head: Head
     local: LocalStages | None = None
 
-    async def close(self):
-        await self.head.close()
+    async def close(self, why: str = "the pipeline was stopped"):
+        await self.head.close(why)
         if self.local is not None:
             await self.local.stop()
 

@@ -366,3 +366,31 @@ async def test_requests_without_sampling_fields_get_defaults_that_do_not_loop(cl
     for seed in (1, 2, 3):
         resp = await client.chat.completions.create(model="default", messages=HAIKU, max_tokens=200, seed=seed)
         assert repeats(resp.choices[0].message.content) <= 2, resp.choices[0].message.content
+
+
+async def test_a_reply_streaming_when_the_pipeline_stops_ends_saying_why(tiny_folder):
+    """The host's node quits (or stops hosting) mid-reply: the client's stream ends with
+    an error naming why, not a dropped connection (the chaos run's host restart)."""
+    from engine.pipeline.api import serve_api
+    from engine.pipeline.launch import PipelineConfig, launch
+
+    folder, _ = tiny_folder("llama", seed=0)
+    pipe = await launch(PipelineConfig(model=str(folder), stages=1, threads=1, device="cpu"))
+    pipe.head.eos_ids = set()
+    runner = await serve_api(pipe.head, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"prompt": list(range(5, 15)), "max_tokens": 100, "stream": True}) as resp:
+                assert resp.status == 200
+                chunks = 0
+                async for line in resp.content:
+                    chunks += line.startswith(b"data: {")
+                    if chunks >= 3:
+                        break
+                await pipe.close("Potluck on the host computer is shutting down")
+                rest = await asyncio.wait_for(resp.read(), 30)
+        assert b"Potluck on the host computer is shutting down" in rest and rest.rstrip().endswith(b"[DONE]"), rest[-500:]
+    finally:
+        await pipe.close()
+        await runner.cleanup()
