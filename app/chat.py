@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
                                QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
 from .client import ChatStream
-from .pipeline_text import friend_label, hop_label, speculation_label
+from .pipeline_text import hop_label, speculation_label
 from .store import DamagedConversation, Message
 
 FLUSH_MS = 80
@@ -247,13 +247,13 @@ class ChatWindow(QMainWindow):
         events = hosting.get("events") or []
         last = events[-1] if events else {}
         left = [e for e in events if e.get("event") == "left"]
-        who = (left[-1].get("address") if left else None) or "a computer"
+        who = (left[-1].get("who") if left else None) or "a computer"   # the node names it
         recovering = hosting.get("recovering")
         if recovering and last.get("event") == "waiting":
             return f"{model} — {who} left; {recovering}… your conversation waits"
         if recovering and last.get("event") in ("back", "joined"):
             verb = "is back" if last["event"] == "back" else "joined"
-            return f"{model} — {last.get('address') or 'a computer'} {verb}; rearranging the layers…"
+            return f"{model} — {last.get('who') or 'a computer'} {verb}; rearranging the layers…"
         if recovering:
             return f"{model} — {who} left; rearranging the layers over the others… your conversation goes on"
         took = last.get("seconds")
@@ -278,21 +278,10 @@ class ChatWindow(QMainWindow):
             self.progress_box.hide()
         if hosting:
             self.model_label.setText(self.hosting_headline(hosting))
-            parts = []
-            for i, s in enumerate(hosting["stages"]):
-                a, b = s["layers"]
-                where = "this computer (head)" if i == 0 else (
-                    friend_label(s))
-                kv = f", {s['kv_tokens']} KV tokens" if s.get("kv_tokens") is not None else ""
-                link = s.get("link") or {}
-                if link.get("rtt_ms") is not None:
-                    kv += f", link {link['rtt_ms']:.1f} ms"
-                    if link.get("mbit_s"):
-                        kv += f" / {link['mbit_s']:.0f} Mbit/s"
-                on = f" ({s['device_name']})" if s.get("device_name") else ""
-                parts.append(f"layers {a}–{b - 1}: {where}{on}{kv}")
+            # the ring as the node words it (engine/node/ring_view.py): who computes what
+            # share, on what, over which path; who left and why
+            parts = [hosting.get("ring_text") or "This computer"]
             parts.extend(hop_label(h) for h in hosting.get("hops") or [])
-            parts.append(f"{hosting.get('tokens_served', 0)} tokens served")
             spec = speculation_label(hosting)
             if spec:
                 parts.append(spec)

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from . import autostart, gpu_enable
 from .secrets_store import get_secret, set_secret
-from .pipeline_text import friend_label, hop_label, speculation_label
+from .pipeline_text import hop_label, speculation_label
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
@@ -57,6 +57,23 @@ def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def advanced_box(lay) -> tuple[QGroupBox, QFormLayout]:
+    """A folded "Advanced" section appended to lay (its form inside): ports, relays,
+    addresses and keys, which work as they are for most people."""
+    box = QGroupBox("Advanced")
+    box.setObjectName("advanced")
+    box.setCheckable(True)
+    box.setChecked(False)
+    inner = QWidget()
+    form = QFormLayout(inner)
+    form.setContentsMargins(0, 0, 0, 0)
+    QVBoxLayout(box).addWidget(inner)
+    inner.setVisible(False)
+    box.toggled.connect(inner.setVisible)
+    lay.addWidget(box)
+    return box, form
+
+
 class HostDialog(QDialog):
     """Pick a model, see memory needed vs available and the split, start, follow the loading."""
 
@@ -75,6 +92,21 @@ class HostDialog(QDialog):
         self.model.setToolTip("Pick a model (sizes: its weights at each precision), or type a Hugging Face "
                               "model id, a local folder or a .gguf file")
         form.addRow("Model:", self.model)
+        # the model list's labels are long (name, size per precision): shown whole
+        self.model.setSizeAdjustPolicy(QComboBox.AdjustToContents)
+        self.model.setMinimumContentsLength(48)
+        # which model this group can run: the node's answer for the chosen model (GET /models'
+        # `group`: this computer's memory and the friends' in the ring, against the weights)
+        self.fit_label = QLabel("")
+        self.fit_label.setWordWrap(True)
+        form.addRow("", self.fit_label)
+        self.invitees = QSpinBox()
+        self.invitees.setRange(0, 8)
+        self.invitees.setToolTip("How many friends' computers join with the invite code")
+        form.addRow("Friends to invite:", self.invitees)
+        lay.addLayout(form)
+        # what only someone who knows their network needs: defaults that work, folded away
+        self.advanced, form = advanced_box(lay)
         self.weights = QComboBox()
         for label, value in WEIGHTS_CHOICES:
             self.weights.addItem(label, value)
@@ -93,15 +125,12 @@ class HostDialog(QDialog):
                               "computer its memory and a download; Potluck drafts only where it pays")
         form.addRow("Draft model:", self.draft)
         self.model.currentTextChanged.connect(self._show_draft_pairing)
+        self.model.currentTextChanged.connect(self._show_fit)
         controller.models(self._show_models)   # the list fills in when the node answers
         self.stages = QSpinBox()
         self.stages.setRange(1, 8)
         self.stages.setValue(controller.settings.local_stages)
         form.addRow("Stages on this computer:", self.stages)
-        self.invitees = QSpinBox()
-        self.invitees.setRange(0, 8)
-        self.invitees.setToolTip("How many friends' computers join with the invite code")
-        form.addRow("Friends to invite:", self.invitees)
         self.listen = QLineEdit("0.0.0.0:7870")
         self.listen.setToolTip("Where friends reach this computer directly: Potluck asks your router to map this "
                                "port (UPnP); where it will not, a friend gets a reply code to paste below, or use a relay")
@@ -135,7 +164,6 @@ class HostDialog(QDialog):
         api_row.addWidget(new_key)
         form.addRow(self.api_lan)
         form.addRow("API on the network:", api_row)
-        lay.addLayout(form)
         self.check_button = QPushButton("Check memory and split")
         self.check_button.clicked.connect(self.check)
         lay.addWidget(self.check_button)
@@ -206,6 +234,18 @@ class HostDialog(QDialog):
         if typed != DEFAULT_CHOICE:
             self.model.setEditText(typed)
         self._show_draft_pairing()
+        self._show_fit()
+
+    def _show_fit(self, *_):
+        """'fits on this computer', 'fits with your friends as int8…', or the friend to invite."""
+        spec = self.model_spec(self.model.currentText())
+        fit = next((m.get("group") for m in self.models if m["id"] == spec), None)
+        if not fit:
+            self.fit_label.setText("" if self.models else "Checking what this computer can run…")
+            return
+        color = "#15803d" if fit["fits"] else "#b91c1c"
+        self.fit_label.setText(f"<span style='color:{color}'>{html.escape(fit['words'][:1].upper() + fit['words'][1:])}"
+                               "</span>")
 
     def draft_pairing(self) -> str:
         """The catalog's draft model for the chosen model ('' where it pairs none)."""
@@ -381,7 +421,7 @@ class JoinDialog(QDialog):
         self.code = QLineEdit()
         self.code.setPlaceholderText("invite code, short code (with the relay below), or the pipeline's name")
         lay.addWidget(self.code)
-        form = QFormLayout()
+        self.advanced, form = advanced_box(lay)
         self.relay = QLineEdit()
         self.relay.setPlaceholderText("only for a short code like 4821-917305: the host's relay, ws://…")
         form.addRow("Relay:", self.relay)
@@ -390,7 +430,6 @@ class JoinDialog(QDialog):
         self.port.setValue(controller.settings.share_port)
         self.port.setToolTip("Only when joining by pipeline name: the host then connects to this port")
         form.addRow("Port (joining by name):", self.port)
-        lay.addLayout(form)
         box = QGroupBox("What will be used of this computer")
         bl = QVBoxLayout(box)
         self.usage = QLabel("")
@@ -613,16 +652,24 @@ class StatusDialog(QDialog):
         self.view.setHtml(status_html(st))
 
 
+STATE_WORDS = {"idle": "Not hosting or sharing", "loading": "Starting…", "serving": "Hosting",
+               "sharing": "Sharing this computer with a friend", "paused": "Sharing paused",
+               "error": "Something went wrong"}
+
+
 def event_line(e: dict) -> str:
-    """One failover event (the head's `events`), in words."""
+    """One failover event (the head's `events`, each named by the node: `who`), in words."""
     when = time.strftime("%H:%M:%S", time.localtime(e["t"])) if isinstance(e.get("t"), (int, float)) else ""
     kind = e.get("event")
+    who = e.get("who") or "a computer"
     if kind == "left":
-        text = f"{e.get('address') or 'a computer'} left: {e.get('why') or 'unknown reason'}"
+        from engine.node.ring_view import _plain_why   # the same words the ring view uses
+
+        text = f"{who} left: {_plain_why(e.get('why'))}"
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
     elif kind in ("back", "joined"):
-        text = f"{e.get('address') or 'a computer'} {'is back' if kind == 'back' else 'joined'}"
+        text = f"{who} {'is back' if kind == 'back' else 'joined'}"
     elif kind in ("recovered", "rejoined"):
         text = (f"rearranged over {e.get('stages')} computer(s) in {e.get('seconds', 0):.1f} s; "
                 f"{e.get('replayed', 0)} conversation(s) replayed, none lost")
@@ -631,28 +678,41 @@ def event_line(e: dict) -> str:
     return f"{when} {html.escape(text)}".strip()
 
 
+def ring_table(h: dict) -> str:
+    """The ring (the node's `ring` rows): each computer, what it computes on, its share,
+    the path and round trip of its link; those who left, and why."""
+    out = ["<table border=1 cellpadding=4><tr><th>Computer</th><th>Computes on</th><th>Share of the model</th>"
+           "<th>Connection</th></tr>"]
+    for r in h.get("ring") or []:
+        if r.get("state") == "left":
+            out.append(f"<tr><td>{html.escape(r['who'])}</td><td colspan=3><i>left: "
+                       f"{html.escape(r.get('why') or '')}</i></td></tr>")
+            continue
+        link = ", ".join(x for x in (r.get("path"), f"{r['rtt_ms']:.0f} ms" if r.get("rtt_ms") is not None else None)
+                         if x) or "this computer"
+        out.append(f"<tr><td>{html.escape(r['who'])}</td><td>{html.escape(str(r.get('device')))}</td>"
+                   f"<td>{html.escape(r.get('share') or '')}</td><td>{html.escape(link)}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
 def status_html(st: dict) -> str:
     st = st or {}
-    out = [f"<h3>State: {st.get('state', 'unknown')}</h3>"]
+    state = st.get("state", "unknown")
+    out = [f"<h3>{STATE_WORDS.get(state, state)}</h3>"]
     if st.get("error"):
-        out.append(f"<p style='color:#b91c1c'>{st['error']}</p>")
+        out.append(f"<p style='color:#b91c1c'>{html.escape(st['error'])}</p>")
     h = st.get("hosting")
     if h:
-        weights = f" ({h['weights']} weights)" if h.get("weights") else ""
-        out.append(f"<p><b>Hosting {h['model']}</b>{weights} — {h.get('tokens_served', 0)} tokens served, "
-                   f"{h.get('running', 0)} running, {h.get('waiting', 0)} waiting, KV "
-                   f"{h.get('kv_used_tokens')}/{h.get('kv_capacity_tokens')} tokens<br>"
-                   f"OpenAI URL: <code>{h.get('openai_url')}</code>"
+        ring_rows = h.get("ring") or []
+        rate = ring_rows[0].get("tokens_per_s") if ring_rows else None
+        out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {h.get('tokens_served', 0)} tokens written"
+                   + (f", {rate:.1f} tokens/s now" if rate else "")
+                   + f"; {h.get('running', 0)} conversation(s) answering, {h.get('waiting', 0)} waiting<br>"
+                   f"For other programs (OpenAI-compatible): <code>{h.get('openai_url')}</code>"
                    + (f"<br>On your network: <code>{h['api_lan_url']}</code> (with the API key from "
                       "Host a pipeline…)" if h.get("api_lan_url") else "")
-                   + "</p><table border=1 cellpadding=4>"
-                   "<tr><th>Computer</th><th>Computes on</th><th>Layers</th><th>KV tokens</th></tr>")
-        for s in h["stages"]:
-            a, b = s["layers"]
-            who = friend_label(s)
-            on = s.get("device_name") or s.get("device") or "?"
-            out.append(f"<tr><td>{who}</td><td>{on}</td><td>{a}–{b - 1}</td><td>{s.get('kv_tokens', '?')}</td></tr>")
-        out.append("</table>")
+                   + "</p>" + ring_table(h))
         hops = [hop_label(x) for x in h.get("hops") or []]
         if hops:    # friend to friend: straight across, or through this computer
             out.append("<p><b>Between friends</b><br>" + "<br>".join(html.escape(x) for x in hops) + "</p>")
@@ -666,17 +726,21 @@ def status_html(st: dict) -> str:
             out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")
     sh = st.get("sharing") or {}
     if sh.get("on"):
-        line = (f"<p><b>Sharing this computer</b> ({sh.get('device_name') or sh.get('device') or '?'}) "
-                f"on {sh.get('address') or '(not listening)'}")
+        line = f"<p><b>Sharing this computer</b> ({sh.get('device_name') or sh.get('device') or '?'})"
+        if sh.get("layers"):
+            a, b = sh["layers"]
+            line += f": {b - a} layers of a friend's model"
+        elif not sh.get("paused"):
+            line += ": waiting for a friend's pipeline"
         if sh.get("paused"):
-            line += f" — paused: {sh.get('reason')}"
+            line += f" — paused: {html.escape(str(sh.get('reason')))}"
         if sh.get("restarts"):
             line += f" — {html.escape(sh.get('stopped') or 'restarted')} ({sh['restarts']}×)"
         out.append(line + "</p>")
     else:
-        out.append("<p>Sharing this GPU: off</p>")
+        out.append("<p>Sharing this computer: off</p>")
     gpu = st.get("gpu") or {}
-    out.append(f"<p><b>GPU:</b> {gpu.get('message', '')}</p>")
+    out.append(f"<p><b>GPU:</b> {html.escape(gpu.get('message', ''))}</p>")
     for g in gpu.get("gpus") or []:
         power = f", {g['power_w']:.0f} W" if g.get("power_w") is not None else ""
         out.append(f"<p>{g['name']}: {g['utilization_pct']:.0f}% · {g['memory_used_mb']:.0f}/"

@@ -79,7 +79,9 @@ def read_nvidia(nvml=None) -> GpuInfo:
     try:
         nvml.nvmlInit()
     except Exception as exc:
-        return GpuInfo(why=f"no NVIDIA driver ({type(exc).__name__})")
+        from engine.node.gpu import nvml_reason
+
+        return GpuInfo(why=nvml_reason(exc))
     info = GpuInfo()
     try:
         caps = []
@@ -98,9 +100,11 @@ def read_nvidia(nvml=None) -> GpuInfo:
         except Exception:
             pass
         if not info.names:
-            info.why = "NVML sees no NVIDIA GPU"
+            info.why = "the NVIDIA driver sees no GPU"
     except Exception as exc:
-        info.why = f"NVML failed: {exc}"
+        from engine.node.gpu import nvml_reason
+
+        info.why = nvml_reason(exc)
     finally:
         try:
             nvml.nvmlShutdown()

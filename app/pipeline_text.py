@@ -1,5 +1,6 @@
-"""How the app names a friend's stage and the path to it (the chat window's header and
-Pipeline status say the same): pure, from the node's status."""
+"""How the app words a hop between friends and speculation (the chat window's header and
+Pipeline status say the same): pure, from the node's status. The ring itself the node
+words (engine/node/ring_view.py)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,6 @@ def speculation_label(hosting: dict) -> str:
     the head says it in words (its status's speculation.summary, engine/core/speculation.py
     describe); the app, a client of the node's API, only shows it."""
     return str((hosting.get("speculation") or {}).get("summary") or "")
-
-
-def friend_label(stage: dict) -> str:
-    """'Ana (direct (mapped), 23 ms)': who holds the stage, the tunnel's path (direct, and
-    how: LAN, the router's mapping, a punched hole, IPv6, a public address; or relayed) and its round
-    trip; a stage reached by address is named by it."""
-    if not stage.get("name"):
-        return stage.get("address", "?")
-    via = stage.get("via") or "connecting"
-    if via == "relay":
-        via = "relayed"
-    rtt = (stage.get("tunnel") or {}).get("rtt_ms")
-    return f"{stage['name']} ({via}{f', {rtt:.0f} ms' if rtt is not None else ''})"
 
 
 def hop_label(hop: dict) -> str:

@@ -33,15 +33,15 @@ def tooltip(st: dict) -> str:
         lines.append(st["error"][:120])
     h = st.get("hosting")
     if h:
-        lines.append(f"Hosting {h['model']} on {len(h['stages'])} stage(s); {h.get('tokens_served', 0)} tokens served")
+        lines.append(f"Hosting {h['model']}; {h.get('tokens_served', 0)} tokens served")
     sh = st.get("sharing") or {}
     if sh.get("on"):
         if sh.get("paused"):
             lines.append(f"Sharing paused: {sh.get('reason')}")
         elif sh.get("layers"):
             a, b = sh["layers"]
-            lines.append(f"Sharing: layers {a}–{b - 1} on {sh.get('device_name') or sh.get('device') or '?'}, "
-                         f"{sh.get('kv_tokens', 0)} KV tokens")
+            lines.append(f"Sharing: {b - a} layers of a friend's model on "
+                         f"{sh.get('device_name') or sh.get('device') or '?'}")
         else:
             lines.append("Sharing: waiting for a friend's pipeline")
     gpu = st.get("gpu") or {}
@@ -49,7 +49,7 @@ def tooltip(st: dict) -> str:
         g = gpu["gpus"][0]
         lines.append(f"GPU {g['utilization_pct']:.0f}% · {g['temperature_c']:.0f} °C")
     elif gpu.get("message"):
-        lines.append("No NVIDIA GPU: serving on the CPU")
+        lines.append("No NVIDIA GPU: computing on the processor")
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from engine.pipeline.stopping import StopRequests
 from engine.model.device import DeviceError, device_name, pick_device
 from engine.node.control_basics import NodeError, default_token_file, lan_address, write_token_file
 from engine.node.hosting import DEFAULT_SHARE_PIPELINE, Hosting
+from engine.node.ring_view import TokenRate, ring, ring_text, with_names
 from engine.node.routes import NodeRoutes
 from engine.node.share_stage import SLEEP_LEAVE_S, Sharing
 from engine.node.sharing import Limits, SharePolicy
@@ -106,6 +107,7 @@ class Node(NodeRoutes, Hosting, Sharing):
         self.asleep = False   # the computer is going to (or is) asleep: nothing is shared
         self.started = time.time()
         self._lock = asyncio.Lock()
+        self._rate = TokenRate()   # tokens per second served, for the ring's live figure
         self._policy_task: asyncio.Task | None = None
 
     # ---- state ----------------------------------------------------------------
@@ -144,17 +146,29 @@ class Node(NodeRoutes, Hosting, Sharing):
             info["openai_url"] = self.openai_url
             info["api_lan_url"] = self.api_lan_url
             info["invite"] = self.invite_code
-            for st, f in zip(info["stages"][1:], self.friends):
+            # each friend's stage by its address here (after a friend left, the stages
+            # are fewer than the friends and in another order)
+            by_address = {getattr(f.get("peer"), "address", None): f for f in self.friends}
+            for st in info["stages"][1:]:
+                f = by_address.get(st.get("address"))
+                if f is None:
+                    continue
                 st["name"] = f["name"] or f["node_id"]
                 peer = f.get("peer")
                 live = peer.session.link() if peer is not None and peer.session is not None else None
                 # the path as it is now (a relayed friend moves to a direct path by itself)
                 st["via"] = live["path"] if live else f["via"]
                 st["tunnel"] = live
-            info["friends"] = [{k: v for k, v in f.items() if k != "peer"} for f in self.friends]
+            info["friends"] = [{**{k: v for k, v in f.items() if k != "peer"},
+                                "address": getattr(f.get("peer"), "address", None)} for f in self.friends]
             # friend to friend: each hop's path ("direct (lan)", "via the host") and round trip
             gate = getattr(self, "friends_gate", None)
             info["hops"] = gate.tunnels.hop_links() if gate is not None else []
+            # the ring in people's words (engine/node/ring_view.py): the app draws it
+            rate = self._rate.update(info.get("tokens_served") or 0)
+            info["events"] = with_names(info)
+            info["ring"] = ring(info, rate)
+            info["ring_text"] = ring_text(info["ring"])
             hosting = info
         sharing = {"on": self.share_wanted, "running": self.stage_server is not None,
                    "paused": bool(self.share_wanted and self.paused_reason), "reason": self.paused_reason,

@@ -41,8 +41,23 @@ def _nvml():
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return None, f"NVML: {exc.__class__.__name__}"
+        return None, nvml_reason(exc)
     return pynvml, None
+
+
+# what NVML's errors mean to the person at this computer (its class names are the
+# library's words: the app and the terminal show these instead)
+_NVML_WORDS = (("LibraryNotFound", "no NVIDIA driver is installed"),
+               ("Library Not Found", "no NVIDIA driver is installed"),
+               ("DriverNotLoaded", "the NVIDIA driver is installed but not running: restart the computer"),
+               ("NoPermission", "this user may not read the GPU"),
+               ("InsufficientPower", "the GPU's power cable is not connected"),
+               ("GpuIsLost", "the GPU stopped answering: restart the computer"))
+
+
+def nvml_reason(exc: BaseException) -> str:
+    text = f"{exc.__class__.__name__} {exc}"
+    return next((words for key, words in _NVML_WORDS if key in text), "the NVIDIA driver did not answer")
 
 
 def read_gpus() -> tuple[list[GpuReading], str | None]:
@@ -74,7 +89,7 @@ def read_gpus() -> tuple[list[GpuReading], str | None]:
             out.append(GpuReading(i, name, float(util), mem.used / 2**20, mem.total / 2**20, float(temp),
                                   power, procs))
     except Exception as exc:
-        return [], f"NVML failed: {exc}"
+        return [], nvml_reason(exc)
     finally:
         try:
             nvml.nvmlShutdown()
@@ -88,8 +103,8 @@ def gpu_summary() -> dict:
     gpus, why = read_gpus()
     if not gpus:
         return {"available": False, "gpus": [],
-                "message": f"No NVIDIA GPU found ({why}); Potluck serves on the CPU." if why
-                else "No NVIDIA GPU found; Potluck serves on the CPU."}
+                "message": f"No NVIDIA GPU to use ({why}): Potluck computes on the processor." if why
+                else "No NVIDIA GPU to use: Potluck computes on the processor."}
     g = gpus[0]
     return {"available": True, "gpus": [r.to_json() for r in gpus],
             "message": f"{g.name}: {g.utilization_pct:.0f}% busy, {g.memory_used_mb:.0f}/"

@@ -31,7 +31,9 @@ import json
 
 from aiohttp import web
 
+from engine.core.group_fit import group_fit
 from engine.model.device import free_memory
+from engine.model.quant import bnb_missing
 from engine.node.control_basics import NodeError
 from engine.node.share_stage import SLEEP_LEAVE_S
 from engine.node.sharing import Limits, SharePolicy
@@ -95,12 +97,28 @@ class NodeRoutes:
         cap = self.policy.limits.vram_cap_mb
         if cap is not None:
             free = min(free, int(cap * 2**20))
+        friends, waiting = self.group_memory()
         out = []
         for e in catalog.MODELS:
             sizes = e.sizes()
             out.append({"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
-                        "draft": e.draft, "sizes": sizes, "fits_here": {w: b <= precision.USABLE * free for w, b in sizes.items()}})
+                        "draft": e.draft, "sizes": sizes,
+                        "fits_here": {w: b <= precision.USABLE * free for w, b in sizes.items()},
+                        # with the friends in the ring: which precision, or who else is needed
+                        "group": group_fit(sizes, free, friends, waiting, quantized_ok=bnb_missing() is None)})
         return out
+
+    def group_memory(self) -> tuple[list[tuple[str, int]], int]:
+        """(name, free memory) of each friend in the ring we host, as each said when it
+        last joined the ring (before loading its layers), and how many invited friends
+        have not joined yet."""
+        named = {getattr(f.get("peer"), "address", None): f["name"] or f["node_id"] for f in self.friends}
+        friends = [(named[r.address], int((r.welcome or {}).get("free_memory") or 0))
+                   for r in (self.head.remotes if self.head is not None else []) if r.address in named]
+        loading = self.loading or {}
+        invited = (self.host_request or {}).get("friends") or 0
+        waiting = max(0, invited - len(loading.get("friends") or [])) if loading.get("invite") else 0
+        return friends, waiting
 
     async def h_plan(self, request):
         body = await self._body(request)

@@ -486,8 +486,33 @@ def test_send_and_see_the_streamed_reply(qtbot, live):
     assert [m.role for m in conv.messages] == ["user", "assistant"] and conv.messages[1].ttft is not None
     qtbot.waitUntil(lambda: bool(chat.c.status["hosting"]["tokens_served"] > 0), timeout=30_000)
     shown = chat.pipeline_label.text()  # which computer holds which layers
-    assert "layers 0–" in shown and "this computer (head)" in shown and "–29: ws://127.0.0.1:" in shown
+    assert shown.startswith("This computer (CPU): ") and "of 30 layers → This computer, part 2 (CPU)" in shown
+    assert "ws://" not in shown and "KV" not in shown
     assert chat.url_field.text().startswith("http://127.0.0.1:")
+
+
+def test_every_window_speaks_plainly(qtbot, live):
+    """Every text a person sees in the main windows and dialogs, as they open (the
+    Advanced sections aside), holds none of the engine's words: no addresses, binds, GPU
+    library names, exception classes, cache units, dtypes."""
+    from app.visible_text import engine_words, visible_texts
+
+    qtbot.waitUntil(lambda: bool((live.c.status.get("hosting") or {}).get("ring_text")), timeout=30_000)
+    live.chat.on_status(live.c.status)
+    windows = {"chat": live.chat, "host": live.open_host(), "join": live.open_join(),
+               "settings": live.open_settings(), "status": live.open_status()}
+    try:
+        qtbot.waitUntil(lambda: bool("Hosting" in windows["status"].view.toPlainText()), timeout=30_000)
+        for name, w in windows.items():
+            assert len(visible_texts(w)) > 3, name
+            assert engine_words(w) == [], (name, engine_words(w))
+        # the Advanced sections are folded, and hold what was taken out of sight
+        assert not windows["host"].listen.isVisibleTo(windows["host"])
+        assert not windows["join"].port.isVisibleTo(windows["join"])
+    finally:
+        for name, w in windows.items():
+            if name != "chat":
+                w.close()
 
 
 def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
@@ -645,7 +670,7 @@ def test_status_dialog(qtbot, live):
     d = live.open_status()
     qtbot.waitUntil(lambda: bool("Hosting" in d.view.toPlainText()), timeout=30_000)
     text = d.view.toPlainText()
-    assert "OpenAI URL" in text and "GPU:" in text
+    assert "OpenAI-compatible" in text and "GPU:" in text and "This computer" in text
     d.close()
 
 

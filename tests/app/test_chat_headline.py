@@ -11,10 +11,10 @@ pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missi
 def test_the_headline_says_a_computer_left_and_that_the_chat_goes_on():
     from app.chat import ChatWindow
 
-    left = {"event": "left", "address": "ws://ana-pc:7860", "why": "disconnected", "t": 1.0}
+    left = {"event": "left", "address": "ws://ana-pc:7860", "who": "Ana", "why": "disconnected", "t": 1.0}
     hosting = {"model": "SmolLM2", "recovering": "stage 1 disconnected", "events": [left]}
     text = ChatWindow.hosting_headline(hosting)
-    assert "ws://ana-pc:7860 left" in text and "goes on" in text
+    assert "Ana left" in text and "goes on" in text and "ws://" not in text
     hosting = {"model": "SmolLM2", "recovering": None,
                "events": [left, {"event": "recovered", "seconds": 4.2, "t": 5.2}]}
     assert "rearranged in 4 s" in ChatWindow.hosting_headline(hosting)
@@ -24,14 +24,14 @@ def test_the_headline_says_a_computer_left_and_that_the_chat_goes_on():
 def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
     from app.chat import ChatWindow
 
-    left = {"event": "left", "address": "ws://ana-pc:7860", "why": "disconnected", "t": 1.0}
+    left = {"event": "left", "address": "ws://ana-pc:7860", "who": "Ana", "why": "disconnected", "t": 1.0}
     waiting = {"event": "waiting", "why": "waiting for a GPU to hold layers 12–23", "t": 2.0}
     status = "waiting for a GPU to hold layers 12–23 (the stages left hold 20 of 32 layers)"
     text = ChatWindow.hosting_headline({"model": "M", "recovering": status, "events": [left, waiting]})
-    assert "ws://ana-pc:7860 left" in text and "layers 12–23" in text and "waits" in text
-    back = {"event": "back", "address": "ws://ana-pc:7860", "t": 9.0}
+    assert "Ana left" in text and "layers 12–23" in text and "waits" in text
+    back = {"event": "back", "address": "ws://ana-pc:7860", "who": "Ana", "t": 9.0}
     text = ChatWindow.hosting_headline({"model": "M", "recovering": "back", "events": [left, back]})
-    assert "ws://ana-pc:7860 is back" in text
+    assert "Ana is back" in text
     rejoined = {"event": "rejoined", "seconds": 3.4, "t": 12.0}
     text = ChatWindow.hosting_headline({"model": "M", "recovering": None, "events": [left, back, rejoined]})
     assert "joined" in text and "rearranged in 3 s" in text
@@ -43,10 +43,11 @@ def test_the_status_window_lists_what_happened():
     st = {"state": "serving", "hosting": {
         "model": "M", "stages": [{"address": "head (this process)", "layers": [0, 30]}],
         "recovering": None,
-        "events": [{"event": "left", "address": "ws://ana-pc:7860", "why": "stage 1 is leaving: <sleep>", "t": 1.0},
+        "events": [{"event": "left", "address": "ws://ana-pc:7860", "who": "Ana",
+                    "why": "stage 1 (ws://ana-pc:7860) is leaving: <sleep>", "t": 1.0},
                    {"event": "recovered", "stages": 1, "seconds": 4.25, "replayed": 3, "t": 5.0}]}}
     page = status_html(st)
-    assert "ws://ana-pc:7860 left: stage 1 is leaving: &lt;sleep&gt;" in page
+    assert "Ana left: &lt;sleep&gt;" in page and "ws://" not in page
     assert "rearranged over 1 computer(s) in 4.2 s; 3 conversation(s) replayed" in page
     assert "speculation" not in page   # none ran
     st["hosting"]["speculation"] = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4,

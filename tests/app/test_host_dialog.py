@@ -32,10 +32,23 @@ def dialog(qtbot, tmp_path, monkeypatch):
 
 
 def catalog_reply() -> list[dict]:
+    from engine.core.group_fit import group_fit
     from engine.model import catalog
 
+    # as a node with 12 GB free and Ana's 8 GB in its ring answers
     return [{"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
-             "draft": e.draft, "sizes": e.sizes(), "fits_here": {}} for e in catalog.MODELS]
+             "draft": e.draft, "sizes": e.sizes(), "fits_here": {},
+             "group": group_fit(e.sizes(), 12 * 10**9, [("Ana", 8 * 10**9)])} for e in catalog.MODELS]
+
+
+def test_the_chosen_model_says_whether_the_group_can_run_it(dialog):
+    d = dialog
+    assert d.fit_label.text().count("Fits on this computer") == 1          # the default
+    items = [d.model.itemText(i) for i in range(d.model.count())]
+    d.model.setCurrentIndex(next(i for i, t in enumerate(items) if t.startswith("Qwen2.5-7B-Instruct — ")))
+    assert "Fits with your friends as int8" in d.fit_label.text() and "Ana 8.0 GB" in d.fit_label.text()
+    d.model.setCurrentIndex(next(i for i, t in enumerate(items) if "70B" in t))
+    assert "invite one more friend with a" in d.fit_label.text() or "invite friends with" in d.fit_label.text()
 
 
 def test_the_model_list_is_the_curated_one_with_sizes(dialog):

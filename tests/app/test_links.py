@@ -107,16 +107,6 @@ def test_screenshot_renders_the_tray_menu(tmp_path):
     assert img.width() > 100 and img.height() > 100
 
 
-def test_a_friends_stage_is_named_with_its_path_and_round_trip():
-    from app.pipeline_text import friend_label
-
-    assert friend_label({"name": "Ana", "via": "direct (mapped)", "tunnel": {"rtt_ms": 23.4}}) == \
-        "Ana (direct (mapped), 23 ms)"
-    assert friend_label({"name": "Bo", "via": "relay", "tunnel": {"rtt_ms": None}}) == "Bo (relayed)"
-    assert friend_label({"name": "Cy", "via": None}) == "Cy (connecting)"
-    assert friend_label({"address": "ws://192.168.1.5:7860"}) == "ws://192.168.1.5:7860"
-
-
 def test_a_hop_between_two_friends_says_how_it_goes():
     from app.pipeline_text import hop_label
 

@@ -1,0 +1,140 @@
+"""The ring in people's words: who computes which share of the model, on what, over
+which path, and who left. Pure, from the hosting status the node builds (control.py);
+the app's chat header and Pipeline status show it, and so can any other front end.
+
+    rows = ring(hosting, tokens_per_s=12.5)
+    ring_text(rows)  # 'This computer (CPU): 19 of 30 layers → Ana (RTX 4090): 11 layers,
+                     #  direct, 23 ms · 12.5 tokens/s'
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+
+class TokenRate:
+    """Tokens per second from a running total read now and then (each status read):
+    over the last WINDOW_S, so a pause shows as a falling figure, not a frozen one."""
+    WINDOW_S = 10.0
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.points: list[tuple[float, int]] = []
+
+    def update(self, total: int) -> float | None:
+        now = self.clock()
+        if self.points and total < self.points[-1][1]:
+            self.points = []          # a new pipeline counts from 0
+        self.points.append((now, total))
+        while len(self.points) > 2 and now - self.points[1][0] >= self.WINDOW_S:
+            self.points.pop(0)
+        (t0, n0) = self.points[0]
+        return None if now - t0 < 0.5 else (total - n0) / (now - t0)
+
+
+def _who(i: int, stage: dict) -> str:
+    if i == 0:
+        return "This computer"
+    if stage.get("name"):
+        return str(stage["name"])
+    host = urlsplit(str(stage.get("address", ""))).hostname or "?"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return f"This computer, part {i + 1}"   # another of this computer's own stages
+    return f"A computer at {host}"
+
+
+def _path(stage: dict) -> str | None:
+    via = stage.get("via")
+    if not via:
+        return None
+    if via == "relay":
+        return "through the relay"
+    if via.startswith("direct"):
+        return "direct"
+    return str(via)
+
+
+def name_of(hosting: dict, address: str | None) -> str:
+    """Who is at a stage address, in words: a friend's name, this computer, or the host
+    part of a plain address ('a computer at 192.168.1.5')."""
+    if not address:
+        return "a computer"
+    for f in hosting.get("friends") or []:
+        if isinstance(f, dict) and f.get("address") == address and (f.get("name") or f.get("node_id")):
+            return str(f.get("name") or f.get("node_id"))
+    who = _who(1, {"address": address})
+    return "a part of this computer" if who.startswith("This computer") else who.replace("A computer", "a computer")
+
+
+def with_names(hosting: dict) -> list[dict]:
+    """The head's events, each with `who` (name_of its address) for front ends to show."""
+    return [dict(e, who=name_of(hosting, e.get("address"))) if e.get("address") else dict(e)
+            for e in hosting.get("events") or []]
+
+
+def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
+    """One row per machine in ring order, then one per machine that left and has not come
+    back: who, device, layers (first, end), share ('11 of 30 layers'), path, rtt_ms,
+    state ('computing', 'left') and why."""
+    stages = hosting.get("stages") or []
+    total = max((s["layers"][1] for s in stages), default=0)
+    rows = []
+    for i, s in enumerate(stages):
+        a, b = s["layers"]
+        rtt = (s.get("tunnel") or {}).get("rtt_ms")
+        if rtt is None:
+            rtt = (s.get("link") or {}).get("rtt_ms")
+        rows.append({"who": _who(i, s), "device": s.get("device_name") or s.get("device") or "?",
+                     "layers": [a, b], "share": f"{b - a} of {total} layers", "path": _path(s) if i else None,
+                     "rtt_ms": None if rtt is None else round(float(rtt), 1), "state": "computing", "why": None})
+    here = {s.get("address") for s in stages}
+    away: dict[str, dict] = {}
+    for e in hosting.get("events") or []:
+        addr = e.get("address")
+        if not addr:
+            continue
+        if e.get("event") == "left" and addr not in here:
+            away[addr] = e
+        elif e.get("event") in ("back", "joined"):
+            away.pop(addr, None)
+    names = {f.get("address"): f.get("name") for f in hosting.get("friends") or [] if isinstance(f, dict)}
+    for addr, e in away.items():
+        rows.append({"who": names.get(addr) or _who(1, {"address": addr}), "device": None, "layers": None,
+                     "share": None, "path": None, "rtt_ms": None, "state": "left", "why": _plain_why(e.get("why"))})
+    if rows and tokens_per_s is not None:
+        rows[0]["tokens_per_s"] = round(tokens_per_s, 1)
+    return rows
+
+
+def _plain_why(why: str | None) -> str:
+    """A left event's reason without the engine's address ('stage 2 (ws://…) is leaving: X' -> 'X')."""
+    if not why:
+        return "it stopped answering"
+    for marker in ("is leaving: ", "left: "):
+        if marker in why:
+            return why.split(marker, 1)[1]
+    if "disconnected" in why:
+        return "its connection closed"
+    if "silent" in why or "no answer" in why or "heartbeat" in why:
+        return "it stopped answering (asleep, or its network went)"
+    return "it stopped answering" if "ws://" in why else why
+
+
+def ring_text(rows: list[dict], tokens_per_s: float | None = None) -> str:
+    """The ring in one line, for a header."""
+    parts = []
+    for r in rows:
+        if r["state"] == "left":
+            parts.append(f"{r['who']}: left ({r['why']})")
+            continue
+        link = ", ".join(x for x in (r["path"], f"{r['rtt_ms']:.0f} ms" if r["rtt_ms"] is not None else None) if x)
+        parts.append(f"{r['who']} ({r['device']}): {r['share']}" + (f", {link}" if link else ""))
+    line = " → ".join(p for p, r in zip(parts, rows) if r["state"] != "left")
+    gone = [p for p, r in zip(parts, rows) if r["state"] == "left"]
+    if gone:
+        line += " · " + " · ".join(gone)
+    rate = tokens_per_s if tokens_per_s is not None else (rows[0].get("tokens_per_s") if rows else None)
+    if rate:
+        line += f" · {rate:.1f} tokens/s"
+    return line

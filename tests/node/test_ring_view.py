@@ -1,0 +1,56 @@
+"""The ring in people's words (engine/node/ring_view.py), from a hosting status as the
+node builds it."""
+
+from __future__ import annotations
+
+from engine.node.ring_view import TokenRate, ring, ring_text
+
+ANA = "ws://127.0.0.1:41001"
+BEN = "ws://127.0.0.1:41002"
+
+
+def hosting(stages, events=(), friends=()):
+    return {"stages": stages, "events": list(events), "friends": list(friends)}
+
+
+def test_each_machine_its_share_device_path_and_round_trip():
+    h = hosting([{"address": "head (this process)", "layers": [0, 19], "device_name": "CPU"},
+                 {"address": ANA, "layers": [19, 30], "device_name": "NVIDIA GeForce RTX 4090", "name": "Ana",
+                  "via": "direct (punched)", "tunnel": {"rtt_ms": 23.4}}])
+    rows = ring(h, tokens_per_s=12.46)
+    assert [(r["who"], r["share"], r["path"], r["rtt_ms"]) for r in rows] == [
+        ("This computer", "19 of 30 layers", None, None), ("Ana", "11 of 30 layers", "direct", 23.4)]
+    text = ring_text(rows)
+    assert text == ("This computer (CPU): 19 of 30 layers → Ana (NVIDIA GeForce RTX 4090): 11 of 30 layers, "
+                    "direct, 23 ms · 12.5 tokens/s")
+    for engine_word in ("ws://", "KV", "head", "stage"):
+        assert engine_word not in text
+
+
+def test_a_friend_who_left_is_shown_as_such_with_why_until_back():
+    left = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) is leaving: sharing switched off by the owner"}
+    friends = [{"name": "Ana", "address": ANA}, {"name": "Ben", "address": BEN}]
+    stages = [{"address": "head (this process)", "layers": [0, 15], "device_name": "CPU"},
+              {"address": ANA, "layers": [15, 30], "device_name": "CPU", "name": "Ana", "via": "relay"}]
+    rows = ring(hosting(stages, [left], friends))
+    assert rows[-1] == {"who": "Ben", "device": None, "layers": None, "share": None, "path": None, "rtt_ms": None,
+                        "state": "left", "why": "sharing switched off by the owner"}
+    assert rows[1]["path"] == "through the relay"
+    assert "Ben: left (sharing switched off by the owner)" in ring_text(rows)
+    silent = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) disconnected"}
+    assert ring(hosting(stages, [silent], friends))[-1]["why"] == "its connection closed"
+    back = ring(hosting(stages, [left, {"event": "back", "address": BEN}], friends))
+    assert [r["who"] for r in back] == ["This computer", "Ana"]
+
+
+def test_tokens_per_second_over_a_sliding_window():
+    now = [0.0]
+    rate = TokenRate(clock=lambda: now[0])
+    assert rate.update(0) is None
+    now[0] = 2.0
+    assert rate.update(20) == 10.0
+    now[0] = 30.0
+    rate.update(20)
+    now[0] = 40.0
+    assert rate.update(20) == 0.0          # a pause reads as zero, not as the old figure
+    assert rate.update(0) is None           # a new pipeline starts over
