@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
 
 from .client import ChatStream
 from .pipeline_text import hop_label, speculation_label
+from .ring_view import RingView
 from .store import DamagedConversation, Message
 
 FLUSH_MS = 80
@@ -119,6 +120,8 @@ class ChatWindow(QMainWindow):
         rl.setContentsMargins(6, 6, 6, 6)
         self.model_label = QLabel("Starting the Potluck engine…")
         self.model_label.setStyleSheet("font-weight: bold; font-size: 14px;")
+        # the ring, drawn (app/ring_view.py): each computer, its share, its link
+        self.ring_view = RingView()
         self.pipeline_label = QLabel("")
         self.pipeline_label.setWordWrap(True)
         self.pipeline_label.setStyleSheet("color: #374151;")
@@ -210,6 +213,7 @@ class ChatWindow(QMainWindow):
         il.addWidget(self.send_button)
 
         rl.addWidget(self.model_label)
+        rl.addWidget(self.ring_view)
         rl.addWidget(self.pipeline_label)
         rl.addLayout(url_row)
         rl.addWidget(self.progress_box)
@@ -280,8 +284,11 @@ class ChatWindow(QMainWindow):
             self.model_label.setText(self.hosting_headline(hosting))
             # the ring as the node words it (engine/node/ring_view.py): who computes what
             # share, on what, over which path; who left and why
-            parts = [hosting.get("ring_text") or "This computer"]
-            parts.extend(hop_label(h) for h in hosting.get("hops") or [])
+            rows = hosting.get("ring") or []
+            self.ring_view.set_rows(rows, rows[0].get("tokens_per_s") if rows else None)
+            self.ring_view.show()
+            parts = [hop_label(h) for h in hosting.get("hops") or []]
+            parts.append(f"{hosting.get('tokens_served', 0)} tokens written so far")
             spec = speculation_label(hosting)
             if spec:
                 parts.append(spec)
@@ -289,6 +296,7 @@ class ChatWindow(QMainWindow):
             self.url_field.setText(hosting.get("openai_url") or "")
         elif not loading:
             self.url_field.clear()
+            self.ring_view.hide()
             if state != "error":
                 self.model_label.setText("No pipeline is running")
                 self.pipeline_label.setText("Choose “Host a pipeline…” in the Potluck menu to start one.")

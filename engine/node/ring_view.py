@@ -113,7 +113,8 @@ def _plain_why(why: str | None) -> str:
         return "it stopped answering"
     for marker in ("is leaving: ", "left: "):
         if marker in why:
-            return why.split(marker, 1)[1]
+            # the friend's node said it of itself: "this computer is going to sleep"
+            return why.split(marker, 1)[1].replace("this computer", "their computer")
     if "disconnected" in why:
         return "its connection closed"
     if "silent" in why or "no answer" in why or "heartbeat" in why:

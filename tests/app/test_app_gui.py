@@ -485,9 +485,10 @@ def test_send_and_see_the_streamed_reply(qtbot, live):
     conv = chat.c.history.load(chat.conversation_id)
     assert [m.role for m in conv.messages] == ["user", "assistant"] and conv.messages[1].ttft is not None
     qtbot.waitUntil(lambda: bool(chat.c.status["hosting"]["tokens_served"] > 0), timeout=30_000)
-    shown = chat.pipeline_label.text()  # which computer holds which layers
-    assert shown.startswith("This computer (CPU): ") and "of 30 layers → This computer, part 2 (CPU)" in shown
-    assert "ws://" not in shown and "KV" not in shown
+    cards = [c.text() for c in chat.ring_view.cards]  # which computer holds what share
+    assert len(cards) == 2 and cards[0].startswith("<b>This computer</b><br>CPU<br>")
+    assert "of 30 layers" in cards[0] and cards[1].startswith("<b>This computer, part 2</b>")
+    assert "tokens written" in chat.pipeline_label.text()
     assert chat.url_field.text().startswith("http://127.0.0.1:")
 
 

@@ -39,6 +39,8 @@ def test_a_friend_who_left_is_shown_as_such_with_why_until_back():
     assert "Ben: left (sharing switched off by the owner)" in ring_text(rows)
     silent = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) disconnected"}
     assert ring(hosting(stages, [silent], friends))[-1]["why"] == "its connection closed"
+    asleep = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) is leaving: this computer is going to sleep"}
+    assert ring(hosting(stages, [asleep], friends))[-1]["why"] == "their computer is going to sleep"
     back = ring(hosting(stages, [left, {"event": "back", "address": BEN}], friends))
     assert [r["who"] for r in back] == ["This computer", "Ana"]
 
