@@ -663,9 +663,9 @@ def event_line(e: dict) -> str:
     kind = e.get("event")
     who = e.get("who") or "a computer"
     if kind == "left":
-        from engine.node.ring_view import _plain_why   # the same words the ring view uses
+        from engine.node.ring_view import plain_why   # the same words as the ring
 
-        text = f"{who} left: {_plain_why(e.get('why'))}"
+        text = f"{who} left: {plain_why(e.get('why'))}"
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
     elif kind in ("back", "joined"):

@@ -183,6 +183,9 @@ def main(argv=None) -> int:
                         "tour.json into DIR, and quit (checks an install; shows what the app shows)")
     p.add_argument("--tour-link", action="store_true",
                    help="with --tour: also wait for a potluck:// link from another launch")
+    p.add_argument("--tour-friend", action="store_true",
+                   help="with --tour: host with a friend's computer (a second node here), draw the ring, "
+                        "let the friend leave and chat on")
     p.add_argument("link", nargs="?", default=None,
                    help="a potluck://join/<code> link: opens the join dialog with it filled in")
     args = p.parse_args(argv)
@@ -270,7 +273,8 @@ def main(argv=None) -> int:
         from .tour import Tour
 
         def tour():
-            code = Tour(app, shell, controller, Path(args.tour)).run(wait_link=args.tour_link)
+            code = Tour(app, shell, controller, Path(args.tour)).run(wait_link=args.tour_link,
+                                                                     friend=args.tour_friend)
             shell.close()
             controller.shutdown()
             QApplication.exit(code)

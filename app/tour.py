@@ -1,6 +1,8 @@
 """A walk through the running app that saves what a person would see: the chat window
-answering, the tray menu, the host dialog's plan, and (with `wait_link`) the join dialog
-a `potluck://join/…` link opened. `potluck app --tour DIR` runs it inside the real app,
+answering, the tray menu, the host dialog's plan, (with `wait_link`) the join dialog
+a `potluck://join/…` link opened, and (with `friend`) a friend's computer joining with
+the invite code, the ring drawn, the friend leaving, the rearrangement and the chat going
+on. Each step records the engine's words a person would have seen (none, we hope). `potluck app --tour DIR` runs it inside the real app,
 started the way the Start menu starts it, and quits; DIR gets the PNGs and tour.json
 (what each step saw). It is how CI sees the installed Windows app work (under wine,
 offscreen), and a way for a user to show what their screen shows in a bug report.
@@ -90,6 +92,7 @@ class Tour:
 
     def host_dialog(self):
         host = self.shell.open_host()
+        self.plain("host-dialog", host)
         host.check()
         wait(self.app, lambda: host.last_plan is not None or host.last_error is not None, 300, "the plan")
         settle(self.app, 0.5)
@@ -108,15 +111,68 @@ class Tour:
         self._step("link", code=join.code.text(), png=shoot(join, self.out / "join-from-link.png"))
         join.close()
 
-    def run(self, wait_link: bool = False) -> int:
+    def plain(self, name: str, widget) -> list:
+        """The engine's words a person would see in widget now (none, we hope): recorded."""
+        from .visible_text import engine_words
+
+        found = engine_words(widget)
+        self.report.setdefault("engine_words", {})[name] = found
+        return found
+
+    def friend(self, question: str = QUESTION):
+        """A friend's computer joins with the invite code, the ring is drawn, the friend
+        leaves mid-evening, the pipeline rearranges, and the chat goes on. The friend's
+        computer is a second node (what their app runs), with its own home folder."""
+        import os
+        import urllib.request
+
+        from .nodeproc import NodeProcess
+
+        app, c, chat = self.app, self.c, self.shell.chat
+        c.host({"model": c.settings.default_model, "stages": 1, "friends": 1, "listen": "127.0.0.1:0"})
+        wait(app, lambda: bool((c.status.get("loading") or {}).get("invite")), 120, "the invite code")
+        code = c.status["loading"]["invite"]
+        home = self.out / "friend-home"
+        friend = NodeProcess(["--threads", "1", "--share-host", "127.0.0.1", "--share-port", "0"],
+                             env={**os.environ, "POTLUCK_HOME": str(home)})
+        friend.start(timeout=120)
+        try:
+            req = urllib.request.Request(f"{friend.url}/join", json.dumps({"code": code}).encode(), method="POST",
+                                         headers={"Authorization": f"Bearer {friend.token}"})
+            with urllib.request.urlopen(req, timeout=180) as r:
+                joined = json.loads(r.read())
+            wait(app, lambda: len((c.status.get("hosting") or {}).get("ring") or []) == 2, self.load_timeout,
+                 "the ring with the friend")
+            settle(app, 1.0)
+            chat.on_status(c.status)
+            reply = self.chat(question, name="ring.png")
+            self._step("ring", joined=(joined.get("sharing") or {}).get("joined"),
+                       ring=c.status["hosting"].get("ring_text"), reply=reply, words=self.plain("ring", chat))
+        finally:
+            friend.stop()      # their app quits: the node hands its layers back and leaves
+        wait(app, lambda: any(r.get("state") == "left" for r in (c.status.get("hosting") or {}).get("ring") or []),
+             120, "the friend shown as gone")
+        chat.on_status(c.status)
+        settle(app, 0.5)
+        self._step("friend-left", headline=chat.model_label.text(), ring=c.status["hosting"].get("ring_text"),
+                   png=shoot(chat, self.out / "friend-left.png"), words=self.plain("friend-left", chat))
+        wait(app, lambda: not (c.status.get("hosting") or {}).get("recovering")
+             and (c.status.get("hosting") or {}).get("openai_url") is not None, 300, "the rearrangement")
+        reply = self.chat(question, name="chat-after.png")
+        self._step("after", headline=chat.model_label.text(), reply=reply, words=self.plain("after", chat))
+
+    def run(self, wait_link: bool = False, friend: bool = False) -> int:
         self.out.mkdir(parents=True, exist_ok=True)
         try:
             self.pipeline()
+            self.plain("first-launch", self.shell.chat)
             self.chat()
             self.tray_menu()
             self.host_dialog()
             if wait_link:
                 self.link()
+            if friend:
+                self.friend()
             self.report["ok"] = True
             return 0
         except Exception as exc:   # the report says where it stopped; the app still quits

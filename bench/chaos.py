@@ -50,9 +50,14 @@ def table(report: dict) -> str:
     lines += [f"  {n:4d}  {why}" for why, n in sorted(v["reasons"].items(), key=lambda x: -x[1])] or ["  none"]
     for b in v["bad"][:10]:
         lines.append(f"  {b['verdict'].upper()} {b['id']} ({b['key']}): {b['why'][:300]}")
-    worst = report["worst_recovery_s"]
-    lines += ["", f"recoveries: {len(report['recoveries'])}, worst {worst if worst is not None else '-'} s "
-                  f"(noticing -> serving again); longest pause inside a streamed reply {v['worst_stall_s']:.1f} s",
+    def worst(kind):
+        secs = [r["seconds"] for r in report["recoveries"] if r["event"] == kind and r.get("seconds") is not None]
+        return (f"{len(secs)}, worst {max(secs):.1f} s, median {sorted(secs)[len(secs) // 2]:.1f} s" if secs
+                else "none")
+
+    lines += ["", f"rearrangements after a loss: {worst('recovered')} (noticing -> serving again)",
+              f"rearrangements taking a machine back: {worst('rejoined')}",
+              f"longest pause inside a streamed reply: {v['worst_stall_s']:.1f} s",
               "", "| process | life s | RSS MB | RSS growth | peak | fds | fds last (max) | threads | children |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in report["growth"]:

@@ -101,13 +101,13 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
     names = {f.get("address"): f.get("name") for f in hosting.get("friends") or [] if isinstance(f, dict)}
     for addr, e in away.items():
         rows.append({"who": names.get(addr) or _who(1, {"address": addr}), "device": None, "layers": None,
-                     "share": None, "path": None, "rtt_ms": None, "state": "left", "why": _plain_why(e.get("why"))})
+                     "share": None, "path": None, "rtt_ms": None, "state": "left", "why": plain_why(e.get("why"))})
     if rows and tokens_per_s is not None:
         rows[0]["tokens_per_s"] = round(tokens_per_s, 1)
     return rows
 
 
-def _plain_why(why: str | None) -> str:
+def plain_why(why: str | None) -> str:
     """A left event's reason without the engine's address ('stage 2 (ws://…) is leaving: X' -> 'X')."""
     if not why:
         return "it stopped answering"

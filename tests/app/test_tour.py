@@ -1,7 +1,9 @@
 """`potluck app --tour DIR`: the real app, started the way the Start menu and the desktop
 entry start it (defaults: the default model hosted on its default stages, no pinned
 threads), answers in its chat window, shows its menu and host dialog, and opens the join
-dialog when a second launch hands it a potluck:// link, then quits leaving no process.
+dialog when a second launch hands it a potluck:// link; a friend's computer joins with the
+invite code, the ring is drawn, the friend leaves and the chat goes on; then it quits
+leaving no process.
 The installed Windows build runs the same tour under wine (tests/installer)."""
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def test_the_tour_answers_and_a_second_launch_hands_over_a_link(tmp_path):
     env = {**os.environ, "POTLUCK_HOME": str(tmp_path / "home"), "POTLUCK_KEYSTORE": "file",
            "QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1"}
     app = subprocess.Popen([sys.executable, "-m", "app.launcher", "app", "--no-tray", "--tour", str(out),
-                            "--tour-link"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            "--tour-link", "--tour-friend"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     try:
         deadline = time.time() + 600
@@ -52,8 +54,15 @@ def test_the_tour_answers_and_a_second_launch_hands_over_a_link(tmp_path):
     assert "Paris" in steps["chat"]["reply"], steps["chat"]
     assert steps["host-dialog"]["plan"] and not steps["host-dialog"]["error"]
     assert steps["link"]["code"] == "4821-917305"
-    for png in ("chat-answered.png", "tray-menu.png", "host-dialog.png", "join-from-link.png"):
+    for png in ("chat-answered.png", "tray-menu.png", "host-dialog.png", "join-from-link.png", "ring.png",
+                "friend-left.png", "chat-after.png"):
         assert (out / png).stat().st_size > 2000, png
+    # a friend joined with the code, was drawn in the ring, left; the chat went on
+    assert steps["ring"]["joined"] and " → " in steps["ring"]["ring"] and "Paris" in steps["ring"]["reply"]
+    assert "left" in steps["friend-left"]["ring"] and "left" in steps["friend-left"]["headline"]
+    assert "Paris" in steps["after"]["reply"]
+    # and no step showed a person the engine's words
+    assert all(found == [] for found in report["engine_words"].values()), report["engine_words"]
     time.sleep(1)
     assert not [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], \
         "the app's node or stages outlived it"
