@@ -6,7 +6,7 @@ import html
 import time
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
+from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
                                QVBoxLayout, QWidget)
@@ -193,11 +193,26 @@ class HostDialog(QDialog):
         self.result.setWordWrap(True)
         self.result.setTextInteractionFlags(Qt.TextSelectableByMouse)
         lay.addWidget(self.result)
+        # the invite, three ways: a link to click, the code to paste, a QR code for a phone
+        self.invite_box = QGroupBox("Invite your friends")
+        ib = QHBoxLayout(self.invite_box)
+        texts = QVBoxLayout()
+        texts.addWidget(QLabel("Send this link (it opens Potluck's join window) or the code in it:"))
+        self.invite_link = QLineEdit()
+        self.invite_link.setReadOnly(True)
+        texts.addWidget(self.invite_link)
         self.invite = QLineEdit()
         self.invite.setReadOnly(True)
-        self.invite.setPlaceholderText("the invite code appears here: send it to your friends")
-        self.invite.hide()
-        lay.addWidget(self.invite)
+        texts.addWidget(self.invite)
+        copy = QPushButton("Copy the link")
+        copy.clicked.connect(lambda: QApplication.clipboard().setText(self.invite_link.text()))
+        texts.addWidget(copy)
+        ib.addLayout(texts, 1)
+        self.invite_qr = QLabel()
+        self.invite_qr.setToolTip("The link as a QR code: a friend can scan it with a phone and send it on")
+        ib.addWidget(self.invite_qr)
+        self.invite_box.hide()
+        lay.addWidget(self.invite_box)
         # a friend who cannot reach this computer gets a reply code (their router may map a
         # port where ours does not): pasted here, this computer connects to them instead
         self.reply_row = QWidget()
@@ -378,9 +393,19 @@ class HostDialog(QDialog):
             return
         loading = st.get("loading")
         code = (loading or {}).get("invite") or (st.get("hosting") or {}).get("invite")
-        if code:
+        if code and code != self.invite.text():
+            from PySide6.QtGui import QPixmap
+
+            from .links import join_link, qr_png
+
+            link = join_link(code)
             self.invite.setText(code)
-            self.invite.show()
+            self.invite_link.setText(link)
+            qr = QPixmap()
+            qr.loadFromData(qr_png(link, scale=3))
+            self.invite_qr.setPixmap(qr)
+            self.invite_box.show()
+        if code:
             self.reply_row.setVisible(bool(loading))       # while friends are awaited
         if loading and loading.get("message"):
             text = loading["message"]

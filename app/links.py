@@ -53,3 +53,21 @@ def parse_link(text: str) -> JoinLink:
     if relay is not None and not relay.lower().startswith(("ws://", "wss://")):
         raise LinkError("the link's relay must be a ws:// or wss:// address")
     return JoinLink(code=code, relay=relay)
+
+
+def join_link(code: str, relay: str | None = None) -> str:
+    """The link to send a friend for an invite code (parse_link reads it back)."""
+    from urllib.parse import quote
+
+    return f"{SCHEME}://join/{code.strip()}" + (f"?relay={quote(relay, safe=':/')}" if relay else "")
+
+
+def qr_png(text: str, scale: int = 4) -> bytes:
+    """A QR code of text as PNG bytes (for a friend's phone camera)."""
+    import io
+
+    import segno
+
+    buf = io.BytesIO()
+    segno.make(text, error="m").save(buf, kind="png", scale=scale, border=2)
+    return buf.getvalue()

@@ -186,6 +186,11 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     d.started = True
     d.on_status({"loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8"}})
     assert d.invite.text() == "0411V-648F8" and d.reply_row.isVisibleTo(d)
+    # the invite three ways: the code, a link that opens the join window, a QR code of the link
+    from app.links import parse_link
+
+    assert d.invite_box.isVisibleTo(d) and parse_link(d.invite_link.text()).code == "0411V-648F8"
+    assert d.invite_qr.pixmap() is not None and d.invite_qr.pixmap().width() > 60
     d.reply.setText("  7M2QK-ABCDE  ")
     d.reply_button.click()
     assert replies == ["7M2QK-ABCDE"] and d.reply.text() == "" and "reply code" in d.result.text()

@@ -114,3 +114,13 @@ def test_a_hop_between_two_friends_says_how_it_goes():
         "Ana → Ben: direct (punched), 31 ms"
     assert hop_label({"hop": "Ana → Ben", "path": "via the host", "rtt_ms": None}) == \
         "Ana → Ben: through this computer"
+
+
+def test_an_invite_link_reads_back_and_draws_as_a_qr_code():
+    from app.links import join_link, parse_link, qr_png
+
+    assert parse_link(join_link("0411V-648F8")).code == "0411V-648F8"
+    back = parse_link(join_link("4821-917305", relay="wss://relay.example:8765"))
+    assert (back.code, back.relay) == ("4821-917305", "wss://relay.example:8765")
+    png = qr_png(join_link("A" * 300))
+    assert png.startswith(b"\x89PNG") and len(png) > 500
