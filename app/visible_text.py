@@ -10,8 +10,8 @@ from PySide6.QtWidgets import (QAbstractButton, QComboBox, QGroupBox, QLabel, QL
                                QTableWidget, QTextBrowser, QWidget)
 
 # the engine's words, which mean nothing to the person reading: addresses and binds,
-# the GPU library's name and its error classes, cache units, a dtype after a precision
-ENGINE_WORDS = re.compile(r"wss?://|0\.0\.0\.0|NVML|KV tokens|\(float32\)|\b[A-Z][A-Za-z0-9]*(?:Error|Exception)\b"
+# the GPU library's name and its error classes, cache units, a dtype beside another one
+ENGINE_WORDS = re.compile(r"wss?://|0\.0\.0\.0|NVML|KV tokens|bf16 \(float32\)|\b[A-Z][A-Za-z0-9]*(?:Error|Exception)\b"
                           r"|Error_|Traceback|head \(this process\)")
 
 

@@ -264,8 +264,10 @@ class Hosting:
         self.invite_code = code
 
         def arrived(peers):
+            # who came, and how their computer reaches this one (the host dialog lists them)
             self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
-                                friends=[p.name or p.node_id for p in peers])
+                                friends=[p.name or p.node_id for p in peers],
+                                arrived=[{"name": p.name or p.node_id, "path": _path_words(p.path)} for p in peers])
 
         peers = await gate.wait(n, on_arrival=arrived)
         self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]
@@ -298,3 +300,10 @@ class Hosting:
             gate, self.friends_gate = self.friends_gate, None
             await gate.close()
         self.invite_code, self.friends = None, []
+
+
+def _path_words(path: str | None) -> str:
+    """'direct' or 'through the relay' for a friend's tunnel path ('direct (mapped)', 'relay')."""
+    if not path:
+        return "connecting"
+    return "through the relay" if path == "relay" else "direct" if path.startswith("direct") else path

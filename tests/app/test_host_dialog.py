@@ -184,7 +184,9 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     replies = []
     d.c.reply = lambda code, cb=None: (replies.append(code), cb and cb({}, None))
     d.started = True
-    d.on_status({"loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8"}})
+    d.on_status({"loading": {"message": "Waiting for friends to join: 1 of 2", "invite": "0411V-648F8",
+                             "arrived": [{"name": "Ana", "path": "direct"}]}})
+    assert "Ana joined (direct)" in d.result.text()
     assert d.invite.text() == "0411V-648F8" and d.reply_row.isVisibleTo(d)
     # the invite three ways: the code, a link that opens the join window, a QR code of the link
     from app.links import parse_link
