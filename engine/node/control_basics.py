@@ -9,9 +9,11 @@ from pathlib import Path
 
 
 class NodeError(Exception):
-    def __init__(self, message: str, status: int = 400):
+    """message: what a person reads; details: the engine's own account, for a bug report."""
+
+    def __init__(self, message: str, status: int = 400, details: str | None = None):
         super().__init__(message)
-        self.message, self.status = message, status
+        self.message, self.status, self.details = message, status, details
 
 
 def lan_address() -> str:

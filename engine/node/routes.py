@@ -66,7 +66,10 @@ class NodeRoutes:
         try:
             return await handler(request)
         except NodeError as exc:
-            return web.json_response({"error": exc.message}, status=exc.status)
+            body = {"error": exc.message}
+            if exc.details:
+                body["details"] = exc.details
+            return web.json_response(body, status=exc.status)
 
     @staticmethod
     async def _body(request) -> dict:

@@ -9,6 +9,7 @@ import logging
 import time
 
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
+from engine.node.plain_errors import join_failed
 from engine.node.control_basics import NodeError
 from engine.pipeline.stage_server import LEAVE_S
 
@@ -40,7 +41,7 @@ class Sharing:
         try:
             invite = await redeem(code, relay)
         except HomeError as exc:
-            raise NodeError(str(exc)) from None
+            raise NodeError(join_failed(str(exc)), details=str(exc)) from None
         async with self._lock:
             await self._stop_share("joining another pipeline")
             self.invite, self.joiner = invite, None
@@ -110,7 +111,7 @@ class Sharing:
                                       reply_listen=self.reply_listen if reply and self.reply_listen != "off" else None,
                                       on_reply=self._on_reply)
         except HomeError as exc:
-            raise NodeError(str(exc), 502) from None
+            raise NodeError(join_failed(str(exc)), 502, details=str(exc)) from None
         self.stage_server, self.joiner = joined.server, joined.joiner
         self.joiner_task = asyncio.ensure_future(self._keep_joined(self.joiner))
 

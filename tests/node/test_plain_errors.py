@@ -1,0 +1,23 @@
+"""A failed join in words a person can act on (engine/node/plain_errors.py)."""
+
+from __future__ import annotations
+
+from engine.node.plain_errors import join_failed
+
+ACCOUNT = ("could not reach the host's pipeline: the host refused: this invite is used up (2 use(s)) (also: direct "
+           "(lan) ws://192.168.1.2:7870: [Errno 101] Connect call failed ('192.168.1.2', 7870); relay "
+           "ws://11.54.0.1:8765/v1/join/abd14c83816159c1: the host refused: this invite is used up (2 use(s)))")
+
+
+def test_each_reason_says_what_happened_and_what_to_do_without_the_engines_words():
+    cases = {ACCOUNT: "new code",
+             "could not reach the host's pipeline: cannot reach the host: direct (lan) ws://10.0.0.2:7870: "
+             "[Errno 113] No route to host": "relay",
+             "that invite code cannot be used: this invite has expired": "expired",
+             "that invite code cannot be used: a typo? the check characters do not match": "copied all of it",
+             "something new and strange: OSError 42": "Try again"}
+    for account, hint in cases.items():
+        words = join_failed(account)
+        assert hint in words, (account, words)
+        for engine_word in ("ws://", "Errno", "OSError", "host's pipeline", "(also"):
+            assert engine_word not in words, (engine_word, words)
