@@ -65,6 +65,9 @@ def table(report: dict) -> str:
                      f"{100 * g['rss_growth']:+.1f}% | {100 * g['rss_peak_growth']:+.1f}% | {g['fds']} | "
                      f"{g['fds_last']} ({g['fds_max']}) | {g['threads']}->{g['threads_last']} | "
                      f"{g['children']}->{g['children_last']} |")
+    lines.append("(each process's first sample after its warm-up against its last, both taken with the ring "
+                 "whole after an episode; peak RSS by role over the run: "
+                 + ", ".join(f"{r} {mb:.0f} MB" for r, mb in (report.get("peak_rss_mb") or {}).items()) + ")")
     grows = [g for g in report["growth"] if g["rss_growth"] > RSS_TARGET]
     fds = [g for g in report["growth"] if g["fds_last"] > g["fds"] + 8]
     lines += ["", f"lost 0: {'PASS' if c['lost'] == 0 else 'MISS'} ({c['lost']})   "

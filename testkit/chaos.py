@@ -180,7 +180,8 @@ class Evening:
         self.friends = [NodeProc(f"friend{i}", net.host(i), workdir / f"friend{i}", workdir / f"friend{i}.log")
                         for i in (1, 2)]
         self.code = ""
-        self.samples: list[dict] = []
+        self.samples: list[dict] = []          # every few seconds, whatever the state
+        self.whole_samples: list[dict] = []    # after each episode, the ring whole again
         self.events: dict[tuple, dict] = {}     # the head's recovery records, by (time, event)
         self.seen_pids: dict[int, str] = {}
         self.episodes: list[dict] = []
@@ -330,6 +331,10 @@ class Evening:
         if whole is None:
             self.say(f"  not whole again after {WHOLE_TIMEOUT_S:.0f} s: rejoining")
             self._rejoin_missing()
+        else:
+            # growth is compared at one state, the ring whole (each node holding its usual
+            # share): between episodes a node holds more or fewer layers, or none
+            self.whole_samples.extend(self._sample_all(self.now()))
         time.sleep(min(ep.calm_s, max(0.0, end - time.monotonic())))
         return rec
 
@@ -353,25 +358,28 @@ class Evening:
         self.wait_whole(WHOLE_TIMEOUT_S)
 
     # ---- watching -------------------------------------------------------------------
+    def _sample_all(self, t: float) -> list[dict]:
+        """RSS, descriptors, threads and children of every node (and its children) and the relay."""
+        out = []
+        for role, node in [("host node", self.host), *((f"{f.name} node", f) for f in self.friends)]:
+            pids = node.pids()
+            for p in pids:
+                s = _sample(p)
+                if s is None:
+                    continue
+                r = role if p == pids[0] else f"{role} child"
+                self.seen_pids.setdefault(p, r)
+                out.append({"t": t, "pid": p, "role": r, "children": len(pids) - 1 if p == pids[0] else 0, **s})
+        if self.relay is not None and self.relay.poll() is None:
+            s = _sample(self.relay.pid)
+            if s is not None:
+                self.seen_pids.setdefault(self.relay.pid, "relay")
+                out.append({"t": t, "pid": self.relay.pid, "role": "relay", "children": 0, **s})
+        return out
+
     def _watch(self):
-        procs = [("host node", self.host), *((f"{f.name} node", f) for f in self.friends)]
         while not self._stop.wait(SAMPLE_S):
-            t = self.now()
-            for role, node in procs:
-                pids = node.pids()
-                for p in pids:
-                    s = _sample(p)
-                    if s is None:
-                        continue
-                    r = role if p == pids[0] else f"{role} child"
-                    self.seen_pids.setdefault(p, r)
-                    self.samples.append({"t": t, "pid": p, "role": r, "children": len(pids) - 1 if p == pids[0] else 0,
-                                         **s})
-            if self.relay is not None and self.relay.poll() is None:
-                s = _sample(self.relay.pid)
-                if s is not None:
-                    self.seen_pids.setdefault(self.relay.pid, "relay")
-                    self.samples.append({"t": t, "pid": self.relay.pid, "role": "relay", "children": 0, **s})
+            self.samples.extend(self._sample_all(self.now()))
             h = self.host.status(self.net).get("hosting") or {}
             for e in h.get("events") or []:
                 self.events.setdefault((e.get("t"), e.get("event")), e)
@@ -410,7 +418,10 @@ class Evening:
         verdict = check(reference, outcomes)
         recoveries = sorted((e for e in self.events.values() if e.get("event") in ("recovered", "rejoined")),
                             key=lambda e: e["t"])
-        samples = [dict(s, t=s["t"] - run_t0) for s in self.samples]
+        samples = [dict(s, t=s["t"] - run_t0) for s in self.whole_samples]
+        peaks: dict[str, float] = {}
+        for s_ in self.samples:
+            peaks[s_["role"]] = max(peaks.get(s_["role"], 0.0), round(s_["rss"] / 2**20))
         return {"seed": self.seed, "seconds": seconds, "clients": clients, "injected": dict(sorted(self.injected.items())),
                 "episodes": self.episodes, "verdict": verdict, "requests": len(outcomes),
                 "recoveries": [{k: e.get(k) for k in ("event", "seconds", "replan_s", "load_s", "stages", "replayed")}
@@ -418,7 +429,8 @@ class Evening:
                 "worst_recovery_s": max((e.get("seconds") or 0.0 for e in recoveries), default=None),
                 "head_events": sorted({e.get("event") for e in self.events.values()}),
                 "whole_at_end": final_whole is not None,
-                "growth": grew(samples, warmup_s, min_life_s=min(seconds / 2, 120.0))}
+                "growth": grew(samples, warmup_s, min_life_s=min(seconds / 2, 120.0)),
+                "peak_rss_mb": dict(sorted(peaks.items()))}
 
     def _clients(self, out: Path, extra: list[str]) -> subprocess.Popen:
         log = open(self.dir / "clients.log", "ab")

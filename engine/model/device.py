@@ -111,6 +111,26 @@ def device_name(device: str) -> str:
     return "CPU"
 
 
+def release_memory(device: str) -> None:
+    """Give what a dropped slice held back to the system: Python's cycles, the CUDA
+    allocator's cache, and on Linux glibc's free lists. Without the last, the heap keeps
+    a dropped slice's pages: a friend's computer that handed layers back (or took fewer
+    after a rearrangement) would go on holding their memory."""
+    import gc
+    import sys
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    elif sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):   # not glibc (musl): nothing to trim
+            pass
+
+
 def free_memory(device: str) -> int:
     """Bytes this stage could use for weights and KV cache."""
     if device.startswith("cuda"):

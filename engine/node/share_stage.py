@@ -10,6 +10,7 @@ import time
 
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
 from engine.node.plain_errors import join_failed
+from engine.model.device import release_memory
 from engine.node.control_basics import NodeError
 from engine.pipeline.stage_server import LEAVE_S
 
@@ -159,6 +160,8 @@ class Sharing:
             except Exception:
                 pass
         await srv.close(wait_s=10)  # until the port is free: sharing may start again on it
+        srv.stage = None
+        release_memory(self.device)  # the owner gets the slice's memory back, not only the GPU
 
     def _decide(self, reading=None):
         return self.policy.evaluate(reading, own_pids(), self.idle_seconds, time.monotonic())

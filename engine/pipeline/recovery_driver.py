@@ -13,6 +13,7 @@ import time
 
 from websockets.exceptions import ConnectionClosed
 
+from engine.model.device import release_memory
 from engine.model.sources import ModelError
 from engine.core.partition import NoRoom
 from engine.core.recovery import PROBE_TIMEOUT_S, Ask
@@ -67,6 +68,7 @@ class RecoveryDriver:
         self.remotes = await self._ask(asks) + ([joined] if joined is not None else [])
         capacity = self.sched.capacity
         self.stage0 = None  # its layers change: the old slice goes before the new one loads
+        release_memory(self.device)
         while True:
             self.remotes.sort(key=lambda r: self.recovery.rank(r.address))
             self._fresh_scheduler(capacity)

@@ -29,7 +29,7 @@ from engine.core.compression import should_compress
 from engine.core.precision import FULL, QUANTIZED, slice_bytes
 from engine.model.static_decode import decode_counts
 from engine.model.device import (DTYPES, HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
-                                 pick_device, speed_score, step_failure)
+                                 pick_device, release_memory, speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
@@ -413,6 +413,7 @@ class StageServer:
             if msg["kv_budget_tokens"]:
                 budget = msg["kv_budget_tokens"] if available is None else min(budget, msg["kv_budget_tokens"])
             self.stage = None
+            release_memory(self.device)   # the old slice's memory, before the new one is loaded
             t1 = time.perf_counter()
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device,
