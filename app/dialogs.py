@@ -692,9 +692,7 @@ def event_line(e: dict) -> str:
     kind = e.get("event")
     who = e.get("who") or "a computer"
     if kind == "left":
-        from engine.node.ring_view import plain_why   # the same words as the ring
-
-        text = f"{who} left: {plain_why(e.get('why'))}"
+        text = f"{who} left: {e.get('why_words') or 'it stopped answering'}"   # the node words it
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
     elif kind in ("back", "joined"):

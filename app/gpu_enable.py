@@ -79,7 +79,7 @@ def read_nvidia(nvml=None) -> GpuInfo:
     try:
         nvml.nvmlInit()
     except Exception as exc:
-        from engine.node.gpu import nvml_reason
+        from engine.boot.gpu_words import nvml_reason
 
         return GpuInfo(why=nvml_reason(exc))
     info = GpuInfo()
@@ -102,7 +102,7 @@ def read_nvidia(nvml=None) -> GpuInfo:
         if not info.names:
             info.why = "the NVIDIA driver sees no GPU"
     except Exception as exc:
-        from engine.node.gpu import nvml_reason
+        from engine.boot.gpu_words import nvml_reason
 
         info.why = nvml_reason(exc)
     finally:

@@ -252,13 +252,18 @@ class SimpleIndex:
             return
         if fault and fault.drop_after is not None:
             body = body[:fault.drop_after]
-        try:
-            for i in range(0, len(body), 64 * 1024):
-                h.wfile.write(body[i:i + 64 * 1024])
-                entry.sent += len(body[i:i + 64 * 1024])
-            h.wfile.flush()
-        except OSError:  # the client went away (a cancelled download)
-            pass
+        for i in range(0, len(body), 64 * 1024):
+            chunk = body[i:i + 64 * 1024]
+            # counted before the write: a client that has read the whole body may look at
+            # the count at once, before this thread would get past the write (a flaky test)
+            entry.sent += len(chunk)
+            try:
+                h.wfile.write(chunk)
+                if i + len(chunk) >= len(body):
+                    h.wfile.flush()
+            except OSError:  # the client went away (a cancelled download): not sent
+                entry.sent -= len(chunk)
+                break
         if fault and fault.drop_after is not None:
             h.close_connection = True
 
@@ -269,8 +274,8 @@ class SimpleIndex:
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         if not head:
+            entry.sent = len(body)   # before the write, as in a file's (see there)
             h.wfile.write(body)
-            entry.sent = len(body)
 
     @staticmethod
     def _status(h, entry: Served, code: int) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from engine.boot.gpu_words import nvml_reason
+
 
 @dataclass
 class ProcessUse:
@@ -43,21 +45,6 @@ def _nvml():
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return None, nvml_reason(exc)
     return pynvml, None
-
-
-# what NVML's errors mean to the person at this computer (its class names are the
-# library's words: the app and the terminal show these instead)
-_NVML_WORDS = (("LibraryNotFound", "no NVIDIA driver is installed"),
-               ("Library Not Found", "no NVIDIA driver is installed"),
-               ("DriverNotLoaded", "the NVIDIA driver is installed but not running: restart the computer"),
-               ("NoPermission", "this user may not read the GPU"),
-               ("InsufficientPower", "the GPU's power cable is not connected"),
-               ("GpuIsLost", "the GPU stopped answering: restart the computer"))
-
-
-def nvml_reason(exc: BaseException) -> str:
-    text = f"{exc.__class__.__name__} {exc}"
-    return next((words for key, words in _NVML_WORDS if key in text), "the NVIDIA driver did not answer")
 
 
 def read_gpus() -> tuple[list[GpuReading], str | None]:

@@ -68,9 +68,17 @@ def name_of(hosting: dict, address: str | None) -> str:
 
 
 def with_names(hosting: dict) -> list[dict]:
-    """The head's events, each with `who` (name_of its address) for front ends to show."""
-    return [dict(e, who=name_of(hosting, e.get("address"))) if e.get("address") else dict(e)
-            for e in hosting.get("events") or []]
+    """The head's events, each with `who` (name_of its address) and, for one that left,
+    `why_words` (plain_why), for front ends to show."""
+    out = []
+    for e in hosting.get("events") or []:
+        e = dict(e)
+        if e.get("address"):
+            e["who"] = name_of(hosting, e["address"])
+        if e.get("event") == "left":
+            e["why_words"] = plain_why(e.get("why"))
+        out.append(e)
+    return out
 
 
 def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:

@@ -141,11 +141,21 @@ class RingFormation:
                 kv_budget_tokens=budget, cores=self.cores, weights=self.weights,
                 progress=lambda d, t, w: self.progress(0, d, t, w)), profile=hint("head", self.ranges[0]))
 
+        local = asyncio.ensure_future(self._run(load_local))
+        remote = [asyncio.ensure_future(configure(i, r)) for i, r in enumerate(self.remotes)]
         try:
-            results = await asyncio.gather(self._run(load_local),
-                                           *(configure(i, r) for i, r in enumerate(self.remotes)))
-        except ConnectionClosed as exc:
-            raise PipelineError(f"a stage closed its connection during setup: {exc}") from None
+            results = await asyncio.gather(local, *remote)
+        except BaseException as exc:
+            # one stage failed (a machine gone while the layers load): the others' configures
+            # stop waiting on their connections, else the next try's would find each
+            # connection still being read ("cannot call recv while another coroutine is
+            # already running recv", found by the chaos run); our own slice finishes loading
+            for t in remote:
+                t.cancel()
+            await asyncio.gather(local, *remote, return_exceptions=True)
+            if isinstance(exc, ConnectionClosed):
+                raise PipelineError(f"a stage closed its connection during setup: {exc}") from None
+            raise
         self.stage0, profile0 = results[0]
         self.profiles = [profile0] + [r.configured["profile"] for r in self.remotes]
         budgets = [self.stage0.kv.budget_tokens] + [r.configured["kv_budget_tokens"] for r in self.remotes]

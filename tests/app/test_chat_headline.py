@@ -43,7 +43,7 @@ def test_the_status_window_lists_what_happened():
     st = {"state": "serving", "hosting": {
         "model": "M", "stages": [{"address": "head (this process)", "layers": [0, 30]}],
         "recovering": None,
-        "events": [{"event": "left", "address": "ws://ana-pc:7860", "who": "Ana",
+        "events": [{"event": "left", "address": "ws://ana-pc:7860", "who": "Ana", "why_words": "<sleep>",
                     "why": "stage 1 (ws://ana-pc:7860) is leaving: <sleep>", "t": 1.0},
                    {"event": "recovered", "stages": 1, "seconds": 4.25, "replayed": 3, "t": 5.0}]}}
     page = status_html(st)
