@@ -127,6 +127,8 @@ class RingFormation:
                 if msg["type"] == "progress":
                     self.progress(i + 1, msg["done"], msg["total"], msg["what"])
                 elif msg["type"] == "configured":
+                    if msg["n_layers"] != r.range[1] - r.range[0]:
+                        continue   # the answer to an earlier try's configure (cancelled): not ours
                     r.configured = msg
                     return
                 elif msg["type"] == "error":
