@@ -411,8 +411,10 @@ class HostDialog(QDialog):
             text = html.escape(loading["message"])
             arrived = loading.get("arrived") or []
             if arrived:   # friends appear as they join, with how their computer reaches this one
-                text += "<ul>" + "".join(f"<li>{html.escape(a['name'])} joined ({html.escape(a['path'])})</li>"
-                                         for a in arrived) + "</ul>"
+                text += "<ul>" + "".join(
+                    f"<li>{html.escape(a['name'])} joined"
+                    + (f": {html.escape(a['gives'])}" if a.get("gives") else "")
+                    + f" ({html.escape(a['path'])})</li>" for a in arrived) + "</ul>"
             if loading.get("weights_table"):  # what the head settled, against the whole pool
                 text += f"<pre>{html.escape(loading['weights_table'])}</pre>"
             self.result.setText(text)

@@ -1,5 +1,5 @@
 """The ring, drawn: one card per computer in pipeline order (who, what it computes on,
-its share of the model, the path and round trip of its link), arrows between, a faded
+its share of the model and the memory it takes, the path and round trip of its link), arrows between, a faded
 card for each computer that left (and why), the live tokens per second at the end.
 Pure drawing of the node's `hosting.ring` rows (engine/node/ring_view.py words them)."""
 
@@ -20,6 +20,8 @@ def card_html(row: dict) -> str:
     link = ", ".join(x for x in (row.get("path"), f"{row['rtt_ms']:.0f} ms" if row.get("rtt_ms") is not None else None)
                      if x)
     lines = [f"<b>{who}</b>", html.escape(str(row.get("device") or "")), html.escape(row.get("share") or "")]
+    if row.get("memory"):
+        lines.append(f"memory {html.escape(row['memory'])}")
     if link:
         lines.append(html.escape(link))
     return "<br>".join(lines)

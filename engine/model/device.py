@@ -178,13 +178,18 @@ def memory_for_kv(weight_bytes: int, device: str, cap: int | None = None) -> int
     return max(0, int((room - weight_bytes) * KV_HEADROOM))
 
 
+def kv_bytes_per_token(cfg, layer_range, dtype) -> int:
+    """Bytes one token's keys and values take over a slice of layers."""
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return max(1, 2 * heads * head_dim * (layer_range[1] - layer_range[0]) * dtype.itemsize)
+
+
 def kv_budget_tokens_for(cfg, layer_range, dtype, device: str, available: int | None = None) -> int:
     """How many tokens of KV cache a stage offers: a quarter of its free memory, capped.
     With `available` (memory_for_kv: a GPU, or the owner's cap) it stays within that,
     even below the usual floor of 1024 tokens."""
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = max(1, 2 * heads * head_dim * (layer_range[1] - layer_range[0]) * dtype.itemsize)
+    per_token = kv_bytes_per_token(cfg, layer_range, dtype)
     if available is not None:
         return int(min(1 << 18, max(0, available) // per_token))
     return int(min(1 << 18, max(1024, free_memory(device) // 4 // per_token)))

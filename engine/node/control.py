@@ -160,7 +160,8 @@ class Node(NodeRoutes, Hosting, Sharing):
                 st["via"] = live["path"] if live else f["via"]
                 st["tunnel"] = live
             info["friends"] = [{**{k: v for k, v in f.items() if k != "peer"},
-                                "address": getattr(f.get("peer"), "address", None)} for f in self.friends]
+                                "address": getattr(f.get("peer"), "address", None),
+                                **(getattr(f.get("peer"), "about", None) or {})} for f in self.friends]
             # friend to friend: each hop's path ("direct (lan)", "via the host") and round trip
             gate = getattr(self, "friends_gate", None)
             info["hops"] = gate.tunnels.hop_links() if gate is not None else []

@@ -188,6 +188,7 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
                         prefer=prefer, on_event=on_event, reply_listen=reply_listen, on_reply=on_reply)
     else:
         joiner.target = ("127.0.0.1", server.port)   # a new stage server behind the same membership
+    joiner.about = server.about   # the host shows each friend's device and memory as they join
     try:
         await joiner.connect()
     except (TunnelError, OSError) as exc:

@@ -11,6 +11,7 @@ import os
 from engine.core import precision
 from engine.model.device import DTYPES, compute_dtype, free_memory
 from engine.node.control_basics import NodeError, lan_address
+from engine.node.ring_view import gives_words
 
 log = logging.getLogger("potluck.node")
 
@@ -267,7 +268,9 @@ class Hosting:
             # who came, and how their computer reaches this one (the host dialog lists them)
             self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
                                 friends=[p.name or p.node_id for p in peers],
-                                arrived=[{"name": p.name or p.node_id, "path": _path_words(p.path)} for p in peers])
+                                arrived=[{"name": p.name or p.node_id, "path": _path_words(p.path),
+                                          "device": p.about.get("device"), "memory": p.about.get("memory"),
+                                          "gives": gives_words(p.about)} for p in peers])
 
         peers = await gate.wait(n, on_arrival=arrived)
         self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]

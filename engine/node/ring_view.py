@@ -95,7 +95,8 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
             rtt = (s.get("link") or {}).get("rtt_ms")
         rows.append({"who": _who(i, s), "device": s.get("device_name") or s.get("device") or "?",
                      "layers": [a, b], "share": f"{b - a} of {total} layers", "path": _path(s) if i else None,
-                     "rtt_ms": None if rtt is None else round(float(rtt), 1), "state": "computing", "why": None})
+                     "rtt_ms": None if rtt is None else round(float(rtt), 1), "state": "computing", "why": None,
+                     "memory": memory_words(s.get("memory"))})
     here = {s.get("address") for s in stages}
     away: dict[str, dict] = {}
     for e in hosting.get("events") or []:
@@ -109,10 +110,40 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
     names = {f.get("address"): f.get("name") for f in hosting.get("friends") or [] if isinstance(f, dict)}
     for addr, e in away.items():
         rows.append({"who": names.get(addr) or _who(1, {"address": addr}), "device": None, "layers": None,
-                     "share": None, "path": None, "rtt_ms": None, "state": "left", "why": plain_why(e.get("why"))})
+                     "share": None, "path": None, "rtt_ms": None, "state": "left", "why": plain_why(e.get("why")),
+                     "memory": None})
     if rows and tokens_per_s is not None:
         rows[0]["tokens_per_s"] = round(tokens_per_s, 1)
     return rows
+
+
+def size_words(n: int | float | None) -> str | None:
+    """A size in bytes as people read it: '24 GB', '1.5 GB', '300 MB'."""
+    if n is None:
+        return None
+    gb = n / 1e9
+    if gb >= 10:
+        return f"{gb:.0f} GB"
+    if gb >= 1:
+        return f"{gb:.1f} GB"
+    return f"{n / 1e6:.0f} MB"
+
+
+def memory_words(mem: dict | None) -> str | None:
+    """A stage's memory ({"weights", "cache", "offered"} in bytes) as '3.1 GB of 24 GB':
+    its share of the model and the room kept for replies, of what its machine offered."""
+    if not mem:
+        return None
+    used = size_words(mem["weights"] + mem["cache"])
+    return f"{used} of {size_words(mem['offered'])}" if mem.get("offered") else used
+
+
+def gives_words(about: dict | None) -> str | None:
+    """What a friend's computer said it gives as it joined: 'RTX 4090, 24 GB free'."""
+    if not about:
+        return None
+    parts = [about.get("device"), f"{size_words(about['memory'])} free" if about.get("memory") else None]
+    return ", ".join(p for p in parts if p) or None
 
 
 def plain_why(why: str | None) -> str:
@@ -139,6 +170,8 @@ def ring_text(rows: list[dict], tokens_per_s: float | None = None) -> str:
             continue
         link = ", ".join(x for x in (r["path"], f"{r['rtt_ms']:.0f} ms" if r["rtt_ms"] is not None else None) if x)
         parts.append(f"{r['who']} ({r['device']}): {r['share']}" + (f", {link}" if link else ""))
+        if r.get("memory"):
+            parts[-1] = parts[-1].replace(f": {r['share']}", f": {r['share']} in {r['memory']}", 1)
     line = " → ".join(p for p, r in zip(parts, rows) if r["state"] != "left")
     gone = [p for p, r in zip(parts, rows) if r["state"] == "left"]
     if gone:

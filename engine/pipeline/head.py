@@ -302,13 +302,16 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         self._draft_exec.shutdown(wait=False, cancel_futures=True)
 
     def info(self) -> dict:
-        return {
-            "model": self.source.name,
-            "stages": [{"address": "head (this process)", "layers": list(self.ranges[0]),
-                        "device": self.device, "device_name": self.device_name}]
+        stages = [{"address": "head (this process)", "layers": list(self.ranges[0]),
+                   "device": self.device, "device_name": self.device_name}] \
             + [{"address": r.address, "layers": list(r.range),
                 "device": (r.welcome or {}).get("device"), "device_name": (r.welcome or {}).get("device_name")}
-               for r in self.remotes],
+               for r in self.remotes]
+        for st, mem in zip(stages, self.stage_memory()):
+            st["memory"] = mem
+        return {
+            "model": self.source.name,
+            "stages": stages,
             "dtype": self.dtype_name,
             "weights": self.weights,
             "micro_batches": self.micro_batches,

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from engine.wire import frames
 from engine.model.static_decode import decode_counts
-from engine.model.device import free_memory, kv_budget_tokens_for, memory_for_kv, speed_score
+from engine.model.device import free_memory, kv_budget_tokens_for, kv_bytes_per_token, memory_for_kv, speed_score
 from engine.model.sources import ModelError
 from engine.pipeline.link import open_link
 from engine.core import precision
@@ -90,6 +90,7 @@ class RingFormation:
         mems = [mine] + [r.welcome["free_memory"] for r in self.remotes]
         if self.same_machine:
             mems = [min(mems) // self.n_stages] * self.n_stages
+        self.offered = mems
         self.weights = self._settle_weights(cfg, mems)
         if self.layers_override and len(self.layers_override) == self.n_stages:
             self.ranges = list(self.layers_override)
@@ -176,6 +177,29 @@ class RingFormation:
                                   acked=self.acks)
             for i, r in enumerate(self.remotes):
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r, epoch)))
+
+    def stage_memory(self) -> list[dict | None]:
+        """Each stage's memory (head first), in bytes: its slice of the weights, the room
+        its KV cache holds for replies, and what the machine offered when the ring formed."""
+        if self.stage0 is None:
+            return []
+        offered = getattr(self, "offered", None) or []
+        out = []
+        param0 = getattr(self, "_param0", None)
+        if param0 is None or param0[0] is not self.stage0:
+            self._param0 = param0 = (self.stage0, self.stage0.param_bytes())
+        rows = [(self.ranges[0], param0[1], self.stage0.kv.budget_tokens)]
+        for r in self.remotes:
+            c = r.configured or {}
+            rows.append((r.range, c.get("param_bytes"), c.get("kv_budget_tokens")))
+        for i, (rng, weights, budget) in enumerate(rows):
+            if weights is None or budget is None:
+                out.append(None)
+                continue
+            cache = budget * kv_bytes_per_token(self.config, rng, self.dtype)
+            out.append({"weights": int(weights), "cache": int(cache),
+                        "offered": int(offered[i]) if i < len(offered) else None})
+        return out
 
     def _settle_weights(self, cfg, mems: list[int]) -> str:
         """The precision every stage loads: the user's, the checkpoint's own if it was

@@ -200,6 +200,10 @@ class StageServer:
         free = free_memory(self.device)
         return free if self.memory_cap is None else min(free, self.memory_cap)
 
+    def about(self) -> dict:
+        """What this stage offers, in a joiner's hello: its device's name and free memory."""
+        return {"device": device_name(self.device), "memory": self._free_memory()}
+
     async def wait_closed(self):
         await self._closed.wait()
 

@@ -46,6 +46,8 @@ class Peer:
     server: asyncio.AbstractServer | None = None
     port: int = 0
     joined: float = field(default_factory=time.time)
+    # what the joiner said it gives: {"device": "NVIDIA GeForce RTX 4090", "memory": bytes}
+    about: dict = field(default_factory=dict)
 
     @property
     def node_id(self) -> str:
@@ -58,6 +60,20 @@ class Peer:
     @property
     def path(self) -> str:
         return self.session.path if self.session else "offline"
+
+
+def joiner_about(said) -> dict:
+    """The joiner's word on its computer, kept only as far as it is well formed (a device
+    name of at most 64 characters, a memory size in bytes): it is shown, never trusted."""
+    if not isinstance(said, dict):
+        return {}
+    out = {}
+    if isinstance(said.get("device"), str):
+        out["device"] = said["device"][:64]
+    mem = said.get("memory")
+    if isinstance(mem, int) and not isinstance(mem, bool) and 0 <= mem < 2**53:
+        out["memory"] = mem
+    return out
 
 
 @dataclass
@@ -401,13 +417,15 @@ class TunnelHost:
             name = str(hello.get("name", ""))[:64] if isinstance(hello, dict) else ""
             # which of the invite's addresses the joiner came in on (for the status only)
             kind = hello.get("kind") if isinstance(hello, dict) else None
+            about = joiner_about(hello.get("about") if isinstance(hello, dict) else None)
         except ValueError:
-            name, kind = "", None
+            name, kind, about = "", None, {}
         if path == "direct" and kind in ("lan", "mapped", "ipv6", "public"):
             path = f"direct ({kind})"
         await ws.send(b"\x01" + r.write_2(json.dumps({"pipeline": self.pipeline.hex()}).encode()))
         send_key, recv_key = r.keys()
         session = Session(ws, send_key, recv_key, role="host", peer_key=key, path=path, name=name)
+        session.about = about
         try:
             kind, _, _ = await session.recv_inner(HANDSHAKE_TIMEOUT)
         except asyncio.TimeoutError:
@@ -476,6 +494,7 @@ class TunnelHost:
             fresh = False
             if peer.session is not None:
                 await peer.session.close("replaced by a new connection")
+        peer.about = getattr(session, "about", None) or peer.about
         session.on_punch_offer = self._punch_for
         peer.session = session.start()
         self.on_event(f"peer {peer.node_id} ({peer.name or 'unnamed'}) connected via {session.path}")

@@ -39,10 +39,12 @@ REPLY_QUEUE = 8                  # connections to a joiner's reply listener wait
 
 
 async def open_session(invite: Invite, identity: Identity, target: tuple[str, int], *, name: str = "",
-                       member: bool = False, prefer: str = "auto", log_event=None) -> Session:
+                       member: bool = False, prefer: str = "auto", log_event=None,
+                       about: dict | None = None) -> Session:
     """Reach the host (its direct addresses first, raced, then the relay), authenticate,
     and return a started Session whose streams lead to `target` (our stage server).
-    prefer: "auto", "direct" or "relay". Raises TunnelError with the reasons."""
+    prefer: "auto", "direct" or "relay". about: what this computer gives (its device's name,
+    the memory it shares), for the host to show as it joins. Raises TunnelError with the reasons."""
     say = log_event or (lambda text: log.info(text))
     direct = direct_routes(invite)
     relay = ([("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}")]
@@ -67,7 +69,7 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
         delays = [d for r, d in zip(routes, delays) if r[1] != url]
         routes = [r for r in routes if r[1] != url]      # the rest, should this one fail
         try:
-            session = await _client_handshake(ws, invite, identity, target, name, member, path)
+            session = await _client_handshake(ws, invite, identity, target, name, member, path, about)
             if path == "relay" and direct:
                 say(f"no direct route to the host answered within {delays[-1]:g} s "
                     f"({', '.join(u for _, u in direct)}): joined through the relay; looking for a direct path")
@@ -89,11 +91,14 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
     raise TunnelError("cannot reach the host: " + "; ".join(errors) + hint)
 
 
-async def _client_handshake(ws, invite: Invite, identity: Identity, target, name, member, path) -> Session:
+async def _client_handshake(ws, invite: Invite, identity: Identity, target, name, member, path,
+                            about: dict | None = None) -> Session:
     mode = MODE_MEMBER if member else MODE_JOIN
     prologue = _hello_prefix(mode, invite.pipeline, b"\x00" * 8 if member else invite.invite_id)
     ini = Initiator(identity.private, invite.host_key, prologue, psk=None if member else invite.psk())
     said = {"name": name[:64], "t": int(time.time())}
+    if about:
+        said["about"] = about
     if path.startswith("direct ("):
         said["kind"] = path[len("direct ("):-1]
     await ws.send(prologue + ini.write_1(json.dumps(said).encode()))
@@ -131,8 +136,10 @@ class Joiner:
 
     def __init__(self, invite: Invite, identity: Identity, target: tuple[str, int], name: str = "",
                  prefer: str = "auto", on_event=None, direct_retry_s: float | None = None,
-                 reply_listen: str | None = None, on_reply=None):
+                 reply_listen: str | None = None, on_reply=None, about=None):
         self.invite, self.identity, self.target, self.name, self.prefer = invite, identity, target, name, prefer
+        # () -> {"device": ..., "memory": ...}: read at each connection (the free memory moves)
+        self.about = about or (lambda: None)
         # while relayed, how often the direct addresses are tried again (a router's mapping
         # may come late, a firewall may open): the session then moves there mid-stream
         self.direct_retry_s = float(os.environ.get("POTLUCK_DIRECT_RETRY_S", DIRECT_RETRY_S)) \
@@ -206,7 +213,8 @@ class Joiner:
 
     async def _open(self) -> Session:
         return await open_session(self.invite, self.identity, self.target, name=self.name,
-                                  member=self.member, prefer=self.prefer, log_event=self.on_event)
+                                  member=self.member, prefer=self.prefer, log_event=self.on_event,
+                                  about=self.about())
 
     async def _drop_early(self, early) -> None:
         """The host answered after all: no reply code needed, stop listening for one."""
@@ -355,7 +363,7 @@ class Joiner:
             ws, done, path = await self._incoming.get()
             try:
                 session = await _client_handshake(ws, self.invite, self.identity, self.target, self.name,
-                                                  self.member, path)
+                                                  self.member, path, self.about())
             except (TunnelError, ConnectionClosed, OSError, asyncio.TimeoutError, NoiseError) as exc:
                 # even a refusal: whoever connected here need not be the host (a refusal
                 # is not authenticated), and the host redials; so wait for the next one

@@ -185,8 +185,11 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     d.c.reply = lambda code, cb=None: (replies.append(code), cb and cb({}, None))
     d.started = True
     d.on_status({"loading": {"message": "Waiting for friends to join: 1 of 2", "invite": "0411V-648F8",
-                             "arrived": [{"name": "Ana", "path": "direct"}]}})
+                             "arrived": [{"name": "Ana", "path": "direct"},
+                                         {"name": "Ben", "path": "through the relay",
+                                          "gives": "NVIDIA GeForce RTX 3060, 12 GB free"}]}})
     assert "Ana joined (direct)" in d.result.text()
+    assert "Ben joined: NVIDIA GeForce RTX 3060, 12 GB free (through the relay)" in d.result.text()
     assert d.invite.text() == "0411V-648F8" and d.reply_row.isVisibleTo(d)
     # the invite three ways: the code, a link that opens the join window, a QR code of the link
     from app.links import parse_link

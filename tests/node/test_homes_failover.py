@@ -39,12 +39,17 @@ async def test_friends_leave_come_back_and_join_through_the_tunnels(tmp_path, ti
             joined.append(await join_stage(invite, name=name, config=str(tmp_path / name), threads=1,
                                            device="cpu", accept_models=[str(folder)]))
         peers = await asyncio.wait_for(friends.wait(3), 30)
+        # each friend said what its computer gives as it joined (the host shows it)
+        assert all(p.about["device"] and p.about["memory"] > 0 for p in peers), [p.about for p in peers]
         cfg = await friends.route(peers, PipelineConfig(model=str(folder), threads=1, device="cpu"))
         pipe = await launch(cfg)
         friends.follow(pipe.head)
         head = pipe.head
         head.eos_ids = set()
         assert head.n_stages == 4
+        # each stage's memory: its weights and its cache's room, of what its machine offered
+        mems = [st["memory"] for st in head.info()["stages"]]
+        assert all(m["weights"] > 0 and m["cache"] > 0 and m["offered"] > 0 for m in mems), mems
         prompt = list(range(5, 15))
 
         def params():

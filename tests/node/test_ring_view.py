@@ -3,7 +3,7 @@ node builds it."""
 
 from __future__ import annotations
 
-from engine.node.ring_view import TokenRate, ring, ring_text
+from engine.node.ring_view import TokenRate, gives_words, memory_words, ring, ring_text, size_words
 
 ANA = "ws://127.0.0.1:41001"
 BEN = "ws://127.0.0.1:41002"
@@ -34,7 +34,7 @@ def test_a_friend_who_left_is_shown_as_such_with_why_until_back():
               {"address": ANA, "layers": [15, 30], "device_name": "CPU", "name": "Ana", "via": "relay"}]
     rows = ring(hosting(stages, [left], friends))
     assert rows[-1] == {"who": "Ben", "device": None, "layers": None, "share": None, "path": None, "rtt_ms": None,
-                        "state": "left", "why": "sharing switched off by the owner"}
+                        "state": "left", "why": "sharing switched off by the owner", "memory": None}
     assert rows[1]["path"] == "through the relay"
     assert "Ben: left (sharing switched off by the owner)" in ring_text(rows)
     silent = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) disconnected"}
@@ -56,3 +56,24 @@ def test_tokens_per_second_over_a_sliding_window():
     now[0] = 40.0
     assert rate.update(20) == 0.0          # a pause reads as zero, not as the old figure
     assert rate.update(0) is None           # a new pipeline starts over
+
+
+def test_each_machine_shows_the_memory_its_share_takes_of_what_it_offered():
+    h = hosting([{"address": "head (this process)", "layers": [0, 19], "device_name": "CPU",
+                  "memory": {"weights": 300_000_000, "cache": 2_800_000_000, "offered": 20_000_000_000}},
+                 {"address": ANA, "layers": [19, 30], "device_name": "NVIDIA GeForce RTX 4090", "name": "Ana",
+                  "memory": {"weights": 9_000_000_000, "cache": 12_000_000_000, "offered": 23_500_000_000}}])
+    rows = ring(h)
+    assert [r["memory"] for r in rows] == ["3.1 GB of 20 GB", "21 GB of 24 GB"]
+    assert "Ana (NVIDIA GeForce RTX 4090): 11 of 30 layers in 21 GB of 24 GB" in ring_text(rows)
+    # a stage still loading has no memory figure yet
+    assert memory_words(None) is None
+    assert memory_words({"weights": 1, "cache": 499_999_999, "offered": None}) == "500 MB"
+    assert size_words(1_500_000_000) == "1.5 GB"
+
+
+def test_a_friend_who_joins_says_what_their_computer_gives():
+    assert gives_words({"device": "NVIDIA GeForce RTX 4090", "memory": 24_000_000_000}) == \
+        "NVIDIA GeForce RTX 4090, 24 GB free"
+    assert gives_words({"device": "CPU"}) == "CPU"
+    assert gives_words({}) is None

@@ -282,9 +282,11 @@ async def test_direct_and_relay_tunnels_carry_streams(tmp_path):
         code = home.host.invite(uses=2)
         invite = inv.parse(code)
         me = load_or_create_identity(tmp_path / "joiner")
-        s1 = await open_session(invite, me, ("127.0.0.1", echo_port), name="bob", prefer="direct")
+        s1 = await open_session(invite, me, ("127.0.0.1", echo_port), name="bob", prefer="direct",
+                                about={"device": "NVIDIA GeForce RTX 4090", "memory": 24 * 10**9})
         peer = await asyncio.wait_for(home.host.wait_peer(), 10)
         assert s1.path == "direct" and peer.path == "direct" and peer.name == "bob"
+        assert peer.about == {"device": "NVIDIA GeForce RTX 4090", "memory": 24 * 10**9}
         assert await _roundtrip(peer)
         for _ in range(100):     # the keepalive's first PING goes out at once: a round trip to show
             if peer.session.link()["rtt_ms"] is not None:
@@ -568,3 +570,12 @@ async def test_a_reply_code_is_shown_when_the_hosts_addresses_fail_however_fast_
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await j.close()
+
+
+def test_a_joiners_word_on_its_computer_is_kept_only_as_far_as_it_is_well_formed():
+    from engine.wire.tunnel_host import joiner_about
+
+    assert joiner_about({"device": "x" * 500, "memory": 10**9}) == {"device": "x" * 64, "memory": 10**9}
+    assert joiner_about({"device": 7, "memory": -1}) == {}
+    assert joiner_about({"memory": True}) == {} and joiner_about({"memory": 2**60}) == {}
+    assert joiner_about("a string") == {} and joiner_about(None) == {}
