@@ -668,6 +668,12 @@ class StatusDialog(QDialog):
         self.setWindowTitle("Pipeline status")
         self.resize(600, 460)
         lay = QVBoxLayout(self)
+        from .ring_view import RingView
+
+        # the ring drawn above the words (as in the chat's header): one card per computer
+        self.ring_view = RingView()
+        self.ring_view.hide()
+        lay.addWidget(self.ring_view)
         self.view = QTextBrowser()
         lay.addWidget(self.view)
         row = QHBoxLayout()
@@ -680,6 +686,9 @@ class StatusDialog(QDialog):
         self.on_status(controller.status)
 
     def on_status(self, st: dict):
+        rows = ((st or {}).get("hosting") or {}).get("ring") or []
+        self.ring_view.set_rows(rows, rows[0].get("tokens_per_s") if rows else None)
+        self.ring_view.setVisible(bool(rows))
         self.view.setHtml(status_html(st))
 
 
@@ -708,19 +717,20 @@ def event_line(e: dict) -> str:
 
 
 def ring_table(h: dict) -> str:
-    """The ring (the node's `ring` rows): each computer, what it computes on, its share,
-    the path and round trip of its link; those who left, and why."""
+    """The ring (the node's `ring` rows): each computer, what it computes on, its share
+    and the memory it takes, the path and round trip of its link; those who left, and why."""
     out = ["<table border=1 cellpadding=4><tr><th>Computer</th><th>Computes on</th><th>Share of the model</th>"
-           "<th>Connection</th></tr>"]
+           "<th>Memory</th><th>Connection</th></tr>"]
     for r in h.get("ring") or []:
         if r.get("state") == "left":
-            out.append(f"<tr><td>{html.escape(r['who'])}</td><td colspan=3><i>left: "
+            out.append(f"<tr><td>{html.escape(r['who'])}</td><td colspan=4><i>left: "
                        f"{html.escape(r.get('why') or '')}</i></td></tr>")
             continue
         link = ", ".join(x for x in (r.get("path"), f"{r['rtt_ms']:.0f} ms" if r.get("rtt_ms") is not None else None)
                          if x) or "this computer"
         out.append(f"<tr><td>{html.escape(r['who'])}</td><td>{html.escape(str(r.get('device')))}</td>"
-                   f"<td>{html.escape(r.get('share') or '')}</td><td>{html.escape(link)}</td></tr>")
+                   f"<td>{html.escape(r.get('share') or '')}</td><td>{html.escape(r.get('memory') or '')}</td>"
+                   f"<td>{html.escape(link)}</td></tr>")
     out.append("</table>")
     return "".join(out)
 

@@ -486,7 +486,7 @@ def test_send_and_see_the_streamed_reply(qtbot, live):
     assert [m.role for m in conv.messages] == ["user", "assistant"] and conv.messages[1].ttft is not None
     qtbot.waitUntil(lambda: bool(chat.c.status["hosting"]["tokens_served"] > 0), timeout=30_000)
     cards = [c.text() for c in chat.ring_view.cards]  # which computer holds what share
-    assert len(cards) == 2 and cards[0].startswith("<b>This computer</b><br>CPU<br>")
+    assert len(cards) == 2 and cards[0].startswith("<b>This computer</b><br>CPU<br>") and "<br>memory " in cards[0]
     assert "of 30 layers" in cards[0] and cards[1].startswith("<b>This computer, part 2</b>")
     assert "tokens written" in chat.pipeline_label.text()
     assert chat.url_field.text().startswith("http://127.0.0.1:")
@@ -672,6 +672,10 @@ def test_status_dialog(qtbot, live):
     qtbot.waitUntil(lambda: bool("Hosting" in d.view.toPlainText()), timeout=30_000)
     text = d.view.toPlainText()
     assert "OpenAI-compatible" in text and "GPU:" in text and "This computer" in text
+    # the ring drawn above the words: a card per computer, with the memory its share takes
+    qtbot.waitUntil(lambda: len(d.ring_view.cards) == 2, timeout=30_000)
+    assert d.ring_view.isVisibleTo(d) and "memory " in d.ring_view.cards[0].text()
+    assert " GB of " in text or " MB of " in text
     d.close()
 
 
