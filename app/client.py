@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
 import aiohttp
 from PySide6.QtCore import QObject, Signal, Slot
+
+log = logging.getLogger("potluck.app")
 
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=15)
 
@@ -109,8 +112,10 @@ class NodeClient(QObject):
                 result = await self.request(method, path, body, timeout)
             except NodeError as exc:
                 self._done.emit(cb, None, str(exc))
-            except Exception as exc:  # never lose a callback
-                self._done.emit(cb, None, f"unexpected error: {exc}")
+            except Exception:  # never lose a callback; the log keeps the engine's account
+                log.exception("%s %s failed", method, path)
+                self._done.emit(cb, None, "Something went wrong talking to the Potluck engine. Try again; if it "
+                                          "keeps happening, quit Potluck from the tray menu and start it again.")
             else:
                 self._done.emit(cb, result, None)
 
@@ -209,8 +214,10 @@ class ChatStream(QObject):
         except aiohttp.ClientConnectionError:
             info.update(finish_reason="error",
                         error="The pipeline is not running. Host one from the tray menu (Host a pipeline…).")
-        except Exception as exc:
-            info.update(finish_reason="error", error=f"The reply failed: {exc}")
+        except Exception:
+            log.exception("the reply stream failed")
+            info.update(finish_reason="error", error="The reply broke off: the connection to the Potluck engine "
+                                                     "was lost. Send the message again; the conversation is kept.")
         finally:
             t1 = time.perf_counter()
             info["tokens"] = info["tokens"] or chunks  # no usage line when stopped: one chunk per token

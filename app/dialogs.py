@@ -649,7 +649,9 @@ class SettingsDialog(QDialog):
             try:
                 autostart.enable() if self.autostart.isChecked() else autostart.disable()
             except OSError as e:
-                self.error.setText(f"Could not change starting at sign-in: {e}")
+                why = e.strerror or "the system refused"
+                self.error.setText(f"Could not change starting at sign-in ({why.lower()}): check that your "
+                                   "account may write its own settings folders, then try again.")
                 return
         self.c.history.set_keep(s.keep_history)
         if self.hf_token.text():

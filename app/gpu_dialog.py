@@ -128,8 +128,10 @@ class GpuEnableDialog(QDialog):
             self._finished.emit(None, "")
         except ge.GpuEnableError as e:
             self._finished.emit(None, str(e))
-        except Exception as e:  # anything else still ends in words and a working app
-            self._finished.emit(None, f"{type(e).__name__}: {e}")
+        except Exception:  # anything else still ends in words and a working app
+            log.exception("turning on the GPU failed")
+            self._finished.emit(None, "Setting up the GPU stopped on something unexpected. Potluck goes on with "
+                                      "what it used before; try again later, or send the log with a bug report.")
         else:
             self._finished.emit(done, None)
 

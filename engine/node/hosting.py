@@ -11,6 +11,7 @@ import os
 from engine.core import precision
 from engine.model.device import DTYPES, compute_dtype, free_memory
 from engine.node.control_basics import NodeError, lan_address
+from engine.node.plain_errors import host_failed
 from engine.node.ring_view import gives_words
 
 log = logging.getLogger("potluck.node")
@@ -252,7 +253,7 @@ class Hosting:
                 gate, self.friends_gate = self.friends_gate, None
                 await gate.close()
             self.loading = None
-            self.error = f"Could not start the pipeline: {exc}"
+            self.error = host_failed(str(exc))      # the engine's account is in the log above
 
     async def _wait_for_friends(self, args: dict, cfg):
         """Invite friends (engine/node/homes.py) and wait for them; they become the stages."""

@@ -1,8 +1,10 @@
-"""Why a join failed, in words a person can act on: what happened and what to do. The
-engine's own account (every address tried, each one's socket error) goes along as the
-details, for a bug report or `potluck doctor`, never as the message."""
+"""Why a join or hosting failed, in words a person can act on: what happened and what to
+do. The engine's own account (every address tried, each one's socket error) goes along as
+the details or to the log, for a bug report or `potluck doctor`, never as the message."""
 
 from __future__ import annotations
+
+import re
 
 # (a phrase of the engine's account, what the person reads); the first that matches
 _JOIN = (
@@ -38,3 +40,45 @@ def join_failed(engine_account: str) -> str:
             return words
     return "Could not join your friend's pipeline. Try again in a moment; if it keeps failing, ask your " \
            "friend for a new code."
+
+
+# why hosting failed: (a phrase of the engine's account, what the person reads)
+_HOST = (
+    ("address already in use", "Another program already uses the port Potluck's API needs. Close that "
+                               "program, or choose another port under Advanced, and host again."),
+    ("cannot reach stage", "A computer of the pipeline did not answer while it was being set up: check that "
+                           "it is on and sharing, then host again."),
+    ("closed its connection during setup", "A computer of the pipeline went away while the model was loading: "
+                                           "check that it is on and sharing, then host again."),
+    ("no friend joined", "Not enough friends joined in time. Send them the invite again and host again."),
+    ("timed out waiting", "Not enough friends joined in time. Send them the invite again and host again."),
+    ("out of memory", "The model did not fit in the memory there is: choose a smaller model or 4-bit weights, "
+                      "or invite a friend to share the load."),
+    ("not enough memory", "The model did not fit in the memory there is: choose a smaller model or 4-bit "
+                          "weights, or invite a friend to share the load."),
+)
+
+# the engine's words that must not reach a person: an address, a stage's number and address
+_ENGINE = re.compile(r"\s*\(?wss?://[^\s)]*\)?|\bstage \d+\s*")
+
+
+def host_failed(engine_account: str) -> str:
+    """The message for hosting that failed. The engine's account goes to the log; a reason
+    with no known wording keeps its text, minus addresses and stage numbers."""
+    text = engine_account or ""
+    low = text.lower()
+    for phrase, words in _HOST:
+        if phrase in low:
+            return words
+    said = _ENGINE.sub(" ", text).strip(" :")
+    said = re.sub(r"\s{2,}", " ", said)
+    return f"Could not start the pipeline: {said}." if said else "Could not start the pipeline. Try again."
+
+
+def membership_ended(engine_account: str) -> str:
+    """The message for a friend whose host ended this computer's membership."""
+    if "revoked" in (engine_account or ""):
+        return "Your friend removed this computer from their pipeline. Ask them for a new code if they want " \
+               "you back."
+    return "Your friend's computer stopped answering for good, so this computer stopped sharing with it. " \
+           "Join again with their code when they host again."

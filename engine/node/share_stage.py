@@ -9,7 +9,7 @@ import logging
 import time
 
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
-from engine.node.plain_errors import join_failed
+from engine.node.plain_errors import join_failed, membership_ended
 from engine.model.device import release_memory
 from engine.node.control_basics import NodeError
 from engine.pipeline.stage_server import LEAVE_S
@@ -132,7 +132,8 @@ class Sharing:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # revoked, or the host refuses us now
-            self.error = f"The host's pipeline ended this machine's membership: {exc}"
+            log.warning("membership ended: %s", exc)
+            self.error = membership_ended(str(exc))
             self.share_wanted = False
             await self._stop_share("membership ended")
 

@@ -395,6 +395,18 @@ def test_hosting_over_a_friends_plain_share(node, tmp_path):
         assert proc.wait(60) == 0
 
 
+def test_hosting_that_fails_says_why_in_words(node):
+    """A friend's computer that never answers: the status says what happened and what to
+    do, without its address (the engine's account goes to the node's log)."""
+    gone = f"ws://127.0.0.1:{free_port()}#secret-of-a-friend"
+    status, r = call(node, "POST", "/host", {"model": "default", "stages": 1, "stage_addr": [gone],
+                                             "wait_timeout_s": 1})
+    assert status == 200, r
+    st = wait_status(node, lambda s: s["state"] in ("serving", "error", "idle") and s["error"], timeout=120)
+    assert "did not answer" in st["error"] and "host again" in st["error"], st["error"]
+    assert "ws://" not in st["error"] and "secret" not in st["error"] and "Errno" not in st["error"]
+
+
 def test_join(node):
     assert call(node, "POST", "/join", {})[0] == 400
     assert call(node, "POST", "/join", {"pipeline": "friends", "port": 99999})[0] == 400

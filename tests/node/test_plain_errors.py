@@ -21,3 +21,22 @@ def test_each_reason_says_what_happened_and_what_to_do_without_the_engines_words
         assert hint in words, (account, words)
         for engine_word in ("ws://", "Errno", "OSError", "host's pipeline", "(also"):
             assert engine_word not in words, (engine_word, words)
+
+
+def test_hosting_that_failed_says_why_without_addresses_or_stage_numbers():
+    from engine.node.plain_errors import host_failed, membership_ended
+
+    cases = {"cannot reach stage at ws://127.0.0.1:41235: [Errno 111] Connect call failed": "on and sharing",
+             "a stage closed its connection during setup: received 1006": "went away while the model was loading",
+             "[Errno 98] error while attempting to bind on address ('0.0.0.0', 8000): address already in use":
+                 "port",
+             "stage 2 (ws://127.0.0.1:41235#s3cr3t): CUDA out of memory. Tried to allocate 2.00 GiB": "smaller model",
+             "stage 1 (ws://127.0.0.1:41235): the model 'x' is not one this computer accepts":
+                 "Could not start the pipeline: the model 'x' is not one this computer accepts."}
+    for account, hint in cases.items():
+        words = host_failed(account)
+        assert hint in words, (account, words)
+        for engine_word in ("ws://", "Errno", "stage 1", "stage 2", "s3cr3t", "0.0.0.0"):
+            assert engine_word not in words, (engine_word, words)
+    assert "removed this computer" in membership_ended("the host revoked this member")
+    assert "stopped answering" in membership_ended("TunnelError: the host refused 5 times")
