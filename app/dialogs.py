@@ -408,13 +408,7 @@ class HostDialog(QDialog):
         if code:
             self.reply_row.setVisible(bool(loading))       # while friends are awaited
         if loading and loading.get("message"):
-            text = html.escape(loading["message"])
-            arrived = loading.get("arrived") or []
-            if arrived:   # friends appear as they join, with how their computer reaches this one
-                text += "<ul>" + "".join(
-                    f"<li>{html.escape(a['name'])} joined"
-                    + (f": {html.escape(a['gives'])}" if a.get("gives") else "")
-                    + f" ({html.escape(a['path'])})</li>" for a in arrived) + "</ul>"
+            text = html.escape(loading["message"]) + friends_list(loading.get("arrived") or [])
             if loading.get("weights_table"):  # what the head settled, against the whole pool
                 text += f"<pre>{html.escape(loading['weights_table'])}</pre>"
             self.result.setText(text)
@@ -432,11 +426,21 @@ class HostDialog(QDialog):
             self.result.setText(
                 f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "
                 f"<code>{hosting.get('openai_url')}</code>." + (
-                    "" if hosting.get("friends") else
+                    friends_list(hosting["friends"]) if hosting.get("friends") else
                     "<br>To add friends' GPUs, set “Friends to invite” and start again: they paste the "
                     "invite code into “Join with invite code…”."))
         elif st.get("state") == "error" and st.get("error"):
             self.result.setText(f"<span style='color:#b91c1c'>{st['error']}</span>")
+
+
+def friends_list(friends: list[dict]) -> str:
+    """Friends as they joined (the node's words): who, what their computer gives, the path."""
+    if not friends:
+        return ""
+    return "<ul>" + "".join(
+        f"<li>{html.escape(str(a.get('name') or a.get('node_id') or 'A friend'))} joined"
+        + (f": {html.escape(a['gives'])}" if a.get("gives") else "")
+        + (f" ({html.escape(a['path'])})" if a.get("path") else "") + "</li>" for a in friends) + "</ul>"
 
 
 class JoinDialog(QDialog):

@@ -1,7 +1,7 @@
 """A walk through the running app that saves what a person would see: the chat window
 answering, the tray menu, the host dialog's plan, (with `wait_link`) the join dialog
-a `potluck://join/…` link opened, and (with `friend`) a friend's computer joining with
-the invite code, the ring drawn, the friend leaving, the rearrangement and the chat going
+a `potluck://join/…` link opened, and (with `friend`) hosting for one friend from the
+Host dialog, the friend's computer joining with the invite link it shows, the ring drawn, the friend leaving, the rearrangement and the chat going
 on. Each step records the engine's words a person would have seen (none, we hope). `potluck app --tour DIR` runs it inside the real app,
 started the way the Start menu starts it, and quits; DIR gets the PNGs and tour.json
 (what each step saw). It is how CI sees the installed Windows app work (under wine,
@@ -128,21 +128,41 @@ class Tour:
 
         from .nodeproc import NodeProcess
 
+        from .links import parse_link
+
         app, c, chat = self.app, self.c, self.shell.chat
-        c.host({"model": c.settings.default_model, "stages": 1, "friends": 1, "listen": "127.0.0.1:0"})
-        wait(app, lambda: bool((c.status.get("loading") or {}).get("invite")), 120, "the invite code")
-        code = c.status["loading"]["invite"]
+        # hosting with one friend, as a person does it: the Host dialog, one friend to invite
+        # (this tour's friend is on this computer: friends are accepted on loopback)
+        host = self.shell.open_host()
+        host.stages.setValue(1)
+        host.invitees.setValue(1)
+        host.listen.setText("127.0.0.1:0")
+        host.start_button.click()
+        wait(app, lambda: bool(host.invite_link.text()) and host.invite_box.isVisible(), 120, "the invite link")
+        settle(app, 0.5)
+        link = host.invite_link.text()
+        self._step("invite", link=link, png=shoot(host, self.out / "invite.png"), words=self.plain("invite", host))
         home = self.out / "friend-home"
         friend = NodeProcess(["--threads", "1", "--share-host", "127.0.0.1", "--share-port", "0"],
                              env={**os.environ, "POTLUCK_HOME": str(home)})
         friend.start(timeout=120)
         try:
-            req = urllib.request.Request(f"{friend.url}/join", json.dumps({"code": code}).encode(), method="POST",
+            # the friend clicks the link: their app reads it (app/links.py) and joins with
+            # what it carries, as its join dialog does
+            got = parse_link(link)
+            body = {"code": got.code, **({"relay": got.relay} if got.relay else {})}
+            req = urllib.request.Request(f"{friend.url}/join", json.dumps(body).encode(), method="POST",
                                          headers={"Authorization": f"Bearer {friend.token}"})
             with urllib.request.urlopen(req, timeout=180) as r:
                 joined = json.loads(r.read())
+            # the friend appears in the Host dialog as they join: name, computer, memory, path
+            wait(app, lambda: "joined" in host.result.text(), 120, "the friend in the Host dialog")
+            settle(app, 0.3)
+            self._step("friend-joined", seen=host.result.text(), png=shoot(host, self.out / "friend-joined.png"),
+                       words=self.plain("friend-joined", host))
             wait(app, lambda: len((c.status.get("hosting") or {}).get("ring") or []) == 2, self.load_timeout,
                  "the ring with the friend")
+            host.close()
             settle(app, 1.0)
             chat.on_status(c.status)
             reply = self.chat(question, name="ring.png")

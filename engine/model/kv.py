@@ -173,6 +173,10 @@ class KVStore:
             newv[: v.shape[0], :, : v.shape[2]] = v
         self._k[layer_idx], self._v[layer_idx] = newk, newv
 
+    def allocated_bytes(self) -> int:
+        """Bytes the cache holds now (it grows as replies need it, up to the budget)."""
+        return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+
     def bytes_per_token(self) -> int:
         total = 0
         for layer_idx, k in self._k.items():

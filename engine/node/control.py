@@ -32,7 +32,7 @@ from engine.pipeline.stopping import StopRequests
 from engine.model.device import DeviceError, device_name, pick_device
 from engine.node.control_basics import NodeError, default_token_file, lan_address, write_token_file
 from engine.node.hosting import DEFAULT_SHARE_PIPELINE, Hosting
-from engine.node.ring_view import TokenRate, ring, ring_text, with_names
+from engine.node.ring_view import TokenRate, gives_words, path_words, ring, ring_text, with_names
 from engine.node.routes import NodeRoutes
 from engine.node.share_stage import SLEEP_LEAVE_S, Sharing
 from engine.node.sharing import Limits, SharePolicy
@@ -135,6 +135,8 @@ class Node(NodeRoutes, Hosting, Sharing):
             if kv:
                 for st, k in zip(info["stages"], kv):
                     st.update(seqs=k["seqs"], kv_tokens=k["kv_tokens"])
+                    if st.get("memory"):
+                        st["memory"]["cache"] = k["kv_bytes"]
             info["kv_used_tokens"] = sum(k["kv_tokens"] for k in kv) if kv else None
             est = getattr(getattr(getattr(self.head, "link", None), "sched", None), "link", None)
             if est is not None and len(info["stages"]) > 1:  # the head's link to stage 1, as measured
@@ -161,7 +163,11 @@ class Node(NodeRoutes, Hosting, Sharing):
                 st["tunnel"] = live
             info["friends"] = [{**{k: v for k, v in f.items() if k != "peer"},
                                 "address": getattr(f.get("peer"), "address", None),
-                                **(getattr(f.get("peer"), "about", None) or {})} for f in self.friends]
+                                **(getattr(f.get("peer"), "about", None) or {}),
+                                # in words, as the host dialog listed them while they joined
+                                "gives": gives_words(getattr(f.get("peer"), "about", None)),
+                                "path": path_words(getattr(f.get("peer"), "path", None) or f.get("via"))}
+                               for f in self.friends]
             # friend to friend: each hop's path ("direct (lan)", "via the host") and round trip
             gate = getattr(self, "friends_gate", None)
             info["hops"] = gate.tunnels.hop_links() if gate is not None else []

@@ -12,7 +12,7 @@ from engine.core import precision
 from engine.model.device import DTYPES, compute_dtype, free_memory
 from engine.node.control_basics import NodeError, lan_address
 from engine.node.plain_errors import host_failed
-from engine.node.ring_view import gives_words
+from engine.node.ring_view import gives_words, path_words
 
 log = logging.getLogger("potluck.node")
 
@@ -269,7 +269,7 @@ class Hosting:
             # who came, and how their computer reaches this one (the host dialog lists them)
             self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
                                 friends=[p.name or p.node_id for p in peers],
-                                arrived=[{"name": p.name or p.node_id, "path": _path_words(p.path),
+                                arrived=[{"name": p.name or p.node_id, "path": path_words(p.path),
                                           "device": p.about.get("device"), "memory": p.about.get("memory"),
                                           "gives": gives_words(p.about)} for p in peers])
 
@@ -305,9 +305,3 @@ class Hosting:
             await gate.close()
         self.invite_code, self.friends = None, []
 
-
-def _path_words(path: str | None) -> str:
-    """'direct' or 'through the relay' for a friend's tunnel path ('direct (mapped)', 'relay')."""
-    if not path:
-        return "connecting"
-    return "through the relay" if path == "relay" else "direct" if path.startswith("direct") else path

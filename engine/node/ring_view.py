@@ -131,11 +131,18 @@ def size_words(n: int | float | None) -> str | None:
 
 def memory_words(mem: dict | None) -> str | None:
     """A stage's memory ({"weights", "cache", "offered"} in bytes) as '3.1 GB of 24 GB':
-    its share of the model and the room kept for replies, of what its machine offered."""
+    its share of the model and its replies' cache as it is now, of what its machine offered."""
     if not mem:
         return None
-    used = size_words(mem["weights"] + mem["cache"])
+    used = size_words(mem["weights"] + (mem.get("cache") or 0))
     return f"{used} of {size_words(mem['offered'])}" if mem.get("offered") else used
+
+
+def path_words(path: str | None) -> str:
+    """'direct' or 'through the relay' for a friend's tunnel path ('direct (mapped)', 'relay')."""
+    if not path or path == "offline":
+        return "connecting"
+    return "through the relay" if path == "relay" else "direct" if path.startswith("direct") else path
 
 
 def gives_words(about: dict | None) -> str | None:

@@ -179,8 +179,9 @@ class RingFormation:
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r, epoch)))
 
     def stage_memory(self) -> list[dict | None]:
-        """Each stage's memory (head first), in bytes: its slice of the weights, the room
-        its KV cache holds for replies, and what the machine offered when the ring formed."""
+        """Each stage's memory (head first), in bytes: its slice of the weights, the room its
+        KV cache may grow to for replies, and what the machine offered when the ring formed
+        (the cache's bytes now come with stage_stats)."""
         if self.stage0 is None:
             return []
         offered = getattr(self, "offered", None) or []
@@ -197,7 +198,7 @@ class RingFormation:
                 out.append(None)
                 continue
             cache = budget * kv_bytes_per_token(self.config, rng, self.dtype)
-            out.append({"weights": int(weights), "cache": int(cache),
+            out.append({"weights": int(weights), "cache_room": int(cache),
                         "offered": int(offered[i]) if i < len(offered) else None})
         return out
 
@@ -278,13 +279,13 @@ class RingFormation:
         # one query at a time: answers carry no id, so two callers would take each other's
         async with self._stats_lock:
             kv = self.stage0.kv
-            out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "rejected": 0,
+            out = [{"seqs": len(kv.seqs), "kv_tokens": kv.used_tokens, "kv_bytes": kv.allocated_bytes(), "rejected": 0,
                     "cut_ins": self.stage0.gate.cut_ins, **decode_counts(self.stage0)}]
             for i, r in enumerate(self.remotes, start=1):
                 fut = asyncio.get_running_loop().create_future()
                 self._stats_waiters[i] = fut
                 await r.ws.send(frames.control("get_stats"))
                 msg = await asyncio.wait_for(fut, 30)
-                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "rejected", "cut_ins", "fixed_steps",
+                out.append({k: msg[k] for k in ("seqs", "kv_tokens", "kv_bytes", "rejected", "cut_ins", "fixed_steps",
                                                  "graph_replays")})
             return out

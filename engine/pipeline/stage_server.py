@@ -69,7 +69,7 @@ log = logging.getLogger("potluck.stage")
                        #     a draft (n > 1): every stage keeps the draft's KV tentative, the
                        #     last stage answers one token per position (speculative decoding),
                        #     and the sequence's next row may start inside that tail (rollback)
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -351,6 +351,7 @@ class StageServer:
                     kv = self.stage.kv if self.stage is not None else None
                     await ws.send(frames.control("stats", seqs=len(kv.seqs) if kv else 0,
                                                kv_tokens=kv.used_tokens if kv else 0,
+                                               kv_bytes=kv.allocated_bytes() if kv else 0,
                                                rejected=self.rejected_frames,
                                                cut_ins=self.stage.gate.cut_ins if self.stage else 0,
                                                **decode_counts(self.stage)))

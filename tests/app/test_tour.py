@@ -1,8 +1,8 @@
 """`potluck app --tour DIR`: the real app, started the way the Start menu and the desktop
 entry start it (defaults: the default model hosted on its default stages, no pinned
 threads), answers in its chat window, shows its menu and host dialog, and opens the join
-dialog when a second launch hands it a potluck:// link; a friend's computer joins with the
-invite code, the ring is drawn, the friend leaves and the chat goes on; then it quits
+dialog when a second launch hands it a potluck:// link; it hosts for a friend from the Host
+dialog, the friend's computer joins with the invite link shown there, the ring is drawn, the friend leaves and the chat goes on; then it quits
 leaving no process.
 The installed Windows build runs the same tour under wine (tests/installer)."""
 
@@ -54,9 +54,13 @@ def test_the_tour_answers_and_a_second_launch_hands_over_a_link(tmp_path):
     assert "Paris" in steps["chat"]["reply"], steps["chat"]
     assert steps["host-dialog"]["plan"] and not steps["host-dialog"]["error"]
     assert steps["link"]["code"] == "4821-917305"
-    for png in ("chat-answered.png", "tray-menu.png", "host-dialog.png", "join-from-link.png", "ring.png",
-                "friend-left.png", "chat-after.png"):
+    for png in ("chat-answered.png", "tray-menu.png", "host-dialog.png", "join-from-link.png", "invite.png",
+                "friend-joined.png", "ring.png", "friend-left.png", "chat-after.png"):
         assert (out / png).stat().st_size > 2000, png
+    # hosting for a friend from the Host dialog gave a link; the friend joined with it and
+    # appeared there with what their computer gives
+    assert steps["invite"]["link"].startswith("potluck://join/")
+    assert "joined" in steps["friend-joined"]["seen"] and " free" in steps["friend-joined"]["seen"]
     # a friend joined with the code, was drawn in the ring, left; the chat went on
     assert steps["ring"]["joined"] and " → " in steps["ring"]["ring"] and "Paris" in steps["ring"]["reply"]
     assert "left" in steps["friend-left"]["ring"] and "left" in steps["friend-left"]["headline"]
