@@ -126,6 +126,7 @@ class HostDialog(QDialog):
         form.addRow("Draft model:", self.draft)
         self.model.currentTextChanged.connect(self._show_draft_pairing)
         self.model.currentTextChanged.connect(self._show_fit)
+        self.model.currentIndexChanged.connect(self._show_start)   # a choice from the list, not typing
         controller.models(self._show_models)   # the list fills in when the node answers
         self.stages = QSpinBox()
         self.stages.setRange(1, 8)
@@ -248,8 +249,13 @@ class HostDialog(QDialog):
             self.model.addItem(model_label(m), m["id"])
         if typed != DEFAULT_CHOICE:
             self.model.setEditText(typed)
+        self._show_start(self.model.currentText())
         self._show_draft_pairing()
         self._show_fit()
+
+    def _show_start(self, *_):
+        """A long line shows from its start (its name), not its end."""
+        self.model.lineEdit().setCursorPosition(0)
 
     def _show_fit(self, *_):
         """'fits on this computer', 'fits with your friends as int8…', or the friend to invite."""
@@ -401,6 +407,8 @@ class HostDialog(QDialog):
             link = join_link(code)
             self.invite.setText(code)
             self.invite_link.setText(link)
+            for field in (self.invite, self.invite_link):   # from its start: "potluck://join/…"
+                field.setCursorPosition(0)
             qr = QPixmap()
             qr.loadFromData(qr_png(link, scale=3))
             self.invite_qr.setPixmap(qr)

@@ -65,6 +65,7 @@ def test_the_model_list_is_the_curated_one_with_sizes(dialog):
     # a listed model hosts by its hub id; typed text goes as typed
     d.model.setCurrentIndex(items.index(qwen7))
     assert d.request()["model"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert d.model.lineEdit().cursorPosition() == 0     # the long line shows its name, not its tail
     d.model.setCurrentIndex(0)
     assert d.request()["model"] == "default"
     d.model.setEditText("/models/my-llama")
@@ -195,6 +196,7 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     from app.links import parse_link
 
     assert d.invite_box.isVisibleTo(d) and parse_link(d.invite_link.text()).code == "0411V-648F8"
+    assert d.invite_link.cursorPosition() == 0 == d.invite.cursorPosition()   # shown from the start
     assert d.invite_qr.pixmap() is not None and d.invite_qr.pixmap().width() > 60
     d.reply.setText("  7M2QK-ABCDE  ")
     d.reply_button.click()
