@@ -57,12 +57,20 @@ PUNCH_S = 5.0              # seconds of hole punching before the hop goes throug
 ANSWER_TIMEOUT_S = 20.0    # the host's wait for a friend's answer (a door gathers ~2 s, a dial
                            # tries for DIAL_TIMEOUT_S and punches for PUNCH_S)
 MAX_INTROS = 8             # introductions one friend holds at once
+# how long the way two homes' hop went is remembered (hop_plan): a friend coming back
+# within it is introduced the way that worked, not by trying every way again first
+REMEMBER_S = 600.0
 MAX_ADDRESSES = 12
 _HEX = re.compile(r"^[0-9a-f]*$")
 
 
 class HopError(TunnelError):
     """No direct hop between two friends; str() says why."""
+
+
+class NoPath(HopError):
+    """Both friends answered, and neither dialing nor punching found a way between them
+    (not a friend gone quiet mid-introduction): worth remembering (hop_plan)."""
 
 
 def check_intro(msg, frm: str) -> dict:
@@ -111,6 +119,21 @@ def check_intro(msg, frm: str) -> dict:
             raise NoiseError("INTRO dialed: malformed answer")
         out.update(port=port, path=path, rtt_ms=float(rtt))
     return out
+
+
+def hop_plan(last_path: str | None, age_s: float) -> str:
+    """How to set up a hop between two homes, from how their last one went: "full" (dial
+    the door's addresses, then punch, then through the host), "punch" (it was punched:
+    dialing would cost DIAL_TIMEOUT_S of waiting on addresses that do not answer) or
+    "host" (no direct path was found: trying again would hold the pipeline ~10 s for the
+    same answer). Forgotten after REMEMBER_S: a router may have changed."""
+    if last_path is None or age_s > REMEMBER_S:
+        return "full"
+    if last_path == "via the host":
+        return "host"
+    if last_path == "direct (punched)":
+        return "punch"
+    return "full"
 
 
 def pack(msg: dict) -> bytes:
@@ -384,10 +407,13 @@ class FriendHops:
             await self._mapper.close()
 
 
-async def introduce(src: Session, dst: Session, hop: int, dst_target_port: int | None = None) -> dict:
+async def introduce(src: Session, dst: Session, hop: int, dst_target_port: int | None = None,
+                    punch_only: bool = False) -> dict:
     """The host's side: introduce `src` (it connects) to `dst` (its stage is connected
     to), both sessions with friends. Returns {"port": src's loopback port, "path",
-    "rtt_ms"}; HopError with the reason when they found no direct path."""
+    "rtt_ms"}; HopError with the reason when they found no direct path. punch_only: the
+    door's addresses are not passed on (hop_plan: the two homes' last hop was punched), so
+    `src` punches at once."""
     intro_id, psk = os.urandom(8), os.urandom(32)
     door = await dst.ask(INTRO, pack({"op": "accept", "hop": hop, "id": intro_id.hex(), "psk": psk.hex(),
                                       "key": src.peer_key.hex()}), "door", hop, ANSWER_TIMEOUT_S)
@@ -396,15 +422,16 @@ async def introduce(src: Session, dst: Session, hop: int, dst_target_port: int |
     src.punch_relay[hop] = dst          # A's punch candidates, passed on to B (Session._on_intro)
     try:
         dialed = await src.ask(INTRO, pack({"op": "dial", "hop": hop, "id": intro_id.hex(), "psk": psk.hex(),
-                                            "key": dst.peer_key.hex(), "addresses": door["addresses"],
-                                            "kinds": door["kinds"], "udp": [list(c) for c in door.get("udp", [])],
+                                            "key": dst.peer_key.hex(),
+                                            "addresses": [] if punch_only else door["addresses"],
+                                            "kinds": [] if punch_only else door["kinds"], "udp": [list(c) for c in door.get("udp", [])],
                                             "symmetric": door.get("symmetric", False)}),
                                "dialed", hop, ANSWER_TIMEOUT_S)
     finally:
         src.punch_relay.pop(hop, None)
     if "why" in dialed:
         await end(dst, hop)
-        raise HopError(dialed["why"])
+        raise NoPath(dialed["why"])
     return dialed
 
 

@@ -118,6 +118,8 @@ class TunnelHost:
         self._dialers: dict[str, asyncio.Task] = {}   # reply key -> the task dialing that joiner
         self._hops = 0
         self.hops: dict[int, HopLink] = {}          # hop number -> the two friends and its path
+        # (src key, dst key) -> how their last hop went and when (friend_hop.hop_plan)
+        self._hop_paths: dict[tuple[bytes, bytes], tuple[str, float]] = {}
         # the socket whose public address invites carry for hole punching (kind "udp"):
         # a friend's reply code with its own lets the two punch with no relay
         self._udp = None
@@ -535,20 +537,32 @@ class TunnelHost:
         whose connections go straight to dst's home (the two friends introduced,
         friend_hop.py), or where they find no direct path, through this host inside the
         two tunnels (POTLUCK_FRIEND_HOPS=0: always through the host)."""
-        from engine.wire.friend_hop import HopError, introduce
+        from engine.wire.friend_hop import HopError, NoPath, hop_plan, introduce
 
         self._hops += 1
         hop = self._hops
         names = f"{src.name or src.node_id} → {dst.name or dst.node_id}"
         await self._end_hops_from(src.key)     # a stage has one next stage: the old hop is over
-        if os.environ.get("POTLUCK_FRIEND_HOPS", "1") != "0":
+        t0 = time.monotonic()
+        last, when = self._hop_paths.get((src.key, dst.key), (None, 0.0))
+        plan = hop_plan(last, t0 - when)
+        if os.environ.get("POTLUCK_FRIEND_HOPS", "1") != "0" and plan != "host":
             try:
-                got = await introduce(src.session, dst.session, hop)
+                got = await introduce(src.session, dst.session, hop, punch_only=plan == "punch")
                 self.hops[hop] = HopLink(src.key, dst.key, names, got["path"], got["rtt_ms"])
-                self.on_event(f"{names}: {got['path']}, {got['rtt_ms']:.0f} ms")
+                self._hop_paths[(src.key, dst.key)] = (got["path"], time.monotonic())
+                self.on_event(f"{names}: {got['path']}, {got['rtt_ms']:.0f} ms "
+                              f"(set up in {time.monotonic() - t0:.1f} s{', punched at once' if plan == 'punch' else ''})")
                 return f"ws://127.0.0.1:{got['port']}"
             except (HopError, asyncio.TimeoutError, ConnectionClosed, OSError) as exc:
-                self.on_event(f"{names}: no direct path ({exc or type(exc).__name__}); through this computer")
+                self.on_event(f"{names}: no direct path ({exc or type(exc).__name__}) after "
+                              f"{time.monotonic() - t0:.1f} s; through this computer")
+                if isinstance(exc, NoPath) and plan == "full":
+                    self._hop_paths[(src.key, dst.key)] = ("via the host", time.monotonic())
+                else:   # a friend gone quiet mid-introduction, or punching alone failed: next time, every way
+                    self._hop_paths.pop((src.key, dst.key), None)
+        elif plan == "host":
+            self.on_event(f"{names}: through this computer, as the last time (no direct path then)")
         port = await src.session.request_listener(hop, ("127.0.0.1", dst.port))
         self.hops[hop] = HopLink(src.key, dst.key, names, "via the host", None)
         return f"ws://127.0.0.1:{port}"

@@ -114,6 +114,14 @@ async def test_no_address_of_the_next_home_answers_so_the_two_punch_a_hole(tmp_p
         assert t.pa.session.bytes_in - a_in < 10_000 and t.pb.session.bytes_in - b_in < 10_000
         (link,) = t.host.hop_links()
         assert link["path"] == "direct (punched)"
+        # the same two homes again (a friend came back): punched at once, no dialing first
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        addr = await t.host.open_hop(t.pa, t.pb)
+        assert loop.time() - t0 < DIAL_TIMEOUT_S, "it waited on the door's addresses again"
+        await roundtrip(int(addr.rsplit(":", 1)[1]), 10_000)
+        assert t.host.hop_links()[0]["path"] == "direct (punched)"
+        assert any("punched at once" in e for e in t.events), t.events
     finally:
         await t.close()
 
@@ -134,6 +142,10 @@ async def test_no_address_answers_and_no_hole_so_the_hop_goes_through_the_host(t
         assert link["path"] == "via the host" and link["rtt_ms"] is None
         assert any("no direct path" in e and "through this computer" in e for e in t.events)
         assert not t.b.friends.intros                      # B forgot the introduction
+        # the same two homes again: through the host at once, not ~DIAL_TIMEOUT_S of trying
+        addr = await t.host.open_hop(t.pa, t.pb)
+        await roundtrip(int(addr.rsplit(":", 1)[1]), 10_000)
+        assert any("as the last time" in e for e in t.events), t.events
     finally:
         await t.close()
 
@@ -234,3 +246,13 @@ def test_a_well_formed_introduction_reads_back():
     got = check_intro(json.loads(json.dumps(msg)), "host")
     assert got["id"] == bytes.fromhex("ab" * 8) and got["addresses"] == ["ws://10.0.0.2:5000"]
     assert check_intro({"op": "door", "hop": 3, "why": "no address"}, "friend")["why"] == "no address"
+
+
+def test_how_two_homes_last_hop_went_decides_the_next():
+    from engine.wire.friend_hop import REMEMBER_S, hop_plan
+
+    assert hop_plan(None, 0) == "full"
+    assert hop_plan("direct (lan)", 5) == "full"          # dialing answers at once there
+    assert hop_plan("direct (punched)", 5) == "punch"
+    assert hop_plan("via the host", 5) == "host"
+    assert hop_plan("via the host", REMEMBER_S + 1) == "full"   # a router may have changed
