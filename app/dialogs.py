@@ -236,6 +236,7 @@ class HostDialog(QDialog):
         self.last_plan: dict | None = None
         self.last_error: str | None = None
         self.started = False
+        self._arrived = 0      # friends who joined, as last shown
         controller.statusChanged.connect(self.on_status)
 
     def _show_models(self, reply, error):
@@ -416,7 +417,11 @@ class HostDialog(QDialog):
         if code:
             self.reply_row.setVisible(bool(loading))       # while friends are awaited
         if loading and loading.get("message"):
-            text = html.escape(loading["message"]) + friends_list(loading.get("arrived") or [])
+            arrived = loading.get("arrived") or []
+            text = html.escape(loading["message"]) + friends_list(arrived)
+            if len(arrived) != self._arrived:   # the group grew: what it can run, asked again
+                self._arrived = len(arrived)
+                self.c.models(self._show_models)
             if loading.get("weights_table"):  # what the head settled, against the whole pool
                 text += f"<pre>{html.escape(loading['weights_table'])}</pre>"
             self.result.setText(text)

@@ -113,12 +113,14 @@ class NodeRoutes:
 
     def group_memory(self) -> tuple[list[tuple[str, int]], int]:
         """(name, free memory) of each friend in the ring we host, as each said when it
-        last joined the ring (before loading its layers), and how many invited friends
-        have not joined yet."""
+        last joined the ring (before loading its layers) or, while the ring waits for
+        friends, as each said joining; and how many invited friends have not joined yet."""
         named = {getattr(f.get("peer"), "address", None): f["name"] or f["node_id"] for f in self.friends}
         friends = [(named[r.address], int((r.welcome or {}).get("free_memory") or 0))
                    for r in (self.head.remotes if self.head is not None else []) if r.address in named]
         loading = self.loading or {}
+        if self.head is None:   # still waiting: those who joined said what they give as they came
+            friends = [(a["name"], int(a["memory"])) for a in loading.get("arrived") or [] if a.get("memory")]
         invited = (self.host_request or {}).get("friends") or 0
         waiting = max(0, invited - len(loading.get("friends") or [])) if loading.get("invite") else 0
         return friends, waiting

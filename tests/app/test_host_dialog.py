@@ -185,12 +185,15 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     replies = []
     d.c.reply = lambda code, cb=None: (replies.append(code), cb and cb({}, None))
     d.started = True
+    asked = []
+    d.c.models = lambda cb: asked.append(cb)
     d.on_status({"loading": {"message": "Waiting for friends to join: 1 of 2", "invite": "0411V-648F8",
                              "arrived": [{"name": "Ana", "path": "direct"},
                                          {"name": "Ben", "path": "through the relay",
                                           "gives": "NVIDIA GeForce RTX 3060, 12 GB free"}]}})
     assert "Ana joined (direct)" in d.result.text()
     assert "Ben joined: NVIDIA GeForce RTX 3060, 12 GB free (through the relay)" in d.result.text()
+    assert len(asked) == 1     # the group grew: what it can run is asked again (GET /models)
     assert d.invite.text() == "0411V-648F8" and d.reply_row.isVisibleTo(d)
     # the invite three ways: the code, a link that opens the join window, a QR code of the link
     from app.links import parse_link

@@ -438,6 +438,33 @@ def test_node_exits_when_its_parent_goes():
     assert proc.wait(30) == 0
 
 
+def test_a_friend_who_joins_counts_toward_what_the_group_can_run_while_others_are_awaited(tmp_path):
+    """Hosting for two friends: the first to join says what its computer gives (device,
+    free memory), the Host dialog lists it, and GET /models counts its memory in each
+    model's `group` answer, with one friend still to join."""
+    host, hport = start_node(env={"POTLUCK_HOME": str(tmp_path / "host"), "POTLUCK_KEYSTORE": "file"})
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file",
+                                 "POTLUCK_NAME": "Ana"})
+    try:
+        status, r = call(hport, "POST", "/host", {"model": "default", "stages": 1, "friends": 2,
+                                                  "listen": "127.0.0.1:0"})
+        assert status == 200, r
+        code = wait_status(hport, lambda s: bool((s.get("loading") or {}).get("invite")))["loading"]["invite"]
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200, st
+        st = wait_status(hport, lambda s: len((s.get("loading") or {}).get("arrived") or []) == 1)
+        (ana,) = st["loading"]["arrived"]
+        assert ana["name"] == "Ana" and ana["device"] == "CPU" and ana["memory"] > 2**28, ana
+        assert ana["gives"].startswith("CPU, ") and ana["gives"].endswith(" GB free") and ana["path"] == "direct"
+        group = call(hport, "GET", "/models")[1]["models"][0]["group"]
+        assert group["friends"] == [{"name": "Ana", "bytes": ana["memory"]}] and group["waiting"] == 1, group
+        assert "1 friend still to join" in group["words"]
+    finally:
+        for p in (proc, host):
+            p.stdin.close()
+            assert p.wait(60) == 0
+
+
 def test_join_with_an_invite_code(tmp_path):
     """`potluck host` prints an invite; the node joins with it through the tunnel, and the
     host's pipeline answers with this node holding its second stage."""
