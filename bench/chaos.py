@@ -33,6 +33,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RSS_TARGET = 0.10
 
 
+def stall_episode(report: dict) -> str:
+    """Which episode the longest pause ended in (the last one started before it ended)."""
+    at, wall0 = report["verdict"].get("worst_stall_at"), report.get("wall0")
+    if at is None or wall0 is None:
+        return ""
+    started = [e for e in report["episodes"] if wall0 + e["t"] <= at]
+    if not started:
+        return " (before the first episode)"
+    e = started[-1]
+    return f" (ended {at - wall0 - e['t']:.0f} s into the episode '{e['name']}': {', '.join(e['faults'])})"
+
+
 def table(report: dict) -> str:
     v = report["verdict"]
     c = v["counts"]
@@ -57,7 +69,7 @@ def table(report: dict) -> str:
 
     lines += ["", f"rearrangements after a loss: {worst('recovered')} (noticing -> serving again)",
               f"rearrangements taking a machine back: {worst('rejoined')}",
-              f"longest pause inside a streamed reply: {v['worst_stall_s']:.1f} s",
+              f"longest pause inside a streamed reply: {v['worst_stall_s']:.1f} s{stall_episode(report)}",
               "", "| process | life s | RSS MB | RSS growth | peak | fds | fds last (max) | threads | children |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in report["growth"]:

@@ -175,6 +175,7 @@ class Evening:
     def __init__(self, net, workdir: Path, seed: int, say=print):
         self.net, self.dir, self.seed, self.say = net, workdir, seed, say
         self.t0 = time.monotonic()
+        self.wall0 = time.time()      # the clients' clock: their times map onto episodes by it
         self.relay: subprocess.Popen | None = None
         self.host = NodeProc("host", net.host(0), workdir / "host", workdir / "host.log", api_port=API_PORT)
         self.friends = [NodeProc(f"friend{i}", net.host(i), workdir / f"friend{i}", workdir / f"friend{i}.log")
@@ -423,7 +424,7 @@ class Evening:
         for s_ in self.samples:
             peaks[s_["role"]] = max(peaks.get(s_["role"], 0.0), round(s_["rss"] / 2**20))
         return {"seed": self.seed, "seconds": seconds, "clients": clients, "injected": dict(sorted(self.injected.items())),
-                "episodes": self.episodes, "verdict": verdict, "requests": len(outcomes),
+                "episodes": self.episodes, "verdict": verdict, "requests": len(outcomes), "wall0": self.wall0,
                 "recoveries": [{k: e.get(k) for k in ("event", "seconds", "replan_s", "load_s", "stages", "replayed")}
                                for e in recoveries],
                 "worst_recovery_s": max((e.get("seconds") or 0.0 for e in recoveries), default=None),

@@ -71,7 +71,8 @@ async def _read_stream(resp, out: dict):
         if not line.startswith("data:"):
             continue          # an SSE comment: the keep-alive while the pipeline rearranges
         now = time.monotonic()
-        out["max_gap_s"] = max(out["max_gap_s"], now - last)
+        if now - last > out["max_gap_s"]:
+            out["max_gap_s"], out["gap_at"] = now - last, time.time()   # when (to find its episode)
         last = now
         data = line[5:].strip()
         if data == "[DONE]":

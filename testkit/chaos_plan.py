@@ -197,9 +197,10 @@ def check(reference: dict[str, tuple], outcomes: list[dict]) -> dict:
         elif verdict != OK:
             bad.append({"id": o.get("id"), "key": o.get("key"), "verdict": verdict, "why": why[:500],
                         "t0": o.get("t0")})
+    stalls = [o for o in outcomes if o.get("status") == "done" and o.get("max_gap_s")]
+    worst = max(stalls, key=lambda o: o["max_gap_s"], default={})
     return {"counts": counts, "by_kind": by_kind, "reasons": reasons, "bad": bad,
-            "worst_stall_s": max((o.get("max_gap_s") or 0.0 for o in outcomes if o.get("status") == "done"),
-                                 default=0.0)}
+            "worst_stall_s": worst.get("max_gap_s") or 0.0, "worst_stall_at": worst.get("gap_at")}
 
 
 def _reason(why: str) -> str:

@@ -52,6 +52,19 @@ def test_the_checker_judges_every_kind_of_outcome():
                            {"key": "a", "kind": "chat", **_done("Rome.")}])
     assert v["counts"] == {OK: 1, WRONG: 1, FAILED: 1, LOST: 0}
     assert v["reasons"] == {"generation failed: x y": 1} and v["bad"][0]["verdict"] == WRONG
+    # the longest pause inside a completed reply, and when it ended (to find its episode)
+    v = check({"a": ref}, [{"key": "a", "kind": "chat", **_done("Paris."), "max_gap_s": 2.0, "gap_at": 1000.0},
+                           {"key": "a", "kind": "chat", **_done("Paris."), "max_gap_s": 9.5, "gap_at": 1300.0}])
+    assert (v["worst_stall_s"], v["worst_stall_at"]) == (9.5, 1300.0)
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("chaos_bench", Path(__file__).parents[2] / "bench" / "chaos.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = {"verdict": v, "wall0": 1000.0, "episodes": [{"name": "kill", "t": 100.0, "faults": ["kill@1"]},
+                                                          {"name": "cut", "t": 250.0, "faults": ["cut@2 9s"]}]}
+    assert bench.stall_episode(report) == " (ended 50 s into the episode 'cut': cut@2 9s)"
 
 
 def test_growth_is_measured_after_warm_up_per_process():
