@@ -208,6 +208,12 @@ class HostDialog(QDialog):
         copy = QPushButton("Copy the link")
         copy.clicked.connect(lambda: QApplication.clipboard().setText(self.invite_link.text()))
         texts.addWidget(copy)
+        # hosting with a relay: a short code to read out over the phone (one friend, 10 minutes)
+        self.short_code = QLabel("")
+        self.short_code.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.short_code.setWordWrap(True)
+        self.short_code.hide()
+        texts.addWidget(self.short_code)
         ib.addLayout(texts, 1)
         self.invite_qr = QLabel()
         self.invite_qr.setToolTip("The link as a QR code: a friend can scan it with a phone and send it on")
@@ -416,6 +422,11 @@ class HostDialog(QDialog):
             self.invite_box.show()
         if code:
             self.reply_row.setVisible(bool(loading))       # while friends are awaited
+        short = (loading or {}).get("short_code")
+        self.short_code.setVisible(bool(short))
+        if short:
+            self.short_code.setText(f"Or read out this short code: <b>{html.escape(short)}</b> (for one friend, "
+                                    "10 minutes; they also need your relay address, under Advanced)")
         if loading and loading.get("message"):
             arrived = loading.get("arrived") or []
             text = html.escape(loading["message"]) + friends_list(arrived)

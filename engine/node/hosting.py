@@ -273,11 +273,34 @@ class Hosting:
                                           "device": p.about.get("device"), "memory": p.about.get("memory"),
                                           "gives": gives_words(p.about)} for p in peers])
 
-        peers = await gate.wait(n, on_arrival=arrived)
+        # with a relay, a short code to read out too (one friend each, for 10 minutes; a
+        # new one when it is used or expires)
+        short = asyncio.ensure_future(self._offer_short_codes(args["relay"], code)) if args["relay"] else None
+        try:
+            peers = await gate.wait(n, on_arrival=arrived)
+        finally:
+            if short is not None:
+                short.cancel()
+            if self.loading is not None:
+                self.loading.pop("short_code", None)
         self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]
         self.loading.update(message=f"Loading {args['model']} across {n + 1} computers…",
                             friends=[p.name or p.node_id for p in peers])
         return await gate.route(peers, cfg)
+
+    async def _offer_short_codes(self, relay: str, code: str):
+        from engine.wire import shortcode
+
+        while True:
+            channel, password = shortcode.make()
+            if self.loading is not None:
+                self.loading.update(short_code=f"{channel}-{password}", relay=relay)
+            try:
+                await shortcode.offer(relay, channel, password, code)
+                log.info("host: a short code was used: the invite code was handed over")
+            except shortcode.ShortCodeError as exc:
+                log.info("host: short code: %s", exc)
+                await asyncio.sleep(2.0)      # the relay may be down: not a busy loop
 
     async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
         if self.host_task is not None and not self.host_task.done():

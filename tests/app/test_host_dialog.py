@@ -194,6 +194,10 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     assert "Ana joined (direct)" in d.result.text()
     assert "Ben joined: NVIDIA GeForce RTX 3060, 12 GB free (through the relay)" in d.result.text()
     assert len(asked) == 1     # the group grew: what it can run is asked again (GET /models)
+    assert not d.short_code.isVisibleTo(d)             # no relay: no short code
+    d.on_status({"loading": {"message": "Waiting for friends to join: 1 of 2", "invite": "0411V-648F8",
+                             "short_code": "4821-917305", "arrived": []}})
+    assert d.short_code.isVisibleTo(d) and "4821-917305" in d.short_code.text()
     assert d.invite.text() == "0411V-648F8" and d.reply_row.isVisibleTo(d)
     # the invite three ways: the code, a link that opens the join window, a QR code of the link
     from app.links import parse_link

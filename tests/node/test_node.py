@@ -465,6 +465,40 @@ def test_a_friend_who_joins_counts_toward_what_the_group_can_run_while_others_ar
             assert p.wait(60) == 0
 
 
+def test_hosting_with_a_relay_offers_a_short_code_a_friend_joins_with(tmp_path):
+    """With a relay, the host's status carries a short code to read out (what the Host
+    dialog shows); a friend's node joins with it and the relay, and a new one is offered
+    for the next friend."""
+    relay_port = free_port()
+    relay = subprocess.Popen([sys.executable, "-m", "engine", "relay", "--host", "127.0.0.1", "--port",
+                              str(relay_port)], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    relay_url = f"ws://127.0.0.1:{relay_port}"
+    host, hport = start_node(env={"POTLUCK_HOME": str(tmp_path / "host"), "POTLUCK_KEYSTORE": "file"})
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file"})
+    try:
+        for _ in range(100):
+            if can_connect(relay_url):
+                break
+            time.sleep(0.1)
+        status, r = call(hport, "POST", "/host", {"model": "default", "stages": 1, "friends": 2,
+                                                  "relay": relay_url})
+        assert status == 200, r
+        short = wait_status(hport, lambda s: bool((s.get("loading") or {}).get("short_code")))["loading"]["short_code"]
+        assert len(short) == 11 and short[4] == "-" and short.replace("-", "").isdigit()
+        status, st = call(port, "POST", "/join", {"code": short, "relay": relay_url}, timeout=120)
+        assert status == 200, st
+        wait_status(hport, lambda s: len((s.get("loading") or {}).get("arrived") or []) == 1)
+        # spent: the next friend gets another
+        wait_status(hport, lambda s: (s.get("loading") or {}).get("short_code") not in (None, short))
+    finally:
+        for p in (proc, host):
+            p.stdin.close()
+            assert p.wait(60) == 0
+        relay.terminate()
+        relay.wait(30)
+
+
 def test_join_with_an_invite_code(tmp_path):
     """`potluck host` prints an invite; the node joins with it through the tunnel, and the
     host's pipeline answers with this node holding its second stage."""
