@@ -48,7 +48,14 @@ class RecoveryDriver:
 
     async def _recover_or_fail(self, rearrangement):
         try:
-            await rearrangement
+            try:
+                await rearrangement
+            except asyncio.CancelledError as exc:
+                if asyncio.current_task().cancelling():
+                    raise
+                # a future cancelled under the rearrangement, not this task: a failure like
+                # any other (left alone, the pipeline would wait for ever, quietly)
+                raise RuntimeError(f"a wait was cancelled under the rearrangement ({exc!r})") from None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a rearrangement that breaks must say so, not leave requests hanging
@@ -74,7 +81,14 @@ class RecoveryDriver:
             self._fresh_scheduler(capacity)
             self.recovery.forming(time.monotonic())
             try:
-                await self._form(hints)
+                try:
+                    await self._form(hints)
+                except asyncio.CancelledError as exc:
+                    if asyncio.current_task().cancelling():
+                        raise
+                    # a future cancelled under the formation (a friend's tunnel closed while
+                    # its hop was asked), not this task: a machine gone, like the others
+                    raise ConnectionError(f"a wait was cancelled under the formation ({exc!r})") from None
                 break
             except NoRoom as exc:
                 log.warning("%s", self.recovery.no_room(exc.need, exc.have, time.monotonic()))

@@ -582,6 +582,9 @@ class TunnelHost:
         for hop, h in list(self.hops.items()):
             if h.src == key:
                 del self.hops[hop]
+                src = self.peers.get(h.src)
+                if h.path == "via the host" and src is not None and src.session is not None:
+                    src.session.targets.pop(hop, None)     # its streams through here are over
                 for k in (h.src, h.dst):
                     p = self.peers.get(k)
                     if h.path != "via the host" and p is not None and p.session is not None \

@@ -37,6 +37,7 @@ MAX_STREAMS = 32
 WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
 
 CONFIRM, READY, OPEN, DATA, CLOSE, PING, PONG, BYE, LISTEN, LISTENING, MOVE, PUNCH, INTRO = range(1, 14)
+MAX_HOP_LISTENERS = 4      # a joiner's loopback listeners for hops through the host, at most
 PUNCH_TIMEOUT = 5.0              # seconds of hole punching before a try gives up
 MODE_RESUME = 3                  # a second channel for a session that exists: see Session.move_to
 MODE_FRIEND = 4                  # a friend's stage to the next friend's, introduced by the host (friend_hop.py)
@@ -440,8 +441,13 @@ class Session:
     async def _on_listen(self, hop: int):
         """The host asks this joiner for a loopback port whose connections become
         streams to hop `hop` (the next stage, in another home, reached via the host)."""
-        if self.role != "joiner" or hop in self._hop_listeners or len(self._hop_listeners) >= 4:
+        if self.role != "joiner" or hop in self._hop_listeners:
             raise NoiseError("unexpected LISTEN frame")
+        # a stage has one next stage at a time: the host asks anew at each arrangement and
+        # says nothing when one through it ends, so the oldest listeners go (their streams
+        # stay) -- refusing the fifth closed the tunnel after four rearrangements
+        while len(self._hop_listeners) >= MAX_HOP_LISTENERS:
+            self._hop_listeners.pop(next(iter(self._hop_listeners))).close()
 
         async def on_conn(reader, writer):
             await self.open_stream(reader, writer, target=hop)
@@ -457,8 +463,18 @@ class Session:
         self.targets[hop] = target
         fut = asyncio.get_running_loop().create_future()
         self._listening[hop] = fut
-        await self.send(LISTEN, hop)
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            await self.send(LISTEN, hop)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.CancelledError:
+            # the session closed under the wait (close() cancels it): a lost friend, not a
+            # cancelled caller -- a CancelledError out of here once ended a rearrangement
+            # silently, the pipeline waiting for ever (found by the chaos run)
+            if fut.cancelled() and not asyncio.current_task().cancelling():
+                raise ConnectionError(f"the tunnel closed: {self.close_reason or 'closed'}") from None
+            raise
+        finally:
+            self._listening.pop(hop, None)
 
     def _add_stream(self, sid, reader, writer):
         _nodelay(writer)

@@ -256,3 +256,39 @@ def test_how_two_homes_last_hop_went_decides_the_next():
     assert hop_plan("direct (punched)", 5) == "punch"
     assert hop_plan("via the host", 5) == "host"
     assert hop_plan("via the host", REMEMBER_S + 1) == "full"   # a router may have changed
+
+
+async def test_many_arrangements_through_the_host_keep_the_tunnel(tmp_path, monkeypatch):
+    """Each arrangement asks a joiner for a new listener for its hop through the host; the
+    host says nothing when one ends, so the joiner keeps only the newest few (refusing the
+    fifth once closed the tunnel, and a rearrangement waited on it for ever)."""
+    from engine.wire.tunnel_session import MAX_HOP_LISTENERS
+
+    monkeypatch.setenv("POTLUCK_FRIEND_HOPS", "0")
+    t = await Three().start(tmp_path)
+    try:
+        for _ in range(MAX_HOP_LISTENERS + 3):
+            addr = await t.host.open_hop(t.pa, t.pb)
+            await roundtrip(int(addr.rsplit(":", 1)[1]), 10_000)
+        assert not t.a.closed.is_set() and len(t.a._hop_listeners) == MAX_HOP_LISTENERS
+        assert len(t.pa.session.targets) <= 2          # the host forgot the hops that ended
+    finally:
+        await t.close()
+
+
+async def test_a_tunnel_closing_while_a_listener_is_asked_is_an_error_not_a_cancellation(tmp_path, monkeypatch):
+    from engine.wire import tunnel_session
+
+    async def never(self, hop):      # the joiner never answers (its tunnel is about to go)
+        return None
+
+    monkeypatch.setattr(tunnel_session.Session, "_on_listen", never)
+    t = await Three().start(tmp_path)
+    try:
+        asked = asyncio.ensure_future(t.pa.session.request_listener(7, ("127.0.0.1", 9)))
+        await asyncio.sleep(0.2)
+        await t.pa.session.close("gone")
+        with pytest.raises(ConnectionError, match="the tunnel closed"):
+            await asked
+    finally:
+        await t.close()
