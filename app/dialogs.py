@@ -1,19 +1,17 @@
-"""Host, Join, Settings and Pipeline-status dialogs. Thin: the work is the node's."""
+"""Host, Join and Settings dialogs (Pipeline status: status_dialog.py). Thin: the work is the node's."""
 
 from __future__ import annotations
 
 import html
-import time
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
-                               QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QTextBrowser,
+                               QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget)
 
 from . import autostart, gpu_enable
 from .secrets_store import get_secret, set_secret
-from .pipeline_text import hop_label, speculation_label
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
 DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
@@ -688,130 +686,3 @@ class SettingsDialog(QDialog):
             set_secret("hf_token", self.hf_token.text())
         self.c.set_limits(s.limits)
         self.accept()
-
-
-class StatusDialog(QDialog):
-    """Pipeline status: who holds which layers, KV use, sharing, the GPU panel."""
-
-    def __init__(self, controller, parent=None):
-        super().__init__(parent)
-        self.setWindowTitle("Pipeline status")
-        self.resize(600, 460)
-        lay = QVBoxLayout(self)
-        from .ring_view import RingView
-
-        # the ring drawn above the words (as in the chat's header): one card per computer
-        self.ring_view = RingView()
-        self.ring_view.hide()
-        lay.addWidget(self.ring_view)
-        self.view = QTextBrowser()
-        lay.addWidget(self.view)
-        row = QHBoxLayout()
-        close = QPushButton("Close")
-        close.clicked.connect(self.accept)
-        row.addStretch(1)
-        row.addWidget(close)
-        lay.addLayout(row)
-        controller.statusChanged.connect(self.on_status)
-        self.on_status(controller.status)
-
-    def on_status(self, st: dict):
-        rows = ((st or {}).get("hosting") or {}).get("ring") or []
-        self.ring_view.set_rows(rows, rows[0].get("tokens_per_s") if rows else None)
-        self.ring_view.setVisible(bool(rows))
-        self.view.setHtml(status_html(st))
-
-
-STATE_WORDS = {"idle": "Not hosting or sharing", "loading": "Starting…", "serving": "Hosting",
-               "sharing": "Sharing this computer with a friend", "paused": "Sharing paused",
-               "error": "Something went wrong"}
-
-
-def event_line(e: dict) -> str:
-    """One failover event (the head's `events`, each named by the node: `who`), in words."""
-    when = time.strftime("%H:%M:%S", time.localtime(e["t"])) if isinstance(e.get("t"), (int, float)) else ""
-    kind = e.get("event")
-    who = e.get("who") or "a computer"
-    if kind == "left":
-        text = f"{who} left: {e.get('why_words') or 'it stopped answering'}"   # the node words it
-    elif kind == "waiting":
-        text = e.get("why") or "waiting for a computer to join"
-    elif kind in ("back", "joined"):
-        text = f"{who} {'is back' if kind == 'back' else 'joined'}"
-    elif kind in ("recovered", "rejoined"):
-        text = (f"rearranged over {e.get('stages')} computer(s) in {e.get('seconds', 0):.1f} s; "
-                f"{e.get('replayed', 0)} conversation(s) replayed, none lost")
-    else:
-        text = str(kind)
-    return f"{when} {html.escape(text)}".strip()
-
-
-def ring_table(h: dict) -> str:
-    """The ring (the node's `ring` rows): each computer, what it computes on, its share
-    and the memory it takes, the path and round trip of its link; those who left, and why."""
-    out = ["<table border=1 cellpadding=4><tr><th>Computer</th><th>Computes on</th><th>Share of the model</th>"
-           "<th>Memory</th><th>Connection</th></tr>"]
-    for r in h.get("ring") or []:
-        if r.get("state") == "left":
-            out.append(f"<tr><td>{html.escape(r['who'])}</td><td colspan=4><i>left: "
-                       f"{html.escape(r.get('why') or '')}</i></td></tr>")
-            continue
-        link = ", ".join(x for x in (r.get("path"), f"{r['rtt_ms']:.0f} ms" if r.get("rtt_ms") is not None else None)
-                         if x) or "this computer"
-        out.append(f"<tr><td>{html.escape(r['who'])}</td><td>{html.escape(str(r.get('device')))}</td>"
-                   f"<td>{html.escape(r.get('share') or '')}</td><td>{html.escape(r.get('memory') or '')}</td>"
-                   f"<td>{html.escape(link)}</td></tr>")
-    out.append("</table>")
-    return "".join(out)
-
-
-def status_html(st: dict) -> str:
-    st = st or {}
-    state = st.get("state", "unknown")
-    out = [f"<h3>{STATE_WORDS.get(state, state)}</h3>"]
-    if st.get("error"):
-        out.append(f"<p style='color:#b91c1c'>{html.escape(st['error'])}</p>")
-    h = st.get("hosting")
-    if h:
-        ring_rows = h.get("ring") or []
-        rate = ring_rows[0].get("tokens_per_s") if ring_rows else None
-        out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {h.get('tokens_served', 0)} tokens written"
-                   + (f", {rate:.1f} tokens/s now" if rate else "")
-                   + f"; {h.get('running', 0)} conversation(s) answering, {h.get('waiting', 0)} waiting<br>"
-                   f"For other programs (OpenAI-compatible): <code>{h.get('openai_url')}</code>"
-                   + (f"<br>On your network: <code>{h['api_lan_url']}</code> (with the API key from "
-                      "Host a pipeline…)" if h.get("api_lan_url") else "")
-                   + "</p>" + ring_table(h))
-        hops = [hop_label(x) for x in h.get("hops") or []]
-        if hops:    # friend to friend: straight across, or through this computer
-            out.append("<p><b>Between friends</b><br>" + "<br>".join(html.escape(x) for x in hops) + "</p>")
-        spec = speculation_label(h)   # where speculation ran: tokens per trip, acceptance
-        if spec:
-            out.append(f"<p>{html.escape(spec)}</p>")
-        if h.get("recovering"):
-            out.append(f"<p><b>Now:</b> {html.escape(h['recovering'])}</p>")
-        lines = [event_line(e) for e in (h.get("events") or [])[-8:]]
-        if lines:
-            out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")
-    sh = st.get("sharing") or {}
-    if sh.get("on"):
-        line = f"<p><b>Sharing this computer</b> ({sh.get('device_name') or sh.get('device') or '?'})"
-        if sh.get("layers"):
-            a, b = sh["layers"]
-            line += f": {b - a} layers of a friend's model"
-        elif not sh.get("paused"):
-            line += ": waiting for a friend's pipeline"
-        if sh.get("paused"):
-            line += f" — paused: {html.escape(str(sh.get('reason')))}"
-        if sh.get("restarts"):
-            line += f" — {html.escape(sh.get('stopped') or 'restarted')} ({sh['restarts']}×)"
-        out.append(line + "</p>")
-    else:
-        out.append("<p>Sharing this computer: off</p>")
-    gpu = st.get("gpu") or {}
-    out.append(f"<p><b>GPU:</b> {html.escape(gpu.get('message', ''))}</p>")
-    for g in gpu.get("gpus") or []:
-        power = f", {g['power_w']:.0f} W" if g.get("power_w") is not None else ""
-        out.append(f"<p>{g['name']}: {g['utilization_pct']:.0f}% · {g['memory_used_mb']:.0f}/"
-                   f"{g['memory_total_mb']:.0f} MB · {g['temperature_c']:.0f} °C{power}</p>")
-    return "".join(out)

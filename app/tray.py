@@ -13,7 +13,8 @@ from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 
 from . import paths
 from .chat import ChatWindow
-from .dialogs import HostDialog, JoinDialog, SettingsDialog, StatusDialog
+from .dialogs import HostDialog, JoinDialog, SettingsDialog
+from .status_dialog import StatusDialog
 from .gpu_dialog import GpuEnableDialog, GpuOffer
 from .gpu_enable import offer_label
 from .links import LinkError, parse_link

@@ -38,7 +38,7 @@ def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
 
 
 def test_the_status_window_lists_what_happened():
-    from app.dialogs import status_html
+    from app.status_dialog import status_html
 
     st = {"state": "serving", "hosting": {
         "model": "M", "stages": [{"address": "head (this process)", "layers": [0, 30]}],
@@ -57,7 +57,7 @@ def test_the_status_window_lists_what_happened():
 
 
 def test_the_status_window_says_the_share_was_started_again():
-    from app.dialogs import status_html
+    from app.status_dialog import status_html
 
     page = status_html({"state": "sharing", "sharing": {
         "on": True, "running": True, "address": "ws://10.0.0.2:7860", "restarts": 1,
