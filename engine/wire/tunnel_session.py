@@ -402,16 +402,22 @@ class Session:
         """Host side: send a frame and wait for the peer's INTRO answer `op` for `hop`."""
         fut = self._asks[(op, hop)] = asyncio.get_running_loop().create_future()
         try:
-            await self.send(kind, 0, payload)
+            return await self._send_and_wait(fut, kind, 0, payload, timeout)
+        finally:
+            self._asks.pop((op, hop), None)
+
+    async def _send_and_wait(self, fut: asyncio.Future, kind: int, stream: int, payload: bytes, timeout: float):
+        """Send a frame and wait for the peer's answer in `fut`. The session closing under
+        the wait (close() cancels what is awaited) is a lost friend, a ConnectionError, not
+        a cancelled caller: a CancelledError out of here once ended a rearrangement
+        silently, the pipeline waiting for ever (found by the chaos run)."""
+        try:
+            await self.send(kind, stream, payload)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.CancelledError:
-            # the session closed under the wait (close() cancels what is asked): a lost
-            # friend, not a cancelled caller
             if fut.cancelled() and not asyncio.current_task().cancelling():
                 raise ConnectionError(f"the tunnel closed: {self.close_reason or 'closed'}") from None
             raise
-        finally:
-            self._asks.pop((op, hop), None)
 
     async def offer_punch(self, cands: list, timeout: float) -> tuple[list, str]:
         """Joiner: send our UDP candidates, return the host's (and its reason when none)."""
@@ -464,15 +470,7 @@ class Session:
         fut = asyncio.get_running_loop().create_future()
         self._listening[hop] = fut
         try:
-            await self.send(LISTEN, hop)
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.CancelledError:
-            # the session closed under the wait (close() cancels it): a lost friend, not a
-            # cancelled caller -- a CancelledError out of here once ended a rearrangement
-            # silently, the pipeline waiting for ever (found by the chaos run)
-            if fut.cancelled() and not asyncio.current_task().cancelling():
-                raise ConnectionError(f"the tunnel closed: {self.close_reason or 'closed'}") from None
-            raise
+            return await self._send_and_wait(fut, LISTEN, hop, b"", timeout)
         finally:
             self._listening.pop(hop, None)
 
