@@ -46,6 +46,16 @@ ANNOUNCE = "POTLUCK_NODE_PORT="
 STATS_TIMEOUT = 2.0
 
 
+
+def friend_view(f: dict) -> dict:
+    """A friend of the ring for the status: name, its address here, what its computer
+    said it gives and the path, in words as the host dialog listed them while they joined."""
+    peer = f.get("peer")
+    about = getattr(peer, "about", None) or {}
+    return {**{k: v for k, v in f.items() if k != "peer"}, "address": getattr(peer, "address", None), **about,
+            "gives": gives_words(about), "path": path_words(getattr(peer, "path", None) or f.get("via"))}
+
+
 class Node(NodeRoutes, Hosting, Sharing):
     """The node's state and lifecycle; its control API (routes.py), hosting (hosting.py) and
     sharing (share_stage.py) are mixed in."""
@@ -161,13 +171,7 @@ class Node(NodeRoutes, Hosting, Sharing):
                 # the path as it is now (a relayed friend moves to a direct path by itself)
                 st["via"] = live["path"] if live else f["via"]
                 st["tunnel"] = live
-            info["friends"] = [{**{k: v for k, v in f.items() if k != "peer"},
-                                "address": getattr(f.get("peer"), "address", None),
-                                **(getattr(f.get("peer"), "about", None) or {}),
-                                # in words, as the host dialog listed them while they joined
-                                "gives": gives_words(getattr(f.get("peer"), "about", None)),
-                                "path": path_words(getattr(f.get("peer"), "path", None) or f.get("via"))}
-                               for f in self.friends]
+            info["friends"] = [friend_view(f) for f in self.friends]
             # friend to friend: each hop's path ("direct (lan)", "via the host") and round trip
             gate = getattr(self, "friends_gate", None)
             info["hops"] = gate.tunnels.hop_links() if gate is not None else []

@@ -176,9 +176,8 @@ def ring_text(rows: list[dict], tokens_per_s: float | None = None) -> str:
             parts.append(f"{r['who']}: left ({r['why']})")
             continue
         link = ", ".join(x for x in (r["path"], f"{r['rtt_ms']:.0f} ms" if r["rtt_ms"] is not None else None) if x)
-        parts.append(f"{r['who']} ({r['device']}): {r['share']}" + (f", {link}" if link else ""))
-        if r.get("memory"):
-            parts[-1] = parts[-1].replace(f": {r['share']}", f": {r['share']} in {r['memory']}", 1)
+        share = f"{r['share']} in {r['memory']}" if r.get("memory") else r["share"]
+        parts.append(f"{r['who']} ({r['device']}): {share}" + (f", {link}" if link else ""))
     line = " → ".join(p for p, r in zip(parts, rows) if r["state"] != "left")
     gone = [p for p, r in zip(parts, rows) if r["state"] == "left"]
     if gone:
