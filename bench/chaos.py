@@ -8,7 +8,9 @@ Three homes in network namespaces (NAT routers, a relay, shaped links), each run
 joined with its invite code, clients use the host's API the whole time, and faults are
 injected one episode after another (testkit/chaos.py). Printed: faults injected by kind,
 requests completed / failed with a reason / lost / wrong, the worst recovery, and each
-process's growth after warm-up.
+process's growth after warm-up (sampled at quiet moments: the clients held every few
+minutes until nothing is in flight, since under load a node's memory is mostly its
+conversations' cache).
 
 Targets (issue 44): 0 lost, 0 wrong; under 10% RSS growth after warm-up, descriptors
 flat; no process outlives the run. Needs root (namespaces, iptables) and Debian's
@@ -77,8 +79,9 @@ def table(report: dict) -> str:
                      f"{100 * g['rss_growth']:+.1f}% | {100 * g['rss_peak_growth']:+.1f}% | {g['fds']} | "
                      f"{g['fds_last']} ({g['fds_max']}) | {g['threads']}->{g['threads_last']} | "
                      f"{g['children']}->{g['children_last']} |")
-    lines.append("(each process's first sample after its warm-up against its last, both taken with the ring "
-                 "whole after an episode; peak RSS by role over the run: "
+    lines.append(f"(each process's first sample after its warm-up against its last, of {report.get('quiet_samples', 0)} "
+                 "taken at quiet moments: the ring whole after an episode, the clients held, nothing in flight; "
+                 "peak RSS by role over the run: "
                  + ", ".join(f"{r} {mb:.0f} MB" for r, mb in (report.get("peak_rss_mb") or {}).items()) + ")")
     grows = [g for g in report["growth"] if g["rss_growth"] > RSS_TARGET]
     fds = [g for g in report["growth"] if g["fds_last"] > g["fds"] + 8]

@@ -16,8 +16,9 @@ flushed, a friend's sharing switched off and on, the host's node restarted, two 
 once, a second fault while the first is recovered from.
 
 Afterwards every request's outcome is judged against the same request on the undisturbed
-pipeline (chaos_plan.check), every process's RSS, descriptors and threads (sampled every
-few seconds) are compared after warm-up, and every process ever seen must be gone.
+pipeline (chaos_plan.check), every process's RSS, descriptors and threads are compared
+after warm-up at quiet moments (the clients held, nothing in flight, the ring whole), and
+every process ever seen must be gone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.model.device import QUIET_TRIM_S
 from testkit.chaos_plan import COMBOS, KINDS, Episode, Fault, answer, check, grew, requests, schedule
 from testkit.homenet import HomeSpec, home_internet, homenet_available, stun_available, upnp_available
 
@@ -45,6 +47,8 @@ BASE_RATE = 50e6           # each home's line: 50 Mbit/s both ways
 SLOW_RATE = 1e6
 WHOLE_TIMEOUT_S = 240.0    # an episode's faults undone: the ring must be whole again by then
 SAMPLE_S = 3.0
+QUIET_EVERY_S = 300.0      # how often the clients are held for a quiet sample (at most)
+QUIET_SETTLE_S = QUIET_TRIM_S + 2.0   # a quiet node's freed cache is trimmed by then
 HOMES = (HomeSpec(nat="eim", upnp=True), HomeSpec(nat="eim"), HomeSpec(nat="symmetric"))
 
 
@@ -182,7 +186,11 @@ class Evening:
                         for i in (1, 2)]
         self.code = ""
         self.samples: list[dict] = []          # every few seconds, whatever the state
-        self.whole_samples: list[dict] = []    # after each episode, the ring whole again
+        # growth is judged on these: the ring whole, the clients held, nothing in flight.
+        # Under load a node's RSS is mostly its conversations' cache, which comes and goes
+        self.quiet_samples: list[dict] = []
+        self.pause = workdir / "clients.pause"
+        self.quiet_every, self.quiet_from, self._quiet_at = QUIET_EVERY_S, 0.0, -1e9
         self.events: dict[tuple, dict] = {}     # the head's recovery records, by (time, event)
         self.seen_pids: dict[int, str] = {}
         self.episodes: list[dict] = []
@@ -332,10 +340,10 @@ class Evening:
         if whole is None:
             self.say(f"  not whole again after {WHOLE_TIMEOUT_S:.0f} s: rejoining")
             self._rejoin_missing()
-        else:
-            # growth is compared at one state, the ring whole (each node holding its usual
-            # share): between episodes a node holds more or fewer layers, or none
-            self.whole_samples.extend(self._sample_all(self.now()))
+        elif self.now() >= self.quiet_from and self.now() - self._quiet_at >= self.quiet_every:
+            # one state for every sample: the ring whole (each node holding its usual share;
+            # between episodes a node holds more or fewer layers, or none) and quiet
+            self.quiet_sample(clients=True)
         time.sleep(min(ep.calm_s, max(0.0, end - time.monotonic())))
         return rec
 
@@ -359,6 +367,26 @@ class Evening:
         self.wait_whole(WHOLE_TIMEOUT_S)
 
     # ---- watching -------------------------------------------------------------------
+    def quiet_sample(self, clients: bool, wait_s: float = 120.0) -> bool:
+        """Hold the clients (no request starts), wait for those in flight to end and for the
+        nodes' freed caches to be trimmed, sample every process, let the clients go on."""
+        ack = Path(f"{self.pause}.ack")
+        ack.unlink(missing_ok=True)
+        self.pause.touch()
+        try:
+            deadline = time.monotonic() + wait_s
+            while clients and not ack.exists():
+                if time.monotonic() > deadline:
+                    self.say(f"  no quiet moment within {wait_s:.0f} s: no sample")
+                    return False
+                time.sleep(0.2)
+            time.sleep(QUIET_SETTLE_S)
+            self._quiet_at = self.now()
+            self.quiet_samples.extend(self._sample_all(self._quiet_at))
+            return True
+        finally:
+            self.pause.unlink(missing_ok=True)
+
     def _sample_all(self, t: float) -> list[dict]:
         """RSS, descriptors, threads and children of every node (and its children) and the relay."""
         out = []
@@ -403,7 +431,9 @@ class Evening:
         run_t0 = self.now()
         out_file = self.dir / "outcomes.jsonl"
         client = self._clients(out_file, ["--clients", str(clients), "--seconds", str(seconds),
-                                          "--seed", str(self.seed)])
+                                          "--seed", str(self.seed), "--pause-file", str(self.pause)])
+        self.quiet_from = run_t0 + warmup_s
+        self.quiet_every = min(QUIET_EVERY_S, seconds / 4)
         end = time.monotonic() + seconds
         time.sleep(min(warmup_s, seconds) / 2)  # a calm start: the clients' first requests
         for ep in schedule(self.seed, seconds, len(self.friends), short=short, kinds=kinds or KINDS + COMBOS):
@@ -413,13 +443,18 @@ class Evening:
         self.say(f"[{self.now():6.0f}s] the last faults are undone; the clients finish")
         client.wait(seconds + 700)
         final_whole = self.wait_whole(WHOLE_TIMEOUT_S)
+        if final_whole is not None:
+            self.quiet_sample(clients=False)   # the clients are done: the last quiet moment
         self._stop.set()
         watcher.join(30)
         outcomes = [json.loads(x) for x in out_file.read_text().splitlines()]
         verdict = check(reference, outcomes)
         recoveries = sorted((e for e in self.events.values() if e.get("event") in ("recovered", "rejoined")),
                             key=lambda e: e["t"])
-        samples = [dict(s, t=s["t"] - run_t0) for s in self.whole_samples]
+        samples = [dict(s, t=s["t"] - run_t0) for s in self.quiet_samples]
+        born: dict[int, float] = {}
+        for s_ in self.samples + self.quiet_samples:
+            born[s_["pid"]] = min(born.get(s_["pid"], s_["t"] - run_t0), s_["t"] - run_t0)
         peaks: dict[str, float] = {}
         for s_ in self.samples:
             peaks[s_["role"]] = max(peaks.get(s_["role"], 0.0), round(s_["rss"] / 2**20))
@@ -430,7 +465,8 @@ class Evening:
                 "worst_recovery_s": max((e.get("seconds") or 0.0 for e in recoveries), default=None),
                 "head_events": sorted({e.get("event") for e in self.events.values()}),
                 "whole_at_end": final_whole is not None,
-                "growth": grew(samples, warmup_s, min_life_s=min(seconds / 2, 120.0)),
+                "growth": grew(samples, warmup_s, min_life_s=min(seconds / 4, 120.0), born=born),
+                "quiet_samples": len({s_["t"] for s_ in samples}),
                 "peak_rss_mb": dict(sorted(peaks.items()))}
 
     def _clients(self, out: Path, extra: list[str]) -> subprocess.Popen:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -129,6 +130,8 @@ async def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=DEADLINE_S)
     ap.add_argument("--reference", action="store_true", help="each request of the pool once, one at a time")
+    ap.add_argument("--pause-file", default=None, help="while this file exists no request starts; once none "
+                    "is in flight, <file>.ack is written (the harness samples memory at such quiet moments)")
     args = ap.parse_args(argv)
     pool = requests()
     n = 0
@@ -143,14 +146,29 @@ async def main(argv=None) -> int:
                     write(await one(session, args.url, req, f"ref-{req.key}", args.deadline))
                 return 0
             end = time.monotonic() + args.seconds
+            inflight = 0
+
+            async def paused():
+                while args.pause_file and os.path.exists(args.pause_file) and time.monotonic() < end:
+                    if inflight == 0:
+                        with open(args.pause_file + ".ack", "w"):
+                            pass
+                    await asyncio.sleep(0.2)
 
             async def client(c: int):
-                nonlocal n
+                nonlocal n, inflight
                 rng = random.Random(args.seed * 1000 + c)
                 k = 0
                 while time.monotonic() < end:
+                    await paused()
+                    if time.monotonic() >= end:
+                        break
                     req = rng.choice(pool)
-                    o = await one(session, args.url, req, f"c{c}-{k}", args.deadline)
+                    inflight += 1
+                    try:
+                        o = await one(session, args.url, req, f"c{c}-{k}", args.deadline)
+                    finally:
+                        inflight -= 1
                     k += 1
                     n += 1
                     write(o)

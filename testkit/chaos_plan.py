@@ -208,15 +208,16 @@ def _reason(why: str) -> str:
 
 
 # ---- per-process growth -------------------------------------------------------------
-def grew(samples: list[dict], warmup_s: float, min_life_s: float = 0.0) -> list[dict]:
+def grew(samples: list[dict], warmup_s: float, min_life_s: float = 0.0, born: dict[int, float] | None = None
+         ) -> list[dict]:
     """Per process (by pid): its first sample after warm-up against its last and its
     largest, for RSS, descriptors and threads. samples: {t, pid, role, rss, fds, threads,
     children}; t counts from the run's start. Warm-up counts from the run's start and,
-    for a process started later (again, after a fault), from its own first sample: until
-    then its growth is its loading. Processes sampled for under min_life_s after their
-    warm-up are left out."""
+    for a process started later (again, after a fault), from when it was first seen
+    (born: pid -> t, default its first sample here): until then its growth is its
+    loading. Processes sampled for under min_life_s after their warm-up are left out."""
     by_pid: dict[int, list[dict]] = {}
-    born: dict[int, float] = {}
+    born = dict(born or {})
     for s in samples:
         born[s["pid"]] = min(born.get(s["pid"], s["t"]), s["t"])
     for s in samples:

@@ -117,18 +117,66 @@ def release_memory(device: str) -> None:
     a dropped slice's pages: a friend's computer that handed layers back (or took fewer
     after a rearrangement) would go on holding their memory."""
     import gc
-    import sys
 
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    elif sys.platform.startswith("linux"):
-        import ctypes
+    else:
+        trim_heap()
 
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):   # not glibc (musl): nothing to trim
-            pass
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). False where
+    there is nothing to call (not Linux, or not glibc)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):   # not glibc (musl): nothing to trim
+        return False
+
+
+QUIET_TRIM_S = 3.0
+
+
+class QuietTrim:
+    """Once a CPU stage has held no conversation for a few seconds, its freed cache goes
+    back to the computer's owner. A reply's KV cache is freed when it ends, but glibc
+    keeps the pages for the process: without this a friend's node would hold the memory
+    of the busiest moment of the evening until it quits. The trim runs on a timer thread,
+    never on a step's path; it costs milliseconds, and a step starting meanwhile waits
+    at most for one arena's lock."""
+
+    def __init__(self, is_quiet, after_s: float = QUIET_TRIM_S, trim=trim_heap):
+        self._is_quiet, self._after_s, self._trim = is_quiet, after_s, trim
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self.trims = 0
+
+    def quiet(self) -> None:
+        """The stage's last conversation ended: trim if nothing starts for after_s."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self._after_s, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._timer = None
+        if self._is_quiet() and self._trim():
+            self.trims += 1
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
 
 def free_memory(device: str) -> int:

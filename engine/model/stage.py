@@ -42,7 +42,7 @@ from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
 from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
-from engine.model.device import attention_kernels, pick_device
+from engine.model.device import QuietTrim, attention_kernels, pick_device
 from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.rope import per_row_rotary
 from engine.model.static_decode import decode_path
@@ -165,6 +165,8 @@ class StageModel:
         self.weights = weights_of(self.model)  # 'auto' on a pre-quantized checkpoint: what it holds
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
+        # a GPU stage keeps its storage (captured graphs); a CPU one gives it back when quiet
+        self.quiet_trim = QuietTrim(lambda: not self.kv.seqs) if self.device.type == "cpu" else None
         # the hidden states a step hands its first layer: per thread, as a decode step
         # may run while a prompt step waits at one of its layers (step_gate.py)
         self._injected = threading.local()
@@ -579,7 +581,10 @@ class StageModel:
         return out if gather is None else out[gather]
 
     def free(self, seq_id: int) -> bool:
-        return self.kv.free(seq_id)
+        freed = self.kv.free(seq_id)
+        if freed and not self.kv.seqs and self.quiet_trim is not None:
+            self.quiet_trim.quiet()
+        return freed
 
     def fork(self, parent: int, child: int) -> None:
         """`child` starts as a copy of `parent`'s cached tokens (engine/model/kv.py)."""

@@ -109,3 +109,73 @@ def test_gpu_steps_keep_off_cudnn_attention_which_plans_anew_for_every_length():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with dev.attention_kernels(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_a_quiet_stage_trims_once_after_its_last_conversation_and_not_while_busy():
+    """QuietTrim: the trim waits out the quiet time, a new quiet moment restarts the
+    wait (one trim, not one per reply), and a stage that got busy meanwhile is left be."""
+    import time
+
+    from engine.model.device import QuietTrim
+
+    busy, calls = [False], []
+    q = QuietTrim(lambda: not busy[0], after_s=0.2, trim=lambda: calls.append(time.monotonic()) or True)
+    t0 = time.monotonic()
+    q.quiet()
+    time.sleep(0.1)
+    q.quiet()                      # another reply ended: the wait starts again
+    time.sleep(0.5)
+    assert len(calls) == 1 and calls[0] - t0 >= 0.29 and q.trims == 1
+    busy[0] = True                 # a conversation started before the timer fired
+    q.quiet()
+    time.sleep(0.4)
+    assert len(calls) == 1
+    busy[0] = False
+    q.quiet()
+    q.cancel()                     # a dropped stage: nothing fires later
+    time.sleep(0.4)
+    assert len(calls) == 1
+
+
+def test_a_cpu_stage_gives_its_freed_cache_back_when_its_last_conversation_ends(default_source):
+    """The real stage: freeing the last sequence arms the trim; freeing one of two does not."""
+    from engine.model.device import QuietTrim
+    from engine.model.stage import StageBatch, StageModel
+
+    torch.set_num_threads(1)
+    stage = StageModel(default_source, 10, 12, device="cpu")
+    trims = []
+    stage.quiet_trim = QuietTrim(lambda: not stage.kv.seqs, after_s=0.1, trim=lambda: trims.append(1) or True)
+    h = torch.randn(2 * 64, stage.hidden_size)
+    stage.forward(StageBatch([1, 2], [0, 0], [64, 64]), h)
+    assert stage.kv.allocated_bytes() > 0
+    stage.free(1)
+    import time
+    time.sleep(0.3)
+    assert trims == []             # sequence 2 still lives
+    stage.free(2)
+    time.sleep(0.3)
+    assert trims == [1] and stage.kv.allocated_bytes() == 0
+
+
+def test_trimming_the_heap_hands_freed_tensors_back_to_the_system():
+    """What the trim is for, in a process of its own: tensors of a reply's size freed
+    among small live ones, and the RSS back near where it started."""
+    code = """
+import torch
+from engine.model.device import trim_heap
+def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096
+base = rss()
+keep = []
+for i in range(4):
+    big = [torch.ones(3, 3, 1024, 64) for _ in range(40)]   # a reply's cache, layer by layer
+    keep += [torch.ones(100) for _ in range(500)]
+    del big
+held = rss() - base             # glibc keeps the freed pages below the live small ones
+assert trim_heap()
+print(held, rss() - base)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    held, after = map(int, out.stdout.split())
+    assert held > 64 << 20 and after < held * 0.3, (held, after)

@@ -80,3 +80,14 @@ def test_growth_is_measured_after_warm_up_per_process():
     assert rows[0]["rss_growth"] == 0.0 and rows[0]["rss_mb"] == 300
     r = rows[1]
     assert r["rss_mb"] == 150 and r["rss_last_mb"] == 190 and abs(r["rss_growth"] - 40 / 150) < 1e-3
+
+
+def test_a_process_warms_up_from_when_it_was_first_seen_not_from_its_first_quiet_sample():
+    """Quiet samples come minutes apart: a node started again at 40 s and first sampled
+    quietly at 300 s is warm by then (born from the frequent samples), so that sample counts."""
+    mb = 2**20
+    quiet = [{"t": t, "pid": 3, "role": "friend1 node", "rss": rss * mb, "fds": 12, "threads": 5, "children": 0}
+             for t, rss in ((300, 500), (600, 520))]
+    assert grew(quiet, warmup_s=60, min_life_s=100) == []                  # its first sample taken as its birth
+    (row,) = grew(quiet, warmup_s=60, min_life_s=100, born={3: 40.0})
+    assert row["rss_mb"] == 500 and abs(row["rss_growth"] - 0.04) < 1e-3 and row["life_s"] == 300
