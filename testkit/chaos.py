@@ -99,7 +99,10 @@ def _sample(pid: int) -> dict | None:
             st = dict(line.split(":", 1) for line in f if ":" in line)
         if st.get("State", "").strip().startswith("Z"):
             return None
-        return {"rss": int(st["VmRSS"].split()[0]) * 1024, "threads": int(st["Threads"]),
+        kb = lambda k: int(st.get(k, "0 kB").split()[0]) * 1024  # noqa: E731
+        # anon: the process's own memory; file: pages of mapped files (the model's, the
+        # libraries'), which the kernel may drop and read again as it likes
+        return {"rss": kb("VmRSS"), "anon": kb("RssAnon"), "file": kb("RssFile"), "threads": int(st["Threads"]),
                 "fds": len(os.listdir(f"/proc/{pid}/fd"))}
     except (OSError, KeyError, ValueError):
         return None
@@ -382,10 +385,26 @@ class Evening:
                 time.sleep(0.2)
             time.sleep(QUIET_SETTLE_S)
             self._quiet_at = self.now()
-            self.quiet_samples.extend(self._sample_all(self._quiet_at))
+            held = self._held()
+            self.quiet_samples.extend(dict(s, **held.get(s["role"], {})) for s in self._sample_all(self._quiet_at))
             return True
         finally:
             self.pause.unlink(missing_ok=True)
+
+    def _held(self) -> dict[str, dict]:
+        """What each node says it holds now, by role: its layers, and the bytes of its
+        slice of the weights plus its cache (RSS beyond these is the process itself)."""
+        out = {}
+        st = (self.host.status(self.net).get("hosting") or {}).get("stages") or []
+        if st:
+            mem = st[0].get("memory") or {}
+            out["host node"] = {"layers": st[0].get("layers"),
+                                "held": (mem.get("weights") or 0) + (mem.get("cache") or 0)}
+        for f in self.friends:
+            sh = f.status(self.net).get("sharing") or {}
+            out[f"{f.name} node"] = {"layers": sh.get("layers"),
+                                     "held": (sh.get("weights_bytes") or 0) + (sh.get("kv_bytes") or 0)}
+        return out
 
     def _sample_all(self, t: float) -> list[dict]:
         """RSS, descriptors, threads and children of every node (and its children) and the relay."""
@@ -466,7 +485,7 @@ class Evening:
                 "head_events": sorted({e.get("event") for e in self.events.values()}),
                 "whole_at_end": final_whole is not None,
                 "growth": grew(samples, warmup_s, min_life_s=min(seconds / 4, 120.0), born=born),
-                "quiet_samples": len({s_["t"] for s_ in samples}),
+                "quiet_samples": len({s_["t"] for s_ in samples}), "quiet": samples,
                 "peak_rss_mb": dict(sorted(peaks.items()))}
 
     def _clients(self, out: Path, extra: list[str]) -> subprocess.Popen:

@@ -208,6 +208,16 @@ def _reason(why: str) -> str:
 
 
 # ---- per-process growth -------------------------------------------------------------
+def _slope(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over ts (0 for fewer than two points)."""
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else 0.0
+
+
 def grew(samples: list[dict], warmup_s: float, min_life_s: float = 0.0, born: dict[int, float] | None = None
          ) -> list[dict]:
     """Per process (by pid): its first sample after warm-up against its last and its
@@ -230,10 +240,25 @@ def grew(samples: list[dict], warmup_s: float, min_life_s: float = 0.0, born: di
         if last["t"] - first["t"] < min_life_s:
             continue
         peak = max(s["rss"] for s in ss)
+        # a node holding more layers at the end than at the start (a rearrangement) grew
+        # by their weights: what it says it holds is taken off, what is left is its own
+        held = (last.get("held") or 0) - (first.get("held") or 0)
+        own = [s["rss"] - (s.get("held") or 0) for s in ss]
+        # a leak climbs from window to window; one quiet moment against another swings by
+        # whatever the allocator kept that time: the first third's median against the last's
+        k = max(1, len(ss) // 3)
+        early, late = sorted(own[:k])[(k - 1) // 2], sorted(own[-k:])[(k - 1) // 2]
         out.append({"pid": pid, "role": first["role"], "life_s": round(last["t"] - first["t"], 1),
                     "rss_mb": round(first["rss"] / 2**20, 1), "rss_last_mb": round(last["rss"] / 2**20, 1),
                     "rss_growth": round(last["rss"] / first["rss"] - 1.0, 4) if first["rss"] else 0.0,
                     "rss_peak_growth": round(peak / first["rss"] - 1.0, 4) if first["rss"] else 0.0,
+                    "rss_own_growth": round((last["rss"] - first["rss"] - held) / first["rss"], 4)
+                    if first["rss"] else 0.0,
+                    "rss_window_growth": round((late - early) / first["rss"], 4) if first["rss"] else 0.0,
+                    "rss_trend_mb_h": round(_slope([s["t"] for s in ss], own) * 3600 / 2**20, 1),
+                    "samples": len(ss),
+                    "layers": [first.get("layers"), last.get("layers")],
+                    "held_mb": [round((first.get("held") or 0) / 2**20), round((last.get("held") or 0) / 2**20)],
                     "fds": first["fds"], "fds_last": last["fds"], "fds_max": max(s["fds"] for s in ss),
                     "threads": first["threads"], "threads_last": last["threads"],
                     "children": first["children"], "children_last": last["children"]})

@@ -197,6 +197,9 @@ class Node(NodeRoutes, Hosting, Sharing):
                 sharing["layers"] = [srv.stage.start, srv.stage.end] if hasattr(srv.stage, "start") else None
                 sharing["seqs"] = len(srv.stage.kv.seqs)
                 sharing["kv_tokens"] = srv.stage.kv.used_tokens
+                # what the share holds in memory now: its slice of the weights, the cache
+                sharing["weights_bytes"] = srv.stage.param_bytes()
+                sharing["kv_bytes"] = srv.stage.kv.allocated_bytes()
             sharing["connected"] = srv.connected
             if self.invite is not None:
                 sess = self.joiner.session if self.joiner is not None else None

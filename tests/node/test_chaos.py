@@ -34,5 +34,9 @@ def test_five_minutes_of_friends_coming_and_going_lose_nothing(tmp_path):
     assert all(e["whole_after_s"] is not None for e in report["episodes"]), summary
     assert report["whole_at_end"] and not report["outlived"], summary
     assert report["recoveries"], summary                    # the faults were felt, and recovered from
+    # the clients were held for quiet samples (nothing in flight) and went on afterwards
+    assert report["quiet_samples"] >= 2, summary
+    quiet_host = [s for s in report["quiet"] if s["role"] == "host node"]
+    assert quiet_host and all(s.get("layers") for s in quiet_host), report["quiet"]
     for g in report["growth"]:
         assert g["fds_last"] <= g["fds"] + 16, g            # descriptors do not pile up

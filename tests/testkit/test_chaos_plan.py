@@ -91,3 +91,22 @@ def test_a_process_warms_up_from_when_it_was_first_seen_not_from_its_first_quiet
     assert grew(quiet, warmup_s=60, min_life_s=100) == []                  # its first sample taken as its birth
     (row,) = grew(quiet, warmup_s=60, min_life_s=100, born={3: 40.0})
     assert row["rss_mb"] == 500 and abs(row["rss_growth"] - 0.04) < 1e-3 and row["life_s"] == 300
+
+
+def test_growth_is_judged_beyond_what_a_node_holds_window_against_window():
+    """A node that took more layers grew by their weights, not by a leak; one noisy quiet
+    moment does not decide; a steady climb does."""
+    mb = 2**20
+
+    def row(points):
+        ss = [{"t": t, "pid": 1, "role": "friend1 node", "rss": rss * mb, "held": held * mb, "fds": 12,
+               "threads": 5, "children": 0} for t, rss, held in points]
+        (r,) = grew(ss, warmup_s=0)
+        return r
+
+    took_layers = row([(0, 800, 135), (600, 860, 189), (1200, 855, 189)])
+    assert took_layers["rss_growth"] > 0.06 and abs(took_layers["rss_own_growth"]) < 0.01
+    noisy = row([(t, 800 + (250 if i == 4 else 0), 135) for i, t in enumerate(range(0, 3600, 300))])
+    assert noisy["rss_window_growth"] == 0.0 and abs(noisy["rss_trend_mb_h"]) < 60
+    leaking = row([(t, 800 + t // 20, 135) for t in range(0, 3600, 300)])     # +180 MB an hour
+    assert leaking["rss_window_growth"] > 0.10 and leaking["rss_trend_mb_h"] > 100
