@@ -32,6 +32,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,20 @@ class StageBatch:
                           None if self.keep is None else [self.keep[i] for i in idx])
 
 
+def _weak(method):
+    """A hook for the stage's own model that does not hold the stage. A bound method would:
+    the model is the stage's, so every dropped stage was a reference cycle, freed only by
+    the garbage collector's rare full pass -- minutes, with hundreds of MB of weights and
+    cache held meanwhile (found by the chaos run's memory samples after rearrangements)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args, **kwargs):
+        m = ref()
+        return None if m is None else m(*args, **kwargs)
+
+    return hook
+
+
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
@@ -166,17 +181,18 @@ class StageModel:
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
         # a GPU stage keeps its storage (captured graphs); a CPU one gives it back when quiet
-        self.quiet_trim = QuietTrim(lambda: not self.kv.seqs) if self.device.type == "cpu" else None
+        kv = self.kv   # not self: nothing the stage holds may hold the stage (see _weak)
+        self.quiet_trim = QuietTrim(lambda: not kv.seqs) if self.device.type == "cpu" else None
         # the hidden states a step hands its first layer: per thread, as a decode step
         # may run while a prompt step waits at one of its layers (step_gate.py)
         self._injected = threading.local()
-        self._layers[0].register_forward_pre_hook(self._inject_hook, with_kwargs=True)
+        self._layers[0].register_forward_pre_hook(_weak(self._inject_hook), with_kwargs=True)
         self.gate = StepGate()
         # a profile.StepLog once profiled (load_and_measure): every step it times
         # keeps this stage's profile true to the machine as it runs
         self.step_log = None
         for layer in self._layers[1:]:  # a decode step may cut in before any later layer
-            layer.register_forward_pre_hook(self._gate_hook)
+            layer.register_forward_pre_hook(_weak(self._gate_hook))
         if self.device.type == "cpu":
             # decode steps' few rows: W @ x^T streams each weight matrix instead of
             # packing it per call (engine/model/cpu_linear.py: a decode step over a tenth faster)
@@ -403,7 +419,7 @@ class StageModel:
         self._alibi = (build, base.num_heads, math.sqrt(self.model.config.hidden_size // base.num_heads))
         base.use_alibi = False
         for layer in self._layers:
-            layer.register_forward_pre_hook(self._layer_alibi, with_kwargs=True)
+            layer.register_forward_pre_hook(_weak(self._layer_alibi), with_kwargs=True)
 
     def _with_alibi(self, mask: torch.Tensor) -> torch.Tensor:
         """The model's mask-plus-bias for the 4-D mask `mask` [B, 1, T, K]: each key gets

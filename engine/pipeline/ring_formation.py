@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import logging
+import weakref
 from dataclasses import dataclass
 
 from websockets.exceptions import ConnectionClosed, WebSocketException
@@ -186,9 +187,11 @@ class RingFormation:
             return []
         offered = getattr(self, "offered", None) or []
         out = []
+        # by a weak reference: a strong one kept the old arrangement's slice in memory while
+        # a rearrangement loaded the new one (found by the chaos run's memory samples)
         param0 = getattr(self, "_param0", None)
-        if param0 is None or param0[0] is not self.stage0:
-            self._param0 = param0 = (self.stage0, self.stage0.param_bytes())
+        if param0 is None or param0[0]() is not self.stage0:
+            self._param0 = param0 = (weakref.ref(self.stage0), self.stage0.param_bytes())
         rows = [(self.ranges[0], param0[1], self.stage0.kv.budget_tokens)]
         for r in self.remotes:
             c = r.configured or {}

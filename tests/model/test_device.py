@@ -179,3 +179,29 @@ print(held, rss() - base)
     assert out.returncode == 0, out.stderr[-2000:]
     held, after = map(int, out.stdout.split())
     assert held > 64 << 20 and after < held * 0.3, (held, after)
+
+
+def test_a_dropped_stage_is_freed_at_once_not_at_the_collectors_next_full_pass(default_source):
+    """Nothing a stage holds may hold it back (its model's hooks, its quiet trim): a stage let
+    go after a rearrangement must give its weights and cache back when its last reference
+    goes, not minutes later when Python's collector next looks at old objects."""
+    import gc
+    import weakref
+
+    from engine.model.stage import StageBatch, StageModel
+
+    torch.set_num_threads(1)
+    StageModel(default_source, 10, 11, device="cpu")   # the first build's imports out of the way
+    gc.collect()
+    gc.disable()
+    try:
+        for start, end in ((10, 12), (0, 2), (28, 30)):
+            stage = StageModel(default_source, start, end, device="cpu")
+            x = torch.arange(8) if start == 0 else torch.randn(8, stage.hidden_size)
+            stage.forward(StageBatch([1], [0], [8]), x)
+            stage.free(1)
+            ref = weakref.ref(stage)
+            del stage, x
+            assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    finally:
+        gc.enable()

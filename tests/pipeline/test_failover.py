@@ -10,11 +10,13 @@ over what is left, prefills each sequence's history there and goes on decoding.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
 import signal
 import time
+import weakref
 
 import pytest
 
@@ -78,6 +80,8 @@ async def interrupted(seeded: bool, hits: list[tuple[int, int, int]]):
     stopped, delivered = [], []
     try:
         reference = await run(head, seeded)
+        head.info()   # as the app's status does, every second: it reads stage 0's memory
+        head.old_stage0 = weakref.ref(head.stage0)
         procs = list(pipe.local.procs)
         pending = sorted(hits)
 
@@ -111,6 +115,10 @@ def check(head, reference, got, lost: int):
 
 async def test_the_middle_stage_killed_mid_reply():
     head, reference, got, _, stats = await interrupted(False, [(12, 0, signal.SIGKILL)])
+    # the old arrangement's slice is gone from memory: nothing holds it once the head let it
+    # go (it goes before the new slice loads: a GPU host has room for one of them, not both)
+    gc.collect()
+    assert head.old_stage0() is None
     check(head, reference, got, 1)
     assert len(stats) == 2
 
