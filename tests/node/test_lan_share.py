@@ -216,6 +216,9 @@ def test_hosting_from_one_home_over_a_friends_app_share_on_the_lan(tmp_path):
             assert status == 200 and "Paris" in r["choices"][0]["message"]["content"], r
             friend = wait(1, lambda s: s["sharing"]["connected"] and s["sharing"]["layers"])
             assert friend["sharing"]["layers"][1] == 30      # the friend holds the last layers
+            # and says what that takes: its slice of the weights (the output head's 108 MB
+            # among them), and the cache it holds now
+            assert friend["sharing"]["weights_bytes"] > 108 << 20 and friend["sharing"]["kv_bytes"] >= 0, friend
 
             # the observer saw the whole exchange (weights never cross; activations do) and
             # learned nothing of it: no prompt, reply, message, model name or secret
