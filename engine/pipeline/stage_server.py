@@ -234,11 +234,21 @@ class StageServer:
         if self._sender_task is not None:
             self._sender_task.cancel()
         self._closed.set()
+        if self._control_ws is None:
+            self._retire_threads()
+        # else the control handler retires them once it has freed the head's sequences
         if wait_s and self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), wait_s)
             except asyncio.TimeoutError:
                 log.warning("the stage's server took long to close")
+
+    def _retire_threads(self):
+        """The compute threads go with the server, not whenever Python collects it: each
+        keeps a heap arena of its own, and a share switched off and on all evening kept
+        dozens. A step under way finishes; nothing new starts."""
+        for executor in (self._exec, self._decode_exec):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     async def leave(self, reason: str, seconds: float = LEAVE_S) -> bool:
         """Go away gracefully: tell the head first ("leaving"), so it moves this stage's
@@ -326,7 +336,7 @@ class StageServer:
         if self._control_ws is not None:
             await ws.close(1008, "this stage already has a head")
             return
-        if self._leaving:
+        if self._leaving or self.closed:
             await ws.close(1013, "this stage is leaving")
             return
         self._control_ws = ws
@@ -376,6 +386,8 @@ class StageServer:
             if self.stage is not None:
                 await self._run(self._free, list(self.stage.kv.seqs))
             self._control_ws = None
+            if self.closed:
+                self._retire_threads()
 
     async def _configure(self, ws, msg):
         loop = asyncio.get_running_loop()

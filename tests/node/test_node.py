@@ -597,3 +597,37 @@ def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     finally:
         friend.stdin.close()
         assert friend.wait(60) == 0
+
+
+def test_switching_sharing_off_and_on_leaves_no_threads_behind():
+    """Every time a head takes the share, its stage computes on threads of its own; a share
+    switched off must take them with it. (Each kept thread holds its own heap arena: a
+    friend toggled all evening grew by hundreds of MB.)"""
+    import asyncio
+
+    from engine.pipeline.stage_server import connect_stage
+    from engine.wire import frames
+
+    async def take(addr):
+        async with await connect_stage(addr, "control", "potluck") as ws:
+            assert frames.parse_control(await ws.recv())["type"] == "welcome"   # measured on its thread
+
+    proc, port = start_node()
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{proc.pid}/task"))
+
+    try:
+        call(port, "POST", "/activity", {"idle_seconds": None})
+        counts = []
+        for _ in range(7):
+            call(port, "POST", "/share", {"on": True})
+            asyncio.run(take(wait_status(port, lambda s: s["sharing"]["running"])["sharing"]["address"]))
+            assert call(port, "POST", "/share", {"on": False})[1]["state"] == "idle"
+            counts.append(threads())
+        # the first rounds may start pools that stay (the event loop's default executor)
+        print("threads", counts)
+        assert counts[-1] <= counts[1] + 1, counts
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0
