@@ -85,6 +85,7 @@ class LinkSender:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.failed: str | None = None
+        self.peer_gone = False   # the socket closed under us (see open_link's reader)
         self.rtt_min: float | None = None
         self.goodput = GoodputMeter(self.sched.link)   # from acks, while there is a backlog
         self.bytes_sent = 0
@@ -189,6 +190,13 @@ class LinkSender:
                                            self.stall_timeout)
                     sent_any = True
                 if not sent_any:
+                    if self.peer_gone:
+                        # an idle link never writes, so it would never learn: without
+                        # this its task (and whatever made it) lived as long as the process
+                        if self.in_flight:
+                            raise ConnectionClosed(None, None)   # and took something with it
+                        self.failed = "connection closed"
+                        return
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), self.stall_timeout)
@@ -226,6 +234,8 @@ def open_link(ws, mode: str, decode_time, on_failed=None, **kw) -> LinkSender:
             await ws.close(1008, str(exc)[:120])
         except ConnectionClosed:
             pass
+        link.peer_gone = True   # (not when cancelled: the link is being closed anyway)
+        link._wake.set()
 
     link._tasks.append(asyncio.ensure_future(read_acks()))
     return link

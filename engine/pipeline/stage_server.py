@@ -228,6 +228,9 @@ class StageServer:
                 pass
         if self._server is not None:
             self._server.close()
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
         for ws in (self._next_ws,):
             if ws is not None:
                 await ws.close()

@@ -130,3 +130,28 @@ async def test_an_unacknowledged_link_delivers_everything_in_order_and_refuses_a
             await link.close()
     finally:
         server.close()
+
+
+async def test_an_idle_link_ends_when_its_receiver_closes():
+    """An idle link never writes, so only its reader can tell that the receiver went:
+    its tasks must end then (they kept the whole stage server of a friend who stopped
+    sharing, one per toggle, for the life of the process)."""
+    closing = asyncio.Event()
+
+    async def handler(ws):
+        await closing.wait()
+        await ws.close(1001, "going away")
+
+    server = await serve(handler, "127.0.0.1", 0, compression=None)
+    failures = []
+    try:
+        async with connect(f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}", compression=None) as ws:
+            link = open_link(ws, "jit", decode_time=lambda n: 0.02, ping_interval=0, on_failed=failures.append)
+            await asyncio.sleep(0.2)
+            assert not any(t.done() for t in link._tasks)      # idle, and alive
+            closing.set()
+            await asyncio.wait_for(asyncio.gather(*link._tasks), 5)
+            assert link.failed == "connection closed"
+            assert not failures      # nothing was in flight: nothing to report
+    finally:
+        server.close()

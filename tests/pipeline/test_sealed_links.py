@@ -122,3 +122,36 @@ async def test_a_route_token_dies_with_its_head():
         assert not server.closed                          # the stage itself serves on
     finally:
         await server.close()
+
+
+async def test_a_closed_stage_server_is_freed():
+    """A stage that links on to the next one, closed (its owner stopped sharing): nothing
+    keeps it, its model or its threads alive -- no task of its link to the next stage."""
+    import gc
+    import weakref
+
+    first = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS).start()
+    last = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS).start()
+    try:
+        pipe = await launch(PipelineConfig(stage_addr=[f"ws://127.0.0.1:{first.port}",
+                                                       f"ws://127.0.0.1:{last.port}"], threads=THREADS))
+        assert first._link is not None                     # it sends on to `last`
+        await pipe.close()
+        computed_on = list(first._exec._threads)
+        assert computed_on
+        gone = weakref.ref(first)
+        await first.close(wait_s=10)
+        del first
+        for _ in range(50):
+            gc.collect()
+            if gone() is None:
+                break
+            await asyncio.sleep(0.1)
+        assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+        for t in computed_on:
+            t.join(10)
+            assert not t.is_alive()
+    finally:
+        await last.close()
+        if gone() is not None:
+            await gone().close()
