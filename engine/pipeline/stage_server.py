@@ -220,44 +220,40 @@ class StageServer:
     async def close(self, reason: str | None = None, wait_s: float = 0.0):
         """Stop serving. With a reason, the head hears it first (close code 1001: going
         away). With wait_s, wait up to that long until the port is free again."""
-        ws = self._control_ws
-        if reason and ws is not None:
+        if reason and self._control_ws is not None:
             try:
-                await ws.close(1001, reason[:120])
+                await self._control_ws.close(1001, reason[:120])
             except Exception:  # the head may be gone already
                 pass
         if self._server is not None:
             self._server.close()
-        if self._link is not None:
-            await self._link.close()
-            self._link = None
-        for ws in (self._next_ws,):
-            if ws is not None:
-                await ws.close()
+        await self._drop_next()
         if self._sender_task is not None:
             self._sender_task.cancel()
         self._closed.set()
-        if self._control_ws is None:
+        if self._control_ws is None:   # else its handler does, once the head's sequences are freed
             self._retire_threads()
-        # else the control handler retires them once it has freed the head's sequences
         if wait_s and self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), wait_s)
             except asyncio.TimeoutError:
                 log.warning("the stage's server took long to close")
 
+    async def _drop_next(self):
+        """Close the link to the next stage (an idle link's task would outlive us otherwise)."""
+        link, self._link, ws, self._next_ws = self._link, None, self._next_ws, None
+        for other in (link, ws):
+            if other is not None:
+                await other.close()
+
     def _retire_threads(self):
-        """The compute threads go with the server, not whenever Python collects it: each
-        keeps a heap arena of its own, and a share switched off and on all evening kept
-        dozens. A step under way finishes; nothing new starts."""
+        """Compute threads end with the server (each keeps its own heap arena), not at gc."""
         for executor in (self._exec, self._decode_exec):
             executor.shutdown(wait=False, cancel_futures=True)
 
     async def leave(self, reason: str, seconds: float = LEAVE_S) -> bool:
-        """Go away gracefully: tell the head first ("leaving"), so it moves this stage's
-        layers to the others and replays its sequences there, and wait until it lets go
-        -- at most `seconds`, whatever it does: the owner gets the machine back on time.
-        Returns whether the head let go by itself. The server stays up (close() ends it)."""
+        """Tell the head we are leaving (it moves our layers and replays our sequences) and wait
+        at most `seconds` for it to let go; whether it did. The server stays up (see close)."""
         self._leaving = True  # no head takes it meanwhile
         ws = self._control_ws
         if ws is None:
@@ -265,14 +261,13 @@ class StageServer:
         try:
             await ws.send(frames.control("leaving", reason=reason[:500], seconds=float(seconds)))
             await asyncio.wait_for(ws.wait_closed(), seconds)
-            await self._let_go(ws)
-            return True
         except ConnectionClosed:
-            await self._let_go(ws)
-            return True
+            pass
         except asyncio.TimeoutError:
             log.warning("the head did not let this stage go within %.0f s: leaving anyway", seconds)
             return False
+        await self._let_go(ws)
+        return True
 
     async def _let_go(self, ws):
         """Until the handler of control connection `ws` has closed its data links, freed its
@@ -467,12 +462,7 @@ class StageServer:
         except (ModelError, OSError, ValueError) as exc:
             await ws.send(frames.control("error", message=str(exc)))
             return
-        if self._link is not None:
-            await self._link.close()
-            self._link = None
-        if self._next_ws is not None:
-            await self._next_ws.close()
-            self._next_ws = None
+        await self._drop_next()
         if msg["next"]:
             self._next_ws = await connect_stage(msg["next"], "data", self.pipeline, key=msg["route"])
             # the profile as last reported: the scheduler's windows follow it too
