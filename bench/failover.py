@@ -23,7 +23,11 @@ The time from the death to the reply's next token is split into
 and the interrupted reply is compared with the uninterrupted one token for token.
 
     .venv/bin/python bench/failover.py [--threads default,1] [--contexts 100,1000,4000]
-        [--kinds closed,silent,leaving] [--json out.json]
+        [--kinds closed,silent,leaving] [--keep on,off] [--json out.json]
+
+--keep on,off runs each row twice: with the stages left keeping the layers they held
+(what the product does, engine/model/handover.py) and reading every layer of their new
+share again (POTLUCK_KEEP_LAYERS=0, as before it), and prints the load ratio.
 
 Targets (issue 22, this machine): detect <= 1 s closed, <= 10 s silent; death to next
 token <= 15 s at 1k context; outputs identical in every row.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -85,7 +90,7 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
         next_token = next(t for t in times if t > rec["t"])
         return {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": left["t"] - killed_at, "replan_s": rec["replan_s"],
                 "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": next_token - killed_at,
-                "identical": got == reference, "stages_after": head.n_stages}
+                "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0)}
     finally:
         if sig == signal.SIGSTOP and victim.returncode is None:
             os.kill(victim.pid, signal.SIGCONT)
@@ -111,32 +116,47 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="default,1",
                     help="setups to run, comma-separated: 'default' (no --threads, as potluck serve runs: the "
                          "processes share the CPU's cores) and/or torch threads per process (default: default,1)")
+    ap.add_argument("--keep", default="on",
+                    help="on, off or on,off: the stages left keep the layers they held (on), or read all again")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.ERROR)
     rows = []
-    for threads in parse_setups(args.threads):
-        for context in [int(c) for c in args.contexts.split(",")]:
-            for kind in args.kinds.split(","):
-                try:
-                    row = asyncio.run(one_row(context, kind, threads))
-                except Exception as exc:  # a failover that fails is a row of the table, not a crash
-                    row = {"setup": setup_name(threads), "context": context, "kind": kind, "failed": str(exc)}
-                rows.append(row)
-                print(f"  {row['setup']}, {context} tokens, {kind}: "
-                      + (f"FAILED: {row['failed']}" if "failed" in row else
-                         f"{row['total_s']:.1f} s to the next token, identical={row['identical']}"),
-                      file=sys.stderr, flush=True)
-    print("\n| setup | context | death | detect s | re-plan s | load s | replay s | death -> next token s | identical |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
+    # side by side: each row with the layers kept and read again, one after the other
+    for threads, context, kind, keep in itertools.product(
+            parse_setups(args.threads), [int(c) for c in args.contexts.split(",")], args.kinds.split(","),
+            args.keep.split(",")):
+        os.environ["POTLUCK_KEEP_LAYERS"] = "1" if keep == "on" else "0"   # the stage processes inherit it
+        try:
+            row = asyncio.run(one_row(context, kind, threads))
+        except Exception as exc:  # a failover that fails is a row of the table, not a crash
+            row = {"setup": setup_name(threads), "context": context, "kind": kind, "failed": str(exc)}
+        row["keep"] = keep
+        rows.append(row)
+        print(f"  {row['setup']}, {context} tokens, {kind}, keep {keep}: "
+              + (f"FAILED: {row['failed']}" if "failed" in row else
+                 f"{row['total_s']:.1f} s to the next token, identical={row['identical']}"),
+              file=sys.stderr, flush=True)
+    print("\n| setup | context | death | keep | layers kept | detect s | re-plan s | load s | replay s "
+          "| death -> next token s | identical |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['setup']} | {r['context']} | {r['kind']} | | | | | | FAILED: {r['failed'][:80]} |")
+            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | | | | | | | FAILED: {r['failed'][:80]} |")
             continue
-        print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['detect_s']:.2f} | {r['replan_s']:.2f} "
-              f"| {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['total_s']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+        print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['kept']} | {r['detect_s']:.2f} "
+              f"| {r['replan_s']:.2f} | {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['total_s']:.2f} "
+              f"| {'yes' if r['identical'] else 'NO'} |")
+    pairs = [(a, b) for a in rows for b in rows if "failed" not in a and "failed" not in b
+             and a["keep"] == "on" and b["keep"] == "off"
+             and (a["setup"], a["context"], a["kind"]) == (b["setup"], b["context"], b["kind"])]
+    if pairs:
+        import statistics
+
+        ratio = statistics.median(a["load_s"] / max(1e-6, b["load_s"]) for a, b in pairs)
+        print(f"\nload with the layers kept / read again (median of {len(pairs)} pairs): {ratio:.2f}x")
     all_rows = rows
     failed = [r for r in rows if "failed" in r]
     rows = [r for r in rows if "failed" not in r]

@@ -263,15 +263,17 @@ class Recovery:
         """Why the pipeline fails when the rearrangement itself broke (a bug: say so)."""
         return self._because(f"rearranging the pipeline failed: {exc}")
 
-    def recovered(self, now: float, stages: int, ranges: list[tuple[int, int]], replayed: int) -> dict:
+    def recovered(self, now: float, stages: int, ranges: list[tuple[int, int]], replayed: int,
+                  kept: int = 0) -> dict:
         """Serving again: the record. seconds: from noticing to serving again; replan_s:
         letting go, reaching the machines and any wait for room; load_s: loading the new
-        layers (bench/failover.py)."""
+        layers (bench/failover.py); kept_layers: how many of them stayed in memory where
+        they were, not read again."""
         self.status = None
         return self._record("rejoined" if self._joined else "recovered", stages=stages,
                             layers=[list(r) for r in ranges], seconds=round(now - self._t0, 3),
                             replan_s=round(self._t_plan - self._t0, 3), load_s=round(now - self._t_plan, 3),
-                            replayed=replayed)
+                            replayed=replayed, kept_layers=kept)
 
     # ---- the end -----------------------------------------------------------------
     def fail(self, why: str) -> bool:

@@ -44,6 +44,19 @@ def per_row_rotary(model: nn.Module) -> int:
     return n
 
 
+def plain_rotary(module: nn.Module) -> None:
+    """Undo per_row_rotary on `module` (if it was patched), its state back to a fresh
+    module's: a layer handed to another stage (engine/model/handover.py) is patched anew."""
+    per_row = module.__dict__.get("forward")
+    if not isinstance(per_row, _PerRow):
+        return
+    types = module.rope_type if isinstance(module.rope_type, dict) else {None: module.rope_type}
+    for layer_type, rope_type in types.items():
+        if _follows_length(rope_type):
+            per_row._reset(rope_type, layer_type)
+    del module.__dict__["forward"]
+
+
 class _PerRow:
     """A rotary module's forward, called once per group of rows that need the same
     frequencies (rows at or below the original context share one call)."""

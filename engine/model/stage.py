@@ -26,8 +26,10 @@ for 8/4-bit weights, its bitsandbytes quantizer (engine/model/quant.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import logging
 import math
 import re
 import threading
@@ -44,8 +46,9 @@ from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
 from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
 from engine.model.device import QuietTrim, attention_kernels, pick_device
+from engine.model.handover import HeldLayers, adopt, keeping_layers
 from engine.model.quant import make_quantizer, misshapen, weights_of
-from engine.model.rope import per_row_rotary
+from engine.model.rope import plain_rotary, per_row_rotary
 from engine.model.static_decode import decode_path
 from engine.model.sources import ModelError, ModelSource
 
@@ -72,6 +75,21 @@ def _head_tied(model, emb_in, emb_out, emb_in_name, emb_out_name) -> bool:
     except Exception:  # older transformers: no table, only the config flag
         return bool(getattr(model.config, "tie_word_embeddings", False))
     return tied.get(f"{emb_out_name}.weight") == f"{emb_in_name}.weight"
+
+
+@contextlib.contextmanager
+def _quiet(logger: str, words: str, when) -> None:
+    """The logger's records that contain `words` dropped, `when` it is true."""
+    def drop(record):
+        return words not in record.getMessage()
+
+    target = logging.getLogger(logger)
+    if when:
+        target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
 
 
 class _Counted:
@@ -159,7 +177,7 @@ def _weak(method):
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
-                 weights: str = "auto"):
+                 weights: str = "auto", reuse: HeldLayers | None = None):
         self.source = source
         # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
         self.cores = cores
@@ -175,8 +193,15 @@ class StageModel:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self._progress = progress or (lambda done, total, what: None)
+        # the hooks this stage hangs on its layers: taken off if it hands them over
+        self._hooks = []
+        self.handed_over = False
+        self._asked_weights = weights
+        # a rearrangement's old stage on this machine: the layers both hold are kept
+        kept = reuse.take(self._built(), start, end) if reuse is not None else {}
+        self.kept_layers = len(kept)
         with _BUILD_LOCK:
-            self.model = self._load(cfg)
+            self.model = self._load(cfg, kept, reuse.config if kept else None)
         self.weights = weights_of(self.model)  # 'auto' on a pre-quantized checkpoint: what it holds
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
@@ -186,20 +211,20 @@ class StageModel:
         # the hidden states a step hands its first layer: per thread, as a decode step
         # may run while a prompt step waits at one of its layers (step_gate.py)
         self._injected = threading.local()
-        self._layers[0].register_forward_pre_hook(_weak(self._inject_hook), with_kwargs=True)
+        self._hooks.append(self._layers[0].register_forward_pre_hook(_weak(self._inject_hook), with_kwargs=True))
         self.gate = StepGate()
         # a profile.StepLog once profiled (load_and_measure): every step it times
         # keeps this stage's profile true to the machine as it runs
         self.step_log = None
         for layer in self._layers[1:]:  # a decode step may cut in before any later layer
-            layer.register_forward_pre_hook(_weak(self._gate_hook))
+            self._hooks.append(layer.register_forward_pre_hook(_weak(self._gate_hook)))
         if self.device.type == "cpu":
             # decode steps' few rows: W @ x^T streams each weight matrix instead of
             # packing it per call (engine/model/cpu_linear.py: a decode step over a tenth faster)
             use_small_batch_linear(self.model)
         if cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
-                layer.register_forward_pre_hook(lambda *_: cores.checkpoint())
+                self._hooks.append(layer.register_forward_pre_hook(lambda *_: cores.checkpoint()))
         self._plan_masks()
         self._plan_alibi()
         # LongRoPE, dynamic NTK: each row's own frequencies (rope.py)
@@ -209,7 +234,30 @@ class StageModel:
         decode_path(self)
 
     # ---- construction -------------------------------------------------------
-    def _load(self, cfg) -> nn.Module:
+    def _built(self) -> tuple:
+        """What a kept layer must agree on between two stages of this machine."""
+        if not keeping_layers():
+            return ()
+        return (self.source.fingerprint(), self.dtype, self._asked_weights, str(self.device))
+
+    def hand_over(self) -> HeldLayers:
+        """Give this stage's decoder layers to the next stage built here (a rearrangement:
+        engine/model/handover.py). This stage runs no step after."""
+        self.handed_over = True
+        self.static = None   # its captured graphs replay these layers
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        layers = {}
+        for i, layer in enumerate(self._layers):
+            for m in layer.modules():
+                plain_rotary(m)
+            layers[self.start + i] = layer
+        setattr(self._base, self._layers_name, nn.ModuleList())
+        self._layers = getattr(self._base, self._layers_name)
+        return HeldLayers(layers, self._built(), self.model.config)
+
+    def _load(self, cfg, kept: dict[int, nn.Module], kept_config) -> nn.Module:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -221,11 +269,14 @@ class StageModel:
             checkpoint = GgufCheckpoint(self.source.gguf_path, model, cfg)
         else:
             checkpoint = SafetensorsCheckpoint(self.source)
-        names = self._cut(model, placeholders=True)
+        self._kept_idx = set(kept)
+        names = self._cut(model, placeholders=True, kept=kept)
         if quantizer is not None:
-            # swaps the held layers' Linear modules for bitsandbytes ones (still empty)
-            quantizer.preprocess_model(model=model, dtype=self.dtype, device_map={"": str(self.device)},
-                                       checkpoint_files=None)
+            # swaps the held layers' Linear modules for bitsandbytes ones (still empty); with
+            # every layer kept there are none, which is no news to the user
+            with _quiet("transformers.integrations.bitsandbytes", "no linear modules were found", kept):
+                quantizer.preprocess_model(model=model, dtype=self.dtype, device_map={"": str(self.device)},
+                                           checkpoint_files=None)
         self.source.on_download = self._progress  # hub shards: bytes per file as they arrive
         try:
             self._load_weights(model, checkpoint, names, quantizer)
@@ -233,12 +284,15 @@ class StageModel:
             self.source.on_download = None
         if quantizer is not None:
             quantizer.postprocess_model(model)
+        layers = getattr(self._base, self._layers_name)
+        for i, layer in kept.items():   # in after the quantizer, which would wrap them again
+            layers[i] = adopt(layer, kept_config, model.config)
         self.files_opened = checkpoint.files_opened
         self._finish_cut(model)
         model.to(self.device)
         return model
 
-    def _cut(self, model, placeholders: bool):
+    def _cut(self, model, placeholders: bool, kept=()):
         """Remove what this stage does not hold. Returns the checkpoint names it keeps."""
         base = model.base_model
         if not any(isinstance(c, nn.ModuleList) and len(c) == self.n_layers_total for c in base.children()):
@@ -262,7 +316,7 @@ class StageModel:
 
         layers = getattr(base, layers_name)
         for i in range(self.n_layers_total):
-            if not (self.start <= i < self.end):
+            if not (self.start <= i < self.end) or i in kept:
                 layers[i] = nn.Module()  # placeholder keeps the original indices during loading
         for name, child in list(base.named_children()):
             # a final norm may have no parameters (OLMo's non-parametric LayerNorm)
@@ -324,7 +378,7 @@ class StageModel:
         def kept(key: str) -> bool:
             m = _LAYER_KEY.search(key)
             if m is not None and key.split(".")[0] != "lm_head":
-                return self.start <= int(m.group(1)) < self.end
+                return self.start <= int(m.group(1)) < self.end and int(m.group(1)) not in self._kept_idx
             return key in param_names or f"{base_prefix}.{key}" in param_names
 
         wanted = {key: where for key, where in names.items() if kept(key)}
@@ -419,7 +473,7 @@ class StageModel:
         self._alibi = (build, base.num_heads, math.sqrt(self.model.config.hidden_size // base.num_heads))
         base.use_alibi = False
         for layer in self._layers:
-            layer.register_forward_pre_hook(_weak(self._layer_alibi), with_kwargs=True)
+            self._hooks.append(layer.register_forward_pre_hook(_weak(self._layer_alibi), with_kwargs=True))
 
     def _with_alibi(self, mask: torch.Tensor) -> torch.Tensor:
         """The model's mask-plus-bias for the 4-D mask `mask` [B, 1, T, K]: each key gets
@@ -456,6 +510,10 @@ class StageModel:
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def held_bytes(self) -> int:
+        """Its weights and cache: memory the machine has for whatever replaces this stage."""
+        return self.param_bytes() + self.kv.allocated_bytes()
+
     @torch.inference_mode()
     def forward(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:
         """Run this stage's layers for one step.
@@ -468,6 +526,8 @@ class StageModel:
         (1 token) with a prefill (hundreds) runs them as two sub-batches instead of
         padding every decode row to the prompt's length.
         """
+        if self.handed_over:
+            raise RuntimeError("this stage's layers went to the stage that replaced it")
         if inputs.shape[0] != batch.n_tokens or len(batch.ns) != len(batch.seq_ids):
             raise ValueError(f"{inputs.shape[0]} inputs for {batch.n_tokens} tokens in the rows")
         if batch.keep is not None and (len(batch.keep) != len(batch.ns)

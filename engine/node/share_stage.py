@@ -94,7 +94,7 @@ class Sharing:
 
                 self._share_secret = share_secret()
             # whoever connects is someone else's head, even over loopback: it proves the
-            # secret and may only ask for models by name (stage_server.remote_model_ok)
+            # secret and may only ask for models by name (configure_check.remote_model_ok)
             self.stage_server = await StageServer(self.share_host, self.share_port, pipeline=self.share_pipeline,
                                                   secret=self._share_secret, trusted_head=False,
                                                   accept_models=self.accept_models,

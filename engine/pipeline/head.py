@@ -179,6 +179,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         self.sched = Scheduler(self.n_stages, **self._sched_args)
         self.sampler = Sampler()   # used when the head is also the last stage
         self.stage0: StageModel | None = None
+        # the old stage 0's layers during a rearrangement, for the new one (model/handover.py)
+        self._held = None
         self._data_ws = None
         self._readers: list[asyncio.Task] = []
         self.ranges: list[tuple[int, int]] = []

@@ -74,7 +74,12 @@ class RecoveryDriver:
         live = self._rewind()
         self.remotes = await self._ask(asks) + ([joined] if joined is not None else [])
         capacity = self.sched.capacity
-        self.stage0 = None  # its layers change: the old slice goes before the new one loads
+        # its layers change: the old slice goes before the new one loads, but for the layers
+        # both hold (kept, not read again: engine/model/handover.py)
+        old, self.stage0 = self.stage0, None
+        if old is not None:
+            self._held = await self._hand_over(old)
+        del old
         release_memory(self.device)
         while True:
             self.remotes.sort(key=lambda r: self.recovery.rank(r.address))
@@ -102,10 +107,17 @@ class RecoveryDriver:
                     continue       # a machine left while the layers loaded: split again over the rest
                 self._pipeline_failed(self.recovery.cannot_go_on(exc))
                 return
-        done = self.recovery.recovered(time.monotonic(), self.n_stages, self.ranges, len(live))
-        log.warning("pipeline rearranged over %d stage(s) in %.1f s; %d sequence(s) replayed",
-                    self.n_stages, done["seconds"], len(live))
+        kept = self.stage0.kept_layers + sum(r.configured["kept_layers"] for r in self.remotes)
+        done = self.recovery.recovered(time.monotonic(), self.n_stages, self.ranges, len(live), kept)
+        log.warning("pipeline rearranged over %d stage(s) in %.1f s (%d of %d layers kept in memory); "
+                    "%d sequence(s) replayed", self.n_stages, done["seconds"], kept, self.ranges[-1][1], len(live))
         self._kick()
+
+    async def _hand_over(self, stage):
+        # on the compute thread, once a decode step that cut in is done: no step of the old
+        # stage runs while its layers change hands
+        await asyncio.get_running_loop().run_in_executor(self._decode_exec, lambda: None)
+        return await self._run(stage.hand_over)
 
     def _profile_hints(self) -> dict:
         """Each machine's last profile, for the layers it held: the stages left start from

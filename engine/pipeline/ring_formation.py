@@ -85,7 +85,9 @@ class RingFormation:
         cfg = self.config
         n_layers = cfg.num_hidden_layers
         fingerprint = self.fingerprint
-        mine = free_memory(self.device) if self.memory_cap is None else min(free_memory(self.device), self.memory_cap)
+        # the old stage 0's layers in hand (a rearrangement) are room for the new one too
+        free = free_memory(self.device) + (self._held.nbytes() if self._held is not None else 0)
+        mine = free if self.memory_cap is None else min(free, self.memory_cap)
         if self.drafter is not None and self.memory_cap is not None:
             mine = max(0, mine - self.drafter.param_bytes)   # the cap holds the draft model too
         mems = [mine] + [r.welcome["free_memory"] for r in self.remotes]
@@ -137,12 +139,17 @@ class RingFormation:
                     raise PipelineError(f"stage {i + 1} ({r.address}): {msg['message']}")
 
         def load_local():
-            weights = precision.slice_bytes(cfg, *self.ranges[0], self.weights, self.dtype.itemsize)
+            held, self._held = self._held, None   # one try takes them; a later one reads its own
+            if held is not None:
+                held.narrow(*self.ranges[0])
+            # what stays in memory of the old slice is part of the new one's weights
+            weights = precision.slice_bytes(cfg, *self.ranges[0], self.weights, self.dtype.itemsize) \
+                - (held.nbytes() if held is not None else 0)
             budget = self.kv_budget_override or kv_budget_tokens_for(
                 cfg, self.ranges[0], self.dtype, self.device, memory_for_kv(weights, self.device, self.memory_cap))
             return load_and_measure(lambda: StageModel(
                 self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
-                kv_budget_tokens=budget, cores=self.cores, weights=self.weights,
+                kv_budget_tokens=budget, cores=self.cores, weights=self.weights, reuse=held,
                 progress=lambda d, t, w: self.progress(0, d, t, w)), profile=hint("head", self.ranges[0]))
 
         local = asyncio.ensure_future(self._run(load_local))

@@ -26,9 +26,8 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
-from engine.core.precision import FULL, QUANTIZED, slice_bytes
 from engine.model.static_decode import decode_counts
-from engine.model.device import (DTYPES, HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
+from engine.model.device import (HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
                                  pick_device, release_memory, speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
@@ -36,8 +35,8 @@ from engine.core.profile import differs, interp
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
-from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ModelError, resolve
-from engine.model import catalog
+from engine.model.sources import ModelError
+from engine.pipeline.configure_check import check_configure
 from engine.wire.sealed_socket import SealedSocket
 from engine.wire.stage_auth import HelloOpener, answer_hello, is_loopback, new_nonce, split_address
 from engine.core.sampling import SamplingError
@@ -69,7 +68,8 @@ log = logging.getLogger("potluck.stage")
                        #     a draft (n > 1): every stage keeps the draft's KV tentative, the
                        #     last stage answers one token per position (speculative decoding),
                        #     and the sequence's next row may start inside that tail (rollback)
-PROTOCOL_VERSION = 15
+                       # 16: "configured" says how many layers the stage kept from its last slice
+PROTOCOL_VERSION = 16
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -135,14 +135,6 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
     return sealed
 
 
-def remote_model_ok(spec: str) -> bool:
-    """What a stage serving someone else's head agrees to load: the default model or a
-    model of the curated catalog, by name; never a path on this disk, nor an arbitrary hub
-    id (a friend's head chooses among what the owner's Potluck knows, not anything)."""
-    s = spec.strip()
-    return s in (DEFAULT_MODEL, DEFAULT_MODEL_NAME) or catalog.find(s) is not None
-
-
 class StageServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
                  device: str = "auto", threads: int | None = None, cores=None, memory_cap: int | None = None,
@@ -154,7 +146,7 @@ class StageServer:
         self.host, self.port = host, port
         self.secret = secret
         # a trusted head (this machine's own pipeline, over loopback) may name any model,
-        # a path included; any other head only what remote_model_ok allows
+        # a path included; any other head only what configure_check.remote_model_ok allows
         self.trusted_head = (is_loopback(host) and not secret) if trusted_head is None else trusted_head
         self.accept_models = frozenset(accept_models)   # what the owner allows beyond the list
         self._route: str | None = None   # the data-link token of the head that configured us
@@ -197,7 +189,9 @@ class StageServer:
         return self
 
     def _free_memory(self) -> int:
-        free = free_memory(self.device)
+        # the slice held now goes when the next configure comes: its memory is on offer too
+        # (else after a rearrangement a GPU full of layers would offer a few layers' room)
+        free = free_memory(self.device) + (self.stage.held_bytes() if self.stage is not None else 0)
         return free if self.memory_cap is None else min(free, self.memory_cap)
 
     def about(self) -> dict:
@@ -275,6 +269,15 @@ class StageServer:
         deadline = asyncio.get_running_loop().time() + LET_GO_S + 2.0
         while self._control_ws is ws and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
+
+    def _hand_over(self, start: int, end: int):
+        """The old stage's layers in [start, end), on the compute thread once a decode step
+        that cut in is done."""
+        old, self.stage = self.stage, None
+        if old is None:
+            return None
+        self._decode_exec.submit(lambda: None).result()
+        return old.hand_over().narrow(start, end)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -401,43 +404,25 @@ class StageServer:
 
         def load():
             t0 = time.perf_counter()
-            if not (self.trusted_head or remote_model_ok(msg["model"]) or msg["model"] in self.accept_models):
-                raise ModelError("this stage loads only the default model or one from Potluck's "
-                                 "model list, by name")
-            source = resolve(msg["model"])
-            dtype = DTYPES.get(msg["dtype"])
-            if dtype is None:
-                raise ModelError(f"unsupported dtype {msg['dtype']}")
-            fp = source.fingerprint()
-            if msg["fingerprint"] and msg["fingerprint"] != fp:
-                raise ModelError(
-                    f"this stage's copy of {msg['model']} differs from the head's "
-                    f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model"
-                )
-            cfg = source.config()
-            if msg["weights"] not in (FULL,) + QUANTIZED:
-                raise ModelError(f"unknown weights {msg['weights']!r}")
-            weights = slice_bytes(cfg, msg["start"], msg["end"], msg["weights"], dtype.itemsize)
-            if self.memory_cap is not None and weights > self.memory_cap:
-                raise ModelError(
-                    f"layers {msg['start']}-{msg['end'] - 1} need about {weights / 2**30:.2f} GiB for their "
-                    f"weights; this computer's owner allows {self.memory_cap / 2**30:.2f} GiB (their VRAM "
-                    "cap): give this stage fewer layers, or ask them to raise the cap")
-            available = memory_for_kv(weights, self.device, self.memory_cap)
+            c = check_configure(msg, self.trusted_head, self.accept_models, self.memory_cap)
+            source, dtype, fp, cfg = c.source, c.dtype, c.fingerprint, c.cfg
+            # the old slice's memory goes before the new one loads, but for the layers both
+            # hold: kept, not read again (engine/model/handover.py)
+            held = self._hand_over(msg["start"], msg["end"])
+            release_memory(self.device)
+            available = memory_for_kv(c.weight_bytes - (held.nbytes() if held else 0), self.device, self.memory_cap)
             budget = kv_budget_tokens_for(cfg, (msg["start"], msg["end"]), dtype, self.device, available)
             if msg["kv_budget_tokens"]:
                 budget = msg["kv_budget_tokens"] if available is None else min(budget, msg["kv_budget_tokens"])
-            self.stage = None
-            release_memory(self.device)   # the old slice's memory, before the new one is loaded
             t1 = time.perf_counter()
             stage, prof = load_and_measure(lambda: StageModel(
-                source, msg["start"], msg["end"], dtype=dtype, device=self.device,
+                source, msg["start"], msg["end"], dtype=dtype, device=self.device, reuse=held,
                 kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]),
                 profile=msg["profile"])
             # where a rearrangement's seconds go, stage by stage (the head waits for the slowest)
-            log.info("layers %d-%d ready in %.2f s (opening the model %.2f s, loading%s %.2f s; KV for %d tokens)",
-                     msg["start"], msg["end"] - 1, time.perf_counter() - t0, t1 - t0,
-                     "" if msg["profile"] else " and measuring", time.perf_counter() - t1, budget)
+            log.info("layers %d-%d ready in %.2f s (opening the model %.2f s, loading%s %.2f s, %d layers kept; "
+                     "KV for %d tokens)", msg["start"], msg["end"] - 1, time.perf_counter() - t0, t1 - t0,
+                     "" if msg["profile"] else " and measuring", time.perf_counter() - t1, stage.kept_layers, budget)
             return stage, fp, prof
 
         link_mode = msg["link"] or "jit"
@@ -476,7 +461,7 @@ class StageServer:
         await ws.send(frames.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
                                    n_layers=self.stage.end - self.stage.start, profile=self.profile,
-                                   weights=self.stage.weights))
+                                   weights=self.stage.weights, kept_layers=self.stage.kept_layers))
 
     def _free(self, seq_ids):
         if self.stage is None:

@@ -301,7 +301,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
                 "quantized": _BOOL},
     "progress": {"done": _INT, "total": _INT, "what": _STR},
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
-                   "profile": _PROFILE, "weights": _STR},
+                   "profile": _PROFILE, "weights": _STR, "kept_layers": _INT},
     # the stage's profile as its steps in service time it (profile.StepLog)
     "profile": {"profile": _PROFILE},
     "error": {"message": _STR},

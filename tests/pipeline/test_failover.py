@@ -82,6 +82,7 @@ async def interrupted(seeded: bool, hits: list[tuple[int, int, int]]):
         reference = await run(head, seeded)
         head.info()   # as the app's status does, every second: it reads stage 0's memory
         head.old_stage0 = weakref.ref(head.stage0)
+        head.old_ranges = list(head.ranges)
         procs = list(pipe.local.procs)
         pending = sorted(hits)
 
@@ -121,6 +122,11 @@ async def test_the_middle_stage_killed_mid_reply():
     assert head.old_stage0() is None
     check(head, reference, got, 1)
     assert len(stats) == 2
+    # the head and the last stage kept the layers they held and read only the middle's
+    (_, a), (b, L) = head.old_ranges[0], head.old_ranges[2]
+    x = head.ranges[0][1]
+    recovered = [e for e in head.info()["events"] if e["event"] == "recovered"][-1]
+    assert recovered["kept_layers"] == min(a, x) + L - max(b, x) > 0
 
 
 async def test_decode_over_fixed_buffers_gives_the_same_replies_through_a_kill(monkeypatch):
@@ -722,6 +728,8 @@ async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monke
         events = head.info()["events"]
         assert [e["event"] for e in events] == ["left", "recovered", "back", "rejoined"], events
         assert head.n_stages == 2 and events[-1]["replayed"] == 1
+        # the head held every layer alone: it kept its new share, reading none of it again
+        assert events[-1]["kept_layers"] == head.ranges[0][1] and events[1]["kept_layers"] > 0
         assert (await tiny_reply(head, 200))[0] == reference
     finally:
         await head.close()
