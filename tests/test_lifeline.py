@@ -86,3 +86,24 @@ def test_a_stage_whose_parent_dies_exits(tmp_path):
         time.sleep(0.2)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the stage outlived its parent")
+
+
+def test_a_process_that_ends_while_its_parent_holds_the_pipe_exits_cleanly():
+    """The reading thread blocks on stdin for the life of the process; a process that ends
+    while its parent still holds the pipe (a stage told to stop, a node quit from the app)
+    aborted at shutdown with SIGABRT ("could not acquire lock for <stdin>") every time."""
+    code = ("import asyncio\n"
+            "from engine.pipeline.lifeline import Lifeline\n"
+            "async def main():\n"
+            "    life = Lifeline(asyncio.get_running_loop())\n"
+            "    print(await life.readline(), flush=True)\n"
+            "asyncio.run(main())\n")
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        p.stdin.write(b"token\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == b"token\n"
+        err = p.stderr.read()   # the pipe stays open until the process has gone
+        assert p.wait(30) == 0 and b"Fatal Python error" not in err, err[-300:]
+        p.stdin.close()

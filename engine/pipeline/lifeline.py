@@ -67,4 +67,14 @@ def _stdin() -> BinaryIO | None:
     # pythonw.exe (the windowed app's node on Windows) has no sys.stdin object when it was
     # started without one; a parent that hands us a pipe always gives us one
     s = sys.stdin
-    return getattr(s, "buffer", None) if s is not None else None
+    if s is None:
+        return None
+    try:
+        fd = s.fileno()
+    except (AttributeError, OSError, ValueError):
+        return getattr(s, "buffer", None)
+    # the descriptor read raw, not through sys.stdin's buffer: a thread blocked in that
+    # buffer holds its lock, and a process that exits while its parent still holds the pipe
+    # (a stage told to stop, a node quit from the app) aborted at shutdown ("could not
+    # acquire lock for <stdin> at interpreter shutdown"), SIGABRT instead of exit code 0
+    return open(fd, "rb", buffering=0, closefd=False)
