@@ -29,32 +29,74 @@ def keeping_layers() -> bool:
 
 
 class HeldLayers:
-    """Decoder layers by their index in the whole model, and how they were built."""
+    """Decoder layers by their index in the whole model, the parts around them (the token
+    embedding of a first stage; the final norm and LM head of a last one) by their name in
+    the model, and how they were built."""
 
-    def __init__(self, layers: dict[int, nn.Module], built: tuple, config):
+    def __init__(self, layers: dict[int, nn.Module], built: tuple, config, n_layers: int,
+                 first_parts: dict[str, nn.Module] | None = None, last_parts: dict[str, nn.Module] | None = None):
         self.layers = layers
         self.built = built     # (fingerprint, dtype, weights asked for, device)
         self.config = config   # the old model's: the kept layers' modules point at it
+        self.n_layers = n_layers
+        self.first_parts = first_parts or {}
+        self.last_parts = last_parts or {}
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def nbytes(self) -> int:
         """What they hold: memory the machine has for the new stage, though not free yet."""
-        return sum(p.numel() * p.element_size() for m in self.layers.values() for p in m.parameters())
+        modules = [*self.layers.values(), *self.first_parts.values(), *self.last_parts.values()]
+        return sum(p.numel() * p.element_size() for p in {id(p): p for m in modules for p in m.parameters()}.values())
 
     def narrow(self, start: int, end: int) -> "HeldLayers":
         """Let every layer outside [start, end) go: before the new stage loads, so that the
         machine never holds the old slice and the new one at once."""
         self.layers = {i: m for i, m in self.layers.items() if start <= i < end}
+        if start != 0:
+            self.first_parts = {}
+        if end != self.n_layers:
+            self.last_parts = {}
         return self
 
-    def take(self, built: tuple, start: int, end: int) -> dict[int, nn.Module]:
-        """The layers in [start, end) for a stage built as `built`, no longer held here."""
-        layers, self.layers = self.layers, {}
+    def take(self, built: tuple, start: int, end: int) -> tuple[dict[int, nn.Module], dict[str, nn.Module]]:
+        """The layers in [start, end) and the parts for a stage built as `built`, no longer
+        held here."""
+        self.narrow(start, end)
+        layers, parts = self.layers, {**self.first_parts, **self.last_parts}
+        self.layers, self.first_parts, self.last_parts = {}, {}, {}
         if not built or built != self.built:   # () when keeping is off
-            return {}
-        return {i: m for i, m in layers.items() if start <= i < end}
+            return {}, {}
+        return layers, parts
+
+
+def parts_of(model: nn.Module, base: nn.Module, layers: nn.Module) -> dict[str, nn.Module]:
+    """The modules besides the decoder layers that hold weights, by name: the decoder's
+    children with parameters (embeddings, final norm; a stage's stubs have none) and the
+    LM head."""
+    units = [c for c in base.children() if c is not layers]
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Module) and not any(head is m for m in base.modules()):
+        units.append(head)
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(u)]: u for u in units if id(u) in names and any(True for _ in u.parameters())}
+
+
+def same_part(mine: nn.Module, kept: nn.Module) -> bool:
+    """Whether a kept part can stand in for the new model's (still empty) one."""
+    def kind(m):   # a CPU stage's SmallBatchLinear is an nn.Linear with another product
+        return nn.Linear if isinstance(m, nn.Linear) and type(m).__name__ == "SmallBatchLinear" else type(m)
+
+    def shapes(m):
+        return [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+
+    return kind(mine) is kind(kept) and shapes(mine) == shapes(kept)
+
+
+def put(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def adopt(layer: nn.Module, old_config, config) -> nn.Module:

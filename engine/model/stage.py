@@ -46,7 +46,7 @@ from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
 from engine.model.checkpoint import GgufCheckpoint, SafetensorsCheckpoint
 from engine.model.device import QuietTrim, attention_kernels, pick_device
-from engine.model.handover import HeldLayers, adopt, keeping_layers
+from engine.model.handover import HeldLayers, adopt, keeping_layers, parts_of, put, same_part
 from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.rope import plain_rotary, per_row_rotary
 from engine.model.static_decode import decode_path
@@ -198,10 +198,12 @@ class StageModel:
         self.handed_over = False
         self._asked_weights = weights
         # a rearrangement's old stage on this machine: the layers both hold are kept
-        kept = reuse.take(self._built(), start, end) if reuse is not None else {}
+        kept, self._kept_parts = reuse.take(self._built(), start, end) if reuse is not None else ({}, {})
         self.kept_layers = len(kept)
         with _BUILD_LOCK:
             self.model = self._load(cfg, kept, reuse.config if kept else None)
+        self.kept_parts = sorted(self._kept_parts)   # what of them went in (see _cut)
+        del self._kept_parts
         self.weights = weights_of(self.model)  # 'auto' on a pre-quantized checkpoint: what it holds
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
@@ -253,9 +255,14 @@ class StageModel:
             for m in layer.modules():
                 plain_rotary(m)
             layers[self.start + i] = layer
+        parts = parts_of(self.model, self._base, self._layers)
+        emb_in = self.model.get_input_embeddings() if self.first else None   # a later stage's is a stub
+        first = {n: m for n, m in parts.items() if isinstance(m, nn.Embedding) or any(x is emb_in for x in m.modules())}
+        last = {n: m for n, m in parts.items() if n not in first}
         setattr(self._base, self._layers_name, nn.ModuleList())
         self._layers = getattr(self._base, self._layers_name)
-        return HeldLayers(layers, self._built(), self.model.config)
+        return HeldLayers(layers, self._built(), self.model.config, self.n_layers_total,
+                          first if self.first else {}, last if self.last else {})
 
     def _load(self, cfg, kept: dict[int, nn.Module], kept_config) -> nn.Module:
         from accelerate import init_empty_weights
@@ -335,9 +342,18 @@ class StageModel:
                 setattr(base, name, nn.Identity())
         if emb_out is not None and not self.last:
             model.set_output_embeddings(nn.Identity()) if hasattr(model, "set_output_embeddings") else None
+        # the old stage's embedding, final norm, LM head where this one holds them too (a
+        # rearrangement): kept, not read again -- but a head tied to a kept embedding is
+        # tied again after loading, not kept as a second copy
+        kept_parts, mine = set(), parts_of(model, base, layers) if self._kept_parts else {}
+        for name, part in self._kept_parts.items():
+            if name in mine and same_part(mine[name], part) and not (self._tied and self.first and mine[name] is emb_out):
+                put(model, name, part)
+                kept_parts.add(name)
+        self._kept_parts = kept_parts
         if not placeholders:
             self._finish_cut(model)
-        names = set(n for n, _ in model.named_parameters())
+        names = set(n for n, _ in model.named_parameters() if not any(n.startswith(k + ".") for k in kept_parts))
         # and the names the checkpoint stores them under, where transformers renames on
         # loading (GPT-NeoX's LM head is `embed_out` on disk, `lm_head` in the model)
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -386,7 +402,8 @@ class StageModel:
         # name. A last stage that is not first reads it from there; a single stage that
         # holds both ties the two modules after loading, as transformers would.
         head_key = f"{self._emb_out_name}.weight"
-        need_tied = self.last and self._tied and head_key not in names
+        head = model.get_output_embeddings()
+        need_tied = self.last and self._tied and head_key not in names and head.weight.is_meta  # not kept
         emb_key = None
         if need_tied and self._emb_in_name:
             suffix = self._emb_in_name.split(".", 1)[-1] + ".weight"

@@ -1,9 +1,9 @@
 """A stage's layers handed to the stage that replaces it on the same machine
 (engine/model/handover.py): what a rearrangement keeps instead of reading again.
 
-* every family: after the split moves, the stages built from the old ones' layers give
-  token for token and logit for logit what freshly loaded stages give, and read only
-  the layers they did not hold;
+* every family: after the split moves, the stages built from the old ones' layers (and
+  embedding, final norm, LM head) give token for token and logit for logit what freshly
+  loaded stages give, and read only what they did not hold;
 * the default model (GGUF, dequantized on loading) the same, on the path a friend's
   stage and the head take;
 * layers move only between stages built alike; the old stage steps no more; what the
@@ -54,6 +54,8 @@ def test_every_family_steps_on_kept_layers_as_on_freshly_loaded_ones(tiny_folder
     kept, kept_reads = build(source, new_ranges, [s.hand_over() for s in old])
     fresh, fresh_reads = build(source, new_ranges)
     assert [s.kept_layers for s in kept] == [L // 4, L - L // 2]
+    # and the token embedding (first stage), the final norm or LM head (last)
+    assert kept[0].kept_parts and kept[1].kept_parts
     after = greedy(kept)
     assert same(after, greedy(fresh))
     assert after[0] == before[0]
@@ -77,7 +79,8 @@ def test_the_default_model_keeps_its_layers_through_a_rearrangement_and_back(def
     # it came back: both shrink, and no tensor of their layers is read again
     back, reads = build(default_source, three, [two[0].hand_over(), None, two[1].hand_over()])
     assert [s.kept_layers for s in back] == [10, 0, L - 20]
-    assert reads[0] == 1 and reads[2] <= 2 < reads[1]   # the embedding; the final norm (and a head)
+    assert reads[0] == 0 and reads[2] == 0 < reads[1]   # nothing but the middle stage's layers
+    assert back[0].kept_parts == ["model.embed_tokens"] and back[2].kept_parts == ["lm_head", "model.norm"]
     assert same(greedy(back, prompts=PROMPTS, new=6), before)
 
 
@@ -126,7 +129,19 @@ def test_what_the_new_stage_does_not_hold_is_let_go_before_it_loads(tiny_folder)
     gc.collect()
     assert gone() is None and sorted(held.layers) == [0, 1]
     (two,), _ = build(source, [(0, 2)])
-    assert held.nbytes() == sum(p.numel() * p.element_size() for p in two._layers.parameters())
+    assert held.nbytes() == two.param_bytes()   # its layers and the token embedding
+    held.narrow(1, 2)
+    assert sorted(held.layers) == [1] and not held.first_parts
+
+
+def test_a_head_tied_to_a_kept_embedding_is_tied_again_not_copied(default_source):
+    L = default_source.config().num_hidden_layers
+    old = StageModel(default_source, 0, L, device="cpu")
+    before = greedy([old], prompts=PROMPTS, new=4)
+    new = StageModel(default_source, 0, L, device="cpu", reuse=old.hand_over())
+    assert new.kept_layers == L and new.kept_parts == ["model.embed_tokens", "model.norm"]
+    assert new.model.lm_head.weight is new.model.model.embed_tokens.weight
+    assert same(greedy([new], prompts=PROMPTS, new=4), before)
 
 
 @pytest.mark.parametrize("weights", ["int8", "nf4"])
