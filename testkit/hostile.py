@@ -499,13 +499,19 @@ async def attack_relay(t: Tally, w: dict, n: int, flood: int, folder: Path):
                  b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(200)]   # a TLS hello
     for reason in await gather_limited([raw_tcp("127.0.0.1", port, p) for p in payloads]):
         (t.rejected if reason else t.accepted)(name, reason or "no answer")
-    urls = [f"{base}/v1/join/{os.urandom(8).hex()}", f"{base}/v1/join/NOT-AN-ID", f"{base}/v1/host/{pid}",
-            f"{base}/v1/accept/{pid}/{'ab' * 16}", f"{base}/v1/accept/{pid}/../../etc", f"{base}/nope"]
-    for kind, reason in await gather_limited([ws_exchange(u, None, wait=5) for u in urls * max(1, n // 20)]):
+    key = real.host_key.hex()
+    urls = [f"{base}/v1/join/{os.urandom(8).hex()}/{key}", f"{base}/v1/join/NOT-AN-ID/{key}",
+            f"{base}/v1/join/{pid}/{os.urandom(32).hex()}", f"{base}/v1/join/{pid}", f"{base}/v1/host/{pid}/{key}",
+            f"{base}/v1/accept/{pid}/{key}/{'ab' * 16}", f"{base}/v1/accept/{pid}/{key}/../../etc", f"{base}/nope"]
+    asks = [ws_exchange(u, None, wait=5) for u in urls * max(1, n // 20)]
+    # an impostor listing a pipeline under the host's key, with a proof it cannot make
+    forged = json.dumps({"type": "proof", "proof": "0" * 64})
+    asks += [ws_exchange(f"{base}/v1/host/{os.urandom(8).hex()}/{key}", forged, wait=15) for _ in range(3)]
+    for kind, reason in await gather_limited(asks):
         (t.rejected if kind == "refused" else t.accepted)("relay: unknown pipeline / hijack / forged accept",
                                                        reason or "kept open")
     name = "relay: garbage, text, oversized frames"
-    join_url = f"{base}/v1/join/{pid}"
+    join_url = f"{base}/v1/join/{pid}/{key}"
     samples = [os.urandom(random.randint(1, 5000)) for _ in range(max(3, n // 4))]
     samples += ["text frame", os.urandom(200 << 10)]
     for kind, reason in await gather_limited([ws_exchange(join_url, s) for s in samples], 3):
@@ -716,7 +722,7 @@ async def slow(t: Tally, w: dict, n: int):
     """Connections that never finish a handshake: each must be closed by the server."""
     targets = {
         "host tunnel port": w["direct_url"],
-        "relay": f"{w['relay_url']}/v1/join/{inv.parse(w['code']).pipeline.hex()}",
+        "relay": f"{w['relay_url']}/v1/join/{inv.parse(w['code']).pipeline.hex()}/{inv.parse(w['code']).host_key.hex()}",
     }
     port = stage_port(w["joiner"].p.pid)
     if port:

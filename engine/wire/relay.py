@@ -2,10 +2,13 @@
 
 Both homes connect out to it (so it works behind NATs):
 
-    GET /v1/host/{pipeline}           the host's control connection (one per pipeline);
-                                      the relay sends {"type": "incoming", "session": id}
-    GET /v1/join/{pipeline}           a joiner; waits until the host accepts
-    GET /v1/accept/{pipeline}/{id}    the host's side of that joiner's channel
+    GET /v1/host/{pipeline}/{key}     the host's control connection (one per pipeline and
+                                      host key), once it proved it holds the key
+                                      (engine/wire/relay_auth.py); then the relay sends
+                                      {"type": "incoming", "session": id}
+    GET /v1/join/{pipeline}/{key}     a joiner (the invite names both); waits until the
+                                      host accepts
+    GET /v1/accept/{pipeline}/{key}/{id}   the host's side of that joiner's channel
     GET /v1/stats                     counters (JSON)
 
 After pairing it copies binary frames from one side to the other and never looks
@@ -28,9 +31,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import WSMsgType, web
 
+from engine.wire.relay_auth import Challenge
+
 log = logging.getLogger("potluck.relay")
 
 _ID = re.compile(r"^[0-9a-f]{16}$")
+_KEY = re.compile(r"^[0-9a-f]{64}$")
 _SID = re.compile(r"^[0-9a-f]{32}$")
 _CHANNEL = re.compile(r"^[0-9]{4}$")
 
@@ -89,9 +95,12 @@ class Relay:
         app = web.Application(client_max_size=4096, middlewares=[self._mark_served])
         app.router.add_get("/", self.index)
         app.router.add_get("/v1/stats", self.stats_view)
-        app.router.add_get("/v1/host/{pipeline}", self.host)
-        app.router.add_get("/v1/join/{pipeline}", self.join)
-        app.router.add_get("/v1/accept/{pipeline}/{session}", self.accept)
+        app.router.add_get("/v1/host/{pipeline}/{key}", self.host)
+        app.router.add_get("/v1/join/{pipeline}/{key}", self.join)
+        app.router.add_get("/v1/accept/{pipeline}/{key}/{session}", self.accept)
+        # what an older Potluck asks, without the host's key: told why, not a bare 404
+        app.router.add_get("/v1/host/{pipeline}", self.outdated)
+        app.router.add_get("/v1/join/{pipeline}", self.outdated)
         app.router.add_get("/v1/pake/{channel}", self.pake)
         return app
 
@@ -154,37 +163,62 @@ class Relay:
         return web.json_response({"pipelines": len(self.pipelines), "counters": dict(self.stats),
                                   "refused": dict(self.refused)})
 
+    async def outdated(self, request):
+        return await self._refuse(request, "this relay needs a newer Potluck (one that names the host's key)", 4426)
+
+    def _listing(self, request) -> str | None:
+        """The pipeline id and host key a request names, as the relay lists a host; None
+        if either is malformed."""
+        pid, key = request.match_info["pipeline"], request.match_info["key"]
+        return f"{pid}/{key}" if _ID.match(pid) and _KEY.match(key) else None
+
     async def host(self, request):
-        pid = request.match_info["pipeline"]
-        if not _ID.match(pid):
-            return await self._refuse(request, "bad pipeline id")
-        if pid in self.pipelines:
+        listing = self._listing(request)
+        if listing is None:
+            return await self._refuse(request, "bad pipeline id or host key")
+        if listing in self.pipelines:
             return await self._refuse(request, "a host is already registered for this pipeline")
         if len(self.pipelines) >= self.limits.max_pipelines:
             return await self._refuse(request, "relay full")
         ws = self._ws()
         await ws.prepare(request)
+        # listed only once it proves it holds the key its friends' invites name
+        challenge = Challenge(request.match_info["pipeline"], bytes.fromhex(request.match_info["key"]))
+        try:
+            await ws.send_str(json.dumps(challenge.message()))
+            answer = await ws.receive(timeout=self.limits.handshake_timeout)
+            proven = answer.type == WSMsgType.TEXT and len(answer.data) < 1024 and challenge.check(json.loads(answer.data))
+        except (asyncio.TimeoutError, ValueError, ConnectionError):
+            proven = False
+        why = ("the host did not prove its key" if not proven
+               else "a host is already registered for this pipeline" if listing in self.pipelines   # meanwhile
+               else "relay full" if len(self.pipelines) >= self.limits.max_pipelines else None)
+        if why is not None:
+            self.refused[why] += 1
+            await ws.close(code=4403 if not proven else 4000, message=why.encode())
+            return ws
         p = _Pipeline(ws, _Bucket(self.limits.rate, self.limits.burst))
-        self.pipelines[pid] = p
+        self.pipelines[listing] = p
         self.stats["hosts"] += 1
         try:
+            await ws.send_str(json.dumps({"type": "registered"}))
             async for msg in ws:        # the host sends nothing; anything else ends it
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                     await ws.close(code=4000, message=b"the control connection carries no frames")
                     break
         finally:
-            if self.pipelines.get(pid) is p:
-                del self.pipelines[pid]
+            if self.pipelines.get(listing) is p:
+                del self.pipelines[listing]
             for fut in p.pending.values():
                 if not fut.done():
                     fut.cancel()
         return ws
 
     async def join(self, request):
-        pid = request.match_info["pipeline"]
-        if not _ID.match(pid):
-            return await self._refuse(request, "bad pipeline id")
-        p = self.pipelines.get(pid)
+        listing = self._listing(request)
+        if listing is None:
+            return await self._refuse(request, "bad pipeline id or host key")
+        p = self.pipelines.get(listing)
         if p is None:
             return await self._refuse(request, "no host online for this pipeline", 4404)
         if p.channels >= self.limits.max_channels:
@@ -222,8 +256,8 @@ class Relay:
         return ws
 
     async def accept(self, request):
-        pid, sid = request.match_info["pipeline"], request.match_info["session"]
-        p = self.pipelines.get(pid) if _ID.match(pid) else None
+        listing, sid = self._listing(request), request.match_info["session"]
+        p = self.pipelines.get(listing) if listing is not None else None
         fut = p.pending.get(sid) if (p is not None and _SID.match(sid)) else None
         if fut is None or fut.done():
             return await self._refuse(request, "no such waiting joiner")

@@ -23,6 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
+from engine.wire.relay_auth import prove
 from engine.wire.invite import HostState, InviteError, Reply, udp_addresses
 from engine.wire.noise import NoiseError, Responder
 from engine.wire.punch import punch_key
@@ -295,10 +296,15 @@ class TunnelHost:
     # -- the relay
     async def _relay_loop(self):
         backoff = 1.0
-        url = f"{self.relay_url}/v1/host/{self.pipeline.hex()}"
+        url = f"{self.relay_url}/v1/host/{self._relay_listing()}"
         while True:
             try:
                 async with connect(url, open_timeout=CONNECT_TIMEOUT, max_size=4096, ping_interval=20) as ctl:
+                    # listed once we prove we hold the key our invites name (relay_auth.py)
+                    challenge = json.loads(await asyncio.wait_for(ctl.recv(), CONNECT_TIMEOUT))
+                    await ctl.send(json.dumps(prove(self.identity.private, self.pipeline.hex(), challenge)))
+                    if json.loads(await asyncio.wait_for(ctl.recv(), CONNECT_TIMEOUT)).get("type") != "registered":
+                        raise ValueError("the relay did not list us")
                     self.on_event(f"relay: registered at {self.relay_url}")
                     backoff = 1.0
                     async for text in ctl:
@@ -313,13 +319,18 @@ class TunnelHost:
                     self.on_event(f"relay: control connection closed ({ctl.close_reason or 'no reason'})")
             except asyncio.CancelledError:
                 raise
-            except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, asyncio.TimeoutError) as exc:
+            except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, asyncio.TimeoutError, ValueError,
+                    AttributeError) as exc:   # (a relay's answer that is not a JSON object: AttributeError)
                 self.on_event(f"relay: cannot register at {self.relay_url}: {exc}")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 
+    def _relay_listing(self) -> str:
+        """How the relay lists us: the pipeline id and our public key, as invites name them."""
+        return f"{self.pipeline.hex()}/{self.identity.public.hex()}"
+
     async def _relay_accept(self, sid: str):
-        url = f"{self.relay_url}/v1/accept/{self.pipeline.hex()}/{sid}"
+        url = f"{self.relay_url}/v1/accept/{self._relay_listing()}/{sid}"
         try:
             ws = await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
         except (OSError, InvalidHandshake, asyncio.TimeoutError) as exc:

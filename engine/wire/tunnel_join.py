@@ -47,7 +47,7 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
     the memory it shares), for the host to show as it joins. Raises TunnelError with the reasons."""
     say = log_event or (lambda text: log.info(text))
     direct = direct_routes(invite)
-    relay = ([("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}")]
+    relay = ([("relay", f"{invite.relay.rstrip('/')}/v1/join/{invite.pipeline.hex()}/{invite.host_key.hex()}")]
              if prefer in ("auto", "relay") and invite.relay else [])
     if prefer == "relay":
         direct = []

@@ -8,12 +8,14 @@ processes in network namespaces.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
 import pytest
 from websockets.asyncio.server import serve
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from websockets.asyncio.client import connect
 
 os.environ["POTLUCK_KEYSTORE"] = "file"
@@ -22,6 +24,7 @@ from engine.wire import invite as inv
 from engine.wire import noise
 from engine.wire.identity import load_or_create_identity  # noqa: E402
 from engine.wire.relay import Limits, Relay  # noqa: E402
+from engine.wire.relay_auth import Challenge, prove  # noqa: E402
 from engine.wire.tunnel import TunnelError, TunnelHost, open_session  # noqa: E402
 
 
@@ -368,29 +371,63 @@ async def test_refusals_have_clear_reasons(tmp_path):
         echo.close()
 
 
+def test_a_relay_proof_binds_the_hosts_key_the_pipeline_and_the_challenge():
+    host = X25519PrivateKey.generate()
+    pid = os.urandom(8).hex()
+    c = Challenge(pid, _public(host))
+    assert c.check(prove(host, pid, c.message()))
+    assert not c.check(prove(X25519PrivateKey.generate(), pid, c.message()))   # another key
+    assert not c.check(prove(host, os.urandom(8).hex(), c.message()))         # another pipeline
+    assert not c.check(prove(host, pid, Challenge(pid, _public(host)).message()))   # another challenge
+    assert not Challenge(pid, bytes(32)).check(prove(host, pid, c.message()))       # a low-order key
+    for bad in [None, "x", {"type": "proof"}, {"type": "proof", "proof": 5}, []]:
+        assert not c.check(bad)
+    for bad in [None, {}, {"type": "challenge"}, {"type": "challenge", "key": "zz", "nonce": "00"},
+                {"type": "challenge", "key": "00" * 31, "nonce": "00" * 16}]:
+        with pytest.raises(ValueError):
+            prove(host, pid, bad)
+
+
+async def _listed(base: str, pid: str, key: X25519PrivateKey):
+    """A host's control connection to the relay, listed once it proved its key."""
+    ws = await connect(f"{base}/host/{pid}/{_public(key).hex()}")
+    await ws.send(json.dumps(prove(key, pid, json.loads(await ws.recv()))))
+    assert json.loads(await ws.recv()) == {"type": "registered"}
+    return ws
+
+
+def _public(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
 async def test_relay_limits():
     relay = await Relay(Limits(max_frame=1024, max_channels=1, pair_timeout=1.0, idle_timeout=1.0,
                                rate=100_000, burst=10_000)).start("127.0.0.1", 0)
     base = f"ws://127.0.0.1:{relay.port}/v1"
-    pid = os.urandom(8).hex()
+    pid, secret = os.urandom(8).hex(), X25519PrivateKey.generate()
+    key = _public(secret).hex()
     try:
-        async with connect(f"{base}/join/{pid}") as ws:          # nobody hosts it
+        async with connect(f"{base}/join/{pid}/{key}") as ws:          # nobody hosts it
             with pytest.raises(Exception):
                 await asyncio.wait_for(ws.recv(), 5)
             assert ws.close_reason == "no host online for this pipeline"
-        async with connect(f"{base}/join/not-an-id") as ws:
+        async with connect(f"{base}/join/not-an-id/{key}") as ws:
             with pytest.raises(Exception):
                 await ws.recv()
-            assert ws.close_reason == "bad pipeline id"
-        async with connect(f"{base}/host/{pid}") as host:
-            async with connect(f"{base}/host/{pid}") as dup:
+            assert ws.close_reason == "bad pipeline id or host key"
+        async with connect(f"{base}/join/{pid}") as ws:                # an older Potluck: told why
+            with pytest.raises(Exception):
+                await ws.recv()
+            assert "newer Potluck" in ws.close_reason
+        async with await _listed(base, pid, secret) as host:
+            async with connect(f"{base}/host/{pid}/{key}") as dup:
                 with pytest.raises(Exception):
                     await dup.recv()
                 assert "already registered" in dup.close_reason
-            async with connect(f"{base}/join/{pid}") as j1:       # the host never accepts
+            async with connect(f"{base}/join/{pid}/{key}") as j1:       # the host never accepts
                 note = await host.recv()
                 assert "incoming" in note
-                async with connect(f"{base}/join/{pid}") as j2:   # over the channel limit
+                async with connect(f"{base}/join/{pid}/{key}") as j2:   # over the channel limit
                     with pytest.raises(Exception):
                         await j2.recv()
                     assert "too many" in j2.close_reason
@@ -398,9 +435,9 @@ async def test_relay_limits():
                     await asyncio.wait_for(j1.recv(), 10)
                 assert "did not accept" in j1.close_reason
             # paired: frame size, text frames, idle time and rate
-            async with connect(f"{base}/join/{pid}") as j:
-                sid = __import__("json").loads(await host.recv())["session"]
-                async with connect(f"{base}/accept/{pid}/{sid}") as acc:
+            async with connect(f"{base}/join/{pid}/{key}") as j:
+                sid = json.loads(await host.recv())["session"]
+                async with connect(f"{base}/accept/{pid}/{key}/{sid}") as acc:
                     await j.send(b"x" * 500)
                     assert await acc.recv() == b"x" * 500
                     t0 = time.monotonic()
@@ -412,17 +449,67 @@ async def test_relay_limits():
                     await j.send(b"z" * 5000)                     # over max_frame
                     with pytest.raises(Exception):
                         await asyncio.wait_for(acc.recv(), 10)
-            async with connect(f"{base}/join/{pid}") as j:
-                sid = __import__("json").loads(await host.recv())["session"]
-                async with connect(f"{base}/accept/{pid}/{sid}") as acc:
+            async with connect(f"{base}/join/{pid}/{key}") as j:
+                sid = json.loads(await host.recv())["session"]
+                async with connect(f"{base}/accept/{pid}/{key}/{sid}") as acc:
                     with pytest.raises(Exception):
                         await asyncio.wait_for(acc.recv(), 10)    # idle: closed after 1 s
-        async with connect(f"{base}/accept/{pid}/{'0' * 32}") as ws:
+        async with connect(f"{base}/accept/{pid}/{key}/{'0' * 32}") as ws:
             with pytest.raises(Exception):
                 await ws.recv()
             assert ws.close_reason == "no such waiting joiner"
     finally:
         await relay.close()
+
+
+async def test_whoever_knows_the_pipeline_id_cannot_take_the_hosts_place_at_the_relay(tmp_path):
+    """An invite code shows the pipeline id to anyone it reaches. Before, whoever knew the
+    id could register first (the host's computer asleep) and every join through the relay
+    waited on them. Now the relay lists a host under the key the invites name, only once
+    it proves it holds it: an impostor is refused, or listed under its own key, which no
+    joiner asks for; the real host comes back and friends join as before."""
+    relay = await Relay(Limits(handshake_timeout=2.0)).start("127.0.0.1", 0)
+    base = f"ws://127.0.0.1:{relay.port}/v1"
+    echo, echo_port = await _echo_server()
+    home = Home(tmp_path / "host")
+    key = home.host.identity.public.hex()
+    pid = home.host.pipeline.hex()
+    impostors = []
+    try:
+        # the host is away; an impostor who read the code claims its listing ...
+        eve = X25519PrivateKey.generate()
+        for answer in ("nothing", "a made-up proof", "a proof with its own key"):
+            async with connect(f"{base}/host/{pid}/{key}") as ws:
+                challenge = json.loads(await ws.recv())
+                assert challenge["type"] == "challenge"
+                if answer == "a made-up proof":
+                    await ws.send(json.dumps({"type": "proof", "proof": "0" * 64}))
+                elif answer == "a proof with its own key":
+                    await ws.send(json.dumps(prove(eve, pid, challenge)))
+                with pytest.raises(Exception):
+                    await asyncio.wait_for(ws.recv(), 10)
+                assert ws.close_reason == "the host did not prove its key", answer
+        # ... or lists the pipeline under its own key: allowed, and harmless
+        impostors.append(await _listed(base, pid, eve))
+        assert relay.refused["the host did not prove its key"] == 3
+        # the real host comes back and registers; a friend with the code joins through the relay
+        await home.host.use_relay(f"ws://127.0.0.1:{relay.port}")
+        for _ in range(100):
+            if f"{pid}/{key}" in relay.pipelines:
+                break
+            await asyncio.sleep(0.05)
+        invite = inv.parse(home.host.invite(uses=1))
+        s = await open_session(invite, load_or_create_identity(tmp_path / "friend"), ("127.0.0.1", echo_port),
+                               prefer="relay")
+        peer = await asyncio.wait_for(home.host.wait_peer(), 10)
+        assert s.path == "relay" and await _roundtrip(peer)
+        await s.close("test")
+    finally:
+        for ws in impostors:
+            await ws.close()
+        await home.host.close()
+        await relay.close()
+        echo.close()
 
 
 async def test_hop_between_two_joiners_goes_through_the_host(tmp_path, monkeypatch):
