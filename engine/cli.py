@@ -170,27 +170,51 @@ async def _chat(args) -> int:
     return 0
 
 
-def _keyless_beyond_loopback(args) -> bool:
-    """Said before anything loads: an API open to the network needs a key."""
-    from engine.pipeline.api import is_loopback
+def _api_security(args):
+    """Said before anything loads: an API open to the network needs a key, and a
+    certificate that will not load is said now, not after the model. Returns whether to
+    go on, and the TLS context (None: plain HTTP)."""
+    from engine.pipeline.api import is_loopback, tls_context
 
-    if args.api_key or is_loopback(args.host):
-        return False
-    _say(f"potluck: the API would listen on {args.host}, beyond this machine, without an API key: give one "
-         "(--api-key or POTLUCK_API_KEY), or keep the API on 127.0.0.1")
-    return True
+    if not (args.api_key or is_loopback(args.host)):
+        _say(f"potluck: the API would listen on {args.host}, beyond this machine, without an API key: give one "
+             "(--api-key or POTLUCK_API_KEY), or keep the API on 127.0.0.1")
+        return False, None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        _say("potluck: --tls-cert and --tls-key go together (the certificate and its private key, PEM files)")
+        return False, None
+    if not args.tls_cert:
+        if not is_loopback(args.host):
+            _say("  note: over plain HTTP the API key travels in the clear: beyond your LAN, "
+                 "give --tls-cert and --tls-key")
+        return True, None
+    try:
+        return True, tls_context(args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        _say(f"potluck: {exc}")
+        return False, None
+
+
+def _add_api_args(p) -> None:
+    p.add_argument("--api-key", default=os.environ.get("POTLUCK_API_KEY"),
+                   help="key clients must send (Authorization: Bearer KEY); required beyond loopback "
+                        "(default: $POTLUCK_API_KEY)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve the API over HTTPS with this certificate (chain), PEM; with --tls-key")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key, PEM")
 
 
 async def _serve(args) -> int:
     from engine.pipeline.api import serve_api
     from engine.pipeline.launch import launch
 
-    if _keyless_beyond_loopback(args):
+    ok, tls = _api_security(args)
+    if not ok:
         return 2
     pipe = await launch(pipeline_config(args), ProgressBar(), _say)
-    runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key)
+    runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
     _say(f"Ready: {_describe(pipe.head)}")
-    _say(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1")
+    _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1")
     try:
         await asyncio.Event().wait()
     finally:
@@ -255,7 +279,8 @@ async def _host(args) -> int:
     from engine.pipeline.terminal import ask, reply
     from engine.wire import shortcode
 
-    if not args.prompt and _keyless_beyond_loopback(args):
+    ok, tls = _api_security(args) if not args.prompt else (True, None)
+    if not ok:
         return 2
     friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
     try:
@@ -304,8 +329,8 @@ async def _host(args) -> int:
                 print(f"you> {text}\nbot> {answer}\n     [{done.completion_tokens} tokens, "
                       f"{done.finish_reason}; {paths}]", flush=True)
             return 0
-        runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key)
-        print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1", flush=True)
+        runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
+        print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1", flush=True)
         await asyncio.Event().wait()
     finally:
         if short_task is not None:
@@ -439,9 +464,7 @@ def _add_homes_args(sub):
     p.add_argument("--uses", type=int, default=None, help="how many machines the code admits (default --peers)")
     p.add_argument("--expires", type=float, default=24.0, help="hours until the code expires (default 24)")
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default loopback only)")
-    p.add_argument("--api-key", default=os.environ.get("POTLUCK_API_KEY"),
-                   help="key clients must send (Authorization: Bearer KEY); required beyond loopback "
-                        "(default: $POTLUCK_API_KEY)")
+    _add_api_args(p)
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
     p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
@@ -563,9 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the head with an OpenAI-compatible API")
     add_pipeline_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--api-key", default=os.environ.get("POTLUCK_API_KEY"),
-                   help="key clients must send (Authorization: Bearer KEY); required beyond loopback "
-                        "(default: $POTLUCK_API_KEY)")
+    _add_api_args(p)
     p.add_argument("--port", type=int, default=8000)
 
     p = sub.add_parser("stage", help="run one stage server; the head tells it which layers to load")

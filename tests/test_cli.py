@@ -42,6 +42,21 @@ def test_an_api_open_to_the_network_without_a_key_is_refused_before_anything_loa
     assert (cfg.wait_timeout, cfg.memory_cap_mb) == (30.0, 512.0)
 
 
+def test_a_certificate_that_will_not_load_is_said_before_anything_loads(tmp_path):
+    import subprocess
+    import sys
+
+    from testkit.certs import self_signed
+
+    cert, _ = self_signed(tmp_path)
+    for extra, said in ([["--tls-cert", str(cert)], "go together"],
+                        [["--tls-cert", str(cert), "--tls-key", str(tmp_path / "nope.pem")], "does not exist"],
+                        [["--tls-cert", str(cert), "--tls-key", str(cert)], "cannot use the certificate"]):
+        p = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", "0", *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and said in p.stderr and "Loading" not in p.stderr, p.stderr
+
+
 def test_the_terminal_chat_samples_with_the_models_defaults_and_does_not_loop():
     import subprocess
     import sys

@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import ssl
 import time
 import uuid
 from dataclasses import dataclass
@@ -605,10 +606,25 @@ def is_loopback(host: str) -> bool:
         return False  # a name or a wildcard ("0.0.0.0", "::"): beyond this machine
 
 
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server context from a PEM certificate (chain) and its key, for an API reached
+    beyond the LAN: the API key then travels encrypted. ValueError saying what is wrong."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise ValueError(f"TLS: {exc.filename or cert} does not exist") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"TLS: cannot use the certificate {cert} with the key {key} ({exc}): give PEM "
+                         "files, the key the one the certificate was made for") from None
+    return ctx
+
+
 async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
-                    api_key: str | None = None) -> web.AppRunner:
-    """Serve the API on host:port. Beyond loopback an API key is required: anyone on the
-    network could otherwise run work on every machine of the pipeline."""
+                    api_key: str | None = None, tls: ssl.SSLContext | None = None) -> web.AppRunner:
+    """Serve the API on host:port (HTTPS with `tls`). Beyond loopback an API key is
+    required: anyone on the network could otherwise run work on every machine of the
+    pipeline."""
     if not api_key and not is_loopback(host):
         raise ValueError(f"the API would listen on {host}, beyond this machine, without an API key: give one "
                          "(--api-key or POTLUCK_API_KEY), or keep the API on 127.0.0.1")
@@ -617,6 +633,6 @@ async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
     # up keeps its KV and its place in the pipeline until max_tokens.
     runner = web.AppRunner(Api(head, api_key or None).app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
     return runner

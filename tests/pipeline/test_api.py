@@ -345,6 +345,42 @@ async def test_an_api_key_is_required_when_set_and_beyond_loopback(pipeline):
         await runner.cleanup()
 
 
+async def test_the_api_over_https_carries_the_key_encrypted(pipeline, tmp_path):
+    """--tls-cert/--tls-key: the OpenAI client reaches the API over HTTPS with the
+    certificate it trusts; plain HTTP to that port gets no answer; a wrong pair of files
+    is said plainly."""
+    import ssl
+
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    from conftest import free_port
+    from engine.pipeline.api import serve_api, tls_context
+    from testkit.certs import self_signed
+
+    cert, key = self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_cert, _ = self_signed(tmp_path / "other")
+    with pytest.raises(ValueError, match="does not exist"):
+        tls_context(str(tmp_path / "missing.pem"), str(key))
+    with pytest.raises(ValueError, match="cannot use the certificate"):
+        tls_context(str(other_cert), str(key))   # a key that is not the certificate's
+    port = free_port()
+    runner = await serve_api(pipeline, "127.0.0.1", port, api_key="s3cret-key", tls=tls_context(str(cert), str(key)))
+    try:
+        trust = ssl.create_default_context(cafile=str(cert))
+        async with DefaultAsyncHttpxClient(verify=trust) as http, \
+                AsyncOpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key="s3cret-key", max_retries=0,
+                            timeout=120, http_client=http) as c:
+            resp = await c.chat.completions.create(model="default", messages=FRANCE, max_tokens=8, temperature=0)
+            assert "Paris" in resp.choices[0].message.content
+        async with aiohttp.ClientSession() as s:   # plain HTTP to the HTTPS port: no answer
+            with pytest.raises(aiohttp.ClientError):
+                async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                    await r.read()
+    finally:
+        await runner.cleanup()
+
+
 HAIKU = [{"role": "user", "content": "Write a haiku about friends sharing GPUs"}]
 
 
