@@ -12,6 +12,9 @@ many torch threads per process, as `--threads N` does.
             heartbeats on the head's connections notice.
   * leaving SIGTERM: the stage leaves gracefully (as on sharing off, the owner's
             limits, sleep): it says "leaving" and the head moves its layers at once.
+  * sleep   SIGSTOP as silent, then SIGCONT once the reply is done: a laptop that slept
+            and woke. Its stage answers the head's asking again and is taken back; the
+            row adds that rearrangement's load time and how many layers stayed.
 
 The time from the death to the reply's next token is split into
   detect   death -> the head declares the stage gone
@@ -23,7 +26,7 @@ The time from the death to the reply's next token is split into
 and the interrupted reply is compared with the uninterrupted one token for token.
 
     .venv/bin/python bench/failover.py [--threads default,1] [--contexts 100,1000,4000]
-        [--kinds closed,silent,leaving] [--keep on,off] [--json out.json]
+        [--kinds closed,silent,leaving,sleep] [--keep on,off] [--json out.json]
 
 --keep on,off runs each row twice: with the stages left keeping the layers they held
 (what the product does, engine/model/handover.py) and reading every layer of their new
@@ -65,7 +68,7 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
     head = pipe.head
     head.eos_ids = set()
     ids = head.tokenizer(TEXT * (context // 20 + 2))["input_ids"][:context]
-    sig = {"closed": signal.SIGKILL, "silent": signal.SIGSTOP, "leaving": signal.SIGTERM}[kind]
+    sig = {"closed": signal.SIGKILL, "silent": signal.SIGSTOP, "sleep": signal.SIGSTOP, "leaving": signal.SIGTERM}[kind]
     victim = pipe.local.procs[0]
     try:
         async def reply(kill: bool):
@@ -88,9 +91,20 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
         left = next(e for e in head.events if e["event"] == "left")
         rec = next(e for e in head.events if e["event"] == "recovered")
         next_token = next(t for t in times if t > rec["t"])
-        return {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": left["t"] - killed_at, "replan_s": rec["replan_s"],
-                "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": next_token - killed_at,
-                "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0)}
+        row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": left["t"] - killed_at, "replan_s": rec["replan_s"],
+               "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": next_token - killed_at,
+               "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0)}
+        if kind == "sleep":   # it wakes: taken back by the head's asking (every few seconds)
+            os.kill(victim.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 120
+            while not any(e["event"] == "rejoined" for e in head.events) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            back = next((e for e in head.events if e["event"] == "rejoined"), None)
+            row["back_load_s"] = back["load_s"] if back else None
+            row["back_kept"] = back.get("kept_layers", 0) if back else None
+            # and it serves: the same reply again, token for token, over three stages
+            row["identical"] = row["identical"] and back is not None and (await reply(False))[0] == reference
+        return row
     finally:
         if sig == signal.SIGSTOP and victim.returncode is None:
             os.kill(victim.pid, signal.SIGCONT)
@@ -140,15 +154,17 @@ def main(argv=None) -> int:
                  f"{row['total_s']:.1f} s to the next token, identical={row['identical']}"),
               file=sys.stderr, flush=True)
     print("\n| setup | context | death | keep | layers kept | detect s | re-plan s | load s | replay s "
-          "| death -> next token s | identical |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+          "| death -> next token s | back: load s | back: layers kept | identical |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | | | | | | | FAILED: {r['failed'][:80]} |")
+            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | | | | | | | | | FAILED: {r['failed'][:80]} |")
             continue
+        back = ("| | " if "back_load_s" not in r else "| n/a | n/a " if r["back_load_s"] is None
+                else f"| {r['back_load_s']:.2f} | {r['back_kept']} ")
         print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['kept']} | {r['detect_s']:.2f} "
               f"| {r['replan_s']:.2f} | {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['total_s']:.2f} "
-              f"| {'yes' if r['identical'] else 'NO'} |")
+              f"{back}| {'yes' if r['identical'] else 'NO'} |")
     pairs = [(a, b) for a in rows for b in rows if "failed" not in a and "failed" not in b
              and a["keep"] == "on" and b["keep"] == "off"
              and (a["setup"], a["context"], a["kind"]) == (b["setup"], b["context"], b["kind"])]
@@ -157,11 +173,15 @@ def main(argv=None) -> int:
 
         ratio = statistics.median(a["load_s"] / max(1e-6, b["load_s"]) for a, b in pairs)
         print(f"\nload with the layers kept / read again (median of {len(pairs)} pairs): {ratio:.2f}x")
+        woke = [(a, b) for a, b in pairs if a.get("back_load_s") and b.get("back_load_s")]
+        if woke:
+            ratio = statistics.median(a["back_load_s"] / b["back_load_s"] for a, b in woke)
+            print(f"taking a woken machine back, kept / read again (median of {len(woke)}): {ratio:.2f}x")
     all_rows = rows
     failed = [r for r in rows if "failed" in r]
     rows = [r for r in rows if "failed" not in r]
     closed = [r for r in rows if r["kind"] in ("closed", "leaving")]
-    silent = [r for r in rows if r["kind"] == "silent"]
+    silent = [r for r in rows if r["kind"] in ("silent", "sleep")]
     k1 = [r for r in rows if 500 <= r["context"] <= 2000]
     print()
     if closed:
