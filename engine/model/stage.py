@@ -198,12 +198,11 @@ class StageModel:
         self.handed_over = False
         self._asked_weights = weights
         # a rearrangement's old stage on this machine: the layers both hold are kept
-        kept, self._kept_parts = reuse.take(self._built(), start, end) if reuse is not None else ({}, {})
+        kept, parts = reuse.take(self._built(), start, end) if reuse is not None else ({}, {})
         self.kept_layers = len(kept)
+        self.kept_parts: list[str] = []   # those of `parts` that fit this stage (_cut)
         with _BUILD_LOCK:
-            self.model = self._load(cfg, kept, reuse.config if kept else None)
-        self.kept_parts = sorted(self._kept_parts)   # what of them went in (see _cut)
-        del self._kept_parts
+            self.model = self._load(cfg, kept, parts, reuse.config if reuse is not None else None)
         self.weights = weights_of(self.model)  # 'auto' on a pre-quantized checkpoint: what it holds
         self.model.train(False)  # inference mode for dropout and friends
         self.kv = KVStore(kv_budget_tokens, dtype, self.device)
@@ -264,7 +263,9 @@ class StageModel:
         return HeldLayers(layers, self._built(), self.model.config, self.n_layers_total,
                           first if self.first else {}, last if self.last else {})
 
-    def _load(self, cfg, kept: dict[int, nn.Module], kept_config) -> nn.Module:
+    def _load(self, cfg, kept: dict[int, nn.Module], parts: dict[str, nn.Module], kept_config) -> nn.Module:
+        """The model of this stage's slice; `kept` layers and `parts` (a rearrangement's old
+        stage on this machine, built from `kept_config`) go in instead of being read."""
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -277,7 +278,7 @@ class StageModel:
         else:
             checkpoint = SafetensorsCheckpoint(self.source)
         self._kept_idx = set(kept)
-        names = self._cut(model, placeholders=True, kept=kept)
+        names = self._cut(model, placeholders=True, kept=kept, parts=parts, kept_config=kept_config)
         if quantizer is not None:
             # swaps the held layers' Linear modules for bitsandbytes ones (still empty); with
             # every layer kept there are none, which is no news to the user
@@ -299,7 +300,7 @@ class StageModel:
         model.to(self.device)
         return model
 
-    def _cut(self, model, placeholders: bool, kept=()):
+    def _cut(self, model, placeholders: bool, kept=(), parts=None, kept_config=None):
         """Remove what this stage does not hold. Returns the checkpoint names it keeps."""
         base = model.base_model
         if not any(isinstance(c, nn.ModuleList) and len(c) == self.n_layers_total for c in base.children()):
@@ -345,15 +346,15 @@ class StageModel:
         # the old stage's embedding, final norm, LM head where this one holds them too (a
         # rearrangement): kept, not read again -- but a head tied to a kept embedding is
         # tied again after loading, not kept as a second copy
-        kept_parts, mine = set(), parts_of(model, base, layers) if self._kept_parts else {}
-        for name, part in self._kept_parts.items():
+        mine = parts_of(model, base, layers) if parts else {}
+        for name, part in (parts or {}).items():
             if name in mine and same_part(mine[name], part) and not (self._tied and self.first and mine[name] is emb_out):
-                put(model, name, part)
-                kept_parts.add(name)
-        self._kept_parts = kept_parts
+                put(model, name, adopt(part, kept_config, model.config))
+                self.kept_parts.append(name)
+        self.kept_parts.sort()
         if not placeholders:
             self._finish_cut(model)
-        names = set(n for n, _ in model.named_parameters() if not any(n.startswith(k + ".") for k in kept_parts))
+        names = set(n for n, _ in model.named_parameters() if not any(n.startswith(k + ".") for k in self.kept_parts))
         # and the names the checkpoint stores them under, where transformers renames on
         # loading (GPT-NeoX's LM head is `embed_out` on disk, `lm_head` in the model)
         from transformers.conversion_mapping import get_model_conversion_mapping
