@@ -139,3 +139,27 @@ def test_activations_leave_through_pinned_memory_with_the_same_bytes():
         pinned = frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, meta, t, to_host=staging)
         assert pinned == frames.encode(frames.FrameType.ACTIVATIONS, 0, 1, meta, t)
     assert staging._local.buf.is_pinned()
+
+
+def test_a_stage_built_on_kept_layers_captures_its_graphs_again_and_frees_the_old_ones(tiny_folder, monkeypatch):
+    """A rearrangement on a GPU (engine/model/handover.py): the new stage replays graphs
+    of its own over the kept layers, with the eager step's logits, and the old stage's
+    graphs and cache go with it."""
+    import gc
+    import weakref
+
+    folder, _ = tiny_folder("llama")
+    eager = decode(stage(folder, False, monkeypatch), 8)
+    old = stage(folder, True, monkeypatch)
+    decode(old, 8)
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    new = StageModel(source, 0, L, device="cuda", reuse=old.hand_over())
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None and new.kept_layers == L
+    assert new.static is not None and new.static.book.captures > 0
+    for a, b in zip(decode(new, 8), eager):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
