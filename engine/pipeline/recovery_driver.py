@@ -99,12 +99,14 @@ class RecoveryDriver:
                 log.warning("%s", self.recovery.no_room(exc.need, exc.have, time.monotonic()))
                 r = await self._wait_for_machine()
                 if r is None:
+                    self._held = None   # the old slice's layers: nobody will take them now
                     self._pipeline_failed(self.recovery.gave_up(time.monotonic()))
                     return
                 self.remotes.append(r)
             except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
                 if self._drop_gone():
                     continue       # a machine left while the layers loaded: split again over the rest
+                self._held = None
                 self._pipeline_failed(self.recovery.cannot_go_on(exc))
                 return
         kept = self.stage0.kept_layers + sum(r.configured["kept_layers"] for r in self.remotes)
