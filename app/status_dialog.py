@@ -62,6 +62,8 @@ def event_line(e: dict) -> str:
     elif kind in ("recovered", "rejoined"):
         text = (f"rearranged over {e.get('stages')} computer(s) in {e.get('seconds', 0):.1f} s; "
                 f"{e.get('replayed', 0)} conversation(s) replayed, none lost")
+        if e.get("ahead_s"):
+            text += f" (its share loaded beforehand in {e['ahead_s']:.0f} s while the chat went on)"
     else:
         text = str(kind)
     return f"{when} {html.escape(text)}".strip()
@@ -111,6 +113,11 @@ def status_html(st: dict) -> str:
             out.append(f"<p>{html.escape(spec)}</p>")
         if h.get("recovering"):
             out.append(f"<p><b>Now:</b> {html.escape(h['recovering'])}</p>")
+        elif h.get("joining"):   # its words name an address: the node's event names the computer
+            came = [e for e in (h.get("events") or []) if e.get("event") in ("back", "joined")]
+            who = (came[-1].get("who") if came else None) or "a computer"
+            out.append(f"<p><b>Now:</b> {html.escape(who)} is loading its share of the model; "
+                       "conversations go on meanwhile</p>")
         lines = [event_line(e) for e in (h.get("events") or [])[-8:]]
         if lines:
             out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")

@@ -14,7 +14,9 @@ does the I/O -- closing connections, saying hello, loading layers, replaying seq
         rec.to_ask(now); rec.take(address)         #   ask who left every wait_s(now),
         rec.gave_up(now)                           #   until the host's timeout passes
         rec.recovered(now, stages, ranges, replayed)
-    rec.watching / rec.may_ask / rec.to_ask(now) / rec.came(address)   # machines coming back
+    rec.watching / rec.may_ask / rec.to_ask(now) / rec.came(address, now)   # machines coming back:
+    rec.ahead(layers) ... rec.begin(..., joined=address)   # it loads its layers while the pipeline
+    rec.joined_gone(address, why, now)                     # serves, then a rearrangement takes it in
     rec.offer(address, now)                        # a machine offers itself
     rec.rank(address)                              # its place in the pipeline's order
 
@@ -109,6 +111,13 @@ class Recovery:
         self._what = ""
         self._index: dict[str, int] = {}   # the old arrangement's machines -> their stage index
         self._need_have: tuple[int, int] | None = None   # the last no_room's
+        # a machine that answered the watch, loading its layers ahead while the pipeline
+        # serves (the rearrangement that takes it in follows): its address, since when
+        self.joining: str | None = None
+        self.joining_status: str | None = None
+        self._t_came: float | None = None
+        self._ahead_s: float | None = None
+        self._loaded_ahead = False
 
     # ---- the machines ----------------------------------------------------------
     def formed(self, holders: list[str]) -> None:
@@ -153,14 +162,37 @@ class Recovery:
     @property
     def may_ask(self) -> bool:
         """Whether the watch may ask now (a rearrangement in progress asks them itself)."""
-        return self.watching and self.status is None
+        return self.watching and self.status is None and self.joining is None
 
-    def came(self, address: str) -> str:
-        """A machine answered the watch: the status while it is taken in."""
-        back = address in self.served
-        self.status = f"{address} {'is back' if back else 'joined'}: rearranging the pipeline"
-        self._record("back" if back else "joined", address=address, why=self.status)
-        return self.status
+    def came(self, address: str, now: float, ahead: bool = True) -> str:
+        """A machine answered the watch: it loads its layers ahead while the pipeline goes
+        on serving (its first load would otherwise pause every conversation), then a
+        rearrangement takes it in (begin(joined=...)); without `ahead`, at once. What the
+        log says."""
+        self.joining, self._t_came, self._loaded_ahead = address, now, False
+        doing = "loading its layers while the pipeline serves" if ahead else "rearranging the pipeline"
+        self.joining_status = f"{address} {self._verb(address)}: {doing}"
+        self._record("back" if address in self.served else "joined", address=address, why=self.joining_status)
+        return self.joining_status
+
+    def ahead(self, layers: str) -> None:
+        """The layers (describe_layers) the machine taking its turn loads ahead."""
+        if self.joining is not None:
+            self._loaded_ahead = True
+            self.joining_status = (f"{self.joining} {self._verb(self.joining)}: loading {layers} "
+                                   "while the pipeline serves")
+
+    def joined_gone(self, address: str, why: str, now: float) -> str:
+        """The machine loading ahead went before it was taken in: asked again later."""
+        self._stop_joining()
+        self.away[address] = now
+        return f"{address} went before it was taken in ({why}): it is asked again later"
+
+    def _stop_joining(self) -> None:
+        self.joining = self.joining_status = None
+
+    def _verb(self, address: str) -> str:
+        return "is back" if address in self.served else "joined"
 
     # ---- a stage leaves ------------------------------------------------------------
     def lost(self, index: int, address: str | None, why: str, epoch: int) -> bool:
@@ -168,6 +200,8 @@ class Recovery:
         arrangement's stage, a rearrangement already under way, or the pipeline is done)."""
         if epoch != self.epoch or self.failed or self.status or self.closed:
             return False
+        # a machine loading ahead is let go: the loss comes first (the watch asks it again)
+        self._stop_joining()
         self.status = why
         self._record("left", stage=index, address=address, why=why)
         return True
@@ -184,6 +218,7 @@ class Recovery:
         self._old_ranges = list(ranges)
         self._kept = [True] + [False] * len(holders)
         self._joined = joined is not None
+        self._ahead_s = None
         self._deadline = None
         self._need_have = None
         self._index = {address: i for i, address in enumerate(holders, start=1)}
@@ -198,6 +233,10 @@ class Recovery:
                 asks.append(Ask(address, i, SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S, False, SURVIVOR_WITHIN_S))
         if joined is not None:
             self.take(joined)
+            self.status = self.status or f"{joined} {self._verb(joined)}: rearranging the pipeline"
+            if self.joining == joined and self._loaded_ahead and self._t_came is not None:
+                self._ahead_s = round(now - self._t_came, 3)
+        self._stop_joining()
         return asks
 
     def answered(self, ask: Ask) -> None:
@@ -268,17 +307,20 @@ class Recovery:
         """Serving again: the record. seconds: from noticing to serving again; replan_s:
         letting go, reaching the machines and any wait for room; load_s: loading the new
         layers (bench/failover.py); kept_layers: how many of them stayed in memory where
-        they were, not read again."""
+        they were, not read again; ahead_s (a machine taken in): how long it loaded its
+        layers ahead while the pipeline served, before this pause."""
         self.status = None
+        extra = {"ahead_s": self._ahead_s} if self._joined else {}
         return self._record("rejoined" if self._joined else "recovered", stages=stages,
                             layers=[list(r) for r in ranges], seconds=round(now - self._t0, 3),
                             replan_s=round(self._t_plan - self._t0, 3), load_s=round(now - self._t_plan, 3),
-                            replayed=replayed, kept_layers=kept)
+                            replayed=replayed, kept_layers=kept, **extra)
 
     # ---- the end -----------------------------------------------------------------
     def fail(self, why: str) -> bool:
         """The pipeline cannot serve: False if it had failed already."""
         self.status = None
+        self._stop_joining()
         if self.failed:
             return False
         self.failed = why
@@ -287,6 +329,7 @@ class Recovery:
     def close(self) -> None:
         self.closed = True
         self.status = None
+        self._stop_joining()
 
     def _because(self, what: str) -> str:
         left = [e["why"] for e in self.events if e["event"] == "left"]

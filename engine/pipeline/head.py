@@ -323,6 +323,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
             "recovering": self.recovering,
+            # a machine being taken in, loading its layers while the pipeline serves
+            "joining": self.recovery.joining_status,
             "speculation": self.speculation(),
             "events": self.events[-20:],
             "error": self.error,

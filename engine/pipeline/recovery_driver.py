@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from websockets.exceptions import ConnectionClosed
@@ -16,13 +17,20 @@ from websockets.exceptions import ConnectionClosed
 from engine.model.device import release_memory
 from engine.model.sources import ModelError
 from engine.core.partition import NoRoom
-from engine.core.recovery import PROBE_TIMEOUT_S, Ask
+from engine.core.recovery import PROBE_TIMEOUT_S, Ask, describe_layers
+from engine.wire import frames
 from engine.core.scheduler import Scheduler
 from engine.model.sampler import Sampler
 from engine.pipeline.requests import PipelineError, Sequence
 from engine.pipeline.ring_formation import RemoteStage
 
 log = logging.getLogger("potluck.head")
+
+
+def loading_ahead() -> bool:
+    """Whether a machine taken in loads its layers before the rearrangement, while the
+    pipeline serves (POTLUCK_LOAD_AHEAD=0: during it, as before; bench/join.py --ahead)."""
+    return os.environ.get("POTLUCK_LOAD_AHEAD", "1") != "0"
 
 
 class RecoveryDriver:
@@ -43,6 +51,8 @@ class RecoveryDriver:
         if not self.recovery.lost(index, address, why, epoch):
             return  # already being dealt with, or a stage of an arrangement that is gone
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
+        if self._recovery is not None and not self._recovery.done():
+            self._recovery.cancel()   # a machine loading ahead (_take_in): the loss comes first
         self._stop_drafting_ahead()   # the steps in flight never come back
         self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back)))
 
@@ -64,9 +74,52 @@ class RecoveryDriver:
         finally:
             self._ensure_watch()
 
-    async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None):
-        """Drop stage `lost` (or take in `joined`, a machine that came back), split the
-        layers over who is there, and replay every live sequence on the new arrangement."""
+    async def _take_in(self, r: RemoteStage, ahead: bool):
+        """A machine the watch found (back, or offered): it loads its share of the layers
+        while the pipeline goes on serving, then a rearrangement takes it in, keeping those
+        layers as every machine keeps its own. Loaded during the rearrangement instead,
+        they would pause every conversation for as long as the machine reads them."""
+        planned = None
+        try:
+            if ahead:
+                planned = await self._load_ahead(r)
+        except asyncio.CancelledError:
+            asyncio.ensure_future(r.ws.close())   # a stage lost meanwhile: that comes first
+            raise
+        except (PipelineError, ModelError, NoRoom, ConnectionClosed, OSError, asyncio.TimeoutError,
+                frames.FrameError) as exc:
+            if isinstance(exc, ConnectionClosed) or getattr(r.ws, "close_code", None) is not None:
+                log.warning("%s", self.recovery.joined_gone(r.address, str(exc) or "its connection closed",
+                                                             time.monotonic()))
+                return
+            log.warning("%s could not load its layers ahead (%s): the rearrangement loads them", r.address, exc)
+        await self._rearrange(joined=r, planned=planned)
+
+    async def _load_ahead(self, r: RemoteStage) -> tuple:
+        """Ask `r` to load the share it would get, and wait until it has: the plan for
+        _form, (addresses, split)."""
+        order = sorted(self.remotes + [r], key=lambda x: self.recovery.rank(x.address))
+        held = self.stage0.held_bytes() if self.stage0 is not None else 0
+        split = await self._plan(order, held)
+        start, end = split[2][order.index(r) + 1]
+        self.recovery.ahead(describe_layers([(start, end)]))
+        log.warning("%s", self.recovery.joining_status)
+        await r.ws.send(frames.control("prepare", model=self.source.spec, start=start, end=end,
+                                       fingerprint=self.fingerprint, dtype=self.dtype_name, weights=split[1]))
+        while True:
+            msg = frames.parse_control(await r.ws.recv())
+            if msg["type"] == "prepared":
+                return [x.address for x in order], split
+            if msg["type"] == "error":
+                raise PipelineError(f"{r.address}: {msg['message']}")
+            if msg["type"] not in ("progress",):
+                raise frames.FrameError(f"unexpected {msg['type']} while loading ahead")
+
+    async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None,
+                         planned: tuple | None = None):
+        """Drop stage `lost` (or take in `joined`, a machine that came back or offered
+        itself, by the split `planned` it loaded ahead), split the layers over who is
+        there, and replay every live sequence on the new arrangement."""
         asks = self.recovery.begin([r.address for r in self.remotes], self.ranges, time.monotonic(), lost,
                                    ask_back, joined.address if joined is not None else None)
         hints = self._profile_hints()
@@ -87,7 +140,7 @@ class RecoveryDriver:
             self.recovery.forming(time.monotonic())
             try:
                 try:
-                    await self._form(hints)
+                    await self._form(hints, planned)
                 except asyncio.CancelledError as exc:
                     if asyncio.current_task().cancelling():
                         raise
@@ -237,8 +290,9 @@ class RecoveryDriver:
             if not self.recovery.may_ask:  # a stage left meanwhile
                 await r.ws.close()
                 continue
-            log.warning("%s", self.recovery.came(r.address))
-            self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(joined=r)))
+            ahead = loading_ahead()
+            log.warning("%s", self.recovery.came(r.address, time.monotonic(), ahead))
+            self._recovery = asyncio.ensure_future(self._recover_or_fail(self._take_in(r, ahead)))
             return  # _recover_or_fail starts a new watch if others are still away
 
     def _pipeline_failed(self, why: str):

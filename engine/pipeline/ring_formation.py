@@ -28,7 +28,7 @@ from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
 from engine.model.stage import StageModel
 from engine.pipeline.requests import PipelineError
-from engine.pipeline.stage_server import connect_stage
+from engine.pipeline.stage_protocol import connect_stage
 from engine.wire.stage_auth import split_address
 
 log = logging.getLogger("potluck.head")
@@ -77,36 +77,47 @@ class RingFormation:
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
             return
 
-    async def _form(self, hints: dict | None = None):
-        """Split the layers over the stages there are, load each stage's share, open the links.
-
-        hints: address (or "head") -> (profile, layers it was measured for): after a stage
-        left, the stages left start from their last profile scaled to their new share."""
+    async def _plan(self, remotes: list[RemoteStage], held: int) -> tuple[list[int], str, list[tuple[int, int]]]:
+        """How the layers split over this machine and `remotes` (in pipeline order): what
+        each machine offers, the weights every stage loads, each stage's layers. held: the
+        bytes this machine's layers hold now (room for its new slice too)."""
         cfg = self.config
-        n_layers = cfg.num_hidden_layers
-        fingerprint = self.fingerprint
-        # the old stage 0's layers in hand (a rearrangement) are room for the new one too
-        free = free_memory(self.device) + (self._held.nbytes() if self._held is not None else 0)
+        n_stages = 1 + len(remotes)
+        free = free_memory(self.device) + held
         mine = free if self.memory_cap is None else min(free, self.memory_cap)
         if self.drafter is not None and self.memory_cap is not None:
             mine = max(0, mine - self.drafter.param_bytes)   # the cap holds the draft model too
-        mems = [mine] + [r.welcome["free_memory"] for r in self.remotes]
+        mems = [mine] + [r.welcome["free_memory"] for r in remotes]
         if self.same_machine:
-            mems = [min(mems) // self.n_stages] * self.n_stages
-        self.offered = mems
-        self.weights = self._settle_weights(cfg, mems)
-        if self.layers_override and len(self.layers_override) == self.n_stages:
-            self.ranges = list(self.layers_override)
+            mems = [min(mems) // n_stages] * n_stages
+        weights = self._settle_weights(cfg, mems, remotes)
+        if self.layers_override and len(self.layers_override) == n_stages:
+            return mems, weights, list(self.layers_override)
+        homes = [self.cpu_homes.get(k) for k in ["head"] + [r.address for r in remotes]]
+        if all(h is not None for h in homes):
+            speeds = shared_cpu_speeds(homes)
+        else:  # a machine of its own among them (or none shares this CPU): probe
+            speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in remotes]
+        caps = precision.layer_caps(cfg, weights, self.dtype.itemsize, mems)
+        extra = [0.0] * n_stages
+        extra[-1] = lm_head_layers_estimate(cfg)
+        return mems, weights, partition(cfg.num_hidden_layers, speeds, caps, extra)
+
+    async def _form(self, hints: dict | None = None, planned: tuple | None = None):
+        """Split the layers over the stages there are, load each stage's share, open the links.
+
+        hints: address (or "head") -> (profile, layers it was measured for): after a stage
+        left, the stages left start from their last profile scaled to their new share.
+        planned: (addresses, the split _plan gave for them), taken as it is when the
+        machines are still those: a machine taken in has loaded its share ahead by it."""
+        cfg = self.config
+        fingerprint = self.fingerprint
+        if planned is not None and planned[0] == [r.address for r in self.remotes]:
+            self.offered, self.weights, self.ranges = planned[1]
         else:
-            homes = [self.cpu_homes.get(k) for k in ["head"] + [r.address for r in self.remotes]]
-            if all(h is not None for h in homes):
-                speeds = shared_cpu_speeds(homes)
-            else:  # a machine of its own among them (or none shares this CPU): probe
-                speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in self.remotes]
-            caps = precision.layer_caps(cfg, self.weights, self.dtype.itemsize, mems)
-            extra = [0.0] * self.n_stages
-            extra[-1] = lm_head_layers_estimate(cfg)
-            self.ranges = partition(n_layers, speeds, caps, extra)
+            # the old stage 0's layers in hand (a rearrangement) are room for the new one too
+            held = self._held.nbytes() if self._held is not None else 0
+            self.offered, self.weights, self.ranges = await self._plan(self.remotes, held)
         for r, rng in zip(self.remotes, self.ranges[1:]):
             r.range = rng
 
@@ -212,14 +223,14 @@ class RingFormation:
                         "offered": int(offered[i]) if i < len(offered) else None})
         return out
 
-    def _settle_weights(self, cfg, mems: list[int]) -> str:
+    def _settle_weights(self, cfg, mems: list[int], remotes: list[RemoteStage]) -> str:
         """The precision every stage loads: the user's, the checkpoint's own if it was
         saved quantized, or (auto) the highest at which the model fits the pool."""
         saved = prequantized(cfg)
-        quantized_ok = bnb_missing() is None and all(r.welcome.get("quantized") for r in self.remotes)
-        devices = sorted({self.device_name} | {r.welcome["device_name"] for r in self.remotes})
-        where = (f"this machine's {self.n_stages} stage(s) ({self.device_name})" if self.same_machine
-                 else f"{self.n_stages} stage(s) ({', '.join(devices)})")
+        quantized_ok = bnb_missing() is None and all(r.welcome.get("quantized") for r in remotes)
+        devices = sorted({self.device_name} | {r.welcome["device_name"] for r in remotes})
+        where = (f"this machine's {len(mems)} stage(s) ({self.device_name})" if self.same_machine
+                 else f"{len(mems)} stage(s) ({', '.join(devices)})")
         chosen = saved or self.weights
         if chosen == "auto":
             chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok)

@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
@@ -31,14 +30,18 @@ from engine.model.device import (HostStaging, device_name, free_memory, kv_budge
                                  pick_device, release_memory, speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
-from engine.core.profile import differs, interp
+from engine.core.profile import differs, interp, scaled
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
 from engine.model.sources import ModelError
 from engine.pipeline.configure_check import check_configure
 from engine.wire.sealed_socket import SealedSocket
-from engine.wire.stage_auth import HelloOpener, answer_hello, is_loopback, new_nonce, split_address
+from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce
+# what a stage and its peers agree on, importable from here as before
+from engine.pipeline.stage_protocol import (CLIENT_WS_OPTIONS, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S,  # noqa: F401
+                                            HELLO_TIMEOUT, LEAVE_S, LET_GO_S, PROFILE_REPORT_S, PROOF_MAX,
+                                            PROOF_QUEUE, PROTOCOL_VERSION, WS_OPTIONS, connect_stage)
 from engine.core.sampling import SamplingError
 from engine.model.grammar import Grammars
 from engine.model.sampler import Sampler
@@ -47,54 +50,6 @@ from engine.core.step_gate import COMPUTE_ORDERS
 
 log = logging.getLogger("potluck.stage")
 
-# 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
-# refused at hello with the version named, not later with a schema error.
-# 3: stages send "profile" updates; 4: configure carries `acks`;
-                       # 5: welcome says which device the stage computes on;
-                       # 6: weights precision (welcome: can quantize; configure: which);
-                       # 7: configure may carry the profile to start from (a re-plan)
-                       # 8: "leaving" (with a deadline) replaces "pausing"
-                       # 9: the stage challenges first; hello proves a key (stage_auth.py);
-                       #    a new sequence may carry forks (n > 1), sampling asks for
-                       #    logprobs, token entries may carry them
-                       # 10: forks carry their seed alone; sampling may carry a JSON
-                       #    schema (response_format), a replayed sequence says how much
-                       # 11: sampling carries presence_penalty and frequency_penalty
-                       # 12: a data link waits for the stage's "ready" after its hello (until a
-                       #     hello is proven only PROOF_MAX bytes are read per message)
-                       # 13: the hello's auth is a Noise NNpsk0 message, the stage answers
-                       #     "accept", and everything after is sealed (stage_auth.py)
-                       # 14: a step's row for an open sequence may carry its last token and
-                       #     a draft (n > 1): every stage keeps the draft's KV tentative, the
-                       #     last stage answers one token per position (speculative decoding),
-                       #     and the sequence's next row may start inside that tail (rollback)
-                       # 16: "configured" says how many layers the stage kept from its last slice
-PROTOCOL_VERSION = 16
-HELLO_TIMEOUT = 10.0
-# how long a stage that is going away (sharing off, paused by its owner's limits, the
-# computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
-# needs a few seconds at most; the owner gets the machine back within this whatever it does
-LEAVE_S = 10.0
-LET_GO_S = 1.0  # how long a stage whose head left waits for that head's data links to close
-PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
-WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
-                  ping_timeout=60, max_queue=64)
-# Until a peer has proven a key it may send only its hello (a few hundred bytes): a
-# message larger than this is refused from its header, before its bytes are buffered.
-# Before this, an unproven connection could send ~1 GiB, and three of 256 MiB grew a
-# sharing node by a gigabyte. The limit is lifted for that connection once it is proven.
-PROOF_MAX = 4096
-PROOF_QUEUE = 4
-# Heartbeats on the connections a head or a stage opens (to the stage after it): a stage
-# that stops answering (asleep, unplugged, frozen) is noticed within the two together
-# and the head rearranges the pipeline without it. A ping is a few bytes every few
-# seconds: nothing the weak-link scheduler's measurements can see. The side that
-# accepts stays lenient (above): a stage only frees its memory when its head goes quiet.
-# (A closing handshake with a peer that no longer answers is cut short too: it would
-# otherwise hold the news of the loss for websockets' default 10 s.)
-HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 2.0, 5.0
-CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEARTBEAT_TIMEOUT_S, close_timeout=1.0)
-
 
 class Inbox(asyncio.Queue):
     """A lane's queue of frames to compute, whose next frame can be looked at without
@@ -102,37 +57,6 @@ class Inbox(asyncio.Queue):
 
     def peek(self):
         return self._queue[0]
-
-
-async def connect_stage(address: str, role: str, pipeline: str, key: str = "", timeout: float = 30.0):
-    """Open a connection to a stage and say hello, proving `key` against its challenge
-    (the share's secret for a control connection, the route token for a data link), and
-    return it sealed (a SealedSocket). An address 'ws://host:port#secret' brings its own
-    secret; a stage on loopback with none takes the empty key."""
-    url, secret = split_address(address)
-    key = key or secret or ""
-    ws = await asyncio.wait_for(connect(url, **CLIENT_WS_OPTIONS), timeout)
-    try:
-        challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
-        if challenge["type"] != "challenge":
-            raise frames.FrameError(f"expected a challenge, got {challenge['type']}")
-        opener = HelloOpener(key, role, pipeline, challenge["nonce"])
-        await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline,
-                                     auth=opener.auth))
-        accept = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
-        if accept["type"] != "accept":
-            raise frames.FrameError(f"expected accept, got {accept['type']}")
-        sealed = SealedSocket(ws, opener.accept(accept["auth"]))
-        if role == "data":
-            # nothing more until the stage has taken the proof and lifted its size limit
-            # (a control connection waits for its welcome the same way)
-            ready = frames.parse_control(await asyncio.wait_for(sealed.recv(), timeout))
-            if ready["type"] != "ready":
-                raise frames.FrameError(f"expected ready, got {ready['type']}")
-    except BaseException:
-        await ws.close()
-        raise
-    return sealed
 
 
 class StageServer:
@@ -173,6 +97,9 @@ class StageServer:
         self._next_ws = None
         self._link: LinkSender | None = None
         self.profile: dict = {}        # what the head was last told (startup, then StepLog's)
+        # a slice loaded ahead ("prepare"): its profile, the layers it was measured for and
+        # how it was built (model, dtype, weights), for the configure that takes it
+        self._ahead: tuple[dict, int, tuple] | None = None
         self._profile_sent_at = 0.0
         self.compress = "off"
         self.acks = True               # until configured (see _configure)
@@ -356,6 +283,8 @@ class StageServer:
                 kind = msg["type"]
                 if kind == "configure":
                     await self._configure(ws, msg)
+                elif kind == "prepare":
+                    await self._prepare(ws, msg)
                 elif kind == "free":
                     await self._run(self._free, msg["seq_ids"])
                 elif kind == "get_stats":
@@ -390,17 +319,57 @@ class StageServer:
             if self.closed:
                 self._retire_threads()
 
-    async def _configure(self, ws, msg):
+    @staticmethod
+    def _progress_to(ws):
+        """progress(done, total, what) from the compute thread, sent to the head."""
         loop = asyncio.get_running_loop()
-        # before loading: the stage before this one may finish loading first and connect
-        self._route = msg["route"]
-        self._route_set.set()
 
         def progress(done, total, what):
             loop.call_soon_threadsafe(
                 asyncio.ensure_future,
                 ws.send(frames.control("progress", done=done, total=total, what=what)),
             )
+        return progress
+
+    async def _prepare(self, ws, msg):
+        """Load a slice ahead while the head serves without this machine (it is being taken
+        in): built and measured as configure would, with room for no conversation yet, and
+        held until the configure that follows keeps its layers (engine/model/handover.py)
+        and its profile -- so taking this machine in pauses nobody for its loading."""
+        progress = self._progress_to(ws)
+
+        def load():
+            c = check_configure(msg, self.trusted_head, self.accept_models, self.memory_cap)
+            held = self._hand_over(msg["start"], msg["end"])   # a machine back with its old slice
+            release_memory(self.device)
+            stage, prof = load_and_measure(lambda: StageModel(
+                c.source, msg["start"], msg["end"], dtype=c.dtype, device=self.device, reuse=held,
+                kv_budget_tokens=0, progress=progress, cores=self.cores, weights=msg["weights"]))
+            return stage, (prof, msg["end"] - msg["start"], (c.fingerprint, msg["dtype"], msg["weights"]))
+
+        try:
+            self.stage, self._ahead = await self._run(load)
+        except (ModelError, OSError, ValueError) as exc:
+            await ws.send(frames.control("error", message=str(exc)))
+            return
+        log.info("layers %d-%d loaded ahead (%d kept)", msg["start"], msg["end"] - 1, self.stage.kept_layers)
+        await ws.send(frames.control("prepared", n_layers=self.stage.end - self.stage.start,
+                                     kept_layers=self.stage.kept_layers, param_bytes=self.stage.param_bytes()))
+
+    def _ahead_profile(self, msg, fingerprint: str) -> dict | None:
+        """The profile measured when this slice was loaded ahead, scaled to the slice asked
+        for (configure brings none for a machine the head has not timed): measuring again
+        would pause every conversation."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[2] != (fingerprint, msg["dtype"], msg["weights"]):
+            return None
+        return scaled(ahead[0], (msg["end"] - msg["start"]) / max(1, ahead[1]))
+
+    async def _configure(self, ws, msg):
+        # before loading: the stage before this one may finish loading first and connect
+        self._route = msg["route"]
+        self._route_set.set()
+        progress = self._progress_to(ws)
 
         def load():
             t0 = time.perf_counter()
@@ -415,14 +384,15 @@ class StageServer:
             if msg["kv_budget_tokens"]:
                 budget = msg["kv_budget_tokens"] if available is None else min(budget, msg["kv_budget_tokens"])
             t1 = time.perf_counter()
+            profile = msg["profile"] or self._ahead_profile(msg, fp)
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device, reuse=held,
                 kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]),
-                profile=msg["profile"])
+                profile=profile)
             # where a rearrangement's seconds go, stage by stage (the head waits for the slowest)
             log.info("layers %d-%d ready in %.2f s (opening the model %.2f s, loading%s %.2f s, %d layers kept; "
                      "KV for %d tokens)", msg["start"], msg["end"] - 1, time.perf_counter() - t0, t1 - t0,
-                     "" if msg["profile"] else " and measuring", time.perf_counter() - t1, stage.kept_layers, budget)
+                     "" if profile else " and measuring", time.perf_counter() - t1, stage.kept_layers, budget)
             return stage, fp, prof
 
         link_mode = msg["link"] or "jit"

@@ -290,6 +290,9 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
                   "dtype": _STR, "kv_budget_tokens": _OPT_INT, "threads": _OPT_INT,
                   "link": _OPT_STR, "compress": _OPT_STR, "compute": _OPT_STR, "acks": _BOOL,
                   "weights": _STR, "profile": _OPT_PROFILE, "route": _STR},
+    # a machine being taken in loads its layers ahead while the pipeline serves without it
+    # (the configure that follows keeps them): what configure names of the model and slice
+    "prepare": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "dtype": _STR, "weights": _STR},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},
@@ -302,6 +305,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "progress": {"done": _INT, "total": _INT, "what": _STR},
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
                    "profile": _PROFILE, "weights": _STR, "kept_layers": _INT},
+    "prepared": {"n_layers": _INT, "kept_layers": _INT, "param_bytes": _INT},
     # the stage's profile as its steps in service time it (profile.StepLog)
     "profile": {"profile": _PROFILE},
     "error": {"message": _STR},

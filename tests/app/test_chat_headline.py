@@ -37,6 +37,26 @@ def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
     assert "joined" in text and "rearranged in 3 s" in text
 
 
+def test_while_a_friend_loads_its_share_the_chat_says_it_goes_on():
+    """A computer taken in loads its layers while the pipeline serves: the headline and the
+    status window say so by its name, and the rearrangement after says how long it took."""
+    from app.chat import ChatWindow
+    from app.status_dialog import status_html
+
+    joined = {"event": "joined", "address": "ws://ana-pc:7860", "who": "Ana", "t": 9.0}
+    hosting = {"model": "M", "recovering": None, "events": [joined],
+               "joining": "ws://ana-pc:7860 joined: loading layers 12–29 while the pipeline serves",
+               "stages": [{"address": "head (this process)", "layers": [0, 30]}]}
+    text = ChatWindow.hosting_headline(hosting)
+    assert "Ana joined" in text and "goes on" in text and "ws://" not in text
+    page = status_html({"state": "serving", "hosting": hosting})
+    assert "Ana is loading its share" in page and "ws://" not in page
+    rejoined = {"event": "rejoined", "stages": 2, "seconds": 1.6, "replayed": 1, "ahead_s": 7.9, "t": 18.0}
+    hosting.update(joining=None, events=[joined, rejoined])
+    assert "rearranged in 2 s" in ChatWindow.hosting_headline(hosting)
+    assert "loaded beforehand in 8 s while the chat went on" in status_html({"state": "serving", "hosting": hosting})
+
+
 def test_the_status_window_lists_what_happened():
     from app.status_dialog import status_html
 

@@ -152,16 +152,47 @@ def test_one_that_comes_back_takes_its_old_place_a_newcomer_goes_last():
     assert sorted(["ws://new:1", C, B, A], key=rec.rank) == [A, B, C, "ws://new:1"]
     # the watch finds B: it was served here, so it is "back"
     assert rec.may_ask
-    assert rec.came(B) == "ws://b:1 is back: rearranging the pipeline"
-    assert not rec.may_ask  # one rearrangement at a time
-    asks = rec.begin([A, C], [(0, 10), (10, 20), (20, 30)], now=5.0, joined=B)
+    assert rec.came(B, now=4.0) == "ws://b:1 is back: loading its layers while the pipeline serves"
+    # it loads ahead while the pipeline serves: not a rearrangement yet, but one at a time
+    assert rec.status is None and not rec.may_ask and rec.joining == B
+    rec.ahead("layers 10–19")
+    assert rec.joining_status == "ws://b:1 is back: loading layers 10–19 while the pipeline serves"
+    asks = rec.begin([A, C], [(0, 10), (10, 20), (20, 30)], now=5.5, joined=B)
+    assert rec.status == "ws://b:1 is back: rearranging the pipeline" and rec.joining is None
     assert all(not a.lost for a in asks) and B not in rec.away
     for ask in asks:
         rec.answered(ask)
-    assert rec.recovered(6.0, 4, [], 0)["event"] == "rejoined"
+    done = rec.recovered(6.0, 4, [], 0)
+    assert done["event"] == "rejoined" and done["ahead_s"] == 1.5 and done["seconds"] == 0.5
     rec.formed([A, B, C])
-    assert rec.came("ws://new:1").startswith("ws://new:1 joined")
+    assert rec.came("ws://new:1", now=7.0).startswith("ws://new:1 joined")
     assert [e["event"] for e in rec.events] == ["left", "recovered", "back", "rejoined", "joined"]
+
+
+def test_a_stage_lost_while_a_machine_loads_ahead_comes_first():
+    """The loss is dealt with at once (the head lets the machine loading ahead go), and
+    the machine stays among those asked, to be taken in later."""
+    rec = running([A, B])
+    rec.offer(C, now=0.0)
+    rec.came(C, now=1.0)
+    assert rec.lost(1, A, "stage 1 (ws://a:1) disconnected", epoch=0)
+    assert rec.joining is None and rec.joining_status is None and C in rec.away
+    asks = rec.begin([A, B], THREE, now=2.0, lost=1)
+    assert [a.address for a in asks] == [A, B]
+    for ask in asks:
+        rec.answered(ask)
+    assert rec.recovered(3.0, 3, THREE, 0)["event"] == "recovered"
+    rec.formed([A, B])
+    assert rec.may_ask and rec.to_ask(4.0) == [C]
+
+
+def test_a_machine_that_goes_while_loading_ahead_is_asked_again():
+    rec = running([A, B])
+    rec.offer(C, now=0.0)
+    rec.came(C, now=1.0)
+    assert not rec.may_ask
+    assert "asked again" in rec.joined_gone(C, "its connection closed", now=2.0)
+    assert rec.may_ask and rec.to_ask(3.0) == [C] and rec.status is None
 
 
 def test_failure_messages_lead_with_who_left():

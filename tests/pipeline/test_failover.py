@@ -728,8 +728,10 @@ async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monke
         events = head.info()["events"]
         assert [e["event"] for e in events] == ["left", "recovered", "back", "rejoined"], events
         assert head.n_stages == 2 and events[-1]["replayed"] == 1
-        # the head held every layer alone: it kept its new share, reading none of it again
-        assert events[-1]["kept_layers"] == head.ranges[0][1] and events[1]["kept_layers"] > 0
+        # the head held every layer alone: it kept its new share, reading none of it again;
+        # the machine loaded its share ahead while the reply went on, and kept it too
+        assert events[-1]["kept_layers"] == head.ranges[-1][1] and events[1]["kept_layers"] > 0
+        assert events[-1]["ahead_s"] is not None
         assert (await tiny_reply(head, 200))[0] == reference
     finally:
         await head.close()

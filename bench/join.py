@@ -1,0 +1,165 @@
+"""A friend joins mid-reply: how long does the reply stop, and is it the same reply?
+
+For each setup and context length, a fresh pipeline on this machine (the head and one
+stage process, the default model) runs one greedy reply uninterrupted, then again with a
+new stage process started and offered to the head (as a friend's node is, by its
+invite) once the reply has 10 tokens. The head takes it in with a rearrangement: every
+conversation replays on the new split.
+
+  --ahead on   what the product does: the newcomer loads its share of the layers while
+               the pipeline goes on serving, and the rearrangement keeps them
+               (engine/pipeline/recovery_driver.py _take_in);
+  --ahead off  POTLUCK_LOAD_AHEAD=0: it loads them during the rearrangement, while every
+               conversation waits (as before).
+
+Columns: the reply's longest stop between two tokens after the offer (what the person
+chatting sees), the rearrangement itself (from its start to serving again), how long
+the newcomer loaded ahead while the reply went on, the layers kept in memory through the
+rearrangement, and whether the reply is token for token the uninterrupted one. The ratio
+is the longest stop with loading ahead over without, per setup and context.
+
+On this machine the newcomer shares the CPU with the pipeline: its loading slows the
+reply a little instead of stopping it; a friend's own computer would not.
+
+    .venv/bin/python bench/join.py [--threads 1] [--contexts 100,1000] [--ahead on,off]
+        [--tokens 300] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+OFFER_AT = 10
+TEXT = ("The history of the city goes back many centuries. Merchants came from far away to trade "
+        "salt, cloth and spices, and the river carried their boats to the sea. ")
+
+
+async def one_row(context: int, threads: int | None, n_tokens: int) -> dict:
+    from engine.core.sampling import SamplingParams
+    from engine.pipeline.head import Delta
+    from engine.pipeline.launch import PipelineConfig, launch
+    from engine.pipeline.local import LocalStages
+
+    pipe = await launch(PipelineConfig(model="default", stages=2, threads=threads))
+    head = pipe.head
+    head.eos_ids = set()
+    ids = head.tokenizer(TEXT * (context // 20 + 2))["input_ids"][:context]
+    newcomer = LocalStages(1, threads=threads or 1)
+    try:
+        async def reply(join: bool):
+            h = head.submit(list(ids), SamplingParams(greedy=True, max_tokens=n_tokens))
+            toks, times, offered = [], [], None
+            async for ev in h:
+                if isinstance(ev, Delta):
+                    toks.extend(ev.token_ids)
+                    times.extend([time.time()] * len(ev.token_ids))
+                    if join and offered is None and len(toks) >= OFFER_AT:
+                        offered = time.time()
+                        # started and offered off the reply's loop: its tokens keep coming
+                        asyncio.ensure_future(offer())
+                else:
+                    assert ev.error is None, ev.error
+            return toks, times, offered
+
+        async def offer():
+            (address,) = await newcomer.start()
+            head.offer(address)
+
+        reference, ref_times, _ = await reply(False)
+        got, times, offered = await reply(True)
+        deadline = time.monotonic() + 300
+        while not any(e["event"] == "rejoined" for e in head.events) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        back = next((e for e in head.events if e["event"] == "rejoined"), None)
+        after = [t for t in times if t >= offered]
+        gaps = [b - a for a, b in zip(after, after[1:])]
+        ref_gaps = [b - a for a, b in zip(ref_times, ref_times[1:])]
+        during = back is not None and back["t"] <= times[-1]
+        return {"setup": setup_name(threads), "context": len(ids), "stop_s": max(gaps) if gaps else None,
+                "tpot_s": statistics.median(ref_gaps) if ref_gaps else None,
+                "rearrange_s": back["seconds"] if back else None, "ahead_s": back.get("ahead_s") if back else None,
+                "kept": back.get("kept_layers") if back else None, "during": during,
+                "identical": got == reference, "stages_after": head.n_stages}
+    finally:
+        await pipe.close()
+        await newcomer.stop()
+
+
+def setup_name(threads: int | None) -> str:
+    return "default (shared cores)" if threads is None else f"--threads {threads}"
+
+
+def parse_setups(text: str) -> list[int | None]:
+    return [None if p.strip() == "default" else int(p) for p in text.split(",")]
+
+
+def fmt(v, spec=".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="100,1000")
+    ap.add_argument("--threads", default="1",
+                    help="torch threads per process, comma-separated, or 'default' (no --threads, as "
+                         "potluck serve runs; the newcomer then takes 1)")
+    ap.add_argument("--ahead", default="on,off", help="on, off or on,off (side by side)")
+    ap.add_argument("--tokens", type=int, default=300, help="the reply's length: the join must land inside it")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    rows = []
+    for threads, context, ahead in itertools.product(
+            parse_setups(args.threads), [int(c) for c in args.contexts.split(",")], args.ahead.split(",")):
+        os.environ["POTLUCK_LOAD_AHEAD"] = "1" if ahead == "on" else "0"   # read by the head, in this process
+        try:
+            row = asyncio.run(one_row(context, threads, args.tokens))
+        except Exception as exc:  # a join that fails is a row of the table, not a crash
+            row = {"setup": setup_name(threads), "context": context, "failed": f"{type(exc).__name__}: {exc}"}
+        row["ahead"] = ahead
+        rows.append(row)
+        print(f"  {row['setup']}, {context} tokens, ahead {ahead}: "
+              + (f"FAILED: {row['failed']}" if "failed" in row else
+                 f"longest stop {fmt(row['stop_s'])} s, identical={row['identical']}"), file=sys.stderr, flush=True)
+    print("\n| setup | context | load ahead | reply's longest stop s | usual token gap s | rearrangement s "
+          "| loaded ahead s | layers kept | joined during the reply | identical |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['setup']} | {r['context']} | {r['ahead']} | | | | | | | FAILED: {r['failed'][:80]} |")
+            continue
+        print(f"| {r['setup']} | {r['context']} | {r['ahead']} | {fmt(r['stop_s'])} | {fmt(r['tpot_s'], '.3f')} "
+              f"| {fmt(r['rearrange_s'])} | {fmt(r['ahead_s'])} | {fmt(r['kept'], 'd')} "
+              f"| {'yes' if r['during'] else 'no'} | {'yes' if r['identical'] else 'NO'} |")
+    good = [r for r in rows if "failed" not in r and r["during"] and r["stop_s"]]
+    pairs = [(a, b) for a in good for b in good if a["ahead"] == "on" and b["ahead"] == "off"
+             and (a["setup"], a["context"]) == (b["setup"], b["context"])]
+    if pairs:
+        ratio = statistics.median(a["stop_s"] / b["stop_s"] for a, b in pairs)
+        lo, hi = min(a["stop_s"] / b["stop_s"] for a, b in pairs), max(a["stop_s"] / b["stop_s"] for a, b in pairs)
+        print(f"\nthe reply's longest stop, loading ahead / during the rearrangement (median of {len(pairs)}): "
+              f"{ratio:.2f}x (range {lo:.2f}-{hi:.2f}x)")
+    ok = rows and all("failed" not in r and r["identical"] and r["during"] for r in rows)
+    print(f"every join landed inside its reply and the reply was unchanged: {'PASS' if ok else 'MISS'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

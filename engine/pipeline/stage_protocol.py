@@ -1,0 +1,98 @@
+"""What a stage and the peers that connect to it agree on: the protocol's version and its
+history, the timeouts and WebSocket options of each side, and connecting to a stage
+(the challenge, a hello that proves a key, the sealed socket that follows).
+
+engine/pipeline/stage_server.py serves these connections; the head and each stage's
+link to the next one open them with connect_stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from websockets.asyncio.client import connect
+
+from engine.wire import frames
+from engine.wire.sealed_socket import SealedSocket
+from engine.wire.stage_auth import HelloOpener, split_address
+
+# 2: configure carries `compute`, stats carry `cut_ins`. A peer of another version is
+# refused at hello with the version named, not later with a schema error.
+# 3: stages send "profile" updates; 4: configure carries `acks`;
+                       # 5: welcome says which device the stage computes on;
+                       # 6: weights precision (welcome: can quantize; configure: which);
+                       # 7: configure may carry the profile to start from (a re-plan)
+                       # 8: "leaving" (with a deadline) replaces "pausing"
+                       # 9: the stage challenges first; hello proves a key (stage_auth.py);
+                       #    a new sequence may carry forks (n > 1), sampling asks for
+                       #    logprobs, token entries may carry them
+                       # 10: forks carry their seed alone; sampling may carry a JSON
+                       #    schema (response_format), a replayed sequence says how much
+                       # 11: sampling carries presence_penalty and frequency_penalty
+                       # 12: a data link waits for the stage's "ready" after its hello (until a
+                       #     hello is proven only PROOF_MAX bytes are read per message)
+                       # 13: the hello's auth is a Noise NNpsk0 message, the stage answers
+                       #     "accept", and everything after is sealed (stage_auth.py)
+                       # 14: a step's row for an open sequence may carry its last token and
+                       #     a draft (n > 1): every stage keeps the draft's KV tentative, the
+                       #     last stage answers one token per position (speculative decoding),
+                       #     and the sequence's next row may start inside that tail (rollback)
+                       # 16: "configured" says how many layers the stage kept from its last slice
+                       # 17: "prepare": a machine being taken in loads its layers ahead,
+                       #     while the pipeline serves, and answers "prepared"
+PROTOCOL_VERSION = 17
+HELLO_TIMEOUT = 10.0
+# how long a stage that is going away (sharing off, paused by its owner's limits, the
+# computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
+# needs a few seconds at most; the owner gets the machine back within this whatever it does
+LEAVE_S = 10.0
+LET_GO_S = 1.0  # how long a stage whose head left waits for that head's data links to close
+PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
+WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
+                  ping_timeout=60, max_queue=64)
+# Until a peer has proven a key it may send only its hello (a few hundred bytes): a
+# message larger than this is refused from its header, before its bytes are buffered.
+# Before this, an unproven connection could send ~1 GiB, and three of 256 MiB grew a
+# sharing node by a gigabyte. The limit is lifted for that connection once it is proven.
+PROOF_MAX = 4096
+PROOF_QUEUE = 4
+# Heartbeats on the connections a head or a stage opens (to the stage after it): a stage
+# that stops answering (asleep, unplugged, frozen) is noticed within the two together
+# and the head rearranges the pipeline without it. A ping is a few bytes every few
+# seconds: nothing the weak-link scheduler's measurements can see. The side that
+# accepts stays lenient (above): a stage only frees its memory when its head goes quiet.
+# (A closing handshake with a peer that no longer answers is cut short too: it would
+# otherwise hold the news of the loss for websockets' default 10 s.)
+HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 2.0, 5.0
+CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEARTBEAT_TIMEOUT_S, close_timeout=1.0)
+
+
+async def connect_stage(address: str, role: str, pipeline: str, key: str = "", timeout: float = 30.0):
+    """Open a connection to a stage and say hello, proving `key` against its challenge
+    (the share's secret for a control connection, the route token for a data link), and
+    return it sealed (a SealedSocket). An address 'ws://host:port#secret' brings its own
+    secret; a stage on loopback with none takes the empty key."""
+    url, secret = split_address(address)
+    key = key or secret or ""
+    ws = await asyncio.wait_for(connect(url, **CLIENT_WS_OPTIONS), timeout)
+    try:
+        challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+        if challenge["type"] != "challenge":
+            raise frames.FrameError(f"expected a challenge, got {challenge['type']}")
+        opener = HelloOpener(key, role, pipeline, challenge["nonce"])
+        await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline,
+                                     auth=opener.auth))
+        accept = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+        if accept["type"] != "accept":
+            raise frames.FrameError(f"expected accept, got {accept['type']}")
+        sealed = SealedSocket(ws, opener.accept(accept["auth"]))
+        if role == "data":
+            # nothing more until the stage has taken the proof and lifted its size limit
+            # (a control connection waits for its welcome the same way)
+            ready = frames.parse_control(await asyncio.wait_for(sealed.recv(), timeout))
+            if ready["type"] != "ready":
+                raise frames.FrameError(f"expected ready, got {ready['type']}")
+    except BaseException:
+        await ws.close()
+        raise
+    return sealed

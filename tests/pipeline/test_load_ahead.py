@@ -1,0 +1,179 @@
+"""A machine taken in loads its share while the pipeline serves.
+
+A friend who joins (or comes back) used to be taken in by a rearrangement that loaded its
+layers while every conversation paused. Now it loads them first, while the others go on
+(recovery_driver._take_in, the stage's "prepare"), and the rearrangement that follows keeps
+them. Real stage servers (in this process) on a tiny random-weight model, a real head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.core.sampling import SamplingParams
+from engine.pipeline.head import Head
+from engine.pipeline.stage_server import StageServer
+from testkit.streams import tokens, until
+
+N_LAYERS = 6   # the tiny model's (conftest tiny_folder)
+
+
+async def tiny_head(source, addrs, **kw):
+    head = Head(source, addrs, dtype="float32", device="cpu", **kw)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()
+        raise
+    head.eos_ids = set()
+    return head
+
+
+def ask(head, n=200):
+    return head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n))
+
+
+def pace(monkeypatch, stage, seconds=0.05):
+    """The head's stage steps slowly: a tiny model's reply is surely still going while a
+    machine is taken in, however busy this machine is."""
+    step = stage.forward
+
+    def paced(*args, **kw):
+        time.sleep(seconds)
+        return step(*args, **kw)
+
+    monkeypatch.setattr(stage, "forward", paced)
+
+
+def held_back(server: StageServer, gate: asyncio.Event, times: int = 1):
+    """The server's first `times` loads ahead wait for `gate` (a machine slow to read its layers)."""
+    original, calls = server._prepare, []
+
+    async def slow(ws, msg):
+        calls.append(time.monotonic())
+        if len(calls) <= times:
+            await gate.wait()
+        return await original(ws, msg)
+
+    server._prepare = slow
+    return calls
+
+
+def counting_measures(monkeypatch) -> list:
+    """Every profile measured in this process (a stage that measures pauses the pipeline)."""
+    import engine.model.measure as measure_module
+
+    calls, original = [], measure_module.measure
+
+    def counted(stage):
+        calls.append((stage.start, stage.end))
+        return original(stage)
+
+    monkeypatch.setattr(measure_module, "measure", counted)
+    return calls
+
+
+async def test_a_machine_that_joins_mid_reply_loads_its_share_while_the_reply_goes_on(tiny_folder, monkeypatch):
+    from engine.model.sources import resolve
+
+    import engine.pipeline.head as head_module
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    folder, _ = tiny_folder("llama", seed=0)
+    head = await tiny_head(resolve(str(folder)), [])
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    gate = asyncio.Event()
+    held_back(b, gate)
+    try:
+        reference, _ = await tokens(ask(head))
+        pace(monkeypatch, head.stage0)
+        handle = ask(head)
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        measured = counting_measures(monkeypatch)
+        head.offer(f"ws://127.0.0.1:{b.port}")
+        await until(lambda: "loading layers" in (head.info()["joining"] or ""), timeout=30)
+        assert head.recovering is None
+        # the machine is loading: the reply goes on meanwhile
+        before = len(handle.seq.generated)
+        await until(lambda: len(handle.seq.generated) >= before + 5, timeout=30)
+        assert head.info()["joining"] is not None and head.n_stages == 1
+        gate.set()
+        toks, done = await asyncio.wait_for(tokens(handle), 120)
+        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        assert done.error is None and toks == reference
+        events = head.info()["events"]
+        assert [e["event"] for e in events] == ["joined", "rejoined"], events
+        rejoined = events[-1]
+        # every layer stayed where it was loaded: the head kept its share, the machine the
+        # one it loaded ahead; measured once, ahead, not again while everyone waited
+        assert head.n_stages == 2 and rejoined["kept_layers"] == N_LAYERS, rejoined
+        assert rejoined["ahead_s"] > 0 and measured == [tuple(head.ranges[1])], (rejoined, measured)
+        assert head.info()["joining"] is None
+        assert (await tokens(ask(head, 30)))[0] == reference[:30]
+    finally:
+        await head.close()
+        await b.close()
+
+
+async def test_without_loading_ahead_the_rearrangement_reads_the_share(tiny_folder, monkeypatch):
+    """POTLUCK_LOAD_AHEAD=0 (bench/join.py's side-by-side): the machine reads its share
+    during the rearrangement, as before, and the reply is the same."""
+    from engine.model.sources import resolve
+
+    import engine.pipeline.head as head_module
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    monkeypatch.setenv("POTLUCK_LOAD_AHEAD", "0")
+    folder, _ = tiny_folder("llama", seed=0)
+    head = await tiny_head(resolve(str(folder)), [])
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    try:
+        reference, _ = await tokens(ask(head, 60))
+        handle = ask(head, 60)
+        head.offer(f"ws://127.0.0.1:{b.port}")
+        toks, done = await asyncio.wait_for(tokens(handle), 120)
+        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        assert done.error is None and toks == reference
+        rejoined = head.info()["events"][-1]
+        assert rejoined["ahead_s"] is None and rejoined["kept_layers"] == head.ranges[0][1], rejoined
+    finally:
+        await head.close()
+        await b.close()
+
+
+async def test_a_stage_lost_while_a_machine_loads_ahead_is_dealt_with_first(tiny_folder, monkeypatch):
+    """The head does not wait for the machine loading ahead: it lets it go, rearranges over
+    the stages left at once, and takes the machine in later (its layers, loaded once,
+    kept)."""
+    from engine.model.sources import resolve
+
+    import engine.pipeline.head as head_module
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}"])
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    gate = asyncio.Event()
+    calls = held_back(b, gate)
+    try:
+        reference, _ = await tokens(ask(head, 60))
+        handle = ask(head, 60)
+        await until(lambda: len(handle.seq.generated) >= 3, every=0.001)
+        head.offer(f"ws://127.0.0.1:{b.port}")
+        await until(lambda: calls, timeout=30)
+        await a.close("switched off", wait_s=10)
+        # dealt with while the machine is still loading (its load waits for the gate)
+        await until(lambda: head.info()["events"][-1]["event"] == "recovered", timeout=60)
+        assert not gate.is_set() and head.n_stages == 1
+        kinds = [e["event"] for e in head.info()["events"]]
+        assert kinds == ["joined", "left", "recovered"], kinds
+        toks, done = await asyncio.wait_for(tokens(handle), 120)
+        assert done.error is None and toks == reference
+        gate.set()   # the machine finishes; the head asks it again and takes it in
+        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        assert head.n_stages == 2 and head.remotes[0].address.endswith(f":{b.port}")
+        assert len(calls) == 2 and head.info()["events"][-1]["kept_layers"] == N_LAYERS
+        assert (await tokens(ask(head, 60)))[0] == reference
+    finally:
+        await head.close()
+        await a.close()
+        await b.close()
