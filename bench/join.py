@@ -1,10 +1,11 @@
 """A friend joins mid-reply: how long does the reply stop, and is it the same reply?
 
 For each setup and context length, a fresh pipeline on this machine (the head and one
-stage process, the default model) runs one greedy reply uninterrupted, then again with a
-new stage process started and offered to the head (as a friend's node is, by its
-invite) once the reply has 10 tokens. The head takes it in with a rearrangement: every
-conversation replays on the new split.
+stage process, the default model) starts a greedy reply; once it has 10 tokens a new
+stage process is started and offered to the head (as a friend's node is, by its
+invite). The head takes it in with a rearrangement (every conversation replays on the
+new split); the reply stops 20 steps later, and the same request asked again of the new
+arrangement must give the same tokens.
 
   --ahead on   what the product does: the newcomer loads its share of the layers while
                the pipeline goes on serving, and the rearrangement keeps them
@@ -12,17 +13,21 @@ conversation replays on the new split.
   --ahead off  POTLUCK_LOAD_AHEAD=0: it loads them during the rearrangement, while every
                conversation waits (as before).
 
-Columns: the reply's longest stop between two tokens after the offer (what the person
-chatting sees), the rearrangement itself (from its start to serving again), how long
+Columns: the reply's longest stop between two steps' tokens after the offer (what the
+person chatting sees; a step may bring several tokens, by speculation), the usual gap
+before the offer; the stop split into the wait from the last token to the
+rearrangement's start, the rearrangement (letting go, reaching the machines, each
+taking its new share) and its replay (the conversation's history prefilled again) up
+to the next token; how long
 the newcomer loaded ahead while the reply went on, the layers kept in memory through the
-rearrangement, and whether the reply is token for token the uninterrupted one. The ratio
+rearrangement, and whether the reply is token for token the one asked again. The ratio
 is the longest stop with loading ahead over without, per setup and context.
 
 On this machine the newcomer shares the CPU with the pipeline: its loading slows the
 reply a little instead of stopping it; a friend's own computer would not.
 
     .venv/bin/python bench/join.py [--threads 1] [--contexts 100,1000] [--ahead on,off]
-        [--tokens 300] [--json out.json]
+        [--tokens 4000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -59,43 +64,67 @@ async def one_row(context: int, threads: int | None, n_tokens: int) -> dict:
     ids = head.tokenizer(TEXT * (context // 20 + 2))["input_ids"][:context]
     newcomer = LocalStages(1, threads=threads or 1)
     try:
-        async def reply(join: bool):
-            h = head.submit(list(ids), SamplingParams(greedy=True, max_tokens=n_tokens))
-            toks, times, offered = [], [], None
-            async for ev in h:
-                if isinstance(ev, Delta):
-                    toks.extend(ev.token_ids)
-                    times.extend([time.time()] * len(ev.token_ids))
-                    if join and offered is None and len(toks) >= OFFER_AT:
-                        offered = time.time()
-                        # started and offered off the reply's loop: its tokens keep coming
-                        asyncio.ensure_future(offer())
-                else:
-                    assert ev.error is None, ev.error
-            return toks, times, offered
-
         async def offer():
             (address,) = await newcomer.start()
             head.offer(address)
 
-        reference, ref_times, _ = await reply(False)
-        got, times, offered = await reply(True)
+        # the reply runs until the newcomer is in and 20 more steps came (or n_tokens),
+        # then stops; the same reply is then asked of the new arrangement for the check
+        h = head.submit(list(ids), SamplingParams(greedy=True, max_tokens=n_tokens))
+        got, times, offered, rejoined_at = [], [], None, None
+        async for ev in h:
+            if not isinstance(ev, Delta):
+                break
+            got.extend(ev.token_ids)
+            times.append(time.time())     # a step's tokens arrive together (speculation)
+            if offered is None and len(got) >= OFFER_AT:
+                offered = time.time()
+                asyncio.ensure_future(offer())   # off the reply's loop: its tokens keep coming
+            if rejoined_at is None and any(e["event"] == "rejoined" for e in head.events):
+                rejoined_at = len(times)
+            if rejoined_at is not None and len(times) >= rejoined_at + 20:
+                h.cancel()
         deadline = time.monotonic() + 300
         while not any(e["event"] == "rejoined" for e in head.events) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         back = next((e for e in head.events if e["event"] == "rejoined"), None)
+        reference = await tokens_of(head, ids, len(got))
+        before = [t for t in times if t < offered]
         after = [t for t in times if t >= offered]
         gaps = [b - a for a, b in zip(after, after[1:])]
-        ref_gaps = [b - a for a, b in zip(ref_times, ref_times[1:])]
-        during = back is not None and back["t"] <= times[-1]
+        # a step's tokens come as separate deltas within a millisecond: the gaps between steps
+        usual = [g for g in (b - a for a, b in zip(before, before[1:])) if g > 1e-3]
+        # the stop, split: the last token before the rearrangement began, the rearrangement,
+        # its replay up to the next token
+        lead = replay = None
+        if back is not None:
+            began = back["t"] - back["seconds"]
+            prior = [t for t in times if t <= began]
+            nxt = [t for t in times if t > back["t"]]
+            lead = began - prior[-1] if prior else None
+            replay = nxt[0] - back["t"] if nxt else None
         return {"setup": setup_name(threads), "context": len(ids), "stop_s": max(gaps) if gaps else None,
-                "tpot_s": statistics.median(ref_gaps) if ref_gaps else None,
+                "gap_s": statistics.median(usual) if usual else None,
                 "rearrange_s": back["seconds"] if back else None, "ahead_s": back.get("ahead_s") if back else None,
-                "kept": back.get("kept_layers") if back else None, "during": during,
-                "identical": got == reference, "stages_after": head.n_stages}
+                "kept": back.get("kept_layers") if back else None, "layers": back.get("layers") if back else None,
+                "lead_s": lead, "replay_s": replay,
+                "during": rejoined_at is not None, "identical": got == reference, "stages_after": head.n_stages}
     finally:
         await pipe.close()
         await newcomer.stop()
+
+
+async def tokens_of(head, ids, n) -> list[int]:
+    from engine.core.sampling import SamplingParams
+    from engine.pipeline.head import Delta
+
+    out = []
+    async for ev in head.submit(list(ids), SamplingParams(greedy=True, max_tokens=n)):
+        if isinstance(ev, Delta):
+            out.extend(ev.token_ids)
+        else:
+            assert ev.error is None, ev.error
+    return out
 
 
 def setup_name(threads: int | None) -> str:
@@ -117,7 +146,8 @@ def main(argv=None) -> int:
                     help="torch threads per process, comma-separated, or 'default' (no --threads, as "
                          "potluck serve runs; the newcomer then takes 1)")
     ap.add_argument("--ahead", default="on,off", help="on, off or on,off (side by side)")
-    ap.add_argument("--tokens", type=int, default=300, help="the reply's length: the join must land inside it")
+    ap.add_argument("--tokens", type=int, default=4000,
+                    help="the most the reply runs: it stops 20 steps after the newcomer is in")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import logging
@@ -136,15 +166,15 @@ def main(argv=None) -> int:
         print(f"  {row['setup']}, {context} tokens, ahead {ahead}: "
               + (f"FAILED: {row['failed']}" if "failed" in row else
                  f"longest stop {fmt(row['stop_s'])} s, identical={row['identical']}"), file=sys.stderr, flush=True)
-    print("\n| setup | context | load ahead | reply's longest stop s | usual token gap s | rearrangement s "
-          "| loaded ahead s | layers kept | joined during the reply | identical |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|---|")
+    print("\n| setup | context | load ahead | reply's longest stop s | usual gap between steps s | last token -> rearrangement s "
+          "| rearrangement s | replay -> next token s | loaded ahead s | layers kept | joined during the reply | identical |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['setup']} | {r['context']} | {r['ahead']} | | | | | | | FAILED: {r['failed'][:80]} |")
+            print(f"| {r['setup']} | {r['context']} | {r['ahead']} | | | | | | | | | FAILED: {r['failed'][:80]} |")
             continue
-        print(f"| {r['setup']} | {r['context']} | {r['ahead']} | {fmt(r['stop_s'])} | {fmt(r['tpot_s'], '.3f')} "
-              f"| {fmt(r['rearrange_s'])} | {fmt(r['ahead_s'])} | {fmt(r['kept'], 'd')} "
+        print(f"| {r['setup']} | {r['context']} | {r['ahead']} | {fmt(r['stop_s'])} | {fmt(r['gap_s'], '.3f')} "
+              f"| {fmt(r['lead_s'])} | {fmt(r['rearrange_s'])} | {fmt(r['replay_s'])} | {fmt(r['ahead_s'])} | {fmt(r['kept'], 'd')} "
               f"| {'yes' if r['during'] else 'no'} | {'yes' if r['identical'] else 'NO'} |")
     good = [r for r in rows if "failed" not in r and r["during"] and r["stop_s"]]
     pairs = [(a, b) for a in good for b in good if a["ahead"] == "on" and b["ahead"] == "off"

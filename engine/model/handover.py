@@ -60,6 +60,19 @@ class HeldLayers:
             self.last_parts = {}
         return self
 
+    @staticmethod
+    def merged(a: "HeldLayers | None", b: "HeldLayers | None") -> "HeldLayers | None":
+        return b if a is None else a.merge(b)
+
+    def merge(self, other: "HeldLayers | None") -> "HeldLayers":
+        """These and `other`'s (layers loaded ahead beside a serving stage), when built alike;
+        `other` is let go otherwise."""
+        if other is not None and other.built == self.built:
+            self.layers = {**other.layers, **self.layers}
+            self.first_parts = {**other.first_parts, **self.first_parts}
+            self.last_parts = {**other.last_parts, **self.last_parts}
+        return self
+
     def take(self, built: tuple, start: int, end: int) -> tuple[dict[int, nn.Module], dict[str, nn.Module]]:
         """The layers in [start, end) and the parts for a stage built as `built`, no longer
         held here."""
@@ -69,6 +82,15 @@ class HeldLayers:
         if not built or built != self.built:   # () when keeping is off
             return {}, {}
         return layers, parts
+
+
+def missing_pieces(have: tuple[int, int] | None, want: tuple[int, int]) -> list[tuple[int, int]]:
+    """The ranges of layers in `want` that `have` lacks: none, one, or two (a slice that
+    grows at both ends)."""
+    if have is None or have[1] <= want[0] or want[1] <= have[0]:
+        return [want]
+    pieces = [(want[0], min(want[1], have[0])), (max(want[0], have[1]), want[1])]
+    return [(a, b) for a, b in pieces if a < b]
 
 
 def parts_of(model: nn.Module, base: nn.Module, layers: nn.Module) -> dict[str, nn.Module]:

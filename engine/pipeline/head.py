@@ -155,6 +155,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         # kept after it leaves: one that comes back starts from it (recovery_driver.py)
         self.known_profiles: dict[str, tuple[dict, int]] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._prepared_waiters: dict[int, asyncio.Future] = {}   # stage index -> its "prepared"
         self._stats_lock = asyncio.Lock()
         self.pipeline = pipeline
         # await hop(a, b): how the stage at address a reaches the stage at b when that

@@ -96,24 +96,52 @@ class RecoveryDriver:
         await self._rearrange(joined=r, planned=planned)
 
     async def _load_ahead(self, r: RemoteStage) -> tuple:
-        """Ask `r` to load the share it would get, and wait until it has: the plan for
-        _form, (addresses, split)."""
+        """Ask `r` to load the share it would get, and every stage serving now the layers its
+        next share lacks (the split shifts), and wait until they have: the plan for _form,
+        (addresses, split). A stage that cannot (no room beside the slice it serves) loads
+        them during the rearrangement."""
         order = sorted(self.remotes + [r], key=lambda x: self.recovery.rank(x.address))
         held = self.stage0.held_bytes() if self.stage0 is not None else 0
         split = await self._plan(order, held)
-        start, end = split[2][order.index(r) + 1]
-        self.recovery.ahead(describe_layers([(start, end)]))
+        new = {x.address: rng for x, rng in zip(order, split[2][1:])}
+        self.recovery.ahead(describe_layers([new[r.address]]))
         log.warning("%s", self.recovery.joining_status)
-        await r.ws.send(frames.control("prepare", model=self.source.spec, start=start, end=end,
-                                       fingerprint=self.fingerprint, dtype=self.dtype_name, weights=split[1]))
-        while True:
-            msg = frames.parse_control(await r.ws.recv())
-            if msg["type"] == "prepared":
-                return [x.address for x in order], split
-            if msg["type"] == "error":
-                raise PipelineError(f"{r.address}: {msg['message']}")
-            if msg["type"] not in ("progress",):
-                raise frames.FrameError(f"unexpected {msg['type']} while loading ahead")
+        fields = dict(model=self.source.spec, fingerprint=self.fingerprint, dtype=self.dtype_name, weights=split[1])
+
+        async def newcomer():
+            await r.ws.send(frames.control("prepare", start=new[r.address][0], end=new[r.address][1], **fields))
+            while True:
+                msg = frames.parse_control(await r.ws.recv())
+                if msg["type"] == "prepared":
+                    if msg["error"]:
+                        raise PipelineError(f"{r.address}: {msg['error']}")
+                    return
+                if msg["type"] == "error":
+                    raise PipelineError(f"{r.address}: {msg['message']}")
+                if msg["type"] != "progress":
+                    raise frames.FrameError(f"unexpected {msg['type']} while loading ahead")
+
+        async def serving(index: int, x: RemoteStage):
+            (a, b), (s, e) = new[x.address], x.range
+            if s <= a and b <= e:
+                return   # it holds them all
+            fut = self._prepared_waiters[index] = asyncio.get_running_loop().create_future()
+            await x.ws.send(frames.control("prepare", start=a, end=b, **fields))
+            msg = await fut   # (its connection read by _read_stage; if it closes, the loss cancels this)
+            if msg["error"]:
+                log.warning("stage %d loads layers %d-%d during the rearrangement: %s", index, a, b - 1, msg["error"])
+
+        try:
+            # each to its end (what the others loaded is kept either way), the newcomer's
+            # failure after: a cancel (a stage lost) cancels them all
+            results = await asyncio.gather(newcomer(), *(serving(i, x) for i, x in enumerate(self.remotes, start=1)),
+                                           return_exceptions=True)
+        finally:
+            self._prepared_waiters.clear()
+        for exc in results:
+            if isinstance(exc, BaseException):
+                raise exc
+        return [x.address for x in order], split
 
     async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None,
                          planned: tuple | None = None):

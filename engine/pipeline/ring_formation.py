@@ -264,6 +264,10 @@ class RingFormation:
                         return
                     elif msg["type"] == "profile":   # checked point by point by parse_control
                         self.profiles[index] = msg["profile"]
+                    elif msg["type"] == "prepared":   # it loaded its next slice's layers ahead
+                        fut = self._prepared_waiters.pop(index, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
                     elif msg["type"] == "stats":
                         fut = self._stats_waiters.pop(index, None)
                         if fut is not None and not fut.done():

@@ -30,12 +30,14 @@ from engine.model.device import (HostStaging, device_name, free_memory, kv_budge
                                  pick_device, release_memory, speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
-from engine.core.profile import differs, interp, scaled
+from engine.core.profile import differs, interp
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
 from engine.model.sources import ModelError
 from engine.pipeline.configure_check import check_configure
+from engine.pipeline.load_ahead import ahead_profile, build_alone, build_beside
+from engine.model.handover import HeldLayers
 from engine.wire.sealed_socket import SealedSocket
 from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce
 # what a stage and its peers agree on, importable from here as before
@@ -100,6 +102,10 @@ class StageServer:
         # a slice loaded ahead ("prepare"): its profile, the layers it was measured for and
         # how it was built (model, dtype, weights), for the configure that takes it
         self._ahead: tuple[dict, int, tuple] | None = None
+        # beside a serving stage: the layers its next slice lacks, loaded ahead
+        self._extra: HeldLayers | None = None
+        self._preparing: asyncio.Future | None = None
+        self._load_exec = ThreadPoolExecutor(1, thread_name_prefix="load-ahead")
         self._profile_sent_at = 0.0
         self.compress = "off"
         self.acks = True               # until configured (see _configure)
@@ -118,7 +124,8 @@ class StageServer:
     def _free_memory(self) -> int:
         # the slice held now goes when the next configure comes: its memory is on offer too
         # (else after a rearrangement a GPU full of layers would offer a few layers' room)
-        free = free_memory(self.device) + (self.stage.held_bytes() if self.stage is not None else 0)
+        free = free_memory(self.device) + (self.stage.held_bytes() if self.stage is not None else 0) \
+            + (self._extra.nbytes() if self._extra is not None else 0)
         return free if self.memory_cap is None else min(free, self.memory_cap)
 
     def about(self) -> dict:
@@ -169,7 +176,7 @@ class StageServer:
 
     def _retire_threads(self):
         """Compute threads end with the server (each keeps its own heap arena), not at gc."""
-        for executor in (self._exec, self._decode_exec):
+        for executor in (self._exec, self._decode_exec, self._load_exec):
             executor.shutdown(wait=False, cancel_futures=True)
 
     async def leave(self, reason: str, seconds: float = LEAVE_S) -> bool:
@@ -201,10 +208,11 @@ class StageServer:
         """The old stage's layers in [start, end), on the compute thread once a decode step
         that cut in is done."""
         old, self.stage = self.stage, None
+        extra, self._extra = self._extra, None   # loaded ahead beside it
         if old is None:
-            return None
+            return extra.narrow(start, end) if extra is not None else None
         self._decode_exec.submit(lambda: None).result()
-        return old.hand_over().narrow(start, end)
+        return old.hand_over().merge(extra).narrow(start, end)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -284,7 +292,7 @@ class StageServer:
                 if kind == "configure":
                     await self._configure(ws, msg)
                 elif kind == "prepare":
-                    await self._prepare(ws, msg)
+                    self._preparing = asyncio.ensure_future(self._prepare(ws, msg, self._preparing))
                 elif kind == "free":
                     await self._run(self._free, msg["seq_ids"])
                 elif kind == "get_stats":
@@ -331,45 +339,51 @@ class StageServer:
             )
         return progress
 
-    async def _prepare(self, ws, msg):
-        """Load a slice ahead while the head serves without this machine (it is being taken
-        in): built and measured as configure would, with room for no conversation yet, and
-        held until the configure that follows keeps its layers (engine/model/handover.py)
-        and its profile -- so taking this machine in pauses nobody for its loading."""
+    async def _prepare(self, ws, msg, before: asyncio.Future | None):
+        """Load ahead what the slice [start, end) lacks, while the pipeline serves
+        (engine/pipeline/load_ahead.py): the whole slice, built and measured, on a machine
+        not serving; the layers it lacks, beside the stage it serves, on one that is. The
+        configure that follows keeps them. Runs beside the control loop (frees and stats
+        go on); answers "prepared", with the reason when nothing was loaded."""
+        if before is not None and not before.done():
+            await asyncio.wait([before])
         progress = self._progress_to(ws)
+        serving = self.stage if self._route is not None else None
 
-        def load():
+        def alone():
             c = check_configure(msg, self.trusted_head, self.accept_models, self.memory_cap)
             held = self._hand_over(msg["start"], msg["end"])   # a machine back with its old slice
             release_memory(self.device)
-            stage, prof = load_and_measure(lambda: StageModel(
-                c.source, msg["start"], msg["end"], dtype=c.dtype, device=self.device, reuse=held,
-                kv_budget_tokens=0, progress=progress, cores=self.cores, weights=msg["weights"]))
-            return stage, (prof, msg["end"] - msg["start"], (c.fingerprint, msg["dtype"], msg["weights"]))
+            self.stage, self._ahead = build_alone(c, msg, held, self.device, self.cores, progress)
 
+        def beside():
+            c = check_configure(msg, self.trusted_head, self.accept_models, self.memory_cap)
+            self._extra = HeldLayers.merged(self._extra, build_beside(c, msg, serving, self.device,
+                                                                      self.memory_cap, progress))
+
+        error = None
         try:
-            self.stage, self._ahead = await self._run(load)
+            if serving is None:
+                await self._run(alone)
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._load_exec, beside)
         except (ModelError, OSError, ValueError) as exc:
-            await ws.send(frames.control("error", message=str(exc)))
-            return
-        log.info("layers %d-%d loaded ahead (%d kept)", msg["start"], msg["end"] - 1, self.stage.kept_layers)
-        await ws.send(frames.control("prepared", n_layers=self.stage.end - self.stage.start,
-                                     kept_layers=self.stage.kept_layers, param_bytes=self.stage.param_bytes()))
-
-    def _ahead_profile(self, msg, fingerprint: str) -> dict | None:
-        """The profile measured when this slice was loaded ahead, scaled to the slice asked
-        for (configure brings none for a machine the head has not timed): measuring again
-        would pause every conversation."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead[2] != (fingerprint, msg["dtype"], msg["weights"]):
-            return None
-        return scaled(ahead[0], (msg["end"] - msg["start"]) / max(1, ahead[1]))
+            error = str(exc)
+        held = self.stage if serving is None else self._extra
+        n = 0 if error or held is None else (held.end - held.start if serving is None else len(held))
+        log.info("layers %d-%d: %s", msg["start"], msg["end"] - 1, error or f"{n} loaded ahead")
+        try:
+            await ws.send(frames.control("prepared", n_layers=n, error=error))
+        except ConnectionClosed:
+            pass   # the head let go meanwhile (a stage lost): what was loaded stays for the next configure
 
     async def _configure(self, ws, msg):
         # before loading: the stage before this one may finish loading first and connect
         self._route = msg["route"]
         self._route_set.set()
         progress = self._progress_to(ws)
+        if self._preparing is not None and not self._preparing.done():
+            await asyncio.wait([self._preparing])   # what it loads is this slice's too
 
         def load():
             t0 = time.perf_counter()
@@ -384,7 +398,8 @@ class StageServer:
             if msg["kv_budget_tokens"]:
                 budget = msg["kv_budget_tokens"] if available is None else min(budget, msg["kv_budget_tokens"])
             t1 = time.perf_counter()
-            profile = msg["profile"] or self._ahead_profile(msg, fp)
+            ahead, self._ahead = self._ahead, None
+            profile = msg["profile"] or ahead_profile(ahead, fp, msg)
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device, reuse=held,
                 kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]),

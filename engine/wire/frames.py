@@ -305,7 +305,8 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "progress": {"done": _INT, "total": _INT, "what": _STR},
     "configured": {"fingerprint": _STR, "param_bytes": _INT, "kv_budget_tokens": _INT, "n_layers": _INT,
                    "profile": _PROFILE, "weights": _STR, "kept_layers": _INT},
-    "prepared": {"n_layers": _INT, "kept_layers": _INT, "param_bytes": _INT},
+    # how many layers were loaded ahead; why none were (they load during the rearrangement)
+    "prepared": {"n_layers": _INT, "error": _OPT_STR},
     # the stage's profile as its steps in service time it (profile.StepLog)
     "profile": {"profile": _PROFILE},
     "error": {"message": _STR},

@@ -157,3 +157,28 @@ def test_quantized_layers_are_kept_as_they_are(tiny_folder, weights, caplog):
     after = greedy([kept])
     assert same(after, greedy([fresh])) and after[0] == before[0]
     assert "no linear modules" not in caplog.text   # nothing left to quantize is no news
+
+
+def test_the_pieces_a_next_slice_lacks():
+    from engine.model.handover import missing_pieces
+
+    assert missing_pieces((10, 20), (12, 18)) == []            # shrinks: lacks nothing
+    assert missing_pieces((15, 30), (10, 20)) == [(10, 15)]     # shifts down
+    assert missing_pieces((10, 20), (5, 25)) == [(5, 10), (20, 25)]   # grows at both ends
+    assert missing_pieces((0, 10), (10, 20)) == [(10, 20)]      # none of it
+    assert missing_pieces(None, (3, 6)) == [(3, 6)]
+
+
+def test_layers_loaded_ahead_join_the_old_stages_only_when_built_alike():
+    from torch import nn
+
+    from engine.model.handover import HeldLayers
+
+    built = ("fp", "float32", "bf16", "cpu")
+    old = HeldLayers({3: nn.Linear(2, 2), 4: nn.Linear(2, 2)}, built, None, 6)
+    ahead = HeldLayers({2: nn.Linear(2, 2)}, built, None, 6, last_parts={"lm_head": nn.Linear(2, 3)})
+    assert HeldLayers.merged(None, ahead) is ahead
+    merged = HeldLayers.merged(old, ahead)
+    assert sorted(merged.layers) == [2, 3, 4] and list(merged.last_parts) == ["lm_head"]
+    other = HeldLayers({5: nn.Linear(2, 2)}, ("fp", "float32", "nf4", "cpu"), None, 6)
+    assert sorted(merged.merge(other).layers) == [2, 3, 4]   # another precision: let go

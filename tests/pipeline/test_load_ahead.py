@@ -50,11 +50,11 @@ def held_back(server: StageServer, gate: asyncio.Event, times: int = 1):
     """The server's first `times` loads ahead wait for `gate` (a machine slow to read its layers)."""
     original, calls = server._prepare, []
 
-    async def slow(ws, msg):
+    async def slow(ws, msg, *rest):
         calls.append(time.monotonic())
         if len(calls) <= times:
             await gate.wait()
-        return await original(ws, msg)
+        return await original(ws, msg, *rest)
 
     server._prepare = slow
     return calls
@@ -112,6 +112,47 @@ async def test_a_machine_that_joins_mid_reply_loads_its_share_while_the_reply_go
         assert (await tokens(ask(head, 30)))[0] == reference[:30]
     finally:
         await head.close()
+        await b.close()
+
+
+async def test_a_stage_whose_share_shifts_loads_its_new_layers_beside_the_ones_it_serves(tiny_folder, monkeypatch):
+    """Taking a third machine in shifts the middle stage's share down: it loads the layer it
+    lacks while it goes on serving its own, and the rearrangement reads nothing."""
+    from engine.model.sources import resolve
+
+    import engine.pipeline.head as head_module
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}"])
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    gate = asyncio.Event()
+    calls = held_back(a, gate)
+    try:
+        reference, _ = await tokens(ask(head))
+        old = tuple(head.ranges[1])
+        head.layers_override = [(0, 2), (2, 4), (4, 6)]   # the split once b is in
+        assert old[0] > 2, old
+        pace(monkeypatch, head.stage0)
+        handle = ask(head)
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        head.offer(f"ws://127.0.0.1:{b.port}")
+        await until(lambda: calls, timeout=30)
+        # the middle stage is loading beside the layers it serves: the reply goes on
+        before = len(handle.seq.generated)
+        await until(lambda: len(handle.seq.generated) >= before + 5, timeout=30)
+        assert head.n_stages == 2
+        gate.set()
+        toks, done = await asyncio.wait_for(tokens(handle), 120)
+        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        assert done.error is None and toks == reference
+        rejoined = head.info()["events"][-1]
+        assert head.ranges == [(0, 2), (2, 4), (4, 6)] and rejoined["kept_layers"] == N_LAYERS, rejoined
+        assert a.stage.kept_layers == 2 and a._extra is None   # layer 2 loaded ahead, 3 kept
+        assert (await tokens(ask(head, 60)))[0] == reference[:60]
+    finally:
+        await head.close()
+        await a.close()
         await b.close()
 
 
