@@ -55,6 +55,8 @@ def event_line(e: dict) -> str:
     who = e.get("who") or "a computer"
     if kind == "left":
         text = f"{who} left: {e.get('why_words') or 'it stopped answering'}"   # the node words it
+    elif kind == "leaving":
+        text = f"{who} is leaving: the others load its layers while it still serves"
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
     elif kind in ("back", "joined"):
@@ -113,6 +115,11 @@ def status_html(st: dict) -> str:
             out.append(f"<p>{html.escape(spec)}</p>")
         if h.get("recovering"):
             out.append(f"<p><b>Now:</b> {html.escape(h['recovering'])}</p>")
+        elif h.get("leaving"):
+            going = [e for e in (h.get("events") or []) if e.get("event") == "leaving"]
+            who = (going[-1].get("who") if going else None) or "a computer"
+            out.append(f"<p><b>Now:</b> {html.escape(who)} is leaving; the others are loading its layers "
+                       "while it still serves</p>")
         elif h.get("joining"):   # its words name an address: the node's event names the computer
             came = [e for e in (h.get("events") or []) if e.get("event") in ("back", "joined")]
             who = (came[-1].get("who") if came else None) or "a computer"

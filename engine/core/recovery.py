@@ -17,6 +17,8 @@ does the I/O -- closing connections, saying hello, loading layers, replaying seq
     rec.watching / rec.may_ask / rec.to_ask(now) / rec.came(address, now)   # machines coming back:
     rec.ahead(layers) ... rec.begin(..., joined=address)   # it loads its layers while the pipeline
     rec.joined_gone(address, why, now)                     # serves, then a rearrangement takes it in
+    rec.leaving(index, address, why, epoch) ... rec.lost(...)   # a stage with notice: the others load
+                                                           # its layers while it serves, then it is lost
     rec.offer(address, now)                        # a machine offers itself
     rec.rank(address)                              # its place in the pipeline's order
 
@@ -115,6 +117,10 @@ class Recovery:
         # serves (the rearrangement that takes it in follows): its address, since when
         self.joining: str | None = None
         self.joining_status: str | None = None
+        # a stage that said it is leaving, whose layers the others load while it still
+        # serves (the rearrangement that lets it go follows): its address, the status
+        self.parting: str | None = None
+        self.parting_status: str | None = None
         self._t_came: float | None = None
         self._ahead_s: float | None = None
         self._loaded_ahead = False
@@ -162,7 +168,7 @@ class Recovery:
     @property
     def may_ask(self) -> bool:
         """Whether the watch may ask now (a rearrangement in progress asks them itself)."""
-        return self.watching and self.status is None and self.joining is None
+        return self.watching and self.status is None and self.joining is None and self.parting is None
 
     def came(self, address: str, now: float, ahead: bool = True) -> str:
         """A machine answered the watch: it loads its layers ahead while the pipeline goes
@@ -190,6 +196,18 @@ class Recovery:
 
     def _stop_joining(self) -> None:
         self.joining = self.joining_status = None
+        self.parting = self.parting_status = None
+
+    def leaving(self, index: int, address: str, why: str, epoch: int) -> bool:
+        """Stage `index` said it is leaving: whether the others load its layers first, while
+        it still serves (False: nothing else may be under way; it is lost at once instead).
+        Its loss follows (lost()) once they have, or its notice runs out."""
+        if epoch != self.epoch or self.failed or self.status or self.closed or self.joining or self.parting:
+            return False
+        self.parting = address
+        self.parting_status = f"{why}: the others load its layers while the pipeline serves"
+        self._record("leaving", stage=index, address=address, why=why)
+        return True
 
     def _verb(self, address: str) -> str:
         return "is back" if address in self.served else "joined"
@@ -200,7 +218,8 @@ class Recovery:
         arrangement's stage, a rearrangement already under way, or the pipeline is done)."""
         if epoch != self.epoch or self.failed or self.status or self.closed:
             return False
-        # a machine loading ahead is let go: the loss comes first (the watch asks it again)
+        # a machine loading ahead is let go: the loss comes first (the watch asks it again);
+        # a stage leaving is lost now (its layers loaded by the others or not)
         self._stop_joining()
         self.status = why
         self._record("left", stage=index, address=address, why=why)

@@ -182,6 +182,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         self.stage0: StageModel | None = None
         # the old stage 0's layers during a rearrangement, for the new one (model/handover.py)
         self._held = None
+        self._extra0 = None   # layers stage 0's next share lacks, loaded ahead beside it (_prepare_all)
         self._data_ws = None
         self._readers: list[asyncio.Task] = []
         self.ranges: list[tuple[int, int]] = []
@@ -326,6 +327,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
             "recovering": self.recovering,
             # a machine being taken in, loading its layers while the pipeline serves
             "joining": self.recovery.joining_status,
+            # a stage that said it is leaving, whose layers the others load while it serves
+            "leaving": self.recovery.parting_status,
             "speculation": self.speculation(),
             "events": self.events[-20:],
             "error": self.error,

@@ -19,6 +19,9 @@ from engine.model.sources import ModelError
 from engine.core.partition import NoRoom
 from engine.core.recovery import PROBE_TIMEOUT_S, Ask, describe_layers
 from engine.wire import frames
+from engine.model.handover import HeldLayers
+from engine.pipeline.configure_check import Checked
+from engine.pipeline.load_ahead import build_beside
 from engine.core.scheduler import Scheduler
 from engine.model.sampler import Sampler
 from engine.pipeline.requests import PipelineError, Sequence
@@ -27,9 +30,15 @@ from engine.pipeline.ring_formation import RemoteStage
 log = logging.getLogger("potluck.head")
 
 
+# how much of a leaving stage's notice the others may spend loading its layers while it
+# serves: the rest is for letting it go before it goes anyway
+PART_SHARE = 0.6
+
+
 def loading_ahead() -> bool:
-    """Whether a machine taken in loads its layers before the rearrangement, while the
-    pipeline serves (POTLUCK_LOAD_AHEAD=0: during it, as before; bench/join.py --ahead)."""
+    """Whether a machine taken in, and the stages that take a leaving one's layers, load
+    them before the rearrangement, while the pipeline serves (POTLUCK_LOAD_AHEAD=0: during
+    it, as before; bench/join.py --ahead)."""
     return os.environ.get("POTLUCK_LOAD_AHEAD", "1") != "0"
 
 
@@ -44,7 +53,7 @@ class RecoveryDriver:
         if self.recovery.offer(self._remember(address), time.monotonic()):
             self._ensure_watch()
 
-    def _stage_lost(self, index: int, why: str, epoch: int, ask_back: bool = True):
+    def _stage_lost(self, index: int, why: str, epoch: int, ask_back: bool = True, planned: tuple | None = None):
         """A stage left (its connection closed or went silent, it sent garbage, its
         owner took it back): rearrange the pipeline over the stages left and go on."""
         address = self.remotes[index - 1].address if 0 < index <= len(self.remotes) else None
@@ -54,7 +63,8 @@ class RecoveryDriver:
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()   # a machine loading ahead (_take_in): the loss comes first
         self._stop_drafting_ahead()   # the steps in flight never come back
-        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back)))
+        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back,
+                                                                                    planned=planned)))
 
     async def _recover_or_fail(self, rearrangement):
         try:
@@ -98,17 +108,31 @@ class RecoveryDriver:
     async def _load_ahead(self, r: RemoteStage) -> tuple:
         """Ask `r` to load the share it would get, and every stage serving now the layers its
         next share lacks (the split shifts), and wait until they have: the plan for _form,
-        (addresses, split). A stage that cannot (no room beside the slice it serves) loads
-        them during the rearrangement."""
+        (addresses, split)."""
         order = sorted(self.remotes + [r], key=lambda x: self.recovery.rank(x.address))
-        held = self.stage0.held_bytes() if self.stage0 is not None else 0
-        split = await self._plan(order, held)
-        new = {x.address: rng for x, rng in zip(order, split[2][1:])}
-        self.recovery.ahead(describe_layers([new[r.address]]))
+        planned = await self._plan_without_pause(order)
+        start, end = planned[1][2][order.index(r) + 1]
+        self.recovery.ahead(describe_layers([(start, end)]))
         log.warning("%s", self.recovery.joining_status)
+        await self._prepare_all(planned, r)
+        return planned
+
+    async def _plan_without_pause(self, order: list[RemoteStage]) -> tuple:
+        """The split over this machine and `order` (the stages of the next arrangement), made
+        while this one serves: (their addresses, _plan's split)."""
+        held = self.stage0.held_bytes() if self.stage0 is not None else 0
+        return [x.address for x in order], await self._plan(order, held)
+
+    async def _prepare_all(self, planned: tuple, newcomer: RemoteStage | None = None):
+        """Each stage of the planned arrangement loads ahead what its share lacks: a stage
+        serving now, beside its slice (engine/pipeline/load_ahead.py); `newcomer`, its whole
+        share. One that cannot (no room beside the slice it serves) loads it during the
+        rearrangement; the newcomer's failure is raised once the others are done."""
+        addresses, split = planned
+        new = dict(zip(addresses, split[2][1:]))
         fields = dict(model=self.source.spec, fingerprint=self.fingerprint, dtype=self.dtype_name, weights=split[1])
 
-        async def newcomer():
+        async def joining(r: RemoteStage):
             await r.ws.send(frames.control("prepare", start=new[r.address][0], end=new[r.address][1], **fields))
             while True:
                 msg = frames.parse_control(await r.ws.recv())
@@ -131,17 +155,58 @@ class RecoveryDriver:
             if msg["error"]:
                 log.warning("stage %d loads layers %d-%d during the rearrangement: %s", index, a, b - 1, msg["error"])
 
+        async def own():   # this machine's stage 0, beside the slice it serves
+            (a, b), stage = split[2][0], self.stage0
+            if stage is None or (stage.start <= a and b <= stage.end):
+                return
+            checked = Checked(self.source, self.dtype, self.fingerprint, self.config, 0)
+            msg = dict(start=a, end=b, weights=split[1])
+            try:
+                extra = await asyncio.to_thread(build_beside, checked, msg, stage, self.device, self.memory_cap, None)
+            except ModelError as exc:
+                log.warning("layers %d-%d load during the rearrangement: %s", a, b - 1, exc)
+                return
+            self._extra0 = HeldLayers.merged(self._extra0, extra)
+
+        tasks = [own()] + ([joining(newcomer)] if newcomer is not None else [])
+        tasks += [serving(i, x) for i, x in enumerate(self.remotes, start=1) if x.address in new]
         try:
             # each to its end (what the others loaded is kept either way), the newcomer's
             # failure after: a cancel (a stage lost) cancels them all
-            results = await asyncio.gather(newcomer(), *(serving(i, x) for i, x in enumerate(self.remotes, start=1)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             self._prepared_waiters.clear()
         for exc in results:
             if isinstance(exc, BaseException):
                 raise exc
-        return [x.address for x in order], split
+
+    def _part(self, index: int, why: str, seconds: float, epoch: int) -> bool:
+        """Stage `index` said it is leaving within `seconds`: the others load its layers while
+        it still serves, then it is let go (_take_out). False: that cannot be now (something
+        else under way); the caller loses it at once."""
+        if not loading_ahead() or not 0 < index <= len(self.remotes) or \
+                not self.recovery.leaving(index, self.remotes[index - 1].address, why, epoch):
+            return False
+        log.warning("%s", self.recovery.parting_status)
+        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._take_out(index, why, seconds, epoch)))
+        return True
+
+    async def _take_out(self, index: int, why: str, seconds: float, epoch: int):
+        """The stages left load the leaving stage's layers (each the part its new share
+        lacks) while it still serves, for at most PART_SHARE of its notice; then it is lost
+        as any stage is, and the rearrangement keeps what they loaded (a load not done by
+        then finishes within it)."""
+        leaver = self.remotes[index - 1]
+        planned = None
+        try:
+            planned = await self._plan_without_pause([x for x in self.remotes if x is not leaver])
+            await asyncio.wait_for(self._prepare_all(planned), PART_SHARE * seconds)
+        except asyncio.TimeoutError:
+            log.warning("the stages left are still loading stage %d's layers: they finish in the rearrangement", index)
+        except (PipelineError, ModelError, NoRoom, ConnectionClosed, OSError, frames.FrameError) as exc:
+            log.warning("the stages left could not load stage %d's layers ahead (%s)", index, exc)
+        self._recovery = None   # (this task, which ends here): the loss starts the rearrangement
+        self._stage_lost(index, why, epoch, ask_back=False, planned=planned)
 
     async def _rearrange(self, lost: int | None = None, ask_back: bool = True, joined: RemoteStage | None = None,
                          planned: tuple | None = None):
@@ -200,7 +265,8 @@ class RecoveryDriver:
         # on the compute thread, once a decode step that cut in is done: no step of the old
         # stage runs while its layers change hands
         await asyncio.get_running_loop().run_in_executor(self._decode_exec, lambda: None)
-        return await self._run(stage.hand_over)
+        extra, self._extra0 = self._extra0, None   # and what was loaded ahead beside it
+        return (await self._run(stage.hand_over)).merge(extra)
 
     def _profile_hints(self) -> dict:
         """Each machine's last profile, for the layers it held: the stages left start from

@@ -259,8 +259,10 @@ class RingFormation:
                         # its owner is taking it back (sharing off, a game, sleep): move its
                         # layers now, while it waits for us to let it go
                         log.warning("stage %d is leaving in %.0f s: %s", index, msg["seconds"], msg["reason"])
-                        self._stage_lost(index, f"stage {index} ({r.address}) is leaving: {msg['reason']}", epoch,
-                                         ask_back=False)
+                        why = f"stage {index} ({r.address}) is leaving: {msg['reason']}"
+                        if self._part(index, why, msg["seconds"], epoch):
+                            continue   # it serves on while the others load its layers
+                        self._stage_lost(index, why, epoch, ask_back=False)
                         return
                     elif msg["type"] == "profile":   # checked point by point by parse_control
                         self.profiles[index] = msg["profile"]

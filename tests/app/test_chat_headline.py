@@ -57,6 +57,21 @@ def test_while_a_friend_loads_its_share_the_chat_says_it_goes_on():
     assert "loaded beforehand in 8 s while the chat went on" in status_html({"state": "serving", "hosting": hosting})
 
 
+def test_while_a_friend_leaves_with_notice_the_chat_says_it_goes_on():
+    from app.chat import ChatWindow
+    from app.status_dialog import status_html
+
+    leaving = {"event": "leaving", "address": "ws://ana-pc:7860", "who": "Ana", "t": 9.0,
+               "why": "stage 1 (ws://ana-pc:7860) is leaving: this computer is going to sleep"}
+    hosting = {"model": "M", "recovering": None, "events": [leaving], "joining": None,
+               "leaving": "stage 1 (ws://ana-pc:7860) is leaving: …: the others load its layers",
+               "stages": [{"address": "head (this process)", "layers": [0, 30]}]}
+    text = ChatWindow.hosting_headline(hosting)
+    assert "Ana is leaving" in text and "goes on" in text and "ws://" not in text
+    page = status_html({"state": "serving", "hosting": hosting})
+    assert "Ana is leaving; the others are loading its layers" in page and "ws://" not in page
+
+
 def test_the_status_window_lists_what_happened():
     from app.status_dialog import status_html
 

@@ -186,6 +186,18 @@ def test_a_stage_lost_while_a_machine_loads_ahead_comes_first():
     assert rec.may_ask and rec.to_ask(4.0) == [C]
 
 
+def test_a_stage_leaving_with_notice_is_lost_once_the_others_loaded_its_layers():
+    rec = running([A, B])
+    assert rec.leaving(2, B, "stage 2 (ws://b:1) is leaving: sleep", epoch=0)
+    # the pipeline serves meanwhile, and nothing else starts
+    assert rec.status is None and "the others load its layers" in rec.parting_status and not rec.may_ask
+    assert not rec.leaving(1, A, "stage 1 is leaving too", epoch=0)   # one at a time: A is lost at once
+    assert rec.lost(2, B, "stage 2 (ws://b:1) is leaving: sleep", epoch=0)
+    assert rec.parting is None and rec.status
+    assert [e["event"] for e in rec.events] == ["leaving", "left"]
+    assert not rec.leaving(1, A, "x", epoch=0)   # a rearrangement under way
+
+
 def test_a_machine_that_goes_while_loading_ahead_is_asked_again():
     rec = running([A, B])
     rec.offer(C, now=0.0)

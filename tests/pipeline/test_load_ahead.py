@@ -30,6 +30,11 @@ async def tiny_head(source, addrs, **kw):
     return head
 
 
+def last_event(head) -> str | None:
+    events = head.info()["events"]
+    return events[-1]["event"] if events else None
+
+
 def ask(head, n=200):
     return head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n))
 
@@ -99,7 +104,7 @@ async def test_a_machine_that_joins_mid_reply_loads_its_share_while_the_reply_go
         assert head.info()["joining"] is not None and head.n_stages == 1
         gate.set()
         toks, done = await asyncio.wait_for(tokens(handle), 120)
-        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        await until(lambda: last_event(head) == "rejoined", timeout=60)
         assert done.error is None and toks == reference
         events = head.info()["events"]
         assert [e["event"] for e in events] == ["joined", "rejoined"], events
@@ -144,12 +149,50 @@ async def test_a_stage_whose_share_shifts_loads_its_new_layers_beside_the_ones_i
         assert head.n_stages == 2
         gate.set()
         toks, done = await asyncio.wait_for(tokens(handle), 120)
-        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        await until(lambda: last_event(head) == "rejoined", timeout=60)
         assert done.error is None and toks == reference
         rejoined = head.info()["events"][-1]
         assert head.ranges == [(0, 2), (2, 4), (4, 6)] and rejoined["kept_layers"] == N_LAYERS, rejoined
         assert a.stage.kept_layers == 2 and a._extra is None   # layer 2 loaded ahead, 3 kept
         assert (await tokens(ask(head, 60)))[0] == reference[:60]
+    finally:
+        await head.close()
+        await a.close()
+        await b.close()
+
+
+async def test_a_stage_leaving_with_notice_has_its_layers_loaded_by_the_others_while_it_serves(tiny_folder,
+                                                                                               monkeypatch):
+    """A friend's stage says it is leaving (sharing off, sleep): it goes on serving while
+    the stages left load its layers beside theirs, then it is let go, and the rearrangement
+    reads nothing."""
+    from engine.model.sources import resolve
+
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}", f"ws://127.0.0.1:{b.port}"])
+    gate = asyncio.Event()
+    calls = held_back(a, gate)
+    try:
+        reference, _ = await tokens(ask(head))
+        pace(monkeypatch, head.stage0)
+        handle = ask(head)
+        await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
+        leaving = asyncio.ensure_future(b.leave("switched off by its owner"))
+        await until(lambda: calls, timeout=30)
+        assert head.info()["leaving"] and head.recovering is None
+        before = len(handle.seq.generated)   # the leaving stage serves on meanwhile
+        await until(lambda: len(handle.seq.generated) >= before + 5, timeout=30)
+        gate.set()
+        assert await asyncio.wait_for(leaving, 30)   # let go within its notice
+        toks, done = await asyncio.wait_for(tokens(handle), 120)
+        await until(lambda: last_event(head) == "recovered", timeout=60)
+        assert done.error is None and toks == reference
+        events = head.info()["events"]
+        assert [e["event"] for e in events] == ["leaving", "left", "recovered"], events
+        assert head.n_stages == 2 and events[-1]["kept_layers"] == N_LAYERS, events[-1]
+        assert head.info()["leaving"] is None
     finally:
         await head.close()
         await a.close()
@@ -172,7 +215,7 @@ async def test_without_loading_ahead_the_rearrangement_reads_the_share(tiny_fold
         handle = ask(head, 60)
         head.offer(f"ws://127.0.0.1:{b.port}")
         toks, done = await asyncio.wait_for(tokens(handle), 120)
-        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        await until(lambda: last_event(head) == "rejoined", timeout=60)
         assert done.error is None and toks == reference
         rejoined = head.info()["events"][-1]
         assert rejoined["ahead_s"] is None and rejoined["kept_layers"] == head.ranges[0][1], rejoined
@@ -203,14 +246,14 @@ async def test_a_stage_lost_while_a_machine_loads_ahead_is_dealt_with_first(tiny
         await until(lambda: calls, timeout=30)
         await a.close("switched off", wait_s=10)
         # dealt with while the machine is still loading (its load waits for the gate)
-        await until(lambda: head.info()["events"][-1]["event"] == "recovered", timeout=60)
+        await until(lambda: last_event(head) == "recovered", timeout=60)
         assert not gate.is_set() and head.n_stages == 1
         kinds = [e["event"] for e in head.info()["events"]]
         assert kinds == ["joined", "left", "recovered"], kinds
         toks, done = await asyncio.wait_for(tokens(handle), 120)
         assert done.error is None and toks == reference
         gate.set()   # the machine finishes; the head asks it again and takes it in
-        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        await until(lambda: last_event(head) == "rejoined", timeout=60)
         assert head.n_stages == 2 and head.remotes[0].address.endswith(f":{b.port}")
         assert len(calls) == 2 and head.info()["events"][-1]["kept_layers"] == N_LAYERS
         assert (await tokens(ask(head, 60)))[0] == reference
@@ -218,3 +261,24 @@ async def test_a_stage_lost_while_a_machine_loads_ahead_is_dealt_with_first(tiny
         await head.close()
         await a.close()
         await b.close()
+
+
+def test_a_serving_stage_loads_beside_only_what_fits_and_what_it_lacks(tiny_folder):
+    import pytest
+    import torch
+
+    from engine.model.sources import ModelError, resolve
+    from engine.model.stage import StageModel
+    from engine.pipeline.configure_check import check_configure
+    from engine.pipeline.load_ahead import build_beside
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    serving = StageModel(source, 0, 3, dtype=torch.float32, device="cpu", kv_budget_tokens=64)
+    msg = dict(model=str(folder), start=1, end=5, fingerprint=None, dtype="float32", weights="bf16")
+    checked = check_configure(msg, True, (), None)
+    extra = build_beside(checked, msg, serving, "cpu", None, None)
+    assert sorted(extra.layers) == [3, 4] and not extra.first_parts and not extra.last_parts
+    assert build_beside(checked, dict(msg, start=0, end=2), serving, "cpu", None, None) is None   # holds them
+    with pytest.raises(ModelError, match="beside the layers it serves"):
+        build_beside(checked, msg, serving, "cpu", serving.held_bytes() + 1024, None)
