@@ -11,7 +11,10 @@ many torch threads per process, as `--threads N` does.
   * silent  SIGSTOP: nothing closes (a laptop asleep, a cable pulled); only the
             heartbeats on the head's connections notice.
   * leaving SIGTERM: the stage leaves gracefully (as on sharing off, the owner's
-            limits, sleep): it says "leaving" and the head moves its layers at once.
+            limits, sleep): it says "leaving", serves on while the others load its
+            layers (a few seconds at most), and is let go. Its detect is to its notice,
+            and its death -> next token the reply's longest stop (it never stops
+            between); POTLUCK_LOAD_AHEAD=0 moves its layers at once, as before.
   * sleep   SIGSTOP as silent, then SIGCONT once the reply is done: a laptop that slept
             and woke. Its stage answers the head's asking again and is taken back; the
             row adds that rearrangement's load time and how many layers stayed.
@@ -91,8 +94,15 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
         left = next(e for e in head.events if e["event"] == "left")
         rec = next(e for e in head.events if e["event"] == "recovered")
         next_token = next(t for t in times if t > rec["t"])
-        row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": left["t"] - killed_at, "replan_s": rec["replan_s"],
-               "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": next_token - killed_at,
+        total = next_token - killed_at
+        # a stage leaving with notice serves on while the others load its layers: noticed
+        # at its notice, and the reply stops only for the rearrangement's own part
+        notice = next((e for e in head.events if e["event"] == "leaving"), left)
+        if notice is not left:
+            after = [t for t in times if t >= killed_at]
+            total = max(b - a for a, b in zip(after, after[1:]))
+        row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": notice["t"] - killed_at,
+               "replan_s": rec["replan_s"], "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": total,
                "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0)}
         if kind == "sleep":   # it wakes: taken back by the head's asking (every few seconds)
             os.kill(victim.pid, signal.SIGCONT)

@@ -97,7 +97,11 @@ class RingFormation:
         if all(h is not None for h in homes):
             speeds = shared_cpu_speeds(homes)
         else:  # a machine of its own among them (or none shares this CPU): probe
-            speeds = [await self._run(speed_score, self.device)] + [r.welcome["speed"] for r in remotes]
+            # (while it serves -- a plan made ahead -- its last probe: one now would read
+            # the steps' load, and hold them up)
+            if self.stage0 is None or getattr(self, "_speed0", None) is None:
+                self._speed0 = await self._run(speed_score, self.device)
+            speeds = [self._speed0] + [r.welcome["speed"] for r in remotes]
         caps = precision.layer_caps(cfg, weights, self.dtype.itemsize, mems)
         extra = [0.0] * n_stages
         extra[-1] = lm_head_layers_estimate(cfg)
