@@ -99,7 +99,7 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
         # at its notice, and the reply stops only for the rearrangement's own part
         notice = next((e for e in head.events if e["event"] == "leaving"), left)
         if notice is not left:
-            after = [t for t in times if t >= killed_at]
+            after = [t for t in times if t <= killed_at][-1:] + [t for t in times if t > killed_at]
             total = max(b - a for a, b in zip(after, after[1:]))
         row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": notice["t"] - killed_at,
                "replan_s": rec["replan_s"], "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": total,

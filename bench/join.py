@@ -92,7 +92,7 @@ async def one_row(kind: str, context: int, threads: int | None, n_tokens: int) -
             got.extend(ev.token_ids)
             times.append(time.time())     # a step's tokens arrive together (speculation)
             if at is None and len(got) >= CHANGE_AT:
-                at = time.time()
+                at = times[-1]   # the change comes right after this step's tokens
                 asyncio.ensure_future(change())   # off the reply's loop: its tokens keep coming
             if done_at is None and any(e["event"] == done_event for e in head.events):
                 done_at = len(times)
