@@ -55,6 +55,8 @@ def event_line(e: dict) -> str:
     who = e.get("who") or "a computer"
     if kind == "left":
         text = f"{who} left: {e.get('why_words') or 'it stopped answering'}"   # the node words it
+    elif kind == "refused":
+        text = f"{who} could not take a share of the model: {e.get('why') or 'it refused'}"
     elif kind == "leaving":
         text = f"{who} is leaving: the others load its layers while it still serves"
     elif kind == "waiting":

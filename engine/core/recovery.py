@@ -17,6 +17,7 @@ does the I/O -- closing connections, saying hello, loading layers, replaying seq
     rec.watching / rec.may_ask / rec.to_ask(now) / rec.came(address, now)   # machines coming back:
     rec.ahead(layers) ... rec.begin(..., joined=address)   # it loads its layers while the pipeline
     rec.joined_gone(address, why, now)                     # serves, then a rearrangement takes it in
+    rec.turned_away(address, why)                          # (or it cannot take the model)
     rec.leaving(index, address, why, epoch) ... rec.lost(...)   # a stage with notice: the others load
                                                            # its layers while it serves, then it is lost
     rec.offer(address, now)                        # a machine offers itself
@@ -193,6 +194,15 @@ class Recovery:
         self._stop_joining()
         self.away[address] = now
         return f"{address} went before it was taken in ({why}): it is asked again later"
+
+    def turned_away(self, address: str, why: str) -> str:
+        """The machine loading ahead cannot take the model (its Potluck refuses it, a part
+        it lacks): not taken in -- the rearrangement would fail the whole pipeline -- and
+        not asked again (an offer brings it back)."""
+        self._stop_joining()
+        self.away.pop(address, None)
+        self._record("refused", address=address, why=why)
+        return f"{address} cannot take a share ({why}): it is not taken in"
 
     def _stop_joining(self) -> None:
         self.joining = self.joining_status = None

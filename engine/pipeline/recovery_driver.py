@@ -96,8 +96,13 @@ class RecoveryDriver:
         except asyncio.CancelledError:
             asyncio.ensure_future(r.ws.close())   # a stage lost meanwhile: that comes first
             raise
-        except (PipelineError, ModelError, NoRoom, ConnectionClosed, OSError, asyncio.TimeoutError,
-                frames.FrameError) as exc:
+        except (PipelineError, ModelError) as exc:
+            # it refused its share, or lacks what the weights need: taken in, it would fail
+            # the whole pipeline's rearrangement
+            asyncio.ensure_future(r.ws.close())
+            log.warning("%s", self.recovery.turned_away(r.address, str(exc)))
+            return
+        except (NoRoom, ConnectionClosed, OSError, asyncio.TimeoutError, frames.FrameError) as exc:
             if isinstance(exc, ConnectionClosed) or getattr(r.ws, "close_code", None) is not None:
                 log.warning("%s", self.recovery.joined_gone(r.address, str(exc) or "its connection closed",
                                                              time.monotonic()))
@@ -138,10 +143,10 @@ class RecoveryDriver:
                 msg = frames.parse_control(await r.ws.recv())
                 if msg["type"] == "prepared":
                     if msg["error"]:
-                        raise PipelineError(f"{r.address}: {msg['error']}")
+                        raise PipelineError(msg["error"])
                     return
                 if msg["type"] == "error":
-                    raise PipelineError(f"{r.address}: {msg['message']}")
+                    raise PipelineError(msg["message"])
                 if msg["type"] != "progress":
                     raise frames.FrameError(f"unexpected {msg['type']} while loading ahead")
 

@@ -199,6 +199,31 @@ async def test_a_stage_leaving_with_notice_has_its_layers_loaded_by_the_others_w
         await b.close()
 
 
+async def test_a_machine_that_refuses_its_share_is_not_taken_in_and_the_pipeline_goes_on(tiny_folder, monkeypatch):
+    """A friend's Potluck that will not load the model (here: a path, which a stage serving
+    someone else's head refuses) says so while loading ahead: it is turned away, where
+    taking it in would have failed the whole pipeline's rearrangement."""
+    from engine.model.sources import resolve
+
+    import engine.pipeline.head as head_module
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    folder, _ = tiny_folder("llama", seed=0)
+    head = await tiny_head(resolve(str(folder)), [])
+    b = await StageServer("127.0.0.1", 0, threads=1, trusted_head=False).start()
+    try:
+        reference, _ = await tokens(ask(head, 30))
+        head.offer(f"ws://127.0.0.1:{b.port}")
+        await until(lambda: last_event(head) == "refused", timeout=60)
+        refused = head.info()["events"][-1]
+        assert "model list" in refused["why"] and "ws://" not in refused["why"], refused
+        assert head.error is None and head.recovering is None and head.n_stages == 1
+        assert not head.recovery.watching and b.stage is None
+        assert (await tokens(ask(head, 30)))[0] == reference
+    finally:
+        await head.close()
+        await b.close()
+
+
 async def test_without_loading_ahead_the_rearrangement_reads_the_share(tiny_folder, monkeypatch):
     """POTLUCK_LOAD_AHEAD=0 (bench/join.py's side-by-side): the machine reads its share
     during the rearrangement, as before, and the reply is the same."""
