@@ -159,6 +159,7 @@ class StageServer:
         if self._sender_task is not None:
             self._sender_task.cancel()
         self._closed.set()
+        self._extra = self._ahead = None   # layers loaded ahead: nobody will take them now
         if self._control_ws is None:   # else its handler does, once the head's sequences are freed
             self._retire_threads()
         if wait_s and self._server is not None:
@@ -369,6 +370,8 @@ class StageServer:
                 await asyncio.get_running_loop().run_in_executor(self._load_exec, beside)
         except (ModelError, OSError, ValueError) as exc:
             error = str(exc)
+        if self.closed:
+            self._extra = None   # closed meanwhile: let them go with the server
         held = self.stage if serving is None else self._extra
         n = 0 if error or held is None else (held.end - held.start if serving is None else len(held))
         log.info("layers %d-%d: %s", msg["start"], msg["end"] - 1, error or f"{n} loaded ahead")
