@@ -168,7 +168,7 @@ class RecoveryDriver:
             msg = dict(start=a, end=b, weights=split[1])
             try:
                 extra = await asyncio.to_thread(build_beside, checked, msg, stage, self.device, self.memory_cap, None)
-            except ModelError as exc:
+            except Exception as exc:   # (ModelError: no room beside its slice)
                 log.warning("layers %d-%d load during the rearrangement: %s", a, b - 1, exc)
                 return
             self._extra0 = HeldLayers.merged(self._extra0, extra)

@@ -368,8 +368,10 @@ class StageServer:
                 await self._run(alone)
             else:
                 await asyncio.get_running_loop().run_in_executor(self._load_exec, beside)
-        except (ModelError, OSError, ValueError) as exc:
-            error = str(exc)
+        except Exception as exc:   # (a bug too: the head waits for this answer)
+            if not isinstance(exc, (ModelError, OSError, ValueError)):
+                log.exception("loading ahead failed")
+            error = str(exc) or type(exc).__name__
         if self.closed:
             self._extra = None   # closed meanwhile: let them go with the server
         held = self.stage if serving is None else self._extra
