@@ -74,3 +74,13 @@ def prove(host_private: X25519PrivateKey, pipeline: str, msg) -> dict:
 
 def _proof(shared: bytes, pipeline: str, host_key: bytes, nonce: bytes) -> str:
     return hmac.new(shared, CONTEXT + pipeline.encode() + host_key + nonce, hashlib.sha256).hexdigest()
+
+
+def relay_refusal(exc: BaseException) -> str:
+    """A relay's refusal in words. A relay of an older Potluck does not know this version's
+    routes (the host's key in the path) and answers them with a bare HTTP 404."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status == 404:
+        return ("the relay does not know this version's routes (HTTP 404): it runs an older Potluck, "
+                "or the address is not a Potluck relay; update the relay (potluck relay)")
+    return str(exc) or type(exc).__name__

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
-from engine.wire.relay_auth import prove
+from engine.wire.relay_auth import prove, relay_refusal
 from engine.wire.invite import HostState, InviteError, Reply, udp_addresses
 from engine.wire.noise import NoiseError, Responder
 from engine.wire.punch import punch_key
@@ -321,7 +321,7 @@ class TunnelHost:
                 raise
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, asyncio.TimeoutError, ValueError,
                     AttributeError) as exc:   # (a relay's answer that is not a JSON object: AttributeError)
-                self.on_event(f"relay: cannot register at {self.relay_url}: {exc}")
+                self.on_event(f"relay: cannot register at {self.relay_url}: {relay_refusal(exc)}")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 

@@ -14,6 +14,7 @@ import os
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from engine.wire.relay_auth import relay_refusal
 from engine.wire.invite import Invite
 from engine.wire.noise import NoiseError
 from engine.wire.tunnel_session import (CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, MODE_RESUME, PUNCH_TIMEOUT, WS_OPTIONS,
@@ -89,8 +90,9 @@ async def _first_to_connect(routes, errors: list, say, delays: list[float] | Non
                     winner = t.result()
                 elif exc is not None:
                     path, url = names[t]
-                    errors.append(f"{path} {url}: {exc or type(exc).__name__}")
-                    say(f"{path} route {url} unreachable ({exc or type(exc).__name__})")
+                    why = relay_refusal(exc) if path == "relay" else (str(exc) or type(exc).__name__)
+                    errors.append(f"{path} {url}: {why}")
+                    say(f"{path} route {url} unreachable ({why})")
                 else:
                     await t.result()[2].close()
     finally:

@@ -512,6 +512,46 @@ async def test_whoever_knows_the_pipeline_id_cannot_take_the_hosts_place_at_the_
         echo.close()
 
 
+async def test_a_relay_of_an_older_potluck_is_named_as_such_not_a_bare_404(tmp_path):
+    """An older relay lists hosts under /v1/host/{pipeline} alone: this version's routes
+    (the host's key in the path) get HTTP 404. The host's event and the joiner's error say
+    what that means."""
+    from aiohttp import web
+
+    async def old_route(request):   # a WebSocket route of the old shape only
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/host/{pid}", old_route)
+    app.router.add_get("/v1/join/{pid}", old_route)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    events = []
+    home = Home(tmp_path / "host")
+    home.host.on_event = events.append
+    try:
+        await home.host.use_relay(f"ws://127.0.0.1:{port}")
+        for _ in range(100):
+            if any("cannot register" in e for e in events):
+                break
+            await asyncio.sleep(0.05)
+        said = next(e for e in events if "cannot register" in e)
+        assert "older Potluck" in said and "update the relay" in said, said
+        invite = inv.parse(home.host.invite(uses=1))
+        with pytest.raises(TunnelError, match="older Potluck"):
+            await open_session(invite, load_or_create_identity(tmp_path / "friend"), ("127.0.0.1", 9),
+                               prefer="relay")
+    finally:
+        await home.host.close()
+        await runner.cleanup()
+
+
 async def test_hop_between_two_joiners_goes_through_the_host(tmp_path, monkeypatch):
     """Three homes: stage 1 (joiner A) reaches stage 2 (joiner B) through the host (the
     fallback where the two find no direct path: tests/wire/test_friend_hop.py)."""
