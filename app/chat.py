@@ -255,11 +255,14 @@ class ChatWindow(QMainWindow):
         recovering = hosting.get("recovering")
         if recovering and last.get("event") == "waiting":
             return f"{model} — {who} left; {recovering}… your conversation waits"
+        someone = last.get("who") or "a computer"
         if hosting.get("leaving") and not recovering and last.get("event") == "leaving":
-            return f"{model} — {last.get('who') or 'a computer'} is leaving; moving its layers… your conversation goes on"
+            return f"{model} — {someone} is leaving; moving its layers… your conversation goes on"
         if hosting.get("joining") and not recovering and last.get("event") in ("back", "joined"):
             verb = "is back" if last["event"] == "back" else "joined"
-            return f"{model} — {last.get('who') or 'a computer'} {verb}; loading its share… your conversation goes on"
+            far = hosting.get("joining_progress")
+            far = f" ({int(far * 100)}%)" if isinstance(far, (int, float)) else ""
+            return f"{model} — {someone} {verb}; loading its share{far}… your conversation goes on"
         if recovering and last.get("event") in ("back", "joined"):
             verb = "is back" if last["event"] == "back" else "joined"
             return f"{model} — {last.get('who') or 'a computer'} {verb}; rearranging the layers…"

@@ -118,6 +118,7 @@ class Recovery:
         # serves (the rearrangement that takes it in follows): its address, since when
         self.joining: str | None = None
         self.joining_status: str | None = None
+        self.joining_progress: float | None = None   # 0..1, as its loading reports it
         # a stage that said it is leaving, whose layers the others load while it still
         # serves (the rearrangement that lets it go follows): its address, the status
         self.parting: str | None = None
@@ -182,11 +183,14 @@ class Recovery:
         self._record("back" if address in self.served else "joined", address=address, why=self.joining_status)
         return self.joining_status
 
-    def ahead(self, layers: str) -> None:
-        """The layers (describe_layers) the machine taking its turn loads ahead."""
+    def ahead(self, layers: str, done: int = 0, total: int = 0) -> None:
+        """The layers (describe_layers) the machine taking its turn loads ahead, and how far
+        it is (tensors read of total, as its progress says)."""
         if self.joining is not None:
             self._loaded_ahead = True
-            self.joining_status = (f"{self.joining} {self._verb(self.joining)}: loading {layers} "
+            self.joining_progress = min(1.0, done / total) if total > 0 else None
+            far = f" ({int(100 * self.joining_progress)}%)" if self.joining_progress is not None else ""
+            self.joining_status = (f"{self.joining} {self._verb(self.joining)}: loading {layers}{far} "
                                    "while the pipeline serves")
 
     def joined_gone(self, address: str, why: str, now: float) -> str:
@@ -205,7 +209,7 @@ class Recovery:
         return f"{address} cannot take a share ({why}): it is not taken in"
 
     def _stop_joining(self) -> None:
-        self.joining = self.joining_status = None
+        self.joining = self.joining_status = self.joining_progress = None
         self.parting = self.parting_status = None
 
     def leaving(self, index: int, address: str, why: str, epoch: int) -> bool:

@@ -327,6 +327,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
             "recovering": self.recovering,
             # a machine being taken in, loading its layers while the pipeline serves
             "joining": self.recovery.joining_status,
+            "joining_progress": self.recovery.joining_progress,
             # a stage that said it is leaving, whose layers the others load while it serves
             "leaving": self.recovery.parting_status,
             "speculation": self.speculation(),

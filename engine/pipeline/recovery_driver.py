@@ -117,9 +117,10 @@ class RecoveryDriver:
         order = sorted(self.remotes + [r], key=lambda x: self.recovery.rank(x.address))
         planned = await self._plan_without_pause(order)
         start, end = planned[1][2][order.index(r) + 1]
-        self.recovery.ahead(describe_layers([(start, end)]))
+        layers = describe_layers([(start, end)])
+        self.recovery.ahead(layers)
         log.warning("%s", self.recovery.joining_status)
-        await self._prepare_all(planned, r)
+        await self._prepare_all(planned, r, lambda done, total: self.recovery.ahead(layers, done, total))
         return planned
 
     async def _plan_without_pause(self, order: list[RemoteStage]) -> tuple:
@@ -128,7 +129,7 @@ class RecoveryDriver:
         held = self.stage0.held_bytes() if self.stage0 is not None else 0
         return [x.address for x in order], await self._plan(order, held)
 
-    async def _prepare_all(self, planned: tuple, newcomer: RemoteStage | None = None):
+    async def _prepare_all(self, planned: tuple, newcomer: RemoteStage | None = None, progress=None):
         """Each stage of the planned arrangement loads ahead what its share lacks: a stage
         serving now, beside its slice (engine/pipeline/load_ahead.py); `newcomer`, its whole
         share. One that cannot (no room beside the slice it serves) loads it during the
@@ -149,6 +150,8 @@ class RecoveryDriver:
                     raise PipelineError(msg["message"])
                 if msg["type"] != "progress":
                     raise frames.FrameError(f"unexpected {msg['type']} while loading ahead")
+                if progress is not None:
+                    progress(msg["done"], msg["total"])
 
         async def serving(index: int, x: RemoteStage):
             (a, b), (s, e) = new[x.address], x.range

@@ -49,6 +49,8 @@ def test_while_a_friend_loads_its_share_the_chat_says_it_goes_on():
                "stages": [{"address": "head (this process)", "layers": [0, 30]}]}
     text = ChatWindow.hosting_headline(hosting)
     assert "Ana joined" in text and "goes on" in text and "ws://" not in text
+    assert "%" not in text   # no progress said yet
+    assert "loading its share (40%)" in ChatWindow.hosting_headline(dict(hosting, joining_progress=0.4))
     page = status_html({"state": "serving", "hosting": hosting})
     assert "Ana is loading its share" in page and "ws://" not in page
     rejoined = {"event": "rejoined", "stages": 2, "seconds": 1.6, "replayed": 1, "ahead_s": 7.9, "t": 18.0}

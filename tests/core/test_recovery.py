@@ -157,6 +157,8 @@ def test_one_that_comes_back_takes_its_old_place_a_newcomer_goes_last():
     assert rec.status is None and not rec.may_ask and rec.joining == B
     rec.ahead("layers 10–19")
     assert rec.joining_status == "ws://b:1 is back: loading layers 10–19 while the pipeline serves"
+    rec.ahead("layers 10–19", 48, 160)
+    assert rec.joining_progress == 0.3 and "loading layers 10–19 (30%)" in rec.joining_status
     asks = rec.begin([A, C], [(0, 10), (10, 20), (20, 30)], now=5.5, joined=B)
     assert rec.status == "ws://b:1 is back: rearranging the pipeline" and rec.joining is None
     assert all(not a.lost for a in asks) and B not in rec.away
