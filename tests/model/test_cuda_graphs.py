@@ -163,3 +163,52 @@ def test_a_stage_built_on_kept_layers_captures_its_graphs_again_and_frees_the_ol
     for a, b in zip(decode(new, 8), eager):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_layers_loaded_beside_a_stage_replaying_graphs_leave_its_steps_unchanged(tiny_folder, monkeypatch):
+    """A stage serving on a GPU while the layers its next share lacks load on another thread
+    (engine/pipeline/load_ahead.py): its replayed steps give the eager outputs throughout,
+    and a stage built on its layers and those gives the eager logits too."""
+    import threading
+
+    from engine.pipeline.configure_check import check_configure
+    from engine.pipeline.load_ahead import build_beside
+
+    def fixed_steps(s: StageModel, steps: int = 8) -> list[torch.Tensor]:
+        """A first stage that is not the last: its hidden states for fixed tokens."""
+        rows = list(range(len(PROMPTS)))
+        got = [s.forward(StageBatch(rows, [0] * len(rows), [len(p) for p in PROMPTS]),
+                         torch.tensor([t for p in PROMPTS for t in p])).cpu()]
+        pos = [len(p) for p in PROMPTS]
+        for i in range(steps):
+            got.append(s.forward(StageBatch(rows, list(pos), [1] * len(rows)),
+                                 torch.tensor([7 + i] * len(rows))).cpu())
+            pos = [p + 1 for p in pos]
+        for r in rows:
+            s.free(r)
+        return got
+
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "0")
+    eager_half = fixed_steps(StageModel(source, 0, L - 2, device="cuda"))
+    eager = decode(StageModel(source, 0, L, device="cuda"), 8)
+    monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "1")
+    serving = StageModel(source, 0, L - 2, device="cuda", weights="bf16")   # as a head asks
+    msg = dict(model=str(folder), start=0, end=L, fingerprint=None, dtype="float32", weights="bf16")
+    loaded = {}
+    loader = threading.Thread(target=lambda: loaded.update(extra=build_beside(
+        check_configure(msg, True, (), None), msg, serving, "cuda", None, None)))
+    loader.start()
+    during = [fixed_steps(serving) for _ in range(3)]
+    loader.join()
+    for run in during:
+        for a, b in zip(run, eager_half):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert sorted(loaded["extra"].layers) == [L - 2, L - 1] and loaded["extra"].last_parts
+    new = StageModel(source, 0, L, device="cuda", weights="bf16", reuse=serving.hand_over().merge(loaded["extra"]))
+    assert new.kept_layers == L
+    for a, b in zip(decode(new, 8), eager):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
