@@ -57,6 +57,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+from failover import parse_setups, setup_name  # noqa: E402  (bench/, beside this script)
+
 CHANGE_AT = 10
 TEXT = ("The history of the city goes back many centuries. Merchants came from far away to trade "
         "salt, cloth and spices, and the river carried their boats to the sea. ")
@@ -144,14 +146,6 @@ async def tokens_of(head, ids, n) -> list[int]:
         else:
             assert ev.error is None, ev.error
     return out
-
-
-def setup_name(threads: int | None) -> str:
-    return "default (shared cores)" if threads is None else f"--threads {threads}"
-
-
-def parse_setups(text: str) -> list[int | None]:
-    return [None if p.strip() == "default" else int(p) for p in text.split(",")]
 
 
 def fmt(v, spec=".2f") -> str:

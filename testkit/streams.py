@@ -25,3 +25,18 @@ async def until(what, timeout: float = 60.0, every: float = 0.05):
     while not what():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(every)
+
+
+async def tiny_head(source, addrs, **kw):
+    """A started head over `addrs` on the CPU in float32 (a tiny model's tests), every
+    reply running its full length."""
+    from engine.pipeline.head import Head
+
+    head = Head(source, addrs, dtype="float32", device="cpu", **kw)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()
+        raise
+    head.eos_ids = set()
+    return head

@@ -25,7 +25,7 @@ from conftest import pipeline_config
 from engine.core.sampling import SamplingParams
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import launch
-from testkit.streams import tokens, until
+from testkit.streams import tiny_head, tokens, until
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
            "What is 12 times 12?"]
@@ -517,19 +517,6 @@ def tiny_cap(source, layers: int) -> int:
 
     per_layer = precision.per_layer_bytes(source.config(), "bf16", 4)
     return int((layers + 0.5) * per_layer / precision.USABLE)
-
-
-async def tiny_head(source, addrs, **kw):
-    from engine.pipeline.head import Head
-
-    head = Head(source, addrs, dtype="float32", device="cpu", **kw)
-    try:
-        await head.start()
-    except BaseException:
-        await head.close()
-        raise
-    head.eos_ids = set()
-    return head
 
 
 async def tiny_reply(head, n=30):

@@ -12,22 +12,10 @@ import asyncio
 import time
 
 from engine.core.sampling import SamplingParams
-from engine.pipeline.head import Head
 from engine.pipeline.stage_server import StageServer
-from testkit.streams import tokens, until
+from testkit.streams import tiny_head, tokens, until
 
 N_LAYERS = 6   # the tiny model's (conftest tiny_folder)
-
-
-async def tiny_head(source, addrs, **kw):
-    head = Head(source, addrs, dtype="float32", device="cpu", **kw)
-    try:
-        await head.start()
-    except BaseException:
-        await head.close()
-        raise
-    head.eos_ids = set()
-    return head
 
 
 def last_event(head) -> str | None:
