@@ -295,3 +295,42 @@ def test_a_serving_stage_loads_beside_only_what_fits_and_what_it_lacks(tiny_fold
     assert build_beside(checked, dict(msg, start=0, end=2), serving, "cpu", None, None) is None   # holds them
     with pytest.raises(ModelError, match="beside the layers it serves"):
         build_beside(checked, msg, serving, "cpu", serving.held_bytes() + 1024, None)
+
+
+async def test_defaults_a_friend_stage_offered_mid_chat_loads_its_share_while_the_chat_goes_on():
+    """What users run: `potluck serve --stages 2` as it starts (no --threads: the local
+    stages share this CPU's cores) on the default model, and a friend's `potluck stage`
+    with its own defaults offered mid-reply. Every layer is kept through the
+    rearrangement and the reply is the one asked again."""
+    from engine.pipeline.launch import PipelineConfig, launch
+    from engine.pipeline.local import LocalStages
+
+    pipe = await launch(PipelineConfig(model="default", stages=2))
+    head = pipe.head
+    head.eos_ids = set()
+    friend = LocalStages(1)
+    try:
+        prompt = head.chat_prompt([{"role": "user", "content": "Tell me about the sea."}])
+        handle = head.submit(list(prompt), SamplingParams(greedy=True, max_tokens=4000))
+        got, joined_at = [], None
+        async for ev in handle:
+            if not hasattr(ev, "token_ids"):
+                assert ev.error is None, ev
+                break
+            got.extend(ev.token_ids)
+            if len(got) >= 10 and not friend.addresses:
+                (address,) = await friend.start()
+                head.offer(address)
+            if joined_at is None and last_event(head) == "rejoined":
+                joined_at = len(got)
+            if joined_at is not None and len(got) >= joined_at + 20:
+                handle.cancel()
+        assert joined_at is not None, head.info()["events"]   # taken in during the reply
+        rejoined = head.info()["events"][-1]
+        assert head.n_stages == 3 and rejoined["kept_layers"] == head.ranges[-1][1], rejoined
+        assert rejoined["ahead_s"] > 0
+        again, done = await tokens(head.submit(list(prompt), SamplingParams(greedy=True, max_tokens=len(got))))
+        assert done.error is None and again == got
+    finally:
+        await pipe.close()
+        await friend.stop()
