@@ -42,6 +42,7 @@ PUNCH_MAGIC = b"PLPU"
 _PUNCH = struct.Struct("<4sB8s16s")      # magic | flags (1: answer) | nonce | mac
 PUNCH_INTERVAL = 0.05                    # seconds between rounds of punch packets
 PUNCH_ROUNDS_AFTER = 20                  # rounds still sent once the peer is heard (its NAT may lag)
+CHOICE_COPIES = 3                        # answers sent to the path chosen, at once
 MAX_TARGETS = 8                          # candidates of the peer punched at, at most
 ALPN = "potluck-tunnel/1"
 # one message on the channel: a tunnel frame (engine/wire/tunnel.py MAX_MESSAGE) and its
@@ -137,10 +138,18 @@ class Puncher:
     packet from the peer (from whatever address: its NAT may show another port than it
     thinks) names the path; since it crossed our router, ours have crossed its router
     (both NATs filter on the exact remote), so the path works both ways. We answer on it,
-    and go on sending there for a few rounds for the peer's sake."""
+    and go on sending there for a few rounds for the peer's sake.
 
-    def __init__(self, key: bytes, targets: list[tuple[str, int]], spray: list[tuple[str, int]] = ()):
+    The answers to that first packet also say which path we chose: port prediction's
+    hard side punches from many sockets, and several of their mappings may be met, so a
+    socket there (`chosen_only`) is done only once the peer answered it, never after
+    rounds alone; else the two sides could pick different paths and QUIC would knock on
+    a closed socket."""
+
+    def __init__(self, key: bytes, targets: list[tuple[str, int]], spray: list[tuple[str, int]] = (),
+                 chosen_only: bool = False):
         self.codec = PunchCodec(key)
+        self.chosen_only = chosen_only
         self.targets = list(dict.fromkeys(targets))[:MAX_TARGETS]
         # port prediction's probes (the easy side toward a symmetric NAT): a few a round,
         # each address once, beside the targets
@@ -159,7 +168,7 @@ class Puncher:
 
     @property
     def done(self) -> bool:
-        return self.peer is not None and (self.answered or self._rounds_left <= 0)
+        return self.peer is not None and (self.answered or (not self.chosen_only and self._rounds_left <= 0))
 
     def receive(self, data: bytes, addr: tuple[str, int]) -> list[tuple[bytes, tuple[str, int]]] | None:
         """None when `data` is no punch packet of this session; else the packets to send
@@ -169,8 +178,10 @@ class Puncher:
             return None
         addr = tuple(addr[:2])
         if self.peer is None:
-            self.peer = addr
-        elif addr != self.peer:
+            # the choice: answered whatever this packet was, a few times (UDP may lose one)
+            self.peer, self.answered = addr, kind
+            return [(self.codec.make(answer=True), addr)] * CHOICE_COPIES
+        if addr != self.peer:
             return []                    # another of its candidates got through too: one path is enough
         self.answered = self.answered or kind
         return [] if kind else [(self.codec.make(answer=True), addr)]
@@ -360,14 +371,14 @@ class UdpEndpoint(asyncio.DatagramProtocol):
 
     # -- punching
     async def punch(self, key: bytes, targets: list[tuple[str, int]], timeout: float | None,
-                    interval: float = PUNCH_INTERVAL) -> tuple[str, int]:
+                    interval: float = PUNCH_INTERVAL, chosen_only: bool = False) -> tuple[str, int]:
         """Punch at the peer's candidates until a packet of its comes back (PunchError after
         `timeout`; None: until cancelled); returns the address it came from. `interval`:
         between rounds until then (a side that waits for its peer to start keeps its own
-        router open with a round a second)."""
+        router open with a round a second). chosen_only: see Puncher."""
         if not targets:
             raise PunchError("the peer has no address to punch at")
-        p = Puncher(key, targets)
+        p = Puncher(key, targets, chosen_only=chosen_only)
         self._punchers.append(p)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -375,9 +386,12 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             while not p.done:
                 for packet, to in p.round():
                     self.sendto(packet, to)
-                if p.peer is None and deadline is not None and loop.time() > deadline:
-                    raise PunchError(f"no answer from any of {len(p.targets)} address(es) within {timeout:g} s "
-                                     "(a symmetric NAT, or a firewall that drops them)")
+                if deadline is not None and loop.time() > deadline:
+                    if p.peer is None:
+                        raise PunchError(f"no answer from any of {len(p.targets)} address(es) within {timeout:g} s "
+                                         "(a symmetric NAT, or a firewall that drops them)")
+                    if p.chosen_only:
+                        raise PunchError(f"heard, but the peer chose another path within {timeout:g} s")
                 self._heard.clear()
                 try:
                     await asyncio.wait_for(self._heard.wait(), interval if p.peer is None else PUNCH_INTERVAL)
@@ -435,7 +449,7 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             pass                   # fewer sockets (a descriptor limit): worse odds, same way
         # each socket punches every `interval` (a side that waits long for the other keeps
         # its many mappings open with a packet each every few seconds)
-        tasks = {asyncio.ensure_future(ep.punch(key, targets, timeout, interval=interval)): ep
+        tasks = {asyncio.ensure_future(ep.punch(key, targets, timeout, interval=interval, chosen_only=True)): ep
                  for ep in [self] + extra}
         winner = None
         try:

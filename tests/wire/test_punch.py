@@ -51,6 +51,49 @@ def test_a_puncher_that_hears_but_is_never_answered_stops_after_a_few_rounds():
     assert a.done
 
 
+def test_port_predictions_hard_side_keeps_only_the_socket_the_easy_side_chose():
+    """Two of the hard side's mappings are met in one spray round (a few are, on average):
+    the easy side takes the first heard and tells it so; the other socket, heard but never
+    chosen, is not done however many rounds pass (it used to be, after PUNCH_ROUNDS_AFTER,
+    and could win the race to a socket the easy side never dials)."""
+    easy_public = ("11.0.0.10", 4000)
+    maps = {"x": ("11.0.0.20", 31000), "y": ("11.0.0.20", 52000)}   # the symmetric router's mappings
+    easy = Puncher(KEY, [("11.0.0.20", 7000)], spray=[maps["x"], maps["y"], ("11.0.0.20", 1234)])
+    hard = {k: Puncher(KEY, [easy_public], chosen_only=True) for k in maps}
+    probes = [pkt for pkt, to in easy.round() if to in maps.values()]
+    assert len(probes) == 2
+    # each met socket answers the probe; x's answer happens to arrive first
+    answers = {k: hard[k].receive(probes[i], easy_public) for i, k in enumerate(maps)}
+    assert all(len(a) == punch.CHOICE_COPIES for a in answers.values())
+    back = easy.receive(answers["x"][0][0], maps["x"])
+    assert easy.done and easy.peer == maps["x"]
+    assert easy.receive(answers["y"][0][0], maps["y"]) == []           # y is heard, not chosen
+    assert len(back) == punch.CHOICE_COPIES and all(to == maps["x"] for _, to in back)
+    for _ in range(punch.PUNCH_ROUNDS_AFTER * 3):                     # y keeps asking, unanswered
+        hard["y"].round()
+    assert not hard["y"].done
+    hard["x"].receive(back[0][0], easy_public)
+    assert hard["x"].done and hard["x"].peer == easy_public
+
+
+async def test_a_socket_heard_but_never_chosen_gives_up_at_its_deadline():
+    import socket
+
+    a = await UdpEndpoint.open()
+    other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)      # probes, never answers
+    other.bind(("127.0.0.1", 0))
+    try:
+        here = ("127.0.0.1", a.transport.get_extra_info("sockname")[1])
+        waiting = asyncio.ensure_future(a.punch(KEY, [other.getsockname()], 1.0, chosen_only=True))
+        await asyncio.sleep(0.2)
+        other.sendto(PunchCodec(KEY).make(answer=False), here)
+        with pytest.raises(punch.PunchError, match="chose another path"):
+            await waiting
+    finally:
+        a.close()
+        other.close()
+
+
 def test_candidates_off_the_wire_are_addresses_never_names():
     assert parse_candidates([["11.0.0.10", 4000], ["192.168.1.2", 5]]) == [("11.0.0.10", 4000), ("192.168.1.2", 5)]
     for bad in ([["localhost", 1]], [["127.0.0.1", 1]], [["0.0.0.0", 1]], [["224.0.0.1", 1]], [["1.2.3.4", 0]],
