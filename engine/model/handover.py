@@ -93,6 +93,23 @@ def missing_pieces(have: tuple[int, int] | None, want: tuple[int, int]) -> list[
     return [(a, b) for a, b in pieces if a < b]
 
 
+def not_held(pieces: list[tuple[int, int]], held: "HeldLayers | None") -> list[tuple[int, int]]:
+    """`pieces` less the layers `held` has already (loaded ahead before): runs of the rest."""
+    have = set(held.layers) if held is not None else set()
+    out = []
+    for a, b in pieces:
+        run = None
+        for i in range(a, b):
+            if i in have:
+                run = None
+            elif run is None:
+                run = [i, i + 1]
+                out.append(run)
+            else:
+                run[1] = i + 1
+    return [tuple(r) for r in out]
+
+
 def parts_of(model: nn.Module, base: nn.Module, layers: nn.Module) -> dict[str, nn.Module]:
     """The modules besides the decoder layers that hold weights, by name: the decoder's
     children with parameters (embeddings, final norm; a stage's stubs have none) and the

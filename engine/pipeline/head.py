@@ -54,6 +54,7 @@ from engine.pipeline.recovery_driver import RecoveryDriver
 # the request-facing names, re-exported: the API, the terminal and the tests import them from here
 from engine.pipeline.requests import Delta, Done, PipelineError, RequestHandle, RequestIntake, Sequence, TokenLogprob
 from engine.pipeline.ring_formation import RemoteStage, RingFormation
+from engine.pipeline.spare_layers import SpareLayers
 from engine.pipeline.speculation_driver import SPECULATE_CHOICES, SpeculationDriver, _yielding_thread
 from engine.pipeline.token_bookkeeping import TokenBookkeeping
 from engine.wire.stage_auth import new_route, split_address
@@ -64,7 +65,7 @@ __all__ = ["Head", "PipelineError", "TokenLogprob", "Delta", "Done", "Sequence",
 log = logging.getLogger("potluck.head")
 
 
-class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, TokenBookkeeping):
+class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, SpareLayers, TokenBookkeeping):
     def __init__(self, source: ModelSource, stage_addresses: list[str] | None = None, *,
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "auto", device: str = "auto", kv_budget_tokens: int | None = None,
@@ -238,6 +239,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         if self.draft_spec:
             await self._load_draft()
         await self._form()
+        self._arm_spares()
         return self
 
     # the scheduler's state, as the rest of the engine and the tests read it
@@ -285,6 +287,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
         """Stop: every request still running ends first, with `why` (an API client reads
         it in its stream), then the stages are let go."""
         self.recovery.close()
+        self._disarm_spares()
         for s in list(self.seqs.values()):
             self._finish(s, "error", why, free=False)
         for task in (self._recovery, self._watch):
@@ -330,6 +333,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Toke
             "joining_progress": self.recovery.joining_progress,
             # a stage that said it is leaving, whose layers the others load while it serves
             "leaving": self.recovery.parting_status,
+            # layers held beside the slices, so that a stage lost without notice costs no loading
+            "spare_layers": self.spare_layers,
             "speculation": self.speculation(),
             "events": self.events[-20:],
             "error": self.error,

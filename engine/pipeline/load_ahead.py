@@ -20,7 +20,7 @@ from __future__ import annotations
 from engine.core.precision import slice_bytes
 from engine.core.profile import scaled
 from engine.model.device import free_memory
-from engine.model.handover import HeldLayers, missing_pieces
+from engine.model.handover import HeldLayers, missing_pieces, not_held
 from engine.model.measure import load_and_measure
 from engine.model.sources import ModelError
 from engine.model.stage import StageModel
@@ -40,16 +40,18 @@ def build_alone(checked, msg: dict, held: HeldLayers | None, device, cores, prog
     return stage, (prof, end - start, built_as(checked.fingerprint, msg))
 
 
-def build_beside(checked, msg: dict, serving, device, memory_cap: int | None, progress) -> HeldLayers | None:
-    """The layers of [start, end) that the stage `serving` lacks, built while it serves;
-    None when it lacks none. Raises ModelError when they do not fit beside it."""
-    pieces = missing_pieces((serving.start, serving.end), (msg["start"], msg["end"]))
+def build_beside(checked, msg: dict, serving, device, memory_cap: int | None, progress,
+                 held: HeldLayers | None = None) -> HeldLayers | None:
+    """The layers of [start, end) that the stage `serving` lacks, and that it does not hold
+    beside it already (`held`: loaded ahead before), built while it serves; None when it
+    lacks none. Raises ModelError when they do not fit beside it."""
+    pieces = not_held(missing_pieces((serving.start, serving.end), (msg["start"], msg["end"])), held)
     if not pieces:
         return None
     need = sum(slice_bytes(checked.cfg, a, b, msg["weights"], checked.dtype.itemsize) for a, b in pieces)
     room = free_memory(device) * BESIDE_HEADROOM
     if memory_cap is not None:
-        room = min(room, memory_cap - serving.held_bytes())
+        room = min(room, memory_cap - serving.held_bytes() - (held.nbytes() if held is not None else 0))
     if need > room:
         raise ModelError(f"no room for {need / 2**20:.0f} MiB more beside the layers it serves: "
                          "they load during the rearrangement")

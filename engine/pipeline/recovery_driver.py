@@ -60,6 +60,10 @@ class RecoveryDriver:
         if not self.recovery.lost(index, address, why, epoch):
             return  # already being dealt with, or a stage of an arrangement that is gone
         log.warning("stage %d left (%s): rearranging the pipeline over the others", index, why)
+        if planned is None and self._spares is not None:
+            # the split made for this loss, whose layers the survivors hold spare already
+            planned = self._spares.for_loss(address, [r.address for r in self.remotes if r.address != address])
+        self._disarm_spares()
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()   # a machine loading ahead (_take_in): the loss comes first
         self._stop_drafting_ahead()   # the steps in flight never come back
@@ -81,6 +85,9 @@ class RecoveryDriver:
         except Exception as exc:  # a rearrangement that breaks must say so, not leave requests hanging
             log.exception("rearranging the pipeline failed")
             self._pipeline_failed(self.recovery.broke(exc))
+        else:
+            if self._recovery is asyncio.current_task():   # (not a take-out that handed on to a loss)
+                self._arm_spares()
         finally:
             self._ensure_watch()
 
@@ -123,20 +130,28 @@ class RecoveryDriver:
         await self._prepare_all(planned, r, lambda done, total: self.recovery.ahead(layers, done, total))
         return planned
 
-    async def _plan_without_pause(self, order: list[RemoteStage]) -> tuple:
+    async def _plan_without_pause(self, order: list[RemoteStage], quiet: bool = False) -> tuple:
         """The split over this machine and `order` (the stages of the next arrangement), made
         while this one serves: (their addresses, _plan's split)."""
         held = self.stage0.held_bytes() if self.stage0 is not None else 0
-        return [x.address for x in order], await self._plan(order, held)
+        return [x.address for x in order], await self._plan(order, held, quiet)
 
     async def _prepare_all(self, planned: tuple, newcomer: RemoteStage | None = None, progress=None):
-        """Each stage of the planned arrangement loads ahead what its share lacks: a stage
-        serving now, beside its slice (engine/pipeline/load_ahead.py); `newcomer`, its whole
-        share. One that cannot (no room beside the slice it serves) loads it during the
-        rearrangement; the newcomer's failure is raised once the others are done."""
+        """Each stage of the planned arrangement loads ahead what its share lacks (see
+        _prepare_ranges)."""
         addresses, split = planned
-        new = dict(zip(addresses, split[2][1:]))
-        fields = dict(model=self.source.spec, fingerprint=self.fingerprint, dtype=self.dtype_name, weights=split[1])
+        await self._prepare_ranges(dict(zip(addresses, split[2][1:])), split[2][0], split[1], newcomer, progress)
+
+    async def _prepare_ranges(self, new: dict[str, tuple[int, int]], head: tuple[int, int], weights: str,
+                              newcomer: RemoteStage | None = None, progress=None) -> int:
+        """Each machine loads ahead what the range `new` gives it (by address; `head`, this
+        machine's) lacks: a stage serving now, beside its slice (engine/pipeline/load_ahead.py);
+        `newcomer`, its whole share. One that cannot (no room beside the slice it serves)
+        loads it during the rearrangement; the newcomer's failure is raised once the others
+        are done. Returns how many layers the serving stages hold beside their slices."""
+        fields = dict(model=self.source.spec, fingerprint=self.fingerprint, dtype=self.dtype_name, weights=weights)
+        beside: dict[int, int] = {}
+        mine: dict[int, asyncio.Future] = {}
 
         async def joining(r: RemoteStage):
             await r.ws.send(frames.control("prepare", start=new[r.address][0], end=new[r.address][1], **fields))
@@ -157,24 +172,28 @@ class RecoveryDriver:
             (a, b), (s, e) = new[x.address], x.range
             if s <= a and b <= e:
                 return   # it holds them all
-            fut = self._prepared_waiters[index] = asyncio.get_running_loop().create_future()
+            fut = mine[index] = self._prepared_waiters[index] = asyncio.get_running_loop().create_future()
             await x.ws.send(frames.control("prepare", start=a, end=b, **fields))
             msg = await fut   # (its connection read by _read_stage; if it closes, the loss cancels this)
             if msg["error"]:
-                log.warning("stage %d loads layers %d-%d during the rearrangement: %s", index, a, b - 1, msg["error"])
+                log.warning("stage %d loads layers %d-%d when it needs them: %s", index, a, b - 1, msg["error"])
+            else:
+                beside[index] = msg["n_layers"]
 
         async def own():   # this machine's stage 0, beside the slice it serves
-            (a, b), stage = split[2][0], self.stage0
+            (a, b), stage = head, self.stage0
             if stage is None or (stage.start <= a and b <= stage.end):
                 return
             checked = Checked(self.source, self.dtype, self.fingerprint, self.config, 0)
-            msg = dict(start=a, end=b, weights=split[1])
+            msg = dict(start=a, end=b, weights=weights)
             try:
-                extra = await asyncio.to_thread(build_beside, checked, msg, stage, self.device, self.memory_cap, None)
+                extra = await asyncio.to_thread(build_beside, checked, msg, stage, self.device, self.memory_cap,
+                                                None, self._extra0)
             except Exception as exc:   # (ModelError: no room beside its slice)
-                log.warning("layers %d-%d load during the rearrangement: %s", a, b - 1, exc)
+                log.warning("layers %d-%d load when they are needed: %s", a, b - 1, exc)
                 return
             self._extra0 = HeldLayers.merged(self._extra0, extra)
+            beside[0] = len(self._extra0) if self._extra0 is not None else 0
 
         tasks = [own()] + ([joining(newcomer)] if newcomer is not None else [])
         tasks += [serving(i, x) for i, x in enumerate(self.remotes, start=1) if x.address in new]
@@ -183,10 +202,13 @@ class RecoveryDriver:
             # failure after: a cancel (a stage lost) cancels them all
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            self._prepared_waiters.clear()
+            for index, fut in mine.items():   # (only ours: a later load ahead may wait already)
+                if self._prepared_waiters.get(index) is fut:
+                    del self._prepared_waiters[index]
         for exc in results:
             if isinstance(exc, BaseException):
                 raise exc
+        return sum(beside.values())
 
     def _part(self, index: int, why: str, seconds: float, epoch: int) -> bool:
         """Stage `index` said it is leaving within `seconds`: the others load its layers while
@@ -196,6 +218,7 @@ class RecoveryDriver:
                 not self.recovery.leaving(index, self.remotes[index - 1].address, why, epoch):
             return False
         log.warning("%s", self.recovery.parting_status)
+        self._disarm_spares()
         self._recovery = asyncio.ensure_future(self._recover_or_fail(self._take_out(index, why, seconds, epoch)))
         return True
 
@@ -260,6 +283,12 @@ class RecoveryDriver:
             except (PipelineError, ModelError, ConnectionClosed, OSError) as exc:
                 if self._drop_gone():
                     continue       # a machine left while the layers loaded: split again over the rest
+                if planned is not None:
+                    # a split made ahead that no longer fits (a machine's memory went
+                    # elsewhere meanwhile): one made now, from what the machines say now
+                    log.warning("the split made ahead did not fit (%s): splitting again", exc)
+                    planned = None
+                    continue
                 self._held = None
                 self._pipeline_failed(self.recovery.cannot_go_on(exc))
                 return
@@ -394,6 +423,7 @@ class RecoveryDriver:
                 continue
             ahead = loading_ahead()
             log.warning("%s", self.recovery.came(r.address, time.monotonic(), ahead))
+            self._disarm_spares()
             self._recovery = asyncio.ensure_future(self._recover_or_fail(self._take_in(r, ahead)))
             return  # _recover_or_fail starts a new watch if others are still away
 

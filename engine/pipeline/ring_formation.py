@@ -77,10 +77,12 @@ class RingFormation:
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
             return
 
-    async def _plan(self, remotes: list[RemoteStage], held: int) -> tuple[list[int], str, list[tuple[int, int]]]:
+    async def _plan(self, remotes: list[RemoteStage], held: int,
+                    quiet: bool = False) -> tuple[list[int], str, list[tuple[int, int]]]:
         """How the layers split over this machine and `remotes` (in pipeline order): what
         each machine offers, the weights every stage loads, each stage's layers. held: the
-        bytes this machine's layers hold now (room for its new slice too)."""
+        bytes this machine's layers hold now (room for its new slice too). quiet: a plan
+        for a loss that may never come (spare layers) says nothing to the user."""
         cfg = self.config
         n_stages = 1 + len(remotes)
         free = free_memory(self.device) + held
@@ -90,7 +92,7 @@ class RingFormation:
         mems = [mine] + [r.welcome["free_memory"] for r in remotes]
         if self.same_machine:
             mems = [min(mems) // n_stages] * n_stages
-        weights = self._settle_weights(cfg, mems, remotes)
+        weights = self._settle_weights(cfg, mems, remotes, quiet)
         if self.layers_override and len(self.layers_override) == n_stages:
             return mems, weights, list(self.layers_override)
         homes = [self.cpu_homes.get(k) for k in ["head"] + [r.address for r in remotes]]
@@ -227,7 +229,7 @@ class RingFormation:
                         "offered": int(offered[i]) if i < len(offered) else None})
         return out
 
-    def _settle_weights(self, cfg, mems: list[int], remotes: list[RemoteStage]) -> str:
+    def _settle_weights(self, cfg, mems: list[int], remotes: list[RemoteStage], quiet: bool = False) -> str:
         """The precision every stage loads: the user's, the checkpoint's own if it was
         saved quantized, or (auto) the highest at which the model fits the pool."""
         saved = prequantized(cfg)
@@ -242,7 +244,8 @@ class RingFormation:
             raise ModelError(f"{chosen} weights need bitsandbytes on every machine of the pipeline, and "
                              "at least one lacks it: install it there (pip install bitsandbytes) or "
                              "choose --weights bf16")
-        self.say(precision.table(cfg, self.dtype.itemsize, self.dtype_name, mems, chosen, quantized_ok, where))
+        if not quiet:
+            self.say(precision.table(cfg, self.dtype.itemsize, self.dtype_name, mems, chosen, quantized_ok, where))
         return chosen
 
     def refresh_own_profile(self):

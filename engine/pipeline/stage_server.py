@@ -360,7 +360,7 @@ class StageServer:
         def beside():
             c = check_configure(msg, self.trusted_head, self.accept_models, self.memory_cap)
             self._extra = HeldLayers.merged(self._extra, build_beside(c, msg, serving, self.device,
-                                                                      self.memory_cap, progress))
+                                                                      self.memory_cap, progress, self._extra))
 
         error = None
         try:

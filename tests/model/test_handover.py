@@ -169,6 +169,17 @@ def test_the_pieces_a_next_slice_lacks():
     assert missing_pieces(None, (3, 6)) == [(3, 6)]
 
 
+def test_pieces_already_loaded_ahead_are_not_loaded_again():
+    from torch import nn
+
+    from engine.model.handover import HeldLayers, not_held
+
+    held = HeldLayers({i: nn.Identity() for i in (5, 6, 9)}, ("fp",), None, 30)
+    assert not_held([(3, 8), (9, 12)], held) == [(3, 5), (7, 8), (10, 12)]
+    assert not_held([(5, 7)], held) == []
+    assert not_held([(5, 7)], None) == [(5, 7)]
+
+
 def test_layers_loaded_ahead_join_the_old_stages_only_when_built_alike():
     from torch import nn
 
