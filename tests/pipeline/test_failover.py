@@ -348,7 +348,9 @@ def stage_children(pid: int) -> list[int]:
 async def kill_stages_mid_chat(url: str, parent: int, stages: int = 3):
     """Over the API at `url`: a streamed chat uninterrupted, then once per stage process
     of `parent` (oldest first) the same chat with that process killed (kill -9) mid-reply.
-    Each reply must be the uninterrupted one, and the pipeline one stage shorter."""
+    Each reply must be the uninterrupted one, and the pipeline one stage shorter. Before
+    each kill the pipeline has been quiet long enough to load its spare layers, as a
+    chat's pauses give it: the rearrangement then reads no layer."""
     import aiohttp
     from openai import AsyncOpenAI
 
@@ -380,11 +382,17 @@ async def kill_stages_mid_chat(url: str, parent: int, stages: int = 3):
         reference, n = await chat(model)
         assert n > 16, (reference, n)  # long enough to be cut mid-reply
         for k, victim in enumerate(victims):
+            deadline = time.monotonic() + 120
+            while (await status())["spare_layers"] == 0:
+                assert time.monotonic() < deadline, await status()
+                await asyncio.sleep(0.5)
             got = await chat(model, kill_at=8, victim=victim)
             assert got == (reference, n), (k, got, reference, (await status())["events"])
             info = await status()
             assert info["error"] is None and len(info["stages"]) == stages - 1 - k, info
             assert [e["event"] for e in info["events"]].count("recovered") == k + 1, info["events"]
+            recovered = [e for e in info["events"] if e["event"] == "recovered"][-1]
+            assert recovered["kept_layers"] == info["stages"][-1]["layers"][1], recovered
     finally:
         await client.close()
 
