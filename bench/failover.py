@@ -29,11 +29,16 @@ The time from the death to the reply's next token is split into
 and the interrupted reply is compared with the uninterrupted one token for token.
 
     .venv/bin/python bench/failover.py [--threads default,1] [--contexts 100,1000,4000]
-        [--kinds closed,silent,leaving,sleep] [--keep on,off] [--json out.json]
+        [--kinds closed,silent,leaving,sleep] [--keep on,off] [--spares on,off] [--json out.json]
 
 --keep on,off runs each row twice: with the stages left keeping the layers they held
 (what the product does, engine/model/handover.py) and reading every layer of their new
 share again (POTLUCK_KEEP_LAYERS=0, as before it), and prints the load ratio.
+
+--spares on,off runs each row twice: with the spare layers a quiet pipeline loads (what
+the product does, engine/core/spares.py: the killed reply starts once they are loaded,
+as a chat's pause gives them time) and without (POTLUCK_SPARES=0), and prints the ratio
+of the reply's stop, death -> next token.
 
 Targets (issue 22, this machine): detect <= 1 s closed, <= 10 s silent; death to next
 token <= 15 s at 1k context; outputs identical in every row.
@@ -90,6 +95,12 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
             return toks, times, killed_at
 
         reference, _, _ = await reply(False)
+        spares = 0
+        if os.environ.get("POTLUCK_SPARES", "1") != "0":
+            deadline = time.monotonic() + 120
+            while head.spare_layers == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            spares = head.spare_layers
         got, times, killed_at = await reply(True)
         left = next(e for e in head.events if e["event"] == "left")
         rec = next(e for e in head.events if e["event"] == "recovered")
@@ -103,7 +114,8 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
             total = max(b - a for a, b in zip(after, after[1:]))
         row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": notice["t"] - killed_at,
                "replan_s": rec["replan_s"], "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": total,
-               "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0)}
+               "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0),
+               "spare_layers": spares}
         if kind == "sleep":   # it wakes: taken back by the head's asking (every few seconds)
             os.kill(victim.pid, signal.SIGCONT)
             deadline = time.monotonic() + 120
@@ -142,6 +154,8 @@ def main(argv=None) -> int:
                          "processes share the CPU's cores) and/or torch threads per process (default: default,1)")
     ap.add_argument("--keep", default="on",
                     help="on, off or on,off: the stages left keep the layers they held (on), or read all again")
+    ap.add_argument("--spares", default="on",
+                    help="on, off or on,off: the pipeline loads spare layers while quiet (on), or not")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import logging
@@ -149,38 +163,52 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.ERROR)
     rows = []
     # side by side: each row with the layers kept and read again, one after the other
-    for threads, context, kind, keep in itertools.product(
+    for threads, context, kind, keep, spares in itertools.product(
             parse_setups(args.threads), [int(c) for c in args.contexts.split(",")], args.kinds.split(","),
-            args.keep.split(",")):
+            args.keep.split(","), args.spares.split(",")):
         os.environ["POTLUCK_KEEP_LAYERS"] = "1" if keep == "on" else "0"   # the stage processes inherit it
+        os.environ["POTLUCK_SPARES"] = "1" if spares == "on" else "0"
         try:
             row = asyncio.run(one_row(context, kind, threads))
         except Exception as exc:  # a failover that fails is a row of the table, not a crash
             row = {"setup": setup_name(threads), "context": context, "kind": kind, "failed": str(exc)}
-        row["keep"] = keep
+        row["keep"], row["spares"] = keep, spares
         rows.append(row)
-        print(f"  {row['setup']}, {context} tokens, {kind}, keep {keep}: "
+        print(f"  {row['setup']}, {context} tokens, {kind}, keep {keep}, spares {spares}: "
               + (f"FAILED: {row['failed']}" if "failed" in row else
                  f"{row['total_s']:.1f} s to the next token, identical={row['identical']}"),
               file=sys.stderr, flush=True)
-    print("\n| setup | context | death | keep | layers kept | detect s | re-plan s | load s | replay s "
-          "| death -> next token s | back: load s | back: layers kept | identical |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| setup | context | death | keep | spares | spare layers | layers kept | detect s | re-plan s | load s "
+          "| replay s | death -> next token s | back: load s | back: layers kept | identical |")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | | | | | | | | | FAILED: {r['failed'][:80]} |")
+            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['spares']} | | | | | | | | | "
+                  f"| FAILED: {r['failed'][:80]} |")
             continue
         back = ("| | " if "back_load_s" not in r else "| n/a | n/a " if r["back_load_s"] is None
                 else f"| {r['back_load_s']:.2f} | {r['back_kept']} ")
-        print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['kept']} | {r['detect_s']:.2f} "
+        print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['spares']} | {r['spare_layers']} "
+              f"| {r['kept']} | {r['detect_s']:.2f} "
               f"| {r['replan_s']:.2f} | {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['total_s']:.2f} "
               f"{back}| {'yes' if r['identical'] else 'NO'} |")
-    pairs = [(a, b) for a in rows for b in rows if "failed" not in a and "failed" not in b
-             and a["keep"] == "on" and b["keep"] == "off"
-             and (a["setup"], a["context"], a["kind"]) == (b["setup"], b["context"], b["kind"])]
-    if pairs:
-        import statistics
+    import statistics
 
+    def paired(field: str) -> list[tuple[dict, dict]]:
+        """Rows alike but for `field`, on then off."""
+        alike = [k for k in ("setup", "context", "kind", "keep", "spares") if k != field]
+        return [(a, b) for a in rows for b in rows if "failed" not in a and "failed" not in b
+                and a[field] == "on" and b[field] == "off" and all(a[k] == b[k] for k in alike)]
+
+    spare_pairs = paired("spares")
+    if spare_pairs:
+        ratio = statistics.median(a["total_s"] / max(1e-6, b["total_s"]) for a, b in spare_pairs)
+        lo = min(a["total_s"] / max(1e-6, b["total_s"]) for a, b in spare_pairs)
+        hi = max(a["total_s"] / max(1e-6, b["total_s"]) for a, b in spare_pairs)
+        print(f"\ndeath -> next token with spare layers / without (median of {len(spare_pairs)} pairs): "
+              f"{ratio:.2f}x (range {lo:.2f}-{hi:.2f}x)")
+    pairs = paired("keep")
+    if pairs:
         ratio = statistics.median(a["load_s"] / max(1e-6, b["load_s"]) for a, b in pairs)
         print(f"\nload with the layers kept / read again (median of {len(pairs)} pairs): {ratio:.2f}x")
         woke = [(a, b) for a, b in pairs if a.get("back_load_s") and b.get("back_load_s")]
