@@ -127,6 +127,10 @@ def status_html(st: dict) -> str:
             who = (came[-1].get("who") if came else None) or "a computer"
             out.append(f"<p><b>Now:</b> {html.escape(who)} is loading its share of the model; "
                        "conversations go on meanwhile</p>")
+        elif h.get("spare_layers") and len(h.get("stages") or []) > 1:
+            # held beside each computer's share: a friend dropping off without a word costs no loading
+            out.append(f"<p>Ready if a computer drops off: the others hold {h['spare_layers']} spare layers "
+                       "of the model, so conversations pause only for a moment</p>")
         lines = [event_line(e) for e in (h.get("events") or [])[-8:]]
         if lines:
             out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")

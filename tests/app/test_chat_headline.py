@@ -74,6 +74,18 @@ def test_while_a_friend_leaves_with_notice_the_chat_says_it_goes_on():
     assert "Ana is leaving; the others are loading its layers" in page and "ws://" not in page
 
 
+def test_the_status_window_says_when_the_others_hold_spare_layers():
+    from app.status_dialog import status_html
+
+    stages = [{"address": "head (this process)", "layers": [0, 15]}, {"address": "ws://ana-pc:7860", "layers": [15, 30]}]
+    hosting = {"model": "M", "recovering": None, "events": [], "joining": None, "leaving": None,
+               "stages": stages, "spare_layers": 30}
+    assert "the others hold 30 spare layers" in status_html({"state": "serving", "hosting": hosting})
+    for quiet in (dict(hosting, spare_layers=0), dict(hosting, stages=stages[:1]),
+                  dict(hosting, recovering="stage 1 left: rearranging")):
+        assert "spare layers" not in status_html({"state": "serving", "hosting": quiet})
+
+
 def test_the_status_window_lists_what_happened():
     from app.status_dialog import status_html
 
