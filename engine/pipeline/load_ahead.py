@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from engine.core.precision import slice_bytes
 from engine.core.profile import scaled
-from engine.model.device import free_memory
+from engine.model.device import free_memory, kv_bytes_per_token
 from engine.model.handover import HeldLayers, missing_pieces, not_held
 from engine.model.measure import load_and_measure
 from engine.model.sources import ModelError
@@ -41,17 +41,21 @@ def build_alone(checked, msg: dict, held: HeldLayers | None, device, cores, prog
 
 
 def build_beside(checked, msg: dict, serving, device, memory_cap: int | None, progress,
-                 held: HeldLayers | None = None) -> HeldLayers | None:
+                 held: HeldLayers | None = None, spare: bool = False) -> HeldLayers | None:
     """The layers of [start, end) that the stage `serving` lacks, and that it does not hold
     beside it already (`held`: loaded ahead before), built while it serves; None when it
-    lacks none. Raises ModelError when they do not fit beside it."""
+    lacks none. Raises ModelError when they do not fit beside it. spare: they stay for as
+    long as the arrangement does (engine/core/spares.py), so they leave the serving stage's
+    cache the room its budget promised (a take-in's are gone at the configure that follows;
+    until then the cache grows into BESIDE_HEADROOM's share)."""
     pieces = not_held(missing_pieces((serving.start, serving.end), (msg["start"], msg["end"])), held)
     if not pieces:
         return None
     need = sum(slice_bytes(checked.cfg, a, b, msg["weights"], checked.dtype.itemsize) for a, b in pieces)
-    room = free_memory(device) * BESIDE_HEADROOM
+    promised = cache_to_come(serving, checked.cfg) if spare else 0
+    room = free_memory(device) * BESIDE_HEADROOM - promised
     if memory_cap is not None:
-        room = min(room, memory_cap - serving.held_bytes() - (held.nbytes() if held is not None else 0))
+        room = min(room, memory_cap - serving.held_bytes() - promised - (held.nbytes() if held is not None else 0))
     if need > room:
         raise ModelError(f"no room for {need / 2**20:.0f} MiB more beside the layers it serves: "
                          "they load during the rearrangement")
@@ -61,6 +65,15 @@ def build_beside(checked, msg: dict, serving, device, memory_cap: int | None, pr
                           progress=progress, weights=msg["weights"]).hand_over()
         held = part if held is None else held.merge(part)
     return held
+
+
+def cache_to_come(serving, cfg) -> int:
+    """Bytes the serving stage's cache may still grow by: its budget was promised to the
+    conversations it admits (a GPU's cache grows as replies need it), so layers held
+    beside it (spare layers stay for as long as the arrangement does) must not take them."""
+    kv = serving.kv
+    per_token = kv_bytes_per_token(cfg, (serving.start, serving.end), kv.dtype)
+    return max(0, kv.budget_tokens * per_token - kv.allocated_bytes())
 
 
 def built_as(fingerprint: str, msg: dict) -> tuple:

@@ -143,13 +143,16 @@ class RecoveryDriver:
         await self._prepare_ranges(dict(zip(addresses, split[2][1:])), split[2][0], split[1], newcomer, progress)
 
     async def _prepare_ranges(self, new: dict[str, tuple[int, int]], head: tuple[int, int], weights: str,
-                              newcomer: RemoteStage | None = None, progress=None) -> int:
+                              newcomer: RemoteStage | None = None, progress=None, spare: bool = False) -> int:
         """Each machine loads ahead what the range `new` gives it (by address; `head`, this
         machine's) lacks: a stage serving now, beside its slice (engine/pipeline/load_ahead.py);
         `newcomer`, its whole share. One that cannot (no room beside the slice it serves)
         loads it during the rearrangement; the newcomer's failure is raised once the others
-        are done. Returns how many layers the serving stages hold beside their slices."""
-        fields = dict(model=self.source.spec, fingerprint=self.fingerprint, dtype=self.dtype_name, weights=weights)
+        are done. Returns how many layers the serving stages hold beside their slices. spare:
+        they are held against a loss (engine/core/spares.py), for as long as the arrangement
+        lasts, so they leave each cache the room it was promised."""
+        fields = dict(model=self.source.spec, fingerprint=self.fingerprint, dtype=self.dtype_name, weights=weights,
+                      spare=spare)
         beside: dict[int, int] = {}
         mine: dict[int, asyncio.Future] = {}
 
@@ -188,7 +191,7 @@ class RecoveryDriver:
             msg = dict(start=a, end=b, weights=weights)
             try:
                 extra = await asyncio.to_thread(build_beside, checked, msg, stage, self.device, self.memory_cap,
-                                                None, self._extra0)
+                                                None, self._extra0, spare)
             except Exception as exc:   # (ModelError: no room beside its slice)
                 log.warning("layers %d-%d load when they are needed: %s", a, b - 1, exc)
                 return

@@ -76,7 +76,7 @@ class SpareLayers:
                 return
             t0 = time.monotonic()
             spares.layers = await self._prepare_ranges({r.address: t for r, t in zip(self.remotes, targets[1:])},
-                                                       targets[0], self.weights)
+                                                       targets[0], self.weights, spare=True)
             log.info("%d spare layer(s) loaded beside the slices in %.1f s: a stage lost without notice "
                      "costs no loading", spares.layers, time.monotonic() - t0)
         except asyncio.CancelledError:

@@ -40,7 +40,9 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        # 16: "configured" says how many layers the stage kept from its last slice
                        # 17: "prepare": a machine being taken in loads its layers ahead,
                        #     while the pipeline serves, and answers "prepared"
-PROTOCOL_VERSION = 17
+                       # 18: "prepare" says whether the layers are spares (held against a
+                       #     loss without notice: engine/core/spares.py)
+PROTOCOL_VERSION = 18
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head

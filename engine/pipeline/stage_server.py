@@ -359,8 +359,8 @@ class StageServer:
 
         def beside():
             c = check_configure(msg, self.trusted_head, self.accept_models, self.memory_cap)
-            self._extra = HeldLayers.merged(self._extra, build_beside(c, msg, serving, self.device,
-                                                                      self.memory_cap, progress, self._extra))
+            self._extra = HeldLayers.merged(self._extra, build_beside(c, msg, serving, self.device, self.memory_cap,
+                                                                      progress, self._extra, msg["spare"]))
 
         error = None
         try:

@@ -292,7 +292,10 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
                   "weights": _STR, "profile": _OPT_PROFILE, "route": _STR},
     # a machine being taken in loads its layers ahead while the pipeline serves without it
     # (the configure that follows keeps them): what configure names of the model and slice
-    "prepare": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "dtype": _STR, "weights": _STR},
+    # (spare: layers held against a loss, for as long as this arrangement lasts, so they
+    # must leave the cache's promised room free)
+    "prepare": {"model": _STR, "start": _INT, "end": _INT, "fingerprint": _OPT_STR, "dtype": _STR, "weights": _STR,
+                "spare": _BOOL},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
     "shutdown": {},

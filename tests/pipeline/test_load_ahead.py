@@ -295,6 +295,13 @@ def test_a_serving_stage_loads_beside_only_what_fits_and_what_it_lacks(tiny_fold
     assert build_beside(checked, dict(msg, start=0, end=2), serving, "cpu", None, None) is None   # holds them
     with pytest.raises(ModelError, match="beside the layers it serves"):
         build_beside(checked, msg, serving, "cpu", serving.held_bytes() + 1024, None)
+    # spare layers stay: they leave the cache the room its budget promised (here: more
+    # than this machine has), where a take-in's, gone at the next configure, may use it
+    promising = StageModel(source, 0, 3, dtype=torch.float32, device="cpu", kv_budget_tokens=1 << 40)
+    assert sorted(build_beside(checked, msg, promising, "cpu", None, None).layers) == [3, 4]
+    with pytest.raises(ModelError, match="beside the layers it serves"):
+        build_beside(checked, msg, promising, "cpu", None, None, spare=True)
+    assert sorted(build_beside(checked, msg, serving, "cpu", None, None, spare=True).layers) == [3, 4]
 
 
 async def test_defaults_a_friend_stage_offered_mid_chat_loads_its_share_while_the_chat_goes_on():
