@@ -192,10 +192,12 @@ class LinkSender:
                 if not sent_any:
                     if self.peer_gone:
                         # an idle link never writes, so it would never learn: without
-                        # this its task (and whatever made it) lived as long as the process
+                        # this its task (and whatever made it) lived as long as the process,
+                        # and its owner would find out only when the next request failed on it
                         if self.in_flight:
                             raise ConnectionClosed(None, None)   # and took something with it
                         self.failed = "connection closed"
+                        self.on_failed(self.failed)
                         return
                     self._wake.clear()
                     try:

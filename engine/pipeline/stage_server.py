@@ -442,7 +442,7 @@ class StageServer:
             self._next_ws = await connect_stage(msg["next"], "data", self.pipeline, key=msg["route"])
             # the profile as last reported: the scheduler's windows follow it too
             self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
-                                   on_failed=lambda why: log.error("link to the next stage failed: %s", why),
+                                   on_failed=lambda why: log.warning("link to the next stage ended: %s", why),
                                    acked=self.acks)
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone

@@ -163,7 +163,7 @@ async def test_two_stages_die_one_after_the_other():
 
 
 async def test_a_frozen_stage_is_noticed_by_its_heartbeats():
-    from engine.pipeline.stage_server import LEAVE_S
+    from engine.pipeline.stage_server import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
 
     head, reference, got, _, _ = await interrupted(False, [(12, 0, signal.SIGSTOP)])
     check(head, reference, got, 1)
@@ -538,6 +538,30 @@ def tiny_cap(source, layers: int) -> int:
 
 async def tiny_reply(head, n=30):
     return await tokens(head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n)))
+
+
+async def test_a_data_link_dropped_while_idle_is_mended_before_the_next_request(tiny_folder):
+    """The head's data link to stage 1 drops while no reply runs (a keepalive that timed
+    out on a busy machine, a router forgetting the connection), its control connection
+    still up: the head is told at once and re-forms the pipeline, and the next request is
+    answered. (It used to learn only from that request, which failed: 'connection
+    closed', found by CI.)"""
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}"])
+    try:
+        reference, _ = await tiny_reply(head)
+        head._data_ws.ws.transport.abort()     # gone under both ends, nothing said
+        await until(lambda: [e["event"] for e in head.info()["events"]][-1:] == ["recovered"], timeout=60)
+        assert head.n_stages == 2 and head.error is None
+        toks, done = await tiny_reply(head)
+        assert done.error is None and toks == reference
+    finally:
+        await head.close()
+        await a.close()
 
 
 async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_folder):
