@@ -48,6 +48,10 @@ HELLO_TIMEOUT = 10.0
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
 # needs a few seconds at most; the owner gets the machine back within this whatever it does
 LEAVE_S = 10.0
+# how long a stage whose link to the next stage ended waits for its head to let go (the
+# next stage died: the head knows) before it leaves the arrangement itself (only the link
+# dropped: nothing else would tell the head)
+NEXT_LINK_GRACE_S = 1.0
 LET_GO_S = 1.0  # how long a stage whose head left waits for that head's data links to close
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,

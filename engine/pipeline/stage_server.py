@@ -42,8 +42,8 @@ from engine.wire.sealed_socket import SealedSocket
 from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce
 # what a stage and its peers agree on, importable from here as before
 from engine.pipeline.stage_protocol import (CLIENT_WS_OPTIONS, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S,  # noqa: F401
-                                            HELLO_TIMEOUT, LEAVE_S, LET_GO_S, PROFILE_REPORT_S, PROOF_MAX,
-                                            PROOF_QUEUE, PROTOCOL_VERSION, WS_OPTIONS, connect_stage)
+                                            HELLO_TIMEOUT, LEAVE_S, LET_GO_S, NEXT_LINK_GRACE_S, PROFILE_REPORT_S,
+                                            PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION, WS_OPTIONS, connect_stage)
 from engine.core.sampling import SamplingError
 from engine.model.grammar import Grammars
 from engine.model.sampler import Sampler
@@ -382,6 +382,26 @@ class StageServer:
         except ConnectionClosed:
             pass   # the head let go meanwhile (a stage lost): what was loaded stays for the next configure
 
+    def _next_link_failed(self, head_ws, why: str):
+        """The link to the next stage ended under us. Where the next stage died, the head
+        already knows (its connection to that stage closed too) and lets this arrangement
+        go within a moment; where only the link dropped (a keepalive that timed out, a
+        router that forgot the connection), nothing else would tell it, and every step
+        sent down this way would wait for ever. So, unless the head has let go by then,
+        this stage leaves its arrangement and the head forms the pipeline again (asking
+        this stage back)."""
+        log.warning("link to the next stage ended: %s", why)
+
+        async def tell():
+            await asyncio.sleep(NEXT_LINK_GRACE_S)
+            if self._control_ws is head_ws and not self.closed:
+                try:
+                    await head_ws.close(1001, f"its link to the next stage dropped ({why})"[:120])
+                except Exception:   # the head went meanwhile
+                    pass
+
+        asyncio.ensure_future(tell())
+
     async def _configure(self, ws, msg):
         # before loading: the stage before this one may finish loading first and connect
         self._route = msg["route"]
@@ -442,7 +462,7 @@ class StageServer:
             self._next_ws = await connect_stage(msg["next"], "data", self.pipeline, key=msg["route"])
             # the profile as last reported: the scheduler's windows follow it too
             self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
-                                   on_failed=lambda why: log.warning("link to the next stage ended: %s", why),
+                                   on_failed=lambda why: self._next_link_failed(ws, why),
                                    acked=self.acks)
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone

@@ -540,28 +540,66 @@ async def tiny_reply(head, n=30):
     return await tokens(head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=n)))
 
 
-async def test_a_data_link_dropped_while_idle_is_mended_before_the_next_request(tiny_folder):
+async def mended(head, stages: int, reference):
+    """The head re-formed its pipeline after a link dropped, and answers; the machine that
+    left (asked back at once, or by the watch a moment later) serves again."""
+    await until(lambda: "recovered" in [e["event"] for e in head.info()["events"]] and head.recovering is None,
+                timeout=60)
+    assert head.error is None
+    toks, done = await asyncio.wait_for(tiny_reply(head), 60)
+    assert done.error is None and toks == reference
+    await until(lambda: head.n_stages == stages and head.recovering is None, timeout=60)
+    toks, done = await asyncio.wait_for(tiny_reply(head), 60)
+    assert done.error is None and toks == reference
+
+
+async def test_a_data_link_dropped_while_idle_is_mended_before_the_next_request(tiny_folder, monkeypatch):
     """The head's data link to stage 1 drops while no reply runs (a keepalive that timed
     out on a busy machine, a router forgetting the connection), its control connection
     still up: the head is told at once and re-forms the pipeline, and the next request is
     answered. (It used to learn only from that request, which failed: 'connection
     closed', found by CI.)"""
+    import engine.pipeline.head as head_module
     from engine.model.sources import resolve
     from engine.pipeline.stage_server import StageServer
 
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
     folder, _ = tiny_folder("llama", seed=0)
     a = await StageServer("127.0.0.1", 0, threads=1).start()
     head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}"])
     try:
         reference, _ = await tiny_reply(head)
         head._data_ws.ws.transport.abort()     # gone under both ends, nothing said
-        await until(lambda: [e["event"] for e in head.info()["events"]][-1:] == ["recovered"], timeout=60)
-        assert head.n_stages == 2 and head.error is None
-        toks, done = await tiny_reply(head)
-        assert done.error is None and toks == reference
+        await mended(head, 2, reference)
     finally:
         await head.close()
         await a.close()
+
+
+async def test_a_link_between_two_stages_dropped_while_idle_is_mended_too(tiny_folder, monkeypatch):
+    """The same between stage 1 and stage 2, whose head hears of it from neither: stage 1
+    leaves its arrangement (after a moment's grace, in case the head is letting go
+    anyway), the head goes on over the others at once, the next request is answered, and
+    stage 1, asked again, is taken back."""
+    import engine.pipeline.head as head_module
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}", f"ws://127.0.0.1:{b.port}"])
+    try:
+        reference, _ = await tiny_reply(head)
+        a._next_ws.ws.transport.abort()
+        await mended(head, 3, reference)
+        left = next(e for e in head.info()["events"] if e["event"] == "left")
+        assert "link to the next stage dropped" in left["why"], left
+    finally:
+        await head.close()
+        await a.close()
+        await b.close()
 
 
 async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_folder):
