@@ -115,7 +115,7 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
         row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": notice["t"] - killed_at,
                "replan_s": rec["replan_s"], "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": total,
                "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0),
-               "spare_layers": spares}
+               "spare_layers": spares, "n_layers": head.ranges[-1][1]}
         if kind == "sleep":   # it wakes: taken back by the head's asking (every few seconds)
             os.kill(victim.pid, signal.SIGCONT)
             deadline = time.monotonic() + 120
@@ -200,6 +200,9 @@ def main(argv=None) -> int:
         return [(a, b) for a in rows for b in rows if "failed" not in a and "failed" not in b
                 and a[field] == "on" and b[field] == "off" and all(a[k] == b[k] for k in alike)]
 
+    def last(row) -> int:   # the model's layers (the default model's: every row's)
+        return row.get("n_layers", 30)
+
     spare_pairs = paired("spares")
     if spare_pairs:
         ratio = statistics.median(a["total_s"] / max(1e-6, b["total_s"]) for a, b in spare_pairs)
@@ -207,6 +210,10 @@ def main(argv=None) -> int:
         hi = max(a["total_s"] / max(1e-6, b["total_s"]) for a, b in spare_pairs)
         print(f"\ndeath -> next token with spare layers / without (median of {len(spare_pairs)} pairs): "
               f"{ratio:.2f}x (range {lo:.2f}-{hi:.2f}x)")
+        load = statistics.median(a["load_s"] / max(1e-6, b["load_s"]) for a, b in spare_pairs)
+        print(f"the rearrangement's load with spare layers / without (median): {load:.2f}x; layers read: "
+              + ", ".join(f"{a['context']} {a['kind']} {last(a) - a['kept']} vs {last(b) - b['kept']}"
+                          for a, b in spare_pairs))
     pairs = paired("keep")
     if pairs:
         ratio = statistics.median(a["load_s"] / max(1e-6, b["load_s"]) for a, b in pairs)
