@@ -130,7 +130,7 @@ def status_html(st: dict) -> str:
         elif h.get("spare_layers") and len(h.get("stages") or []) > 1:
             # held beside each computer's share: a friend dropping off without a word costs no loading
             out.append(f"<p>Ready if a computer drops off: the others hold {h['spare_layers']} spare layers "
-                       "of the model, so conversations pause only for a moment</p>")
+                       "of the model, so nothing needs loading before conversations go on</p>")
         lines = [event_line(e) for e in (h.get("events") or [])[-8:]]
         if lines:
             out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")
