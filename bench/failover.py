@@ -26,6 +26,8 @@ The time from the death to the reply's next token is split into
            default model is always local; a hub model not yet downloaded would add
            its download, which this offline machine cannot measure)
   replay   prefilling the sequence's history on the new arrangement -> next token
+           (beside it, the uninterrupted reply's time to its first token: the same
+           prompt on the old arrangement, for scale)
 and the interrupted reply is compared with the uninterrupted one token for token.
 
     .venv/bin/python bench/failover.py [--threads default,1] [--contexts 100,1000,4000]
@@ -80,6 +82,7 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
     victim = pipe.local.procs[0]
     try:
         async def reply(kill: bool):
+            t0 = time.time()
             h = head.submit(list(ids), SamplingParams(greedy=True, max_tokens=TOKENS))
             toks, times = [], []
             killed_at = None
@@ -92,16 +95,16 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
                         killed_at = time.time()
                 else:
                     assert ev.error is None, ev.error
-            return toks, times, killed_at
+            return toks, times, killed_at, t0
 
-        reference, _, _ = await reply(False)
+        reference, ref_times, _, ref_t0 = await reply(False)
         spares = 0
         if os.environ.get("POTLUCK_SPARES", "1") != "0":
             deadline = time.monotonic() + 120
             while head.spare_layers == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             spares = head.spare_layers
-        got, times, killed_at = await reply(True)
+        got, times, killed_at, _ = await reply(True)
         left = next(e for e in head.events if e["event"] == "left")
         rec = next(e for e in head.events if e["event"] == "recovered")
         next_token = next(t for t in times if t > rec["t"])
@@ -114,7 +117,7 @@ async def one_row(context: int, kind: str, threads: int | None) -> dict:
             total = max(b - a for a, b in zip(after, after[1:]))
         row = {"setup": setup_name(threads), "context": len(ids), "kind": kind, "detect_s": notice["t"] - killed_at,
                "replan_s": rec["replan_s"], "load_s": rec["load_s"], "replay_s": next_token - rec["t"], "total_s": total,
-               "identical": got == reference, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0),
+               "identical": got == reference, "prompt_s": ref_times[0] - ref_t0, "stages_after": head.n_stages, "kept": rec.get("kept_layers", 0),
                "spare_layers": spares, "n_layers": head.ranges[-1][1]}
         if kind == "sleep":   # it wakes: taken back by the head's asking (every few seconds)
             os.kill(victim.pid, signal.SIGCONT)
@@ -179,18 +182,18 @@ def main(argv=None) -> int:
                  f"{row['total_s']:.1f} s to the next token, identical={row['identical']}"),
               file=sys.stderr, flush=True)
     print("\n| setup | context | death | keep | spares | spare layers | layers kept | detect s | re-plan s | load s "
-          "| replay s | death -> next token s | back: load s | back: layers kept | identical |")
-    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| replay s | first prompt s | death -> next token s | back: load s | back: layers kept | identical |")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "failed" in r:
-            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['spares']} | | | | | | | | | "
+            print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['spares']} | | | | | | | | | | "
                   f"| FAILED: {r['failed'][:80]} |")
             continue
         back = ("| | " if "back_load_s" not in r else "| n/a | n/a " if r["back_load_s"] is None
                 else f"| {r['back_load_s']:.2f} | {r['back_kept']} ")
         print(f"| {r['setup']} | {r['context']} | {r['kind']} | {r['keep']} | {r['spares']} | {r['spare_layers']} "
               f"| {r['kept']} | {r['detect_s']:.2f} "
-              f"| {r['replan_s']:.2f} | {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['total_s']:.2f} "
+              f"| {r['replan_s']:.2f} | {r['load_s']:.2f} | {r['replay_s']:.2f} | {r['prompt_s']:.2f} | {r['total_s']:.2f} "
               f"{back}| {'yes' if r['identical'] else 'NO'} |")
     import statistics
 

@@ -112,11 +112,20 @@ def cpu_shares(processes: int, n_cores: int) -> list[float]:
 class CpuReader:
     """CpuReadings of this machine for the pipeline whose lease directory this is: the
     machine's busy time from psutil (niced time is its own column, left out) and the CPU
-    time of the processes that left their pid there."""
+    time of the processes that left their pid there.
+
+    The pipeline's time is summed from each process's growth since the last reading, so
+    it never falls: a stage that dies (killed, or let go) takes its whole past CPU time
+    with it, and a plain sum of what the living have used would drop by that much. Such a
+    drop made every busy core of the interval count as other programs' -- the interval
+    that spans a rearrangement, both survivors loading layers -- and the head replayed its
+    history on one thread instead of two."""
 
     def __init__(self, directory: str):
         self.directory = directory
         self._procs: dict[int, object] = {}
+        self._last: dict[int, float] = {}   # pid -> its CPU seconds at the last reading
+        self._ours = 0.0
 
     def __call__(self) -> CpuReading:
         import psutil
@@ -124,7 +133,7 @@ class CpuReader:
         t = time.monotonic()
         c = psutil.cpu_times()
         busy = c.user + c.system + sum(getattr(c, k, 0.0) for k in ("irq", "softirq", "steal"))
-        ours = 0.0
+        seen: dict[int, float] = {}
         for name in os.listdir(self.directory):
             if not name.startswith("pid-"):
                 continue
@@ -132,10 +141,14 @@ class CpuReader:
                 pid = int(name[4:])
                 p = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
                 times = p.cpu_times()
-                ours += times.user + times.system
+                seen[pid] = times.user + times.system
             except (psutil.Error, ValueError):  # ended (its file stays after a SIGKILL)
                 self._procs.pop(pid, None)
-        return CpuReading(t, busy, ours)
+        # a process first seen counts all its time: it ran in this interval, and counting
+        # too much as ours only errs towards leaving the owner's programs their cores
+        self._ours += sum(max(0.0, s - self._last.get(pid, 0.0)) for pid, s in seen.items())
+        self._last = seen
+        return CpuReading(t, busy, self._ours)
 
 
 def no_others() -> CpuReading:
