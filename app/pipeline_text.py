@@ -20,4 +20,6 @@ def hop_label(hop: dict) -> str:
     if path == "via the host":
         path = "through this computer"
     rtt = hop.get("rtt_ms")
-    return f"{hop.get('hop', '?')}: {path}{f', {rtt:.0f} ms' if rtt is not None else ''}"
+    # until the friend who dials it reports (every few seconds), the round trip is the handshake's
+    when = "" if hop.get("live", True) or path == "through this computer" else " when set up"
+    return f"{hop.get('hop', '?')}: {path}{f', {rtt:.0f} ms{when}' if rtt is not None else ''}"

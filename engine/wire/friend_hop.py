@@ -10,6 +10,8 @@ end to end with it); B is the home of the next stage, A the one that connects to
     A -> host   {"op": "punch", "hop", "udp"}        (only when no address answered; the host
     host -> B   {"op": "punch", "hop", "udp"}         passes A's UDP candidates on to B)
     A -> host   {"op": "dialed", "hop", "port", "path", "rtt_ms"}    or {"op": "dialed", "hop", "why"}
+    A -> host   {"op": "hop_link", "hop", "rtt_ms", "mbit_s"}   every HOP_REPORT_S while the hop is up:
+                what its tunnel's pings and traffic measure now, for the host's status
     host -> A|B {"op": "end", "hop"}      the hop is over (a new arrangement, a friend revoked)
 
 B opens a door: a WebSocket listener on all its addresses, with the candidates a host
@@ -61,6 +63,9 @@ MAX_INTROS = 8             # introductions one friend holds at once
 # within it is introduced the way that worked, not by trying every way again first
 REMEMBER_S = 600.0
 MAX_ADDRESSES = 12
+# how often A tells the host its hop's round trip and goodput as the hop's own pings and
+# traffic measure them: the status shows the hop as it is, not as its handshake found it
+HOP_REPORT_S = 5.0
 _HEX = re.compile(r"^[0-9a-f]*$")
 
 
@@ -79,7 +84,7 @@ def check_intro(msg, frm: str) -> dict:
     if not isinstance(msg, dict):
         raise NoiseError("an INTRO frame is a JSON object")
     op = msg.get("op")
-    allowed = ("accept", "dial", "end", "punch") if frm == "host" else ("door", "dialed", "punch")
+    allowed = ("accept", "dial", "end", "punch") if frm == "host" else ("door", "dialed", "punch", "hop_link")
     if op not in allowed:
         raise NoiseError(f"INTRO op {op!r} is not for this end")
     hop = msg.get("hop")
@@ -118,6 +123,12 @@ def check_intro(msg, frm: str) -> dict:
                 and isinstance(rtt, (int, float)) and 0 <= rtt < 1e6):
             raise NoiseError("INTRO dialed: malformed answer")
         out.update(port=port, path=path, rtt_ms=float(rtt))
+    if op == "hop_link":
+        for name in ("rtt_ms", "mbit_s"):
+            v = msg.get(name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6):
+                raise NoiseError(f"INTRO hop_link: malformed {name}")
+            out[name] = None if v is None else float(v)
     return out
 
 
@@ -164,6 +175,7 @@ class FriendHops:
         self._door_cands: list = []
         self._mapper = None
         self._tasks: set = set()
+        self._reporter: asyncio.Task | None = None
         self.closed = False
 
     # -- what the host says
@@ -201,6 +213,7 @@ class FriendHops:
                 port, path, rtt = await self._dial(intro, msg["addresses"], msg["kinds"], msg.get("udp", []),
                                                    msg.get("symmetric", False))
                 answer = {"op": "dialed", "hop": hop, "port": port, "path": path, "rtt_ms": round(rtt * 1000, 1)}
+                self._report_links()
             except Exception as exc:  # noqa: BLE001 -- as above: the hop goes through the host
                 await self._end(hop)
                 answer = {"op": "dialed", "hop": hop, "why": str(exc) or type(exc).__name__}
@@ -388,6 +401,28 @@ class FriendHops:
             return await intro.udp.quic_connect(peer)
         except (punch.PunchError, OSError) as exc:
             raise HopError(f"{why}; and no hole could be punched ({exc})") from None
+
+    def _report_links(self) -> None:
+        """Tell the host how the hops this end dialed are doing, every HOP_REPORT_S, for
+        as long as any is up (started by the first dial that found a direct path)."""
+        if self._reporter is not None and not self._reporter.done():
+            return
+
+        async def report():
+            while not self.closed:
+                await asyncio.sleep(HOP_REPORT_S)
+                for hop, link in self.links().items():
+                    rtt, goodput = link.get("rtt_ms"), link.get("mbit_s")
+                    try:
+                        await self.host.send(INTRO, 0, pack({
+                            "op": "hop_link", "hop": hop, "rtt_ms": None if rtt is None else round(rtt, 1),
+                            "mbit_s": None if goodput is None else round(goodput, 3)}))
+                    except (ConnectionClosed, OSError):
+                        return              # the host's tunnel is gone: so are the hops
+
+        self._reporter = asyncio.ensure_future(report())
+        self._tasks.add(self._reporter)
+        self._reporter.add_done_callback(self._tasks.discard)
 
     def links(self) -> dict[int, dict]:
         """Per hop this end dialed: its path and round trip (for the host's status)."""

@@ -84,7 +84,9 @@ class HopLink:
     dst: bytes
     names: str
     path: str                 # "direct (lan)", "direct (mapped)", ... or "via the host"
-    rtt_ms: float | None
+    rtt_ms: float | None      # the handshake's, then as the dialing friend reports it
+    mbit_s: float | None = None
+    reported_at: float | None = None   # when the dialing friend last said how it goes
 
 
 class TunnelHost:
@@ -509,6 +511,7 @@ class TunnelHost:
                 await peer.session.close("replaced by a new connection")
         peer.about = getattr(session, "about", None) or peer.about
         session.on_punch_offer = self._punch_for
+        session.on_hop_link = self._hop_reported
         peer.session = session.start()
         self.on_event(f"peer {peer.node_id} ({peer.name or 'unnamed'}) connected via {session.path}")
         if fresh:
@@ -578,14 +581,30 @@ class TunnelHost:
         self.hops[hop] = HopLink(src.key, dst.key, names, "via the host", None)
         return f"ws://127.0.0.1:{port}"
 
+    def _hop_reported(self, session: Session, msg: dict) -> None:
+        """A friend says how a hop it dialed is doing. Only the friend at the hop's start
+        speaks for it; a report for a hop already over (it crossed the end) is dropped."""
+        h = self.hops.get(msg["hop"])
+        if h is None or h.src != session.peer_key or h.path == "via the host":
+            return
+        if msg["rtt_ms"] is not None:
+            h.rtt_ms = msg["rtt_ms"]
+        h.mbit_s, h.reported_at = msg["mbit_s"], time.monotonic()
+
     def hop_links(self) -> list[dict]:
-        """Each hop between two friends: who, its path and round trip (for the status)."""
+        """Each hop between two friends: who, its path, round trip and goodput, and
+        whether those are live (reported within the last few HOP_REPORT_S) or still the
+        handshake's (for the status)."""
+        from engine.wire.friend_hop import HOP_REPORT_S
+
         def live(key: bytes) -> bool:
             p = self.peers.get(key)
             return p is not None and p.session is not None and not p.session.closed.is_set()
 
-        return [{"hop": f"{h.names}", "path": h.path, "rtt_ms": h.rtt_ms} for h in self.hops.values()
-                if live(h.src) and live(h.dst)]
+        now = time.monotonic()
+        return [{"hop": f"{h.names}", "path": h.path, "rtt_ms": h.rtt_ms, "mbit_s": h.mbit_s,
+                 "live": h.reported_at is not None and now - h.reported_at <= 3 * HOP_REPORT_S}
+                for h in self.hops.values() if live(h.src) and live(h.dst)]
 
     async def _end_hops_from(self, key: bytes):
         from engine.wire.friend_hop import end

@@ -107,6 +107,7 @@ class Session:
         # the host waits here for the answers, by (op, hop)
         self.friends = None
         self.on_intro = None
+        self.on_hop_link = None   # host side: (session, msg) for a friend's report on a hop it dialed
         self._asks: dict[tuple[str, int], asyncio.Future] = {}
         self.punch_relay: dict[int, "Session"] = {}     # host: hop -> the friend A's punch goes to
         self._next: tuple | None = None      # (channel, path) proven for a move, not yet moved to
@@ -375,6 +376,10 @@ class Session:
             task = asyncio.ensure_future(pass_on())
             self._tasks.append(task)
             task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+            return
+        if self.role == "host" and msg["op"] == "hop_link":
+            if self.on_hop_link is not None:     # how a hop this friend dialed is doing now
+                self.on_hop_link(self, msg)
             return
         if self.role == "host":
             fut = self._asks.pop((msg["op"], msg["hop"]), None)

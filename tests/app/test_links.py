@@ -112,6 +112,8 @@ def test_a_hop_between_two_friends_says_how_it_goes():
 
     assert hop_label({"hop": "Ana → Ben", "path": "direct (punched)", "rtt_ms": 31.2}) == \
         "Ana → Ben: direct (punched), 31 ms"
+    assert hop_label({"hop": "Ana → Ben", "path": "direct (lan)", "rtt_ms": 2.4, "live": False}) == \
+        "Ana → Ben: direct (lan), 2 ms when set up"
     assert hop_label({"hop": "Ana → Ben", "path": "via the host", "rtt_ms": None}) == \
         "Ana → Ben: through this computer"
 

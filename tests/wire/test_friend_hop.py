@@ -93,6 +93,36 @@ async def test_a_hop_between_two_friends_goes_direct_and_the_host_carries_none_o
         await t.close()
 
 
+async def test_the_host_shows_a_hop_as_it_goes_now_not_as_its_handshake_found_it(tmp_path, monkeypatch):
+    """The friend who dialed a hop reports its tunnel's round trip and goodput every
+    HOP_REPORT_S; only that friend speaks for its hop (another's report changes nothing
+    and closes nothing)."""
+    from engine.wire import friend_hop
+    from engine.wire.friend_hop import pack
+    from engine.wire.tunnel_session import INTRO
+
+    monkeypatch.setattr(friend_hop, "HOP_REPORT_S", 0.3)
+    t = await Three().start(tmp_path)
+    try:
+        addr = await t.host.open_hop(t.pa, t.pb)
+        (link,) = t.host.hop_links()
+        assert link["live"] is False and link["mbit_s"] is None     # the handshake's round trip so far
+        await roundtrip(int(addr.rsplit(":", 1)[1]))               # traffic the report's goodput counts
+        deadline = asyncio.get_running_loop().time() + 10
+        while not t.host.hop_links()[0]["live"] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        (link,) = t.host.hop_links()
+        assert link["live"] and link["rtt_ms"] is not None and link["rtt_ms"] >= 0
+        assert link["mbit_s"] > 0                                   # 400 KB crossed it in the last seconds
+        # ben did not dial this hop: his word on it is dropped, his tunnel stays up
+        hop = next(iter(t.host.hops))
+        await t.b.send(INTRO, 0, pack({"op": "hop_link", "hop": hop, "rtt_ms": 999.0, "mbit_s": 0.0}))
+        await asyncio.sleep(0.5)
+        assert t.host.hops[hop].rtt_ms != 999.0 and not t.b.closed.is_set()
+    finally:
+        await t.close()
+
+
 def unreachable_door(monkeypatch):
     from engine.wire import candidates as cand
 
@@ -233,6 +263,10 @@ async def test_a_friends_hop_carries_no_tunnel_control_frames(tmp_path):
     ({"op": "accept", "hop": 0, "id": "00" * 8, "psk": "00" * 32, "key": "00" * 32}, "host", "hop number"),
     ({"op": "accept", "hop": 2, "id": "zz" * 8, "psk": "00" * 32, "key": "00" * 32}, "host", "id must be"),
     ({"op": "dialed", "hop": 2, "port": 70000, "path": "direct", "rtt_ms": 1}, "friend", "malformed answer"),
+    ({"op": "hop_link", "hop": 2, "rtt_ms": "fast", "mbit_s": 1}, "friend", "malformed rtt_ms"),
+    ({"op": "hop_link", "hop": 2, "rtt_ms": 3, "mbit_s": -1}, "friend", "malformed mbit_s"),
+    ({"op": "hop_link", "hop": 2, "rtt_ms": True, "mbit_s": 1}, "friend", "malformed rtt_ms"),
+    ({"op": "hop_link", "hop": 2, "rtt_ms": 3, "mbit_s": 1}, "host", "not for this end"),
     ([1, 2], "host", "JSON object"),
 ])
 def test_malformed_introductions_are_refused(msg, frm, why):
