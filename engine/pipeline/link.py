@@ -86,6 +86,9 @@ class LinkSender:
         self._tasks: list[asyncio.Task] = []
         self.failed: str | None = None
         self.peer_gone = False   # the socket closed under us (see open_link's reader)
+        # the receiver stopped answering (our heartbeat went unanswered, or it stopped
+        # reading): frozen or unreachable, so asking it back would only wait out a timeout
+        self.unanswered = False
         self.rtt_min: float | None = None
         self.goodput = GoodputMeter(self.sched.link)   # from acks, while there is a backlog
         self.bytes_sent = 0
@@ -196,7 +199,7 @@ class LinkSender:
                         # and its owner would find out only when the next request failed on it
                         if self.in_flight:
                             raise ConnectionClosed(None, None)   # and took something with it
-                        self.failed = "connection closed"
+                        self.failed = self.failed or "connection closed"
                         self.on_failed(self.failed)
                         return
                     self._wake.clear()
@@ -206,6 +209,7 @@ class LinkSender:
                         if self.in_flight:  # nothing acknowledged for a whole timeout
                             raise
         except asyncio.TimeoutError:
+            self.unanswered = True
             self.failed = (f"the receiver stopped reading: {self.in_flight} bytes unacknowledged "
                            f"for {self.stall_timeout:.0f} s")
             log.error(self.failed)
@@ -234,8 +238,10 @@ def open_link(ws, mode: str, decode_time, on_failed=None, **kw) -> LinkSender:
             link.failed = f"the receiver sent a bad message: {exc}"
             link.on_failed(link.failed)
             await ws.close(1008, str(exc)[:120])
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as exc:
+            if exc.sent is not None and exc.sent.code == 1011 and exc.rcvd is None:
+                link.unanswered = True       # our heartbeat went unanswered
+                link.failed = link.failed or "the receiver stopped answering"
         link.peer_gone = True   # (not when cancelled: the link is being closed anyway)
         link._wake.set()
 

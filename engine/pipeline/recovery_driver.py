@@ -250,7 +250,7 @@ class RecoveryDriver:
         asks = self.recovery.begin([r.address for r in self.remotes], self.ranges, time.monotonic(), lost,
                                    ask_back, joined.address if joined is not None else None)
         hints = self._profile_hints()
-        await self._let_go()
+        await self._let_go(lost)
         live = self._rewind()
         self.remotes = await self._ask(asks) + ([joined] if joined is not None else [])
         capacity = self.sched.capacity
@@ -322,14 +322,27 @@ class RecoveryDriver:
                 known[r.address] = (self.profiles[i], r.range[1] - r.range[0])
         return dict(known)
 
-    async def _let_go(self):
-        """Let the old arrangement's connections go, all at once: a dead peer's each waits
-        out its close timeout; a live stage frees what it held for this head when its head
-        goes."""
+    async def _let_go(self, lost: int | None = None):
+        """Let the old arrangement's connections go, all at once: a live stage frees what it
+        held for this head when its head goes. Stage `lost`'s are cut, not closed: a stage
+        that stopped answering (asleep, frozen) would have each graceful close wait out its
+        close timeout while every reply waits (a second, measured by bench/failover.py's
+        silent rows), and one that is gone answers nothing anyway."""
         for t in self._readers:
             t.cancel()
         self._readers = []
-        closing = [ws.close() for ws in [self._data_ws] + [r.ws for r in self.remotes] if ws is not None]
+        gone = [self.remotes[lost - 1].ws] if lost is not None and 0 < lost <= len(self.remotes) else []
+        if lost == 1:
+            gone.append(self._data_ws)
+        closing = []
+        for ws in [self._data_ws] + [r.ws for r in self.remotes]:
+            transport = getattr(ws, "transport", None)
+            if ws is None:
+                continue
+            if any(ws is g for g in gone) and transport is not None:
+                transport.abort()
+            else:
+                closing.append(ws.close())
         if self.link is not None:
             closing.append(self.link.close())
         self.link = self._data_ws = None

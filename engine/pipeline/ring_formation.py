@@ -196,10 +196,11 @@ class RingFormation:
         if self.remotes:
             self._data_ws = await connect_stage(self.remotes[0].address, "data", self.pipeline, key=self.route)
             epoch = self.recovery.epoch
-            self.link = open_link(self._data_ws, self.link_mode, lambda n: interp(self.profiles[0]["decode"], n),
-                                  on_failed=lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}",
-                                                                         epoch),
-                                  acked=self.acks)
+            link = self.link = open_link(self._data_ws, self.link_mode,
+                                         lambda n: interp(self.profiles[0]["decode"], n), acked=self.acks)
+            # a stage that stopped answering is not asked back: that would wait out a timeout
+            link.on_failed = lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}", epoch,
+                                                          ask_back=not link.unanswered)
             for i, r in enumerate(self.remotes):
                 self._readers.append(asyncio.ensure_future(self._read_stage(i + 1, r, epoch)))
 

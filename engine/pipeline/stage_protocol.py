@@ -52,7 +52,7 @@ LEAVE_S = 10.0
 # next stage died: the head knows) before it leaves the arrangement itself (only the link
 # dropped: nothing else would tell the head)
 NEXT_LINK_GRACE_S = 1.0
-LET_GO_S = 1.0  # how long a stage whose head left waits for that head's data links to close
+LET_GO_S = 0.25  # how long a stage whose head left waits for that head's data links to close before cutting them
 PROFILE_REPORT_S = 1.0  # at most this often a stage re-reports its profile
 WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 20), ping_interval=20,
                   ping_timeout=60, max_queue=64)

@@ -36,6 +36,7 @@ from engine.model.quant import bnb_missing
 from engine.wire.volumes import Reassembler
 from engine.model.sources import ModelError
 from engine.pipeline.configure_check import check_configure
+from engine.pipeline import step_rows
 from engine.pipeline.load_ahead import ahead_profile, build_alone, build_beside
 from engine.model.handover import HeldLayers
 from engine.wire.sealed_socket import SealedSocket
@@ -95,6 +96,7 @@ class StageServer:
         self.sampler = Sampler()
         self._to_host = HostStaging()   # a GPU step's output leaves through pinned memory
         self._control_ws = None
+        self._head_gone = False   # the control connection's head has gone; it is being let go
         self._leaving = False
         self._next_ws = None
         self._link: LinkSender | None = None
@@ -107,6 +109,7 @@ class StageServer:
         self._preparing: asyncio.Future | None = None
         self._load_exec = ThreadPoolExecutor(1, thread_name_prefix="load-ahead")
         self._profile_sent_at = 0.0
+        self._speed_at: tuple[float, float] | None = None   # (when, speed_score) of the last welcome
         self.compress = "off"
         self.acks = True               # until configured (see _configure)
         self._server = None
@@ -215,6 +218,15 @@ class StageServer:
         self._decode_exec.submit(lambda: None).result()
         return old.hand_over().merge(extra).narrow(start, end)
 
+    async def _speed(self) -> float:
+        """The welcome's speed score, measured again only after SPEED_FRESH_S: a
+        rearrangement's head asks every stage at once, and each measuring (0.15 s of
+        matrix products, the survivors' on the cores they share) held every reply."""
+        now = time.monotonic()
+        if self._speed_at is None or now - self._speed_at[0] > SPEED_FRESH_S:
+            self._speed_at = (now, await self._run(speed_score, self.device))
+        return self._speed_at[1]
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
@@ -270,18 +282,23 @@ class StageServer:
             self._data_links.discard(sealed)
 
     async def _control(self, ws):
+        if self._control_ws is not None and self._head_gone:
+            # its last head has gone and it is letting go (a rearrangement's next head, at
+            # once): wait for that rather than refuse -- a refusal costs the head a retry
+            # interval while every reply waits
+            await self._let_go(self._control_ws)
         if self._control_ws is not None:
             await ws.close(1008, "this stage already has a head")
             return
         if self._leaving or self.closed:
             await ws.close(1013, "this stage is leaving")
             return
-        self._control_ws = ws
+        self._control_ws, self._head_gone = ws, False
         try:
             await ws.send(frames.control("welcome", version=PROTOCOL_VERSION,
                                        free_memory=self._free_memory(), device=self.device,
                                        device_name=device_name(self.device), quantized=bnb_missing() is None,
-                                       speed=await self._run(speed_score, self.device)))
+                                       speed=await self._speed()))
             async for text in ws:
                 try:
                     msg = frames.parse_control(text)
@@ -312,13 +329,19 @@ class StageServer:
         finally:
             # the head is gone, and the route token it gave out with it: no data link may
             # prove it any more, and the ones that did are closed
+            self._head_gone = True
             self._route = None
             self._route_set.clear()     # a data hello waiting now waits for the next head
-            closing = [asyncio.ensure_future(link.close(1008, "the head that opened this link has gone"))
-                       for link in list(self._data_links)]
+            closing = {link: asyncio.ensure_future(link.close(1008, "the head that opened this link has gone"))
+                       for link in list(self._data_links)}
             if closing:
-                # a frozen upstream never answers its close: wait a moment, not its timeout
-                await asyncio.wait(closing, timeout=LET_GO_S)
+                # a frozen upstream never answers its close: a moment for a live one's
+                # answer, then the rest are cut (the head's next arrangement waits on this)
+                await asyncio.wait(closing.values(), timeout=LET_GO_S)
+                for link, closed in closing.items():
+                    transport = getattr(link, "transport", None)
+                    if not closed.done() and transport is not None:
+                        transport.abort()
             # its sequences are gone too -- before the next head may come in: a head that
             # rearranged after a stage left replays the same sequence ids at once, and a
             # free that came after its replay took their KV and sampling state from it
@@ -516,7 +539,7 @@ class StageServer:
                     await ws.close(1008, str(exc)[:120])
                     return
                 # bounded: a fast sender waits here, then in TCP
-                await (decodes if _is_decode(frame) else inbox).put(frame)
+                await (decodes if step_rows.is_decode(frame) else inbox).put(frame)
         except ConnectionClosed:
             pass
         finally:
@@ -538,11 +561,11 @@ class StageServer:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await inbox.get()]
-            while _is_decode(batch[0]) and not inbox.empty() and _is_decode(inbox.peek()) \
+            while step_rows.is_decode(batch[0]) and not inbox.empty() and step_rows.is_decode(inbox.peek()) \
                     and sum(len(f.meta["rows"]) for f in batch) < MAX_MERGED_ROWS:
                 batch.append(inbox.get_nowait())
             link = self._link
-            decode = _is_decode(batch[0])
+            decode = step_rows.is_decode(batch[0])
             if link is not None and decode:
                 link.sched.decode_compute_started(time.monotonic(), sum(len(f.meta["rows"]) for f in batch))
             outs = await loop.run_in_executor(executor, self._gated_compute, batch, cut_in)
@@ -603,7 +626,7 @@ class StageServer:
             return _results(self._compute_one(queued[0]))
         stage = self.stage
         rows = [r for f in queued for r in f.meta["rows"]]
-        keeps = [_kept(f) for f in queued]
+        keeps = [step_rows.kept(f) for f in queued]
         keep = [k for ks in keeps for k in ks]
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                            keep if any(k > 1 for k in keep) else None)
@@ -622,7 +645,7 @@ class StageServer:
             part = out[o: o + width]
             o += width
             if stage.last:
-                meta = {"tokens": self.sampler.step(ids, part, None, _keep(f), _positions(f))}
+                meta = {"tokens": self.sampler.step(ids, part, None, step_rows.keep(f), step_rows.positions(f))}
                 results.append(("head", frames.encode(frames.FrameType.TOKENS, f.micro_batch, f.step, meta)))
             else:
                 q8 = self.compress == "all"
@@ -634,8 +657,8 @@ class StageServer:
         """Returns ("head" | "next", bytes[, kind]) to send, None, or a list of those."""
         stage = self.stage
         rows = frame.meta["rows"]
-        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], _keep(frame))
-        forks = _forks(frame)
+        batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], step_rows.keep(frame))
+        forks = step_rows.forks(frame)
         try:
             if stage.last and not frame.meta.get("partial"):
                 if self.sampler.grammars is None:   # loads nothing until a request has a schema
@@ -662,9 +685,9 @@ class StageServer:
         if stage.last and frame.meta.get("partial"):
             return None  # a prompt chunk: nothing to sample yet
         if stage.last:
-            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks, batch.keep, _positions(frame))}
+            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks, batch.keep, step_rows.positions(frame))}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
-        kind = "decode" if _is_decode(frame) else "prefill"
+        kind = "decode" if step_rows.is_decode(frame) else "prefill"
         bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
         q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
         return ("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
@@ -677,9 +700,9 @@ class StageServer:
         when its step completes (model/kv.py, model/stage.py)."""
         stage, rows = self.stage, frame.meta["rows"]
         why = step_failure(first, str(self.device))
-        forks = _forks(frame)
+        forks = step_rows.forks(frame)
         outs, good, failed, o = [], [], [], 0
-        for r, k in zip(rows, _kept(frame)):
+        for r, k in zip(rows, step_rows.kept(frame)):
             x = frame.tensor[o: o + r[2]]
             o += r[2]
             try:
@@ -699,8 +722,8 @@ class StageServer:
         if stage.last:
             sub = {**frame.meta, "rows": good}
             good_frame = frames.Frame(frame.type, frame.micro_batch, frame.step, sub, None)
-            entries = self.sampler.step(ids, torch.cat(outs), forks, _keep(good_frame),
-                                        _positions(good_frame)) if outs else []
+            entries = self.sampler.step(ids, torch.cat(outs), forks, step_rows.keep(good_frame),
+                                        step_rows.positions(good_frame)) if outs else []
             meta = {"tokens": entries, "errors": failed}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         out = []
@@ -714,7 +737,7 @@ class StageServer:
         meta = {**frame.meta, "rows": good}
         if "new" in meta:
             meta["new"] = {k: v for k, v in meta["new"].items() if k in keep}
-        kind = "decode" if _is_decode(frame) else "prefill"
+        kind = "decode" if step_rows.is_decode(frame) else "prefill"
         return out + [("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step, meta,
                                              torch.cat(outs)), kind)]
 
@@ -744,48 +767,12 @@ class StageServer:
 
 
 MAX_MERGED_ROWS = 64
-
-
-def _forks(frame: frames.Frame) -> dict[int, list[int]]:
-    """The sequences a frame's step forks (a request's other choices, n > 1): parent ->
-    fork ids. Every stage copies the parent's KV to them once the step has computed it."""
-    if frame.meta.get("partial"):
-        return {}
-    return {int(k): [c for c, _ in v["forks"]] for k, v in frame.meta.get("new", {}).items() if v.get("forks")}
+SPEED_FRESH_S = 120.0   # a welcome's speed score is measured again after this long
 
 
 def _results(out) -> list:
     """_compute_one's answer as a list (a step retried row by row may answer twice)."""
     return out if isinstance(out, list) else [out]
-
-
-def _kept(frame: frames.Frame) -> list[int]:
-    """Per row, the positions whose logits the last stage returns: all of a verification
-    row's (speculative decoding, issue 34: a sequence already open, in a step that is no
-    prompt chunk, with more than one token: its last token and a draft), one otherwise."""
-    if frame.meta.get("partial"):
-        return [1] * len(frame.meta["rows"])
-    new = frame.meta.get("new", {})
-    return [r[2] if r[2] > 1 and str(r[0]) not in new else 1 for r in frame.meta["rows"]]
-
-
-def _keep(frame: frames.Frame) -> list[int] | None:
-    """_kept, or None when the step verifies no draft (the common case)."""
-    kept = _kept(frame)
-    return kept if any(k > 1 for k in kept) else None
-
-
-def _positions(frame: frames.Frame) -> list[int]:
-    """The position of the (first) token each row draws: a verification row draws one
-    after each of its tokens, any other row after its last."""
-    return [r[1] + r[2] - k + 1 for r, k in zip(frame.meta["rows"], _kept(frame))]
-
-
-def _is_decode(frame: frames.Frame) -> bool:
-    # a step that opens a sequence is prefill even when its last prompt piece is one
-    # token: sent as decode it could overtake that sequence's own queued prompt chunks.
-    # A verification step (rows of a few tokens: speculative decoding) is a decode step.
-    return not frame.meta.get("partial") and not frame.meta.get("new")
 
 
 def _lift_proof_limit(ws) -> None:

@@ -436,6 +436,77 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
         log.close()
 
 
+async def test_serve_defaults_a_link_between_stages_cut_while_idle(tmp_path):
+    """`potluck serve --stages 3` as a user starts it. Between two chats the data link
+    from stage 1 to stage 2 is cut by the kernel (`ss -K`, as a router that forgets an
+    idle connection does), every process and the head's own connections still up. The
+    next chat answers, the same reply: stage 1 notices its link ended and leaves its
+    arrangement, and the head forms the pipeline again over all three (before, the link
+    ended quietly and the next request failed on it, or waited for ever)."""
+    import subprocess
+    import sys
+
+    import aiohttp
+    from openai import AsyncOpenAI
+
+    from conftest import free_port
+
+    if os.geteuid() != 0:
+        pytest.skip("cutting another process's connection (ss -K) needs root")
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", "3", "--port", str(port)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=default_env())
+    url = f"http://127.0.0.1:{port}"
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+
+    async def status():
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/potluck/status") as r:
+            return await r.json()
+
+    async def chat(model):
+        r = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name three rivers."}], temperature=0, max_tokens=20)
+        return r.choices[0].message.content
+
+    def links_to(stage_port: int, pid: int) -> list[str]:
+        out = subprocess.run(["ss", "-tnpH", "state", "established", "dport", "=", f":{stage_port}"],
+                             capture_output=True, text=True, check=True).stdout
+        return [line.split()[2].rsplit(":", 1)[1] for line in out.splitlines() if f"pid={pid}," in line]
+
+    try:
+        await until(lambda: serve.poll() is not None or port_open(port), timeout=300, every=0.5)
+        assert serve.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+        model = (await client.models.list()).data[0].id
+        reference = await chat(model)
+        first, _ = stage_children(serve.pid)
+        info = await status()
+        assert len(info["stages"]) == 3
+        next_port = int(re.search(r":(\d+)", info["stages"][2]["address"].split("//", 1)[1]).group(1))
+        (local,) = links_to(next_port, first)            # stage 1's data link to stage 2
+        cut = subprocess.run(["ss", "-K", "state", "established", "sport", "=", f":{local}",
+                              "dport", "=", f":{next_port}"], capture_output=True, text=True)
+        if links_to(next_port, first):
+            pytest.skip(f"this kernel cannot cut a connection (ss -K: {cut.stderr.strip()})")
+        await asyncio.sleep(3)    # the stage's grace before it leaves (NEXT_LINK_GRACE_S), and a moment
+        assert await chat(model) == reference
+        info = await status()
+        assert info["error"] is None and len(info["stages"]) == 3, info
+        kinds = [e["event"] for e in info["events"]]
+        assert "left" in kinds and "recovered" in kinds, info["events"]
+        left = next(e for e in info["events"] if e["event"] == "left")
+        assert "link to the next stage" in left["why"], left
+    finally:
+        await client.close()
+        serve.terminate()
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()
+        log.close()
+
+
 def test_terminal_chat_defaults_a_stage_killed_mid_reply(tmp_path):
     """`potluck chat --stages 3` with its defaults (no --threads): the reply it prints
     with a stage process killed (kill -9) mid-reply is the one it prints uninterrupted."""

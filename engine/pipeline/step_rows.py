@@ -1,0 +1,44 @@
+"""What a step frame's header says about its rows, for the stage that computes it:
+which sequences it forks, which positions' logits the last stage keeps and draws from,
+and whether it is a decode step (which may overtake prompt chunks). Pure."""
+
+from __future__ import annotations
+
+from engine.wire import frames
+
+
+def forks(frame: frames.Frame) -> dict[int, list[int]]:
+    """The sequences a frame's step forks (a request's other choices, n > 1): parent ->
+    fork ids. Every stage copies the parent's KV to them once the step has computed it."""
+    if frame.meta.get("partial"):
+        return {}
+    return {int(k): [c for c, _ in v["forks"]] for k, v in frame.meta.get("new", {}).items() if v.get("forks")}
+
+
+def kept(frame: frames.Frame) -> list[int]:
+    """Per row, the positions whose logits the last stage returns: all of a verification
+    row's (speculative decoding, issue 34: a sequence already open, in a step that is no
+    prompt chunk, with more than one token: its last token and a draft), one otherwise."""
+    if frame.meta.get("partial"):
+        return [1] * len(frame.meta["rows"])
+    new = frame.meta.get("new", {})
+    return [r[2] if r[2] > 1 and str(r[0]) not in new else 1 for r in frame.meta["rows"]]
+
+
+def keep(frame: frames.Frame) -> list[int] | None:
+    """kept, or None when the step verifies no draft (the common case)."""
+    rows = kept(frame)
+    return rows if any(k > 1 for k in rows) else None
+
+
+def positions(frame: frames.Frame) -> list[int]:
+    """The position of the (first) token each row draws: a verification row draws one
+    after each of its tokens, any other row after its last."""
+    return [r[1] + r[2] - k + 1 for r, k in zip(frame.meta["rows"], kept(frame))]
+
+
+def is_decode(frame: frames.Frame) -> bool:
+    # a step that opens a sequence is prefill even when its last prompt piece is one
+    # token: sent as decode it could overtake that sequence's own queued prompt chunks.
+    # A verification step (rows of a few tokens: speculative decoding) is a decode step.
+    return not frame.meta.get("partial") and not frame.meta.get("new")
