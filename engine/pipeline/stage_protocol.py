@@ -42,7 +42,12 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        #     while the pipeline serves, and answers "prepared"
                        # 18: "prepare" says whether the layers are spares (held against a
                        #     loss without notice: engine/core/spares.py)
-PROTOCOL_VERSION = 18
+                       # 19: nothing new between stages, but a friend who dials a hop to
+                       #     another friend reports it to the host (INTRO hop_link, wire/
+                       #     friend_hop.py), which an older host takes for a bad frame and
+                       #     closes the friend's tunnel over: mixed versions are refused at
+                       #     the stage's hello, with a reason, instead
+PROTOCOL_VERSION = 19
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
