@@ -10,6 +10,7 @@ over what is left, prefills each sequence's history there and goes on decoding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -413,6 +414,13 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
     one an uninterrupted run gives, and the head alone finishes the last. (Before, the
     head planned the survivors with the old count's CPU shares: IndexError, pipeline
     failed; the other tests pin threads=1 and so never took that path.)"""
+    async with serving_defaults(tmp_path) as (serve, url):
+        await kill_stages_mid_chat(f"{url}/v1", serve.pid)
+
+
+@contextlib.asynccontextmanager
+async def serving_defaults(tmp_path):
+    """`potluck serve --stages 3` as a user starts it, answering: (its process, its URL)."""
     import subprocess
     import sys
 
@@ -425,7 +433,7 @@ async def test_serve_defaults_a_stage_killed_mid_chat_then_another(tmp_path):
     try:
         await until(lambda: serve.poll() is not None or port_open(port), timeout=300, every=0.5)
         assert serve.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
-        await kill_stages_mid_chat(f"http://127.0.0.1:{port}/v1", serve.pid)
+        yield serve, f"http://127.0.0.1:{port}"
     finally:
         serve.terminate()
         try:
@@ -444,27 +452,18 @@ async def test_serve_defaults_a_link_between_stages_cut_while_idle(tmp_path):
     arrangement, and the head forms the pipeline again over all three (before, the link
     ended quietly and the next request failed on it, or waited for ever)."""
     import subprocess
-    import sys
 
     import aiohttp
     from openai import AsyncOpenAI
 
-    from conftest import free_port
-
     if os.geteuid() != 0:
         pytest.skip("cutting another process's connection (ss -K) needs root")
-    port = free_port()
-    log = open(tmp_path / "serve.log", "wb")
-    serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", "3", "--port", str(port)],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=default_env())
-    url = f"http://127.0.0.1:{port}"
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
 
-    async def status():
+    async def status(url):
         async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/potluck/status") as r:
             return await r.json()
 
-    async def chat(model):
+    async def chat(client, model):
         r = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Name three rivers."}], temperature=0, max_tokens=20)
         return r.choices[0].message.content
@@ -474,13 +473,12 @@ async def test_serve_defaults_a_link_between_stages_cut_while_idle(tmp_path):
                              capture_output=True, text=True, check=True).stdout
         return [line.split()[2].rsplit(":", 1)[1] for line in out.splitlines() if f"pid={pid}," in line]
 
-    try:
-        await until(lambda: serve.poll() is not None or port_open(port), timeout=300, every=0.5)
-        assert serve.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")[-3000:]
+    async with serving_defaults(tmp_path) as (serve, url), \
+            AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300) as client:
         model = (await client.models.list()).data[0].id
-        reference = await chat(model)
+        reference = await chat(client, model)
         first, _ = stage_children(serve.pid)
-        info = await status()
+        info = await status(url)
         assert len(info["stages"]) == 3
         next_port = int(re.search(r":(\d+)", info["stages"][2]["address"].split("//", 1)[1]).group(1))
         (local,) = links_to(next_port, first)            # stage 1's data link to stage 2
@@ -489,22 +487,13 @@ async def test_serve_defaults_a_link_between_stages_cut_while_idle(tmp_path):
         if links_to(next_port, first):
             pytest.skip(f"this kernel cannot cut a connection (ss -K: {cut.stderr.strip()})")
         await asyncio.sleep(3)    # the stage's grace before it leaves (NEXT_LINK_GRACE_S), and a moment
-        assert await chat(model) == reference
-        info = await status()
+        assert await chat(client, model) == reference
+        info = await status(url)
         assert info["error"] is None and len(info["stages"]) == 3, info
         kinds = [e["event"] for e in info["events"]]
         assert "left" in kinds and "recovered" in kinds, info["events"]
         left = next(e for e in info["events"] if e["event"] == "left")
         assert "link to the next stage" in left["why"], left
-    finally:
-        await client.close()
-        serve.terminate()
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait()
-        log.close()
 
 
 def test_terminal_chat_defaults_a_stage_killed_mid_reply(tmp_path):
