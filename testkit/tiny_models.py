@@ -419,9 +419,14 @@ def build_tiny_model(arch: str, dir, shard_size=None, n_layers: int = N_LAYERS, 
     """Build a float32 random-weight model and save it (safetensors) to `dir`."""
     from transformers import AutoModelForCausalLM
 
+    from engine.model.build_lock import BUILD_LOCK
+
     cfg = tiny_config(arch, n_layers=n_layers)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # not while a stage of this process (an earlier test's pipeline loading its spares)
+    # is built on another thread: its meta-device patch is process-wide
+    with BUILD_LOCK:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

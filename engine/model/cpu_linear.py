@@ -111,8 +111,11 @@ class Int8WeightLinear(nn.Module):
 
 def int8_kernel_works() -> bool:
     """Whether this torch has the CPU weight-only int8 kernel (and it runs)."""
+    from engine.model.build_lock import BUILD_LOCK
+
     try:
-        w = Int8WeightLinear(nn.Linear(64, 8, bias=False))
+        with BUILD_LOCK:   # not on the meta device of a stage being built on another thread
+            w = Int8WeightLinear(nn.Linear(64, 8, bias=False))
         return tuple(w(torch.ones(2, 64)).shape) == (2, 8)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False

@@ -50,12 +50,9 @@ from engine.model.handover import HeldLayers, adopt, keeping_layers, parts_of, p
 from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.rope import plain_rotary, per_row_rotary
 from engine.model.static_decode import decode_path
+from engine.model.build_lock import BUILD_LOCK
 from engine.model.sources import ModelError, ModelSource
 
-# accelerate's init_empty_weights patches torch's module constructors process-wide, so
-# two stages built at once in one process (tests, an in-process head) would see each
-# other's patch: building is serialised.
-_BUILD_LOCK = threading.Lock()
 
 _LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
@@ -201,7 +198,7 @@ class StageModel:
         kept, parts = reuse.take(self._built(), start, end) if reuse is not None else ({}, {})
         self.kept_layers = len(kept)
         self.kept_parts: list[str] = []   # those of `parts` that fit this stage (_cut)
-        with _BUILD_LOCK:
+        with BUILD_LOCK:   # (engine/model/build_lock.py: init_empty_weights patches process-wide)
             self.model = self._load(cfg, kept, parts, reuse.config if reuse is not None else None)
         self.weights = weights_of(self.model)  # 'auto' on a pre-quantized checkpoint: what it holds
         self.model.train(False)  # inference mode for dropout and friends

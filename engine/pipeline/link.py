@@ -189,8 +189,11 @@ class LinkSender:
                         self.in_flight += end - off
                     self.bytes_sent += end - off
                     # a peer that stops reading blocks this write (TCP back-pressure)
-                    await asyncio.wait_for(self.ws.send(encode_chunk(vid, kind, off, total, piece)),
-                                           self.stall_timeout)
+                    send = asyncio.ensure_future(self.ws.send(encode_chunk(vid, kind, off, total, piece)))
+                    # a send that fails as this task is cancelled (the link closing) has its
+                    # error taken here, not logged as "never retrieved"
+                    send.add_done_callback(_taken)
+                    await asyncio.wait_for(send, self.stall_timeout)
                     sent_any = True
                 if not sent_any:
                     if self.peer_gone:
@@ -220,6 +223,11 @@ class LinkSender:
             self.on_failed(self.failed)
         except asyncio.CancelledError:
             pass
+
+
+def _taken(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def open_link(ws, mode: str, decode_time, on_failed=None, **kw) -> LinkSender:
