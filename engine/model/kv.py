@@ -173,6 +173,17 @@ class KVStore:
             newv[: v.shape[0], :, : v.shape[2]] = v
         self._k[layer_idx], self._v[layer_idx] = newk, newv
 
+    def covers(self, slots: int, capacity: int) -> bool:
+        """Whether every layer's storage holds `slots` slots of `capacity` tokens."""
+        return all(k.shape[0] >= slots and k.shape[2] >= capacity for k in self._k.values())
+
+    def grow(self, slots: int, capacity: int) -> None:
+        """Every layer's storage to at least `slots` x `capacity` (what a step replayed as
+        a graph needs made before it: engine/model/static_decode.py)."""
+        for layer_idx, k in list(self._k.items()):
+            v = self._v[layer_idx]
+            self._ensure(layer_idx, (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), slots, capacity)
+
     def allocated_bytes(self) -> int:
         """Bytes the cache holds now (it grows as replies need it, up to the budget)."""
         return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))

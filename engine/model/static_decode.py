@@ -49,9 +49,11 @@ def decode_path(stage) -> None:
     import os
 
     on_gpu = stage.device.type == "cuda"
-    # off by default: on the first GPU run of this path (an H200, 2026-11-29, bench/RESULTS.md)
-    # the graphs captured at load, but their first replay hit a device-side "index out of
-    # bounds" assert, which leaves the process's CUDA context unusable. Eager steps work.
+    # off by default until a GPU run shows them sound: on the first (an H200, 2026-11-29,
+    # bench/RESULTS.md) every replay that padded its rows wrote its scratch slot past the
+    # store it was captured over, a device-side assert that leaves the process's CUDA
+    # context unusable. Found and fixed on the CPU since (testkit/graph_tape.py replays a
+    # capture as a graph does); not yet run on a GPU. Eager steps work.
     if on_gpu and os.environ.get("POTLUCK_CUDA_GRAPHS", "0") != "1":
         return
     if not on_gpu and os.environ.get("POTLUCK_STATIC_DECODE") != "1":
@@ -63,10 +65,17 @@ def decode_path(stage) -> None:
     if not on_gpu:
         stage.static = StaticDecoder(stage)
         return
+    use_graphs(stage)
+
+
+def use_graphs(stage, cuda=None) -> "StaticDecoder":
+    """Give a stage decode steps replayed as CUDA graphs, its usual buckets captured now.
+    `cuda`: torch.cuda, or the tests' stand-in (testkit/graph_tape.py) on the CPU."""
     from engine.model.cuda_graphs import GraphRunner
 
     book = GraphBook()
-    static = StaticDecoder(stage, runner=GraphRunner(stage, book), book=book)
+    runner = GraphRunner(stage, book) if cuda is None else GraphRunner(stage, book, cuda=cuda)
+    static = StaticDecoder(stage, runner=runner, book=book)
     stage.kv.keep_storage = True
     rows = 16
     cap = static.plan.min_kv
@@ -80,6 +89,7 @@ def decode_path(stage) -> None:
     static.warm(sorted(static.plan.warm_shapes(rows), key=lambda s: -s.rows), stage._progress)
     log.info("captured %d decode graphs in %.1f s (%.0f MiB)", book.captures, time.perf_counter() - t0,
              book.capture_bytes / 2**20)
+    return static
 
 
 # families whose step reads device values back to the host or makes host tensors as it
@@ -231,6 +241,13 @@ class StaticDecoder:
         if shape.lo is not None:
             need_slots = max(need_slots, shape.lo + shape.rows)
         need_slots = max(need_slots, self.reserve[0])
+        need_cap = max(self.reserve[1], shape.kv_len)
+        if self.runner is not None and not kv.covers(need_slots, need_cap):
+            # a replay runs no Python, so nothing in it can grow the store: a slot or
+            # position past what it held at capture is an index out of bounds on the
+            # device (the first H200 run: the padding rows' scratch slot). Grown here,
+            # the store moves, and the runner captures this bucket again over it.
+            kv.grow(need_slots, need_cap)
         seq_length = max(batch.starts)
 
         def run() -> torch.Tensor:
@@ -266,10 +283,13 @@ class StaticDecoder:
                 slots = [kv.seqs[s].slot for s in ids]
                 if shape.lo is not None and slots != list(range(shape.lo, shape.lo + shape.rows)):
                     continue
+                # the padding rows' slot, past the largest bucket's (warmed first): made now,
+                # the store these graphs are captured over holds it
+                scratch = kv.scratch_slot()
                 bufs = self.buffers.get(shape) or self.buffers.setdefault(shape, Buffers.make(self.stage, shape))
                 zeros = bufs.x.new_zeros(bufs.x.shape)
                 bufs.fill(zeros, slots, [0] * shape.rows, shape.tokens)
-                need = max(max(slots) + 1, self.reserve[0])
+                need = max(max(slots) + 1, scratch + 1, self.reserve[0])
 
                 def run(shape=shape, bufs=bufs, need=need) -> torch.Tensor:
                     return self._run(shape, bufs, need, 0)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 from engine.model.static_decode import HOST_BOUND, StaticDecoder, decode_path, unsupported
+from testkit.graph_tape import TapeCuda
 from testkit.tiny_models import ARCHS, VOCAB
 
 # families whose decode step stays eager, and why (static_decode.unsupported)
@@ -226,57 +227,12 @@ def test_the_stage_takes_the_path_on_the_cpu_only_when_asked(tiny_folder, monkey
     assert VOCAB == plain.vocab_size
 
 
-class FakeCuda:
-    """torch.cuda's graph calls, for the runner's bookkeeping on a machine without a GPU:
-    a 'capture' runs the step once, a 'replay' counts (the output buffer keeps what the
-    capture computed: only what is counted is checked here, the GPU tests check values)."""
-
-    class Graph:
-        def __init__(self):
-            self.replays = 0
-
-        def replay(self):
-            self.replays += 1
-
-    def __init__(self):
-        import contextlib
-
-        self.null = contextlib.nullcontext
-        self.CUDAGraph = FakeCuda.Graph
-        self.captures = 0
-
-    def graph_pool_handle(self):
-        return object()
-
-    def Stream(self, device):  # noqa: N802 -- torch.cuda's name
-        return self
-
-    def current_stream(self, device):
-        return self
-
-    def wait_stream(self, other):
-        pass
-
-    def stream(self, s):
-        return self.null()
-
-    def graph(self, g, pool=None, capture_error_mode=None):
-        self.captures += 1
-        return self.null()
-
-    def memory_reserved(self, device):
-        return 0
-
-    def synchronize(self, device):
-        pass
-
-
 def test_the_graph_runner_captures_once_replays_after_and_recaptures_when_the_store_moves(tiny_folder):
     from engine.model.cuda_graphs import WARMUP_RUNS, GraphRunner
 
     folder, _ = tiny_folder("llama")
     (stage,) = stages(folder, 1, False)
-    cuda = FakeCuda()
+    cuda = TapeCuda()
     static = stage.static = StaticDecoder(stage)
     static.runner = GraphRunner(stage, static.book, cuda=cuda)
     calls = []
@@ -298,7 +254,7 @@ def test_a_capture_that_raises_runs_the_step_eagerly_and_enough_failures_stop_ca
     folder, _ = tiny_folder("llama")
     (stage,) = stages(folder, 1, False)
     (ref,) = stages(folder, 1, False)
-    cuda = FakeCuda()
+    cuda = TapeCuda()
 
     def refuse(*a, **k):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -1,0 +1,55 @@
+"""A head whose stage replays its decode steps as graphs (issue 42), on the CPU.
+
+A GPU stage with POTLUCK_CUDA_GRAPHS=1 captures its buckets at load, is measured (1 to 16
+rows), then serves whatever the scheduler batches: the path on which every graph worker
+of bench/gpu.py died on the first H200 run. Here the stage's graphs replay through
+testkit/graph_tape.py (the operators of the capture over its memory, no Python), and the
+replies of several users at once, greedy and sampled, are the eager stage's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.core.sampling import SamplingParams
+from testkit.graph_tape import TapeCuda
+from testkit.streams import tiny_head, tokens
+
+PROMPTS = [list(range(5, 15)), [7, 3, 9, 9, 40, 41, 42] * 3, [100, 101]]
+
+
+async def replies(head) -> list[list[int]]:
+    asks = [head.submit(p, SamplingParams(greedy=True, max_tokens=24)) for p in PROMPTS]
+    asks.append(head.submit(PROMPTS[0], SamplingParams(temperature=0.8, seed=3, max_tokens=24)))
+    done = await asyncio.gather(*(tokens(a) for a in asks))
+    assert all(d.error is None for _, d in done), [d.error for _, d in done]
+    return [t for t, _ in done]
+
+
+async def test_a_head_whose_stage_replays_graphs_answers_as_the_eager_one(tiny_folder, monkeypatch):
+    import engine.model.stage as stage_module
+    from engine.model.sources import resolve
+    from engine.model.static_decode import unsupported, use_graphs
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    eager = await tiny_head(source, [])
+    try:
+        want = await replies(eager)
+    finally:
+        await eager.close()
+
+    def graphs(stage):             # what decode_path gives a GPU stage
+        if unsupported(stage) is None:
+            use_graphs(stage, TapeCuda())
+
+    monkeypatch.setattr(stage_module, "decode_path", graphs)
+    head = await tiny_head(source, [])
+    try:
+        assert head.stage0.static is not None
+        book = head.stage0.static.book
+        measured = book.replays            # the profile at load ran on the graphs
+        assert await replies(head) == want
+        assert measured > 0 and book.replays > measured and not book.failed, book.summary()
+    finally:
+        await head.close()
