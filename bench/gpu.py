@@ -55,7 +55,7 @@ same engine with graphs off (POTLUCK_CUDA_GRAPHS=0), to show what the graphs giv
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/gpu.py                 # H100/H200: the full run
     HF_HUB_OFFLINE=1 .venv/bin/python bench/gpu.py --cpu --tiny --tokens 8 --prompt-len 16 \\
-        --batches 1,2 --weights bf16,nf4                           # CPU smoke run
+        --batches 1,2 --weights bf16,nf4 --tape                    # CPU smoke run (ours1 on graphs)
 
 Time: one worker process per system and precision (6 by default), each loading the
 weights anew; the 16 GB model folder is written once (--out, default under the system
@@ -365,6 +365,21 @@ def step_costs(stage, device: str, steps: int = 30, context: int = 128) -> dict:
     return out
 
 
+def replay_on_the_tape() -> None:
+    """Stages built in this process capture and replay their decode steps as a GPU stage
+    does, through testkit/graph_tape.py on the CPU (--cpu --tape): the smoke run then takes
+    the path on which every graph worker died on the first H200 run."""
+    import engine.model.stage as stage_module
+    from engine.model.static_decode import unsupported, use_graphs
+    from testkit.graph_tape import TapeCuda
+
+    def graphs(stage):
+        if unsupported(stage) is None:
+            use_graphs(stage, TapeCuda())
+
+    stage_module.decode_path = graphs
+
+
 async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) -> dict:
     import torch
 
@@ -374,6 +389,8 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     from engine.pipeline.launch import PipelineConfig, launch
 
     device = "cpu" if a.cpu else "cuda"
+    if a.cpu and a.tape and system == "ours1":
+        replay_on_the_tape()
     bw = copy_bandwidth(device)
     mem = DeviceMemory(device)
     if device == "cuda":
@@ -533,6 +550,7 @@ def run_worker(a, what: str, result: Path | None) -> dict | None:
            "--batches", ",".join(map(str, a.batches))]
     cmd += ["--cpu"] if a.cpu else []
     cmd += ["--tiny"] if a.tiny else []
+    cmd += ["--tape"] if a.tape else []
     cmd += ["--result", str(result)] if result else []
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, cwd=str(ROOT)).returncode
@@ -674,6 +692,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-256 model (smoke test)")
+    p.add_argument("--tape", action="store_true",
+                   help="with --cpu: ours1 replays its decode steps as graphs through testkit/graph_tape.py")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request (default 128)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--batches", default="1,16", help="batch sizes (requests at once), default 1,16")

@@ -95,6 +95,24 @@ def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
     assert book.replays == 12 and book.captures == 5 and not book.failed, book.summary()
 
 
+def _replayable():
+    from testkit.tiny_models import ARCHS
+
+    # the families static_decode.unsupported keeps eager (tests/model/test_static_decode.py)
+    return [a for a in ARCHS if a not in ("llama4_text", "falcon_alibi", "falcon", "jetmoe", "dbrx")]
+
+
+@pytest.mark.parametrize("arch", _replayable())
+def test_every_family_replays_its_captured_steps_as_the_eager_ones(tiny_folder, monkeypatch, arch):
+    """On the tape only (a GPU window has minutes): three rows, a bucket of four."""
+    where = Where("tape", monkeypatch)
+    folder, _ = tiny_folder(arch)
+    eager = decode(where.stage(folder, False), 4)
+    s = where.stage(folder, True)
+    where.same(decode(s, 4), eager)
+    assert s.static.book.replays == 4 and not s.static.book.failed, s.static.book.summary()
+
+
 def test_a_profile_measured_on_graphs_then_a_chat_gives_the_eager_logits(where, tiny_folder):
     """A head measures its stage at load (engine/model/measure.py: 1, 2, 3, 4, 8 and 16 rows)
     before the first reply: what every graph worker of bench/gpu.py died in."""

@@ -2,7 +2,8 @@
 bench/gpu.py) still runs. A GPU is lent to some sessions only, for minutes: a script
 broken since the last window would waste one. So here, on the CPU with a 2-layer model,
 bench/gpu.py measures every system it compares (one process, two stage processes,
-transformers' generate) and writes its rows and the issue's verdicts."""
+transformers' generate) and writes its rows and the issue's verdicts; the one-process
+stage replays its decode steps as graphs (testkit/graph_tape.py), as on a GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_the_window_script_parses():
 def test_the_gpu_bench_runs_here_on_a_tiny_model(tmp_path):
     out = tmp_path / "gpu.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--cpu", "--tiny", "--tokens", "8",
-                          "--prompt-len", "16", "--repeat", "1", "--weights", "bf16", "--batches", "1",
+                          "--prompt-len", "16", "--repeat", "1", "--weights", "bf16", "--batches", "1", "--tape",
                           "--json", str(out), "--out", str(tmp_path / "model")],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -29,8 +30,11 @@ def test_the_gpu_bench_runs_here_on_a_tiny_model(tmp_path):
     for system in ("ours1", "ours2", "hf"):
         row = got["rows"][f"{system}/bf16/1"]
         assert row["decode_seq"] > 0 and row["ttft"] > 0, (system, row)
-    # the one-process stage timed its 1 + 4 token verification step against a 1-token one
-    assert set(got["workers"]["ours1/bf16"]["steps"]) >= {"one", "verify"}
+    # the one-process stage timed its 1 + 4 token verification step against a 1-token one,
+    # its decode steps replayed as graphs (through the tape: the path a GPU stage takes)
+    ours1 = got["workers"]["ours1/bf16"]
+    assert set(ours1["steps"]) >= {"one", "verify"}
+    assert ours1["graphs"]["captures"] >= 5 and ours1["graphs"]["replays"] > 0 and not ours1["graphs"]["failed"], ours1
     verdicts = {v[0]: v[3] for v in got["verdicts"]}
     assert verdicts["ours1 / HF generate, decode tok/s, batch 1, bf16"] in ("PASS", "MISS")
     assert "ratio (issue 42 targets)" in run.stdout
