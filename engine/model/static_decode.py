@@ -74,8 +74,7 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
     from engine.model.cuda_graphs import GraphRunner
 
     book = GraphBook()
-    runner = GraphRunner(stage, book) if cuda is None else GraphRunner(stage, book, cuda=cuda)
-    static = StaticDecoder(stage, runner=runner, book=book)
+    static = StaticDecoder(stage, runner=GraphRunner(stage, book, cuda=cuda or torch.cuda), book=book)
     stage.kv.keep_storage = True
     rows = 16
     cap = static.plan.min_kv
