@@ -22,7 +22,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARAL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/device.txt"
-timeout "${TESTS_S:-80}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py \
+timeout "${TESTS_S:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 timeout "${BENCH_S:-160}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --systems ours1,hf --repeat 1 --tokens 64} \
     --json "$OUT/gpu.json" \

@@ -194,25 +194,6 @@ def test_a_stage_that_is_not_first_replays_its_hidden_states(where, tiny_folder)
         torch.testing.assert_close(a.cpu(), b.cpu(), atol=where.tol, rtol=where.tol)
 
 
-def test_a_host_read_in_the_step_fails_its_capture_and_the_step_runs_eagerly(where, tiny_folder, caplog):
-    folder, _ = tiny_folder("llama")
-    ref = decode(where.stage(folder, False), 3)
-    s = where.stage(folder, True)
-    s.static.runner.drop_all()
-    run = s.static._run
-
-    def syncing(*a):                                   # a host read inside the step
-        out = run(*a)
-        out.sum().item()
-        return out
-
-    s.static._run = syncing
-    where.same(decode(s, 3), ref)
-    book = s.static.book
-    assert book.failed and "stream is capturing" in next(iter(book.failed.values()))
-    assert "runs without a CUDA graph" in caplog.text
-
-
 def test_a_padding_slot_made_after_the_capture_grows_the_store_before_the_replay(where, tiny_folder):
     """The store a graph replays over must hold every slot the step's rows write, or the
     replay writes out of bounds (a GPU asserts, and its context is lost). Here the padding
@@ -352,3 +333,25 @@ def test_layers_loaded_beside_a_stage_replaying_graphs_leave_its_steps_unchanged
     for a, b in zip(decode(new, 8), eager):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+# last: on a GPU, a capture that failed is the one thing here that may leave the CUDA
+# context unusable, and every test after it in the process would fail with it
+def test_a_host_read_in_the_step_fails_its_capture_and_the_step_runs_eagerly(where, tiny_folder, caplog):
+    folder, _ = tiny_folder("llama")
+    ref = decode(where.stage(folder, False), 3)
+    s = where.stage(folder, True)
+    s.static.runner.drop_all()
+    run = s.static._run
+
+    def syncing(*a):                                   # a host read inside the step
+        out = run(*a)
+        out.sum().item()
+        return out
+
+    s.static._run = syncing
+    where.same(decode(s, 3), ref)
+    book = s.static.book
+    assert book.failed and "runs without a CUDA graph" in caplog.text
+    if where.kind == "tape":    # CUDA may report it as the capture's end, invalidated
+        assert "stream is capturing" in next(iter(book.failed.values()))
