@@ -43,6 +43,11 @@ REFUSED_ARCHS = ["doge", "nanochat", "deepseek_v32", "gpt_neo", "bloom", "opt", 
 ROPE_ARCHS = ["phi3_longrope", "phimoe_longrope", "llama_dynamic"]
 ROPE_ORIGINAL = 24
 
+# families whose decode step stays eager (engine/model/static_decode.py unsupported: no
+# fixed buffers, no graphs), and a word of why
+STATIC_EAGER_ONLY = {"llama4_text": "temperature", "falcon_alibi": "ALiBi", "falcon": "lists", "jetmoe": "row counts",
+                     "dbrx": "nonzero"}
+
 VOCAB = 256
 N_LAYERS = 6
 SLIDING_WINDOW = 8

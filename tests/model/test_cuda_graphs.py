@@ -19,6 +19,7 @@ from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 from engine.model.static_decode import use_graphs
 from testkit.graph_tape import TapeCuda
+from testkit.tiny_models import ARCHS, STATIC_EAGER_ONLY
 
 PROMPTS = [[5, 9, 14, 3, 77], [8, 1, 60, 33, 2, 90, 41, 17, 12, 6, 200], [4, 4, 150]]
 
@@ -95,14 +96,7 @@ def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
     assert book.replays == 12 and book.captures == 5 and not book.failed, book.summary()
 
 
-def _replayable():
-    from testkit.tiny_models import ARCHS
-
-    # the families static_decode.unsupported keeps eager (tests/model/test_static_decode.py)
-    return [a for a in ARCHS if a not in ("llama4_text", "falcon_alibi", "falcon", "jetmoe", "dbrx")]
-
-
-@pytest.mark.parametrize("arch", _replayable())
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in STATIC_EAGER_ONLY])
 def test_every_family_replays_its_captured_steps_as_the_eager_ones(tiny_folder, monkeypatch, arch):
     """On the tape only (a GPU window has minutes): three rows, a bucket of four."""
     where = Where("tape", monkeypatch)

@@ -21,11 +21,8 @@ from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 from engine.model.static_decode import HOST_BOUND, StaticDecoder, decode_path, unsupported
 from testkit.graph_tape import TapeCuda
-from testkit.tiny_models import ARCHS, VOCAB
+from testkit.tiny_models import ARCHS, STATIC_EAGER_ONLY as EAGER_ONLY, VOCAB
 
-# families whose decode step stays eager, and why (static_decode.unsupported)
-EAGER_ONLY = {"llama4_text": "temperature", "falcon_alibi": "ALiBi", "falcon": "lists", "jetmoe": "row counts",
-              "dbrx": "nonzero"}
 PROMPTS = [[5, 9, 14, 3, 77], [8, 1, 60, 33, 2, 90, 41, 17, 12, 6, 200], [4, 4, 150]]
 NEW = 8
 
