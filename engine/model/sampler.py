@@ -6,6 +6,11 @@ the token's position alone (not from a generator that advances draw by draw): it
 does not depend on its batch mates, and a sequence replayed onto new stages after a
 friend's machine left (engine/pipeline/head.py) draws exactly what it would have drawn.
 
+The draw itself runs batched where the logits are (engine/model/draw.py: penalties,
+temperature, top-k, top-p and an inverse-CDF pick for all rows at once), so on a GPU only
+token ids cross to the CPU; what a row needs from here is one uniform, a seeded row's
+from random.Random(draw_seed(seed, position)), the same on any device.
+
 `step` is what a last stage runs: one token per row, plus one per fork (a request's
 other choices, n > 1, sampled from their parent's logits at the step that completes its
 prompt), and log-probabilities for the rows that ask for them.
@@ -32,12 +37,14 @@ history and the counts again, so they hold exactly the accepted tokens and the b
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import replace
 
 import torch
 
 from engine.core.sampling import SamplingParams
+from engine.model.draw import Penalties, Shape, draw
 from engine.model.grammar import GrammarError
 
 # OpenAI's floor for a log-probability (what -inf, a masked-out token, becomes): JSON has
@@ -61,6 +68,8 @@ class Sampler:
         # verification step: what its next step's position rolls back from the history
         # and the counts where the draft was partly rejected
         self._tails: dict[int, tuple[int, list[int]]] = {}
+        # the uniforms of unseeded rows (a seeded row's come from its seed and position)
+        self._rng = random.Random()
 
     def open(self, seq_id: int, params: SamplingParams, prompt: list[int], replayed: int = 0) -> None:
         """replayed: how many of the prompt's last tokens this sequence generated before
@@ -178,17 +187,21 @@ class Sampler:
             toks = logits.argmax(-1).tolist()
             self._pos[seq_id] += len(toks)
             return toks
+        if not penalized:
+            # each position draws from its own uniform: the whole row at once
+            pos = self._pos[seq_id]
+            toks = draw(logits, [self._shape(p, pos + j) for j in range(logits.shape[0])]).tolist()
+            self._pos[seq_id] += len(toks)
+            return toks
         toks = []
-        for row in logits:
+        for j in range(logits.shape[0]):
             # position j is penalized as plain decoding would be after this row's own
             # picks at 0..j-1: its token counts only where the draft agreed with them
-            t = self._sample_row(seq_id, p, row)
+            t = draw(logits[j:j + 1], [self._shape(p, self._pos[seq_id])], self._penalties([seq_id])).tolist()[0]
             toks.append(t)
             self._pos[seq_id] += 1
-            if penalized:
-                self._record(seq_id, p, t)
-        if penalized:
-            self._tails[seq_id] = (self._pos[seq_id], toks)
+            self._record(seq_id, p, t)
+        self._tails[seq_id] = (self._pos[seq_id], toks)
         return toks
 
     def _record(self, seq_id: int, p: SamplingParams, tok: int) -> None:
@@ -250,7 +263,8 @@ class Sampler:
         if all(p.is_greedy and p.repetition_penalty == 1.0 and not p.penalized for p in params):
             out = logits.argmax(-1).tolist()  # the common fast path, one op for the batch
         else:
-            out = [self._sample_row(s, p, logits[i]) for i, (s, p) in enumerate(zip(seq_ids, params))]
+            shapes = [self._shape(p, self._pos[s]) for s, p in zip(seq_ids, params)]
+            out = draw(logits, shapes, self._penalties(seq_ids)).tolist()
         for s, t in zip(seq_ids, out):
             self._pos[s] += 1
             self._record(s, self._params[s], t)
@@ -267,35 +281,33 @@ class Sampler:
             logits[i] = row.to(logits.device, logits.dtype)
         return logits
 
-    def _sample_row(self, seq_id: int, p: SamplingParams, row: torch.Tensor) -> int:
-        # on the CPU whatever device computed the logits: a seeded request's generator
-        # lives there, and so the same seed draws the same tokens on a GPU stage as on a CPU one
-        row = row.detach().to("cpu", copy=True)
-        hist = self._history.get(seq_id)
-        if p.repetition_penalty != 1.0 and hist:
-            idx = torch.tensor(sorted(set(hist)), dtype=torch.long)
-            vals = row[idx]
-            row[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        counts = self._counts.get(seq_id)
-        if counts:
-            row = penalize(row, counts, p.presence_penalty, p.frequency_penalty)
+    def _shape(self, p: SamplingParams, position: int) -> Shape:
+        """What the draw of one row needs (engine/model/draw.py): a seeded row's uniform
+        comes from its seed and the token's position alone, so the same seed draws the
+        same reply on any device, beside any batch mates, and after a replay."""
         if p.is_greedy:
-            return int(row.argmax())
-        row = row / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            cum = probs.cumsum(-1)
-            drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            row[order[drop]] = float("-inf")
-        probs = row.softmax(-1)
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator().manual_seed(draw_seed(p.seed, self._pos[seq_id]))
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+            return Shape(greedy=True)
+        rng = random.Random(draw_seed(p.seed, position)) if p.seed is not None else self._rng
+        return Shape(greedy=False, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, uniform=rng.random())
+
+    def _penalties(self, seq_ids: list[int]) -> Penalties:
+        """The rows' penalties, flat: the repetition penalty on each distinct token of the
+        history, presence and frequency on each token generated."""
+        pen = Penalties.none()
+        for i, sid in enumerate(seq_ids):
+            p = self._params[sid]
+            hist = self._history.get(sid)
+            if p.repetition_penalty != 1.0 and hist:
+                toks = sorted(set(hist))
+                pen.rep_rows += [i] * len(toks)
+                pen.rep_tokens += toks
+                pen.rep_factor += [p.repetition_penalty] * len(toks)
+            counts = self._counts.get(sid)
+            if counts:
+                pen.sub_rows += [i] * len(counts)
+                pen.sub_tokens += list(counts)
+                pen.sub_amount += [c * p.frequency_penalty + p.presence_penalty for c in counts.values()]
+        return pen
 
 
 def speculable(p: SamplingParams) -> bool:
@@ -307,16 +319,6 @@ def speculable(p: SamplingParams) -> bool:
     need its own) or a grammar (json_schema: response_format, forced tool calls: the mask
     moves with every token)."""
     return not p.logprobs and p.json_schema is None
-
-
-def penalize(row: torch.Tensor, counts: Counter, presence: float, frequency: float) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties on one row of logits (in place):
-    row[j] -= counts[j] * frequency + (counts[j] > 0) * presence. A token masked out
-    (-inf) stays out whatever the sign of the penalties."""
-    idx = torch.tensor(list(counts), dtype=torch.long)
-    c = torch.tensor([counts[t] for t in counts], dtype=row.dtype)
-    row[idx] -= c * frequency + presence
-    return row
 
 
 def draw_seed(seed: int, position: int) -> int:

@@ -403,12 +403,16 @@ def test_penalties_change_what_is_drawn_but_not_the_logits_or_a_batch_mate():
 
 
 def test_penalties_keep_masked_tokens_out():
-    from engine.model.sampler import penalize
     from collections import Counter
 
-    row = torch.tensor([float("-inf"), 1.0, 0.5])
-    out = penalize(row.clone(), Counter({0: 3, 1: 1}), -2.0, -2.0)
-    assert out[0] == float("-inf") and out[1] == 1.0 + 2.0 + 2.0 and out[2] == 0.5
+    from engine.model.draw import penalize
+
+    s = opened({0: SamplingParams(greedy=True, presence_penalty=-2.0, frequency_penalty=-2.0,
+                                  repetition_penalty=0.5)}, prompt=[0])
+    s._counts[0] = Counter({0: 3, 1: 1})
+    row = torch.tensor([[float("-inf"), 1.0, 0.5]])
+    penalize(row, s._penalties([0]))
+    assert row[0, 0] == float("-inf") and row[0, 1] == 1.0 + 2.0 + 2.0 and row[0, 2] == 0.5
 
 
 def test_seeded_penalized_sampling_is_reproducible_and_differs_from_unpenalized():

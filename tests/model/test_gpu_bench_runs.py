@@ -38,3 +38,15 @@ def test_the_gpu_bench_runs_here_on_a_tiny_model(tmp_path):
     verdicts = {v[0]: v[3] for v in got["verdicts"]}
     assert verdicts["ours1 / HF generate, decode tok/s, batch 1, bf16"] in ("PASS", "MISS")
     assert "ratio (issue 42 targets)" in run.stdout
+
+
+def test_the_sampling_bench_runs_here(tmp_path):
+    """bench/sampling.py, as the window runs it (synthetic logits: the device machine has
+    no default model), writes a row per vocabulary and batch with both draws timed."""
+    out = tmp_path / "sampling.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "sampling.py"), "--synthetic", "--repeat", "1",
+                          "--batches", "2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["vocab"], r["batch"]) for r in rows] == [(49152, 2), (128256, 2)]
+    assert all(r["per_row_s"] > 0 and r["batched_s"] > 0 for r in rows)

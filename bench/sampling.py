@@ -1,0 +1,186 @@
+"""What drawing a token costs the last stage at the chat's defaults: the batched draw
+(engine/model/draw.py) against the per-row draw it replaced, side by side in one run.
+
+The chat's defaults sample (temperature 0.7, top-p 0.9, repetition penalty 1.1), so
+this is the path every user of the chat window and of `potluck chat` takes. The logits
+are the default model's own (a real prompt, decoded greedily by the same StageModel the
+pipeline runs): a trained model's nucleus is what decides whether the CPU's candidate
+shortcut holds. The 128k rows (Llama 3's vocabulary) are those rows widened with their
+own tail. The per-row draw is kept here, as it was, as the baseline; the table also gives
+the default model's decode step at batch 1 on this machine, for scale.
+
+    .venv/bin/python bench/sampling.py [--device cuda] [--threads 1] [--json out.json]
+    python3 bench/sampling.py --device cuda --synthetic    (a GPU machine without the model)
+
+What should hold: the batched draw at least 5x faster than the per-row one at every
+batch and vocabulary on the CPU (and on a GPU), and at batch 1 a small share of the
+default model's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def per_row_before(row: torch.Tensor, hist: list[int], temperature: float, top_p: float, rep: float) -> int:
+    """The draw before engine/model/draw.py, for comparison: each row copied to the CPU,
+    penalized, sorted whole for top-p, and drawn by torch.multinomial."""
+    row = row.detach().to("cpu", copy=True)
+    if rep != 1.0 and hist:
+        idx = torch.tensor(sorted(set(hist)), dtype=torch.long)
+        vals = row[idx]
+        row[idx] = torch.where(vals > 0, vals / rep, vals * rep)
+    row = row / temperature
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        drop = cum - probs > top_p
+        row[order[drop]] = float("-inf")
+    return int(torch.multinomial(row.softmax(-1), 1).item())
+
+
+def real_logits(steps: int, device: str) -> tuple[torch.Tensor, list[int], float]:
+    """The default model's logits over a greedy reply to PROMPT: [steps, vocab], the
+    prompt's and reply's token ids (the repetition penalty's history), and the median
+    decode step in seconds."""
+    from engine.model.sources import prepare_default
+    from engine.model.stage import StageBatch, StageModel
+
+    source = prepare_default(log=lambda *_: None)
+    tok = source.tokenizer()
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    stage = StageModel(source, 0, source.config().num_hidden_layers, device=device)
+    rows, times = [], []
+    with torch.inference_mode():
+        out = stage.forward(StageBatch([0], [0], [len(ids)]), torch.tensor(ids, device=device))
+        hist = list(ids)
+        for _ in range(steps):
+            rows.append(out[0].float())
+            nxt = int(out[0].argmax())
+            t0 = time.perf_counter()
+            out = stage.forward(StageBatch([0], [len(hist)], [1]), torch.tensor([nxt], device=device))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            hist.append(nxt)
+    return torch.stack(rows), hist, statistics.median(times)
+
+
+def synthetic_logits(steps: int, vocab: int = 49152) -> tuple[torch.Tensor, list[int], None]:
+    """Peaked random rows (a few hundred tokens well above the rest), for a machine that
+    lacks the default model: a GPU sorts every row whole, so the logits' shape matters
+    less there."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps, vocab, generator=g) * 1.5
+    x[:, torch.randint(0, vocab, (200,), generator=g)] += 7.0
+    return x, torch.randint(0, vocab, (110,), generator=g).tolist(), None
+
+
+def widen(rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rows widened to `vocab` with their own lower half, shuffled: a bigger vocabulary's
+    long tail, the same head."""
+    n, V = rows.shape
+    g = torch.Generator().manual_seed(0)
+    extra = vocab - V
+    tail = torch.sort(rows.cpu(), dim=-1).values[:, : V // 2]
+    pick = torch.randint(0, V // 2, (n, extra), generator=g)
+    return torch.cat([rows.cpu(), tail.gather(1, pick)], dim=1).to(rows.device)
+
+
+def timed(fn, repeat: int, device: str) -> float:
+    fn()
+    out = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()   # both end by reading their tokens on the host: nothing is left queued
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a last stage's share of a home CPU)")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--vocabs", default="native,128256")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--synthetic", action="store_true", help="peaked random logits, not the default model's")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from engine.core.sampling import SamplingParams
+    from engine.model.sampler import Sampler
+
+    logits, hist, step_s = synthetic_logits(32) if args.synthetic else real_logits(32, args.device)
+    params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1)
+    if step_s is not None:
+        print(f"default model's decode step at batch 1 on {args.device}: {step_s * 1e3:.1f} ms "
+              f"({torch.get_num_threads()} torch threads)")
+    else:
+        print(f"synthetic logits on {args.device} ({torch.get_num_threads()} torch threads)")
+    print(f"chat defaults: temperature {params.temperature}, top-p {params.top_p}, "
+          f"repetition penalty {params.repetition_penalty}; history {len(hist)} tokens\n")
+    head = f"{'vocab':>7} {'batch':>5} {'per row ms':>11} {'batched ms':>11} {'speed-up':>9} {'verdict':>7}"
+    print(head)
+    print("-" * len(head))
+    results, ok = [], True
+    for vname in args.vocabs.split(","):
+        rows = logits if vname == "native" else widen(logits, int(vname))
+        V = rows.shape[1]
+        for B in (int(b) for b in args.batches.split(",")):
+            batch = torch.stack([rows[i % rows.shape[0]] for i in range(B)]).to(args.device)
+            s = Sampler()
+            for i in range(B):
+                s.open(i, params, hist[: len(hist) - 32 + i % 32])
+            ids = list(range(B))
+
+            def before():
+                for i in range(B):
+                    per_row_before(batch[i], s._history[i], params.temperature, params.top_p,
+                                   params.repetition_penalty)
+
+            def after():
+                s.sample(ids, batch)
+                for i in ids:   # the same history every round: what before() sees
+                    s._history[i].pop()
+                    s._pos[i] -= 1
+
+            a = timed(before, args.repeat, args.device)
+            b = timed(after, args.repeat, args.device)
+            verdict = "PASS" if a / b >= 5 else "MISS"
+            ok &= verdict == "PASS"
+            print(f"{V:>7} {B:>5} {a * 1e3:>11.2f} {b * 1e3:>11.2f} {a / b:>8.1f}x {verdict:>7}")
+            results.append(dict(vocab=V, batch=B, per_row_s=a, batched_s=b))
+    if step_s is not None:
+        print(f"\nbatched draw at batch 1, default vocabulary: "
+              f"{results[0]['batched_s'] / step_s:.1%} of the model's decode step (per row: "
+              f"{results[0]['per_row_s'] / step_s:.1%})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=args.device, threads=torch.get_num_threads(),
+                                                   step_s=step_s, rows=results), indent=1))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
