@@ -2,7 +2,9 @@
 (engine/model/draw.py) against the per-row draw it replaced, side by side in one run.
 
 The chat's defaults sample (temperature 0.7, top-p 0.9, repetition penalty 1.1), so
-this is the path every user of the chat window and of `potluck chat` takes. The logits
+this is the path every user of the chat window and of `potluck chat` takes. A second
+table decodes replies with the default model at those settings, both ways, the model's
+step included: what a user of a one-stage chat sees. The logits
 are the default model's own (a real prompt, decoded greedily by the same StageModel the
 pipeline runs): a trained model's nucleus is what decides whether the CPU's candidate
 shortcut holds. The 128k rows (Llama 3's vocabulary) are those rows widened with their
@@ -55,19 +57,26 @@ def per_row_before(row: torch.Tensor, hist: list[int], temperature: float, top_p
     return int(torch.multinomial(row.softmax(-1), 1).item())
 
 
-def real_logits(steps: int, device: str) -> tuple[torch.Tensor, list[int], float]:
-    """The default model's logits over a greedy reply to PROMPT: [steps, vocab], the
-    prompt's and reply's token ids (the repetition penalty's history), and the median
-    decode step in seconds."""
+def load_default(device: str):
+    """The default model whole, in one StageModel (what `potluck chat` runs with one
+    stage), and the chat prompt's token ids."""
     from engine.model.sources import prepare_default
-    from engine.model.stage import StageBatch, StageModel
+    from engine.model.stage import StageModel
 
     source = prepare_default(log=lambda *_: None)
     tok = source.tokenizer()
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
     if not isinstance(ids, list):
         ids = ids["input_ids"]
-    stage = StageModel(source, 0, source.config().num_hidden_layers, device=device)
+    return StageModel(source, 0, source.config().num_hidden_layers, device=device), list(ids)
+
+
+def real_logits(stage, ids: list[int], steps: int, device: str) -> tuple[torch.Tensor, list[int], float]:
+    """The default model's logits over a greedy reply to PROMPT: [steps, vocab], the
+    prompt's and reply's token ids (the repetition penalty's history), and the median
+    decode step in seconds."""
+    from engine.model.stage import StageBatch
+
     rows, times = [], []
     with torch.inference_mode():
         out = stage.forward(StageBatch([0], [0], [len(ids)]), torch.tensor(ids, device=device))
@@ -81,7 +90,42 @@ def real_logits(steps: int, device: str) -> tuple[torch.Tensor, list[int], float
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             hist.append(nxt)
+    stage.free(0)
     return torch.stack(rows), hist, statistics.median(times)
+
+
+def replies(stage, ids: list[int], batch: int, steps: int, batched: bool, params, device: str,
+            first: int) -> float:
+    """batch users' replies at the chat's defaults, decoded together for steps tokens: the
+    seconds the decode steps took, the model's step and the draw together."""
+    from engine.model.sampler import Sampler
+    from engine.model.stage import StageBatch
+
+    seqs = list(range(first, first + batch))
+    s = Sampler()
+    for q in seqs:
+        s.open(q, params, ids)
+    hist = {q: list(ids) for q in seqs}
+    with torch.inference_mode():
+        out = stage.forward(StageBatch(seqs, [0] * batch, [len(ids)] * batch),
+                            torch.tensor(ids * batch, device=device))
+        t0 = time.perf_counter()
+        for n in range(steps):
+            if batched:
+                toks = s.sample(seqs, out)
+            else:
+                toks = [per_row_before(out[i], hist[q], params.temperature, params.top_p, params.repetition_penalty)
+                        for i, q in enumerate(seqs)]
+            for q, t in zip(seqs, toks):
+                hist[q].append(t)
+            out = stage.forward(StageBatch(seqs, [len(ids) + n] * batch, [1] * batch),
+                                torch.tensor(toks, device=device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    for q in seqs:
+        stage.free(q)
+    return seconds
 
 
 def synthetic_logits(steps: int, vocab: int = 49152) -> tuple[torch.Tensor, list[int], None]:
@@ -124,6 +168,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--vocabs", default="native,128256")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=32, help="tokens a user in the whole-step table")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each draw per cell of the whole-step table")
     ap.add_argument("--synthetic", action="store_true", help="peaked random logits, not the default model's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -132,7 +178,12 @@ def main() -> None:
     from engine.core.sampling import SamplingParams
     from engine.model.sampler import Sampler
 
-    logits, hist, step_s = synthetic_logits(32) if args.synthetic else real_logits(32, args.device)
+    stage = ids = None
+    if args.synthetic:
+        logits, hist, step_s = synthetic_logits(32)
+    else:
+        stage, ids = load_default(args.device)
+        logits, hist, step_s = real_logits(stage, ids, 32, args.device)
     params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1)
     if step_s is not None:
         print(f"default model's decode step at batch 1 on {args.device}: {step_s * 1e3:.1f} ms "
@@ -176,6 +227,23 @@ def main() -> None:
         print(f"\nbatched draw at batch 1, default vocabulary: "
               f"{results[0]['batched_s'] / step_s:.1%} of the model's decode step (per row: "
               f"{results[0]['per_row_s'] / step_s:.1%})")
+    if stage is not None:
+        print(f"\nthe default model decoding at the chat's defaults, {args.steps} tokens a user: "
+              "the whole step, the model's and the draw")
+        head = f"{'users':>5} {'per row tok/s':>14} {'batched tok/s':>14} {'ratio':>7}"
+        print(head)
+        print("-" * len(head))
+        first = 1000
+        for B in (int(b) for b in args.batches.split(",")):
+            cell = {}
+            for r in range(args.rounds):   # alternated, so drift on a noisy machine falls on both
+                for batched in ((False, True) if r % 2 == 0 else (True, False)):
+                    t = replies(stage, ids, B, args.steps, batched, params, args.device, first)
+                    first += B
+                    cell.setdefault(batched, []).append(B * args.steps / t)
+            a, b = statistics.median(cell[False]), statistics.median(cell[True])
+            print(f"{B:>5} {a:>14.1f} {b:>14.1f} {b / a:>6.2f}x")
+            results.append(dict(users=B, per_row_tok_s=a, batched_tok_s=b))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=args.device, threads=torch.get_num_threads(),
                                                    step_s=step_s, rows=results), indent=1))
