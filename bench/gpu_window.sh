@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One lent GPU window (issue 42), as one command on the device machine: the GPU tests of
-# the decode graphs and of the batched draw, then bench/gpu.py, then bench/sampling.py. Every log and the JSON land in $OUT as they are
-# written, so a window cut short keeps what it measured.
+# the decode graphs and of the batched draw, bench/gpu.py at bf16 (every system), the
+# chat's sampled draw (bench/sampling.py), then bench/gpu.py's nf4 rows. Every log and
+# JSON lands in $OUT as it is written, so a window cut short keeps what it measured.
 #
 #   here:  make gpu-pack                      (.whl/: what the device's python lacks)
-#   there: run(command="bash bench/gpu_window.sh", carry=[".whl"], timeout_s=320)
+#   there: run(command="bash bench/gpu_window.sh", carry=[".whl"], timeout_s=500)
 #
-# The defaults fit the window this task has left (under 6 minutes of device time, a
-# minute or more of it the machine's start): the graph tests, then bf16 only, our one
-# process against transformers' generate, one round of 64 tokens. A fuller window:
-# BENCH_ARGS="--repeat 2" (both precisions, every system; about 6 minutes on an H200).
-# TESTS_S, BENCH_S and DRAW_S bound each part, so a window cut short keeps what it measured.
+# Sized for a 15-minute device budget, minutes of it the machine's start: about 8
+# minutes here, so a part can be run again. TESTS_S, BENCH_S, DRAW_S and NF4_S bound the
+# parts; BENCH_ARGS / NF4_ARGS replace their bench/gpu.py arguments (a full run:
+# BENCH_ARGS="--repeat 2", both precisions, about 6 minutes on an H200; NF4_S=0 then).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/site
@@ -22,11 +22,16 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARAL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/device.txt"
-timeout "${TESTS_S:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py tests/model/test_draw.py \
+timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py tests/model/test_draw.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
-timeout "${BENCH_S:-160}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --systems ours1,hf --repeat 1 --tokens 64} \
+timeout "${BENCH_S:-220}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64} \
     --json "$OUT/gpu.json" \
     2>&1 | tee "$OUT/gpu.log" | tail -60
 # the chat's sampled draw on the device (synthetic logits: the default model is not carried)
 timeout "${DRAW_S:-40}" python3 bench/sampling.py --device cuda --synthetic --json "$OUT/sampling.json" \
     2>&1 | tee "$OUT/sampling.log" | tail -12
+# nf4: the bandwidth row on weight + scale bytes, and the 1 + 4 verification step at nf4
+[ "${NF4_S:-120}" -gt 0 ] && timeout "${NF4_S:-120}" python3 bench/gpu.py \
+    ${NF4_ARGS:---weights nf4 --systems ours1 --repeat 1 --tokens 64} --json "$OUT/gpu-nf4.json" \
+    2>&1 | tee "$OUT/gpu-nf4.log" | tail -40
+exit 0
