@@ -158,11 +158,15 @@ class KVStore:
             return
         slots = max(need_slots, self._n_slots, 1 if k is None else k.shape[0])
         cap = max(need_cap, self._capacity, 16)
+        # doubling keeps the copies few, but not past the budget: the storage is a
+        # rectangle, slots x capacity tokens whatever the sequences hold, and doubling a
+        # 3k-token rectangle on a GPU sized for 4k would ask for memory that is not there
+        room = max(self.budget_tokens, 1)
         if k is not None:
-            if k.shape[0] < need_slots:
-                slots = max(slots, 2 * k.shape[0])
             if k.shape[2] < need_cap:
-                cap = max(cap, 2 * k.shape[2])
+                cap = max(cap, min(2 * k.shape[2], room // slots))
+            if k.shape[0] < need_slots:
+                slots = max(slots, min(2 * k.shape[0], room // cap))
         self._capacity = max(self._capacity, cap)
         self.generation += 1
         newk = torch.zeros((slots, kshape[0], cap, kshape[1]), dtype=self.dtype, device=self.device)

@@ -158,6 +158,26 @@ def test_growth_doubles_instead_of_creeping():
     assert sorted(set(caps)) == [32, 64, 128]  # a handful of reallocations, not one per token
 
 
+def test_growth_stops_doubling_at_the_budget():
+    """The store is a rectangle of slots x capacity: doubling it past the budget would
+    ask a GPU for memory its plan never gave the cache. It still grows to what a step
+    needs."""
+    store = KVStore(1000, torch.float32)
+    d = Driver(store, n_layers=1)
+    d.step([0], [300])
+    d.step([0], [1])
+    assert store._k[0].shape[2] == 600      # 301 needed: doubled, 600 fits the budget
+    d.step([0], [300])
+    assert store._k[0].shape[2] == 1000     # 601 needed: the budget's 1000, not 1200
+    d.check_store()
+    wide = KVStore(64, torch.float32)
+    d = Driver(wide, n_layers=1)
+    d.step([0, 1, 2], [16, 16, 16])
+    d.step([3], [1])                        # a 4th slot: 4 x 16 fits the budget, 6 x 16 would not
+    assert wide._k[0].shape[:3:2] == (4, 16)
+    d.check_store()
+
+
 def test_decode_writes_only_its_position():
     store = KVStore(1000, torch.float32)
     d = Driver(store, n_layers=1)
