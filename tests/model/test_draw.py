@@ -11,16 +11,17 @@ import pytest
 import torch
 
 from engine.core.sampling import SamplingParams
-from engine.model.draw import Penalties, Shape, draw
+from engine.model.draw import Penalties, Shape, draw, penalize
 from engine.model.sampler import Sampler
 
 
-def reference(row: list[float], s: Shape) -> tuple[int, list[float]] | int:
-    """The token the definition draws, in float64, and the cumulative probabilities of
-    what it drew from (None for greedy), so a test can skip a uniform on a boundary."""
+def reference(row: list[float], s: Shape, eps: float = 1e-5) -> tuple[int, bool]:
+    """The token the definition draws, in float64, and whether float32 could part from it:
+    the uniform, or a top-p cut, within eps of a boundary."""
     V = len(row)
     if s.greedy:
-        return max(range(V), key=lambda j: (row[j], -j)), None
+        return max(range(V), key=lambda j: (row[j], -j)), False
+    near = False
     x = [v / s.temperature for v in row]
     if not s.ranked:
         order = list(range(V))
@@ -36,6 +37,7 @@ def reference(row: list[float], s: Shape) -> tuple[int, list[float]] | int:
         if s.top_p < 1.0:
             keep, before = 0, 0.0
             for p in w:
+                near |= abs(before / total - s.top_p) < eps
                 if before / total > s.top_p:
                     break
                 keep += 1
@@ -48,8 +50,9 @@ def reference(row: list[float], s: Shape) -> tuple[int, list[float]] | int:
         c += p / total
         cum.append(c)
     u = s.uniform
+    near |= any(abs(c - u) < eps for c in cum)
     i = next((i for i, c in enumerate(cum) if c > u), len(cum) - 1)
-    return order[i], cum
+    return order[i], near
 
 
 def rows_of(kind: str, n: int, V: int, seed: int) -> torch.Tensor:
@@ -80,8 +83,8 @@ def test_each_row_draws_what_the_definition_says(kind):
     for candidates in (16, V):   # the CPU's shortcut and the full sort alike
         got = draw(x, shapes, candidates=candidates).tolist()
         for i, s in enumerate(shapes):
-            want, cum = reference(x[i].tolist(), s)
-            if cum is not None and any(abs(c - s.uniform) < 1e-5 for c in cum):
+            want, near = reference(x[i].tolist(), s)
+            if near:
                 continue   # float32 and float64 may part on a boundary
             assert got[i] == want, (i, s, candidates)
             checked += 1
@@ -189,6 +192,10 @@ def test_on_a_gpu_only_token_ids_leave_the_device_and_they_are_the_cpu_ones():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = draw(xc, shapes, pen).tolist()
         torch.cuda.synchronize()
-    assert got == cpu
+    # the same tokens as the CPU's, but where a GPU's sums may round across a boundary
+    y = x.clone()
+    penalize(y, pen)
+    sure = [i for i, s in enumerate(shapes) if not reference(y[i].tolist(), s, eps=1e-4)[1]]
+    assert len(sure) >= n // 2 and [got[i] for i in sure] == [cpu[i] for i in sure]
     dtoh = [e for e in prof.events() if "DtoH" in e.name or "Device -> Pageable" in e.name]
     assert len(dtoh) <= 1, [e.name for e in dtoh]
