@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 
 
-async def timed_request(head, prompt: list[int], n: int, system: str) -> dict:
-    """Submit a greedy request of exactly n tokens (the head's eos_ids cleared by the
-    caller); returns its submit time, each token's arrival time and the tokens."""
+async def timed_request(head, prompt: list[int], n: int, system: str, sampling: dict | None = None) -> dict:
+    """Submit a request of exactly n tokens (the head's eos_ids cleared by the caller),
+    greedy unless `sampling` names SamplingParams fields; returns its submit time, each
+    token's arrival time and the tokens."""
     from engine.core.sampling import SamplingParams
     from engine.pipeline.head import Done
 
-    handle = head.submit(prompt, SamplingParams(greedy=True, max_tokens=n))
+    params = SamplingParams(**sampling, max_tokens=n) if sampling else SamplingParams(greedy=True, max_tokens=n)
+    handle = head.submit(prompt, params)
     done, times = None, []
     async for ev in handle:  # as a client sees them
         if isinstance(ev, Done):
