@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
@@ -53,6 +54,10 @@ from engine.core.step_gate import COMPUTE_ORDERS
 
 log = logging.getLogger("potluck.stage")
 
+
+# how long a new head's control connection waits for the handler of one whose head hung
+# up mid-work to let go, before it is refused (the head waits 30 s for its welcome)
+BUSY_LET_GO_S = 25.0
 
 class Inbox(asyncio.Queue):
     """A lane's queue of frames to compute, whose next frame can be looked at without
@@ -201,10 +206,10 @@ class StageServer:
         await self._let_go(ws)
         return True
 
-    async def _let_go(self, ws):
+    async def _let_go(self, ws, patience: float = LET_GO_S + 2.0):
         """Until the handler of control connection `ws` has closed its data links, freed its
-        sequences and let go (at most LET_GO_S and a moment): only then is this stage free."""
-        deadline = asyncio.get_running_loop().time() + LET_GO_S + 2.0
+        sequences and let go (at most `patience` seconds): only then is this stage free."""
+        deadline = asyncio.get_running_loop().time() + patience
         while self._control_ws is ws and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
 
@@ -282,11 +287,17 @@ class StageServer:
             self._data_links.discard(sealed)
 
     async def _control(self, ws):
-        if self._control_ws is not None and self._head_gone:
+        old = self._control_ws
+        if old is not None and self._head_gone:
             # its last head has gone and it is letting go (a rearrangement's next head, at
             # once): wait for that rather than refuse -- a refusal costs the head a retry
             # interval while every reply waits
-            await self._let_go(self._control_ws)
+            await self._let_go(old)
+        elif old is not None and old.state in (State.CLOSING, State.CLOSED):
+            # its last head hung up while the handler was busy on its behalf (loading the
+            # weights it asked for, then refused): the handler lets go once that is done,
+            # within the new head's wait for its welcome (30 s)
+            await self._let_go(old, patience=BUSY_LET_GO_S)
         if self._control_ws is not None:
             await ws.close(1008, "this stage already has a head")
             return
