@@ -76,8 +76,14 @@ async def start_head(source: ModelSource, addrs: list[str], **kw) -> Head:
     return head
 
 
-def reference_generate(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """transformers' own greedy decoding of one prompt, cut at the first end-of-sequence."""
+async def reference_generate(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """transformers' own greedy decoding of one prompt, cut at the first end-of-sequence.
+    It runs in a thread: this loop hosts the head, and a loop held for seconds misses its
+    links' heartbeats (2 s pings, 5 s to answer), which then close as if a stage had died."""
+    return await asyncio.to_thread(_generate, model, prompt, max_new, eos)
+
+
+def _generate(model, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
@@ -144,7 +150,7 @@ async def test_default_model_matches_transformers(pipeline, default_reference):
     handles = [pipeline.submit(p, greedy(max_new)) for p in prompts]
     results = await asyncio.gather(*(collect(h) for h in handles))
     for prompt, (toks, text, done) in zip(prompts, results):
-        want = reference_generate(default_reference, prompt, max_new, pipeline.eos_ids)
+        want = await reference_generate(default_reference, prompt, max_new, pipeline.eos_ids)
         assert done.error is None and done.finish_reason in ("stop", "length")
         assert toks == want, f"prompt of {len(prompt)} tokens: pipeline {toks} != generate {want}"
         assert done.completion_tokens == len(toks)
@@ -175,13 +181,13 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
         prompts = [head.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
         toks, _, done = await collect(head.submit(prompts[3], greedy(max_new)))  # alone
         assert done.error is None
-        assert toks == reference_generate(default_reference, prompts[3], max_new, head.eos_ids)
+        assert toks == await reference_generate(default_reference, prompts[3], max_new, head.eos_ids)
         if n >= 2:
             assert head.cores.borrowed_steps > 0  # a lone prompt ran on more than its own core
         results = await asyncio.gather(*(collect(head.submit(p, greedy(max_new))) for p in prompts))
         for prompt, (toks, _, done) in zip(prompts, results):
             assert done.error is None
-            assert toks == reference_generate(default_reference, prompt, max_new, head.eos_ids)
+            assert toks == await reference_generate(default_reference, prompt, max_new, head.eos_ids)
         # no ack came back (an unexpected one fails the link), so nothing was measured
         assert head.link.sched.link.samples == 0 and not head.link.failed and head.link.in_flight == 0
         await wait_freed(head)
@@ -210,7 +216,7 @@ async def test_newcomer_gets_its_own_micro_batch_when_all_are_decoding(pipeline,
     assert holder and holder[0].id >= m and len(holder[0].seqs) == 1  # a micro-batch of its own
     toks, _, done = await collect(late)
     assert done.error is None
-    assert toks == reference_generate(default_reference, prompts[3], 12, pipeline.eos_ids)
+    assert toks == await reference_generate(default_reference, prompts[3], 12, pipeline.eos_ids)
     for h in first:
         assert (await collect(h))[2].error is None
     await wait_freed(pipeline)
@@ -234,7 +240,7 @@ async def test_tiny_arch_matches_transformers(arch, tiny_folder, spare_stages):
         results = await asyncio.gather(*(collect(head.submit(p, greedy(max_new))) for p in prompts))
         for prompt, (toks, _, done) in zip(prompts, results):
             assert done.finish_reason == "length" and done.completion_tokens == max_new
-            want = reference_generate(model, prompt, max_new, set())
+            want = await reference_generate(model, prompt, max_new, set())
             assert toks == want, f"{arch}, prompt of {len(prompt)}: pipeline {toks} != generate {want}"
         await wait_freed(head)
     finally:
@@ -579,7 +585,7 @@ async def test_stage_with_another_model_is_refused(inproc_stage, tiny_folder, sp
         head.eos_ids = set()
         prompt = list(range(10, 30))
         toks, _, done = await collect(head.submit(prompt, greedy(6)))
-        assert toks == reference_generate(model_b, prompt, 6, set())
+        assert toks == await reference_generate(model_b, prompt, 6, set())
     finally:
         await head.close()
 
