@@ -29,10 +29,14 @@ a rearrangement counts the tokens its frame says it generated (`replayed`), and 
 the grammar's mask, none of this reaches the logprobs: they are the raw model's.
 
 A verification row of speculative decoding (issue 34) is penalized position by position:
-position j after the history plus this row's own picks at 0..j-1 (its pick is used only
-where the draft equalled those picks), each pick recorded as it is drawn; the next step's
-position (`positions`) then says how many were kept, and the picks past it leave the
-history and the counts again, so they hold exactly the accepted tokens and the bonus one.
+position j after the history plus the draft's tokens 0..j-1 (its pick is used only where
+the picks before it equalled the draft, so those are the tokens plain decoding would have
+drawn before it). Knowing the draft, every position of every verification row in a step
+is drawn in one batched draw, with one read of the picks (before the draft reached the
+last stage, each penalized position was drawn alone: k + 1 reads a row). The picks are
+recorded; the next step's position (`positions`) then says how many were kept, and the
+picks past it leave the history and the counts again, so they hold exactly the accepted
+tokens and the bonus one.
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ class Sampler:
         self._tails.pop(seq_id, None)
 
     def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None,
-             keep: list[int] | None = None, positions: list[int] | None = None) -> list[list]:
+             keep: list[int] | None = None, positions: list[int] | None = None,
+             drafts: dict[int, list[int]] | None = None) -> list[list]:
         """logits [B, vocab] -> token entries, one per row then one per fork (its parent's
         row): [seq_id, token] or, for a row that asked for logprobs, [seq_id, token,
         logprob, [[token, logprob], ...top_logprobs]].
@@ -135,7 +140,9 @@ class Sampler:
         one plain decoding gives).
         positions: the position of the (first) token each row draws, start + n - keep + 1
         (None: where the sampler's count says): after a verification step whose draft was
-        partly rejected, the count is wrong and the step's rows say where they are."""
+        partly rejected, the count is wrong and the step's rows say where they are.
+        drafts: a penalized verification row's drafted tokens (keep - 1 of them), which
+        its positions are penalized after."""
         if positions is not None:
             for sid, p in zip(seq_ids, positions):
                 if sid in self._pos:
@@ -145,7 +152,7 @@ class Sampler:
             for sid in seq_ids:
                 self._tails.pop(sid, None)
         if keep is not None and any(k > 1 for k in keep):
-            return self._step_verify(seq_ids, logits, forks, keep)
+            return self._step_verify(seq_ids, logits, forks, keep, drafts or {})
         ids = list(seq_ids)
         if forks:
             rows = list(range(len(seq_ids)))
@@ -162,47 +169,54 @@ class Sampler:
             self._logprobs(entries, want, logits, toks)
         return entries
 
-    def _step_verify(self, seq_ids: list[int], logits: torch.Tensor, forks, keep: list[int]) -> list[list]:
-        plain_rows, plain_ids, entries, o = [], [], [], 0
+    def _step_verify(self, seq_ids: list[int], logits: torch.Tensor, forks, keep: list[int],
+                     drafts: dict[int, list[int]]) -> list[list]:
+        plain_rows, plain_ids, o = [], [], 0
+        # every position of every verification row, drawn together
+        rows, shapes, owners, before, verified = [], [], [], [], []
         for sid, k in zip(seq_ids, keep):
             if k == 1:
                 plain_rows.append(o)
                 plain_ids.append(sid)
-            else:
-                entries.extend([sid, t] for t in self._verify_row(sid, logits[o: o + k]))
+                o += 1
+                continue
+            p = self._params[sid]
+            if not speculable(p):
+                raise ValueError(f"sequence {sid}: its sampling settings rule out speculative decoding")
+            draft = drafts.get(sid)
+            if _penalized(p) and (draft is None or len(draft) != k - 1):
+                raise ValueError(f"sequence {sid}: a penalized verification row needs its {k - 1} drafted tokens")
+            pos = self._pos[sid]
+            for j in range(k):
+                rows.append(o + j)
+                shapes.append(self._shape(p, pos + j))
+                owners.append(sid)
+                before.append(draft[:j] if draft else [])
+            verified.append((sid, k))
             o += k
+        entries = []
+        if rows:
+            x = logits if len(rows) == logits.shape[0] else \
+                logits.index_select(0, torch.tensor(rows, device=logits.device))
+            if all(s.greedy for s in shapes) and not any(_penalized(self._params[s]) for s, _ in verified):
+                toks = x.argmax(-1).tolist()
+            else:
+                toks = draw(x, shapes, self._penalties(owners, before)).tolist()
+            i = 0
+            for sid, k in verified:
+                picks = toks[i:i + k]
+                i += k
+                p = self._params[sid]
+                for t in picks:
+                    self._record(sid, p, t)
+                self._pos[sid] += k
+                if _penalized(p):
+                    self._tails[sid] = (self._pos[sid], picks)
+                entries.extend([sid, t] for t in picks)
         if plain_ids:
             idx = torch.tensor(plain_rows, device=logits.device)
             entries = self.step(plain_ids, logits.index_select(0, idx), forks) + entries
         return entries
-
-    def _verify_row(self, seq_id: int, logits: torch.Tensor) -> list[int]:
-        """The token plain decoding draws after each prefix of a draft (one per row of
-        logits), each at its own position."""
-        p = self._params[seq_id]
-        if not speculable(p):
-            raise ValueError(f"sequence {seq_id}: its sampling settings rule out speculative decoding")
-        penalized = p.repetition_penalty != 1.0 or p.penalized
-        if p.is_greedy and not penalized:
-            toks = logits.argmax(-1).tolist()
-            self._pos[seq_id] += len(toks)
-            return toks
-        if not penalized:
-            # each position draws from its own uniform: the whole row at once
-            pos = self._pos[seq_id]
-            toks = draw(logits, [self._shape(p, pos + j) for j in range(logits.shape[0])]).tolist()
-            self._pos[seq_id] += len(toks)
-            return toks
-        toks = []
-        for j in range(logits.shape[0]):
-            # position j is penalized as plain decoding would be after this row's own
-            # picks at 0..j-1: its token counts only where the draft agreed with them
-            t = draw(logits[j:j + 1], [self._shape(p, self._pos[seq_id])], self._penalties([seq_id])).tolist()[0]
-            toks.append(t)
-            self._pos[seq_id] += 1
-            self._record(seq_id, p, t)
-        self._tails[seq_id] = (self._pos[seq_id], toks)
-        return toks
 
     def _record(self, seq_id: int, p: SamplingParams, tok: int) -> None:
         """A drawn token into the history (repetition penalty) and the counts (presence,
@@ -290,19 +304,23 @@ class Sampler:
         rng = random.Random(draw_seed(p.seed, position)) if p.seed is not None else self._rng
         return Shape(greedy=False, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, uniform=rng.random())
 
-    def _penalties(self, seq_ids: list[int]) -> Penalties:
+    def _penalties(self, seq_ids: list[int], before: list[list[int]] | None = None) -> Penalties:
         """The rows' penalties, flat: the repetition penalty on each distinct token of the
-        history, presence and frequency on each token generated."""
+        history, presence and frequency on each token generated; before[i]: tokens row i
+        is drawn after beyond its sequence's record (a verification row's draft)."""
         pen = Penalties.none()
         for i, sid in enumerate(seq_ids):
             p = self._params[sid]
+            more = before[i] if before else ()
             hist = self._history.get(sid)
-            if p.repetition_penalty != 1.0 and hist:
-                toks = sorted(set(hist))
+            if p.repetition_penalty != 1.0 and (hist or more):
+                toks = sorted(set(hist or ()).union(more))
                 pen.rep_rows += [i] * len(toks)
                 pen.rep_tokens += toks
                 pen.rep_factor += [p.repetition_penalty] * len(toks)
             counts = self._counts.get(sid)
+            if counts is not None and more:
+                counts = counts + Counter(more)
             if counts:
                 pen.sub_rows += [i] * len(counts)
                 pen.sub_tokens += list(counts)
@@ -310,12 +328,16 @@ class Sampler:
         return pen
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.penalized
+
+
 def speculable(p: SamplingParams) -> bool:
     """Whether a request's replies may be drafted and verified (issue 34): greedy or
     sampled decoding, with or without penalties (the repetition penalty, presence and
-    frequency: a verification row's position j is penalized after the last stage's own
-    picks at 0..j-1, which are the tokens before it wherever its pick is used, and the
-    picks past the accepted ones are rolled back). Not with logprobs (each token would
+    frequency: a verification row's position j is penalized after the draft's tokens at
+    0..j-1, which are the tokens before it wherever its pick is used, and the picks past
+    the accepted ones are rolled back). Not with logprobs (each token would
     need its own) or a grammar (json_schema: response_format, forced tool calls: the mask
     moves with every token)."""
     return not p.logprobs and p.json_schema is None

@@ -385,7 +385,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         drafts = await self._drafts([r.seq for r in step_rows if not r.new])
         if epoch != self.recovery.epoch:
             return  # a stage left while the draft model drafted: its sequences are replayed
-        drafted = 0
+        drafted, checked = 0, {}
         for r in step_rows:
             s = r.seq
             if r.new:
@@ -406,6 +406,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                     inputs.extend(s.draft)
                     n = s.in_flight = 1 + len(s.draft)
                     drafted += len(s.draft)
+                    checked[s.id] = list(s.draft)
             keep.append(n if s.draft else 1)
             rows.append([s.id, r.pos, n])
         if not rows:
@@ -434,12 +435,15 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 if decode:
                     self.link.sched.decode_compute_finished(t1)
                 kind = "decode" if decode else "prefill"
-                frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, {"rows": rows, "new": new}, out,
+                meta = {"rows": rows, "new": new}
+                if checked:  # the last stage penalizes each position after the draft before it
+                    meta["drafts"] = {str(k): v for k, v in checked.items()}
+                frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, meta, out,
                                     q8=self._q8(kind, out, t1 - t0), to_host=self._to_host)
                 self.link.submit(frame, kind)
                 self._draft_on(g, [r.seq for r in step_rows if not r.new], [r.seq for r in step_rows if r.new])
             else:
-                entries = await self._run(self._local_last, batch, x, new, forks)
+                entries = await self._run(self._local_last, batch, x, new, forks, checked)
                 if epoch != self.recovery.epoch:
                     return
                 self._on_tokens(g.id, g.step, entries, [])
@@ -498,7 +502,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         """Sequences the pipeline holds now (admitted, not finished), all micro-batches."""
         return sum(1 for g in self.groups for s in g.seqs if not s.done)
 
-    def _local_last(self, batch, x, new, forks):
+    def _local_last(self, batch, x, new, forks, drafts):
         if self.sampler.grammars is None:   # loads nothing until a request has a schema
             self.sampler.grammars = Grammars(lambda: self.tokenizer, self.stage0.vocab_size)
         self.sampler.open_new(new, self.stage0.vocab_size)
@@ -507,7 +511,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             for c in children:
                 self.stage0.fork(parent, c)
         positions = [st + n - k + 1 for st, n, k in zip(batch.starts, batch.ns, batch.kept)]
-        return self.sampler.step(batch.seq_ids, logits, forks, batch.keep, positions)
+        return self.sampler.step(batch.seq_ids, logits, forks, batch.keep, positions, drafts)
 
 
 def _eos_ids(cfg, tokenizer, source) -> set[int]:

@@ -13,6 +13,7 @@ import asyncio
 from websockets.asyncio.client import connect
 
 from engine.wire import frames
+from engine.wire.keepalive import HeartbeatConnection
 from engine.wire.sealed_socket import SealedSocket
 from engine.wire.stage_auth import HelloOpener, split_address
 
@@ -47,7 +48,9 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        #     friend_hop.py), which an older host takes for a bad frame and
                        #     closes the friend's tunnel over: mixed versions are refused at
                        #     the stage's hello, with a reason, instead
-PROTOCOL_VERSION = 19
+                       # 20: a verification step's frame carries its drafts, which the last
+                       #     stage penalizes each position after (one batched draw)
+PROTOCOL_VERSION = 20
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head
@@ -73,9 +76,12 @@ PROOF_QUEUE = 4
 # seconds: nothing the weak-link scheduler's measurements can see. The side that
 # accepts stays lenient (above): a stage only frees its memory when its head goes quiet.
 # (A closing handshake with a peer that no longer answers is cut short too: it would
-# otherwise hold the news of the loss for websockets' default 10 s.)
+# otherwise hold the news of the loss for websockets' default 10 s.) The silence is
+# counted in time this process ran (engine/core/heartbeat.py): a head whose own loop
+# was held must not give up on every stage at once.
 HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 2.0, 5.0
-CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEARTBEAT_TIMEOUT_S, close_timeout=1.0)
+CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEARTBEAT_TIMEOUT_S, close_timeout=1.0,
+                         create_connection=HeartbeatConnection)
 
 
 async def connect_stage(address: str, role: str, pipeline: str, key: str = "", timeout: float = 30.0):

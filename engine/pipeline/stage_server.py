@@ -656,7 +656,8 @@ class StageServer:
             part = out[o: o + width]
             o += width
             if stage.last:
-                meta = {"tokens": self.sampler.step(ids, part, None, step_rows.keep(f), step_rows.positions(f))}
+                meta = {"tokens": self.sampler.step(ids, part, None, step_rows.keep(f), step_rows.positions(f),
+                                                    step_rows.drafts(f))}
                 results.append(("head", frames.encode(frames.FrameType.TOKENS, f.micro_batch, f.step, meta)))
             else:
                 q8 = self.compress == "all"
@@ -696,7 +697,8 @@ class StageServer:
         if stage.last and frame.meta.get("partial"):
             return None  # a prompt chunk: nothing to sample yet
         if stage.last:
-            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks, batch.keep, step_rows.positions(frame))}
+            meta = {"tokens": self.sampler.step(batch.seq_ids, out, forks, batch.keep, step_rows.positions(frame),
+                                                step_rows.drafts(frame))}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         kind = "decode" if step_rows.is_decode(frame) else "prefill"
         bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
@@ -734,7 +736,7 @@ class StageServer:
             sub = {**frame.meta, "rows": good}
             good_frame = frames.Frame(frame.type, frame.micro_batch, frame.step, sub, None)
             entries = self.sampler.step(ids, torch.cat(outs), forks, step_rows.keep(good_frame),
-                                        step_rows.positions(good_frame)) if outs else []
+                                        step_rows.positions(good_frame), step_rows.drafts(frame)) if outs else []
             meta = {"tokens": entries, "errors": failed}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         out = []
@@ -746,8 +748,9 @@ class StageServer:
             return out
         keep = {str(s) for s in ids}
         meta = {**frame.meta, "rows": good}
-        if "new" in meta:
-            meta["new"] = {k: v for k, v in meta["new"].items() if k in keep}
+        for part in ("new", "drafts"):
+            if part in meta:
+                meta[part] = {k: v for k, v in meta[part].items() if k in keep}
         kind = "decode" if step_rows.is_decode(frame) else "prefill"
         return out + [("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step, meta,
                                              torch.cat(outs)), kind)]

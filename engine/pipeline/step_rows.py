@@ -31,6 +31,12 @@ def keep(frame: frames.Frame) -> list[int] | None:
     return rows if any(k > 1 for k in rows) else None
 
 
+def drafts(frame: frames.Frame) -> dict[int, list[int]]:
+    """The drafted tokens of the step's verification rows: the last stage penalizes each
+    position after the draft's tokens before it (engine/model/sampler.py)."""
+    return {int(k): v for k, v in frame.meta.get("drafts", {}).items()}
+
+
 def positions(frame: frames.Frame) -> list[int]:
     """The position of the (first) token each row draws: a verification row draws one
     after each of its tokens, any other row after its last."""

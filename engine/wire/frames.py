@@ -185,7 +185,7 @@ def _is_logprob(v) -> bool:
 def _check_meta(f: Frame) -> None:
     m = f.meta
     if f.type == FrameType.ACTIVATIONS:
-        allowed = {"rows", "new", "partial"}
+        allowed = {"rows", "new", "partial", "drafts"}
         if set(m) - allowed or "rows" not in m:
             raise FrameError(f"activation metadata must have keys {sorted(allowed)}")
         if not isinstance(m.get("partial", False), bool):
@@ -207,6 +207,16 @@ def _check_meta(f: Frame) -> None:
         new = m.get("new", {})
         if not isinstance(new, dict) or len(new) > MAX_ROWS:
             raise FrameError("new must be an object")
+        # drafts: a verification row's drafted tokens (speculative decoding), n - 1 of them
+        drafts = m.get("drafts", {})
+        if not isinstance(drafts, dict) or (drafts and m.get("partial")):
+            raise FrameError("drafts must be an object, and a prompt chunk has none")
+        sizes = {r[0]: r[2] for r in rows}
+        for k, d in drafts.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 16) or int(k) not in seen or k in new:
+                raise FrameError(f"draft for {k!r}, which this step does not verify")
+            if not (isinstance(d, list) and len(d) == sizes[int(k)] - 1 > 0 and all(_is_uint(t, 2**31) for t in d)):
+                raise FrameError("a draft must list the row's n - 1 drafted token ids")
         forked = set()
         for k, v in new.items():
             # isascii: int() rejects some str.isdigit() characters ('²'); len: 2**53 has 16 digits

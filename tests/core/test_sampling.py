@@ -551,11 +551,17 @@ def _state(s: Sampler, sid: int):
     return list(s._history.get(sid, [])), dict(s._counts.get(sid) or {}), s._pos[sid]
 
 
+def _draft(want: list[int], accepted: int, n: int) -> list[int]:
+    """A draft of n tokens whose first `accepted` are plain decoding's, the rest wrong."""
+    return [want[i] if i < accepted else (want[i] + 1) % 12 for i in range(n)]
+
+
 @pytest.mark.parametrize("params", PENALIZED, ids=["rep", "presence+frequency", "chat", "all"])
 def test_a_penalized_verification_row_draws_what_plain_decoding_would_and_rolls_back(params):
-    """A verification row's picks are plain decoding's after each prefix of the row's own
-    picks; the next step's position rolls the rejected ones out of the history and the
-    counts, leaving exactly plain decoding's state after the accepted tokens + the bonus."""
+    """A verification row's picks are plain decoding's after each prefix of its draft
+    (wherever the draft held so far, which is where a pick is used); the next step's
+    position rolls the rejected ones out of the history and the counts, leaving exactly
+    plain decoding's state after the accepted tokens + the bonus."""
     prompt = [0, 1, 2, 0, 5]
     rows = _peaky(40, 3)
     plain = Sampler()
@@ -566,9 +572,10 @@ def test_a_penalized_verification_row_draws_what_plain_decoding_would_and_rolls_
     for accepted in (0, 2, 4):   # of a draft of 4: 0, 2 or all 4 accepted (picks kept: + 1)
         spec = Sampler()
         spec.open(1, params, prompt)
-        got = [e[1] for e in spec.step([1], rows[0:5], keep=[5], positions=[5])]
-        assert got == want[:5]
+        got = [e[1] for e in spec.step([1], rows[0:5], keep=[5], positions=[5],
+                                       drafts={1: _draft(want, accepted, 4)})]
         kept = accepted + 1
+        assert got[:kept] == want[:kept]     # the picks the head uses: plain decoding's
         # the next step (a plain row at the position after the kept picks) rolls back the rest
         nxt = spec.step([1], rows[kept:kept + 1], positions=[5 + kept])[0][1]
         assert nxt == want[kept]
@@ -579,7 +586,8 @@ def test_a_penalized_verification_row_draws_what_plain_decoding_would_and_rolls_
         assert _state(spec, 1) == _state(ref, 1)
         # and another verification row from there agrees too
         start = kept + 1
-        got = [e[1] for e in spec.step([1], rows[start:start + 4], keep=[4], positions=[5 + start])]
+        got = [e[1] for e in spec.step([1], rows[start:start + 4], keep=[4], positions=[5 + start],
+                                       drafts={1: want[start:start + 3]})]
         assert got == want[start:start + 4]
 
 
@@ -594,8 +602,9 @@ def test_a_penalized_verification_rolls_back_after_another_verification_and_a_re
     spec = Sampler()
     spec.open(7, params, prompt)
     # two verification steps in a row: 1 of 3 drafted accepted (2 kept), then all of 3
-    assert [e[1] for e in spec.step([7], rows[0:4], keep=[4], positions=[3])] == want[:4]
-    assert [e[1] for e in spec.step([7], rows[2:6], keep=[4], positions=[5])] == want[2:6]
+    got = [e[1] for e in spec.step([7], rows[0:4], keep=[4], positions=[3], drafts={7: _draft(want, 1, 3)})]
+    assert got[:2] == want[:2]
+    assert [e[1] for e in spec.step([7], rows[2:6], keep=[4], positions=[5], drafts={7: want[2:5]})] == want[2:6]
     assert [e[1] for e in spec.step([7], rows[6:7], positions=[9])] == [want[6]]
     ref = Sampler()
     ref.open(7, params, prompt)
@@ -606,4 +615,47 @@ def test_a_penalized_verification_rolls_back_after_another_verification_and_a_re
     replayed = Sampler()
     replayed.open(7, params, prompt + want[:7], replayed=7)
     assert _state(replayed, 7) == _state(ref, 7)
-    assert [e[1] for e in replayed.step([7], rows[7:10], keep=[3], positions=[10])] == want[7:10]
+    assert [e[1] for e in replayed.step([7], rows[7:10], keep=[3], positions=[10], drafts={7: want[7:9]})] \
+        == want[7:10]
+
+
+def test_a_steps_verification_rows_are_drawn_together_and_as_each_alone(monkeypatch):
+    """Two penalized verification rows and a plain row: one draw for both verification
+    rows (one read of the picks, not one per position), and each row's picks are what it
+    draws alone."""
+    import engine.model.sampler as sampler_mod
+
+    prompts = {1: [0, 1, 2, 0, 5], 2: [3, 4, 3], 3: [7, 7]}
+    params = {1: PENALIZED[2], 2: PENALIZED[3], 3: SamplingParams(temperature=0.9, seed=4)}
+    rows = _peaky(12, 5)
+    drafts = {1: [0, 2, 1, 0], 2: [1, 1]}
+
+    def opened():
+        s = Sampler()
+        for sid in prompts:
+            s.open(sid, params[sid], prompts[sid])
+        return s
+
+    alone = opened()
+    want = [e[1] for e in alone.step([1], rows[0:5], keep=[5], drafts={1: drafts[1]})]
+    want += [e[1] for e in alone.step([2], rows[5:8], keep=[3], drafts={2: drafts[2]})]
+    want += [e[1] for e in alone.step([3], rows[8:9])]
+    calls = []
+    real = sampler_mod.draw
+    monkeypatch.setattr(sampler_mod, "draw", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    together = opened()
+    got = together.step([1, 2, 3], rows[0:9], keep=[5, 3, 1], drafts=drafts)
+    assert sorted(calls) == [1, 8]       # the plain row's own draw, and one for 5 + 3 positions
+    assert [e[1] for e in got if e[0] == 1] == want[0:5]
+    assert [e[1] for e in got if e[0] == 2] == want[5:8]
+    assert [e[1] for e in got if e[0] == 3] == want[8:9]
+    assert {sid: _state(together, sid) for sid in prompts} == {sid: _state(alone, sid) for sid in prompts}
+
+
+def test_a_penalized_verification_row_without_its_draft_is_refused():
+    s = Sampler()
+    s.open(1, PENALIZED[0], [1, 2])
+    with pytest.raises(ValueError, match="drafted tokens"):
+        s.step([1], torch.zeros(3, 12), keep=[3], positions=[2])
+    with pytest.raises(ValueError, match="drafted tokens"):
+        s.step([1], torch.zeros(3, 12), keep=[3], positions=[2], drafts={1: [4]})

@@ -130,6 +130,27 @@ def test_a_row_draws_the_same_alone_and_in_any_batch():
     assert draw(x[perm], [shapes[i] for i in perm]).tolist() == [together[i] for i in perm]
 
 
+def test_a_batch_larger_than_a_cpu_block_draws_as_its_rows_alone():
+    """A CPU draws CPU_BLOCK_ROWS rows at a time (cache-sized); the penalties still land
+    on their own rows, a block of only ranked rows (the chat's defaults) included."""
+    from engine.model.draw import CPU_BLOCK_ROWS
+
+    n, V = 2 * CPU_BLOCK_ROWS + 8, 200
+    x = rows_of("peaked", n, V, 9)
+    rng = random.Random(4)
+    shapes = [Shape(greedy=False, temperature=0.7, top_p=0.9, uniform=rng.random())
+              if CPU_BLOCK_ROWS <= i < 2 * CPU_BLOCK_ROWS else
+              Shape(greedy=i % 7 == 0, uniform=rng.random(), **SETTINGS[i % len(SETTINGS)]) for i in range(n)]
+    rows = [3, CPU_BLOCK_ROWS + 2, n - 1]
+    top = x.argmax(-1)
+    pen = Penalties(rows, [int(top[r]) for r in rows], [3.0] * 3, rows, [int(top[r]) for r in rows], [2.0] * 3)
+    together = draw(x, shapes, pen).tolist()
+    alone = [draw(x[i:i + 1], [shapes[i]], Penalties([0], [int(top[i])], [3.0], [0], [int(top[i])], [2.0])
+                  if i in rows else None).item() for i in range(n)]
+    assert together == alone
+    assert draw(x, shapes).tolist() != together     # the penalties did move some rows
+
+
 def test_the_uniform_decides_and_covers_the_distribution():
     """Uniforms across [0, 1) reach every token of the nucleus in proportion: the draw is
     a real sample, not a fixed pick."""

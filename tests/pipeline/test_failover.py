@@ -175,6 +175,35 @@ async def test_a_frozen_stage_is_noticed_by_its_heartbeats():
     assert left["t"] - head.delivered[0] < HEARTBEAT_S + HEARTBEAT_TIMEOUT_S + 3
 
 
+async def test_a_head_held_past_its_heartbeat_keeps_its_stages():
+    """The head's own process stalls (a laptop swapping, a debugger) longer than the
+    heartbeat's timeout while a ping is outstanding: the stage answered meanwhile, so
+    nobody is lost and the next reply comes from the same three stages."""
+    import threading
+
+    from engine.pipeline.stage_protocol import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
+
+    pipe = await launch(pipeline_config())
+    head = pipe.head
+    stage = pipe.local.procs[0].pid
+    try:
+        before = await replies(head, [(PROMPTS[0], params(False, 0))])
+        # stage 0 slow to answer for a moment, so that a ping to it is outstanding...
+        os.kill(stage, signal.SIGSTOP)
+        await asyncio.sleep(HEARTBEAT_S + 0.5)
+        threading.Timer(0.5, os.kill, (stage, signal.SIGCONT)).start()
+        # ...when the head's loop is held past the timeout (its answer waits in the socket)
+        time.sleep(HEARTBEAT_TIMEOUT_S + 1.0)
+        await asyncio.sleep(0.5)
+        assert [e["event"] for e in head.info()["events"] if e["event"] in ("left", "recovered")] == []
+        assert await replies(head, [(PROMPTS[0], params(False, 0))]) == before
+        assert head.n_stages == 3 and head.error is None
+        assert len(await all_freed(head)) == 3
+    finally:
+        os.kill(stage, signal.SIGCONT)
+        await pipe.close()
+
+
 async def test_a_stage_stopped_gracefully_hands_over_mid_reply():
     # SIGTERM: the stage says "leaving", the head moves its layers at once and lets it go
     head, reference, got, _, _ = await interrupted(False, [(12, 0, signal.SIGTERM)])

@@ -231,6 +231,19 @@ def test_deeply_nested_meta_is_a_frame_error():
     ({"rows": [[0, 0, 2]], "new": {"0": {"sampling": {}, "prompt": [1.5]}}}, "prompt"),
     ({"rows": [[0, 0, 2]], "new": {"0": {"sampling": {}, "prompt": [True]}}}, "prompt"),
     ({"rows": [[0, 0, 2]], "new": {"0": {"sampling": {}, "prompt": "1 2"}}}, "prompt"),
+    # a verification row's draft: n - 1 token ids, for a row of this step that is not new
+    ({"rows": [[0, 0, 2]], "drafts": []}, "drafts must be an object"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": [5]}, "partial": True}, "a prompt chunk has none"),
+    ({"rows": [[0, 0, 2]], "drafts": {"1": [5]}}, "does not verify"),
+    ({"rows": [[0, 0, 2]], "drafts": {"x": [5]}}, "does not verify"),
+    ({"rows": [[0, 0, 2]], "drafts": {"9" * 5000: [5]}}, "does not verify"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": [5]}, "new": {"0": {"sampling": {}, "prompt": [1]}}}, "does not verify"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": [5, 6]}}, "n - 1 drafted"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": []}}, "n - 1 drafted"),
+    ({"rows": [[0, 0, 1], [1, 0, 1]], "drafts": {"0": []}}, "n - 1 drafted"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": [2**31]}}, "n - 1 drafted"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": [True]}}, "n - 1 drafted"),
+    ({"rows": [[0, 0, 2]], "drafts": {"0": "5"}}, "n - 1 drafted"),
 ])
 def test_activation_meta_violations(meta, match):
     rejects(raw_frame(meta=meta, dims=(2, 3)), match)
@@ -240,6 +253,8 @@ def test_activation_meta_valid_edges():
     ok = decode(raw_frame(meta={"rows": [[2**53 - 1, 2**53 - 1, 2]], "partial": False,
                                 "new": {str(2**53 - 1): {"sampling": {}, "prompt": [0, 2**31 - 1]}}}))
     assert ok.meta["rows"][0][0] == 2**53 - 1
+    ok = decode(raw_frame(meta={"rows": [[7, 30, 2]], "drafts": {"7": [2**31 - 1]}}))
+    assert ok.meta["drafts"] == {"7": [2**31 - 1]}
 
 
 def test_activation_needs_2d_tensor():
