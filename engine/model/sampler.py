@@ -309,12 +309,18 @@ class Sampler:
         history, presence and frequency on each token generated; before[i]: tokens row i
         is drawn after beyond its sequence's record (a verification row's draft)."""
         pen = Penalties.none()
+        distinct: dict[int, tuple[list[int], set[int]]] = {}   # a verification row's positions share one
         for i, sid in enumerate(seq_ids):
             p = self._params[sid]
             more = before[i] if before else ()
             hist = self._history.get(sid)
             if p.repetition_penalty != 1.0 and (hist or more):
-                toks = sorted(set(hist or ()).union(more))
+                if sid not in distinct:
+                    seen = set(hist or ())
+                    distinct[sid] = (list(seen), seen)
+                toks, seen = distinct[sid]
+                if more:
+                    toks = toks + [t for t in dict.fromkeys(more) if t not in seen]
                 pen.rep_rows += [i] * len(toks)
                 pen.rep_tokens += toks
                 pen.rep_factor += [p.repetition_penalty] * len(toks)
