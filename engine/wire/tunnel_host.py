@@ -25,6 +25,7 @@ from engine.wire import stage_auth
 from engine.wire.identity import Identity, node_id
 from engine.wire.relay_auth import prove, relay_refusal
 from engine.wire.invite import HostState, InviteError, Reply, udp_addresses
+from engine.wire.keepalive import HeartbeatConnection
 from engine.wire.noise import NoiseError, Responder
 from engine.wire.punch import punch_key
 from engine.wire.tunnel_routes import _first_to_connect
@@ -301,7 +302,9 @@ class TunnelHost:
         url = f"{self.relay_url}/v1/host/{self._relay_listing()}"
         while True:
             try:
-                async with connect(url, open_timeout=CONNECT_TIMEOUT, max_size=4096, ping_interval=20) as ctl:
+                # (a host whose own loop was held keeps its listing: keepalive.py)
+                async with connect(url, open_timeout=CONNECT_TIMEOUT, max_size=4096, ping_interval=20,
+                                   create_connection=HeartbeatConnection) as ctl:
                     # listed once we prove we hold the key our invites name (relay_auth.py)
                     challenge = json.loads(await asyncio.wait_for(ctl.recv(), CONNECT_TIMEOUT))
                     await ctl.send(json.dumps(prove(self.identity.private, self.pipeline.hex(), challenge)))
