@@ -186,6 +186,8 @@ class Sampler:
             draft = drafts.get(sid)
             if _penalized(p) and (draft is None or len(draft) != k - 1):
                 raise ValueError(f"sequence {sid}: a penalized verification row needs its {k - 1} drafted tokens")
+            if draft and max(draft) >= logits.shape[1]:   # an index on the device: checked here
+                raise ValueError(f"sequence {sid}: drafted token ids outside the vocabulary")
             pos = self._pos[sid]
             for j in range(k):
                 rows.append(o + j)

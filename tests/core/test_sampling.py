@@ -659,3 +659,7 @@ def test_a_penalized_verification_row_without_its_draft_is_refused():
         s.step([1], torch.zeros(3, 12), keep=[3], positions=[2])
     with pytest.raises(ValueError, match="drafted tokens"):
         s.step([1], torch.zeros(3, 12), keep=[3], positions=[2], drafts={1: [4]})
+    # the frame checks a draft's ids against 2**31; the vocabulary is the sampler's to check
+    # (an index on the device, where an out-of-range one is no clean error)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.step([1], torch.zeros(3, 12), keep=[3], positions=[2], drafts={1: [4, 12]})

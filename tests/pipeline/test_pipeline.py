@@ -498,6 +498,34 @@ async def test_silent_connection_times_out(inproc_stage, monkeypatch):
     assert server.rejected_frames == 1
 
 
+async def test_a_step_that_fails_unexpectedly_ends_its_replies_and_the_stage_serves_on(inproc_stage, tiny_folder):
+    """An exception nothing checked for (here an IndexError from the last stage's draw)
+    ends that step's replies with the reason; the stage's lane goes on serving. Before,
+    the lane's task died with it and every later reply through the stage hung."""
+    server, addr = inproc_stage
+    folder, _ = tiny_folder("llama", seed=0)
+    head = await start_head(resolve(str(folder)), [addr])
+    head.eos_ids = set()
+    try:
+        real, doomed = server.sampler.step, []
+
+        def step(seq_ids, *args, **kw):
+            if any(s in doomed for s in seq_ids):
+                raise IndexError("index 70000 is out of bounds for dimension 1 with size 256")
+            return real(seq_ids, *args, **kw)
+
+        server.sampler.step = step
+        bad = head.submit(list(range(5, 15)), greedy(6))
+        doomed.append(bad.seq.id)
+        _, _, done = await asyncio.wait_for(collect(bad), 60)
+        assert done.finish_reason == "error" and "out of bounds" in done.error
+        toks, _, done = await asyncio.wait_for(collect(head.submit(list(range(5, 15)), greedy(6))), 60)
+        assert done.error is None and len(toks) == 6
+        await wait_freed(head)
+    finally:
+        await head.close()
+
+
 async def test_a_leaving_stage_hands_its_layers_over_before_it_goes(inproc_stage, tiny_folder):
     """The owner takes a stage back ("leaving"): the head moves its layers (here: to the
     head alone) and lets it go within the deadline; the reply in flight goes on, token for
