@@ -456,12 +456,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 # rearrangement replays them, so this step's failure is moot
                 log.info("a step of an earlier arrangement failed: %r", exc)
                 return
-            if isinstance(exc, (ValueError, RuntimeError)):
-                log.warning("step failed on the head: %s", exc)
-            else:
-                # nothing checked for it (a bug): its replies end with the reason, and the
-                # pipeline goes on; raised, it left the micro-batch in flight for good
-                log.exception("a step failed unexpectedly on the head")
+            if not isinstance(exc, (ValueError, RuntimeError)):
+                raise
+            log.warning("step failed on the head: %s", exc)
             why = step_failure(exc, self.device)
             self._on_tokens(g.id, g.step, [], [[s, why] for s in batch.seq_ids])
 
