@@ -582,11 +582,10 @@ class StageServer:
             try:
                 outs = await loop.run_in_executor(executor, self._gated_compute, batch, cut_in)
             except Exception as exc:
-                # what nothing checked for (a bug, input no check foresaw): those rows fail
-                # with a reason and the lane goes on; before, the lane's task died, its
-                # inbox filled and every reply through this stage hung
+                # nothing checked for it (a bug): those rows fail with the reason and the lane
+                # goes on (its task died before: the inbox filled, every reply here hung)
                 log.exception("a step failed unexpectedly")
-                outs = [self._failed(f, exc) for f in batch]
+                outs = [("head", step_rows.failed(f, step_failure(exc, str(self.device)))) for f in batch]
             if link is not None and decode:
                 link.sched.decode_compute_finished(time.monotonic())
             self._report_profile()
@@ -696,7 +695,7 @@ class StageServer:
             if isinstance(exc, torch.OutOfMemoryError) and len(rows) > 1:
                 return self._compute_rows(frame, exc)    # again, one sequence at a time
             log.warning("step failed: %s", exc)
-            return self._failed(frame, exc)
+            return ("head", step_rows.failed(frame, step_failure(exc, str(self.device))))
         if stage.last and frame.meta.get("partial"):
             return None  # a prompt chunk: nothing to sample yet
         if stage.last:
@@ -704,19 +703,11 @@ class StageServer:
                                                 step_rows.drafts(frame))}
             return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, frame.step, meta))
         kind = "decode" if step_rows.is_decode(frame) else "prefill"
-        bandwidth = self._link.sched.link.bandwidth if self._link is not None else float("inf")
+        link = self._link   # read once: the event loop may drop it meanwhile (a new arrangement)
+        bandwidth = link.sched.link.bandwidth if link is not None else float("inf")
         q8 = should_compress(self.compress, kind, out.numel() * out.element_size(), bandwidth, compute_seconds)
         return ("next", frames.encode(frames.FrameType.ACTIVATIONS, frame.micro_batch, frame.step,
                                     frame.meta, out, q8=q8, to_host=self._to_host), kind)
-
-    def _failed(self, frame: frames.Frame, exc: BaseException):
-        """The head's answer to a step that failed: an error for each of its sequences
-        (the head ends their replies with it and frees them everywhere)."""
-        why = step_failure(exc, str(self.device))
-        meta = {"tokens": [], "errors": [[r[0], why] for r in frame.meta["rows"]]}
-        # step 0 tells the head this came from a prompt chunk, not its micro-batch's step
-        step = 0 if frame.meta.get("partial") else frame.step
-        return ("head", frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta))
 
     def _compute_rows(self, frame: frames.Frame, first: BaseException):
         """A step that ran out of memory, again one sequence at a time: those that fit go

@@ -48,3 +48,12 @@ def is_decode(frame: frames.Frame) -> bool:
     # token: sent as decode it could overtake that sequence's own queued prompt chunks.
     # A verification step (rows of a few tokens: speculative decoding) is a decode step.
     return not frame.meta.get("partial") and not frame.meta.get("new")
+
+
+def failed(frame: frames.Frame, why: str) -> bytes:
+    """The head's answer to a step that failed: `why` for each of its sequences (the head
+    ends their replies with it and frees them everywhere). Step 0 tells the head it came
+    from a prompt chunk, not its micro-batch's step."""
+    meta = {"tokens": [], "errors": [[r[0], why] for r in frame.meta["rows"]]}
+    step = 0 if frame.meta.get("partial") else frame.step
+    return frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta)

@@ -79,12 +79,14 @@ async def test_runtime_rate_and_delay_changes():
         link.set_delay(0.010)
         await ping()                     # bytes already on the wire keep their delay
         assert 0.020 <= statistics.median([await ping() for _ in range(3)]) < 0.020 + DELAY_SLACK
-        # 2 MB echoed = 2 MB each way, serialized concurrently: ~ size*8/rate + 2*delay
+        # 2 MB echoed = 2 MB each way, serialized concurrently: ~ size*8/rate + 2*delay.
+        # The best of a few: a loaded machine only adds time (CI's full run once took 0.33 s
+        # for 0.2 s of shaping at 80 Mbit/s); the shaping is what sets the floor
         size = 2_000_000
-        t = await ping(size)
+        t = min([await ping(size) for _ in range(2)])
         assert near(t - 0.020, size * 8 / 20e6), t
         link.set_rate(80e6)
-        t = await ping(size)
+        t = min([await ping(size) for _ in range(3)])
         assert near(t - 0.020, size * 8 / 80e6), t
         w.close()
     finally:
