@@ -109,14 +109,14 @@ def draw(logits: torch.Tensor, shapes: list[Shape], pen: Penalties | None = None
 def _draw_rows(x: torch.Tensor, shapes: list[Shape], candidates: int) -> torch.Tensor:
     B = x.shape[0]
     dev = x.device
+    if all(s.ranked for s in shapes):   # the chat's defaults: every row (no copy of them to make)
+        return _draw_ranked(x, shapes, candidates)
     if any(s.greedy for s in shapes):
         out = x.argmax(-1)  # the greedy rows' answer; the others are overwritten below
     else:
         out = torch.empty(B, dtype=torch.long, device=dev)
     plain = [i for i, s in enumerate(shapes) if not s.greedy and not s.ranked]
     ranked = [i for i, s in enumerate(shapes) if s.ranked]
-    if len(ranked) == B:   # the chat's defaults: every row (no copy of them to make)
-        return _draw_ranked(x, shapes, candidates)
     if plain:
         idx = torch.tensor(plain, dtype=torch.long).to(dev, non_blocking=True)
         out.index_copy_(0, idx, _draw_plain(x.index_select(0, idx), [shapes[i] for i in plain]))

@@ -1,6 +1,7 @@
 """What a step frame's header says about its rows, for the stage that computes it:
 which sequences it forks, which positions' logits the last stage keeps and draws from,
-and whether it is a decode step (which may overtake prompt chunks). Pure."""
+and whether it is a decode step (which may overtake prompt chunks); and the answer
+to a step that failed. Pure."""
 
 from __future__ import annotations
 
