@@ -259,11 +259,12 @@ async def test_a_stage_lost_while_a_machine_loads_ahead_is_dealt_with_first(tiny
         head.offer(f"ws://127.0.0.1:{b.port}")
         await until(lambda: calls, timeout=30)
         await a.close("switched off", wait_s=10)
-        # dealt with while the machine is still loading (its load waits for the gate)
-        await until(lambda: last_event(head) == "recovered", timeout=60)
+        # dealt with while the machine is still loading (its load waits for the gate); the
+        # watch may ask it again at once, and its second load waits behind the first
+        kinds = lambda: [e["event"] for e in head.info()["events"]]
+        await until(lambda: "recovered" in kinds(), timeout=60)
         assert not gate.is_set() and head.n_stages == 1
-        kinds = [e["event"] for e in head.info()["events"]]
-        assert kinds == ["joined", "left", "recovered"], kinds
+        assert kinds()[:3] == ["joined", "left", "recovered"] and kinds()[3:] in ([], ["joined"]), kinds()
         toks, done = await asyncio.wait_for(tokens(handle), 120)
         assert done.error is None and toks == reference
         gate.set()   # the machine finishes; the head asks it again and takes it in
