@@ -349,10 +349,13 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             self.refresh_own_profile()
             self.sched.retune(now, self.profiles, self.link.sched.link if self.link is not None else None)
         for g in self.sched.schedule():
-            asyncio.ensure_future(self._launch(g))
+            asyncio.ensure_future(self._launch(g, self.recovery.epoch))
 
-    async def _launch(self, g: Group):
-        epoch = self.recovery.epoch
+    async def _launch(self, g: Group, epoch: int):
+        # the step belongs to the arrangement it was scheduled in: a rearrangement that began
+        # before this task first ran has let that one's links go and replays its sequences
+        if epoch != self.recovery.epoch:
+            return
         try:
             for s in list(g.seqs):
                 if not s.opened and not s.done:

@@ -280,6 +280,40 @@ async def test_a_stage_lost_while_a_machine_loads_ahead_is_dealt_with_first(tiny
         await b.close()
 
 
+async def test_a_step_scheduled_just_before_a_take_in_begins_is_replayed_not_lost(tiny_folder, caplog):
+    """The watch starts a take-in while the pipeline serves, and in the same turn a step is
+    scheduled. The take-in's rearrangement lets the old links go before that step's task
+    first runs: the step belongs to the arrangement it was scheduled in and stands down
+    (it used to read the new one's epoch, find no link, and die with an AttributeError
+    nobody retrieved). Here the watch's own calls, in that order, on a real pipeline."""
+    import time as clock
+
+    from engine.model.sources import resolve
+    from engine.pipeline.head import RemoteStage
+
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}"])
+    try:
+        reference, _ = await tokens(ask(head, 40))
+        r = RemoteStage(head._remember(f"ws://127.0.0.1:{b.port}"))
+        head.recovery.offer(r.address, clock.monotonic())
+        await head._hello(r, attempts=1, timeout=10)
+        head.recovery.came(r.address, clock.monotonic(), ahead=False)
+        handle = ask(head, 40)   # its step is scheduled on the loop's next turn: after this
+        head._recovery = asyncio.ensure_future(head._recover_or_fail(head._take_in(r, False)))
+        toks, done = await asyncio.wait_for(tokens(handle), 120)
+        assert done.error is None and toks == reference
+        await until(lambda: last_event(head) == "rejoined", timeout=60)
+        assert head.n_stages == 3
+        assert "never retrieved" not in caplog.text and "AttributeError" not in caplog.text
+    finally:
+        await head.close()
+        await a.close()
+        await b.close()
+
+
 def test_a_serving_stage_loads_beside_only_what_fits_and_what_it_lacks(tiny_folder):
     import pytest
     import torch
