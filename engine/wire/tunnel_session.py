@@ -18,6 +18,7 @@ from collections import deque
 
 from websockets.exceptions import ConnectionClosed
 
+from engine.core.heartbeat import Silence
 from engine.wire.identity import node_id
 from engine.wire.noise import NoiseError, TransportCipher
 from engine.wire.punch import punch_key
@@ -222,11 +223,19 @@ class Session:
                 "mbit_s": recent * 8 / window / 1e6}
 
     async def _keepalive(self):
+        # the peer's silence counts only in time this process ran (engine/core/heartbeat.py):
+        # a loop held past DEAD_AFTER wakes to the peer's frames still unread, not to a
+        # tunnel it closes
+        heard = self.last_rx
+        silence = Silence(DEAD_AFTER, PING_INTERVAL, heard)
         first = True
         while not self.closed.is_set():
             await asyncio.sleep(0.0 if first else PING_INTERVAL)   # a round trip to show at once
             first = False
-            if time.monotonic() - self.last_rx > DEAD_AFTER:
+            if self.last_rx != heard:
+                heard = self.last_rx
+                silence = Silence(DEAD_AFTER, PING_INTERVAL, heard)
+            if silence.advance(time.monotonic()):
                 await self.close(f"no traffic from the peer for {DEAD_AFTER:g} s")
                 return
             try:

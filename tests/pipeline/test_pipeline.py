@@ -183,7 +183,9 @@ async def test_stages_sharing_cores_match_transformers(default_reference):
         assert done.error is None
         assert toks == await reference_generate(default_reference, prompts[3], max_new, head.eos_ids)
         if n >= 2:
-            assert head.cores.borrowed_steps > 0  # a lone prompt ran on more than its own core
+            # a lone prompt ran on more than its own core, unless other programs held the rest
+            # (under xdist, the other worker's processes are other programs)
+            assert head.cores.borrowed_steps > 0 or head.cores.usable < 2, head.cores.usable
         results = await asyncio.gather(*(collect(head.submit(p, greedy(max_new))) for p in prompts))
         for prompt, (toks, _, done) in zip(prompts, results):
             assert done.error is None
