@@ -46,7 +46,7 @@ def pipeline_config(**over):
 
 
 @pytest.fixture(scope="session")
-async def pipeline():
+async def shared_pipeline():
     from engine.pipeline.launch import launch
 
     pipe = await launch(pipeline_config())
@@ -58,12 +58,40 @@ async def pipeline():
         assert all(p.returncode is not None for p in procs), "a stage process outlived the session"
 
 
+# The session's loop runs only during async tests. Between them (a long file of plain
+# tests) the stage processes hear nothing from the head, and after their 60 s keepalive
+# they let it go, as they would a head that vanished; the head re-forms when its loop
+# runs again. A test that begins after such a pause waits for that first.
+IDLE_S = 30.0
+_last_used = [0.0]
+
+
+async def settled(head):
+    import asyncio
+    import time
+
+    from testkit.streams import until
+
+    if _last_used[0] and time.monotonic() - _last_used[0] > IDLE_S:
+        await asyncio.sleep(0.5)          # the closes waiting in the sockets are read
+        await until(lambda: not head.recovering, timeout=180)
+    return head
+
+
+@pytest.fixture
+async def pipeline(shared_pipeline):
+    import time
+
+    yield await settled(shared_pipeline)
+    _last_used[0] = time.monotonic()
+
+
 @pytest.fixture(scope="session")
-async def api_url(pipeline):
+async def api_url(shared_pipeline):
     from engine.pipeline.api import serve_api
 
     port = free_port()
-    runner = await serve_api(pipeline, "127.0.0.1", port)
+    runner = await serve_api(shared_pipeline, "127.0.0.1", port)
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -71,7 +99,7 @@ async def api_url(pipeline):
 
 
 @pytest.fixture
-async def client(api_url):
+async def client(api_url, pipeline):
     """The openai package's client on the session's API: what users' programs use."""
     from openai import AsyncOpenAI
 
