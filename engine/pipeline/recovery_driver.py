@@ -440,8 +440,23 @@ class RecoveryDriver:
             ahead = loading_ahead()
             log.warning("%s", self.recovery.came(r.address, time.monotonic(), ahead))
             self._disarm_spares()
-            self._recovery = asyncio.ensure_future(self._recover_or_fail(self._take_in(r, ahead)))
+            self._recovery = self._start_take_in(r, ahead)
             return  # _recover_or_fail starts a new watch if others are still away
+
+    def _start_take_in(self, r: RemoteStage, ahead: bool) -> asyncio.Task:
+        take_in = self._take_in(r, ahead)
+        task = asyncio.ensure_future(self._recover_or_fail(take_in))
+
+        def cancelled(t: asyncio.Task):
+            # a loss in the same turn cancels the take-in before it began, so its own
+            # except never ran: the machine's connection, left open, would hold its one
+            # head slot (the watch's next ask then waits out the machine's patience)
+            if t.cancelled():
+                take_in.close()
+                if r.ws is not None and getattr(r.ws, "close_code", None) is None:
+                    asyncio.ensure_future(r.ws.close())
+        task.add_done_callback(cancelled)
+        return task
 
     def _pipeline_failed(self, why: str):
         if not self.recovery.fail(why):

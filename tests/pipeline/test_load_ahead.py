@@ -302,7 +302,7 @@ async def test_a_step_scheduled_just_before_a_take_in_begins_is_replayed_not_los
         await head._hello(r, attempts=1, timeout=10)
         head.recovery.came(r.address, clock.monotonic(), ahead=False)
         handle = ask(head, 40)   # its step is scheduled on the loop's next turn: after this
-        head._recovery = asyncio.ensure_future(head._recover_or_fail(head._take_in(r, False)))
+        head._recovery = head._start_take_in(r, False)
         toks, done = await asyncio.wait_for(tokens(handle), 120)
         assert done.error is None and toks == reference
         await until(lambda: last_event(head) == "rejoined", timeout=60)
@@ -312,6 +312,43 @@ async def test_a_step_scheduled_just_before_a_take_in_begins_is_replayed_not_los
         await head.close()
         await a.close()
         await b.close()
+
+
+async def test_a_take_in_cancelled_before_it_began_lets_its_machine_go(tiny_folder, monkeypatch):
+    """The watch finds a machine and starts its take-in; in the same turn a stage is lost,
+    and the loss cancels the take-in before it first ran. The machine's control connection
+    is closed all the same (left open, it held the machine's one head slot, so the
+    watch's next ask waited out the machine's patience with a head gone quiet), and the
+    machine is taken in later."""
+    import time as clock
+
+    from engine.model.sources import resolve
+    from engine.pipeline.head import RemoteStage
+
+    import engine.pipeline.head as head_module
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    folder, _ = tiny_folder("llama", seed=0)
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    b = await StageServer("127.0.0.1", 0, threads=1).start()
+    c = await StageServer("127.0.0.1", 0, threads=1).start()
+    head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}", f"ws://127.0.0.1:{c.port}"])
+    try:
+        reference, _ = await tokens(ask(head, 40))
+        r = RemoteStage(head._remember(f"ws://127.0.0.1:{b.port}"))
+        head.recovery.offer(r.address, clock.monotonic())
+        await head._hello(r, attempts=1, timeout=10)
+        head.recovery.came(r.address, clock.monotonic(), ahead=True)
+        head._recovery = head._start_take_in(r, True)
+        head._stage_lost(2, "switched off", head.recovery.epoch)   # before the take-in's first step
+        await until(lambda: r.ws.close_code is not None, timeout=10)
+        await until(lambda: last_event(head) == "rejoined", timeout=60)
+        assert head.n_stages == 4 and f":{b.port}" in " ".join(x.address for x in head.remotes)   # c asked back
+        assert (await tokens(ask(head, 40)))[0] == reference
+    finally:
+        await head.close()
+        await a.close()
+        await b.close()
+        await c.close()
 
 
 def test_a_serving_stage_loads_beside_only_what_fits_and_what_it_lacks(tiny_folder):
