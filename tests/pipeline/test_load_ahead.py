@@ -39,6 +39,18 @@ def pace(monkeypatch, stage, seconds=0.05):
     monkeypatch.setattr(stage, "forward", paced)
 
 
+async def found_by_the_watch(head, server: StageServer, ahead: bool):
+    """What the head's watch does when `server`, offered, answers (_watch_loop), up to the
+    take-in it starts: the test starts it (head._start_take_in) where it wants the race."""
+    from engine.pipeline.head import RemoteStage
+
+    r = RemoteStage(head._remember(f"ws://127.0.0.1:{server.port}"))
+    head.recovery.offer(r.address, time.monotonic())
+    await head._hello(r, attempts=1, timeout=10)
+    head.recovery.came(r.address, time.monotonic(), ahead=ahead)
+    return r
+
+
 def held_back(server: StageServer, gate: asyncio.Event, times: int = 1):
     """The server's first `times` loads ahead wait for `gate` (a machine slow to read its layers)."""
     original, calls = server._prepare, []
@@ -286,10 +298,7 @@ async def test_a_step_scheduled_just_before_a_take_in_begins_is_replayed_not_los
     first runs: the step belongs to the arrangement it was scheduled in and stands down
     (it used to read the new one's epoch, find no link, and die with an AttributeError
     nobody retrieved). Here the watch's own calls, in that order, on a real pipeline."""
-    import time as clock
-
     from engine.model.sources import resolve
-    from engine.pipeline.head import RemoteStage
 
     folder, _ = tiny_folder("llama", seed=0)
     a = await StageServer("127.0.0.1", 0, threads=1).start()
@@ -297,10 +306,7 @@ async def test_a_step_scheduled_just_before_a_take_in_begins_is_replayed_not_los
     head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}"])
     try:
         reference, _ = await tokens(ask(head, 40))
-        r = RemoteStage(head._remember(f"ws://127.0.0.1:{b.port}"))
-        head.recovery.offer(r.address, clock.monotonic())
-        await head._hello(r, attempts=1, timeout=10)
-        head.recovery.came(r.address, clock.monotonic(), ahead=False)
+        r = await found_by_the_watch(head, b, ahead=False)
         handle = ask(head, 40)   # its step is scheduled on the loop's next turn: after this
         head._recovery = head._start_take_in(r, False)
         toks, done = await asyncio.wait_for(tokens(handle), 120)
@@ -320,10 +326,7 @@ async def test_a_take_in_cancelled_before_it_began_lets_its_machine_go(tiny_fold
     is closed all the same (left open, it held the machine's one head slot, so the
     watch's next ask waited out the machine's patience with a head gone quiet), and the
     machine is taken in later."""
-    import time as clock
-
     from engine.model.sources import resolve
-    from engine.pipeline.head import RemoteStage
 
     import engine.pipeline.head as head_module
     monkeypatch.setattr(head_module, "WATCH_S", 0.1)
@@ -334,10 +337,7 @@ async def test_a_take_in_cancelled_before_it_began_lets_its_machine_go(tiny_fold
     head = await tiny_head(resolve(str(folder)), [f"ws://127.0.0.1:{a.port}", f"ws://127.0.0.1:{c.port}"])
     try:
         reference, _ = await tokens(ask(head, 40))
-        r = RemoteStage(head._remember(f"ws://127.0.0.1:{b.port}"))
-        head.recovery.offer(r.address, clock.monotonic())
-        await head._hello(r, attempts=1, timeout=10)
-        head.recovery.came(r.address, clock.monotonic(), ahead=True)
+        r = await found_by_the_watch(head, b, ahead=True)
         head._recovery = head._start_take_in(r, True)
         head._stage_lost(2, "switched off", head.recovery.epoch)   # before the take-in's first step
         await until(lambda: r.ws.close_code is not None, timeout=10)
