@@ -24,6 +24,7 @@ from collections import deque
 
 from websockets.exceptions import ConnectionClosed
 
+from engine.core.heartbeat import Silence
 from engine.wire import frames
 from engine.core.link_scheduler import GoodputMeter, LinkScheduler
 from engine.wire.volumes import encode_chunk
@@ -41,6 +42,28 @@ MAX_PIECE = 256 << 10
 
 class LinkStalled(RuntimeError):
     pass
+
+
+PONG_TICK = 0.05   # s: how often a ping's waiter wakes to see whether our own loop was held
+
+
+async def pong_rtt(waiter, timeout: float, tick: float = PONG_TICK) -> float | None:
+    """The RTT a ping measured, less the time our own event loop was held meanwhile
+    (websockets times the pong when the loop gets to it: a step computing on the loop, a
+    swapping laptop, would count as path delay). None when it is unanswered within
+    `timeout` of running time (the heartbeat judges the peer; the next ping measures
+    again) or when nothing is left once the hold is taken out."""
+    silence = Silence(timeout, tick, time.monotonic())
+    while not waiter.done():
+        await asyncio.wait({waiter}, timeout=tick)
+        if silence.advance(time.monotonic()) and not waiter.done():
+            return None
+    silence.advance(time.monotonic())
+    latency = waiter.result()
+    if not isinstance(latency, float):
+        return None
+    rtt = latency - silence.held
+    return rtt if rtt > 0 else None
 
 
 def shrink_socket_buffers(ws, sndbuf: int = SNDBUF) -> None:
@@ -156,11 +179,12 @@ class LinkSender:
             while True:
                 await asyncio.sleep(self.ping_interval)
                 waiter = await self.ws.ping()
-                latency = await asyncio.wait_for(waiter, self.stall_timeout)
-                rtt = latency if isinstance(latency, float) else 0.0
+                rtt = await pong_rtt(waiter, self.stall_timeout)
+                if rtt is None:
+                    continue
                 self.sched.link.observe_rtt(rtt)
                 self.rtt_min = rtt if self.rtt_min is None else min(self.rtt_min * 1.01, rtt)
-        except (ConnectionClosed, asyncio.TimeoutError, asyncio.CancelledError):
+        except (ConnectionClosed, asyncio.CancelledError):
             pass
 
     async def _run(self):

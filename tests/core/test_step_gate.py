@@ -58,7 +58,9 @@ def test_prompt_step_waits_for_a_waiting_decode_and_decodes_alone_do_not_nest():
         time.sleep(0.001)
     t2 = threading.Thread(target=_decode_step, args=(gate, log, "second"))
     t2.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while gate._wants != 1 and time.monotonic() < deadline:   # the second decode is waiting
+        time.sleep(0.001)
     t3 = threading.Thread(target=_prompt_step, args=(gate, log, 2, 0.001))
     t3.start()
     time.sleep(0.05)

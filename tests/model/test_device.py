@@ -119,21 +119,36 @@ def test_a_quiet_stage_trims_once_after_its_last_conversation_and_not_while_busy
     from engine.model.device import QuietTrim
 
     busy, calls = [False], []
-    q = QuietTrim(lambda: not busy[0], after_s=0.2, trim=lambda: calls.append(time.monotonic()) or True)
+    # the quiet time is 5x the gap between the two replies' ends, and the trim is waited
+    # for, not slept for: a loaded machine only makes the test take longer
+    asked = []
+
+    def is_quiet():
+        asked.append(busy[0])
+        return not busy[0]
+
+    def waited(cond):
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    q = QuietTrim(is_quiet, after_s=0.5, trim=lambda: calls.append(time.monotonic()) or True)
     t0 = time.monotonic()
     q.quiet()
     time.sleep(0.1)
+    t1 = time.monotonic()
     q.quiet()                      # another reply ended: the wait starts again
-    time.sleep(0.5)
-    assert len(calls) == 1 and calls[0] - t0 >= 0.29 and q.trims == 1
+    waited(lambda: calls)
+    time.sleep(0.2)
+    assert len(calls) == 1 and calls[0] - t1 >= 0.49 and q.trims == 1, (calls, t0, t1)
     busy[0] = True                 # a conversation started before the timer fired
     q.quiet()
-    time.sleep(0.4)
-    assert len(calls) == 1
+    waited(lambda: len(asked) == 2)
+    assert asked == [False, True] and len(calls) == 1
     busy[0] = False
     q.quiet()
     q.cancel()                     # a dropped stage: nothing fires later
-    time.sleep(0.4)
+    time.sleep(0.8)
     assert len(calls) == 1
 
 
