@@ -44,26 +44,26 @@ class LinkStalled(RuntimeError):
     pass
 
 
-PONG_TICK = 0.05   # s: how often a ping's waiter wakes to see whether our own loop was held
+PONG_TICK = 0.05   # s: how often a ping's waiter wakes to count the silence in running time
 
 
 async def pong_rtt(waiter, timeout: float, tick: float = PONG_TICK) -> float | None:
-    """The RTT a ping measured, less the time our own event loop was held meanwhile
-    (websockets times the pong when the loop gets to it: a step computing on the loop, a
-    swapping laptop, would count as path delay). None when it is unanswered within
-    `timeout` of running time (the heartbeat judges the peer; the next ping measures
-    again) or when nothing is left once the hold is taken out."""
+    """The RTT a ping measured, or None when it is unanswered within `timeout` of this
+    process's running time (core/heartbeat.py Silence: our own loop held is not the
+    peer's silence). None is one figure missing, not a verdict: the heartbeat judges the
+    peer, and the next ping measures again.
+
+    The figure keeps whatever our own loop was held meanwhile, on purpose: the acks that
+    pace this link come back through the same loop, so the in-flight cap sized by this
+    RTT must cover that time too, or a loaded machine's cap undercuts its own ack clock
+    and the measured goodput spirals down."""
     silence = Silence(timeout, tick, time.monotonic())
     while not waiter.done():
         await asyncio.wait({waiter}, timeout=tick)
         if silence.advance(time.monotonic()) and not waiter.done():
             return None
-    silence.advance(time.monotonic())
     latency = waiter.result()
-    if not isinstance(latency, float):
-        return None
-    rtt = latency - silence.held
-    return rtt if rtt > 0 else None
+    return latency if isinstance(latency, float) and latency >= 0 else None
 
 
 def shrink_socket_buffers(ws, sndbuf: int = SNDBUF) -> None:
