@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sys
+from collections import Counter
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -165,6 +166,18 @@ async def spare_stages():
 # lost every cross-thread signal: reproduced serially, not yet understood).
 LATE_MODULES = ("test_app_gui", "test_node")
 
+# The modules that run for minutes, longest first, start the run. A worker takes whole
+# files (--dist loadfile) in queue order, and xdist's own order (most tests first) put
+# the five-minute chaos run, a single test, near the end: the other worker sat idle
+# for most of it (about a tenth of the run's wall clock).
+FIRST_MODULES = ("test_chaos", "test_failover", "test_home_paths", "test_pipeline", "test_penalties")
+
+
+def pytest_configure(config):
+    # the queue is this collection's order (pytest_collection_modifyitems), not xdist's
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
 
 def pytest_addoption(parser):
     parser.addoption("--late", choices=("last", "skip", "only"), default="last",
@@ -173,6 +186,13 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    counts = Counter(i.path for i in items)
+
+    def rank(item):   # the long modules first; then, as xdist would, the most tests first
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        return (FIRST_MODULES.index(name), 0) if name in FIRST_MODULES else (len(FIRST_MODULES), -counts[item.path])
+
+    items.sort(key=rank)   # stable: each file's tests stay together, in their order
     late = [i for i in items if i.module.__name__.rsplit(".", 1)[-1] in LATE_MODULES]
     how = config.getoption("--late")
     if how == "skip":
