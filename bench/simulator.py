@@ -18,7 +18,8 @@ for the compute curves. Everything else is a model, kept close to the engine's c
              the scheduler's decisions are cut into pieces (20 ms of link time) and
              written while fewer than cap (about B_est x RTT_min + a piece) bytes are
              unacknowledged; goodput (from acks) and RTT (1 s pings, which queue behind
-             the wire's backlog) feed the scheduler's LinkEstimate as they do live. By
+             the wire's backlog) feed the scheduler's LinkEstimate as they do live; a
+             busy receiver (ack_hold) answers both late, as its one event loop does. By
              default the estimates start at the true link figures (a warmed-up service).
   receivers  stage_server.py: pieces are acknowledged on arrival; completed volumes queue
              for the compute thread, which takes decode volumes that queued up together
@@ -177,6 +178,9 @@ class Pipeline:
     cores: int | None = None          # compute threads share this many cores (None: a machine each)
     contention: float = 0.0           # slowdown per extra step running at once (shared memory bus)
     ctx_cost: float = 0.0             # decode cost of context (engine.core.profile.context_cost; 0: ignored)
+    ack_hold: float = 0.0             # s a receiver's loop takes to acknowledge a piece (a busy CPU) ...
+    hold_pongs: bool = True           # ... and to answer a ping, as the live loop does (False: an RTT
+                                      # figure that leaves the hold out)
     work_profiles: list[dict] | None = None  # what steps take, if not what `profiles` (the head's
                                              # and schedulers' view) say: see validate()
 
@@ -416,7 +420,10 @@ class Link:
         self._pump()
 
     def _ping(self) -> None:
-        rtt = 2 * self.wire.delay + self.wire.backlog()   # the ping queues behind the wire's bytes
+        # the ping queues behind the wire's bytes, and the receiver's loop answers it as late
+        # as it acknowledges
+        pipe = self.receiver.sim.pipe
+        rtt = 2 * self.wire.delay + self.wire.backlog() + (pipe.ack_hold if pipe.hold_pongs else 0.0)
         self.clock.at(self.clock.now + rtt, self._pong, rtt)
 
     def _pong(self, rtt: float) -> None:
@@ -498,7 +505,7 @@ class Stage:
         self.compute = Compute(sim)
 
     def piece_arrived(self, link: Link, nbytes: int, step: Step | None) -> None:
-        self.sim.clock.at(self.sim.clock.now + link.wire.delay, link.on_ack, nbytes)
+        self.sim.clock.at(self.sim.clock.now + link.wire.delay + self.sim.pipe.ack_hold, link.on_ack, nbytes)
         if step is not None:
             self.inbox.append(step)
             self._serve()

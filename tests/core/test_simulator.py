@@ -323,3 +323,22 @@ def test_speculation_is_deterministic_per_seed_and_the_draft_costs_head_time():
     slow = simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=3, draft=0.02, k=4))
     free = simulate(pipe, "dynamic", reqs, spec=sim.Spec(accept=0.7, seed=3, draft=0.0, k=4))
     assert slow["tpot_mean"] > free["tpot_mean"]
+
+
+
+def _late_acks(hold: float) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from ack_hold import cell
+
+    return cell(stages=4, mbits=20, delay=0.015, hold=hold, rate=0.05, n=20, seed=0)
+
+
+def test_a_receiver_that_answers_late_is_not_read_as_a_slow_link():
+    """A friend's busy CPU holds its acknowledgements and pongs alike (one event loop):
+    the sender's cap must follow the longer round trip, not shrink with the goodput its
+    acknowledgements clock. Modelling the hold on acknowledgements alone, the estimate
+    spiralled to a tenth of the link (bench/ack_hold.py)."""
+    quiet, busy = _late_acks(0.0), _late_acks(0.030)
+    assert 0.9 <= quiet["estimate"] <= 1.1, quiet
+    assert busy["estimate"] >= 0.5, busy
+    assert busy["ttft_mean"] <= 1.5 * quiet["ttft_mean"], (busy, quiet)
