@@ -325,10 +325,8 @@ def test_speculation_is_deterministic_per_seed_and_the_draft_costs_head_time():
     assert slow["tpot_mean"] > free["tpot_mean"]
 
 
-
 def _late_acks(hold: float) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from ack_hold import cell
+    from ack_hold import cell   # bench/, on the path above
 
     return cell(stages=4, mbits=20, delay=0.015, hold=hold, rate=0.05, n=20, seed=0)
 
