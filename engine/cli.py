@@ -242,6 +242,7 @@ async def _stage(args) -> int:
         secret = new_secret()
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
                                threads=args.threads, cores=cores, memory_cap=cap, secret=secret).start()
+    server.warm_up()
     loop = asyncio.get_running_loop()
 
     async def leave():

@@ -171,6 +171,16 @@ def _weak(method):
     return hook
 
 
+def import_model_code() -> None:
+    """Import what building any family's slice needs (transformers' model base, about
+    1.6 s on a small CPU), so that a stage process waiting for its first configure pays
+    for it while idle, not after the head has asked for the layers. Call it on the thread
+    that builds the models: the import of one module on two threads at once can hand
+    one of them a half-initialized module."""
+    from accelerate import init_empty_weights  # noqa: F401
+    from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel  # noqa: F401
+
+
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,

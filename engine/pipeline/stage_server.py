@@ -47,7 +47,7 @@ from engine.pipeline.stage_protocol import (CLIENT_WS_OPTIONS, HEARTBEAT_S, HEAR
                                             HELLO_TIMEOUT, LEAVE_S, LET_GO_S, NEXT_LINK_GRACE_S, PROFILE_REPORT_S,
                                             PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION, WS_OPTIONS, connect_stage)
 from engine.model.sampler import Sampler
-from engine.model.stage import StageModel
+from engine.model.stage import StageModel, import_model_code
 from engine.core.step_gate import COMPUTE_ORDERS
 
 log = logging.getLogger("potluck.stage")
@@ -126,6 +126,18 @@ class StageServer(StageCompute):
                                    **dict(WS_OPTIONS, max_size=PROOF_MAX, max_queue=PROOF_QUEUE))
         self.port = self._server.sockets[0].getsockname()[1]
         return self
+
+    def warm_up(self) -> None:
+        """Import the model code while no head has asked for layers yet. On the compute
+        thread, where every load runs: a configure (or the welcome's speed probe) that
+        comes sooner waits behind it, where two threads importing at once could be
+        handed a half-built module. A failure here is the configure's to report."""
+        def imports():
+            try:
+                import_model_code()
+            except Exception as exc:   # (an ImportError here is one the load would meet too)
+                log.debug("warming up the model code failed: %s", exc)
+        self._exec.submit(imports)
 
     def _free_memory(self) -> int:
         # the slice held now goes when the next configure comes: its memory is on offer too
