@@ -1,13 +1,13 @@
-"""How long `potluck serve` takes until the chat answers, with and without the stages'
-warm-up.
+"""How long `potluck serve` takes until the chat answers, with and without the warm-up.
 
-A stage process listens, announces its port and then waits for the head's configure; the
-head meanwhile loads its tokenizer and its own slice. Since engine/pipeline/stage_server.py
-warm_up(), the stage imports transformers' model code in that wait instead of after the
-configure. This starts `potluck serve --stages N` as a user would and times, from the
-process start, the API answering and the first token of a short greedy reply; the "cold"
-rows run the same command with warm_up() switched off (a sitecustomize in a temporary
-folder, so the product has no switch for it). Runs alternate warm and cold so that a
+Importing transformers' config, tokenizer and model code takes seconds on a small CPU. A
+stage process now does it while it waits for the head's configure
+(engine/pipeline/stage_server.py warm_up), and the head while its stage processes start
+(engine/pipeline/launch.py _prepare_head), where both used to do it only when they first
+needed it, one after the other. This starts `potluck serve --stages N` as a user would
+and times, from the process start, the API answering and the first token of a short
+greedy reply; the "cold" rows run the same command with both switched off (a
+sitecustomize in a temporary folder, so the product has no switch for it). Runs alternate warm and cold so that a
 machine that slows down mid-run slows both.
 
     .venv/bin/python bench/startup.py                  # ~3 minutes on 2 cores
@@ -32,8 +32,10 @@ from busy_cpu import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 COLD = """\
+import engine.pipeline.launch
 from engine.pipeline.stage_server import StageServer
 StageServer.warm_up = lambda self: None
+engine.pipeline.launch._prepare_head = lambda source: None
 """
 
 

@@ -10,6 +10,7 @@ The CLI, the node (the tray's engine) and the tests all start pipelines here.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,19 @@ from engine.model.device import compute_dtype, pick_device
 from engine.model.sources import DEFAULT_MODEL, resolve
 from engine.pipeline.head import Head
 from engine.pipeline.local import LocalStages
+
+
+def _prepare_head(source) -> None:
+    """What the head needs before it can greet a stage (the config, transformers' tokenizer
+    and model code: seconds of imports on a small CPU), done while the stage processes
+    start instead of after. On one thread that finishes before the head is built, so no
+    two threads import the same module at once."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    from engine.model.stage import import_model_code
+
+    source.config()
+    import_model_code()
 
 
 @dataclass
@@ -86,7 +100,15 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
         # cores stall each other at every barrier. Unless `threads` fixes it, each
         # process owns its share and borrows idle cores for big steps (engine/model/cores.py).
         local = LocalStages(cfg.stages - 1, threads=threads, share_cores=not threads, device=device)
-        addrs = await local.start()
+        prepared = asyncio.get_running_loop().run_in_executor(None, _prepare_head, source)
+        try:
+            addrs = await local.start()
+        finally:
+            # waited for either way: it must not still be importing while the head is built
+            done = await asyncio.gather(prepared, return_exceptions=True)
+        if isinstance(done[0], BaseException):
+            await local.stop()
+            raise done[0]
         cores = local.head_cores
         threads = threads or max(1, (os.cpu_count() or 1) // cfg.stages)
     if threads:

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import asyncio, sys, threading
 from engine.pipeline.stage_server import StageServer
@@ -40,3 +42,28 @@ def test_a_stage_imports_the_model_code_before_any_configure():
     assert done.returncode == 0, done.stderr[-2000:]
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert result == ["RESULT False True True"], done.stdout + done.stderr[-2000:]
+
+
+async def test_a_model_it_cannot_run_is_said_and_its_stage_processes_stop(tmp_path, monkeypatch):
+    """The head reads the config while its stage processes start: a refusal found there
+    reaches the user, and the processes started meanwhile do not outlive it."""
+    import transformers
+
+    from engine.model.sources import ModelError
+    from engine.pipeline.launch import PipelineConfig, launch
+    from engine.pipeline.local import LocalStages
+
+    transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64).save_pretrained(str(tmp_path))
+    procs = []
+    start = LocalStages.start
+
+    async def recorded(self):
+        addresses = await start(self)
+        procs.extend(self.procs)
+        return addresses
+
+    monkeypatch.setattr(LocalStages, "start", recorded)
+    with pytest.raises(ModelError, match="'bert'"):
+        await launch(PipelineConfig(model=str(tmp_path), stages=2))
+    assert procs and all(proc.returncode is not None for proc in procs)
