@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.core import scheduler as core  # noqa: E402
 from engine.core.compression import q8_ratio, should_compress  # noqa: E402
-from engine.core.link_scheduler import GoodputMeter, LinkScheduler  # noqa: E402
+from engine.core.link_scheduler import GoodputMeter, LinkScheduler, next_rtt_min  # noqa: E402
 from engine.core.profile import PROFILE_CONTEXT, interp  # noqa: E402
 from engine.core.speculation import SpecConfig, SpecPolicy  # noqa: E402
 from engine.core.step_gate import MAX_CUT_INS  # noqa: E402
@@ -181,12 +181,16 @@ class Pipeline:
     ack_hold: float = 0.0             # s a receiver's loop takes to acknowledge a piece (a busy CPU) ...
     hold_pongs: bool = True           # ... and to answer a ping, as the live loop does (False: an RTT
                                       # figure that leaves the hold out)
+    hold_from: float = 0.0            # s into the run the hold begins (a friend starts a game)
     work_profiles: list[dict] | None = None  # what steps take, if not what `profiles` (the head's
                                              # and schedulers' view) say: see validate()
 
     @property
     def n_stages(self) -> int:
         return len(self.profiles)
+
+    def hold_at(self, now: float) -> float:
+        return self.ack_hold if now >= self.hold_from else 0.0
 
 
 # wire overheads (bytes): frame header, per row in the meta, a new sequence's prompt ids
@@ -423,12 +427,13 @@ class Link:
         # the ping queues behind the wire's bytes, and the receiver's loop answers it as late
         # as it acknowledges
         pipe = self.receiver.sim.pipe
-        rtt = 2 * self.wire.delay + self.wire.backlog() + (pipe.ack_hold if pipe.hold_pongs else 0.0)
-        self.clock.at(self.clock.now + rtt, self._pong, rtt)
+        rtt = 2 * self.wire.delay + self.wire.backlog() + (pipe.hold_at(self.clock.now) if pipe.hold_pongs else 0.0)
+        ahead = self.in_flight / max(1.0, self.sched.link.bandwidth)
+        self.clock.at(self.clock.now + rtt, self._pong, rtt, ahead)
 
-    def _pong(self, rtt: float) -> None:
+    def _pong(self, rtt: float, ahead: float) -> None:
         self.sched.link.observe_rtt(rtt)
-        self.rtt_min = rtt if self.rtt_min is None else min(self.rtt_min * 1.01, rtt)
+        self.rtt_min = next_rtt_min(self.rtt_min, rtt, ahead)
         self.clock.at(self.clock.now + self.ping_interval, self._ping)
 
 
@@ -505,7 +510,8 @@ class Stage:
         self.compute = Compute(sim)
 
     def piece_arrived(self, link: Link, nbytes: int, step: Step | None) -> None:
-        self.sim.clock.at(self.sim.clock.now + link.wire.delay + self.sim.pipe.ack_hold, link.on_ack, nbytes)
+        now = self.sim.clock.now
+        self.sim.clock.at(now + link.wire.delay + self.sim.pipe.hold_at(now), link.on_ack, nbytes)
         if step is not None:
             self.inbox.append(step)
             self._serve()

@@ -79,6 +79,26 @@ class LinkEstimate:
             self.rtt_min = min(self.rtt_min, rtt)
 
 
+RTT_MIN_RISE = 1.01   # how far one ping over a busy link lets the sender's RTT floor rise
+
+
+def next_rtt_min(current: float | None, rtt: float, ahead: float) -> float:
+    """The round trip a sender sizes its bytes in flight by, after one more ping.
+
+    `ahead`: seconds of link time our own unacknowledged bytes took when the ping was
+    sent (bytes in flight / the goodput estimate), at most what the ping waited behind.
+    A cap sized by the round trips of pings that queued behind our own bytes would grow
+    its own queue, so over a busy link the floor only falls, or rises by RTT_MIN_RISE a
+    ping. But the round trip less `ahead` is the path's and the receiver's own at the
+    least, a busy receiver's late answers included: where that is above the floor, the
+    floor was wrong and rises to it at once. Without that, a friend whose machine got
+    busy mid-evening took minutes to be allowed for, the goodput measured falling with
+    the cap meanwhile (bench/ack_hold.py --late)."""
+    if current is None:
+        return rtt
+    return max(min(current * RTT_MIN_RISE, rtt), rtt - ahead)
+
+
 GOODPUT_SPAN = 0.05   # s: acknowledged bytes are summed over at least this long per sample
 
 

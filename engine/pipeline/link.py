@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed
 
 from engine.core.heartbeat import Silence
 from engine.wire import frames
-from engine.core.link_scheduler import GoodputMeter, LinkScheduler
+from engine.core.link_scheduler import GoodputMeter, LinkScheduler, next_rtt_min
 from engine.wire.volumes import encode_chunk
 
 log = logging.getLogger("potluck.link")
@@ -178,12 +178,13 @@ class LinkSender:
         try:
             while True:
                 await asyncio.sleep(self.ping_interval)
+                ahead = self.in_flight / max(1.0, self.sched.link.bandwidth)
                 waiter = await self.ws.ping()
                 rtt = await pong_rtt(waiter, self.stall_timeout)
                 if rtt is None:
                     continue
                 self.sched.link.observe_rtt(rtt)
-                self.rtt_min = rtt if self.rtt_min is None else min(self.rtt_min * 1.01, rtt)
+                self.rtt_min = next_rtt_min(self.rtt_min, rtt, ahead)
         except (ConnectionClosed, asyncio.CancelledError):
             pass
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.core.link_scheduler import LinkScheduler
+from engine.core.link_scheduler import RTT_MIN_RISE, LinkScheduler, next_rtt_min
 
 
 def drain(s, now=0.0, limit=10_000):
@@ -145,3 +145,17 @@ def test_goodput_is_measured_only_while_the_link_has_a_backlog():
     meter.on_ack(5.1, 20_000, backlog=True)
     assert est.samples == 3
     assert est.bandwidth == pytest.approx(0.75 * (0.75 * 1e6 + 0.25 * 100) + 0.25 * 200_000)
+
+
+def test_the_rtt_floor_rises_at_once_only_by_what_our_own_bytes_cannot_explain():
+    # first figure: taken as it is
+    assert next_rtt_min(None, 0.05, ahead=0.02) == 0.05
+    # a ping that waited behind 40 ms of our own bytes: 70 ms says no more than 30 ms of path
+    assert next_rtt_min(0.030, 0.070, ahead=0.040) == pytest.approx(0.030 * RTT_MIN_RISE)
+    # ... but 130 ms behind 10 ms of ours: the receiver answers 100 ms later than it did
+    assert next_rtt_min(0.030, 0.130, ahead=0.010) == pytest.approx(0.120)
+    # nothing of ours ahead: the round trip is the path's
+    assert next_rtt_min(0.030, 0.130, ahead=0.0) == pytest.approx(0.130)
+    # and a shorter round trip is always the floor
+    assert next_rtt_min(0.130, 0.030, ahead=0.0) == pytest.approx(0.030)
+    assert next_rtt_min(0.130, 0.030, ahead=0.5) == pytest.approx(0.030)

@@ -325,10 +325,10 @@ def test_speculation_is_deterministic_per_seed_and_the_draft_costs_head_time():
     assert slow["tpot_mean"] > free["tpot_mean"]
 
 
-def _late_acks(hold: float) -> dict:
+def _late_acks(hold: float, mbits: float = 20, hold_from: float = 0.0) -> dict:
     from ack_hold import cell   # bench/, on the path above
 
-    return cell(stages=4, mbits=20, delay=0.015, hold=hold, rate=0.05, n=20, seed=0)
+    return cell(stages=4, mbits=mbits, delay=0.015, hold=hold, rate=0.05, n=20, seed=0, hold_from=hold_from)
 
 
 def test_a_receiver_that_answers_late_is_not_read_as_a_slow_link():
@@ -338,5 +338,17 @@ def test_a_receiver_that_answers_late_is_not_read_as_a_slow_link():
     spiralled to a tenth of the link (bench/ack_hold.py)."""
     quiet, busy = _late_acks(0.0), _late_acks(0.030)
     assert 0.9 <= quiet["estimate"] <= 1.1, quiet
+    assert busy["estimate"] >= 0.5, busy
+    assert busy["ttft_mean"] <= 1.5 * quiet["ttft_mean"], (busy, quiet)
+
+
+@pytest.mark.parametrize("mbits", [20, 100])
+def test_a_receiver_that_starts_answering_late_mid_evening_is_allowed_for_at_once(mbits):
+    """The links measured quiet, then every receiver answers 100 ms late (a friend starts
+    a game). The cap's RTT floor used to rise 1% a ping: TTFT x5.6 at 20 Mbit/s and x20
+    at 100 (bench/ack_hold.py, "live, from 300 s"). Now a round trip longer than our own
+    bytes ahead of the ping explain raises it at once (link_scheduler.next_rtt_min)."""
+    quiet = _late_acks(0.0, mbits)
+    busy = _late_acks(0.100, mbits, hold_from=150.0)
     assert busy["estimate"] >= 0.5, busy
     assert busy["ttft_mean"] <= 1.5 * quiet["ttft_mean"], (busy, quiet)
