@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-PROFILE_CONTEXT = 8  # tokens each decode probe's rows attend to (bench/simulator.py reads it)
+PROFILE_CONTEXT = 8  # tokens a decode probe's rows attend to, a few more in the smaller batches (measure.py; bench/simulator.py reads it)
 
 
 def interp(points: list, n: float) -> float:
