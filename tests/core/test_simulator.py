@@ -98,7 +98,9 @@ def test_compression_shrinks_prefill_bytes_only():
     n_in, n_out = sum(r[1] for r in reqs), sum(r[2] for r in reqs)
     # prefill tensor bytes x (16 int8 + a float32 scale) / (16 float32) = 0.3125; decode
     # bytes (one row per output token after the first) unchanged
-    assert sim.q8_ratio(4) == 20 / 64
+    from engine.core.compression import q8_ratio
+
+    assert q8_ratio(4) == 20 / 64
     saved = plain["link_bytes"][0] - q8["link_bytes"][0]
     assert saved == pytest.approx((1 - 20 / 64) * n_in * 2304, rel=0.02)
     assert q8["link_bytes"][0] > (n_out - len(reqs)) * 2304
