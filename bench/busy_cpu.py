@@ -40,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -49,8 +49,18 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
                 return
         except OSError:
-            time.sleep(0.5)
+            time.sleep(poll)
     raise RuntimeError("serve did not answer in time")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """As Ctrl-C would, then for good if it does not go within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def stream_tpot(port: int, tokens: int) -> tuple[float, int]:
@@ -101,12 +111,7 @@ def run_pipeline(name: str, extra: list[str], env_over: dict, loads: list[int], 
                   f"({', '.join(f'{t * 1000:.0f}' for t in tpots)})", flush=True)
             time.sleep(1.0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         log.close()
 
 

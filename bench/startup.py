@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from busy_cpu import free_port  # noqa: E402
+from busy_cpu import free_port, stop, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,20 +37,6 @@ from engine.pipeline.stage_server import StageServer
 StageServer.warm_up = lambda self: None
 engine.pipeline.launch._prepare_head = lambda source: None
 """
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    # a tenth of a second between tries: the differences measured here are a second or two
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("serve did not answer in time")
 
 
 def first_token(port: int) -> None:
@@ -75,17 +61,12 @@ def one_start(stages: int, cold_dir: str | None) -> tuple[float, float]:
                             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        wait_ready(port, proc)
+        wait_ready(port, proc, poll=0.1)   # the differences measured here are a second or two
         ready = time.perf_counter() - t0
         first_token(port)
         return ready, time.perf_counter() - t0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def main() -> None:
