@@ -28,7 +28,8 @@ prompt; 60/100/200 Mbit/s in the paper map to ratios ~45/27/13. Delays map the s
 (10 ms and 30 ms relative to a 25 ms decode step).
 
 Configurations (the head's link_mode / micro_batches / prefill_chunk / compute), each
-adding one thing to the one before, as the paper's Table 5 does:
+adding one thing to the one before, as the paper's Table 5 does (none of them speculates,
+as the paper's systems do not):
     fifo      whole volumes first-come-first-served (vLLM, Helix): link_mode=fifo,
               micro_batches=M (= stages), prefill_chunk=None; every stage computes its
               steps in arrival order (compute="in-order"), as vLLM does
@@ -47,6 +48,8 @@ and one beside the chain:
     +auto-chunk jit+dyn with prompt chunks sized to the measured link
               (prefill_chunk="auto", engine/core/prompt_chunk.py: the Head's default since it
               beat 64-token chunks here; at the reference point only)
+    defaults  the Head's defaults as `potluck serve` runs them: +auto-chunk, and
+              speculative decoding where its policy says it pays (speculate="auto")
 
 Metrics per request: TTFT = submit -> first token; TPOT = (last token - first token) /
 (n_out - 1); latency = submit -> done. Per cell: mean and p90 of each, throughput =
@@ -58,7 +61,7 @@ Arrival rates are fractions of a measured saturation throughput (a burst through
 reference link), so they follow the machine's speed; the same seeded requests and
 arrival pattern are replayed for every configuration.
 
-    .venv/bin/python bench/weaklink.py --quick              # ~3-5 min
+    .venv/bin/python bench/weaklink.py --quick              # ~5 min
     .venv/bin/python bench/weaklink.py                      # full, ~30-40 min
     .venv/bin/python bench/weaklink.py --json out.json      # also dump per-cell metrics
 
@@ -223,7 +226,11 @@ class Proxies:
 
 # ---- configurations ----------------------------------------------------------------------
 def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict]]:
-    in_order = dict(compute="in-order")
+    # The chain adds one scheduling feature at a time to the paper's systems, which do not
+    # speculate: the head's prompt-lookup drafts (on by default) shorten FIFO's steps more
+    # than the others' (TPOT 0.231 -> 0.195 s against 0.167 -> 0.154 s in one pair), so
+    # left on they blur what each feature adds. "defaults" is what `potluck serve` runs.
+    in_order = dict(compute="in-order", speculate="off")
     table = {
         "fifo": dict(link_mode="fifo", micro_batches=m, prefill_chunk=None, **in_order),
         "fifo+c64": dict(link_mode="fifo", micro_batches=m, prefill_chunk=64, **in_order),
@@ -231,10 +238,14 @@ def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict
         "jit": dict(link_mode="jit", micro_batches=m, prefill_chunk=64, **in_order),
         "jit+dyn": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, **in_order),
         "+compress": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compress="auto", **in_order),
-        "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first"),
+        "+cut-in": dict(link_mode="jit", micro_batches=None, prefill_chunk=64, compute="decode-first",
+                        speculate="off"),
         # beside the chain: jit+dyn with prompt chunks sized to the measured link
-        # (engine/core/prompt_chunk.py), the Head's default (see README)
+        # (engine/core/prompt_chunk.py)
         "+auto-chunk": dict(link_mode="jit", micro_batches=None, prefill_chunk="auto", **in_order),
+        # the Head's own defaults, as `potluck serve` starts it: the above, speculating
+        "defaults": dict(link_mode="jit", micro_batches=None, prefill_chunk="auto", compute="in-order",
+                         speculate="auto"),
     }
     return [(n, table[n]) for n in names if n != "+compress" or compress_ok]
 
@@ -638,11 +649,11 @@ async def main(a):
         # -- the plan, most important first: the full ablation at the paper's reference
         # point, 3 stages there, the bandwidth x delay grid, then the other loads
         if a.quick:
-            names = ["fifo", "jit+dyn"]
+            names = ["fifo", "jit+dyn", "defaults"]
             bw, d = a.point.split("/") if a.point else ("100", "30")
             plan = [(2, bw, int(d), "medium", names)]
         else:
-            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in", "+auto-chunk"]
+            names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in", "+auto-chunk", "defaults"]
             grid = ["fifo", "jit+dyn", "+compress"]
             plan = [(2, "100", 30, "medium", names),
                     (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in", "+auto-chunk"])]
@@ -703,7 +714,8 @@ def report(cells: list[dict], names: list[str]):
               "fixed": "+ decode-first, fixed chunks",
               "jit": "+ just-in-time chunks", "jit+dyn": "+ dynamic micro-batches",
               "+compress": "+ compression", "+cut-in": "jit+dyn, decode steps cut in",
-              "+auto-chunk": "jit+dyn, chunks sized to the link"}
+              "+auto-chunk": "jit+dyn, chunks sized to the link",
+              "defaults": "the defaults (+ speculation)"}
     if ref:
         print("\n## Ablation (paper Table 5 style): 2 stages, ~100 Mbit/s, ~30 ms, medium load")
         print(f"{'':<36} {'TTFT (s)':>9} {'TPOT (s)':>9} {'latency (s)':>12} {'tok/s':>7}")
@@ -751,7 +763,7 @@ if __name__ == "__main__":
         sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 stages, ~100 Mbit/s / ~30 ms equivalent, medium "
-                    "load, FIFO vs jit+dyn (~3-5 min)")
+                    "load, FIFO vs jit+dyn vs the defaults (~5 min)")
     ap.add_argument("--point", default=None, choices=[f"{b}/{d}" for b in PAPER_RATES_MBIT for d in PAPER_DELAYS_MS],
                     help="with --quick: the paper's link as MBIT/MS (default 100/30)")
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16 full, 12 quick)")
@@ -770,7 +782,7 @@ if __name__ == "__main__":
     ap.add_argument("--wait-quiet", type=float, default=10.0, help="before each cell, wait up to this many "
                     "seconds for other processes to use < 0.3 cores (0: don't)")
     ap.add_argument("--configs", default=None, help="comma-separated configurations for every group "
-                    "(fifo,fifo+c64,fixed,jit,jit+dyn,+compress,+cut-in)")
+                    "(fifo,fifo+c64,fixed,jit,jit+dyn,+compress,+cut-in,+auto-chunk,defaults)")
     ap.add_argument("--json", default=None, help="write per-cell metrics here")
     a = ap.parse_args()
     a.requests = a.requests or (12 if a.quick else 16)
