@@ -656,7 +656,7 @@ async def main(a):
             names = ["fifo", "fifo+c64", "fixed", "jit", "jit+dyn", "+compress", "+cut-in", "+auto-chunk", "defaults"]
             grid = ["fifo", "jit+dyn", "+compress"]
             plan = [(2, "100", 30, "medium", names),
-                    (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in", "+auto-chunk"])]
+                    (3, "100", 30, "medium", ["fifo", "jit+dyn", "+cut-in", "+auto-chunk", "defaults"])]
             plan += [(2, bw, d, "medium", grid) for d in PAPER_DELAYS_MS for bw in ("60", "100", "200")
                      if (bw, d) != ("100", 30)]
             plan += [(2, "100", 30, "high", ["fifo", "jit+dyn", "+cut-in"]),
