@@ -227,9 +227,9 @@ class Proxies:
 # ---- configurations ----------------------------------------------------------------------
 def configs(names: list[str], m: int, compress_ok: bool) -> list[tuple[str, dict]]:
     # The chain adds one scheduling feature at a time to the paper's systems, which do not
-    # speculate: the head's prompt-lookup drafts (on by default) shorten FIFO's steps more
-    # than the others' (TPOT 0.231 -> 0.195 s against 0.167 -> 0.154 s in one pair), so
-    # left on they blur what each feature adds. "defaults" is what `potluck serve` runs.
+    # speculate: the head's prompt-lookup drafts (on by default) shorten FIFO's long steps
+    # more than the others' short ones (bench/RESULTS.md 2026-12-03), so left on they blur
+    # what each feature adds. "defaults" is what `potluck serve` runs.
     in_order = dict(compute="in-order", speculate="off")
     table = {
         "fifo": dict(link_mode="fifo", micro_batches=m, prefill_chunk=None, **in_order),
