@@ -11,11 +11,11 @@ measures this; see bench/RESULTS.md).
 So the cores are leases. Core i is a lock file; a process holds its *home* cores
 while it computes a step and also takes whichever other cores are free at that
 moment (non-blocking), running the step with one thread per core held. Every step
-borrows, decode steps of one row included: with the small-batch matrix products of
-engine/model/cpu_linear.py a second thread speeds up a decode step of the default model,
-of one row and of eight alike, by more than a tenth (the plain x @ W^T gained nothing from
-it, and steps under four rows did not borrow before: a 3-stage pipeline's 1-request
-step period shortened by about a tenth with this). So the head gives such a pipeline
+borrows, decode steps of one row included: with whichever matrix product this machine
+runs faster for a step's few rows (engine/model/cpu_linear.py) a second thread speeds up
+a decode step of the default model, of one row and of eight alike (steps under four rows
+did not borrow once: a 3-stage pipeline's 1-request step period shortened by about a
+tenth when they began to). So the head gives such a pipeline
 one micro-batch: each stage in turn runs it on every core, as one process would
 (bench/overhead.py, 8 concurrent requests: one micro-batch on both cores decodes
 clearly closer to the single process's pace than 2 micro-batches of one core each;

@@ -1,82 +1,98 @@
-"""Linear layers for decode-sized batches on CPU: weight @ x^T, not x @ weight^T.
+"""Linear layers for decode-sized batches on CPU: x @ W^T or W @ x^T, whichever this machine runs faster.
 
-`nn.Linear` computes x @ W^T. For the few rows of a decode step, MKL's sgemm takes
-that as a product whose *big* operand is the transposed one, and it copies (packs)
-the whole weight matrix on every call: on this project's 2-core test machine the
-default model's LM head (49152 x 576) took two to over three times as long for 3-8
-rows as for a single row (a plain matrix-vector product). Computing W @ x^T instead
-streams W as it lies, split over the threads: about half the time for 8 rows, a
-quarter for 4 -- and a lone row padded to 4 comes out faster than the matrix-vector
-product. The decoder layers' matrices gain most at 4 rows (about twice as fast),
-little or nothing from 8 rows on. A whole decode step of the default model on 2
-threads is more than a tenth faster, for 1 row and for 8 (`python -m
-engine.model.cpu_linear` prints the per-matrix comparison; see bench/RESULTS.md).
+`nn.Linear` computes x @ W^T. For the few rows of a decode step, some BLAS builds take
+that as a product whose *big* operand is the transposed one and copy (pack) the whole
+weight matrix on every call; there, computing W @ x^T instead streams W as it lies,
+split over the threads (on the 2-core machine this engine was first tuned on, about half
+the time for the default model's LM head at 8 rows and its layers' matrices at 4). Other
+machines run x @ W^T for a lone row as a matrix-vector product several times faster
+than W @ x^T: on an AVX-512 machine with the same torch, W @ x^T made a single user's
+decode step twice as long (bench/RESULTS.md, 2026-12-03). So each kind of call -- matrix shape, bucket of rows,
+thread count -- times both for its first few calls and keeps the faster
+(engine/core/product_choice.py; `python -m engine.model.cpu_linear` prints the
+per-matrix comparison).
 
-On one thread the whole step loses (slower by a tenth to a third): the decoder
-layers' x @ W^T is not slow there, it just gains nothing from a second thread.
-Only the LM head, vocabulary-wide, still gains (2-8 rows: up to about twice as
-fast), so on one thread it alone switches. The choice is made per call, on torch's
-thread count -- a pipeline stage's changes as it borrows cores.
-
-Up to 11 rows MKL computes every column with the same arithmetic, so a sequence
-decoded in a batch of up to 8 gets bit for bit what it would get alone
-(tests/test_cpu_linear.py; nn.Linear's own results already differ between 1 row
-and 3). Results differ from x @ W^T in the last bits (~1e-6 relative), as any two
-GEMM kernels' do. Prompts (many rows) keep x @ W^T, which is faster there.
+W @ x^T pads fewer than four rows to four: MKL's kernel for 1-3 columns was slower than
+for four, and up to 11 rows it computes every column with the same arithmetic, so there
+a row gets bit for bit what it would get alone. With x @ W^T a row in a batch gets other
+last bits than alone (~1e-6 relative), as with nn.Linear itself. Prompts (more than
+SMALL_ROWS rows) keep x @ W^T, which is faster there.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# up to this many rows, W @ x^T wins for every matrix of the default model (measured
-# at 16-48 rows by a modest margin; from 64 rows the LM head is faster the usual way
-# round; see bench/RESULTS.md)
+from engine.core.product_choice import ProductChoice, row_bucket
+
+# up to this many rows a call chooses its product; more (a prompt) takes x @ W^T
 SMALL_ROWS = 32
-# fewer rows are padded to this many: MKL's kernel for 1-3 columns is slower than for 4
+# fewer rows are padded to this many for W @ x^T: MKL's kernel for 1-3 columns is slower than for 4
 PAD_ROWS = 4
-# on one thread, only matrices with at least this many outputs (an LM head) switch
-WIDE_OUT = 16384
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W @ x^T over the rows of x (padded to PAD_ROWS), shaped as F.linear's result."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
-    pad = PAD_ROWS
-    if torch.get_num_threads() < 2:
-        # one thread: only a vocabulary-wide matrix gains (the LM head, 2-8 rows),
-        # and padding a lone row would just do 4 rows' work
-        if rows < 2 or weight.shape[0] < WIDE_OUT:
-            return F.linear(x, weight, bias)
-        pad = 0
     flat = x.reshape(rows, k)
-    if rows < pad:
-        flat = torch.cat([flat, flat.new_zeros(pad - rows, k)])
+    if rows < PAD_ROWS:
+        flat = torch.cat([flat, flat.new_zeros(PAD_ROWS - rows, k)])
     out = torch.mm(weight, flat.t())[:, :rows].t().contiguous()
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+PRODUCT = {"rows": F.linear, "columns": small_batch_linear}
+
+
+def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  choice: ProductChoice) -> torch.Tensor:
+    """x @ W^T or W @ x^T, as `choice` has found faster for this kind of call (timing
+    this call if it is one of the trials)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 0 < rows <= SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    key = (weight.shape[0], k, row_bucket(rows), torch.get_num_threads())
+    product, timed = choice.pick(key)
+    if not timed:
+        return PRODUCT[product](x, weight, bias)
+    t0 = time.perf_counter()
+    out = PRODUCT[product](x, weight, bias)
+    choice.observe(key, product, time.perf_counter() - t0)
+    return out
+
+
 class SmallBatchLinear(nn.Linear):
-    """An nn.Linear (same parameters, same state dict) with the small-batch product."""
+    """An nn.Linear (same parameters, same state dict) whose decode-sized calls take the
+    product this machine runs faster. `choice`: the stage's (use_small_batch_linear)."""
+
+    choice: ProductChoice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_batch_linear(x, self.weight, self.bias)
+        if self.choice is None:
+            return F.linear(x, self.weight, self.bias)
+        return chosen_linear(x, self.weight, self.bias, self.choice)
 
 
-def use_small_batch_linear(model: nn.Module) -> int:
-    """Switch the model's float32 CPU nn.Linear layers over; returns how many."""
-    n = 0
+def use_small_batch_linear(model: nn.Module, choice: ProductChoice | None = None) -> ProductChoice:
+    """Switch the model's float32 CPU nn.Linear layers over (layers switched before, kept
+    from an earlier stage, take this one's choice too); returns the choice they share."""
+    choice = choice if choice is not None else ProductChoice()
     for m in model.modules():
         if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
             m.__class__ = SmallBatchLinear
-            n += 1
-    return n
+        if type(m) is SmallBatchLinear:
+            m.choice = choice
+    return choice
 
 
 class Int8WeightLinear(nn.Module):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
@@ -184,7 +185,9 @@ def import_model_code() -> None:
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
-                 weights: str = "auto", reuse: HeldLayers | None = None):
+                 weights: str = "auto", reuse: HeldLayers | None = None, products: ProductChoice | None = None):
+        """products: how a CPU stage picks its decode steps' matrix products (default: by
+        timing both on this machine, engine/core/product_choice.py)."""
         self.source = source
         # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
         self.cores = cores
@@ -226,10 +229,9 @@ class StageModel:
         self.step_log = None
         for layer in self._layers[1:]:  # a decode step may cut in before any later layer
             self._hooks.append(layer.register_forward_pre_hook(_weak(self._gate_hook)))
-        if self.device.type == "cpu":
-            # decode steps' few rows: W @ x^T streams each weight matrix instead of
-            # packing it per call (engine/model/cpu_linear.py: a decode step over a tenth faster)
-            use_small_batch_linear(self.model)
+        # decode steps' few rows on a CPU: x @ W^T or W @ x^T, whichever this machine
+        # runs faster (engine/model/cpu_linear.py: either can halve a decode step)
+        self.products = use_small_batch_linear(self.model, products) if self.device.type == "cpu" else None
         if cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
                 self._hooks.append(layer.register_forward_pre_hook(lambda *_: cores.checkpoint()))

@@ -1,4 +1,6 @@
-"""Small-batch linear layers on CPU (engine/model/cpu_linear.py): same results, batch-invariant."""
+"""Small-batch linear layers on CPU (engine/model/cpu_linear.py): the same results whichever
+product a call takes, W @ x^T batch-invariant, and each kind of call settling on the product
+this machine runs faster."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from engine.model.cpu_linear import SMALL_ROWS, WIDE_OUT, SmallBatchLinear, small_batch_linear, use_small_batch_linear  # noqa: E402
+from engine.core.product_choice import TRIALS, ProductChoice, row_bucket  # noqa: E402
+from engine.model.cpu_linear import (SMALL_ROWS, SmallBatchLinear, chosen_linear, small_batch_linear,  # noqa: E402
+                                     use_small_batch_linear)
 
 
 @pytest.fixture
@@ -46,15 +50,26 @@ def test_a_row_does_not_depend_on_its_batch_mates(two_threads):
         assert torch.equal(small_batch_linear(x[:rows], w, None)[:1], alone), rows
 
 
-def test_one_thread_switches_only_vocabulary_wide_matrices():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_kind_of_call_settles_on_one_product(threads):
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
-        w, x = torch.randn(64, 32), torch.randn(3, 32)
-        assert torch.equal(small_batch_linear(x, w, None), F.linear(x, w))  # a layer's matrix
-        head = torch.randn(WIDE_OUT, 32)
-        assert torch.equal(small_batch_linear(x[:1], head, None), F.linear(x[:1], head))  # one row
-        torch.testing.assert_close(small_batch_linear(x, head, None), F.linear(x, head), rtol=1e-5, atol=1e-5)
+        g = torch.Generator().manual_seed(threads)
+        w = torch.randn(600, 64, generator=g)
+        b = torch.randn(600, generator=g)
+        choice = ProductChoice()
+        for rows in (1, 3, 8, 20):
+            x = torch.randn(rows, 64, generator=g)
+            key = (600, 64, row_bucket(rows), threads)
+            for _ in range(2 * TRIALS):   # the trials: both products, each result right
+                assert key not in choice.chosen()
+                torch.testing.assert_close(chosen_linear(x, w, b, choice), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            assert choice.chosen()[key] in ("rows", "columns"), rows
+            torch.testing.assert_close(chosen_linear(x, w, b, choice), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        big = torch.randn(SMALL_ROWS + 1, 64, generator=g)   # a prompt: always x @ W^T, never timed
+        assert torch.equal(chosen_linear(big, w, None, choice), F.linear(big, w))
+        assert len(choice.chosen()) == 4
     finally:
         torch.set_num_threads(before)
 
@@ -62,12 +77,15 @@ def test_one_thread_switches_only_vocabulary_wide_matrices():
 def test_switch_covers_float32_linears_only_and_keeps_the_state_dict():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4).to(torch.bfloat16), nn.Embedding(10, 8))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert use_small_batch_linear(model) == 1
+    choice = use_small_batch_linear(model)
     assert type(model[0]) is SmallBatchLinear and type(model[2]) is nn.Linear
+    assert model[0].choice is choice
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+    again = use_small_batch_linear(model)   # layers kept for another stage take its choice
+    assert again is not choice and model[0].choice is again
 
 
 def test_int8_weights_compute_what_their_dequantized_matrix_does():

@@ -18,11 +18,18 @@ import weakref
 import pytest
 import torch
 
+from engine.core.product_choice import ProductChoice
 from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 from testkit.tiny_models import ARCHS
 
 from test_static_decode import greedy
+
+
+def one_product() -> ProductChoice:
+    """Logits are compared bit for bit between stages built apart: one matrix product for
+    all, where a CPU stage would pick whichever it times faster (engine/model/cpu_linear.py)."""
+    return ProductChoice(fixed="rows")
 
 
 def build(source, ranges, reuse=None, dtype=torch.float32) -> tuple[list[StageModel], list[int]]:
@@ -31,7 +38,7 @@ def build(source, ranges, reuse=None, dtype=torch.float32) -> tuple[list[StageMo
     stages, reads = [], []
     for i, (a, b) in enumerate(ranges):
         totals = []
-        stages.append(StageModel(source, a, b, dtype=dtype, device="cpu",
+        stages.append(StageModel(source, a, b, dtype=dtype, device="cpu", products=one_product(),
                                  reuse=reuse[i] if reuse else None,
                                  progress=lambda done, total, what: totals.append(total)))
         reads.append(totals[0] if totals else 0)
@@ -72,8 +79,8 @@ def test_the_default_model_keeps_its_layers_through_a_rearrangement_and_back(def
     old, _ = build(default_source, three)
     before = greedy(old, prompts=PROMPTS, new=6)
     # the middle stage's machine left: the other two take its layers
-    two = [StageModel(default_source, 0, 15, device="cpu", reuse=old[0].hand_over()),
-           StageModel(default_source, 15, L, device="cpu", reuse=old[2].hand_over())]
+    two = [StageModel(default_source, 0, 15, device="cpu", reuse=old[0].hand_over(), products=one_product()),
+           StageModel(default_source, 15, L, device="cpu", reuse=old[2].hand_over(), products=one_product())]
     assert [s.kept_layers for s in two] == [10, L - 20]
     assert same(greedy(two, prompts=PROMPTS, new=6), before)
     # it came back: both shrink, and no tensor of their layers is read again
@@ -136,9 +143,9 @@ def test_what_the_new_stage_does_not_hold_is_let_go_before_it_loads(tiny_folder)
 
 def test_a_head_tied_to_a_kept_embedding_is_tied_again_not_copied(default_source):
     L = default_source.config().num_hidden_layers
-    old = StageModel(default_source, 0, L, device="cpu")
+    old = StageModel(default_source, 0, L, device="cpu", products=one_product())
     before = greedy([old], prompts=PROMPTS, new=4)
-    new = StageModel(default_source, 0, L, device="cpu", reuse=old.hand_over())
+    new = StageModel(default_source, 0, L, device="cpu", reuse=old.hand_over(), products=one_product())
     assert new.kept_layers == L and new.kept_parts == ["model.embed_tokens", "model.norm"]
     assert new.model.lm_head.weight is new.model.model.embed_tokens.weight
     assert same(greedy([new], prompts=PROMPTS, new=4), before)
