@@ -7,11 +7,13 @@ model. On the 2-core machine this engine was first tuned on, W @ x^T halved the 
 model's LM head at 8 rows; on today's (AVX-512, the same torch 2.13.0) it takes a lone
 row of every matrix about three times as long as x @ W^T, and it had halved a single
 user's decode speed (bench/RESULTS.md, 2026-12-03). So
-neither is wired in: the first calls of each kind of product (a matrix shape, a bucket
-of rows, a thread count) alternate between the two, timed, and from then on the faster
-one runs. Those trials are a few calls per kind -- the load's own profile steps finish
-most of them -- and they are spread over the model's layers, so a matrix is timed
-streamed from memory as in service, not hot in a cache.
+neither is wired in: the first call of each kind of product (a matrix shape, a bucket
+of rows, a thread count) times the two in turn, a few times each, and answers with the
+faster, which every later call of that kind runs. The trials all happen inside that
+first call, so no result ever comes from the product a kind did not keep: a step gives
+the same bits on its first call as on its thousandth (trials spread over calls had two
+asks of one greedy reply read different logprobs). The load's own profile steps make
+most of these first calls.
 
 A ProductChoice is fed the times and answers the choice; cpu_linear.py does the calls.
 Calls may come from two threads (a decode step cutting into a prompt step): a sample

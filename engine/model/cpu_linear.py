@@ -8,7 +8,7 @@ the time for the default model's LM head at 8 rows and its layers' matrices at 4
 machines run x @ W^T for a lone row as a matrix-vector product several times faster
 than W @ x^T: on an AVX-512 machine with the same torch, W @ x^T made a single user's
 decode step twice as long (bench/RESULTS.md, 2026-12-03). So each kind of call -- matrix shape, bucket of rows,
-thread count -- times both for its first few calls and keeps the faster
+thread count -- times both at its first call and keeps the faster
 (engine/core/product_choice.py; `python -m engine.model.cpu_linear` prints the
 per-matrix comparison).
 
@@ -63,12 +63,17 @@ def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x, weight, bias)
     key = (weight.shape[0], k, row_bucket(rows), torch.get_num_threads())
     product, timed = choice.pick(key)
-    if not timed:
-        return PRODUCT[product](x, weight, bias)
-    t0 = time.perf_counter()
-    out = PRODUCT[product](x, weight, bias)
-    choice.observe(key, product, time.perf_counter() - t0)
-    return out
+    # the first call of a kind runs all its trials on its own input before it answers:
+    # every result that leaves this call comes from the product the kind keeps, so the
+    # same step gives the same bits on its first call and its thousandth (trials spread
+    # over calls answered some steps with one product and some with the other, and two
+    # asks of one greedy reply read different logprobs)
+    while timed:
+        t0 = time.perf_counter()
+        PRODUCT[product](x, weight, bias)
+        choice.observe(key, product, time.perf_counter() - t0)
+        product, timed = choice.pick(key)
+    return PRODUCT[product](x, weight, bias)
 
 
 class SmallBatchLinear(nn.Linear):

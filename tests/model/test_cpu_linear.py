@@ -14,8 +14,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from engine.core.product_choice import TRIALS, ProductChoice, row_bucket  # noqa: E402
-from engine.model.cpu_linear import (SMALL_ROWS, SmallBatchLinear, chosen_linear, small_batch_linear,  # noqa: E402
+from engine.core.product_choice import ProductChoice, row_bucket  # noqa: E402
+from engine.model.cpu_linear import (PRODUCT, SMALL_ROWS, SmallBatchLinear, chosen_linear, small_batch_linear,  # noqa: E402
                                      use_small_batch_linear)
 
 
@@ -62,11 +62,14 @@ def test_each_kind_of_call_settles_on_one_product(threads):
         for rows in (1, 3, 8, 20):
             x = torch.randn(rows, 64, generator=g)
             key = (600, 64, row_bucket(rows), threads)
-            for _ in range(2 * TRIALS):   # the trials: both products, each result right
-                assert key not in choice.chosen()
-                torch.testing.assert_close(chosen_linear(x, w, b, choice), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-            assert choice.chosen()[key] in ("rows", "columns"), rows
-            torch.testing.assert_close(chosen_linear(x, w, b, choice), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            assert key not in choice.chosen()
+            first = chosen_linear(x, w, b, choice)   # times both, TRIALS each, then answers
+            kept = choice.chosen()[key]
+            assert kept in ("rows", "columns"), rows
+            torch.testing.assert_close(first, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            # the first answer already came from the kept product: the same bits from then on
+            assert torch.equal(first, PRODUCT[kept](x, w, b))
+            assert torch.equal(chosen_linear(x, w, b, choice), first)
         big = torch.randn(SMALL_ROWS + 1, 64, generator=g)   # a prompt: always x @ W^T, never timed
         assert torch.equal(chosen_linear(big, w, None, choice), F.linear(big, w))
         assert len(choice.chosen()) == 4
