@@ -365,9 +365,37 @@ def step_costs(stage, device: str, steps: int = 30, context: int = 128) -> dict:
             if gpu:
                 torch.cuda.synchronize()
             out[name] = (time.perf_counter() - t0) / steps
+            if gpu and os.environ.get("POTLUCK_BENCH_PROFILE"):
+                try:
+                    profile_steps(step, Path(os.environ["POTLUCK_BENCH_PROFILE"]) / f"profile-{name}.txt")
+                except Exception as exc:  # noqa: BLE001 -- a profile is a bonus, the figures are not
+                    log(f"no profile of the {name} step: {type(exc).__name__}: {exc}")
     finally:
         stage.free(seq)
     return out
+
+
+def profile_steps(step, path: Path, steps: int = 10) -> None:
+    """Where a step's time goes on the GPU (POTLUCK_BENCH_PROFILE=DIR): torch.profiler
+    over `steps` steps, the kernels by device time and the wall time beside them, so a
+    window that misses a target leaves what to look at next."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} steps: wall {wall / steps * 1e3:.2f} ms a step, device (kernels) "
+                    f"{device_us / steps / 1e3:.2f} ms a step\n\n"
+                    + events.table(sort_by="self_device_time_total", row_limit=30) + "\n\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def replay_on_the_tape() -> None:

@@ -31,13 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-aten = torch.ops.aten
+from engine.model.cuda_graphs import HOST_READS  # what a CUDA stream capture refuses
 
-# operators that hand a device value to the host (or size a result by one): a CUDA
-# stream capture refuses them ("operation not permitted when stream is capturing")
-HOST_READS = {aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.is_nonzero.default,
-              aten.equal.default, aten.masked_select.default, aten.unique_consecutive.default,
-              aten._unique2.default, aten.repeat_interleave.Tensor}
+aten = torch.ops.aten
 
 
 class CaptureRefused(RuntimeError):
@@ -121,7 +117,7 @@ class TapeCuda:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def graph(self, g: TapeGraph, pool=None, capture_error_mode=None):
+    def graph(self, g: TapeGraph, pool=None, stream=None, capture_error_mode=None):
         self.captures += 1
         self.graphs.append(g)
         with _Recorder(g.tape):

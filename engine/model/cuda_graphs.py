@@ -9,10 +9,13 @@ whole step instead of thousands.
 
 A graph holds the KV store's addresses: one captured before the store grew (a
 reallocation bumps `KVStore.generation`) is dropped and captured again when next needed.
-A capture that fails -- an operation a graph cannot hold, a host copy inside the step,
-memory -- is logged with its reason and that bucket runs eagerly from then on; after a
-few failures the stage stops trying (GraphBook). Never a crash: the eager step is the
-same computation.
+A step that reads a device value on the host or copies across (HostReadWatch, over the
+first warm-up) is refused before any capture begins. A capture that fails all the same
+-- memory, an operation the watch does not know -- is logged with its reason and the
+stage captures nothing more (CUDA's and the allocator's state after a half-ended capture
+is not to be trusted); a refused bucket runs eagerly from then on, and after a few
+refusals the stage stops trying (GraphBook). Never a crash: the eager step is the same
+computation.
 
 The warm-up runs compute the real step (with the step's own inputs already in the
 buffers) and write its keys and values where the replay writes them again: the same
@@ -22,15 +25,57 @@ values, so capturing inside a live step changes nothing.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from engine.core.graph_plan import GraphBook, StepShape
 
 log = logging.getLogger("potluck.graphs")
 
 WARMUP_RUNS = 2
+
+aten = torch.ops.aten
+# operators that hand a device value to the host (or size a result by one): a stream
+# capture refuses them, and on a GPU the refusal can leave the capture half-ended
+HOST_READS = frozenset({
+    aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.is_nonzero.default,
+    aten.equal.default, aten.masked_select.default, aten.unique_consecutive.default,
+    aten._unique2.default, aten.repeat_interleave.Tensor})
+# copies: one between host memory and the device inside a capture is refused too
+COPIES = frozenset({aten.copy_.default, aten._to_copy.default})
+
+# torch allows one capture at a time in a process: two stages of one process (a head's
+# own stage and its draft) capture in turn
+_ONE_CAPTURE = threading.Lock()
+
+
+class HostRead(RuntimeError):
+    """The step reads a device value on the host or copies across: no graph can hold it."""
+
+
+class HostReadWatch(TorchDispatchMode):
+    """Raises HostRead at the first operator of the step that a capture would refuse.
+    A warm-up runs under it, so such a step is refused before any capture begins: on the
+    first H200 that ran these graphs, a capture that failed half-way left the allocator
+    recording into its pool and every capture and step after it failed too. Dispatch
+    modes are per thread: other threads' work is not watched."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READS:
+            raise HostRead(f"the step reads a device value on the host ({func})")
+        if func in COPIES:
+            kinds = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            dst = kwargs.get("device")
+            if dst is not None:
+                kinds.add(torch.device(dst).type)
+            if "cpu" in kinds and len(kinds) > 1:
+                raise HostRead(f"the step copies between the host and the device ({func})")
+        return func(*args, **kwargs)
 
 
 class GraphRunner:
@@ -54,31 +99,48 @@ class GraphRunner:
         if not self.book.may_capture(shape):
             self.book.ran_eagerly("capture failed before")
             return step()
+        began = []
         try:
-            return self._capture(shape, step)
+            with _ONE_CAPTURE:
+                return self._capture(shape, step, began)
         except Exception as exc:  # noqa: BLE001 -- any failure: this bucket runs eagerly, logged
             reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             log.warning("decode step %s runs without a CUDA graph: %s", shape.label(), reason)
             self.book.capture_failed(shape, reason)
-            self.cuda.synchronize(self.device)
+            if began:
+                # it failed inside the capture: what CUDA and the allocator were left in
+                # is not ours to trust, so no more captures; eager steps need neither
+                self.book.disabled = self.book.disabled or f"a capture failed half-way: {reason}"
+                self.graphs.clear()
+            try:
+                self.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 -- the error the capture left; the eager step says if it matters
+                pass
             return step()
 
-    def _capture(self, shape: StepShape, step) -> torch.Tensor:
+    def _capture(self, shape: StepShape, step, began: list) -> torch.Tensor:
         cuda = self.cuda
         t0 = time.perf_counter()
         reserved = cuda.memory_reserved(self.device)
         side = cuda.Stream(self.device)
         side.wait_stream(cuda.current_stream(self.device))
         with cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+            with HostReadWatch():       # refused here, before any capture begins
+                step()
+            for _ in range(WARMUP_RUNS - 1):
                 step()
         cuda.current_stream(self.device).wait_stream(side)
         generation = self.stage.kv.generation
         if any(g != generation for _, _, g in self.graphs.values()):
             self.drop_all()             # the warm-up grew the store
         graph = cuda.CUDAGraph()
-        with cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = step()
+        # the capture on a stream of our own, inside a context of our own: if the capture's
+        # end raises, torch's context skips putting the thread's stream back, ours does not
+        capture_stream = cuda.Stream(self.device)
+        began.append(True)
+        with cuda.stream(capture_stream):
+            with cuda.graph(graph, pool=self.pool, stream=capture_stream, capture_error_mode="thread_local"):
+                out = step()
         if self.stage.kv.generation != generation:
             raise RuntimeError("the KV store moved while the step was captured")
         graph.replay()

@@ -185,9 +185,13 @@ def import_model_code() -> None:
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
-                 weights: str = "auto", reuse: HeldLayers | None = None, products: ProductChoice | None = None):
+                 weights: str = "auto", reuse: HeldLayers | None = None, products: ProductChoice | None = None,
+                 serving: bool = True):
         """products: how a CPU stage picks its decode steps' matrix products (default: by
-        timing both on this machine, engine/core/product_choice.py)."""
+        timing both on this machine, engine/core/product_choice.py). serving=False: built
+        only to hand its layers over (engine/pipeline/load_ahead.py, beside a stage that
+        serves), so it takes no decode path: capturing CUDA graphs on that thread while the
+        serving stage's steps ran broke the serving stage's steps (the second H200 window)."""
         self.source = source
         # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
         self.cores = cores
@@ -241,7 +245,8 @@ class StageModel:
         self.per_row_rotary = per_row_rotary(self.model)
         # decode steps over fixed buffers, replayed as CUDA graphs on a GPU (issue 42)
         self.static = None
-        decode_path(self)
+        if serving:
+            decode_path(self)
 
     # ---- construction -------------------------------------------------------
     def _built(self) -> tuple:
@@ -568,7 +573,9 @@ class StageModel:
         with attention_kernels(self.device):
             out = self._held_step(batch, inputs)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's time, not its launch's
+            # the step's time, not its launch's: this thread's stream only (a device-wide
+            # synchronize while another thread captures a graph invalidates that capture)
+            torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - t0
         if all(n == 1 for n in batch.ns):
             log.observe("decode", len(batch.ns), seconds)

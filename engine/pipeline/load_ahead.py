@@ -62,7 +62,7 @@ def build_beside(checked, msg: dict, serving, device, memory_cap: int | None, pr
     held = None
     for a, b in pieces:
         part = StageModel(checked.source, a, b, dtype=checked.dtype, device=device, kv_budget_tokens=0,
-                          progress=progress, weights=msg["weights"]).hand_over()
+                          progress=progress, weights=msg["weights"], serving=False).hand_over()
         held = part if held is None else held.merge(part)
     return held
 

@@ -83,6 +83,9 @@ def decode(s: StageModel, steps: int, prompts=PROMPTS) -> list[torch.Tensor]:
     return got
 
 
+MOE = ("qwen2_moe", "deepseek_v3")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "gemma3_text", "deepseek_v3"])
 def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
     """Three rows: a bucket of four, whose padding row writes the scratch slot (on the
@@ -90,9 +93,16 @@ def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
     folder, _ = tiny_folder(arch)
     eager = decode(where.stage(folder, False), 12)
     s = where.stage(folder, True)
-    assert s.static.book.captures == 5                 # rows 1, 2, 4, 8, 16 at load
-    where.same(decode(s, 12), eager)
     book = s.static.book
+    if where.kind == "cuda" and arch in MOE and book.failed:
+        # float32 experts on a GPU may take transformers' grouped-product fallback, which
+        # reads each expert's row count on the host: refused before any capture began
+        # (HostReadWatch), and the steps run eagerly, the same logits
+        assert book.captures == 0 and book.disabled and all("HostRead" in r for r in book.failed.values())
+        where.same(decode(s, 12), eager)
+        return
+    assert book.captures == 5                           # rows 1, 2, 4, 8, 16 at load
+    where.same(decode(s, 12), eager)
     assert book.replays == 12 and book.captures == 5 and not book.failed, book.summary()
 
 
@@ -347,5 +357,6 @@ def test_a_host_read_in_the_step_fails_its_capture_and_the_step_runs_eagerly(whe
     where.same(decode(s, 3), ref)
     book = s.static.book
     assert book.failed and "runs without a CUDA graph" in caplog.text
-    if where.kind == "tape":    # CUDA may report it as the capture's end, invalidated
-        assert "stream is capturing" in next(iter(book.failed.values()))
+    # refused in the warm-up, before any capture began: the stage may go on capturing
+    assert all("reads a device value on the host" in r for r in book.failed.values()), book.summary()
+    assert book.disabled is None or "captures failed" in book.disabled
