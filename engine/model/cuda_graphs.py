@@ -133,6 +133,13 @@ class GraphRunner:
         generation = self.stage.kv.generation
         if any(g != generation for _, _, g in self.graphs.values()):
             self.drop_all()             # the warm-up grew the store
+        if not self.graphs:
+            # a pool whose graphs are all gone is not captured into again: the allocator
+            # keeps it, at no graph's use, while any block of it lives (a library's cached
+            # workspace, an old output), and a capture into it then fails an internal
+            # assert (torch's use_count > 0: the nf4 stage on the H200, recapturing after
+            # the store grew)
+            self.pool = cuda.graph_pool_handle()
         graph = cuda.CUDAGraph()
         # the capture on a stream of our own, inside a context of our own: if the capture's
         # end raises, torch's context skips putting the thread's stream back, ours does not

@@ -43,18 +43,15 @@ RESERVE_CAP = 2048
 
 def decode_path(stage) -> None:
     """Give a stage its fixed-buffer decode step where it pays: on a CUDA device, replayed
-    as graphs when POTLUCK_CUDA_GRAPHS=1, with its usual buckets captured now; on the
+    as graphs (unless POTLUCK_CUDA_GRAPHS=0), with its usual buckets captured now; on the
     CPU only when POTLUCK_STATIC_DECODE=1 (eagerly: the tests' way to run this path
     through whole pipelines; the CPU's own step is faster there)."""
     import os
 
     on_gpu = stage.device.type == "cuda"
-    # off by default until a GPU run shows them sound: on the first (an H200, 2026-11-29,
-    # bench/RESULTS.md) every replay that padded its rows wrote its scratch slot past the
-    # store it was captured over, a device-side assert that leaves the process's CUDA
-    # context unusable. Found and fixed on the CPU since (testkit/graph_tape.py replays a
-    # capture as a graph does); not yet run on a GPU. Eager steps work.
-    if on_gpu and os.environ.get("POTLUCK_CUDA_GRAPHS", "0") != "1":
+    # on by default since the H200 ran them sound (bench/RESULTS.md, 2026-12-04: a 1-user
+    # decode 6.5x transformers' generate); POTLUCK_CUDA_GRAPHS=0 keeps every step eager
+    if on_gpu and os.environ.get("POTLUCK_CUDA_GRAPHS", "1") == "0":
         return
     if not on_gpu and os.environ.get("POTLUCK_STATIC_DECODE") != "1":
         return

@@ -95,10 +95,11 @@ def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
     s = where.stage(folder, True)
     book = s.static.book
     if where.kind == "cuda" and arch in MOE and book.failed:
-        # float32 experts on a GPU may take transformers' grouped-product fallback, which
-        # reads each expert's row count on the host: refused before any capture began
-        # (HostReadWatch), and the steps run eagerly, the same logits
-        assert book.captures == 0 and book.disabled and all("HostRead" in r for r in book.failed.values())
+        # float32 experts on a GPU take transformers' grouped-product fallback, which copies
+        # between the host and the device inside the step (the H200, transformers 5.23):
+        # the capture fails, the stage captures nothing more, and its steps run eagerly
+        # with the same logits
+        assert book.captures == 0 and book.disabled, book.summary()
         where.same(decode(s, 12), eager)
         return
     assert book.captures == 5                           # rows 1, 2, 4, 8, 16 at load
@@ -178,6 +179,20 @@ def test_the_store_growing_recaptures_and_stays_right(where, tiny_folder):
     where.same(decode(s, 12, long), decode(where.stage(folder, False), 12, long))
     # 128 keys, then 256: the store grew past the first, whose graph went with the old store
     assert [shape.kv_len for shape in s.static.book.live] == [256] and s.static.book.captures == 5 + 2
+
+
+def test_graphs_captured_again_after_all_were_dropped_while_their_memory_lives(where, tiny_folder):
+    """Every graph dropped (the store grew) while a tensor of their pool lives on: the next
+    captures go to a pool of their own (into the old one, torch's allocator asserted)."""
+    folder, _ = tiny_folder("llama")
+    s = where.stage(folder, True)
+    runner = s.static.runner
+    kept = [out for _, out, _ in runner.graphs.values()]      # blocks of the old pool, alive
+    old_pool = runner.pool
+    runner.drop_all()
+    where.same(decode(s, 6), decode(where.stage(folder, False), 6))
+    book = s.static.book
+    assert kept and runner.pool is not old_pool and book.captures > 5 and not book.failed, book.summary()
 
 
 def test_a_stage_that_is_not_first_replays_its_hidden_states(where, tiny_folder):
