@@ -30,19 +30,24 @@ llama70b() assumption). A decode step of n tokens on a stage, three ways:
                  (read 0.5625 + write 2 bytes a parameter) and multiplies that (read 2):
                  ~8x the memory traffic of a one-token step. What the engine's NF4 path
                  does today.
-  as measured    the engine as bench/gpu.py measured it on the lent H200 (RESULTS.md,
-                 2026-11-26, nf4, one process): 22.6 tok/s at batch 1 and 17.2 per
-                 sequence at 16 for 32 layers -> 1.38 and 1.82 ms a layer, host-bound
-                 (kernel launches and Python: the H200 did ~6 ms of work in a 35-44 ms
-                 step). Its "fraction of memory bandwidth" is 22.6 tok/s x 6.03 GB /
-                 4.27 TB/s = 0.03: a launch-bound figure that would not scale with a
-                 slower GPU's bandwidth, so it is applied as what it is, a per-layer host
-                 time (the same kernels a layer for a 70B layer), with the roofline+bnb
-                 GPU time underneath: a stage's step is the slower of the two.
+  as measured    the engine as bench/gpu.py measured it on the lent H200 with its decode
+                 steps replayed as CUDA graphs (RESULTS.md, 2026-12-04, one process, 32
+                 layers of the Llama-3.1-8B shape), split in two parts. What does not
+                 scale with the weights -- norms, rotary, KV writes, attention, the
+                 launch and the host between steps -- is the bf16 step's 7.59 ms less its
+                 matrix kernels' 4.50 ms (the step's profile): 0.097 ms a layer, kept as
+                 it is (a 70B layer's small kernels are as latency-bound). The weights'
+                 part: bf16's matrix kernels read at 0.83 of the copy bandwidth (the LM
+                 head here); nf4's, the 7.41 ms nf4 step less the same fixed part, at
+                 0.33 (bitsandbytes' 4-bit kernels), and an n-token step multiplies that
+                 part by what the H200 measured (2.59 at 1 + 4 tokens, 3.09 at 16 rows,
+                 linear between, per row beyond). All these fractions carry over to the
+                 4090's bandwidth: an assumption.
 
 The draft: Llama-3.2-1B (1.24 B parameters, 16 layers, same tokenizer), bf16 on the host's
 GPU beside stage 0 (2.5 GB), drafting one token per forward: 2.47 GB / (1008 GB/s x 0.6)
-= 4.1 ms a drafted token on the roofline; as measured, 16 layers x 1.38 ms = 22 ms.
+= 4.1 ms a drafted token on the roofline; as measured, 16 layers' fixed part and
+its weights at the bf16 matrix kernels' 0.83: 1.6 + 3.0 = 4.5 ms.
 It runs on the head's compute, before the step it drafts for (the simulator's Spec.draft).
 
 Acceptance: per-token acceptance alpha (each drafted token stands with probability alpha
@@ -90,9 +95,19 @@ SPLIT = (27, 27, 26)
 GPU_MEM = 24e9
 # the GPU (bench/simulator.py llama70b's 4090-class assumption)
 MEM_BW, FLOPS, FRACTION = 1008e9, 150e12, 0.6
-# the engine as measured on the H200 (bench/RESULTS.md 2026-11-26, bench/gpu.py, nf4, ours1)
-H200_NF4_TOKS = {1: 22.6, 16: 17.2}     # tok/s per sequence at batch 1 and 16
-H200_LAYERS, H200_BW, H200_NF4_BYTES = 32, 4.27e12, 6.03e9
+# the engine as measured on the H200 with decode graphs (bench/RESULTS.md 2026-12-04,
+# bench/gpu.py, ours1, 32 layers): steps, the bf16 step's matrix kernels (its profile)
+H200_BW, H200_LAYERS = 4.29e12, 32
+H200_BF16_BYTES, H200_NF4_BYTES = 16.06e9, 6.03e9
+H200_BF16_ONE_S, H200_NF4_ONE_S, H200_BF16_MATMUL_S = 7.59e-3, 7.41e-3, 4.50e-3
+FIXED_PER_LAYER_S = (H200_BF16_ONE_S - H200_BF16_MATMUL_S) / H200_LAYERS       # ~0.097 ms
+_FIXED = FIXED_PER_LAYER_S * H200_LAYERS
+BF16_FRACTION = H200_BF16_BYTES / H200_BW / H200_BF16_MATMUL_S                   # ~0.83
+NF4_FRACTION = H200_NF4_BYTES / H200_BW / (H200_NF4_ONE_S - _FIXED)             # ~0.33
+# nf4: an n-token step's weight part over a 1-token step's (verification 1 + 4: 14.27 ms;
+# 16 rows: 60.8 tok/s a sequence)
+NF4_STEP_SCALE = ((1, 1.0), (5, (14.27e-3 - _FIXED) / (H200_NF4_ONE_S - _FIXED)),
+                  (16, (1 / 60.8 - _FIXED) / (H200_NF4_ONE_S - _FIXED)))
 # the draft: Llama-3.2-1B, bf16
 DRAFT_PARAMS, DRAFT_LAYERS = 1.24e9, 16
 ACCEPT = 0.71               # Leviathan et al. 2023, Table 3 (LaMDA 2B -> 137B, dialog)
@@ -101,10 +116,16 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 PROMPT = (16, 64, 256, 512, 1024, 2048, 4096)
 
 
-def host_ms_per_layer(n: float) -> float:
-    """The engine's measured per-layer step time on the H200 (host-bound), interpolated."""
-    t1, t16 = (1e3 / H200_NF4_TOKS[b] / H200_LAYERS for b in (1, 16))
-    return t1 + (t16 - t1) * (min(max(n, 1), 16) - 1) / 15 if n <= 16 else t16 * n / 16
+def measured_scale(n: float) -> float:
+    """An n-token step's weight part over a 1-token step's, from the H200's nf4 figures,
+    linear between them and per row past the last."""
+    pts = NF4_STEP_SCALE
+    if n >= pts[-1][0]:
+        return pts[-1][1] * n / pts[-1][0]
+    for (a, ta), (b, tb) in zip(pts, pts[1:]):
+        if n <= b:
+            return ta + (tb - ta) * (max(n, a) - a) / (b - a)
+    return pts[0][1]
 
 
 def stage_profile(layers: int, lm_head: bool, kind: str) -> dict:
@@ -124,17 +145,19 @@ def stage_profile(layers: int, lm_head: bool, kind: str) -> dict:
         return t + (0 if prompt else n * kv_row / bw)
 
     def step(n: int, prompt: bool = False) -> float:
-        t = gpu(n, prompt)
         if kind == "measured":
-            t = max(t, layers * host_ms_per_layer(n) / 1e3)
-        return t
+            weights = packed / (MEM_BW * NF4_FRACTION) * measured_scale(n) + head_bytes / (MEM_BW * BF16_FRACTION)
+            t = max(layers * FIXED_PER_LAYER_S + weights, flop_tok * n / FLOPS)
+            return t + (0 if prompt else n * kv_row / bw)
+        return gpu(n, prompt)
 
     return {"decode": [[n, step(n)] for n in ROWS], "prefill": [[n, step(n, True)] for n in PROMPT]}
 
 
 def draft_seconds(kind: str) -> float:
-    t = DRAFT_PARAMS * BF16 / (MEM_BW * FRACTION)
-    return max(t, DRAFT_LAYERS * host_ms_per_layer(1) / 1e3) if kind == "measured" else t
+    if kind == "measured":
+        return DRAFT_LAYERS * FIXED_PER_LAYER_S + DRAFT_PARAMS * BF16 / (MEM_BW * BF16_FRACTION)
+    return DRAFT_PARAMS * BF16 / (MEM_BW * FRACTION)
 
 
 def pipeline(kind: str, mbits: float, delay_s: float) -> sim.Pipeline:
@@ -196,7 +219,7 @@ def main(argv=None) -> int:
           "Llama-3.1-70B was at hand offline), bracketed by 0.61 and 0.80\n")
     kinds = [("roofline", "roofline, fused 4-bit kernels (0.6 of bandwidth: assumed)"),
              ("bnb", "roofline + bitsandbytes (n > 1 tokens dequantize to bf16)"),
-             ("measured", "as measured on the H200 (host-bound per-layer time) + bnb")]
+             ("measured", "as measured on the H200 with decode graphs (bnb nf4 kernels)")]
     rows, urows, head = [], [], {}
     for kind, label in kinds:
         pipe = pipeline(kind, a.mbits, delay)
