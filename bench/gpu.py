@@ -119,10 +119,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SYSTEMS = ("ours1", "ours2", "hf", "ours1e")
+SYSTEMS = ("ours1", "ours2", "hf", "ours1e", "ours1n")
 DEFAULT_SYSTEMS = ("ours1", "ours2", "hf")
 LABELS = {"ours1": "ours, 1 process", "ours2": "ours, 2 stages / 2 processes", "hf": "HF generate",
-          "ours1e": "ours, 1 process, no CUDA graphs"}
+          "ours1e": "ours, 1 process, no CUDA graphs", "ours1n": "ours, 1 process, transformers' norms"}
 # issue 42's targets
 TARGET_VS_HF = 2.0       # ours1 / hf decode tok/s at batch 1 bf16, at least
 TARGET_VS_HF_16 = 1.5    # ours1 / hf aggregate decode tok/s at batch 16 bf16, at least
@@ -419,6 +419,8 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     # the same engine, every step eager (ours1e) or replayed as graphs (opt-in in the product
     # until their replay is fixed: engine/model/static_decode.py)
     os.environ["POTLUCK_CUDA_GRAPHS"] = "0" if system == "ours1e" else "1"
+    # ours1n: the same with transformers' own RMSNorms (engine/model/fused_norms.py off)
+    os.environ["POTLUCK_FUSED_NORMS"] = "0" if system == "ours1n" else "1"
     from engine.pipeline.launch import PipelineConfig, launch
 
     device = "cpu" if a.cpu else "cuda"
@@ -428,7 +430,7 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     mem = DeviceMemory(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the copy's buffers are no part of any figure
-    stages = {"ours1": 1, "ours2": 2, "ours1e": 1}[system]
+    stages = {"ours1": 1, "ours2": 2, "ours1e": 1, "ours1n": 1}[system]
     t0 = time.perf_counter()
     pipe = await launch(PipelineConfig(model=str(a.out), stages=stages, device=device, weights=weights))
     head = pipe.head
@@ -706,6 +708,10 @@ def report(a, results: dict, build_s: float | None) -> dict:
         if e and o:
             verdicts.append([f"ours1 with graphs / without, decode tok/s, batch 1, {w}", f"{o / e:.2f}", "",
                              "(info)"])
+        n = get("ours1n", w, 1, "decode_seq")
+        if n and o:
+            verdicts.append([f"ours1 with fused norms / transformers' norms, decode tok/s, batch 1, {w}",
+                             f"{o / n:.2f}", "", "(info)"])
     for w in a.weights:
         sampled = results.get(("ours1", w), {}).get("sampled")
         greedy = get("ours1", w, sampled["batch"], "decode_agg") if sampled else None
@@ -750,7 +756,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,16", help="batch sizes (requests at once), default 1,16")
     p.add_argument("--weights", default="bf16,nf4", help="weight precisions, default bf16,nf4")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help=f"subset of {','.join(SYSTEMS)} (ours1e: ours1 with CUDA graphs off; default "
+                   help=f"subset of {','.join(SYSTEMS)} (ours1e: ours1 with CUDA graphs off; ours1n: with "
+                        f"transformers' RMSNorms; default "
                         f"{','.join(DEFAULT_SYSTEMS)})")
     p.add_argument("--repeat", type=int, default=3, help="measured rounds per batch size, median kept (default 3)")
     p.add_argument("--out", default=None, help="model folder (default: under the system temp dir); "

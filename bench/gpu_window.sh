@@ -23,10 +23,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/device.txt"
 timeout "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py tests/model/test_draw.py \
-    tests/model/test_quant.py \
+    tests/model/test_quant.py tests/model/test_fused_norms.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 # the one-process worker's 1-token and verification steps, profiled (kernels, CPU), to $OUT
-POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-220}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64} \
+POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-220}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1n,ours2,hf} \
     --json "$OUT/gpu.json" \
     2>&1 | tee "$OUT/gpu.log" | tail -60
 # the chat's sampled draw on the device (synthetic logits: the default model is not carried)

@@ -31,6 +31,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -42,6 +43,7 @@ from torch import nn
 
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
+from engine.model.fused_norms import fuse_rms_norms
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
@@ -236,6 +238,11 @@ class StageModel:
         # decode steps' few rows on a CPU: x @ W^T or W @ x^T, whichever this machine
         # runs faster (engine/model/cpu_linear.py: either can halve a decode step)
         self.products = use_small_batch_linear(self.model, products) if self.device.type == "cpu" else None
+        # and on a GPU each RMSNorm that is F.rms_norm as one kernel, not six or seven
+        # (engine/model/fused_norms.py); POTLUCK_FUSED_NORMS=0 keeps transformers' own
+        self.fused_norms = 0
+        if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_NORMS", "1") != "0":
+            self.fused_norms = fuse_rms_norms(self.model)
         if cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
                 self._hooks.append(layer.register_forward_pre_hook(lambda *_: cores.checkpoint()))
