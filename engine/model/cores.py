@@ -64,6 +64,8 @@ locks, so there (LEASES is False) local stages keep to their home cores and neve
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -190,9 +192,27 @@ class CoreLease:
         self._read_cpu = read_cpu
         self.foreign = ForeignLoad(n_cores)
         self.usable = n_cores
+        self._own_dir: str | None = None   # solo(): the directory is this lease's to remove
         self.capped_steps = 0     # steps that ran on fewer threads than cores held, for other programs
         self.borrowed_steps = 0   # steps that ran with borrowed cores
         self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
+
+    @classmethod
+    def solo(cls) -> "CoreLease | None":
+        """A lease of every core for a process that computes alone on this machine (a head
+        whose stages are elsewhere, a friend's shared stage): nobody to lend to or borrow
+        from, but its steps still run on no more threads than other programs leave free.
+        Without it such a process ran each step on every core whatever else was running:
+        beside a busy program a 1-stage pipeline of a tiny model decoded over ten times
+        slower than with one thread (bench/busy_cpu.py --stages 1). None where there are
+        no leases (Windows)."""
+        if not LEASES:
+            return None
+        directory = tempfile.mkdtemp(prefix="potluck-cores-")
+        n = os.cpu_count() or 1
+        lease = cls(directory, list(range(n)), n)
+        lease._own_dir = directory
+        return lease
 
     @classmethod
     def from_spec(cls, spec: str) -> "CoreLease":
@@ -207,6 +227,9 @@ class CoreLease:
     @contextmanager
     def hold(self, n_tokens: int):
         """Hold this process's cores (and idle ones, for a big step) while computing."""
+        if not self._fds:   # closed (its owner stopped while a step still ran): lock nothing
+            yield self._threads or 1
+            return
         held = []
         try:
             for c in self.home:
@@ -230,15 +253,18 @@ class CoreLease:
             self._threads_for(threads)
             yield threads
         finally:
+            # (a lease closed meanwhile has no descriptors left: its locks went with them)
             for c in self._borrowed:
-                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+                if c in self._fds:
+                    fcntl.flock(self._fds[c], fcntl.LOCK_UN)
             self._borrowed.clear()
             for c in reversed(held):
-                fcntl.flock(self._fds[c], fcntl.LOCK_UN)
+                if c in self._fds:
+                    fcntl.flock(self._fds[c], fcntl.LOCK_UN)
 
     def checkpoint(self) -> None:
         """Between layers: hand back every borrowed core whose owner is waiting for it."""
-        if not self._borrowed:
+        if not self._borrowed or not self._fds:
             return
         keep = []
         for c in self._borrowed:
@@ -298,3 +324,6 @@ class CoreLease:
             os.close(fd)
         self._fds.clear()
         self._want.clear()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir = None

@@ -195,8 +195,6 @@ class StageModel:
         serves), so it takes no decode path: capturing CUDA graphs on that thread while the
         serving stage's steps ran broke the serving stage's steps (the second H200 window)."""
         self.source = source
-        # a CoreLease (engine/model/cores.py) when stage processes share this machine's CPU
-        self.cores = cores
         cfg = copy.deepcopy(source.config())
         self.n_layers_total = cfg.num_hidden_layers
         validate_range(start, end, self.n_layers_total)
@@ -206,6 +204,8 @@ class StageModel:
         self.dtype = dtype
         self.weights = weights
         self.device = torch.device(pick_device(device))
+        # a CoreLease (engine/model/cores.py): how many threads a CPU step may run on
+        self.cores = cores if self.device.type == "cpu" else None
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self._progress = progress or (lambda done, total, what: None)

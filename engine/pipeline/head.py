@@ -32,6 +32,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
+from engine.model.cores import CoreLease
 from engine.model.device import DTYPES, HostStaging, compute_dtype, device_name, pick_device, step_failure
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
@@ -73,6 +74,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
                  compute: str = "in-order", weights: str = "auto", say=None,
                  cores=None, cpu_homes: list[list[int]] | None = None, same_machine: bool = False,
+                 solo_cores: bool = False,
                  hop=None, memory_cap: int | None = None,
                  wait_timeout: float = 300.0, speculate: str | None = None, spec_policy: SpecPolicy | None = None,
                  draft: str | None = None):
@@ -105,6 +107,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         # micro-batch id -> (launch time, tokens drafted, a decode step): its trip's measurements
         self._trips: dict[int, tuple[float, int, bool]] = {}
         self.cores = cores  # a CoreLease when local stage processes share this CPU
+        # solo_cores: no local stage shares it, and no thread count was fixed: the head's
+        # own stage still keeps its steps off the cores other programs use (cores.py solo)
+        self.own_cores = CoreLease.solo() if solo_cores and cores is None else None
         # when they do, each stage's share of it stands in for the speed probes (which
         # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5. Kept
         # by who holds the cores (the head, a stage's address), not by position: after a
@@ -307,6 +312,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         self._decode_exec.shutdown(wait=False, cancel_futures=True)
         self._stop_drafting_ahead()
         self._draft_exec.shutdown(wait=False, cancel_futures=True)
+        if self.own_cores is not None:
+            self.own_cores.close()
+            self.own_cores = None
 
     def info(self) -> dict:
         stages = [{"address": "head (this process)", "layers": list(self.ranges[0]),

@@ -119,6 +119,7 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 kv_budget_tokens=cfg.kv_budget_tokens, progress=progress, link_mode=cfg.link,
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_homes=local.homes if cores else None,
+                solo_cores=local is None and not threads,
                 hop=cfg.hop, weights=cfg.weights, say=say, same_machine=local is not None,
                 memory_cap=None if cfg.memory_cap_mb is None else int(cfg.memory_cap_mb * 2**20),
                 wait_timeout=cfg.wait_timeout, speculate=cfg.speculate, draft=cfg.draft)

@@ -26,6 +26,7 @@ from websockets.protocol import State
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.model.static_decode import decode_counts
+from engine.model.cores import CoreLease
 from engine.model.device import (HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
                                  pick_device, release_memory, speed_score, step_failure)
 from engine.pipeline.link import LinkSender, open_link
@@ -82,7 +83,11 @@ class StageServer(StageCompute):
         self._route: str | None = None   # the data-link token of the head that configured us
         self._route_set = asyncio.Event()
         self._data_links: set = set()     # the data links that proved the route token
-        self.cores = cores  # a CoreLease when this machine's cores are shared (engine/model/cores.py)
+        # a CoreLease when this machine's cores are shared (engine/model/cores.py); alone on
+        # them (a friend's shared stage) and with no thread count fixed, a lease of its own:
+        # its steps keep off the cores the owner's programs use
+        self._own_cores = CoreLease.solo() if cores is None and threads is None else None
+        self.cores = cores if cores is not None else self._own_cores
         self.pipeline = pipeline
         self.device = pick_device(device)
         # bytes the owner lets this stage use (their VRAM cap): the head sees no more free
@@ -197,6 +202,9 @@ class StageServer(StageCompute):
         """Compute threads end with the server (each keeps its own heap arena), not at gc."""
         for executor in (self._exec, self._decode_exec, self._load_exec):
             executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_cores is not None:   # a step still running finds it closed, and locks nothing
+            self._own_cores.close()
+            self._own_cores = None
 
     async def leave(self, reason: str, seconds: float = LEAVE_S) -> bool:
         """Tell the head we are leaving (it moves our layers and replays our sequences) and wait

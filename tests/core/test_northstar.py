@@ -28,9 +28,16 @@ def test_profiles():
     assert sim.interp(roof["decode"], 5) < 1.1 * one                 # fused kernels: extra tokens nearly free
     assert sim.interp(bnb["decode"], 1) == pytest.approx(one)
     assert sim.interp(bnb["decode"], 2) > 7 * one                    # dequantize to bf16 first
-    # the H200's measured 22.6 tok/s over 32 layers: 1.38 ms a layer, host-bound
-    assert ns.host_ms_per_layer(1) == pytest.approx(1e3 / 22.6 / 32)
-    assert sim.interp(measured["decode"], 1) == pytest.approx(27 * ns.host_ms_per_layer(1) / 1e3)
+    # the H200's graph-replayed steps: a fixed 0.097 ms a layer, the 4-bit weights at 0.33
+    # of the bandwidth, 2.59x their time for 1 + 4 tokens
+    assert ns.FIXED_PER_LAYER_S == pytest.approx((7.59 - 4.50) / 32 / 1e3)
+    assert ns.NF4_FRACTION == pytest.approx(0.325, abs=0.005)
+    packed = 27 * ns.LAYER_PARAMS * ns.NF4_BYTES
+    assert sim.interp(measured["decode"], 1) == pytest.approx(
+        27 * ns.FIXED_PER_LAYER_S + packed / (ns.MEM_BW * ns.NF4_FRACTION), rel=0.02)
+    four = sim.interp(measured["decode"], 4) - 27 * ns.FIXED_PER_LAYER_S     # a point of the profile
+    assert four == pytest.approx(ns.measured_scale(4) * packed / (ns.MEM_BW * ns.NF4_FRACTION), rel=0.03)
+    assert 2.5 < ns.measured_scale(5) < 2.7 and ns.measured_scale(1) == 1.0
 
 
 def test_one_user_gains_with_fused_kernels_and_loses_nothing_with_bitsandbytes():
