@@ -198,19 +198,19 @@ class CoreLease:
         self.returned_cores = 0   # borrowed cores handed back mid-step to a waiting owner
 
     @classmethod
-    def solo(cls) -> "CoreLease | None":
+    def solo(cls, **kw) -> "CoreLease | None":
         """A lease of every core for a process that computes alone on this machine (a head
         whose stages are elsewhere, a friend's shared stage): nobody to lend to or borrow
         from, but its steps still run on no more threads than other programs leave free.
         Without it such a process ran each step on every core whatever else was running:
         beside a busy program a 1-stage pipeline of a tiny model decoded over ten times
         slower than with one thread (bench/busy_cpu.py --stages 1). None where there are
-        no leases (Windows)."""
+        no leases (Windows). kw: the constructor's (a test's readings)."""
         if not LEASES:
             return None
         directory = tempfile.mkdtemp(prefix="potluck-cores-")
         n = os.cpu_count() or 1
-        lease = cls(directory, list(range(n)), n)
+        lease = cls(directory, list(range(n)), n, **kw)
         lease._own_dir = directory
         return lease
 

@@ -195,3 +195,39 @@ def test_a_process_of_the_pipeline_that_dies_takes_nothing_back(tmp_path):
         assert r3.ours_s >= r2.ours_s + 0.5      # and the survivor's spin is counted as ours
     finally:
         child.kill()
+
+
+def test_a_process_alone_leases_every_core_and_keeps_off_a_busy_one():
+    """CoreLease.solo: a head whose stages are elsewhere, a friend's shared stage."""
+    n = os.cpu_count() or 1
+    log = []
+    a = CoreLease.solo(set_threads=log.append, read_cpu=OneBusyProgram())
+    directory = a._own_dir
+    assert a.home == list(range(n)) and a.others == [] and os.path.isdir(directory)
+    deadline = time.monotonic() + 30
+    threads = n
+    while n > 1 and a.usable == n and time.monotonic() < deadline:
+        time.sleep(0.3)
+        with a.hold(1) as threads:
+            pass
+    assert threads == max(1, n - 1), (threads, a.usable)
+    a.close()
+    assert not os.path.exists(directory)
+    with a.hold(1) as after:    # a step that was still running when its owner stopped
+        pass
+    assert after >= 1
+
+
+async def test_a_stage_server_alone_on_its_cpu_leases_them_and_lets_go_when_closed():
+    from engine.pipeline.stage_server import StageServer
+
+    alone = StageServer()
+    fixed = StageServer(threads=1)
+    try:
+        assert alone.cores is not None and alone.cores.home == list(range(os.cpu_count() or 1))
+        assert fixed.cores is None      # --threads fixes it: no lease
+        directory = alone.cores._own_dir
+    finally:
+        await alone.close()
+        await fixed.close()
+    assert not os.path.exists(directory)
