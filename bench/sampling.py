@@ -263,6 +263,26 @@ def main() -> None:
             ok &= verdict == "PASS"
             print(f"{V:>7} {B:>5} {a * 1e3:>11.2f} {b * 1e3:>11.2f} {a / b:>8.1f}x {verdict:>7}")
             results.append(dict(vocab=V, batch=B, per_row_s=a, batched_s=b))
+    from engine.model.draw import CPU_CANDIDATES, GPU_CANDIDATES, Shape, draw
+
+    # the batched draw's ranking: every row sorted whole against the device's candidates
+    # first (a row whose nucleus ends past them still sorted whole), the same tokens
+    cand = CPU_CANDIDATES if args.device == "cpu" else GPU_CANDIDATES
+    print(f"\nthe batched draw, every row sorted whole against its {cand} likeliest tokens first")
+    head2 = f"{'vocab':>7} {'batch':>5} {'whole ms':>9} {'candidates ms':>14} {'speed-up':>9} {'same':>5}"
+    print(head2)
+    print("-" * len(head2))
+    for vname in args.vocabs.split(","):
+        rows = logits if vname == "native" else widen(logits, int(vname))
+        V = rows.shape[1]
+        for B in (int(b) for b in args.batches.split(",")):
+            batch = torch.stack([rows[i % rows.shape[0]] for i in range(B)]).to(args.device) / params.temperature
+            shapes = [Shape(False, 1.0, top_p=params.top_p, uniform=(i * 0.37) % 1.0) for i in range(B)]
+            same = torch.equal(draw(batch, shapes, candidates=V), draw(batch, shapes, candidates=cand))
+            w = timed(lambda: draw(batch, shapes, candidates=V), args.repeat, args.device)
+            c = timed(lambda: draw(batch, shapes, candidates=cand), args.repeat, args.device)
+            print(f"{V:>7} {B:>5} {w * 1e3:>9.2f} {c * 1e3:>14.2f} {w / c:>8.1f}x {'yes' if same else 'NO':>5}")
+            results.append(dict(vocab=V, batch=B, whole_sort_s=w, candidates_s=c, candidates=cand, same=same))
     if step_s is not None:
         print(f"\nbatched draw at batch 1, default vocabulary: "
               f"{results[0]['batched_s'] / step_s:.1%} of the model's decode step (per row: "
