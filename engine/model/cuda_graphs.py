@@ -111,7 +111,7 @@ class GraphRunner:
                 # it failed inside the capture: what CUDA and the allocator were left in
                 # is not ours to trust, so no more captures; eager steps need neither
                 self.book.disabled = self.book.disabled or f"a capture failed half-way: {reason}"
-                self.graphs.clear()
+                self.drop_all()
             try:
                 self.cuda.synchronize(self.device)
             except Exception:  # noqa: BLE001 -- the error the capture left; the eager step says if it matters
