@@ -282,7 +282,8 @@ def main() -> None:
             w = timed(lambda: draw(batch, shapes, candidates=V), args.repeat, args.device)
             c = timed(lambda: draw(batch, shapes, candidates=cand), args.repeat, args.device)
             print(f"{V:>7} {B:>5} {w * 1e3:>9.2f} {c * 1e3:>14.2f} {w / c:>8.1f}x {'yes' if same else 'NO':>5}")
-            results.append(dict(vocab=V, batch=B, whole_sort_s=w, candidates_s=c, candidates=cand, same=same))
+            results.append(dict(ranked_vocab=V, ranked_batch=B, whole_sort_s=w, candidates_s=c, candidates=cand,
+                                same=same))
     if step_s is not None:
         print(f"\nbatched draw at batch 1, default vocabulary: "
               f"{results[0]['batched_s'] / step_s:.1%} of the model's decode step (per row: "

@@ -53,6 +53,9 @@ def test_the_sampling_bench_runs_here(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["vocab"], r["batch"]) for r in rows if "vocab" in r] == [(49152, 2), (128256, 2)]
     assert all(r["per_row_s"] > 0 and r["batched_s"] > 0 for r in rows if "vocab" in r)
+    # the ranking: every row sorted whole against the device's candidates first, the same tokens
+    assert [(r["ranked_vocab"], r["ranked_batch"], r["same"], r["whole_sort_s"] > 0, r["candidates_s"] > 0)
+            for r in rows if "ranked_vocab" in r] == [(49152, 2, True, True, True), (128256, 2, True, True, True)]
     # the verification step, position by position and in one draw
     assert [(r["verify_users"], r["alone_s"] > 0, r["one_draw_s"] > 0) for r in rows if "verify_users" in r] \
         == [(2, True, True)]
