@@ -32,6 +32,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
+from engine.core.product_choice import ProductChoice
 from engine.model.cores import CoreLease
 from engine.model.device import DTYPES, HostStaging, compute_dtype, device_name, pick_device, step_failure
 from engine.model.sources import ModelError, ModelSource
@@ -110,6 +111,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         # solo_cores: no local stage shares it, and no thread count was fixed: the head's
         # own stage still keeps its steps off the cores other programs use (cores.py solo)
         self.own_cores = CoreLease.solo() if solo_cores and cores is None else None
+        # the head's stage's choice of CPU matrix products, kept across rearrangements
+        self.products = ProductChoice()
         # when they do, each stage's share of it stands in for the speed probes (which
         # would measure one another's load): 3 stages on 2 cores get 0.5, 1, 0.5. Kept
         # by who holds the cores (the head, a stage's address), not by position: after a

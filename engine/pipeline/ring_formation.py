@@ -167,6 +167,7 @@ class RingFormation:
             return load_and_measure(lambda: StageModel(
                 self.source, *self.ranges[0], dtype=self.dtype, device=self.device,
                 kv_budget_tokens=budget, cores=self.cores or self.own_cores, weights=self.weights, reuse=held,
+                products=self.products,
                 progress=lambda d, t, w: self.progress(0, d, t, w)), profile=hint("head", self.ranges[0]))
 
         local = asyncio.ensure_future(self._run(load_local))

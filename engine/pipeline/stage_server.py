@@ -26,6 +26,7 @@ from websockets.protocol import State
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.model.static_decode import decode_counts
+from engine.core.product_choice import ProductChoice
 from engine.model.cores import CoreLease
 from engine.model.device import (HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
                                  pick_device, release_memory, speed_score, step_failure)
@@ -88,6 +89,9 @@ class StageServer(StageCompute):
         # its steps keep off the cores the owner's programs use
         self._own_cores = CoreLease.solo() if cores is None and threads is None else None
         self.cores = cores if cores is not None else self._own_cores
+        # which matrix product a CPU decode step takes, kept across the stages this server
+        # builds: one built anew after a rearrangement does not time them again
+        self.products = ProductChoice()
         self.pipeline = pipeline
         self.device = pick_device(device)
         # bytes the owner lets this stage use (their VRAM cap): the head sees no more free
@@ -480,7 +484,8 @@ class StageServer(StageCompute):
             profile = msg["profile"] or ahead_profile(ahead, fp, msg)
             stage, prof = load_and_measure(lambda: StageModel(
                 source, msg["start"], msg["end"], dtype=dtype, device=self.device, reuse=held,
-                kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"]),
+                kv_budget_tokens=budget, progress=progress, cores=self.cores, weights=msg["weights"],
+                products=self.products),
                 profile=profile)
             # where a rearrangement's seconds go, stage by stage (the head waits for the slowest)
             log.info("layers %d-%d ready in %.2f s (opening the model %.2f s, loading%s %.2f s, %d layers kept; "
