@@ -243,7 +243,7 @@ class StageModel:
         self.fused_norms = 0
         if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_NORMS", "1") != "0":
             self.fused_norms = fuse_rms_norms(self.model)
-        if cores is not None:
+        if self.cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
                 self._hooks.append(layer.register_forward_pre_hook(lambda *_: cores.checkpoint()))
         self._plan_masks()
