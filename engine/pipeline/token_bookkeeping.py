@@ -141,10 +141,14 @@ class TokenBookkeeping:
         if self.stage0 is None or self.recovery.closed:
             return  # mid-rearrangement (every stage starts afresh anyway), or closed
 
+        stage0 = self.stage0
+
         def local():
-            with self.stage0.gate.step(decode=False):  # never under a parked step's feet
+            if self.stage0 is not stage0:
+                return  # a rearrangement began while this waited for the executor
+            with stage0.gate.step(decode=False):  # never under a parked step's feet
                 for i in ids:
-                    self.stage0.free(i)
+                    stage0.free(i)
                     self.sampler.close(i)
 
         await self._run(local)
