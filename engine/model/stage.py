@@ -44,6 +44,7 @@ from torch import nn
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.fused_norms import fuse_rms_norms
+from engine.model.fused_products import fuse_products
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
@@ -243,6 +244,11 @@ class StageModel:
         self.fused_norms = 0
         if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_NORMS", "1") != "0":
             self.fused_norms = fuse_rms_norms(self.model)
+        # and the projections that read one input as one product: q/k/v, gate/up
+        # (engine/model/fused_products.py); POTLUCK_FUSED_PRODUCTS=0 keeps them apart
+        self.fused_products = 0
+        if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_PRODUCTS", "1") != "0":
+            self.fused_products = fuse_products(self.model)
         if self.cores is not None:
             for layer in self._layers:  # a borrowed core goes back between layers
                 self._hooks.append(layer.register_forward_pre_hook(lambda *_: cores.checkpoint()))

@@ -1,0 +1,113 @@
+"""The projections that read the same input as one matrix product on a GPU (issue 42).
+
+A Llama-style decoder layer multiplies one input by three matrices for attention (q_proj,
+k_proj, v_proj) and another by two for the MLP (gate_proj, up_proj). At decode's one row
+a product is a matrix-vector product that reads its weight once: five separate ones read
+the same bytes as two fused ones, but launch five kernels (each with its split-K
+reduction), and the small k/v matrices of a grouped-query model are too small to keep the
+GPU's memory busy. On the H200 the matrix kernels of an 8B bf16 step read the weights at
+0.83 of the copy bandwidth, and each small kernel cost a microsecond or two
+(bench/RESULTS.md, 2026-12-04).
+
+transformers' attention and MLP modules call each projection themselves, so the fused
+product is shared rather than rewritten into them: the members' weights become row
+slices of one matrix (no second copy), and the first member called with an input
+computes the whole product for it; the others, called with that same tensor, are handed
+their columns of it. The group holds the input while its members are still due, so its
+identity cannot pass to another tensor in between; a member called with any other input
+computes its own product from its own slice, so a module that feeds its projections
+different inputs stays correct, only unfused. The outputs differ from the separate
+products' at most in rounding (another kernel over the same sums).
+
+Only plain `nn.Linear` members of one dtype, device and input width, all with a bias or
+none, are grouped: bitsandbytes' 4- and 8-bit layers keep their own kernels. CPU stages
+keep transformers' modules (engine/model/cpu_linear.py chooses their products).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the sets of sibling projections that read one input, by transformers' names
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_MARK = "_potluck_fused_group"
+
+
+class _Group:
+    """One fused product: the joined weight (the members' weights are its row slices),
+    each member's columns of the output, and the last input with its product while
+    members are still due to take theirs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bounds: list[tuple[int, int]]):
+        self.weight, self.bias, self.bounds = weight, bias, bounds
+        self.x = self.y = None
+        self.due = 0
+
+    def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self.x is not x:
+            self.x, self.y = x, F.linear(x, self.weight, self.bias)
+            self.due = len(self.bounds)
+        lo, hi = self.bounds[index]
+        y = self.y[..., lo:hi]
+        self.due -= 1
+        if self.due <= 0:
+            self.x = self.y = None   # a prompt's activations are not kept past the layer
+        return y
+
+
+def _member_forward(self, x: torch.Tensor) -> torch.Tensor:
+    group, index = getattr(self, _MARK)
+    if group.x is x or group.due <= 0:
+        return group.take(index, x)
+    # another input while the group waits for its members' own: this member alone
+    return F.linear(x, self.weight, self.bias)
+
+
+def _groupable(members: list) -> bool:
+    if not all(type(m) is nn.Linear for m in members):
+        return False
+    w0 = members[0].weight
+    if any(m.weight.is_meta for m in members):
+        return False
+    same = all(m.weight.dtype == w0.dtype and m.weight.device == w0.device
+               and m.in_features == members[0].in_features for m in members)
+    biased = {m.bias is not None for m in members}
+    return same and len(biased) == 1
+
+
+def fuse_products(model: nn.Module) -> int:
+    """Join every group of sibling projections of `model` that read one input into one
+    product; returns how many groups are fused. Idempotent (layers kept for a new stage
+    are joined already)."""
+    n = 0
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if any(m is None for m in members):
+                continue
+            if all(getattr(m, _MARK, None) is not None for m in members):
+                n += 1
+                continue
+            if not _groupable(members):
+                continue
+            with torch.no_grad():
+                weight = torch.cat([m.weight for m in members])
+                bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
+            group = _Group(weight, bias, [])
+            lo = 0
+            for i, m in enumerate(members):
+                hi = lo + m.out_features
+                group.bounds.append((lo, hi))
+                # the member's parameters become views of the joined ones: one copy in memory
+                m.weight = nn.Parameter(weight[lo:hi], requires_grad=False)
+                if bias is not None:
+                    m.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
+                setattr(m, _MARK, (group, i))
+                m.forward = types.MethodType(_member_forward, m)
+                lo = hi
+            n += 1
+    return n
