@@ -141,3 +141,23 @@ def test_a_gpu_stage_joins_its_products_and_keeps_its_logits(tiny_folder, monkey
     for a, b in zip(got, want):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-4)
+
+
+def test_joined_products_over_the_fixed_buffer_decode_path(tiny_folder, monkeypatch):
+    """The path a GPU replays as graphs (engine/model/static_decode.py), run eagerly here."""
+    monkeypatch.setenv("POTLUCK_STATIC_DECODE", "1")
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    plain = StageModel(source, 0, L, device="cpu")
+    fused = StageModel(source, 0, L, device="cpu")
+    assert plain.static is not None
+    for s in (plain, fused):
+        plain_linears(s.model)
+    assert fuse_products(fused.model) == 2 * L
+    want, _ = steps(plain)
+    got, _ = steps(fused)
+    assert fused.static.steps == plain.static.steps == 2
+    for a, b in zip(got, want):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
