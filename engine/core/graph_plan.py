@@ -11,8 +11,11 @@ was captured at and over the same buffers. So a step is rounded up to a bucket:
   step, every row alike (a step whose rows differ runs eagerly);
 * keys attended over to the next power of two from `min_kv` (each row's mask hides the
   keys past its own length), so a graph serves a whole range of context lengths;
-* where the rows sit in the KV store: in adjacent slots from `lo` (a graph attends over
-  a slice of the store, no copy) or anywhere (a graph gathers its rows' keys).
+* where the rows sit in the KV store: in the first slots, 0 on (a graph attends over a
+  slice of the store, no copy), or anywhere else (a graph gathers its rows' keys). Not a
+  graph per first slot: a conversation lands in whichever slot is free (one freed a
+  moment late sends the next reply to slot 1), and each new slot would be a capture in
+  the middle of a reply (an H200 window's one-user figure lost a tenth to one).
 
 Pure: the stage asks `shape_for`, the runner (engine/model/cuda_graphs.py) captures, and
 `GraphBook` remembers what was captured, what failed and why, and evicts the least
@@ -83,13 +86,15 @@ class GraphPlan:
             if need > self.max_kv:
                 return f"a context of {need} tokens, past {self.max_kv}"
             kv_len = self.max_kv
-        lo = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
+        lo = 0 if slots == list(range(len(slots))) else None
         return StepShape(rows, n, kv_len, lo)
 
     def warm_shapes(self, up_to_rows: int = 16) -> list[StepShape]:
         """What a stage captures at load: decode steps of every row bucket up to
-        `up_to_rows` in the first slots, at the shortest context (a chat's first replies)."""
-        return [StepShape(r, 1, self.min_kv, 0) for r in self.row_buckets if r <= up_to_rows]
+        `up_to_rows` in the first slots, and one user's in any slot, at the shortest
+        context (a chat's first replies)."""
+        first = [StepShape(r, 1, self.min_kv, 0) for r in self.row_buckets if r <= up_to_rows]
+        return first + [StepShape(1, 1, self.min_kv, None)]
 
 
 @dataclass

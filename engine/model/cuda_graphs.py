@@ -53,6 +53,13 @@ COPIES = frozenset({aten.copy_.default, aten._to_copy.default})
 _ONE_CAPTURE = threading.Lock()
 
 
+def release_cached_memory() -> None:
+    """Give the CUDA allocator's free cached blocks back to the device, never while a
+    stage of this process is capturing (its pool's memory is the allocator's too)."""
+    with _ONE_CAPTURE:
+        torch.cuda.empty_cache()
+
+
 class HostRead(RuntimeError):
     """The step reads a device value on the host or copies across: no graph can hold it."""
 

@@ -17,12 +17,14 @@ What a row draws (inverse-CDF sampling with the row's uniform u in [0, 1)):
   ranks (all when 0), then of those the smallest prefix whose mass reaches top_p.
 - a greedy row: the argmax (the first on ties) of its penalized logits.
 
-Ranking a row takes a sort of the vocabulary: 4-10 ms a row on a CPU core, a large
-share of a GPU's draw (16 rows of a 128k vocabulary, drawn whole: 1.6 ms on an H200). So a row is ranked from
-its likeliest `CPU_CANDIDATES` (a CPU) or `GPU_CANDIDATES` tokens when its nucleus ends
-among them (the usual case for a trained model: 0.9 of the mass in a few hundred
-tokens), and sorted whole only when it does not. Both give the same nucleus: a row counts as covered only when the nucleus'
-last logit is above the candidates' last, so no token outside them could rank inside.
+Ranking a row takes a sort of the vocabulary: 4-10 ms a row on a CPU core. So a CPU
+row is ranked from its likeliest `CPU_CANDIDATES` tokens when its nucleus ends among them
+(the usual case for a trained model: 0.9 of the mass in a few hundred tokens), and sorted
+whole only when it does not. Both give the same nucleus: a row counts as covered only
+when the nucleus' last logit is above the candidates' last, so no token outside them
+could rank inside. A GPU sorts every row whole: its sort of 16 rows of a 128k vocabulary
+took 0.65 ms on an H200, and ranking from 1024 candidates 1.0 ms, as finding the rows
+not covered reads the device back mid-draw (bench/sampling.py --device cuda).
 """
 
 from __future__ import annotations
@@ -33,12 +35,6 @@ import torch
 
 # how many likeliest tokens a CPU row is ranked from before it falls back to a full sort
 CPU_CANDIDATES = 256
-# and a GPU row: the draw of 16 rows of a 128k vocabulary, each sorted whole, took 1.6 ms
-# on the H200, a sixth of the 8B model's decode step at 16 users (the chat's sampled
-# defaults decoded at 0.83 of greedy). A top-k of a thousand sorts far less; a row whose
-# nucleus does not end inside them is still sorted whole, at the price of one host read
-# (bench/sampling.py --device cuda times both)
-GPU_CANDIDATES = 1024
 # a CPU draws this many rows at a time: each pass over a block's logits then stays in the
 # cache (16 rows of a 49k vocabulary are 3 MB); one pass over 80 rows (16 users checking
 # 1 + 4 tokens) went to memory five times and cost 9x what 16 rows did, not 5x
@@ -99,14 +95,14 @@ def draw(logits: torch.Tensor, shapes: list[Shape], pen: Penalties | None = None
          candidates: int | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype, any device) -> token ids [B] (long, on that
     device). The logits are not modified. candidates: how many likeliest tokens a ranked
-    row is first ranked from (None: CPU_CANDIDATES on the CPU, GPU_CANDIDATES elsewhere;
-    the vocabulary's size sorts every row whole)."""
+    row is first ranked from (None: CPU_CANDIDATES on the CPU, every row sorted whole
+    elsewhere; the vocabulary's size sorts every row whole)."""
     x = logits.float() if logits.dtype != torch.float32 else logits.clone()
     if pen:
         penalize(x, pen)
     B, V = x.shape
     if candidates is None:
-        candidates = CPU_CANDIDATES if x.device.type == "cpu" else GPU_CANDIDATES
+        candidates = CPU_CANDIDATES if x.device.type == "cpu" else V
     if x.device.type == "cpu" and B > CPU_BLOCK_ROWS:
         return torch.cat([_draw_rows(x[i:i + CPU_BLOCK_ROWS], shapes[i:i + CPU_BLOCK_ROWS], candidates)
                           for i in range(0, B, CPU_BLOCK_ROWS)])

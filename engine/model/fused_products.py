@@ -94,9 +94,15 @@ def fuse_products(model: nn.Module) -> int:
                 continue
             if not _groupable(members):
                 continue
-            with torch.no_grad():
-                weight = torch.cat([m.weight for m in members])
-                bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
+            try:
+                with torch.no_grad():
+                    weight = torch.cat([m.weight for m in members])
+                    bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
+            except torch.OutOfMemoryError:
+                # a GPU filled to its share has no room for one group's second copy: the
+                # groups left keep their separate products (slower, never a failed load)
+                _give_back(members[0].weight)
+                return n
             group = _Group(weight, bias, [])
             lo = 0
             for i, m in enumerate(members):
@@ -110,4 +116,17 @@ def fuse_products(model: nn.Module) -> int:
                 m.forward = types.MethodType(_member_forward, m)
                 lo = hi
             n += 1
+            # the members' old weights go back to the device now, not to the allocator's
+            # cache: kept there, a layer's joined matrix would not fit in them (another
+            # size), and a whole stage's cache would grow by most of its weights (+5.8 GiB
+            # seen on an 8B model) -- memory the KV cache, the load of a spare, or a
+            # friend's other programs were promised
+            _give_back(weight)
     return n
+
+
+def _give_back(like: torch.Tensor) -> None:
+    if like.is_cuda:
+        from engine.model.cuda_graphs import release_cached_memory
+
+        release_cached_memory()

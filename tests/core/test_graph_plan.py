@@ -15,11 +15,15 @@ def test_rows_round_up_to_a_bucket_and_keys_to_a_power_of_two():
     assert plan.shape_for([1], [255], [0]).kv_len == 256
 
 
-def test_rows_in_adjacent_slots_read_a_slice_others_gather():
+def test_rows_in_the_first_slots_read_a_slice_others_gather():
     plan = GraphPlan()
-    assert plan.shape_for([1, 1], [3, 4], [5, 6]).lo == 5
-    assert plan.shape_for([1, 1], [3, 4], [6, 5]).lo is None
+    assert plan.shape_for([1, 1], [3, 4], [0, 1]).lo == 0
+    assert plan.shape_for([1, 1], [3, 4], [1, 0]).lo is None
     assert plan.shape_for([1, 1], [3, 4], [0, 2]).lo is None
+    # adjacent elsewhere gather too: a graph per first slot would be a capture mid-reply
+    # each time a conversation lands in a new slot
+    assert plan.shape_for([1, 1], [3, 4], [5, 6]).lo is None
+    assert plan.shape_for([1], [3], [1]) == plan.shape_for([1], [9], [7]) == StepShape(1, 1, 256, None)
 
 
 def test_verification_rows_are_a_bucket_of_their_own_width():
@@ -39,10 +43,10 @@ def test_steps_that_fit_no_bucket_say_why():
     assert GraphPlan(max_kv=600).shape_for([1], [520], [0]).kv_len == 600
 
 
-def test_warm_shapes_are_decode_steps_in_the_first_slots():
+def test_warm_shapes_are_decode_steps_in_the_first_slots_and_one_user_anywhere():
     shapes = GraphPlan().warm_shapes(16)
-    assert [s.rows for s in shapes] == [1, 2, 4, 8, 16]
-    assert all(s.tokens == 1 and s.kv_len == 256 and s.lo == 0 for s in shapes)
+    assert [(s.rows, s.lo) for s in shapes] == [(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (1, None)]
+    assert all(s.tokens == 1 and s.kv_len == 256 for s in shapes)
 
 
 def test_the_book_evicts_the_least_recently_used_graph():

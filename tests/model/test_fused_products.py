@@ -126,8 +126,11 @@ def test_quantized_or_mixed_projections_stay_apart():
 
 
 @pytest.mark.gpu
-def test_a_gpu_stage_joins_its_products_and_keeps_its_logits(tiny_folder, monkeypatch):
-    folder, _ = tiny_folder("llama")
+def test_a_gpu_stage_joins_its_products_and_keeps_its_logits(tmp_path, monkeypatch):
+    from testkit.tiny_models import build_tiny_model
+
+    folder = tmp_path   # built here: a lent GPU machine has no default model (conftest's tokenizer)
+    build_tiny_model("llama", folder)
     source = resolve(str(folder))
     L = source.config().num_hidden_layers
     monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "0")
