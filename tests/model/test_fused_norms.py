@@ -96,17 +96,10 @@ def test_only_a_norm_that_computes_rms_norm_switches():
 
 @pytest.mark.gpu
 def test_a_gpu_stage_fuses_its_norms_and_keeps_its_logits(tmp_path, monkeypatch):
-    from testkit.tiny_models import build_tiny_model
+    from testkit.stage_pairs import off_and_on
 
-    folder = tmp_path   # built here: a lent GPU machine has no default model (conftest's tokenizer)
-    build_tiny_model("llama", folder)
-    source = resolve(str(folder))
-    L = source.config().num_hidden_layers
-    monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "0")
-    monkeypatch.setenv("POTLUCK_FUSED_NORMS", "0")
-    plain = StageModel(source, 0, L, device="cuda")
-    monkeypatch.setenv("POTLUCK_FUSED_NORMS", "1")
-    fused = StageModel(source, 0, L, device="cuda")
+    plain, fused = off_and_on(tmp_path, "POTLUCK_FUSED_NORMS", monkeypatch)
+    L = fused.end
     assert plain.fused_norms == 0 and fused.fused_norms == 2 * L + 1
     (a0, a1), _ = steps(fused)
     (b0, b1), _ = steps(plain)

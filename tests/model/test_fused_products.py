@@ -127,17 +127,10 @@ def test_quantized_or_mixed_projections_stay_apart():
 
 @pytest.mark.gpu
 def test_a_gpu_stage_joins_its_products_and_keeps_its_logits(tmp_path, monkeypatch):
-    from testkit.tiny_models import build_tiny_model
+    from testkit.stage_pairs import off_and_on
 
-    folder = tmp_path   # built here: a lent GPU machine has no default model (conftest's tokenizer)
-    build_tiny_model("llama", folder)
-    source = resolve(str(folder))
-    L = source.config().num_hidden_layers
-    monkeypatch.setenv("POTLUCK_CUDA_GRAPHS", "0")
-    monkeypatch.setenv("POTLUCK_FUSED_PRODUCTS", "0")
-    plain = StageModel(source, 0, L, device="cuda")
-    monkeypatch.setenv("POTLUCK_FUSED_PRODUCTS", "1")
-    fused = StageModel(source, 0, L, device="cuda")
+    plain, fused = off_and_on(tmp_path, "POTLUCK_FUSED_PRODUCTS", monkeypatch)
+    L = fused.end
     assert plain.fused_products == 0 and fused.fused_products == 2 * L
     got, _ = steps(fused)
     want, _ = steps(plain)
