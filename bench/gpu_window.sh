@@ -6,13 +6,14 @@
 # $OUT as it is written, so a window cut short keeps what it measured.
 #
 #   here:  make gpu-pack                      (.whl/: what the device's python lacks)
-#   there: run(command="bash bench/gpu_window.sh", carry=[".whl"], timeout_s=400)
+#   there: run(command="bash bench/gpu_window.sh", carry=[".whl"], timeout_s=390)
 #
-# Sized for what issue 42's task has left of its device time (440 s after 2026-12-04's
-# two windows, the machine's start included: about 30 s there): on an H200 the tests
-# took 18-24 s, the bf16 rows about 100 s with the model's build (26-38 s) and 4
-# workers, nf4 about 30 s. TESTS_S, BENCH_S, DRAW_S and NF4_S bound the parts;
-# BENCH_ARGS / NF4_ARGS replace their bench/gpu.py arguments.
+# Sized to fit one start of a machine in a few minutes of device time: on an H200 the
+# whole script took 229 s (the tests 26 s, the bf16 rows 141 s with the model's build
+# and 4 workers, the draw 15 s, nf4 25 s), and a start cost about 30 s more. TESTS_S,
+# BENCH_S, DRAW_S and NF4_S bound the parts; BENCH_ARGS / NF4_ARGS replace their
+# bench/gpu.py arguments (e.g. BENCH_ARGS="--weights bf16 --repeat 1 --tokens 64
+# --systems ours1,ours2" for a re-run of what changed).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/site
