@@ -1,7 +1,8 @@
-"""How much 8-bit and 4-bit weights change what the model says.
+"""How much 8-bit and 4-bit weights change what the model says, and what they cost a
+decode step.
 
 Teacher-forced: every text goes through the model once at each precision, and at
-every position we compare the next-token distribution of int8 and nf4 weights with
+every position we compare the next-token distribution of int8, nf4 and int4 weights with
 the unquantized model's (the same StageModel code Potluck runs, one stage holding
 all layers): how often the top token is the same, and the mean KL divergence
 KL(full || quantized) in nats. Teacher forcing compares like with like at every
@@ -9,6 +10,9 @@ position; free-running generations part ways after the first differing token and
 then measure nothing.
 
     .venv/bin/python bench/quant.py [--model default] [--json out.json]
+
+Beside it, each precision's decode step (one user, the stage's own decode path, median
+of DECODE_STEPS steps after a prompt), timed in the same run.
 
 Target (issue 21): int8 top-1 agreement >= 0.95.
 """
@@ -81,6 +85,30 @@ def logits_of(stage, seqs) -> list:
     return out
 
 
+DECODE_STEPS = 48
+
+
+def decode_ms(stage, prompt: list[int]) -> float:
+    """Median milliseconds of a one-row decode step of the stage, after the prompt."""
+    import statistics
+
+    import torch
+
+    from engine.model.stage import StageBatch
+
+    out = stage.forward(StageBatch([0], [0], [len(prompt)]), torch.tensor(prompt))
+    times, pos = [], len(prompt)
+    for _ in range(DECODE_STEPS):
+        t0 = time.perf_counter()
+        out = stage.forward(StageBatch([0], [pos], [1]), out.argmax(-1).cpu())
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        pos += 1
+    stage.free(0)
+    return statistics.median(times) * 1e3
+
+
 def compare(ref: list, got: list) -> tuple[float, float, int]:
     import torch
 
@@ -98,7 +126,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--weights", default="int8,nf4")
+    ap.add_argument("--weights", default="int8,nf4,int4")
     ap.add_argument("--sweep", default="", help="also int8 at these LLM.int8 thresholds, e.g. 6,4,3,2,1,0.5 "
                                                 "(why engine/model/quant.py uses the one it does)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -107,6 +135,7 @@ def main(argv=None) -> int:
     import torch
 
     from engine.model import quant
+    from engine.model.int4 import int4_bytes
     from engine.model.device import DTYPES, compute_dtype, pick_device
     from engine.model.sources import resolve
     from engine.model.stage import StageModel
@@ -123,7 +152,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         stage = StageModel(source, 0, n_layers, dtype=dtype, device=device, weights=w)
         load_s = time.perf_counter() - t0
-        layer_bytes = sum(p.numel() * p.element_size() for p in stage._layers.parameters())
+        layer_bytes = sum(p.numel() * p.element_size() for p in stage._layers.parameters()) + int4_bytes(stage._layers)
         t0 = time.perf_counter()
         got = logits_of(stage, seqs)
         fwd_s = time.perf_counter() - t0
@@ -131,7 +160,8 @@ def main(argv=None) -> int:
             ref = got
         top1, kl, n = compare(ref, got)
         rows.append({"weights": w, "layer_bytes": layer_bytes, "all_bytes": stage.param_bytes(), "top1": top1,
-                     "kl": kl, "positions": n, "load_s": load_s, "forward_s": fwd_s})
+                     "kl": kl, "positions": n, "load_s": load_s, "forward_s": fwd_s,
+                     "decode_ms": decode_ms(stage, seqs[0])})
         del stage
 
     if dtype != torch.bfloat16:
@@ -142,19 +172,21 @@ def main(argv=None) -> int:
         rows.insert(1, {"weights": "bf16 compute", "layer_bytes": sum(p.numel() * p.element_size() for p in
                                                                    stage._layers.parameters()),
                         "all_bytes": stage.param_bytes(), "top1": top1, "kl": kl, "positions": n,
-                        "load_s": 0.0, "forward_s": 0.0})
+                        "load_s": 0.0, "forward_s": 0.0, "decode_ms": None})
         del stage
     full = rows[0]
     print(f"\n{source.name}: {len(seqs)} texts, {full['positions']} teacher-forced positions, "
           f"{torch.get_num_threads()} threads on {device} ({dtype})\n")
-    print("| weights | decoder layers | all weights | layers vs full | top-1 agreement | mean KL (nats) | load s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| weights | decoder layers | all weights | layers vs full | top-1 agreement | mean KL (nats) | load s "
+          "| decode step ms | vs full |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         name = {"bf16": f"full ({str(dtype).split('.')[-1]})", "bf16 compute": "full, computed in bf16"}
+        step = f"{r['decode_ms']:.1f} | {r['decode_ms'] / full['decode_ms']:.2f}x" if r["decode_ms"] else "- | -"
         print(f"| {name.get(r['weights'], r['weights'])} "
               f"| {r['layer_bytes'] / 2**20:.1f} MiB | {r['all_bytes'] / 2**20:.1f} MiB "
               f"| {r['layer_bytes'] / full['layer_bytes']:.3f} | {r['top1']:.4f} | {r['kl']:.5f} "
-              f"| {r['load_s']:.1f} |")
+              f"| {r['load_s']:.1f} | {step} |")
     int8 = next((r for r in rows if r["weights"] == "int8"), None)
     if int8 is not None:
         ok = int8["top1"] >= 0.95

@@ -2,7 +2,7 @@
 
 `--weights bf16` means the decoder's weights unquantized, at the pipeline's compute
 dtype (bfloat16 on a GPU, float32 on a CPU); int8 and nf4 quantize the decoder
-layers' Linear weights with bitsandbytes. Embeddings and the LM head stay at the
+layers' Linear weights with bitsandbytes, int4 with torch's own 4-bit kernels. Embeddings and the LM head stay at the
 compute dtype in every case (bitsandbytes leaves them), so they are counted apart.
 """
 
@@ -14,8 +14,10 @@ from engine.core.errors import ModelError
 from engine.core.partition import layer_bytes_estimate, slice_bytes_estimate
 
 FULL = "bf16"
-QUANTIZED = ("int8", "nf4")
-CHOICES = ("auto", FULL) + QUANTIZED
+QUANTIZED = ("int8", "nf4")        # bitsandbytes' (auto chooses among these and FULL)
+INT4 = "int4"                      # torch's own 4-bit kernels (engine/model/int4.py): asked for by name
+EXPLICIT = (FULL,) + QUANTIZED + (INT4,)
+CHOICES = ("auto",) + EXPLICIT
 
 # the share of a stage's free memory the partition fills with weights; the rest is
 # KV cache, activations and the allocator's slack
@@ -25,6 +27,8 @@ USABLE = 0.6
 _NF4_BYTES = 0.5 + 4 / 64
 # int8 keeps one float32 scale per output row: negligible beside the row itself
 _INT8_BYTES = 1.0
+# int4 packs two weights a byte with a bf16 scale and zero per group of 32
+_INT4_BYTES = 0.5 + 4 / 32
 
 
 def layer_bytes_per_param(weights: str, dtype_bytes: int) -> float:
@@ -32,6 +36,8 @@ def layer_bytes_per_param(weights: str, dtype_bytes: int) -> float:
         return _INT8_BYTES
     if weights == "nf4":
         return _NF4_BYTES
+    if weights == INT4:
+        return _INT4_BYTES
     if weights == FULL:
         return float(dtype_bytes)
     raise ModelError(f"unknown weights '{weights}': choose one of {', '.join(CHOICES)}")

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from engine.core.errors import ModelError
-from engine.core.precision import FULL, QUANTIZED
+from engine.core.precision import CHOICES, FULL, INT4, QUANTIZED
 
 
 INT8_THRESHOLD = 2.0
@@ -51,10 +51,10 @@ def make_quantizer(weights: str, cfg, dtype: torch.dtype):
     saved = prequantized(cfg)
     if saved is not None and weights not in (saved, "auto"):
         raise ModelError(f"this checkpoint is saved as {saved}; it cannot be loaded as {weights}")
-    if saved is None and weights in (FULL, "auto"):
-        return None
+    if saved is None and weights in (FULL, "auto", INT4):
+        return None   # int4: the stage quantizes its layers itself (engine/model/int4.py)
     if saved is None and weights not in QUANTIZED:
-        raise ModelError(f"unknown weights '{weights}': choose one of auto, {FULL}, {', '.join(QUANTIZED)}")
+        raise ModelError(f"unknown weights '{weights}': choose one of {', '.join(CHOICES)}")
     why = bnb_missing()
     if why:
         raise ModelError(why)
@@ -106,10 +106,12 @@ def misshapen(model) -> list[str]:
 
 
 def weights_of(model) -> str:
-    """What a loaded model's decoder weights are: 'int8', 'nf4' or the full dtype."""
+    """What a loaded model's decoder weights are: 'int8', 'nf4', 'int4' or the full dtype."""
     kinds = {type(m).__name__ for m in model.modules()}
     if "Linear8bitLt" in kinds:
         return "int8"
     if "Linear4bit" in kinds:
         return "nf4"
+    if "Int4Linear" in kinds:
+        return INT4
     return FULL

@@ -41,10 +41,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.core.precision import INT4
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.fused_norms import fuse_rms_norms
 from engine.model.fused_products import fuse_products
+from engine.model.int4 import int4_bytes, quantize_layers
+from engine.model.int4 import place as place_int4
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
@@ -320,11 +323,14 @@ class StageModel:
         if quantizer is not None:
             quantizer.postprocess_model(model)
         layers = getattr(self._base, self._layers_name)
+        if self.weights == INT4:
+            quantize_layers(layers)   # on the host, before the slice moves to its device
         for i, layer in kept.items():   # in after the quantizer, which would wrap them again
             layers[i] = adopt(layer, kept_config, model.config)
         self.files_opened = checkpoint.files_opened
         self._finish_cut(model)
         model.to(self.device)
+        place_int4(model, self.device)
         return model
 
     def _cut(self, model, placeholders: bool, kept=(), parts=None, kept_config=None):
@@ -553,7 +559,7 @@ class StageModel:
 
     # ---- running ------------------------------------------------------------
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + int4_bytes(self.model)
 
     def held_bytes(self) -> int:
         """Its weights and cache: memory the machine has for whatever replaces this stage."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.precision import FULL, QUANTIZED, slice_bytes
+from engine.core.precision import EXPLICIT, slice_bytes
 from engine.model import catalog
 from engine.model.device import DTYPES
 from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ModelError, ModelSource, resolve
@@ -47,7 +47,7 @@ def check_configure(msg: dict, trusted_head: bool, accept_models, memory_cap: in
         raise ModelError(f"this stage's copy of {msg['model']} differs from the head's "
                          f"(fingerprint {fp} vs {msg['fingerprint']}): both must hold the same model")
     cfg = source.config()
-    if msg["weights"] not in (FULL,) + QUANTIZED:
+    if msg["weights"] not in EXPLICIT:
         raise ModelError(f"unknown weights {msg['weights']!r}")
     weights = slice_bytes(cfg, msg["start"], msg["end"], msg["weights"], dtype.itemsize)
     if memory_cap is not None and weights > memory_cap:
