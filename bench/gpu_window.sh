@@ -2,7 +2,7 @@
 # One lent GPU window (issue 42), as one command on the device machine: the GPU tests of
 # the decode graphs, the batched draw, quantized weights, fused norms and products; bench/gpu.py at
 # bf16 (ours1, ours1n, ours2, generate; the steps profiled into $OUT); the chat's sampled
-# draw (bench/sampling.py); then bench/gpu.py's nf4 rows. Every log and JSON lands in
+# draw (bench/sampling.py); then bench/gpu.py's nf4 and int4 rows. Every log and JSON lands in
 # $OUT as it is written, so a window cut short keeps what it measured.
 #
 #   here:  make gpu-pack                      (.whl/: what the device's python lacks)
@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/device.txt"
 timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py tests/model/test_draw.py \
-    tests/model/test_quant.py tests/model/test_fused_norms.py tests/model/test_fused_products.py \
+    tests/model/test_quant.py tests/model/test_fused_norms.py tests/model/test_fused_products.py tests/model/test_int4.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 # the one-process worker's 1-token and verification steps, profiled (kernels, CPU), to $OUT
 POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1n,ours2,hf} \
@@ -35,8 +35,9 @@ POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BE
 # the chat's sampled draw on the device (synthetic logits: the default model is not carried)
 timeout "${DRAW_S:-30}" python3 bench/sampling.py --device cuda --synthetic --json "$OUT/sampling.json" \
     2>&1 | tee "$OUT/sampling.log" | tail -12
-# nf4: the bandwidth row on weight + scale bytes, and the 1 + 4 verification step at nf4
-[ "${NF4_S:-70}" -gt 0 ] && timeout "${NF4_S:-70}" python3 bench/gpu.py \
-    ${NF4_ARGS:---weights nf4 --systems ours1 --repeat 1 --tokens 64} --json "$OUT/gpu-nf4.json" \
+# 4-bit: the bandwidth row on weight + scale bytes and the 1 + 4 verification step, at nf4
+# (bitsandbytes) and int4 (torch's own kernels, engine/model/int4.py)
+[ "${NF4_S:-90}" -gt 0 ] && timeout "${NF4_S:-90}" python3 bench/gpu.py \
+    ${NF4_ARGS:---weights nf4,int4 --systems ours1 --repeat 1 --tokens 64} --json "$OUT/gpu-nf4.json" \
     2>&1 | tee "$OUT/gpu-nf4.log" | tail -40
 exit 0

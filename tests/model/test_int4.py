@@ -1,0 +1,137 @@
+"""`--weights int4` (engine/model/int4.py): 4-bit groups through torch's own kernels, on
+the CPU here (its twin of the CUDA kernel), a GPU's in `-m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.core import precision
+from engine.model.int4 import GROUP, Int4Linear, dequantize, quantize, quantize_layers
+from engine.model.sources import resolve
+from engine.model.stage import StageBatch, StageModel
+
+
+def test_a_group_spans_its_range_in_sixteen_levels():
+    torch.manual_seed(0)
+    w = torch.randn(32, 128) * torch.linspace(0.01, 3, 128)
+    q, sz = quantize(w)
+    assert q.dtype == torch.uint8 and int(q.min()) == 0 and int(q.max()) == 15
+    assert sz.shape == (128 // GROUP, 32, 2) and sz.dtype == torch.bfloat16
+    step = sz.float()[..., 0].t().repeat_interleave(GROUP, 1)      # each weight's group's scale
+    err = (dequantize(q, sz) - w).abs()
+    assert bool((err <= step * 0.5 + 1e-2 * step + 1e-6).all()), float((err / step).max())
+
+
+def test_weights_already_in_four_bit_groups_keep_their_levels():
+    """A GGUF's Q4_1 blocks (32 weights, a scale and a minimum): the default model's own
+    layers keep their 4-bit levels, not a second rounding of them; only the group's zero
+    (minimum + 8 scales) is held in bf16, as the kernel reads it."""
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    q[:, ::GROUP] = 0           # every group uses its whole range, as a block's min and max do
+    q[:, 1::GROUP] = 15
+    scale = (torch.rand(48, 96 // GROUP, 1) + 0.05).to(torch.bfloat16).float()
+    low = torch.randn(48, 96 // GROUP, 1).to(torch.bfloat16).float()
+    w = (q.reshape(48, -1, GROUP).float() * scale + low).reshape(48, 96)
+    q2, sz = quantize(w)
+    assert torch.equal(q2, q)
+    zero = (low + 8 * scale).abs().repeat_interleave(GROUP, 1).reshape(48, 96)
+    assert bool(((dequantize(q2, sz) - w).abs() <= zero * 2 ** -8 + 1e-6).all())
+
+
+def test_the_kernel_computes_what_the_groups_hold():
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 48)
+    q, sz = quantize(lin.weight)
+    m = Int4Linear(lin)
+    m.to_device(torch.device("cpu"))
+    x = torch.randn(3, 5, 96)
+    want = nn.functional.linear(x.to(torch.bfloat16).float(), dequantize(q, sz), lin.bias)
+    got = m(x)
+    assert got.shape == (3, 5, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert m.weight_bytes() == 48 * 96 // 2 + sz.numel() * 2
+
+
+def test_layers_the_kernels_cannot_take_keep_their_own_product():
+    block = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 24), nn.Linear(48, 32))  # 24 rows; 48 columns
+    assert quantize_layers(block) == 1
+    assert [type(m).__name__ for m in block] == ["Int4Linear", "Linear", "Linear"]
+
+
+def test_int4_is_a_choice_of_its_own_that_auto_never_makes():
+    assert "int4" in precision.CHOICES and "int4" not in precision.QUANTIZED
+    assert precision.layer_bytes_per_param("int4", 4) == 0.625
+
+
+def test_a_stage_at_int4_holds_its_layers_in_four_bits(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    full = StageModel(source, 0, L, device="cpu")
+    s = StageModel(source, 0, L, device="cpu", weights="int4")
+    assert s.weights == "int4"
+    assert sum(isinstance(m, Int4Linear) for m in s.model.modules()) == 7 * L   # q k v o gate up down
+    # the embeddings and LM head stay whole; the layers take about a sixth of float32's bytes
+    layers_full = sum(p.numel() * p.element_size() for p in full._layers.parameters())
+    assert s.param_bytes() < full.param_bytes() - 0.8 * layers_full
+    prompt = [5, 9, 14, 3, 77, 8, 1, 60]
+    out = s.forward(StageBatch([0], [0], [len(prompt)]), torch.tensor(prompt))
+    for i in range(4):
+        out = s.forward(StageBatch([0], [len(prompt) + i], [1]), out.argmax(-1))
+        assert out.shape == (1, source.config().vocab_size) and bool(torch.isfinite(out).all())
+
+
+def test_the_default_model_at_int4_says_what_it_says_at_full_precision(default_source):
+    """Its layers are Q4_1 blocks on disk: int4 holds them as they are (bench/quant.py:
+    0.98 of next tokens agree, as computing in bf16 alone gives)."""
+    L = default_source.config().num_hidden_layers
+    tok = default_source.tokenizer()
+    ids = tok("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and the Seine, "
+              "and every year millions of visitors come to see them.")["input_ids"]
+    x = torch.tensor([ids])
+    agree = []
+    for w in ("bf16", "int4"):
+        s = StageModel(default_source, 0, L, device="cpu", weights=w)
+        with torch.inference_mode():
+            agree.append(s.model(input_ids=x, use_cache=False).logits[0].argmax(-1))
+        del s
+    assert float((agree[0] == agree[1]).float().mean()) >= 0.9
+
+
+async def test_two_stage_processes_at_int4_answer_as_one(tiny_folder):
+    """The precision crosses the wire: each stage process quantizes its own layers alike."""
+    from engine.core.sampling import SamplingParams
+    from engine.pipeline.launch import PipelineConfig, launch
+    from testkit.streams import tokens
+
+    folder, _ = tiny_folder("llama")
+    replies = []
+    for stages in (1, 2):
+        pipe = await launch(PipelineConfig(model=str(folder), stages=stages, device="cpu", weights="int4",
+                                           threads=1))
+        try:
+            head = pipe.head
+            head.eos_ids = set()
+            assert head.info()["weights"] == "int4"
+            toks, done = await tokens(head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=12)))
+            assert done.error is None
+            replies.append(toks)
+        finally:
+            await pipe.close()
+    assert len(replies[0]) == 12 and replies[0] == replies[1]
+
+
+@pytest.mark.gpu
+def test_a_gpu_computes_what_the_cpu_does_at_int4():
+    torch.manual_seed(3)
+    lin = nn.Linear(256, 128)
+    cpu, gpu = Int4Linear(lin), Int4Linear(lin)
+    cpu.to_device(torch.device("cpu"))
+    gpu.to_device(torch.device("cuda"))
+    x = torch.randn(5, 256)
+    want = cpu(x)
+    got = gpu(x.cuda().to(torch.bfloat16)).float().cpu()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
