@@ -69,15 +69,18 @@ class Option:
     available: bool  # this pool can compute at this precision at all
 
 
-def options(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) -> list[Option]:
+def options(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True,
+            among: tuple[str, ...] = (FULL,) + QUANTIZED) -> list[Option]:
+    """What each precision `among` needs and whether the pool holds it (quantized_ok:
+    whether bitsandbytes runs on every stage; torch's int4 needs nothing more)."""
     n = cfg.num_hidden_layers
     rows = []
-    for w in (FULL,) + QUANTIZED:
+    for w in among:
         total = slice_bytes(cfg, 0, n, w, dtype_bytes)
         per_layer = max(1, per_layer_bytes(cfg, w, dtype_bytes))
         room = sum(int(m * USABLE // per_layer) for m in free)
         rows.append(Option(w, total, room >= n and total <= USABLE * sum(free),
-                           quantized_ok or w == FULL))
+                           quantized_ok or w not in QUANTIZED))
     return rows
 
 
@@ -101,7 +104,8 @@ def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str |
     says what it is: bf16 where the pipeline computes in bfloat16, else "full (float32)"."""
     where = where or f"the pool's {len(free)} machine(s)"
     lines = [f"What the weights need, against the {_gb(USABLE * sum(free))} that {where} can give them:"]
-    for row in options(cfg, dtype_bytes, free, quantized_ok):
+    among = (FULL,) + QUANTIZED + ((INT4,) if chosen == INT4 else ())   # int4: shown when asked for
+    for row in options(cfg, dtype_bytes, free, quantized_ok, among):
         label = full_label(dtype_name) if row.weights == FULL else row.weights
         verdict = ("fits" if row.fits else "does not fit") if row.available else "needs bitsandbytes"
         mark = "  <- chosen" if row.weights == chosen else ""
