@@ -84,6 +84,21 @@ def test_a_stage_at_int4_holds_its_layers_in_four_bits(tiny_folder):
         assert out.shape == (1, source.config().vocab_size) and bool(torch.isfinite(out).all())
 
 
+def test_int4_layers_kept_across_a_rearrangement_are_not_quantized_again(tiny_folder):
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    old = StageModel(source, 0, L, device="cpu", weights="int4")
+    held = [m for m in old.model.modules() if isinstance(m, Int4Linear)]
+    kept = StageModel(source, 0, L // 2, device="cpu", weights="int4", reuse=old.hand_over())
+    fresh = StageModel(source, 0, L // 2, device="cpu", weights="int4")
+    mine = [m for m in kept.model.modules() if isinstance(m, Int4Linear)]
+    assert kept.kept_layers == L // 2 and all(any(m is h for h in held) for m in mine) and len(mine) == 7 * (L // 2)
+    prompt = torch.tensor([5, 9, 14, 3, 77, 8, 1, 60])
+    batch = StageBatch([0], [0], [len(prompt)])
+    assert torch.equal(kept.forward(batch, prompt), fresh.forward(batch, prompt))
+
+
 def test_the_default_model_at_int4_says_what_it_says_at_full_precision(default_source):
     """Its layers are Q4_1 blocks on disk: int4 holds them as they are (bench/quant.py:
     0.98 of next tokens agree, as computing in bf16 alone gives)."""
