@@ -121,7 +121,7 @@ def add_pipeline_args(p):
     p.add_argument("--draft", default=None, metavar="MODEL[@WEIGHTS]",
                    help="a draft model of the same tokenizer, on this machine beside the first stage, that "
                         "guesses the next tokens for speculation instead of prompt lookup: 'default', a Hugging "
-                        "Face id, a folder or a .gguf, optionally @bf16 (default), @int8 or @nf4 (e.g. "
+                        "Face id, a folder or a .gguf, optionally @bf16 (default), @int8, @nf4 or @int4 (e.g. "
                         "meta-llama/Llama-3.2-1B-Instruct for a Llama-3.1-70B; on a CPU-only machine "
                         "'default@int8' stands in); auto: the catalog's pairing for --model. Not with --speculate off")
 

@@ -45,11 +45,11 @@ from engine.model.stage import StageBatch, StageModel
 
 log = logging.getLogger("potluck.draft")
 
-DRAFT_WEIGHTS = (precision.FULL,) + precision.QUANTIZED
+DRAFT_WEIGHTS = precision.EXPLICIT
 
 
 def parse_draft(spec: str) -> tuple[str, str]:
-    """'MODEL[@WEIGHTS]' -> (model spec, weights). WEIGHTS: bf16 (default), int8, nf4."""
+    """'MODEL[@WEIGHTS]' -> (model spec, weights). WEIGHTS: bf16 (default), int8, nf4, int4."""
     spec = (spec or "").strip()
     if not spec:
         raise ModelError("--draft needs a model: 'default', a Hugging Face id, a folder or a .gguf")
