@@ -136,7 +136,8 @@ def test_draft_specs_and_tokenizers(tiny, default_source):
     assert parse_draft("default") == ("default", "bf16")
     assert parse_draft("default@int8") == ("default", "int8")
     assert parse_draft("meta-llama/Llama-3.2-1B-Instruct@nf4") == ("meta-llama/Llama-3.2-1B-Instruct", "nf4")
-    for bad in ("", "default@int4", "@int8"):
+    assert parse_draft("default@int4") == ("default", "int4")
+    for bad in ("", "default@int3", "@int8"):
         with pytest.raises(ModelError):
             parse_draft(bad)
     tok = default_source.tokenizer()
