@@ -15,8 +15,8 @@ slices of one matrix (no second copy), and the first member called with an input
 computes the whole product for it; the others, called with that same tensor, are handed
 their columns of it. The group holds the input while its members are still due, so its
 identity cannot pass to another tensor in between; a member called with any other input
-computes its own product from its own slice, so a module that feeds its projections
-different inputs stays correct, only unfused. The outputs differ from the separate
+(or twice with one) starts a new product, so a module that feeds its projections
+different inputs stays correct, only slower. The outputs differ from the separate
 products' at most in rounding (another kernel over the same sums).
 
 Only plain `nn.Linear` members of one dtype, device and input width, all with a bias or
@@ -45,26 +45,26 @@ class _Group:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bounds: list[tuple[int, int]]):
         self.weight, self.bias, self.bounds = weight, bias, bounds
         self.x = self.y = None
-        self.due = 0
+        self.served: set[int] = set()
 
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if self.x is not x:
+        # another input, or a member asking twice for this one: a new call of the module
+        # (a step that stopped half-way, a module feeding its members different inputs)
+        if self.x is not x or index in self.served:
             self.x, self.y = x, F.linear(x, self.weight, self.bias)
-            self.due = len(self.bounds)
+            self.served = set()
         lo, hi = self.bounds[index]
         y = self.y[..., lo:hi]
-        self.due -= 1
-        if self.due <= 0:
+        self.served.add(index)
+        if len(self.served) == len(self.bounds):
             self.x = self.y = None   # a prompt's activations are not kept past the layer
+            self.served = set()
         return y
 
 
 def _member_forward(self, x: torch.Tensor) -> torch.Tensor:
     group, index = getattr(self, _MARK)
-    if group.x is x or group.due <= 0:
-        return group.take(index, x)
-    # another input while the group waits for its members' own: this member alone
-    return F.linear(x, self.weight, self.bias)
+    return group.take(index, x)
 
 
 def _groupable(members: list) -> bool:

@@ -116,6 +116,21 @@ def test_projections_fed_other_inputs_give_their_own_products():
         torch.testing.assert_close(a, p(x))
 
 
+def test_a_call_stopped_half_way_leaves_the_next_one_joined():
+    torch.manual_seed(0)
+    m = Separate()
+    ref = Separate()
+    ref.load_state_dict(m.state_dict())
+    fuse_products(m)
+    m.q_proj(torch.randn(2, 16))                   # a step that raised after its first product
+    x = torch.randn(2, 16)
+    with CountProducts() as c:
+        got = [p(x) for p in (m.q_proj, m.k_proj, m.v_proj)]
+    assert c.n == 1                                # one joined product, not three
+    for a, p in zip(got, (ref.q_proj, ref.k_proj, ref.v_proj)):
+        torch.testing.assert_close(a, p(x))
+
+
 def test_quantized_or_mixed_projections_stay_apart():
     m = Separate()
     m.k_proj = nn.Linear(16, 4, bias=False)   # a bias on some members, not all
