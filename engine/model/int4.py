@@ -129,16 +129,19 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
 
 
-def quantize_layers(layers: nn.Module) -> int:
+def quantize_layers(layers: nn.Module, progress=None) -> int:
     """Swap each Linear of `layers` the kernels can take for an Int4Linear (on the host,
-    where they were loaded); returns how many."""
-    n = 0
-    for parent in list(layers.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and not child.weight.is_meta and fits(child):
-                setattr(parent, name, Int4Linear(child))
-                n += 1
-    return n
+    where they were loaded); returns how many. progress(done, total, what): a big
+    model's layers take a while on the host."""
+    todo = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and not child.weight.is_meta and fits(child)]
+    for i, (parent, name, child) in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo), "quantizing to int4")
+        setattr(parent, name, Int4Linear(child))
+    if progress is not None and todo:
+        progress(len(todo), len(todo), "quantizing to int4")
+    return len(todo)
 
 
 def place(model: nn.Module, device: torch.device) -> None:

@@ -324,7 +324,7 @@ class StageModel:
             quantizer.postprocess_model(model)
         layers = getattr(self._base, self._layers_name)
         if self.weights == INT4:
-            quantize_layers(layers)   # on the host, before the slice moves to its device
+            quantize_layers(layers, self._progress)   # on the host, before the slice moves to its device
         for i, layer in kept.items():   # in after the quantizer, which would wrap them again
             layers[i] = adopt(layer, kept_config, model.config)
         self.files_opened = checkpoint.files_opened

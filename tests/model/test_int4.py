@@ -99,6 +99,32 @@ def test_int4_layers_kept_across_a_rearrangement_are_not_quantized_again(tiny_fo
     assert torch.equal(kept.forward(batch, prompt), fresh.forward(batch, prompt))
 
 
+def test_int4_decode_steps_replay_as_graphs_as_they_run_eagerly(tiny_folder):
+    """The path a GPU stage takes (engine/model/static_decode.py), replayed through the
+    tape that stands in for CUDA graphs here (testkit/graph_tape.py)."""
+    from engine.model.static_decode import use_graphs
+    from testkit.graph_tape import TapeCuda
+
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    eager = StageModel(source, 0, L, device="cpu", weights="int4")
+    graphs = StageModel(source, 0, L, device="cpu", weights="int4")
+    use_graphs(graphs, TapeCuda())
+    prompt = [5, 9, 14, 3, 77, 8, 1, 60]
+    outs = []
+    for s in (eager, graphs):
+        out = s.forward(StageBatch([0], [0], [len(prompt)]), torch.tensor(prompt))
+        got = []
+        for i in range(5):
+            out = s.forward(StageBatch([0], [len(prompt) + i], [1]), out.argmax(-1))
+            got.append(out)
+        outs.append(got)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert graphs.static.book.replays == 5 and not graphs.static.book.failed
+
+
 def test_the_default_model_at_int4_says_what_it_says_at_full_precision(default_source):
     """Its layers are Q4_1 blocks on disk: int4 holds them as they are (bench/quant.py:
     0.98 of next tokens agree, as computing in bf16 alone gives)."""
