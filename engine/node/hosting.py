@@ -152,11 +152,11 @@ class Hosting:
         usable = available * precision.USABLE  # the rest: KV cache, activations, slack
         missing = bnb_missing()
         rows = []
-        for w in (precision.FULL,) + precision.QUANTIZED:
+        for w in precision.EXPLICIT:
             here_bytes = precision.slice_bytes(cfg, *here_range, w, nbytes)
             rows.append({"weights": w, "bytes": precision.slice_bytes(cfg, 0, n, w, nbytes),
                          "here_bytes": here_bytes, "fits_here": here_bytes <= usable,
-                         "available": missing is None or w == precision.FULL})
+                         "available": missing is None or w not in precision.QUANTIZED})
         try:
             saved = prequantized(cfg)  # a checkpoint saved quantized loads as it was saved
         except ModelError as exc:  # quantized some other way (GPTQ, AWQ, FP4...)
@@ -169,7 +169,7 @@ class Hosting:
         elif weights != "auto":
             chosen = weights
         else:  # the highest precision that fits here, else the smallest there is
-            usable_rows = [r for r in rows if r["available"]]
+            usable_rows = [r for r in rows if r["available"] and r["weights"] != precision.INT4]  # asked for by name
             chosen = next((r["weights"] for r in usable_rows if r["fits_here"]), usable_rows[-1]["weights"])
         row = next(r for r in rows if r["weights"] == chosen)
         local_needed, fits = row["here_bytes"], row["fits_here"] and row["available"]

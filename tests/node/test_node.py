@@ -176,8 +176,8 @@ def test_plan_says_what_each_weight_precision_needs_here(node):
     status, plan = call(node, "POST", "/plan", {"model": "default", "stages": 2})
     assert status == 200 and plan["fits"]
     rows = plan["precisions"]
-    assert [r["weights"] for r in rows] == ["bf16", "int8", "nf4"]
-    assert rows[0]["bytes"] > rows[1]["bytes"] > rows[2]["bytes"] > 50e6
+    assert [r["weights"] for r in rows] == ["bf16", "int8", "nf4", "int4"]
+    assert rows[0]["bytes"] > rows[1]["bytes"] > rows[3]["bytes"] > rows[2]["bytes"] > 50e6
     assert all(r["fits_here"] == (r["here_bytes"] <= plan["usable_bytes"]) for r in rows)
     assert rows[0]["available"] and plan["requested_weights"] == "auto"
     # auto: the highest precision that fits this machine; plenty of memory here

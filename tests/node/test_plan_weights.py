@@ -17,8 +17,12 @@ def no_bnb(monkeypatch):
 async def test_without_bitsandbytes_only_bf16_is_offered(no_bnb):
     node = Node("t" * 32, device="cpu")
     plan = await node.plan(**node.host_args({"model": "default", "stages": 1}))
-    assert [r["available"] for r in plan["precisions"]] == [True, False, False]
+    # int4 is torch's own kernels: offered without bitsandbytes, never chosen for auto
+    assert [(r["weights"], r["available"]) for r in plan["precisions"]] == [
+        ("bf16", True), ("int8", False), ("nf4", False), ("int4", True)]
     assert plan["weights"] == "bf16" and plan["fits"]
+    plan = await node.plan(**node.host_args({"model": "default", "stages": 1, "weights": "int4"}))
+    assert plan["weights"] == "int4" and plan["fits"], plan["message"]
     plan = await node.plan(**node.host_args({"model": "default", "stages": 1, "weights": "nf4"}))
     assert not plan["fits"] and "bitsandbytes" in plan["message"]
     # too little memory for bf16, and nothing smaller to fall back on
