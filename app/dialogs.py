@@ -177,7 +177,7 @@ class HostDialog(QDialog):
         self.weights_table.horizontalHeader().setStretchLastSection(True)
         self.weights_table.verticalHeader().hide()
         self.weights_table.setEditTriggers(QTableWidget.NoEditTriggers)
-        self.weights_table.setFixedHeight(120)
+        self.weights_table.setFixedHeight(150)   # a header and four precisions
         self.weights_table.hide()
         lay.addWidget(self.weights_table)
         self.split_table = QTableWidget(0, 2)
