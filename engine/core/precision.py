@@ -2,8 +2,9 @@
 
 `--weights bf16` means the decoder's weights unquantized, at the pipeline's compute
 dtype (bfloat16 on a GPU, float32 on a CPU); int8 and nf4 quantize the decoder
-layers' Linear weights with bitsandbytes, int4 with torch's own 4-bit kernels. Embeddings and the LM head stay at the
-compute dtype in every case (bitsandbytes leaves them), so they are counted apart.
+layers' Linear weights with bitsandbytes, int4 with torch's own 4-bit kernels.
+Embeddings and the LM head stay at the compute dtype in every case (bitsandbytes leaves
+them), so they are counted apart.
 """
 
 from __future__ import annotations

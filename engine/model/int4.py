@@ -10,11 +10,10 @@ scale and zero per group of GROUP input columns. No compiler, nothing more to in
 The format is asymmetric: a group's weights are w = (q - 8) * scale + zero, q in 0..15,
 the group's minimum and maximum spanning the 16 levels -- the shape of a GGUF's Q4_1
 blocks (32 weights, a scale and a minimum), which is why GROUP is 32: the default model's
-layers keep their own 4-bit levels (only the zero is rounded to bf16), and int4 agrees
-with its full-precision logits as often as computing in bf16 does (bench/quant.py). Activations enter
-the kernel in bf16 and the output returns to the stage's dtype: on a CPU stage, whose
-dtype is float32, that rounding is part of what int4 costs (bench/quant.py measures the
-agreement with full precision).
+layers keep their own 4-bit levels (only the zero is rounded to bf16). Activations enter
+the kernel in bf16 and the output returns to the stage's dtype; on a CPU stage (float32)
+that rounding is part of what int4 costs. Together: int4 agrees with the default model's
+full-precision logits as often as computing in bf16 does (bench/quant.py).
 
 A stage quantizes its decoder layers' Linear weights on the host as it loads them
 (before the slice moves to its device: the full-precision copy never exists there), then

@@ -143,7 +143,8 @@ def test_the_default_model_at_int4_says_what_it_says_at_full_precision(default_s
 
 
 async def test_two_stage_processes_at_int4_answer_as_one(tiny_folder):
-    """The precision crosses the wire: each stage process quantizes its own layers alike."""
+    """The precision crosses the wire: each stage process quantizes its own layers alike
+    (threads as `potluck serve --weights int4` leaves them: its default)."""
     from engine.core.sampling import SamplingParams
     from engine.pipeline.launch import PipelineConfig, launch
     from testkit.streams import tokens
@@ -151,8 +152,7 @@ async def test_two_stage_processes_at_int4_answer_as_one(tiny_folder):
     folder, _ = tiny_folder("llama")
     replies = []
     for stages in (1, 2):
-        pipe = await launch(PipelineConfig(model=str(folder), stages=stages, device="cpu", weights="int4",
-                                           threads=1))
+        pipe = await launch(PipelineConfig(model=str(folder), stages=stages, device="cpu", weights="int4"))
         try:
             head = pipe.head
             head.eos_ids = set()
