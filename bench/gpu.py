@@ -482,6 +482,13 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
         if static is not None:
             extra["graphs"] = static.book.summary()
             log(f"{system} {weights}: decode graphs {extra['graphs']}")
+        if stages > 1:
+            # every stage's decode graphs: a graph captured in service (more captures than
+            # ours1's at load) stalls the reply it serves, and a stage that never replays
+            # runs eagerly -- either would show as a low ours2 / ours1
+            extra["stage_graphs"] = [{k: s[k] for k in ("fixed_steps", "graph_replays", "graph_captures")}
+                                     for s in await head.stage_stats()]
+            log(f"{system} {weights}: decode graphs by stage {extra['stage_graphs']}")
         if stages == 1:
             extra["steps"] = step_costs(head.stage0, device)
             log(f"{system} {weights}: a 1-token step {extra['steps']['one'] * 1e3:.2f} ms, "
@@ -730,6 +737,11 @@ def report(a, results: dict, build_s: float | None) -> dict:
             p, s = get("ours2", w, b, "decode_agg"), get("ours1", w, b, "decode_agg")
             verdict(f"ours2 / ours1, aggregate decode tok/s, batch {b}, {w}", p / s if p and s else None,
                     TARGET_PIPE, True)
+        by_stage = results.get(("ours2", w), {}).get("stage_graphs")
+        if by_stage:
+            verdicts.append([f"ours2 decode graphs by stage, {w}: captured / replayed / fixed-buffer steps",
+                             ", ".join(f"s{i} {g['graph_captures']}/{g['graph_replays']}/{g['fixed_steps']}"
+                                       for i, g in enumerate(by_stage)), "", "(info)"])
     nb = results.get(("ours1", "nf4"), {}).get("weight_bytes")
     fb = results.get(("ours1", "bf16"), {}).get("weight_bytes")
     verdict("nf4 / bf16 weight bytes (parameters, ours1)", nb / fb if nb and fb else None, TARGET_NF4, False)

@@ -98,11 +98,12 @@ HOST_BOUND = {
 
 
 def decode_counts(stage) -> dict[str, int]:
-    """For a stage's stats: decode steps run over fixed buffers, and replayed graphs."""
+    """For a stage's stats: decode steps run over fixed buffers, replayed graphs, and
+    graphs captured (at load, and any since: a capture in service stalls a reply)."""
     static = getattr(stage, "static", None)
     if static is None:
-        return {"fixed_steps": 0, "graph_replays": 0}
-    return {"fixed_steps": static.steps, "graph_replays": static.book.replays}
+        return {"fixed_steps": 0, "graph_replays": 0, "graph_captures": 0}
+    return {"fixed_steps": static.steps, "graph_replays": static.book.replays, "graph_captures": static.book.captures}
 
 
 def unsupported(stage) -> str | None:

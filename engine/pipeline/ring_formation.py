@@ -311,7 +311,7 @@ class RingFormation:
     async def stage_stats(self) -> list[dict]:
         """Every stage (head first): sequences held, tokens cached, frames refused,
         decode steps that cut into prompt steps, decode steps run over fixed buffers and
-        of those replayed as CUDA graphs."""
+        of those replayed as CUDA graphs, graphs captured."""
         # one query at a time: answers carry no id, so two callers would take each other's
         async with self._stats_lock:
             kv = self.stage0.kv
@@ -323,5 +323,5 @@ class RingFormation:
                 await r.ws.send(frames.control("get_stats"))
                 msg = await asyncio.wait_for(fut, 30)
                 out.append({k: msg[k] for k in ("seqs", "kv_tokens", "kv_bytes", "rejected", "cut_ins", "fixed_steps",
-                                                 "graph_replays")})
+                                                 "graph_replays", "graph_captures")})
             return out

@@ -324,7 +324,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "profile": {"profile": _PROFILE},
     "error": {"message": _STR},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "kv_bytes": _INT, "rejected": _INT, "cut_ins": _INT, "fixed_steps": _INT,
-              "graph_replays": _INT},
+              "graph_replays": _INT, "graph_captures": _INT},
     # the stage's owner is taking it away (sharing off, a game, sleep): the head moves
     # its layers elsewhere now and lets it go; it goes anyway after `seconds`
     "leaving": {"reason": _STR, "seconds": _NUM},

@@ -36,6 +36,9 @@ def test_the_gpu_bench_runs_here_on_a_tiny_model(tmp_path):
     assert set(ours1["steps"]) >= {"one", "verify"}
     assert ours1["sampled"]["decode_agg"] > 0 and ours1["sampled"]["batch"] == 1
     assert ours1["graphs"]["captures"] >= 5 and ours1["graphs"]["replays"] > 0 and not ours1["graphs"]["failed"], ours1
+    # the two-stage pipeline reports each stage's decode graphs (none on the CPU)
+    assert [set(g) for g in got["workers"]["ours2/bf16"]["stage_graphs"]] == \
+        [{"fixed_steps", "graph_replays", "graph_captures"}] * 2
     verdicts = {v[0]: v[3] for v in got["verdicts"]}
     assert verdicts["ours1 / HF generate, decode tok/s, batch 1, bf16"] in ("PASS", "MISS")
     assert verdicts["ours1 at the chat's sampled defaults / greedy, aggregate decode tok/s, batch 1, bf16"] \
