@@ -16,12 +16,13 @@ the default model's decode step at batch 1 on this machine, for scale.
 
 A third table draws a verification step of speculative decoding (1 + 4 positions a user)
 position by position, as the last stage did before the frame carried the draft, and in
-one draw.
+one draw. A fourth builds a step's repetition-penalty pairs from every history rebuilt
+(as the sampler did) and from the distinct tokens it now keeps as they change.
 
 What should hold: the batched draw at least 5x faster than the per-row one at every
 batch and vocabulary on the CPU (and on a GPU), at batch 1 a small share of the default
-model's step, and a verification step's one draw at least 1.5x faster than its positions
-drawn alone.
+model's step, a verification step's one draw at least 1.5x faster than its positions
+drawn alone, and the kept penalty pairs at least 3x faster than the rebuilt ones from 4 users.
 """
 
 from __future__ import annotations
@@ -170,8 +171,58 @@ DRAFTED = 4
 # on a CPU a row's own work dominates its draw, so one draw saves the fixed cost of the
 # other k (about half); on a GPU each position drawn alone is also a wait on the device
 VERIFY_TARGET = 1.5
+# a step's repetition-penalty pairs from kept arrays against rebuilt lists, at least
+PAIRS_TARGET = 3.0
 # the candidates a GPU draw was tried with (engine/model/draw.py: it sorts whole now)
 GPU_TRIED_CANDIDATES = 1024
+
+
+def penalty_pairs_before(s, ids: list[int], device: str) -> list[torch.Tensor]:
+    """The repetition penalty's (row, token, factor) tensors as the sampler built them
+    before engine/model/token_history.py: each step a set of every row's whole history,
+    Python lists of every pair, turned into tensors element by element."""
+    rows, toks, factors = [], [], []
+    for i, sid in enumerate(ids):
+        seen = list(set(s._history[sid]))
+        rows += [i] * len(seen)
+        toks += seen
+        factors += [s._params[sid].repetition_penalty] * len(seen)
+    return [torch.tensor(rows, dtype=torch.long).to(device), torch.tensor(toks, dtype=torch.long).to(device),
+            torch.tensor(factors, dtype=torch.float32).to(device)]
+
+
+def penalty_pairs_now(s, ids: list[int], device: str) -> list[torch.Tensor]:
+    pen = s._penalties(ids)
+    return [torch.as_tensor(pen.rep_rows, dtype=torch.long).to(device),
+            torch.as_tensor(pen.rep_tokens, dtype=torch.long).to(device),
+            torch.as_tensor(pen.rep_factor, dtype=torch.float32).to(device)]
+
+
+def penalty_pairs(params, B: int, repeat: int, device: str, vocab: int = 128256) -> tuple[float, float, bool]:
+    """B users 128 prompt tokens and 64 drawn into: a step's repetition-penalty pairs, both
+    ways, each followed by the token the step draws (kept arrays grow by it)."""
+    import random
+
+    from engine.model.sampler import Sampler
+
+    rng = random.Random(B)
+    s = Sampler()
+    for u in range(B):
+        s.open(u, params, [rng.randrange(vocab) for _ in range(128)])
+        for _ in range(64):
+            s._record(u, params, rng.randrange(vocab))
+    ids = list(range(B))
+    key = lambda ts: sorted(zip(ts[0].tolist(), ts[1].tolist(), ts[2].tolist()))  # noqa: E731
+    same = key(penalty_pairs_before(s, ids, device)) == key(penalty_pairs_now(s, ids, device))
+
+    def step(build):
+        build(s, ids, device)
+        for u in ids:
+            s._record(u, params, rng.randrange(vocab))
+
+    a = timed(lambda: step(penalty_pairs_before), repeat, device)
+    b = timed(lambda: step(penalty_pairs_now), repeat, device)
+    return a, b, same
 
 
 def verification(logits: torch.Tensor, hist: list[int], params, B: int, repeat: int, device: str):
@@ -192,7 +243,7 @@ def verification(logits: torch.Tensor, hist: list[int], params, B: int, repeat: 
         for u in range(B):
             for j in range(k):
                 s.sample([u], rows[u * k + j: u * k + j + 1])
-            del s._history[u][-k:]
+            s._history[u].truncate(len(s._history[u]) - k)
             s._pos[u] = start[u]
 
     def together():
@@ -256,7 +307,7 @@ def main() -> None:
             def after():
                 s.sample(ids, batch)
                 for i in ids:   # the same history every round: what before() sees
-                    s._history[i].pop()
+                    s._history[i].truncate(len(s._history[i]) - 1)
                     s._pos[i] -= 1
 
             a = timed(before, args.repeat, args.device)
@@ -303,6 +354,19 @@ def main() -> None:
         ok &= verdict == "PASS"
         print(f"{B:>5} {a * 1e3:>9.2f} {b * 1e3:>12.2f} {a / b:>8.1f}x {verdict:>7}")
         results.append(dict(verify_users=B, alone_s=a, one_draw_s=b))
+    print("\nthe repetition penalty's pairs of a step (users 128 prompt tokens and 64 drawn into, "
+          f"vocabulary 128256): each history's set and lists rebuilt every step (before) against the "
+          "distinct tokens kept as they change (engine/model/token_history.py)")
+    head = f"{'users':>5} {'rebuilt ms':>11} {'kept ms':>9} {'speed-up':>9} {'same':>5} {'verdict':>7}"
+    print(head)
+    print("-" * len(head))
+    for B in (int(b) for b in args.batches.split(",")):
+        a, b, same = penalty_pairs(params, B, max(args.repeat, 20), args.device)
+        # one user's history is a few dozen pairs: both ways cost microseconds, judged from 4
+        verdict = ("PASS" if a / b >= PAIRS_TARGET and same else "MISS") if B >= 4 or not same else "-"
+        ok &= verdict != "MISS"
+        print(f"{B:>5} {a * 1e3:>11.3f} {b * 1e3:>9.3f} {a / b:>8.1f}x {'yes' if same else 'NO':>5} {verdict:>7}")
+        results.append(dict(pairs_users=B, rebuilt_s=a, kept_s=b, same=same))
     if stage is not None:
         print(f"\nthe default model decoding at the chat's defaults, {args.steps} tokens a user: "
               "the whole step, the model's and the draw")

@@ -29,6 +29,7 @@ not covered reads the device back mid-draw (bench/sampling.py --device cuda).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,33 +59,34 @@ class Shape:
 
 @dataclass
 class Penalties:
-    """The penalties of a batch's rows, flat: (row, token) pairs and what each does."""
-    rep_rows: list[int]
-    rep_tokens: list[int]
-    rep_factor: list[float]    # HF's repetition penalty: x / f where x > 0, x * f elsewhere
-    sub_rows: list[int]
-    sub_tokens: list[int]
-    sub_amount: list[float]    # presence and frequency: x -= count * frequency + presence
+    """The penalties of a batch's rows, flat: (row, token) pairs and what each does.
+    Lists or numpy arrays (the sampler's repetition pairs: engine/model/token_history.py)."""
+    rep_rows: Sequence[int]
+    rep_tokens: Sequence[int]
+    rep_factor: Sequence[float]    # HF's repetition penalty: x / f where x > 0, x * f elsewhere
+    sub_rows: Sequence[int]
+    sub_tokens: Sequence[int]
+    sub_amount: Sequence[float]    # presence and frequency: x -= count * frequency + presence
 
     @classmethod
     def none(cls) -> Penalties:
         return cls([], [], [], [], [], [])
 
     def __bool__(self) -> bool:
-        return bool(self.rep_rows or self.sub_rows)
+        return len(self.rep_rows) > 0 or len(self.sub_rows) > 0
 
 
 def penalize(x: torch.Tensor, pen: Penalties) -> None:
     """x [B, V] float32, in place: the repetition penalty, then presence and frequency
     (vLLM's order). A row's (row, token) pairs are unique within each kind."""
     dev = x.device
-    if pen.rep_rows:
-        r = torch.tensor(pen.rep_rows, dtype=torch.long).to(dev, non_blocking=True)
-        t = torch.tensor(pen.rep_tokens, dtype=torch.long).to(dev, non_blocking=True)
-        f = torch.tensor(pen.rep_factor, dtype=x.dtype).to(dev, non_blocking=True)
+    if len(pen.rep_rows):
+        r = torch.as_tensor(pen.rep_rows, dtype=torch.long).to(dev, non_blocking=True)
+        t = torch.as_tensor(pen.rep_tokens, dtype=torch.long).to(dev, non_blocking=True)
+        f = torch.as_tensor(pen.rep_factor, dtype=x.dtype).to(dev, non_blocking=True)
         v = x[r, t]
         x[r, t] = torch.where(v > 0, v / f, v * f)
-    if pen.sub_rows:
+    if len(pen.sub_rows):
         r = torch.tensor(pen.sub_rows, dtype=torch.long).to(dev, non_blocking=True)
         t = torch.tensor(pen.sub_tokens, dtype=torch.long).to(dev, non_blocking=True)
         a = torch.tensor(pen.sub_amount, dtype=x.dtype).to(dev, non_blocking=True)

@@ -59,6 +59,9 @@ def test_the_sampling_bench_runs_here(tmp_path):
     # the ranking: every row sorted whole against the device's candidates first, the same tokens
     assert [(r["ranked_vocab"], r["ranked_batch"], r["same"], r["whole_sort_s"] > 0, r["candidates_s"] > 0)
             for r in rows if "ranked_vocab" in r] == [(49152, 2, True, True, True), (128256, 2, True, True, True)]
+    # the repetition penalty's pairs of a step, rebuilt and kept: the same pairs
+    assert [(r["pairs_users"], r["same"], r["rebuilt_s"] > 0, r["kept_s"] > 0) for r in rows if "pairs_users" in r] \
+        == [(2, True, True, True)]
     # the verification step, position by position and in one draw
     assert [(r["verify_users"], r["alone_s"] > 0, r["one_draw_s"] > 0) for r in rows if "verify_users" in r] \
         == [(2, True, True)]
