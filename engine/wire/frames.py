@@ -49,6 +49,7 @@ FLAG_Q8 = 1          # activations as blockwise int8 + one float32 scale per blo
 
 _DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.int64, 5: torch.int8}
 _CODES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {k: v.itemsize for k, v in _DTYPES.items()}
 
 
 @dataclass
@@ -134,8 +135,7 @@ def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
         if code not in _DTYPES:
             raise FrameError(f"unknown dtype code {code}")
         dtype = _DTYPES[code]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = math.prod(dims) * itemsize
+        nbytes = math.prod(dims) * _ITEMSIZE[code]
         if nbytes > max_payload:
             raise FrameError(f"tensor of {nbytes} bytes exceeds the limit of {max_payload}")
     elif code != 0:
