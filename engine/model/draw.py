@@ -42,6 +42,18 @@ CPU_CANDIDATES = 256
 CPU_BLOCK_ROWS = 16
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's few host numbers (a row's temperature, its uniform, the penalties' pairs) on
+    `device`, queued behind the step without waiting for it. A copy from pageable memory
+    may wait for the GPU's queue to drain first (CUDA stages it through pinned memory and
+    may synchronise the stream to do so): the draw's launches would then start only once
+    the step's forward had finished. From pinned memory it is queued like any kernel."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class Shape:
     """One row's settings: what engine/core/sampling.py SamplingParams asks of it, with
@@ -81,15 +93,15 @@ def penalize(x: torch.Tensor, pen: Penalties) -> None:
     (vLLM's order). A row's (row, token) pairs are unique within each kind."""
     dev = x.device
     if len(pen.rep_rows):
-        r = torch.as_tensor(pen.rep_rows, dtype=torch.long).to(dev, non_blocking=True)
-        t = torch.as_tensor(pen.rep_tokens, dtype=torch.long).to(dev, non_blocking=True)
-        f = torch.as_tensor(pen.rep_factor, dtype=x.dtype).to(dev, non_blocking=True)
+        r = to_device(pen.rep_rows, torch.long, dev)
+        t = to_device(pen.rep_tokens, torch.long, dev)
+        f = to_device(pen.rep_factor, x.dtype, dev)
         v = x[r, t]
         x[r, t] = torch.where(v > 0, v / f, v * f)
     if len(pen.sub_rows):
-        r = torch.tensor(pen.sub_rows, dtype=torch.long).to(dev, non_blocking=True)
-        t = torch.tensor(pen.sub_tokens, dtype=torch.long).to(dev, non_blocking=True)
-        a = torch.tensor(pen.sub_amount, dtype=x.dtype).to(dev, non_blocking=True)
+        r = to_device(pen.sub_rows, torch.long, dev)
+        t = to_device(pen.sub_tokens, torch.long, dev)
+        a = to_device(pen.sub_amount, x.dtype, dev)
         x.index_put_((r, t), -a, accumulate=True)
 
 
@@ -123,17 +135,17 @@ def _draw_rows(x: torch.Tensor, shapes: list[Shape], candidates: int) -> torch.T
     plain = [i for i, s in enumerate(shapes) if not s.greedy and not s.ranked]
     ranked = [i for i, s in enumerate(shapes) if s.ranked]
     if plain:
-        idx = torch.tensor(plain, dtype=torch.long).to(dev, non_blocking=True)
+        idx = to_device(plain, torch.long, dev)
         out.index_copy_(0, idx, _draw_plain(x.index_select(0, idx), [shapes[i] for i in plain]))
     if ranked:
-        idx = torch.tensor(ranked, dtype=torch.long).to(dev, non_blocking=True)
+        idx = to_device(ranked, torch.long, dev)
         out.index_copy_(0, idx, _draw_ranked(x.index_select(0, idx), [shapes[i] for i in ranked], candidates))
     return out
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """[n, 1] on like's device, in its dtype."""
-    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True).unsqueeze(1)
+    return to_device(values, like.dtype, like.device).unsqueeze(1)
 
 
 def _pick(probs: torch.Tensor, shapes: list[Shape]) -> torch.Tensor:
@@ -196,7 +208,7 @@ def _nucleus(x: torch.Tensor, vals: torch.Tensor, shapes: list[Shape], whole: bo
     """keep [n, K] (a prefix of each row's ranks) and its length [n]."""
     n, K = vals.shape
     ranks = torch.arange(K, device=x.device)
-    top_k = torch.tensor([s.top_k or x.shape[1] for s in shapes]).to(x.device, non_blocking=True)
+    top_k = to_device([s.top_k or x.shape[1] for s in shapes], torch.long, x.device)
     keep = ranks.unsqueeze(0) < top_k.unsqueeze(1)
     # top-p's mass is over what top-k left: those ranks' logits, or the whole row's
     masked = vals.masked_fill(~keep, float("-inf"))

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from engine.core.sampling import SamplingParams
-from engine.model.draw import Penalties, Shape, draw
+from engine.model.draw import Penalties, Shape, draw, to_device
 from engine.model.grammar import GrammarError
 from engine.model.token_history import TokenHistory
 
@@ -164,7 +164,7 @@ class Sampler:
                     ids.append(c)
                     rows.append(i)
             if len(ids) > len(seq_ids):
-                logits = logits[torch.tensor(rows, device=logits.device)]
+                logits = logits[to_device(rows, torch.long, logits.device)]
         toks = self.sample(ids, logits)
         entries = [[s, t] for s, t in zip(ids, toks)]
         want = [i for i, s in enumerate(ids) if self._params[s].logprobs]
@@ -202,7 +202,7 @@ class Sampler:
         entries = []
         if rows:
             x = logits if len(rows) == logits.shape[0] else \
-                logits.index_select(0, torch.tensor(rows, device=logits.device))
+                logits.index_select(0, to_device(rows, torch.long, logits.device))
             if all(s.greedy for s in shapes) and not any(_penalized(self._params[s]) for s, _ in verified):
                 toks = x.argmax(-1).tolist()
             else:
@@ -219,7 +219,7 @@ class Sampler:
                     self._tails[sid] = (self._pos[sid], picks)
                 entries.extend([sid, t] for t in picks)
         if plain_ids:
-            idx = torch.tensor(plain_rows, device=logits.device)
+            idx = to_device(plain_rows, torch.long, logits.device)
             entries = self.step(plain_ids, logits.index_select(0, idx), forks) + entries
         return entries
 
@@ -260,7 +260,7 @@ class Sampler:
         # is drawn from: what OpenAI reports (and vLLM by default), the model's own
         # belief, the same whatever the sampling settings. With plain greedy decoding the
         # sampled token is therefore top_logprobs[0] (with penalties or a mask it may not be).
-        idx = torch.tensor(want, device=logits.device)
+        idx = to_device(want, torch.long, logits.device)
         lsm = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
         lsm = torch.nan_to_num(lsm, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp(LOGPROB_FLOOR, 0.0)
         chosen = lsm.gather(1, torch.tensor([[toks[i]] for i in want], device=lsm.device)).view(-1).tolist()
