@@ -80,6 +80,9 @@ def _probing(stage):
             x = torch.zeros((batch.n_tokens, stage.hidden_size), dtype=stage.dtype)
         t0 = time.perf_counter()
         stage.forward(batch, x)
+        if stage.device.type == "cuda":
+            # the step's time, not its launch's (a GPU step returns before it is done)
+            torch.cuda.current_stream(stage.device).synchronize()
         return time.perf_counter() - t0
 
     budget = stage.kv.budget_tokens

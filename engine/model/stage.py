@@ -57,6 +57,7 @@ from engine.model.handover import HeldLayers, adopt, keeping_layers, parts_of, p
 from engine.model.quant import make_quantizer, misshapen, weights_of
 from engine.model.rope import plain_rotary, per_row_rotary
 from engine.model.static_decode import decode_path
+from engine.model.step_clock import StepClock
 from engine.model.build_lock import BUILD_LOCK
 from engine.model.sources import ModelError, ModelSource
 
@@ -188,6 +189,21 @@ def import_model_code() -> None:
     from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel  # noqa: F401
 
 
+def _timed_as(batch: StageBatch, cut_into: bool) -> tuple[str, int] | None:
+    """What a step counts as in the stage's profile: a decode step of its rows, a prompt
+    step of its tokens, or nothing (a mixed step, a prompt step a decode step cut into)."""
+    if all(n == 1 for n in batch.ns):
+        return "decode", len(batch.ns)
+    if batch.keep is not None and batch.ns == batch.keep:
+        # a verification step (speculation, issue 34): each row's last token and its
+        # draft, every position kept -- timed as a decode step of that many rows (the
+        # weights stream once for all of them, as for that many sequences)
+        return "decode", batch.n_tokens
+    if len(batch.ns) == 1 and not cut_into and batch.keep is None:
+        return "prefill", batch.ns[0]
+    return None
+
+
 class StageModel:
     def __init__(self, source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32,
                  device: str = "auto", kv_budget_tokens: int = 1 << 16, progress=None, cores=None,
@@ -237,6 +253,8 @@ class StageModel:
         # a profile.StepLog once profiled (load_and_measure): every step it times
         # keeps this stage's profile true to the machine as it runs
         self.step_log = None
+        # on a GPU its steps are timed by events, read once they have passed (step_clock.py)
+        self._clock = StepClock() if self.device.type == "cuda" else None
         for layer in self._layers[1:]:  # a decode step may cut in before any later layer
             self._hooks.append(layer.register_forward_pre_hook(_weak(self._gate_hook)))
         # decode steps' few rows on a CPU: x @ W^T or W @ x^T, whichever this machine
@@ -588,23 +606,22 @@ class StageModel:
         if log is None:
             with attention_kernels(self.device):
                 return self._held_step(batch, inputs)
+        clock = self._clock
+        if clock is not None:
+            # the step's time, not its launch's, without waiting for it: its events are
+            # read at a later step (whatever reads its output waits for it anyway)
+            for kind, n, seconds in clock.passed():
+                log.observe(kind, n, seconds)
+            start = clock.start()
         cut_ins, t0 = self.gate.cut_ins, time.perf_counter()
         with attention_kernels(self.device):
             out = self._held_step(batch, inputs)
-        if self.device.type == "cuda":
-            # the step's time, not its launch's: this thread's stream only (a device-wide
-            # synchronize while another thread captures a graph invalidates that capture)
-            torch.cuda.current_stream(self.device).synchronize()
-        seconds = time.perf_counter() - t0
-        if all(n == 1 for n in batch.ns):
-            log.observe("decode", len(batch.ns), seconds)
-        elif batch.keep is not None and batch.ns == batch.keep:
-            # a verification step (speculation, issue 34): each row's last token and its
-            # draft, every position kept -- timed as a decode step of that many rows (the
-            # weights stream once for all of them, as for that many sequences)
-            log.observe("decode", batch.n_tokens, seconds)
-        elif len(batch.ns) == 1 and self.gate.cut_ins == cut_ins and batch.keep is None:  # a prompt step nothing cut into
-            log.observe("prefill", batch.ns[0], seconds)
+        timed = _timed_as(batch, cut_into=self.gate.cut_ins != cut_ins)
+        if timed is not None:
+            if clock is not None:
+                clock.stop(start, *timed)
+            else:
+                log.observe(*timed, time.perf_counter() - t0)
         return out
 
     def _held_step(self, batch: StageBatch, inputs: torch.Tensor) -> torch.Tensor:

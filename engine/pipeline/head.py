@@ -222,7 +222,12 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 for parent, children in (forks or {}).items():
                     for c in children:
                         self.stage0.fork(parent, c)
-                return out
+            if out.is_cuda:
+                # a GPU step returns before it is done: it is waited for here, on the
+                # compute thread, not by the frame's copy to the host on the event loop
+                # (every token, acknowledgement and heartbeat would wait with it)
+                torch.cuda.current_stream(out.device).synchronize()
+            return out
 
         return await asyncio.get_running_loop().run_in_executor(self._decode_exec if cut_in else self._exec, run)
 
