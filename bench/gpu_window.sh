@@ -27,6 +27,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
     | tee -a "$OUT/device.txt"
 timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py tests/model/test_draw.py \
     tests/model/test_quant.py tests/model/test_fused_norms.py tests/model/test_fused_products.py tests/model/test_int4.py \
+    tests/model/test_step_clock.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 # the one-process worker's 1-token and verification steps, profiled (kernels, CPU), to $OUT
 POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1n,ours2,hf} \
