@@ -559,7 +559,7 @@ class StageServer(StageCompute):
                 try:
                     frame = frames.decode(data)
                     if frame.type == frames.FrameType.CHUNK:
-                        piece = memoryview(data)[len(data) - frame.tensor.numel():]
+                        piece = frame.payload
                         done = volumes.feed(frame.micro_batch, frame.meta, piece)
                         # acknowledge on arrival: the sender measures the link by these
                         if self.acks:

@@ -60,6 +60,9 @@ class Frame:
     meta: dict
     tensor: torch.Tensor | None = None
     quantized: bool = False       # arrived as int8 blocks; `tensor` is dequantized float32
+    # a CHUNK frame's piece: a view of the bytes received, no tensor made (its volume's
+    # frame makes one once complete, and a piece copied for nothing cost a copy per hop)
+    payload: memoryview | None = None
 
 
 def quantize_q8(x: torch.Tensor) -> torch.Tensor:
@@ -151,8 +154,12 @@ def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
     if not isinstance(meta, dict):
         raise FrameError("metadata must be an object")
     off += meta_len
-    tensor = None
-    if ndim:
+    tensor = payload = None
+    if ftype == FrameType.CHUNK:
+        if ndim != 1 or code != _CODES[torch.int8]:
+            raise FrameError("a chunk carries its piece as a flat int8 tensor")
+        payload = data[off:]
+    elif ndim:
         raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
         tensor = torch.frombuffer(bytearray(data[off:]), dtype=raw_dtype).view(dims)
         if dtype == torch.bfloat16:
@@ -164,7 +171,7 @@ def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
         if ftype != FrameType.ACTIVATIONS or tensor is None or tensor.dtype != torch.int8 or tensor.dim() != 2 \
                 or tensor.shape[1] % Q8_ROW:
             raise FrameError(f"int8 activations must be [N, blocks*{Q8_ROW}] int8 on an activation frame")
-    frame = Frame(ftype, mb, step, meta, tensor, quantized)
+    frame = Frame(ftype, mb, step, meta, tensor, quantized, payload)
     _check_meta(frame)
     if quantized:
         frame.tensor = dequantize_q8(tensor)
@@ -246,8 +253,6 @@ def _check_meta(f: Frame) -> None:
                     raise FrameError(f"fork {e[0]} is not a new sequence")
                 forked.add(e[0])
     elif f.type == FrameType.CHUNK:
-        if f.tensor is None or f.tensor.dim() != 1 or f.tensor.dtype != torch.int8:
-            raise FrameError("a chunk carries its piece as a flat int8 tensor")
         if set(m) != {"off", "total", "kind"}:
             raise FrameError("chunk metadata must have keys off, total, kind")
         if not (_is_uint(m["off"]) and _is_uint(m["total"])):

@@ -46,8 +46,10 @@ class Reassembler:
         self._open: dict[int, _Open] = {}
         self.buffered = 0
 
-    def feed(self, volume_id: int, meta: dict, piece: bytes) -> tuple[str, bytes] | None:
-        """Add one piece; returns (kind, volume bytes) when the volume is complete."""
+    def feed(self, volume_id: int, meta: dict, piece: bytes | memoryview) -> tuple[str, bytes | memoryview] | None:
+        """Add one piece; returns (kind, volume bytes) when the volume is complete. A
+        volume in one piece (a decode step's, usually) comes back as the piece itself,
+        uncopied."""
         off, total, kind = meta["off"], meta["total"], meta["kind"]
         if not (0 < total <= self.max_volume):
             raise FrameError(f"volume {volume_id}: total {total} outside 1..{self.max_volume}")
@@ -66,6 +68,9 @@ class Reassembler:
                 raise FrameError(f"volume {volume_id}: piece at {off}, expected {v.received} ({what} piece)")
         if off + len(piece) > total:
             raise FrameError(f"volume {volume_id}: pieces overrun the total of {total} bytes")
+        if v.received == 0 and len(piece) == total:
+            del self._open[volume_id]
+            return v.kind, piece
         if self.buffered + len(piece) > self.max_buffered:
             raise FrameError("too many bytes buffered in unfinished volumes")
         v.parts.append(bytes(piece))

@@ -31,7 +31,7 @@ async def start_receiver(read=True, ack=True):
         r = Reassembler()
         async for data in ws:
             f = frames.decode(data)
-            piece = memoryview(data)[len(data) - f.tensor.numel():]
+            piece = f.payload
             done = r.feed(f.micro_batch, f.meta, piece)
             if ack:
                 await ws.send(frames.control("ack", v=f.micro_batch, bytes=len(piece)))

@@ -9,7 +9,7 @@ from engine.wire.volumes import Reassembler, encode_chunk
 def piece_of(frame_bytes):
     f = frames.decode(frame_bytes)
     assert f.type == frames.FrameType.CHUNK
-    return f.micro_batch, f.meta, f.tensor.numpy().tobytes()
+    return f.micro_batch, f.meta, bytes(f.payload)
 
 
 def pieces(vid, data, size, kind="prefill"):
@@ -83,3 +83,22 @@ def test_chunk_frame_validation():
         frames.decode(bad_kind)
     with pytest.raises(frames.FrameError):
         frames.decode(good[:-1])
+
+
+def test_a_volume_in_one_piece_comes_back_as_that_piece_uncopied():
+    data = bytes(range(200))
+    frame = encode_chunk(4, "decode", 0, len(data), data)
+    f = frames.decode(frame)
+    assert f.tensor is None and isinstance(f.payload, memoryview) and bytes(f.payload) == data
+    r = Reassembler()
+    kind, got = r.feed(f.micro_batch, f.meta, f.payload)
+    assert kind == "decode" and got is f.payload and r.open_volumes == 0 and r.buffered == 0
+
+
+def test_a_chunk_whose_piece_is_not_flat_bytes_is_refused():
+    import struct
+
+    meta = b'{"off":0,"total":4,"kind":"decode"}'
+    head = frames.HEADER.pack(frames.MAGIC, frames.VERSION, int(frames.FrameType.CHUNK), 0, 1, 0, len(meta), 1, 1, 0)
+    with pytest.raises(frames.FrameError, match="flat int8"):
+        frames.decode(head + struct.pack("<I", 1) + meta + b"\0" * 4)   # one float32, not four bytes
