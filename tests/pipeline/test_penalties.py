@@ -170,3 +170,28 @@ async def test_penalized_replies_survive_the_sampling_stage_dying():
         assert [e["event"] for e in head.info()["events"]].count("recovered") == 1
     finally:
         await pipe.close()
+
+
+async def test_the_chats_repetition_penalty_on_the_pipeline_serve_starts(reference_model):
+    """`potluck serve` as it starts (3 stages sharing this CPU's cores, no --threads) and
+    the chat's repetition penalty: greedy replies are the reference's, one alone and
+    three side by side, as each sequence's kept distinct tokens
+    (engine/model/token_history.py) grow step by step."""
+    from engine.core.sampling import CHAT_DEFAULTS
+    from engine.pipeline.launch import launch
+
+    rep = CHAT_DEFAULTS["repetition_penalty"]
+    questions = ["Write a haiku about the sea.", "Name three colors.", "Count from one to ten."]
+    pipe = await launch(pipeline_config(threads=None))
+    head = pipe.head
+    try:
+        assert head.cores is not None   # what serve starts with: the cores shared, not pinned
+        prompts = [head.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+        wants = [await asyncio.to_thread(reference, reference_model, p, head.eos_ids, 0.0, 0.0, rep)
+                 for p in prompts]
+        params = SamplingParams(greedy=True, max_tokens=MAX_TOKENS, repetition_penalty=rep)
+        assert await _direct_tokens(head, prompts[0], params) == wants[0]
+        together = await asyncio.gather(*(_direct_tokens(head, p, params) for p in prompts))
+        assert together == wants
+    finally:
+        await pipe.close()
