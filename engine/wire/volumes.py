@@ -59,6 +59,8 @@ class Reassembler:
                 raise FrameError(f"volume {volume_id}: first piece at offset {off} (missing pieces)")
             if len(self._open) >= self.max_open:
                 raise FrameError(f"more than {self.max_open} volumes in progress")
+            if len(piece) == total:   # the whole volume at once: nothing to put together
+                return kind, piece
             v = self._open[volume_id] = _Open(kind, total, [])
         else:
             if total != v.total or kind != v.kind:
@@ -68,9 +70,6 @@ class Reassembler:
                 raise FrameError(f"volume {volume_id}: piece at {off}, expected {v.received} ({what} piece)")
         if off + len(piece) > total:
             raise FrameError(f"volume {volume_id}: pieces overrun the total of {total} bytes")
-        if v.received == 0 and len(piece) == total:
-            del self._open[volume_id]
-            return v.kind, piece
         if self.buffered + len(piece) > self.max_buffered:
             raise FrameError("too many bytes buffered in unfinished volumes")
         v.parts.append(bytes(piece))
