@@ -8,6 +8,8 @@ word-level tokenizer of the same vocabulary, and runs on it, for each weight pre
 
   * ours1  our engine in one process: engine/pipeline/launch.py, PipelineConfig(stages=1);
   * ours2  our engine as 2 stage processes on the same GPU, over loopback (stages=2);
+  * ours1s (opt-in) ours1 without its decode steps launched ahead: each step queued only
+           once the last one's tokens are read and streamed (engine/core/ahead.py);
   * hf     transformers' `generate` on the same folder (from_pretrained with
            device_map, and BitsAndBytesConfig NF4 for nf4), greedy, left unchanged.
 
@@ -119,10 +121,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SYSTEMS = ("ours1", "ours2", "hf", "ours1e", "ours1n")
+SYSTEMS = ("ours1", "ours2", "hf", "ours1e", "ours1n", "ours1s")
 DEFAULT_SYSTEMS = ("ours1", "ours2", "hf")
 LABELS = {"ours1": "ours, 1 process", "ours2": "ours, 2 stages / 2 processes", "hf": "HF generate",
-          "ours1e": "ours, 1 process, no CUDA graphs", "ours1n": "ours, 1 process, transformers' norms and products"}
+          "ours1e": "ours, 1 process, no CUDA graphs", "ours1n": "ours, 1 process, transformers' norms and products",
+          "ours1s": "ours, 1 process, no step launched ahead"}
 # issue 42's targets
 TARGET_VS_HF = 2.0       # ours1 / hf decode tok/s at batch 1 bf16, at least
 TARGET_VS_HF_16 = 1.5    # ours1 / hf aggregate decode tok/s at batch 16 bf16, at least
@@ -424,16 +427,23 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     # (engine/model/fused_norms.py and fused_products.py off)
     os.environ["POTLUCK_FUSED_NORMS"] = "0" if system == "ours1n" else "1"
     os.environ["POTLUCK_FUSED_PRODUCTS"] = "0" if system == "ours1n" else "1"
+    # ours1s: each decode step queued only once the last one's tokens are read and
+    # streamed (engine/core/ahead.py off); on the CPU with --tape the others launch
+    # ahead as on a GPU, so the smoke run takes the GPU's path
+    if system == "ours1s":
+        os.environ["POTLUCK_LAUNCH_AHEAD"] = "0"
+    elif a.cpu and a.tape:
+        os.environ["POTLUCK_LAUNCH_AHEAD"] = "1"
     from engine.pipeline.launch import PipelineConfig, launch
 
     device = "cpu" if a.cpu else "cuda"
-    if a.cpu and a.tape and system == "ours1":
+    if a.cpu and a.tape and system in ("ours1", "ours1s"):
         replay_on_the_tape()
     bw = copy_bandwidth(device)
     mem = DeviceMemory(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the copy's buffers are no part of any figure
-    stages = {"ours1": 1, "ours2": 2, "ours1e": 1, "ours1n": 1}[system]
+    stages = {"ours1": 1, "ours2": 2, "ours1e": 1, "ours1n": 1, "ours1s": 1}[system]
     t0 = time.perf_counter()
     pipe = await launch(PipelineConfig(model=str(a.out), stages=stages, device=device, weights=weights))
     head = pipe.head
@@ -730,6 +740,11 @@ def report(a, results: dict, build_s: float | None) -> dict:
         if n and o:
             verdicts.append([f"ours1 with fused norms and products / transformers' own, decode tok/s, batch 1, {w}",
                              f"{o / n:.2f}", "", "(info)"])
+        for b in a.batches:
+            s1, o1 = get("ours1s", w, b, "decode_agg"), get("ours1", w, b, "decode_agg")
+            if s1 and o1:
+                verdicts.append([f"ours1 with steps launched ahead / without, aggregate decode tok/s, batch {b}, {w}",
+                                 f"{o1 / s1:.2f}", "", "(info)"])
     for w in a.weights:
         sampled = results.get(("ours1", w), {}).get("sampled")
         greedy = get("ours1", w, sampled["batch"], "decode_agg") if sampled else None
@@ -780,7 +795,8 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="bf16,nf4", help="weight precisions, default bf16,nf4")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"subset of {','.join(SYSTEMS)} (ours1e: ours1 with CUDA graphs off; ours1n: with "
-                        f"transformers' RMSNorms and projections, none fused; default "
+                        f"transformers' RMSNorms and projections, none fused; ours1s: no decode step "
+                        f"launched before the last one's tokens are read; default "
                         f"{','.join(DEFAULT_SYSTEMS)})")
     p.add_argument("--repeat", type=int, default=3, help="measured rounds per batch size, median kept (default 3)")
     p.add_argument("--out", default=None, help="model folder (default: under the system temp dir); "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent GPU window (issue 42), as one command on the device machine: the GPU tests of
-# the decode graphs, the batched draw, quantized weights, fused norms and products; bench/gpu.py at
-# bf16 (ours1, ours1n, ours2, generate; the steps profiled into $OUT); the chat's sampled
+# the decode graphs, the batched draw, quantized weights, fused norms and products, steps
+# launched ahead; bench/gpu.py at bf16 (ours1; ours1s, the same without steps launched
+# ahead; ours2; generate; the steps profiled into $OUT); the chat's sampled
 # draw (bench/sampling.py); then bench/gpu.py's nf4 and int4 rows, then int8's. Every log and JSON lands in
 # $OUT as it is written, so a window cut short keeps what it measured.
 #
@@ -29,10 +30,10 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
     | tee -a "$OUT/device.txt"
 timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py tests/model/test_draw.py \
     tests/model/test_quant.py tests/model/test_fused_norms.py tests/model/test_fused_products.py tests/model/test_int4.py \
-    tests/model/test_step_clock.py \
+    tests/model/test_step_clock.py tests/pipeline/test_launch_ahead.py \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 # the one-process worker's 1-token and verification steps, profiled (kernels, CPU), to $OUT
-POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1n,ours2,hf} \
+POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1s,ours2,hf} \
     --json "$OUT/gpu.json" \
     2>&1 | tee "$OUT/gpu.log" | tail -60
 # the chat's sampled draw on the device (synthetic logits: the default model is not carried)

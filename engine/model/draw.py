@@ -54,6 +54,27 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+class HostRead:
+    """A step's token ids on their way to the host: the copy is queued now, waited for
+    at tolist(). Queued before a step launched ahead (engine/core/ahead.py), it is
+    ordered before that step's kernels, so reading the tokens waits for the draw only,
+    not for the step queued behind it (a plain .tolist() there would wait for both)."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.device.type == "cuda":
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(t.device))
+        else:
+            self._host, self._done = t, None
+
+    def tolist(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
 @dataclass
 class Shape:
     """One row's settings: what engine/core/sampling.py SamplingParams asks of it, with

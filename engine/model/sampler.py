@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from engine.core.sampling import SamplingParams
-from engine.model.draw import Penalties, Shape, draw, to_device
+from engine.model.draw import HostRead, Penalties, Shape, draw, to_device
 from engine.model.grammar import GrammarError
 from engine.model.token_history import TokenHistory
 
@@ -128,7 +128,7 @@ class Sampler:
 
     def step(self, seq_ids: list[int], logits: torch.Tensor, forks: dict[int, list[int]] | None = None,
              keep: list[int] | None = None, positions: list[int] | None = None,
-             drafts: dict[int, list[int]] | None = None) -> list[list]:
+             drafts: dict[int, list[int]] | None = None, ahead=None) -> list[list]:
         """logits [B, vocab] -> token entries, one per row then one per fork (its parent's
         row): [seq_id, token] or, for a row that asked for logprobs, [seq_id, token,
         logprob, [[token, logprob], ...top_logprobs]].
@@ -145,7 +145,11 @@ class Sampler:
         (None: where the sampler's count says): after a verification step whose draft was
         partly rejected, the count is wrong and the step's rows say where they are.
         drafts: a penalized verification row's drafted tokens (keep - 1 of them), which
-        its positions are penalized after."""
+        its positions are penalized after.
+        ahead(tokens): called with the rows' drawn tokens still on the device, before they
+        are read, to queue the next step behind them (engine/core/ahead.py); only for a
+        plain step (no verification, no forks, no logprobs, which read the logits after
+        the draw and would wait for that next step too)."""
         if positions is not None:
             for sid, p in zip(seq_ids, positions):
                 if sid in self._pos:
@@ -165,9 +169,9 @@ class Sampler:
                     rows.append(i)
             if len(ids) > len(seq_ids):
                 logits = logits[to_device(rows, torch.long, logits.device)]
-        toks = self.sample(ids, logits)
-        entries = [[s, t] for s, t in zip(ids, toks)]
         want = [i for i, s in enumerate(ids) if self._params[s].logprobs]
+        toks = self.sample(ids, logits, ahead if len(ids) == len(seq_ids) and not want else None)
+        entries = [[s, t] for s, t in zip(ids, toks)]
         if want:  # requests that did not ask pay nothing for it
             self._logprobs(entries, want, logits, toks)
         return entries
@@ -273,17 +277,23 @@ class Sampler:
             top = [[top_i[j][m], top_v[j][m]] for m in range(min(n, len(top_i[j])))] if n else []
             entries[i] += [chosen[j], top]
 
-    def sample(self, seq_ids: list[int], logits: torch.Tensor) -> list[int]:
-        """logits [B, vocab] float32 -> one token id per row."""
+    def sample(self, seq_ids: list[int], logits: torch.Tensor, ahead=None) -> list[int]:
+        """logits [B, vocab] float32 -> one token id per row (ahead: see step)."""
         params = [self._params[s] for s in seq_ids]
         constrained = [i for i, s in enumerate(seq_ids) if s in self._constraints] if self._constraints else ()
         if constrained:
             logits = self._masked(seq_ids, logits, constrained)
         if all(p.is_greedy and p.repetition_penalty == 1.0 and not p.penalized for p in params):
-            out = logits.argmax(-1).tolist()  # the common fast path, one op for the batch
+            drawn = logits.argmax(-1)  # the common fast path, one op for the batch
         else:
             shapes = [self._shape(p, self._pos[s]) for s, p in zip(seq_ids, params)]
-            out = draw(logits, shapes, self._penalties(seq_ids)).tolist()
+            drawn = draw(logits, shapes, self._penalties(seq_ids))
+        if ahead is None:
+            out = drawn.tolist()
+        else:
+            read = HostRead(drawn)
+            ahead(drawn)
+            out = read.tolist()
         for s, t in zip(seq_ids, out):
             self._pos[s] += 1
             self._record(s, self._params[s], t)

@@ -33,6 +33,7 @@ import torch
 
 from engine.core.graph_plan import GraphBook, GraphPlan, StepShape
 from engine.model.device import attention_kernels
+from engine.model.draw import to_device
 
 log = logging.getLogger("potluck.static_decode")
 
@@ -189,6 +190,10 @@ class Buffers:
         pad = R - B
         self.x[: B * tokens].copy_(inputs.reshape(self.x[: B * tokens].shape), non_blocking=True)
         host = torch.tensor([slots + [scratch] * pad, starts + [starts[-1]] * pad], dtype=torch.long)
+        if self.slot.is_cuda:
+            # from pageable memory a copy may wait for the queue to drain first, and with a
+            # step launched ahead (engine/core/ahead.py) the queue holds a whole step
+            host = host.pin_memory()
         if pad:
             last = self.x[(B - 1) * tokens: B * tokens]
             self.x[B * tokens:].view(pad, *last.shape).copy_(last.expand(pad, *last.shape))
@@ -232,7 +237,9 @@ class StaticDecoder:
         if bufs is None:
             bufs = self.buffers[shape] = Buffers.make(stage, shape)
         scratch = kv.scratch_slot() if shape.rows > len(slots) else None
-        bufs.fill(inputs.to(stage.device) if stage.first else inputs.to(stage.device, stage.dtype),
+        dtype = inputs.dtype if stage.first else stage.dtype
+        bufs.fill(inputs.to(stage.device, dtype) if inputs.device.type == stage.device.type
+                  else to_device(inputs, dtype, stage.device),
                   slots, batch.starts, shape.tokens, scratch)
         need_slots = max(slots + [scratch or 0]) + 1
         if shape.lo is not None:

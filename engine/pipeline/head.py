@@ -38,6 +38,7 @@ from engine.model.device import DTYPES, HostStaging, compute_dtype, device_name,
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
+from engine.pipeline.launch_ahead import StepsAhead, wanted
 from engine.pipeline.link import LinkSender
 from engine.core import precision
 # WATCH_S, REJOIN_GRACE_S: how often machines that left are asked whether they are back,
@@ -189,6 +190,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         self.sched = Scheduler(self.n_stages, **self._sched_args)
         self.sampler = Sampler()   # used when the head is also the last stage
         self.stage0: StageModel | None = None
+        # one process: the next decode step queued behind this one's draw (core/ahead.py)
+        self._launch_ahead = wanted(self.device)
+        self._ahead: StepsAhead | None = None
         # the old stage 0's layers during a rearrangement, for the new one (model/handover.py)
         self._held = None
         self._extra0 = None   # layers stage 0's next share lacks, loaded ahead beside it (_prepare_all)
@@ -404,9 +408,13 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         drafts = await self._drafts([r.seq for r in step_rows if not r.new])
         if epoch != self.recovery.epoch:
             return  # a stage left while the draft model drafted: its sequences are replayed
-        drafted, checked = 0, {}
+        drafted, checked, goes_on = 0, {}, []
         for r in step_rows:
             s = r.seq
+            # whether the row will want a token after this step's: then its next position
+            # may be computed before this step's token is read (one process, core/ahead.py)
+            goes_on.append(len(s.generated) + 2 <= s.params.max_tokens
+                           and len(s.prompt) + len(s.generated) + 2 <= self.context_length)
             if r.new:
                 src = s.source_tokens
                 inputs.extend(src[s.pos:])
@@ -462,7 +470,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 self.link.submit(frame, kind)
                 self._draft_on(g, [r.seq for r in step_rows if not r.new], [r.seq for r in step_rows if r.new])
             else:
-                entries = await self._run(self._local_last, batch, x, new, forks, checked)
+                entries = await self._run(self._local_last, batch, x, new, forks, checked, goes_on, epoch)
                 if epoch != self.recovery.epoch:
                     return
                 self._on_tokens(g.id, g.step, entries, [])
@@ -521,16 +529,25 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         """Sequences the pipeline holds now (admitted, not finished), all micro-batches."""
         return sum(1 for g in self.groups for s in g.seqs if not s.done)
 
-    def _local_last(self, batch, x, new, forks, drafts):
+    def _local_last(self, batch, x, new, forks, drafts, goes_on=None, epoch=None):
         if self.sampler.grammars is None:   # loads nothing until a request has a schema
             self.sampler.grammars = Grammars(lambda: self.tokenizer, self.stage0.vocab_size)
         self.sampler.open_new(new, self.stage0.vocab_size)
-        logits = self.stage0.forward(batch, x)
+        ahead = None
+        if self._launch_ahead:
+            if self._ahead is None or self._ahead.stage is not self.stage0:
+                self._ahead = StepsAhead(self.stage0)
+            ahead = self._ahead
+        logits = ahead.forward(batch, x, epoch) if ahead is not None else self.stage0.forward(batch, x)
         for parent, children in forks.items():
             for c in children:
                 self.stage0.fork(parent, c)
         positions = [st + n - k + 1 for st, n, k in zip(batch.starts, batch.ns, batch.kept)]
-        return self.sampler.step(batch.seq_ids, logits, forks, batch.keep, positions, drafts)
+        launch = ahead.launch(batch, goes_on, epoch) if ahead is not None and goes_on and not forks else None
+        entries = self.sampler.step(batch.seq_ids, logits, forks, batch.keep, positions, drafts, ahead=launch)
+        if ahead is not None:
+            ahead.read(entries)
+        return entries
 
 
 def _eos_ids(cfg, tokenizer, source) -> set[int]:
