@@ -128,7 +128,10 @@ class HostDialog(QDialog):
         self.model.currentIndexChanged.connect(self._show_start)   # a choice from the list, not typing
         controller.models(self._show_models)   # the list fills in when the node answers
         self.stages = QSpinBox()
-        self.stages.setRange(1, 8)
+        self.stages.setRange(0, 8)
+        self.stages.setSpecialValueText("Automatic")   # shown at 0
+        self.stages.setToolTip("Automatic: one on a graphics card (more would only take turns on it), "
+                               "two on the processor")
         self.stages.setValue(controller.settings.local_stages)
         form.addRow("Stages on this computer:", self.stages)
         self.listen = QLineEdit("0.0.0.0:7870")

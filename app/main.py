@@ -58,8 +58,8 @@ def missing_x11_packages() -> list[str]:
 def terminal_fallback(args, why: str | None = None) -> int:
     why = why or "no display found (DISPLAY and WAYLAND_DISPLAY are unset), so the tray app cannot open"
     print(f"potluck-app: {why}; starting the terminal chat instead (`potluck chat`).", file=sys.stderr, flush=True)
-    cmd = engine_command() + ["chat", "--model", args.model or "default",
-           "--stages", str(args.stages)]
+    cmd = engine_command() + ["chat", "--model", args.model or "default"] \
+        + (["--stages", str(args.stages)] if args.stages else [])
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
@@ -172,7 +172,8 @@ def screenshot_menu(path: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="potluck-app", description="Potluck desktop app (tray icon and chat window)")
     p.add_argument("--model", default=None, help="model to host at start (default: the settings', 'default')")
-    p.add_argument("--stages", type=int, default=None, help="local stages when hosting (default 2)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="local stages when hosting (default: the setting, automatic unless changed: 1 on a GPU, 2 on a CPU)")
     p.add_argument("--no-host", action="store_true", help="do not host a model at start")
     p.add_argument("--no-tray", action="store_true", help="open the chat window instead of a tray icon")
     p.add_argument("--threads", type=int, default=None, help="torch threads per engine process")
@@ -194,11 +195,9 @@ def main(argv=None) -> int:
     if args.screenshot:
         return screenshot_menu(args.screenshot)
     if not has_display():
-        args.stages = args.stages or 2
         return terminal_fallback(args)
     missing = missing_x11_packages() if on_x11() else []
     if missing:
-        args.stages = args.stages or 2
         return terminal_fallback(args, "Qt's X11 support needs system libraries this machine lacks; install them "
                                        f"with `sudo apt-get install -y {' '.join(missing)}` (or `make qt-libs` as "
                                        "root) and start Potluck again")

@@ -31,7 +31,9 @@ class Settings:
     keep_history: bool = True
     host_on_start: bool = True
     default_model: str = "default"
-    local_stages: int = 2
+    # stage processes on this computer when hosting alone; 0: automatic (one on a GPU, two
+    # on a CPU: engine/core/local_stages.py)
+    local_stages: int = 0
     share_on_start: bool = False
     share_port: int = 7860
     pipeline_name: str = "potluck"

@@ -82,7 +82,9 @@ def penalty_arg(text: str) -> float:
 def add_pipeline_args(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face id, a local folder or a .gguf file")
-    p.add_argument("--stages", type=int, default=2, help="stage processes on this machine, head included (default 2)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="stage processes on this machine, head included (default: 1 on a GPU, where more "
+                        "would take turns on it, and 2 on a CPU)")
     p.add_argument("--stage-addr", action="append", default=[],
                    help="ws://host:port of a remote stage (repeat, in pipeline order); replaces --stages")
     p.add_argument("--layers", default=None, help="override the layer split: '0:10,10:30' or '10,20'")
@@ -138,6 +140,19 @@ def _say(text: str):
     print(text, file=sys.stderr, flush=True)
 
 
+def _stage_count(args) -> str:
+    """How many stages the pipeline about to load has, said before it loads."""
+    from engine.core.local_stages import local_stages
+    from engine.model.device import DeviceError, pick_device
+
+    if args.stage_addr:
+        return str(len(args.stage_addr) + 1)
+    try:
+        return str(local_stages(args.stages, pick_device(args.device)))
+    except (DeviceError, ValueError):
+        return str(args.stages or "the default number of")   # launch says what is wrong
+
+
 def _describe(head) -> str:
     parts = [f"{s['address']}: layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in head.info()["stages"]]
     return f"{head.source.name}, {len(parts)} stage(s) — " + "; ".join(parts)
@@ -148,7 +163,7 @@ async def _chat(args) -> int:
     from engine.pipeline.launch import launch
     from engine.pipeline.terminal import chat_loop
 
-    _say(f"Loading {args.model} on {args.stages if not args.stage_addr else len(args.stage_addr) + 1} stage(s)...")
+    _say(f"Loading {args.model} on {_stage_count(args)} stage(s)...")
     bar = ProgressBar()
     pipe = await launch(pipeline_config(args), bar, _say)
     bar.finish()
@@ -525,7 +540,8 @@ def _add_node_args(p):
     p.add_argument("--limits", default=None, help="JSON with the sharing limits (see engine/node/sharing.py)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
     p.add_argument("--host-model", default=None, help="start hosting this model right away")
-    p.add_argument("--stages", type=int, default=2, help="local stages when hosting (head included)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="local stages when hosting (head included; default: 1 on a GPU, 2 on a CPU)")
 
 
 def _version() -> str:

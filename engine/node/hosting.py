@@ -9,6 +9,9 @@ import logging
 import os
 
 from engine.core import precision
+from engine.core.errors import ModelError
+from engine.core.local_stages import MOST as MOST_STAGES
+from engine.core.local_stages import local_stages
 from engine.model.device import DTYPES, compute_dtype, free_memory
 from engine.node.control_basics import NodeError, lan_address
 from engine.node.plain_errors import host_failed
@@ -35,9 +38,10 @@ class Hosting:
         model = body.get("model", "default")
         if not isinstance(model, str) or not model.strip():
             raise NodeError("'model' must be a model name, a Hugging Face id or a folder")
-        stages = body.get("stages", 2)
-        if isinstance(stages, bool) or not isinstance(stages, int) or not (1 <= stages <= 8):
-            raise NodeError("'stages' must be a whole number from 1 to 8")
+        try:   # None or 0: one process on a GPU, two on a CPU (core/local_stages.py)
+            stages = local_stages(body.get("stages"), self.device)
+        except ModelError:
+            raise NodeError(f"'stages' must be a whole number from 1 to {MOST_STAGES}") from None
         addrs = body.get("stage_addr", []) or []
         if not isinstance(addrs, list) or not all(isinstance(a, str) and a.startswith(("ws://", "wss://"))
                                                    for a in addrs):

@@ -15,6 +15,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from engine.core.local_stages import local_stages
 from engine.core.partition import parse_layers
 from engine.model.device import compute_dtype, pick_device
 from engine.model.sources import DEFAULT_MODEL, resolve
@@ -38,7 +39,9 @@ def _prepare_head(source) -> None:
 @dataclass
 class PipelineConfig:
     model: str = DEFAULT_MODEL            # 'default', a hub id, a folder or a .gguf
-    stages: int = 2                       # stage processes on this machine, head included
+    # stage processes on this machine, head included (None: one on a GPU, two on a CPU:
+    # engine/core/local_stages.py)
+    stages: int | None = None
     stage_addr: list[str] = field(default_factory=list)   # remote stages in order (replaces `stages`)
     # await hop(a, b): how the stage at address a reaches the one at b when that differs
     # from how the head reaches b (friends' stages behind tunnels: engine/node/homes.py)
@@ -95,11 +98,12 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
     addrs = list(cfg.stage_addr)
     threads = cfg.threads
     cores = None
-    if not addrs and cfg.stages > 1:
+    n_stages = local_stages(cfg.stages, device)
+    if not addrs and n_stages > 1:
         # Stage processes on one machine split its cores: OpenMP threads that outnumber
         # cores stall each other at every barrier. Unless `threads` fixes it, each
         # process owns its share and borrows idle cores for big steps (engine/model/cores.py).
-        local = LocalStages(cfg.stages - 1, threads=threads, share_cores=not threads, device=device)
+        local = LocalStages(n_stages - 1, threads=threads, share_cores=not threads, device=device)
         prepared = asyncio.get_running_loop().run_in_executor(None, _prepare_head, source)
         try:
             addrs = await local.start()
@@ -110,7 +114,7 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
             await local.stop()
             raise done[0]
         cores = local.head_cores
-        threads = threads or max(1, (os.cpu_count() or 1) // cfg.stages)
+        threads = threads or max(1, (os.cpu_count() or 1) // n_stages)
     if threads:
         import torch
 

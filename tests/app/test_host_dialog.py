@@ -210,3 +210,26 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     assert replies == ["7M2QK-ABCDE"] and d.reply.text() == "" and "reply code" in d.result.text()
     d.on_status({"hosting": {"invite": "0411V-648F8", "stages": []}})    # everyone came: no more replies
     assert not d.reply_row.isVisibleTo(d)
+
+
+def test_stages_on_this_computer_are_automatic_unless_set(qtbot, tmp_path, monkeypatch):
+    """A new user's setting is "Automatic": the host request carries 0 and the node runs
+    one process on a GPU, two on a CPU (tests/node/test_plan_weights.py)."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.dialogs import HostDialog
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    c.models = lambda cb: cb({"models": catalog_reply()}, None)
+    c.plan = lambda request, cb: None
+    try:
+        d = HostDialog(c)
+        qtbot.addWidget(d)
+        assert d.stages.text() == "Automatic" and d.request()["stages"] == 0
+        d.stages.setValue(3)
+        assert d.request()["stages"] == 3
+    finally:
+        c.shutdown()

@@ -48,3 +48,15 @@ async def test_a_checkpoint_saved_quantized_loads_as_saved(monkeypatch):
     assert plan["weights"] == "nf4" and "saved as nf4" in plan["message"]
     with pytest.raises(NodeError, match="saved as nf4; it cannot load as bf16"):
         await node.plan(**node.host_args({"model": "default", "stages": 1, "weights": "bf16"}))
+
+
+def test_stages_default_to_one_process_on_a_gpu_and_two_on_a_cpu():
+    node = Node("t" * 32, device="cpu")
+    assert node.host_args({})["stages"] == 2 and node.host_args({"stages": 0})["stages"] == 2
+    assert node.host_args({"stages": 3})["stages"] == 3
+    node.device = "cuda:0"   # what the node reads of a GPU here (none on this machine)
+    assert node.host_args({})["stages"] == 1 and node.host_args({"stages": None})["stages"] == 1
+    assert node.host_args({"stages": 2})["stages"] == 2
+    for bad in (9, -1, True, "2"):
+        with pytest.raises(NodeError, match="'stages' must be a whole number from 1 to 8"):
+            node.host_args({"stages": bad})
