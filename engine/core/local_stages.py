@@ -29,8 +29,10 @@ def default_local_stages(device: str) -> int:
 
 def local_stages(requested: int | None, device: str) -> int:
     """The user's count (1..MOST) if given; None or 0: the default for `device`."""
-    if requested is None or requested == 0:
+    if isinstance(requested, bool) or not (requested is None or isinstance(requested, int)):
+        raise ModelError(f"stages must be a whole number from 1 to {MOST}")
+    if not requested:
         return default_local_stages(device)
-    if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= MOST:
+    if not 1 <= requested <= MOST:
         raise ModelError(f"stages must be a whole number from 1 to {MOST}")
     return requested

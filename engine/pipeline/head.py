@@ -408,13 +408,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         drafts = await self._drafts([r.seq for r in step_rows if not r.new])
         if epoch != self.recovery.epoch:
             return  # a stage left while the draft model drafted: its sequences are replayed
-        drafted, checked, goes_on = 0, {}, []
+        drafted, checked = 0, {}
         for r in step_rows:
             s = r.seq
-            # whether the row will want a token after this step's: then its next position
-            # may be computed before this step's token is read (one process, core/ahead.py)
-            goes_on.append(len(s.generated) + 2 <= s.params.max_tokens
-                           and len(s.prompt) + len(s.generated) + 2 <= self.context_length)
             if r.new:
                 src = s.source_tokens
                 inputs.extend(src[s.pos:])
@@ -470,6 +466,11 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 self.link.submit(frame, kind)
                 self._draft_on(g, [r.seq for r in step_rows if not r.new], [r.seq for r in step_rows if r.new])
             else:
+                # rows that will want a token after this step's: their next position may be
+                # computed before this step's tokens are read (core/ahead.py)
+                goes_on = [len(r.seq.generated) + 2 <= r.seq.params.max_tokens
+                           and len(r.seq.prompt) + len(r.seq.generated) + 2 <= self.context_length
+                           for r in step_rows] if self._launch_ahead else None
                 entries = await self._run(self._local_last, batch, x, new, forks, checked, goes_on, epoch)
                 if epoch != self.recovery.epoch:
                     return

@@ -35,7 +35,7 @@ class StepsAhead:
         self.epoch = None
         self.rows: list[AheadRow] = []
         self.logits: torch.Tensor | None = None
-        self._pending: list[tuple[int, int, int]] = []   # (row, seq_id, start) launched, token not yet read
+        self._pending: list[tuple[int, int]] = []   # (seq_id, start) launched, its token not yet read
         self.launched = 0     # rows launched ahead
         self.taken = 0        # of them, rows a step took
         self.dropped = 0      # rows no step took (finished, cancelled, replayed)
@@ -46,7 +46,7 @@ class StepsAhead:
         ahead, logits = self.rows, self.logits
         self.rows, self.logits = [], None
         if self._pending:   # launched, but the step's tokens were never read (its draw failed)
-            self._roll_back([AheadRow(sid, start, -1) for _, sid, start in self._pending])
+            self._roll_back([AheadRow(sid, start, -1) for sid, start in self._pending])
             self._pending = []
         if not ahead:
             return self.stage.forward(batch, x)
@@ -73,7 +73,7 @@ class StepsAhead:
                     # a draft checked behind its launched position: every one of its tokens
                     # is a guess (the stage counts a step's first token as certain)
                     self.stage.kv.seqs[batch.seq_ids[r.row]].tentative = kept[r.row] - 1
-        if not sp.rest and all(sp.use_logits) and [i for i in sp.done] == list(range(len(ahead))):
+        if not sp.rest and all(sp.use_logits) and sp.done == list(range(len(ahead))):
             return logits   # the whole step was launched ahead, row for row
         parts, o = [], 0
         rest_rows = {r.row: r for r in sp.rest}
@@ -104,7 +104,7 @@ class StepsAhead:
                 log.debug("a step launched ahead failed: %r", exc)
                 self._roll_back([AheadRow(sid, s, -1) for sid, s in zip(nxt.seq_ids, nxt.starts)])
                 return
-            self._pending = [(r, batch.seq_ids[r], s) for r, s in rows]
+            self._pending = list(zip(nxt.seq_ids, nxt.starts))
             self.epoch = epoch
             self.launched += len(rows)
 
@@ -115,7 +115,7 @@ class StepsAhead:
         if not self._pending:
             return
         tok = {e[0]: e[1] for e in entries}
-        self.rows = [AheadRow(sid, start, tok[sid]) for _, sid, start in self._pending if sid in tok]
+        self.rows = [AheadRow(sid, start, tok[sid]) for sid, start in self._pending if sid in tok]
         self._pending = []
 
     def _roll_back(self, rows) -> None:

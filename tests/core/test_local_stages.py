@@ -17,7 +17,7 @@ def test_a_count_the_user_gives_is_kept():
     assert local_stages(None, "cuda:0") == 1 and local_stages(0, "cpu") == 2
 
 
-@pytest.mark.parametrize("bad", [-1, 9, 2.5, True, "2"])
+@pytest.mark.parametrize("bad", [-1, 9, 2.5, True, False, "2"])
 def test_a_count_out_of_range_is_refused_with_the_range(bad):
     with pytest.raises(ModelError, match="from 1 to 8"):
         local_stages(bad, "cpu")
