@@ -110,8 +110,7 @@ class HostDialog(QDialog):
         for label, value in WEIGHTS_CHOICES:
             self.weights.addItem(label, value)
         self.weights.setToolTip("How the model's weights are stored in memory. Auto picks the highest precision "
-                                "that fits (int4 on a CPU when the model file is already 4-bit: as precise, and faster): int8 and "
-                                "nf4 let a bigger model fit, with slightly lower quality")
+                                "that fits: int8 and nf4 let a bigger model fit, with slightly lower quality")
         form.addRow("Weights:", self.weights)
         # speculative decoding's drafts (issue 34): prompt lookup always; a small draft model
         # of the same tokenizer beside this computer's stage where the catalog pairs one

@@ -15,20 +15,10 @@ from engine.core.errors import ModelError
 from engine.core.partition import layer_bytes_estimate, slice_bytes_estimate
 
 FULL = "bf16"
-QUANTIZED = ("int8", "nf4")        # bitsandbytes'
-INT4 = "int4"                      # torch's own 4-bit kernels (engine/model/int4.py)
+QUANTIZED = ("int8", "nf4")        # bitsandbytes' (auto chooses among these and FULL)
+INT4 = "int4"                      # torch's own 4-bit kernels (engine/model/int4.py): asked for by name
 EXPLICIT = (FULL,) + QUANTIZED + (INT4,)
 CHOICES = ("auto",) + EXPLICIT
-# what `auto` tries, best first: the highest precision that fits
-AUTO = (FULL,) + QUANTIZED
-
-# GGUF block types whose weights int4's groups of 32 hold as they are. A Q4_1 block is 32
-# weights, a scale and a minimum, llama.cpp putting its minimum on level 0 and its maximum
-# on level 15: int4 finds the same span and levels (only the scale and zero are rounded to
-# bf16: at most 0.07 of a level off, over every block of the default model). Q4_0 and
-# Q4_K blocks need not span all 16 levels, so int4 would round their weights a second
-# time, as nf4 does to the default model's (top-1 agreement 0.68, bench/RESULTS.md).
-INT4_HOLDS = frozenset({"Q4_1"})
 
 # the share of a stage's free memory the partition fills with weights; the rest is
 # KV cache, activations and the allocator's slack
@@ -81,7 +71,7 @@ class Option:
 
 
 def options(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True,
-            among: tuple[str, ...] = AUTO) -> list[Option]:
+            among: tuple[str, ...] = (FULL,) + QUANTIZED) -> list[Option]:
     """What each precision `among` needs and whether the pool holds it (quantized_ok:
     whether bitsandbytes runs on every stage; torch's int4 needs nothing more)."""
     n = cfg.num_hidden_layers
@@ -95,30 +85,13 @@ def options(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True,
     return rows
 
 
-def auto_among(stored: frozenset[str] | set[str], devices: list[str]) -> tuple[str, ...]:
-    """What `auto` tries, best first, for a checkpoint whose decoder layers' matrices are
-    stored as `stored` (GGUF block types; empty for anything else) on stages computing on
-    `devices` ("cpu", "cuda:0"...).
-
-    int4 comes first where every stage computes on a CPU and the file's layers are blocks
-    int4 holds as they are: full precision would only hold the same 4-bit levels in
-    float32, at twice the step time (the default model: 20.4 ms against 41.4, with top-1
-    agreement 0.984 against the file's own weights, bench/RESULTS.md). On a GPU int4's
-    kernel is not measured yet, so there it is only used when asked for by name."""
-    on_cpu = bool(devices) and all(str(d).split(":")[0] == "cpu" for d in devices)
-    if on_cpu and stored and set(stored) <= INT4_HOLDS:
-        return (INT4,) + AUTO
-    return AUTO
-
-
-def choose(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True,
-           among: tuple[str, ...] = AUTO) -> str:
-    """`auto`: the first precision `among` (best first) at which the model fits the pool's memory."""
-    rows = options(cfg, dtype_bytes, free, quantized_ok, among)
+def choose(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) -> str:
+    """`auto`: the highest precision at which the model fits the pool's memory."""
+    rows = options(cfg, dtype_bytes, free, quantized_ok)
     for row in rows:
         if row.fits and row.available:
             return row.weights
-    best = min((r for r in rows if r.available), key=lambda r: r.bytes)
+    best = rows[-1] if quantized_ok else rows[0]
     raise ModelError(
         f"the model does not fit this pool even as {best.weights}: it needs about {_gb(best.bytes)} for its "
         f"weights and the pool's {len(free)} machine(s) have {_gb(USABLE * sum(free))} to give them. "
@@ -132,7 +105,7 @@ def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str |
     says what it is: bf16 where the pipeline computes in bfloat16, else "full (float32)"."""
     where = where or f"the pool's {len(free)} machine(s)"
     lines = [f"What the weights need, against the {_gb(USABLE * sum(free))} that {where} can give them:"]
-    among = (FULL,) + QUANTIZED + ((INT4,) if chosen == INT4 else ())   # int4: shown when chosen
+    among = (FULL,) + QUANTIZED + ((INT4,) if chosen == INT4 else ())   # int4: shown when asked for
     for row in options(cfg, dtype_bytes, free, quantized_ok, among):
         label = full_label(dtype_name) if row.weights == FULL else row.weights
         verdict = ("fits" if row.fits else "does not fit") if row.available else "needs bitsandbytes"

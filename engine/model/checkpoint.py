@@ -164,20 +164,3 @@ class _Deferred:
 # BF16 is read as raw 16-bit words and reinterpreted
 _FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                 GGMLQuantizationType.BF16: np.uint16}
-
-
-def stored_layer_types(source) -> frozenset[str]:
-    """How a model's decoder layers' matrices are stored: their GGUF block types ('Q4_1',
-    'Q6_K', 'F16'...), or nothing for a checkpoint that is not a GGUF. Reads the file's
-    header only (milliseconds); a file it cannot read says nothing here, and its load says why."""
-    path = getattr(source, "gguf_path", None)
-    if path is None:
-        return frozenset()
-    from transformers.integrations.gguf.reader import GgufHeader
-
-    try:
-        header = GgufHeader.from_file(str(path))
-        return frozenset(GGMLQuantizationType(t.ggml_type).name for t in header.tensors
-                         if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) >= 2)
-    except Exception:  # a corrupt table reads as any of IndexError, struct.error, ValueError...
-        return frozenset()

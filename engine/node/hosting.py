@@ -172,15 +172,9 @@ class Hosting:
             chosen = saved
         elif weights != "auto":
             chosen = weights
-        else:  # auto: the first of what it tries that fits here, else the smallest there is
-            # (friends' devices are known once they join: the head settles auto for the pool then)
-            from engine.model.checkpoint import stored_layer_types
-
-            stored = frozenset() if stage_addr else await loop.run_in_executor(None, stored_layer_types, source)
-            among = precision.auto_among(stored, [self.device])
-            usable_rows = [r for w in among for r in rows if r["weights"] == w and r["available"]]
-            chosen = next((r["weights"] for r in usable_rows if r["fits_here"]),
-                          min(usable_rows, key=lambda r: r["here_bytes"])["weights"])
+        else:  # the highest precision that fits here, else the smallest there is
+            usable_rows = [r for r in rows if r["available"] and r["weights"] != precision.INT4]  # asked for by name
+            chosen = next((r["weights"] for r in usable_rows if r["fits_here"]), usable_rows[-1]["weights"])
         row = next(r for r in rows if r["weights"] == chosen)
         local_needed, fits = row["here_bytes"], row["fits_here"] and row["available"]
         gib = 2**30

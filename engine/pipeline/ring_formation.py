@@ -24,7 +24,6 @@ from engine.pipeline.link import open_link
 from engine.core import precision
 from engine.core.partition import lm_head_layers_estimate, partition, shared_cpu_speeds
 from engine.core.profile import interp, scaled
-from engine.model.checkpoint import stored_layer_types
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing, prequantized
 from engine.model.stage import StageModel
@@ -242,11 +241,7 @@ class RingFormation:
                  else f"{len(mems)} stage(s) ({', '.join(devices)})")
         chosen = saved or self.weights
         if chosen == "auto":
-            if getattr(self, "_stored_types", None) is None:
-                self._stored_types = stored_layer_types(self.source)
-            among = precision.auto_among(self._stored_types,
-                                         [self.device] + [r.welcome.get("device", "") for r in remotes])
-            chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok, among)
+            chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok)
         elif chosen in precision.QUANTIZED and not quantized_ok:
             raise ModelError(f"{chosen} weights need bitsandbytes on every machine of the pipeline, and "
                              "at least one lacks it: install it there (pip install bitsandbytes) or "

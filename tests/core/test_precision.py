@@ -74,30 +74,3 @@ def test_layer_caps_follow_the_precision():
     assert caps[0] < caps[1] < caps[2]
     with pytest.raises(ModelError, match="unknown weights 'fp8'"):
         precision.layer_caps(L8B, "fp8", 2, [8 * GB])
-
-
-def test_auto_takes_int4_on_cpus_for_a_file_of_q4_1_blocks():
-    # the default model's layers: Q4_1 blocks, which int4's groups hold as they are
-    assert precision.auto_among(frozenset({"Q4_1"}), ["cpu"]) == ("int4", "bf16", "int8", "nf4")
-    assert precision.auto_among({"Q4_1"}, ["cpu", "cpu:0", "cpu"])[0] == "int4"
-    # a GPU anywhere in the pool: int4's kernel there is not measured, so auto keeps its order
-    assert precision.auto_among({"Q4_1"}, ["cpu", "cuda:0"]) == precision.AUTO
-    # blocks int4 would round a second time, mixed files, safetensors (nothing stored), no stages
-    for stored in ({"Q4_0"}, {"Q4_K"}, {"Q4_1", "Q6_K"}, {"F16"}, frozenset()):
-        assert precision.auto_among(stored, ["cpu"]) == precision.AUTO, stored
-    assert precision.auto_among({"Q4_1"}, []) == precision.AUTO
-
-
-def test_auto_with_int4_first_steps_down_when_it_does_not_fit():
-    among = precision.auto_among({"Q4_1"}, ["cpu"])
-    assert precision.choose(L8B, 4, [64 * GB], among=among) == "int4"
-    # int4 (0.625 bytes a weight) does not fit where nf4 (0.5625) just does
-    nf4, int4 = total("nf4", 4), total("int4", 4)
-    assert nf4 < int4
-    free = [int((nf4 + int4) / 2 / precision.USABLE)]
-    assert precision.choose(L8B, 4, free, among=among) == "nf4"
-    # without bitsandbytes the smallest left is int4, and the refusal names it
-    with pytest.raises(ModelError, match="even as int4"):
-        precision.choose(L8B, 4, free, quantized_ok=False, among=among)
-    with pytest.raises(ModelError, match="even as bf16"):
-        precision.choose(L8B, 4, free, quantized_ok=False)
