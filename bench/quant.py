@@ -12,7 +12,11 @@ then measure nothing.
     .venv/bin/python bench/quant.py [--model default] [--json out.json]
 
 Beside it, each precision's decode step (one user, the stage's own decode path, median
-of DECODE_STEPS steps after a prompt), timed in the same run.
+of DECODE_STEPS steps after a prompt), timed in the same run, and how far apart the same
+token's logits come when the stage computes it two ways, inside a prompt or one token at
+a time ("two ways"): what a reply replayed after a lost stage, or checked by speculation,
+must not feel. Far below the gap between a position's top two tokens, replies stay
+token-identical; int4's kernel rounds its input to bf16, which is why `auto` never takes it.
 
 Target (issue 21): int8 top-1 agreement >= 0.95.
 """
@@ -109,6 +113,30 @@ def decode_ms(stage, prompt: list[int]) -> float:
     return statistics.median(times) * 1e3
 
 
+TWO_WAYS = 8
+
+
+def two_ways(stage, prompt: list[int]) -> float:
+    """The largest |logit| difference between a token computed at the end of a prompt in
+    one step and the same token reached one step at a time, over the last TWO_WAYS
+    positions of `prompt`."""
+    import torch
+
+    from engine.model.stage import StageBatch
+
+    start = len(prompt) - TWO_WAYS
+    stage.forward(StageBatch([1], [0], [start]), torch.tensor(prompt[:start]))
+    worst = 0.0
+    for k in range(start, len(prompt)):
+        one = stage.forward(StageBatch([1], [k], [1]), torch.tensor(prompt[k:k + 1]))
+        whole = stage.forward(StageBatch([2], [0], [k + 1]), torch.tensor(prompt[:k + 1]))
+        stage.free(2)
+        a, b = one.reshape(-1, one.shape[-1])[-1].float(), whole.reshape(-1, whole.shape[-1])[-1].float()
+        worst = max(worst, float((a - b).abs().max()))
+    stage.free(1)
+    return worst
+
+
 def compare(ref: list, got: list) -> tuple[float, float, int]:
     import torch
 
@@ -161,7 +189,7 @@ def main(argv=None) -> int:
         top1, kl, n = compare(ref, got)
         rows.append({"weights": w, "layer_bytes": layer_bytes, "all_bytes": stage.param_bytes(), "top1": top1,
                      "kl": kl, "positions": n, "load_s": load_s, "forward_s": fwd_s,
-                     "decode_ms": decode_ms(stage, seqs[0])})
+                     "decode_ms": decode_ms(stage, seqs[0]), "two_ways": two_ways(stage, seqs[0])})
         del stage
 
     if dtype != torch.bfloat16:
@@ -172,21 +200,22 @@ def main(argv=None) -> int:
         rows.insert(1, {"weights": "bf16 compute", "layer_bytes": sum(p.numel() * p.element_size() for p in
                                                                    stage._layers.parameters()),
                         "all_bytes": stage.param_bytes(), "top1": top1, "kl": kl, "positions": n,
-                        "load_s": 0.0, "forward_s": 0.0, "decode_ms": None})
+                        "load_s": 0.0, "forward_s": 0.0, "decode_ms": None, "two_ways": None})
         del stage
     full = rows[0]
     print(f"\n{source.name}: {len(seqs)} texts, {full['positions']} teacher-forced positions, "
           f"{torch.get_num_threads()} threads on {device} ({dtype})\n")
     print("| weights | decoder layers | all weights | layers vs full | top-1 agreement | mean KL (nats) | load s "
-          "| decode step ms | vs full |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| decode step ms | vs full | two ways: max Δ logit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         name = {"bf16": f"full ({str(dtype).split('.')[-1]})", "bf16 compute": "full, computed in bf16"}
         step = f"{r['decode_ms']:.1f} | {r['decode_ms'] / full['decode_ms']:.2f}x" if r["decode_ms"] else "- | -"
+        ways = "-" if r["two_ways"] is None else f"{r['two_ways']:.2g}"
         print(f"| {name.get(r['weights'], r['weights'])} "
               f"| {r['layer_bytes'] / 2**20:.1f} MiB | {r['all_bytes'] / 2**20:.1f} MiB "
               f"| {r['layer_bytes'] / full['layer_bytes']:.3f} | {r['top1']:.4f} | {r['kl']:.5f} "
-              f"| {r['load_s']:.1f} | {step} |")
+              f"| {r['load_s']:.1f} | {step} | {ways} |")
     int8 = next((r for r in rows if r["weights"] == "int8"), None)
     if int8 is not None:
         ok = int8["top1"] >= 0.95
