@@ -14,8 +14,8 @@ then measure nothing.
 Beside it, each precision's decode step (one user, the stage's own decode path, median
 of DECODE_STEPS steps after a prompt), timed in the same run, and how far apart the same
 token's logits come when the stage computes it two ways, inside a prompt or one token at
-a time ("two ways"): what a reply replayed after a lost stage, or checked by speculation,
-must not feel. Far below the gap between a position's top two tokens, replies stay
+a time ("two ways", testkit/two_ways.py): what a reply replayed after a lost stage, or
+checked by speculation, must not feel. Far below the gap between a position's top two tokens, replies stay
 token-identical; int4's kernel rounds its input to bf16, which is why `auto` never takes it.
 
 Target (issue 21): int8 top-1 agreement >= 0.95.
@@ -113,30 +113,6 @@ def decode_ms(stage, prompt: list[int]) -> float:
     return statistics.median(times) * 1e3
 
 
-TWO_WAYS = 8
-
-
-def two_ways(stage, prompt: list[int]) -> float:
-    """The largest |logit| difference between a token computed at the end of a prompt in
-    one step and the same token reached one step at a time, over the last TWO_WAYS
-    positions of `prompt`."""
-    import torch
-
-    from engine.model.stage import StageBatch
-
-    start = len(prompt) - TWO_WAYS
-    stage.forward(StageBatch([1], [0], [start]), torch.tensor(prompt[:start]))
-    worst = 0.0
-    for k in range(start, len(prompt)):
-        one = stage.forward(StageBatch([1], [k], [1]), torch.tensor(prompt[k:k + 1]))
-        whole = stage.forward(StageBatch([2], [0], [k + 1]), torch.tensor(prompt[:k + 1]))
-        stage.free(2)
-        a, b = one.reshape(-1, one.shape[-1])[-1].float(), whole.reshape(-1, whole.shape[-1])[-1].float()
-        worst = max(worst, float((a - b).abs().max()))
-    stage.free(1)
-    return worst
-
-
 def compare(ref: list, got: list) -> tuple[float, float, int]:
     import torch
 
@@ -167,6 +143,7 @@ def main(argv=None) -> int:
     from engine.model.device import DTYPES, compute_dtype, pick_device
     from engine.model.sources import resolve
     from engine.model.stage import StageModel
+    from testkit.two_ways import two_ways
 
     torch.manual_seed(0)
     device = pick_device(args.device)
