@@ -117,6 +117,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testkit.timed import timed_request  # noqa: E402
+from testkit.two_ways import two_ways  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -504,6 +505,13 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
             extra["steps"] = step_costs(head.stage0, device)
             log(f"{system} {weights}: a 1-token step {extra['steps']['one'] * 1e3:.2f} ms, "
                 f"1 + {VERIFY_K} tokens {extra['steps']['verify'] * 1e3:.2f} ms")
+            # a token computed in a prompt and one step at a time (graph-replayed): how far
+            # apart, which says whether replayed and speculated replies stay token-identical
+            # here (on a CPU at float32 they do: bench/quant.py)
+            vocab = head.config.vocab_size
+            extra["two_ways"] = two_ways(head.stage0, [(7 + 31 * i) % vocab for i in range(40)],
+                                         seqs=((1 << 40) + 1, (1 << 40) + 2))
+            log(f"{system} {weights}: a token two ways, max |logit difference| {extra['two_ways']:.3g}")
         return {**extra, "rows": rows, "bandwidth": bw, "load_s": load_s, "weight_bytes": param,
                 "scale_bytes": scales, "peak_alloc": torch.cuda.max_memory_allocated() if gpu else None,
                 "peak_alloc_load": load_peak if gpu else None, "peak_alloc_what": "s0" if stages > 1 else "",
@@ -727,6 +735,11 @@ def report(a, results: dict, build_s: float | None) -> dict:
             verdict(name, steps["verify"] / steps["one"] if steps else None, TARGET_VERIFY, False)
         elif steps:  # int8: measured, as the issue asks, with no target of its own
             verdicts.append([name, f"{steps['verify'] / steps['one']:.2f}", "", "(info)"])
+    for w in a.weights:
+        ways = results.get(("ours1", w), {}).get("two_ways")
+        if ways is not None:
+            verdicts.append([f"a token computed in a prompt and one step at a time, max logit difference, {w}",
+                             f"{ways:.3g}", "", "(info)"])
     for w in a.weights:
         g = results.get(("ours1", w), {}).get("graphs")
         if g:

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         rows.insert(1, {"weights": "bf16 compute", "layer_bytes": sum(p.numel() * p.element_size() for p in
                                                                    stage._layers.parameters()),
                         "all_bytes": stage.param_bytes(), "top1": top1, "kl": kl, "positions": n,
-                        "load_s": 0.0, "forward_s": 0.0, "decode_ms": None, "two_ways": None})
+                        "load_s": 0.0, "forward_s": 0.0, "decode_ms": None, "two_ways": two_ways(stage, seqs[0])})
         del stage
     full = rows[0]
     print(f"\n{source.name}: {len(seqs)} texts, {full['positions']} teacher-forced positions, "

@@ -13,20 +13,23 @@ from engine.model.stage import StageBatch
 POSITIONS = 8
 
 
-def two_ways(stage, prompt: list[int], positions: int = POSITIONS) -> float:
+def two_ways(stage, prompt: list[int], positions: int = POSITIONS, seqs: tuple[int, int] = (1, 2)) -> float:
     """The largest |logit| difference between the two ways over the last `positions`
-    tokens of `prompt` (sequence ids 1 and 2 of `stage`: freed after)."""
+    tokens of `prompt`, computed as sequences `seqs` of `stage` (freed after; a stage
+    in service needs ids no request has)."""
     start = len(prompt) - positions
     assert start > 0, "the prompt must be longer than the positions compared"
-    stage.forward(StageBatch([1], [0], [start]), torch.tensor(prompt[:start]))
+    stepped, whole = seqs
+    stage.forward(StageBatch([stepped], [0], [start]), torch.tensor(prompt[:start]))
     worst = 0.0
     try:
         for k in range(start, len(prompt)):
-            one = stage.forward(StageBatch([1], [k], [1]), torch.tensor(prompt[k:k + 1]))
-            whole = stage.forward(StageBatch([2], [0], [k + 1]), torch.tensor(prompt[:k + 1]))
-            stage.free(2)
-            a, b = one.reshape(-1, one.shape[-1])[-1].float(), whole.reshape(-1, whole.shape[-1])[-1].float()
+            one = stage.forward(StageBatch([stepped], [k], [1]), torch.tensor(prompt[k:k + 1]))
+            at_once = stage.forward(StageBatch([whole], [0], [k + 1]), torch.tensor(prompt[:k + 1]))
+            stage.free(whole)
+            a = one.reshape(-1, one.shape[-1])[-1].float()
+            b = at_once.reshape(-1, at_once.shape[-1])[-1].float()
             worst = max(worst, float((a - b).abs().max()))
     finally:
-        stage.free(1)
+        stage.free(stepped)
     return worst
