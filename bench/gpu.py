@@ -628,8 +628,18 @@ def run_worker(a, what: str, result: Path | None) -> dict | None:
     cmd += ["--tiny"] if a.tiny else []
     cmd += ["--tape"] if a.tape else []
     cmd += ["--result", str(result)] if result else []
+    env = dict(os.environ)
+    hops = None
+    if os.environ.get("POTLUCK_BENCH_HOPS") and what.startswith("ours2"):
+        # where the two processes' round goes beyond their steps (bench/hop_trace.py)
+        hops = Path(os.environ["POTLUCK_BENCH_HOPS"]) / what.replace(":", "-")
+        env["POTLUCK_HOP_TRACE"] = str(hops)
     t0 = time.perf_counter()
-    rc = subprocess.run(cmd, cwd=str(ROOT)).returncode
+    rc = subprocess.run(cmd, cwd=str(ROOT), env=env).returncode
+    if hops is not None:
+        import hop_trace
+
+        print(hop_trace.table(hops), flush=True)
     if rc != 0:
         return {"failed": f"worker exited with code {rc} (its output is above)"}
     if result is None:

@@ -40,8 +40,10 @@ if grep -q "FAILED tests/pipeline/test_launch_ahead.py" "$OUT/gpu-tests.log"; th
         | tee -a "$OUT/gpu-tests.log"
     export POTLUCK_LAUNCH_AHEAD=0
 fi
-# the one-process worker's 1-token and verification steps, profiled (kernels, CPU), to $OUT
-POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1s,ours2,hf} \
+# the one-process worker's 1-token and verification steps, profiled (kernels, CPU), to $OUT;
+# the two-process worker's rounds marked by both processes, lined up in its log and kept in
+# $OUT/hops (bench/hop_trace.py): where ours2's round goes beyond its steps
+POTLUCK_BENCH_HOPS="$OUT/hops" POTLUCK_BENCH_PROFILE="$OUT" timeout "${BENCH_S:-170}" python3 bench/gpu.py ${BENCH_ARGS:---weights bf16 --repeat 1 --tokens 64 --systems ours1,ours1s,ours2,hf} \
     --json "$OUT/gpu.json" \
     2>&1 | tee "$OUT/gpu.log" | tail -60
 # the chat's sampled draw on the device (synthetic logits: the default model is not carried)

@@ -38,6 +38,7 @@ from engine.model.device import DTYPES, HostStaging, compute_dtype, device_name,
 from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
+from engine.pipeline.hop_trace import HopTrace
 from engine.pipeline.launch_ahead import StepsAhead, wanted
 from engine.pipeline.link import LinkSender
 from engine.core import precision
@@ -146,6 +147,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         if weights not in precision.CHOICES:
             raise ModelError(f"unknown weights {weights!r}: choose one of {', '.join(precision.CHOICES)}")
         self.weights = weights              # auto until start() settles it against the pool's memory
+        self.trace = HopTrace.from_env("head")   # where a round's time goes (POTLUCK_HOP_TRACE)
         self.say = say or (lambda text: None)
         self.kv_budget_override = kv_budget_tokens
         self._to_host = HostStaging()   # stage 0's GPU output leaves through pinned memory
@@ -221,6 +223,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         cut_in = decode and self.compute == "decode-first"
 
         def run():
+            self.trace("compute")
             with self.stage0.gate.step(decode=cut_in):
                 out = self.stage0.forward(batch, x)
                 for parent, children in (forks or {}).items():
@@ -231,6 +234,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 # compute thread, not by the frame's copy to the host on the event loop
                 # (every token, acknowledgement and heartbeat would wait with it)
                 torch.cuda.current_stream(out.device).synchronize()
+            self.trace("computed")
             return out
 
         return await asyncio.get_running_loop().run_in_executor(self._decode_exec if cut_in else self._exec, run)
@@ -315,6 +319,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             t.cancel()
         if self.link is not None:
             await self.link.close()
+        self.trace.flush()
         for r in self.remotes:
             if r.ws is not None:
                 await r.ws.close()
@@ -376,6 +381,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         # before this task first ran has let that one's links go and replays its sequences
         if epoch != self.recovery.epoch:
             return
+        self.trace("launch")
         try:
             for s in list(g.seqs):
                 if not s.opened and not s.done:
@@ -463,6 +469,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                     meta["drafts"] = {str(k): v for k, v in checked.items()}
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, meta, out,
                                     q8=self._q8(kind, out, t1 - t0), to_host=self._to_host)
+                self.trace("framed")
                 self.link.submit(frame, kind)
                 self._draft_on(g, [r.seq for r in step_rows if not r.new], [r.seq for r in step_rows if r.new])
             else:

@@ -85,8 +85,9 @@ class LinkSender:
     def __init__(self, ws, scheduler: LinkScheduler | None = None, *, piece: int | None = None,
                  min_in_flight: int | None = None, max_in_flight: int = 16 << 20,
                  stall_timeout: float = 60.0, ping_interval: float = 1.0, clock=time.monotonic,
-                 on_failed=None, acked: bool = True):
+                 on_failed=None, acked: bool = True, trace=None):
         self.ws = ws
+        self.trace = trace or (lambda tag: None)   # engine/pipeline/hop_trace.py
         self.sched = scheduler or LinkScheduler()
         self.piece = piece
         self.min_in_flight = min_in_flight
@@ -214,6 +215,7 @@ class LinkSender:
                         self.in_flight += end - off
                     self.bytes_sent += end - off
                     # a peer that stops reading blocks this write (TCP back-pressure)
+                    self.trace("link.sent")
                     send = asyncio.ensure_future(self.ws.send(encode_chunk(vid, kind, off, total, piece)))
                     # a send that fails as this task is cancelled (the link closing) has its
                     # error taken here, not logged as "never retrieved"

@@ -198,7 +198,8 @@ class RingFormation:
             self._data_ws = await connect_stage(self.remotes[0].address, "data", self.pipeline, key=self.route)
             epoch = self.recovery.epoch
             link = self.link = open_link(self._data_ws, self.link_mode,
-                                         lambda n: interp(self.profiles[0]["decode"], n), acked=self.acks)
+                                         lambda n: interp(self.profiles[0]["decode"], n), acked=self.acks,
+                                         trace=self.trace)
             # a stage that stopped answering is not asked back: that would wait out a timeout
             link.on_failed = lambda why: self._stage_lost(1, f"the link to stage 1 failed: {why}", epoch,
                                                           ask_back=not link.unanswered)
@@ -284,6 +285,7 @@ class RingFormation:
                         if fut is not None and not fut.done():
                             fut.set_result(msg)
                     continue
+                self.trace("tokens")
                 frame = frames.decode(data)
                 if frame.type != frames.FrameType.TOKENS:
                     raise frames.FrameError("stages send the head token frames only")

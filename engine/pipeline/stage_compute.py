@@ -23,7 +23,7 @@ log = logging.getLogger("potluck.stage")
 
 class StageCompute:
     """What a step does with the frames it was given (self.stage, self.sampler,
-    self.compress, self._to_host, self._link and self.device are StageServer's)."""
+    self.compress, self._to_host, self._link, self.device and self.trace are StageServer's)."""
 
     def _check_frame(self, frame: frames.Frame):
         if self.stage is None:
@@ -38,8 +38,11 @@ class StageCompute:
             raise frames.FrameError(f"dtype {frame.tensor.dtype} != stage dtype {self.stage.dtype}")
 
     def _gated_compute(self, queued: list[frames.Frame], cut_in: bool) -> list:
+        self.trace("compute")
         with self.stage.gate.step(decode=cut_in):
-            return self._compute(queued)
+            out = self._compute(queued)
+        self.trace("computed")
+        return out
 
     def _compute(self, queued: list[frames.Frame]) -> list:
         """Runs on the compute thread: one output per frame (see _compute_one)."""

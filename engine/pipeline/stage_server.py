@@ -30,6 +30,7 @@ from engine.core.product_choice import ProductChoice
 from engine.model.cores import CoreLease
 from engine.model.device import (HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
                                  pick_device, release_memory, speed_score, step_failure)
+from engine.pipeline.hop_trace import HopTrace
 from engine.pipeline.link import LinkSender, open_link
 from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
@@ -92,6 +93,7 @@ class StageServer(StageCompute):
         # which matrix product a CPU decode step takes, kept across the stages this server
         # builds: one built anew after a rearrangement does not time them again
         self.products = ProductChoice()
+        self.trace = HopTrace.from_env("stage")   # where a round's time goes (POTLUCK_HOP_TRACE)
         self.pipeline = pipeline
         self.device = pick_device(device)
         # bytes the owner lets this stage use (their VRAM cap): the head sees no more free
@@ -186,6 +188,7 @@ class StageServer(StageCompute):
         if self._sender_task is not None:
             self._sender_task.cancel()
         self._closed.set()
+        self.trace.flush()
         self._extra = self._ahead = None   # layers loaded ahead: nobody will take them now
         if self._control_ws is None:   # else its handler does, once the head's sequences are freed
             self._retire_threads()
@@ -521,7 +524,7 @@ class StageServer(StageCompute):
             # the profile as last reported: the scheduler's windows follow it too
             self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
                                    on_failed=lambda why: self._next_link_failed(ws, why),
-                                   acked=self.acks)
+                                   acked=self.acks, trace=self.trace)
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone
         self._out = asyncio.Queue()
@@ -556,6 +559,7 @@ class StageServer(StageCompute):
             workers.append(asyncio.ensure_future(self._work(decodes, self._decode_exec, cut_in=True)))
         try:
             async for data in ws:
+                self.trace("arrived")
                 try:
                     frame = frames.decode(data)
                     if frame.type == frames.FrameType.CHUNK:
@@ -568,6 +572,7 @@ class StageServer(StageCompute):
                             continue
                         frame = frames.decode(done[1])
                     self._check_frame(frame)
+                    self.trace("checked")
                 except frames.FrameError as exc:
                     self.rejected_frames += 1
                     log.warning("closing data connection: %s", exc)
@@ -580,6 +585,7 @@ class StageServer(StageCompute):
         finally:
             for w in workers:
                 w.cancel()
+            self.trace.flush()   # what it marked so far, in case the process is stopped next
 
     @staticmethod
     async def _send_acks(ws, acks: asyncio.Queue):
@@ -604,7 +610,9 @@ class StageServer(StageCompute):
             if link is not None and decode:
                 link.sched.decode_compute_started(time.monotonic(), sum(len(f.meta["rows"]) for f in batch))
             try:
+                self.trace("dequeued")
                 outs = await loop.run_in_executor(executor, self._gated_compute, batch, cut_in)
+                self.trace("back")
             except Exception as exc:
                 # nothing checked for it (a bug): those rows fail with the reason and the lane
                 # goes on (its task died before: the inbox filled, every reply here hung)
@@ -663,6 +671,7 @@ class StageServer(StageCompute):
                 log.warning("dropping a %s frame: no connection", where)
                 continue
             try:
+                self.trace("out")
                 await ws.send(data)
             except ConnectionClosed:
                 log.warning("%s connection closed while sending", where)
