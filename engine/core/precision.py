@@ -19,7 +19,7 @@ QUANTIZED = ("int8", "nf4")        # bitsandbytes' (auto chooses among these and
 # torch's own 4-bit kernels (engine/model/int4.py), asked for by name. Not auto's choice even
 # on a CPU, where it halves the default model's step at full precision's agreement: its
 # input is rounded to bf16, so a token computed in a prompt and one at a time differs by
-# ~0.2 in a logit against float32's 2.5e-5, and replayed or speculated replies stop being
+# ~0.25 in a logit against float32's 5e-5, and replayed or speculated replies stop being
 # token-identical to undisturbed ones (bench/RESULTS.md, 2026-12-05)
 INT4 = "int4"
 EXPLICIT = (FULL,) + QUANTIZED + (INT4,)
