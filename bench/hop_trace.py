@@ -23,8 +23,11 @@ import statistics
 import sys
 from pathlib import Path
 
-HEAD = ("launch", "compute", "computed", "framed", "link.sent")
-STAGE_IN = ("arrived", "checked", "dequeued", "compute", "computed", "back")
+# "forwarded": the step's forward returned -- on a GPU, its kernels launched (a graph
+# replayed), so compute -> forwarded is the host's launch and forwarded -> computed the
+# wait for the GPU (and at the last stage, the draw)
+HEAD = ("launch", "compute", "forwarded", "computed", "framed", "link.sent")
+STAGE_IN = ("arrived", "checked", "dequeued", "compute", "forwarded", "computed", "back")
 
 
 def read(folder: Path) -> tuple[list[tuple[int, str, str]], list[str]]:

@@ -226,6 +226,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             self.trace("compute")
             with self.stage0.gate.step(decode=cut_in):
                 out = self.stage0.forward(batch, x)
+                self.trace("forwarded")   # on a GPU: launched, waited for below
                 for parent, children in (forks or {}).items():
                     for c in children:
                         self.stage0.fork(parent, c)

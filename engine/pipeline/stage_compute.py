@@ -60,6 +60,7 @@ class StageCompute:
                 if unknown:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")
             out = stage.forward(batch, torch.cat([f.tensor for f in queued]))
+            self.trace("forwarded")   # on a GPU: launched, not done (the tokens' or frame's copy waits)
         except (ValueError, SamplingError, RuntimeError):
             return [r for f in queued for r in _results(self._compute_one(f))]  # each frame: its own error
         results, o = [], 0
@@ -94,6 +95,7 @@ class StageCompute:
                     raise ValueError(f"no sampling parameters for sequences {unknown}")
             t0 = time.perf_counter()
             out = stage.forward(batch, frame.tensor)
+            self.trace("forwarded")   # on a GPU: launched, not done (the tokens' or frame's copy waits)
             compute_seconds = time.perf_counter() - t0
             for parent, children in forks.items():
                 for c in children:

@@ -60,9 +60,9 @@ def test_rounds_line_up_across_the_processes_files(tmp_path):
     done = analysis.rounds(marks, analysis.order(stages))
     assert len(done) == 2 and done[1][-1] == t   # the second round's next launch
     text = analysis.table(tmp_path)
-    assert "2 rounds, 1 stage process(es); median round 15 us" in text, text
+    assert "2 rounds, 1 stage process(es); median round 17 us" in text, text
     assert "| head.tokens | head.launch (next) | 3 |" in text, text
-    assert "| stage1.compute | stage1.computed | 1 |" in text, text
+    assert "| stage1.compute | stage1.forwarded | 1 |" in text, text
 
 
 async def test_a_two_process_pipeline_marks_whole_rounds(tiny_folder, tmp_path, monkeypatch):
