@@ -636,16 +636,20 @@ def run_worker(a, what: str, result: Path | None) -> dict | None:
         env["POTLUCK_HOP_TRACE"] = str(hops)
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, cwd=str(ROOT), env=env).returncode
+    summary = None
     if hops is not None:
         import hop_trace
 
         print(hop_trace.table(hops), flush=True)
+        summary = hop_trace.summary(hops)
     if rc != 0:
         return {"failed": f"worker exited with code {rc} (its output is above)"}
     if result is None:
         return None
     res = json.loads(result.read_text())
     res["wall_s"] = time.perf_counter() - t0
+    if summary is not None:
+        res["hops"] = summary
     return res
 
 
@@ -745,6 +749,12 @@ def report(a, results: dict, build_s: float | None) -> dict:
             verdict(name, steps["verify"] / steps["one"] if steps else None, TARGET_VERIFY, False)
         elif steps:  # int8: measured, as the issue asks, with no target of its own
             verdicts.append([name, f"{steps['verify'] / steps['one']:.2f}", "", "(info)"])
+    for w in a.weights:
+        hops = results.get(("ours2", w), {}).get("hops")
+        if hops:   # the table itself is in the log, after ours2's worker
+            verdicts.append([f"ours2 round beyond its two steps (hops, framing, queues), {w}",
+                             f"{hops['rest_us'] / 1e3:.2f} ms of {hops['round_us'] / 1e3:.2f}",
+                             f"{hops['rounds']} rounds", "(info)"])
     for w in a.weights:
         ways = results.get(("ours1", w), {}).get("two_ways")
         if ways is not None:

@@ -79,6 +79,24 @@ def rounds(marks, seq) -> list[list[int]]:
     return out
 
 
+def summary(folder: Path) -> dict | None:
+    """Medians over whole rounds: the round, the steps (each process's compute -> computed,
+    summed) and the rest (hops, framing, queues, scheduling), in microseconds."""
+    marks, stages = read(folder)
+    if not stages:
+        return None
+    seq = order(stages)
+    spans = [(seq.index((w, "compute")), seq.index((w, "computed"))) for w in ["head"] + stages]
+    whole = [r for r in rounds(marks, seq) if r[-1] is not None]
+    if not whole:
+        return None
+    rnd = [r[-1] - r[0] for r in whole]
+    steps = [sum(r[b] - r[a] for a, b in spans) for r in whole]
+    return {"rounds": len(whole), "round_us": statistics.median(rnd) / 1e3,
+            "steps_us": statistics.median(steps) / 1e3,
+            "rest_us": statistics.median(x - y for x, y in zip(rnd, steps)) / 1e3}
+
+
 def table(folder: Path) -> str:
     marks, stages = read(folder)
     if not stages:

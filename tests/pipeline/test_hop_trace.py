@@ -63,6 +63,8 @@ def test_rounds_line_up_across_the_processes_files(tmp_path):
     assert "2 rounds, 1 stage process(es); median round 17 us" in text, text
     assert "| head.tokens | head.launch (next) | 3 |" in text, text
     assert "| stage1.compute | stage1.forwarded | 1 |" in text, text
+    # each round: 17 us, of which the head's and the stage's compute -> computed take 2 each
+    assert analysis.summary(tmp_path) == {"rounds": 2, "round_us": 17.0, "steps_us": 4.0, "rest_us": 13.0}
 
 
 async def test_a_two_process_pipeline_marks_whole_rounds(tiny_folder, tmp_path, monkeypatch):
