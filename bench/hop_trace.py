@@ -79,16 +79,20 @@ def rounds(marks, seq) -> list[list[int]]:
     return out
 
 
+def lined_up(folder: Path) -> tuple[list[str], list[tuple[str, str]], list[list[int]], int]:
+    """A folder's marks as rounds: (stage names, the points of a round, the rounds, marks read)."""
+    marks, stages = read(folder)
+    seq = order(stages)
+    return stages, seq, rounds(marks, seq) if stages else [], len(marks)
+
+
 def summary(folder: Path) -> dict | None:
     """Medians over whole rounds: the round, the steps (each process's compute -> computed,
     summed) and the rest (hops, framing, queues, scheduling), in microseconds."""
-    marks, stages = read(folder)
-    if not stages:
-        return None
-    seq = order(stages)
+    stages, seq, done, _ = lined_up(folder)
     spans = [(seq.index((w, "compute")), seq.index((w, "computed"))) for w in ["head"] + stages]
-    whole = [r for r in rounds(marks, seq) if r[-1] is not None]
-    if not whole:
+    whole = [r for r in done if r[-1] is not None]
+    if not stages or not whole:
         return None
     rnd = [r[-1] - r[0] for r in whole]
     steps = [sum(r[b] - r[a] for a, b in spans) for r in whole]
@@ -98,19 +102,18 @@ def summary(folder: Path) -> dict | None:
 
 
 def table(folder: Path) -> str:
-    marks, stages = read(folder)
+    stages, seq, done, n_marks = lined_up(folder)
     if not stages:
         return f"{folder}: no stage process wrote marks (one process, or the trace was off)"
-    seq = order(stages)
-    done = rounds(marks, seq)
     if not done:
-        return f"{folder}: no complete round among {len(marks)} marks"
+        return f"{folder}: no complete round among {n_marks} marks"
     points = [f"{w}.{t}" for w, t in seq] + ["head.launch (next)"]
     total = [r[-1] - r[0] for r in done if r[-1] is not None]
-    lines = [f"{folder.name}: {len(done)} rounds, {len(stages)} stage process(es); median round "
-             f"{statistics.median(total) / 1e3:.0f} us" if total else f"{folder.name}: {len(done)} rounds",
-             "", "| from | to | median us | share of the round |", "|---|---|---:|---:|"]
     med_round = statistics.median(total) if total else None
+    head = f"{folder.name}: {len(done)} rounds, {len(stages)} stage process(es)"
+    if med_round:
+        head += f"; median round {med_round / 1e3:.0f} us"
+    lines = [head, "", "| from | to | median us | share of the round |", "|---|---|---:|---:|"]
     for i in range(len(points) - 1):
         d = [r[i + 1] - r[i] for r in done if r[i + 1] is not None]
         if not d:

@@ -15,10 +15,13 @@ written 512 at a time and when flushed, so a mark costs no system call).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from pathlib import Path
+
+log = logging.getLogger("potluck.trace")
 
 ENV = "POTLUCK_HOP_TRACE"
 _BATCH = 512
@@ -30,9 +33,14 @@ class HopTrace:
         self._marks: list[tuple[int, str]] = []
         self._lock = threading.Lock()
         if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            self._path = Path(folder) / f"{who}-{os.getpid()}.trace"
-            self._path.write_text("")
+            path = Path(folder) / f"{who}-{os.getpid()}.trace"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("")
+            except OSError as exc:   # a diagnostic: the pipeline runs on without it
+                log.warning("%s=%s: cannot write the trace there (%s); tracing is off", ENV, folder, exc)
+            else:
+                self._path = path
 
     @classmethod
     def from_env(cls, who: str) -> HopTrace:
@@ -58,6 +66,11 @@ class HopTrace:
 
     def _flush_locked(self) -> None:
         marks, self._marks = self._marks, []
-        if marks:
+        if not marks:
+            return
+        try:
             with open(self._path, "a") as f:
                 f.write("".join(f"{ns} {tag}\n" for ns, tag in marks))
+        except OSError as exc:   # a full disk: stop marking rather than fail a step
+            log.warning("%s: cannot write %s (%s); tracing is off", ENV, self._path, exc)
+            self._path = None

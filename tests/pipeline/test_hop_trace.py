@@ -31,6 +31,13 @@ def test_off_it_writes_nothing_and_on_it_keeps_every_mark_in_order(tmp_path, mon
     assert [t for _, t in lines] == [f"m{i}" for i in range(1200)]
     stamps = [int(ns) for ns, _ in lines]
     assert stamps == sorted(stamps)
+    # a folder it cannot write: tracing is off, the pipeline is not stopped
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    bad = HopTrace(blocker / "t", "head")
+    bad("launch")
+    bad.flush()
+    assert not bad.on
 
 
 def write(folder: Path, name: str, marks: list[tuple[int, str]]):

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.core import precision
+from engine.model.sources import resolve
+from engine.model.stage import StageModel
 from engine.pipeline.launch import PipelineConfig, launch
 from testkit.two_ways import two_ways
 
@@ -20,13 +23,17 @@ PROMPT = ("The lighthouse keeper found a bottle on the shore one morning, and in
 
 
 async def test_the_weights_auto_settles_on_here_compute_a_token_the_same_two_ways():
-    # one process: the head's own stage then holds every layer and gives logits (the
-    # weights are settled the same way for the head and one stage process, memory allowing)
-    p = await launch(PipelineConfig(model="default", stages=1, threads=1, device="cpu"))
+    # the weights as `potluck chat` settles them with its defaults (here: the head and one
+    # stage process on this CPU) ...
+    p = await launch(PipelineConfig(model="default"))
     try:
-        head = p.head
-        prompt = head.tokenizer(PROMPT)["input_ids"]
-        diff = await asyncio.to_thread(two_ways, head.stage0, prompt)
-        assert diff < 1e-3, f"{head.weights} weights: a logit {diff:.3g} apart two ways"
+        weights, prompt = p.head.weights, p.head.tokenizer(PROMPT)["input_ids"]
+        assert weights in precision.EXPLICIT   # settled, not "auto"
     finally:
         await p.close()
+    # ... then one stage of those weights holding every layer, so its output is logits
+    source = resolve("default")
+    stage = await asyncio.to_thread(StageModel, source, 0, source.config().num_hidden_layers,
+                                    device="cpu", weights=weights)
+    diff = await asyncio.to_thread(two_ways, stage, prompt)
+    assert diff < 1e-3, f"{weights} weights: a logit {diff:.3g} apart two ways"
