@@ -79,6 +79,56 @@ def penalty_arg(text: str) -> float:
     return v
 
 
+def port_arg(text: str) -> int:
+    """A TCP port: 1 to 65535, or 0 for one the system picks."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to 65535, or 0 for a free one)")
+    return v
+
+
+def count_arg(text: str) -> int:
+    """A whole number from 1: tokens, friends, uses, threads."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1")
+    return v
+
+
+def port_taken(host: str, port: int, flag: str) -> str | None:
+    """Why `host:port` cannot be listened on, said before the model loads (a bind that
+    fails after a load of minutes loses them), or None. A port in TIME_WAIT counts as
+    free, as aiohttp binds with SO_REUSEADDR off Windows; someone may still take it
+    before we bind, and then the bind's own error is said."""
+    import errno
+    import socket
+
+    if not port:
+        return None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"cannot listen on {host!r}: {exc}"
+    with socket.socket(family, kind, proto) as s:
+        if os.name != "nt":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                return (f"port {port} is already in use on {host} (another potluck, or another program): "
+                        f"stop it, or give {flag} with another number")
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def add_pipeline_args(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face id, a local folder or a .gguf file")
@@ -88,7 +138,7 @@ def add_pipeline_args(p):
     p.add_argument("--stage-addr", action="append", default=[],
                    help="ws://host:port of a remote stage (repeat, in pipeline order); replaces --stages")
     p.add_argument("--layers", default=None, help="override the layer split: '0:10,10:30' or '10,20'")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: stages)")
+    p.add_argument("--micro-batches", type=count_arg, default=None, help="micro-batches in flight (default: stages)")
     p.add_argument("--device", default="auto",
                    help="where the head and this machine's stages compute: auto (default: the GPU when torch "
                         "sees one, else the CPU), cpu, cuda or cuda:N")
@@ -98,13 +148,13 @@ def add_pipeline_args(p):
                    help="weight precision: auto (default: the highest the pool's memory holds), bf16 "
                         "(unquantized, at the compute dtype), int8 or nf4 (bitsandbytes, quantized by each "
                         "stage as it loads its layers)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per stage process")
+    p.add_argument("--threads", type=count_arg, default=None, help="torch threads per stage process")
     p.add_argument("--memory-cap-mb", type=float, default=None,
                    help="the most memory (MiB) this machine's own stage may use (default: what is free)")
     p.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds requests wait for a machine to join when the ones left after a friend "
                         "leaves cannot hold the model (default 300)")
-    p.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache tokens per stage (default: from memory)")
+    p.add_argument("--kv-budget-tokens", type=count_arg, default=None, help="KV cache tokens per stage (default: from memory)")
     p.add_argument("--link", default="jit", choices=["jit", "fixed", "fifo"],
                    help="how links send: decode-first with just-in-time prefill chunks (default), fixed chunks, or FIFO")
     p.add_argument("--prompt-chunk", default="auto", type=prompt_chunk_arg,
@@ -163,6 +213,10 @@ async def _chat(args) -> int:
     from engine.pipeline.launch import launch
     from engine.pipeline.terminal import chat_loop
 
+    taken = port_taken("127.0.0.1", args.api_port, "--api-port")
+    if taken:
+        _say(f"potluck: {taken}")
+        return 2
     _say(f"Loading {args.model} on {_stage_count(args)} stage(s)...")
     bar = ProgressBar()
     pipe = await launch(pipeline_config(args), bar, _say)
@@ -225,6 +279,10 @@ async def _serve(args) -> int:
 
     ok, tls = _api_security(args)
     if not ok:
+        return 2
+    taken = port_taken(args.host, args.port, "--port")
+    if taken:
+        _say(f"potluck: {taken}")
         return 2
     pipe = await launch(pipeline_config(args), ProgressBar(), _say)
     runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
@@ -297,6 +355,10 @@ async def _host(args) -> int:
 
     ok, tls = _api_security(args) if not args.prompt else (True, None)
     if not ok:
+        return 2
+    taken = None if args.prompt else port_taken(args.host, args.port, "--port")
+    if taken:
+        _say(f"potluck: {taken}")
         return 2
     friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
     try:
@@ -476,15 +538,15 @@ def _add_homes_args(sub):
     p.add_argument("--listen", default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
     p.add_argument("--advertise", action="append", default=[],
                    help="address to put in the code for --listen (default: this machine's addresses)")
-    p.add_argument("--peers", type=int, default=1, help="friends to wait for, in pipeline order (default 1)")
-    p.add_argument("--uses", type=int, default=None, help="how many machines the code admits (default --peers)")
+    p.add_argument("--peers", type=count_arg, default=1, help="friends to wait for, in pipeline order (default 1)")
+    p.add_argument("--uses", type=count_arg, default=None, help="how many machines the code admits (default --peers)")
     p.add_argument("--expires", type=float, default=24.0, help="hours until the code expires (default 24)")
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default loopback only)")
     _add_api_args(p)
-    p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    p.add_argument("--port", type=port_arg, default=8000, help="API port (default 8000)")
     p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
     p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=count_arg, default=64)
     p.add_argument("--short", action="store_true",
                    help="also print a short code to read out (one use, 10 minutes; needs --relay)")
 
@@ -499,7 +561,7 @@ def _add_homes_args(sub):
                         "mapping) and show a reply code for the host to paste (default %(default)s)")
     p.add_argument("--no-reply", action="store_true", help="fail instead of offering a reply code")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=count_arg, default=None)
     p.add_argument("--config", default=None)
     p.add_argument("--accept-model", action="append", default=[], metavar="MODEL",
                    help="a model a friend's head may have this machine load, beyond the default and "
@@ -509,33 +571,33 @@ def _add_homes_args(sub):
     p.add_argument("--revoke", metavar="ID", help="an invite id or a member's node id")
     p.add_argument("--new", action="store_true", help="make a new code (with the host's last relay/addresses)")
     p.add_argument("--reply", metavar="CODE", help="a friend's reply code: the running host connects to them")
-    p.add_argument("--uses", type=int, default=1)
+    p.add_argument("--uses", type=count_arg, default=1)
     p.add_argument("--expires", type=float, default=24.0, help="hours")
     p.add_argument("--config", default=None)
 
     p = sub.add_parser("relay", help="run a relay that pairs homes by pipeline id and forwards ciphertext")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--port", type=port_arg, default=8765)
     p.add_argument("--max-frame", type=int, default=128 << 10, help="bytes per frame")
-    p.add_argument("--max-channels", type=int, default=8, help="joiner connections per pipeline")
+    p.add_argument("--max-channels", type=count_arg, default=8, help="joiner connections per pipeline")
     p.add_argument("--idle", type=float, default=120.0, help="seconds a channel may stay silent")
     p.add_argument("--rate", type=float, default=20.0, help="MB/s per pipeline")
     p.add_argument("--dump", default=None, help=argparse.SUPPRESS)  # tests: forwarded bytes
 
 
 def _add_node_args(p):
-    p.add_argument("--port", type=int, default=0, help="control API port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--port", type=port_arg, default=0, help="control API port on 127.0.0.1 (default: a free one)")
     p.add_argument("--token-stdin", action="store_true",
                    help="read the API token from the first line of stdin and exit when stdin closes")
     p.add_argument("--token-file", default=None, help="where to write the API token (mode 0600)")
     p.add_argument("--share-host", default="0.0.0.0", help="address friends' heads reach this GPU on")
-    p.add_argument("--share-port", type=int, default=7860)
+    p.add_argument("--share-port", type=port_arg, default=7860)
     p.add_argument("--accept-model", action="append", default=[], metavar="MODEL",
                    help="a model a friend's head may have this machine load, beyond the default and "
                         "Potluck's model list (a hub id or a folder/GGUF path here; repeatable)")
-    p.add_argument("--api-port", type=int, default=0, help="OpenAI API port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--api-port", type=port_arg, default=0, help="OpenAI API port on 127.0.0.1 (default: a free one)")
     p.add_argument("--pipeline", default="potluck", help="pipeline name a shared stage accepts")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=count_arg, default=None)
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--limits", default=None, help="JSON with the sharing limits (see engine/node/sharing.py)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
@@ -585,7 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="terminal chat with a pipeline on this machine")
     add_pipeline_args(p)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=count_arg, default=256)
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the model's own, else 0.7; /set temperature X while chatting)")
     p.add_argument("--top-p", type=float, default=None, help="default: the model's own, else 0.9")
@@ -596,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=penalty_arg, default=None,
                    help="OpenAI's, -2..2: lowers each token's odds by how often the reply holds it (default 0)")
     p.add_argument("--seed", type=int, default=None, help="make sampled replies reproducible")
-    p.add_argument("--api-port", type=int, default=0, help="also serve the OpenAI API on this port")
+    p.add_argument("--api-port", type=port_arg, default=0, help="also serve the OpenAI API on this port")
     p.add_argument("--prompt", "--once", action="append",
                    help="send this message instead of reading stdin, print the reply and exit (repeatable)")
 
@@ -604,17 +666,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     _add_api_args(p)
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_arg, default=8000)
 
     p = sub.add_parser("stage", help="run one stage server; the head tells it which layers to load")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--port", type=port_arg, default=7860)
     p.add_argument("--pipeline", default="local")
     p.add_argument("--secret", default=None,
                    help="what a head must prove to drive this stage (default: $POTLUCK_STAGE_SECRET; "
                         "beyond loopback a new one is made and printed in the address to give the head)")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=count_arg, default=None)
     p.add_argument("--memory-cap-mb", type=float, default=None,
                    help="the most memory (MiB) this stage may give a head's layers and cache (default: what is free)")
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)

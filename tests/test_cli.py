@@ -57,6 +57,43 @@ def test_a_certificate_that_will_not_load_is_said_before_anything_loads(tmp_path
         assert p.returncode == 2 and said in p.stderr and "Loading" not in p.stderr, p.stderr
 
 
+def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(capsys):
+    for argv, said in ((["serve", "--port", "99999"], "not a port number"),
+                       (["serve", "--port", "http"], "not a port number"),
+                       (["chat", "--api-port", "-1"], "not a port number"),
+                       (["chat", "--max-tokens", "-3"], "not a whole number from 1"),
+                       (["chat", "--threads", "0"], "not a whole number from 1"),
+                       (["host", "--peers", "0"], "not a whole number from 1")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err, argv
+    args = build_parser().parse_args(["serve", "--port", "0", "--threads", "2"])
+    assert (args.port, args.threads) == (0, 2)      # 0: a port the system picks
+
+
+def test_a_port_in_use_is_said_before_the_model_loads():
+    import socket
+    import subprocess
+    import sys
+
+    from engine.cli import port_taken
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        said = port_taken("127.0.0.1", port, "--port")
+        assert said and f"port {port} is already in use" in said and "--port" in said
+        p = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "already in use" in p.stderr and "loading" not in p.stderr.lower(), p.stderr
+        p = subprocess.run([sys.executable, "-m", "engine", "chat", "--api-port", str(port), "--prompt", "hi"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "--api-port" in p.stderr and "loading" not in p.stderr.lower(), p.stderr
+    assert port_taken("127.0.0.1", port, "--port") is None     # let go: free again
+    assert port_taken("127.0.0.1", 0, "--port") is None
+
+
 def test_the_terminal_chat_samples_with_the_models_defaults_and_does_not_loop():
     import subprocess
     import sys
