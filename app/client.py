@@ -23,6 +23,9 @@ from PySide6.QtCore import QObject, Signal, Slot
 log = logging.getLogger("potluck.app")
 
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=15)
+# the API's sampling settings a chat sends beside its temperature (engine/core/sampling.py's
+# CHAT_DEFAULTS keys; the app does not import the engine)
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class AsyncWorker:
@@ -148,6 +151,7 @@ class ChatStream(QObject):
         self.url, self.model, self.messages = url, model, messages
         self.max_tokens, self.temperature = max_tokens, temperature
         self.penalties = dict(penalties or {})   # presence_penalty / frequency_penalty, when on
+        self.sampling: dict = {}                 # the settings the request named (none: the API's defaults)
         self._future = None
         self._task: asyncio.Task | None = None
         self.stopped = False
@@ -160,6 +164,20 @@ class ChatStream(QObject):
         self.stopped = True
         if self._task is not None:
             self.worker.loop.call_soon_threadsafe(self._task.cancel)
+
+    async def _sampling_defaults(self, session) -> dict:
+        """The served model's sampling defaults (GET /v1/models/{id}); none when the API
+        does not say (then the temperature goes alone, the others neutral)."""
+        try:
+            async with session.get(f"{self.url.rstrip('/')}/models/{self.model}",
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                got = (await resp.json(content_type=None)).get("sampling_defaults") if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return {}
+        if not isinstance(got, dict):
+            return {}
+        return {k: v for k, v in got.items() if k in SAMPLING_FIELDS and isinstance(v, (int, float))
+                and not isinstance(v, bool)}
 
     async def _main(self):
         self._task = asyncio.current_task()
@@ -176,7 +194,12 @@ class ChatStream(QObject):
             body = {"model": self.model, "messages": self.messages, "stream": True,
                     "stream_options": {"include_usage": True}, "max_tokens": self.max_tokens}
             if self.temperature is not None:  # else the model's sampling defaults (the API's)
+                # the rest as the model's defaults, as `potluck chat` keeps them: naming the
+                # temperature alone would turn the repetition penalty off, and a small model
+                # at 0.2 without it loops in four open replies of ten (bench/sampling_defaults.py)
+                body.update(await self._sampling_defaults(session))
                 body["temperature"] = self.temperature
+            self.sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS or k == "temperature"}
             body.update(self.penalties)       # leaves the other settings as they were
             async with session.post(self.url.rstrip("/") + "/chat/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:

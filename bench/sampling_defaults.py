@@ -80,12 +80,16 @@ OPEN = [
 
 def settings() -> list[tuple[str, dict]]:
     d = CHAT_DEFAULTS
+    today = {"temperature": d["temperature"], "top_p": d["top_p"], "min_p": d["min_p"],
+             "repetition_penalty": d["repetition_penalty"]}
     return [
-        (f"today's defaults (t {d['temperature']}, top-p {d['top_p']}, rep {d['repetition_penalty']})",
-         {"temperature": d["temperature"], "top_p": d["top_p"], "repetition_penalty": d["repetition_penalty"]}),
-        ("authors' (t 0.2, top-p 0.9, rep 1.0)", {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.0}),
+        (f"today's defaults (t {d['temperature']}, top-p {d['top_p']}, min-p {d['min_p']}, "
+         f"rep {d['repetition_penalty']})", today),
+        ("t 0.7, top-p 0.9, min-p 0.05, rep 1.1", {**today, "temperature": 0.7, "top_p": 0.9, "min_p": 0.05}),
+        ("t 0.7, top-p 0.9, min-p 0.1, rep 1.1", {**today, "temperature": 0.7, "top_p": 0.9, "min_p": 0.1}),
+        ("t 0.7, top-p 0.9, min-p 0.2, rep 1.1", {**today, "temperature": 0.7, "top_p": 0.9, "min_p": 0.2}),
         ("t 0.2, top-p 0.9, rep 1.1", {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}),
-        ("t 0.4, top-p 0.9, rep 1.1", {"temperature": 0.4, "top_p": 0.9, "repetition_penalty": 1.1}),
+        ("authors' (t 0.2, top-p 0.9, rep 1.0)", {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.0}),
         ("greedy, rep 1.1", {"temperature": 0.0, "repetition_penalty": 1.1}),
     ]
 
@@ -123,6 +127,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=4, help="replies drawn per prompt (one request, n choices)")
     ap.add_argument("--tokens", type=int, default=160, help="the open prompts' reply length bound")
     ap.add_argument("--show", action="store_true", help="print every open reply")
+    ap.add_argument("--only", default="", help="the settings to run, by their row number from 1 (e.g. 1,2,5)")
     args = ap.parse_args()
     (ROOT / "build").mkdir(exist_ok=True)
     port = free_port()
@@ -135,7 +140,10 @@ def main() -> None:
         wait_ready(port, proc)
         print(f"the default model behind potluck serve --stages 1; {len(QUESTIONS)} questions and "
               f"{len(OPEN)} open prompts, {args.seeds} replies each", flush=True)
-        for name, params in settings():
+        rows_wanted = {int(x) for x in args.only.split(",") if x}
+        for number, (name, params) in enumerate(settings(), 1):
+            if rows_wanted and number not in rows_wanted:
+                continue
             n = 1 if params["temperature"] == 0 else args.seeds
             with ThreadPoolExecutor(8) as pool:
                 qa = list(pool.map(lambda q: ask(port, q[0], params, n, 48, 1), QUESTIONS))

@@ -229,6 +229,7 @@ async def _chat(args) -> int:
             _say(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1")
         await chat_loop(pipe.head, args.prompt, args.max_tokens, seed=args.seed,
                         sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                  "min_p": args.min_p,
                                   "repetition_penalty": args.repetition_penalty,
                                   "presence_penalty": args.presence_penalty,
                                   "frequency_penalty": args.frequency_penalty})
@@ -652,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy (default: the model's own, else 0.7; /set temperature X while chatting)")
     p.add_argument("--top-p", type=float, default=None, help="default: the model's own, else 0.9")
     p.add_argument("--top-k", type=int, default=None, help="default: the model's own, else off (0)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="leave out tokens less likely than this times the likeliest, 0..1 (default: the "
+                        "model's own, else off)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's own, else 1.1")
     p.add_argument("--presence-penalty", type=penalty_arg, default=None,
                    help="OpenAI's, -2..2: lowers the odds of every token the reply already holds (default 0)")

@@ -33,7 +33,7 @@ class SamplingError(ValueError):
 # authors show 0.2 / 0.9 without the penalty: that loops in four open replies of ten, and
 # 0.2 with the penalty answered short questions no more often than 0.7 by more than the
 # noise while looping now and then (bench/sampling_defaults.py).
-CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.1}
 TUNABLE = tuple(CHAT_DEFAULTS)
 # OpenAI's presence and frequency penalties: 0 (off) unless a request names them, whatever
 # else it names or leaves to the defaults (engine/model/sampler.py applies them)
@@ -64,6 +64,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0              # 0: off
     top_p: float = 1.0
+    # min-p (llama.cpp's, transformers' MinPLogitsWarper): after temperature, tokens less
+    # likely than min_p times the likeliest are left out; 0: off
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     # OpenAI's: logits[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty,
     # count[j] the times token j was generated so far in this choice (not in the prompt)
@@ -119,6 +122,7 @@ class SamplingParams:
         num("top_p", 0.0, 1.0)
         if self.top_p == 0.0:
             raise SamplingError("top_p must be greater than 0", "top_p")
+        num("min_p", 0.0, 1.0)
         num("repetition_penalty", 0.01, 100.0)
         for name in PENALTIES:
             num(name, *PENALTY_RANGE)

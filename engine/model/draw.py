@@ -14,7 +14,8 @@ What a row draws (inverse-CDF sampling with the row's uniform u in [0, 1)):
   token whose cumulative probability exceeds u;
 - a row with top-k or top-p: its nucleus in rank order (logit descending, ties by token
   id), the same rule over the nucleus' probabilities. The nucleus is the first top_k
-  ranks (all when 0), then of those the smallest prefix whose mass reaches top_p.
+  ranks (all when 0), then of those the smallest prefix whose mass reaches top_p, then
+  of those the ones at least min_p times as likely as the first (transformers' order).
 - a greedy row: the argmax (the first on ties) of its penalized logits.
 
 Ranking a row takes a sort of the vocabulary: 4-10 ms a row on a CPU core. So a CPU
@@ -84,10 +85,11 @@ class Shape:
     top_k: int = 0          # 0: off
     top_p: float = 1.0      # 1.0: off
     uniform: float = 0.0    # in [0, 1)
+    min_p: float = 0.0      # 0.0: off
 
     @property
     def ranked(self) -> bool:
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
 @dataclass
@@ -240,6 +242,10 @@ def _nucleus(x: torch.Tensor, vals: torch.Tensor, shapes: list[Shape], whole: bo
     # rows without top-p keep all ranks (a cumulative mass that rounds past 1.0 drops none)
     top_p = _column([s.top_p if s.top_p < 1.0 else float("inf") for s in shapes], probs)
     keep &= before <= top_p
+    if any(s.min_p > 0.0 for s in shapes):
+        # p >= min_p * p_first, in logits (the row's scale cancels); log(0) keeps every rank
+        floor = _column([s.min_p for s in shapes], vals).log()
+        keep &= vals - vals[:, :1] >= floor
     return keep, keep.sum(-1)
 
 

@@ -317,7 +317,8 @@ class Sampler:
         if p.is_greedy:
             return Shape(greedy=True)
         rng = random.Random(draw_seed(p.seed, position)) if p.seed is not None else self._rng
-        return Shape(greedy=False, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, uniform=rng.random())
+        return Shape(greedy=False, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                     uniform=rng.random())
 
     def _penalties(self, seq_ids: list[int], before: list[list[int]] | None = None) -> Penalties:
         """The rows' penalties, flat: the repetition penalty on each distinct token of the

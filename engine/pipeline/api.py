@@ -45,7 +45,7 @@ from engine.model.grammar import compile_schema, schema_of
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
 MAX_PROMPTS = 64   # per /v1/completions request
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 # an SSE comment after this long without a token: the pipeline may be rearranging after
@@ -132,7 +132,11 @@ class Api:
 
     # ---- endpoints ----------------------------------------------------------
     def _model_object(self) -> dict:
-        return {"id": self.head.source.name, "object": "model", "created": 0, "owned_by": "potluck"}
+        # sampling_defaults: what a request that names no sampling field gets; a client that
+        # changes one setting (the app's temperature) sends the rest from here, as the
+        # terminal chat keeps them (one naming any gets the others neutral, as OpenAI's does)
+        return {"id": self.head.source.name, "object": "model", "created": 0, "owned_by": "potluck",
+                "sampling_defaults": dict(self.head.sampling_defaults)}
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [self._model_object()]})
@@ -282,6 +286,7 @@ class Api:
                 temperature=_number(body, "temperature", d["temperature"]),
                 top_p=_number(body, "top_p", d["top_p"]),
                 top_k=_field(body, "top_k", int, d["top_k"]),
+                min_p=_number(body, "min_p", d["min_p"]),
                 repetition_penalty=_number(body, "repetition_penalty", d["repetition_penalty"]),
                 **{k: _number(body, k, 0.0) for k in PENALTIES},
                 seed=_field(body, "seed", int, None),

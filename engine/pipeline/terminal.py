@@ -43,7 +43,7 @@ def describe(sampling: dict) -> str:
     else:
         top_k = sampling["top_k"] or "off"
         parts = [f"temperature {sampling['temperature']:g}", f"top-p {sampling['top_p']:g}", f"top-k {top_k}",
-                 f"repetition penalty {rep:g}"]
+                 *([f"min-p {sampling['min_p']:g}"] if sampling.get("min_p") else []), f"repetition penalty {rep:g}"]
     parts += [f"{k.replace('_', ' ')} {sampling[k]:g}" for k in PENALTIES if sampling.get(k)]
     return ", ".join(parts)
 
@@ -71,7 +71,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
     settings = {**head.sampling_defaults, **{k: 0.0 for k in PENALTIES},
                 **{k: v for k, v in (sampling or {}).items() if v is not None}}
     print(f"Sampling: {describe(settings)}.\nType a message and press Enter. /reset clears the conversation, "
-          "/set temperature 0.2 (or top-p, top-k, repetition-penalty, presence-penalty, frequency-penalty) "
+          "/set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, presence-penalty, frequency-penalty) "
           "changes sampling, /quit leaves.\n", file=sys.stderr)
     messages: list[dict] = []
     loop = asyncio.get_running_loop()

@@ -41,7 +41,7 @@ def run(sampler: Sampler, seq_ids, steps: int, seed: int = 0) -> list[list[int]]
 def test_from_dict_defaults_and_round_trip():
     p = SamplingParams.from_dict({})
     assert p == SamplingParams()
-    full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1,
+    full = {"temperature": 0.5, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1,
             "presence_penalty": 0.5, "frequency_penalty": -1.25, "seed": 7,
             "greedy": False, "max_tokens": 16, "stop": ["\n\n", "END"], "logprobs": True, "top_logprobs": 5,
             "json_schema": '{"type": "object"}'}
@@ -88,6 +88,8 @@ def test_is_greedy():
     ({"top_p": 0.0}, "top_p must be greater than 0"),
     ({"top_p": 1.01}, "top_p must be between"),
     ({"top_p": -0.5}, "top_p must be between"),
+    ({"min_p": 1.5}, "min_p must be between"),
+    ({"min_p": "0.1"}, "min_p must be a number"),
     ({"top_p": "0.9"}, "top_p must be a number"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be between"),
     ({"repetition_penalty": 101}, "repetition_penalty must be between"),

@@ -43,6 +43,10 @@ def reference(row: list[float], s: Shape, eps: float = 1e-5) -> tuple[int, bool]
                 keep += 1
                 before += p
             order, w = order[:keep], w[:keep]
+        if s.min_p > 0.0:   # w[0] is the likeliest's, 1.0
+            near |= any(abs(p - s.min_p) < eps for p in w)
+            keep = sum(p >= s.min_p for p in w)
+            order, w = order[:keep], w[:keep]
         probs = w
     total = sum(probs)
     cum, c = [], 0.0
@@ -70,7 +74,9 @@ def rows_of(kind: str, n: int, V: int, seed: int) -> torch.Tensor:
 
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5),
             dict(temperature=0.7, top_k=40, top_p=0.8), dict(temperature=0.5, top_p=0.3),
-            dict(temperature=2.0, top_k=1), dict(temperature=0.9, top_p=0.999)]
+            dict(temperature=2.0, top_k=1), dict(temperature=0.9, top_p=0.999),
+            dict(temperature=0.7, top_p=0.9, min_p=0.1), dict(temperature=1.0, min_p=0.05),
+            dict(temperature=1.5, top_k=20, min_p=0.3)]
 
 
 @pytest.mark.parametrize("kind", ["peaked", "ties", "flat"])
@@ -99,10 +105,31 @@ def test_the_cpu_shortcut_draws_what_the_full_sort_draws():
     for kind in ("peaked", "ties", "flat"):
         x = rows_of(kind, n, V, rng.randrange(1 << 30))
         shapes = [Shape(greedy=False, uniform=rng.random(), temperature=rng.choice([0.5, 0.7, 1.0, 1.5]),
-                        top_k=rng.choice([0, 0, 3, 20, 64]), top_p=rng.choice([1.0, 0.9, 0.95, 0.5]))
+                        top_k=rng.choice([0, 0, 3, 20, 64]), top_p=rng.choice([1.0, 0.9, 0.95, 0.5]),
+                        min_p=rng.choice([0.0, 0.0, 0.02, 0.1, 0.5]))
                   for _ in range(n)]
         for c in (1, 8, 32, 128):
             assert torch.equal(draw(x, shapes, candidates=c), draw(x, shapes, candidates=V)), (kind, c)
+
+
+def test_min_p_leaves_out_what_transformers_min_p_leaves_out():
+    """min_p alone, against transformers' own warper (temperature first, as there): a
+    row only ever draws a token the warper keeps, and every kept token is drawn for
+    some uniform."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+    V = 64
+    for kind, seed in (("peaked", 1), ("flat", 2), ("ties", 3)):
+        x = rows_of(kind, 4, V, seed)
+        for min_p, t in ((0.05, 0.7), (0.2, 1.0), (0.6, 1.3)):
+            kept = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(t)(None, x.clone())) > float("-inf")
+            for i in range(4):
+                drawn = {draw(x[i:i + 1], [Shape(greedy=False, temperature=t, min_p=min_p, uniform=u / 400)]).item()
+                         for u in range(400)}
+                allowed = set(kept[i].nonzero().flatten().tolist())
+                assert drawn <= allowed, (kind, min_p, i)
+                # the least likely kept tokens may hold under 1/400 of the mass
+                assert len(drawn) >= min(len(allowed), 2), (kind, min_p, i)
 
 
 def test_greedy_rows_take_the_penalized_argmax_and_the_logits_stay_as_they_were():

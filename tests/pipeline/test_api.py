@@ -283,6 +283,15 @@ async def test_stop_sequence_and_seeded_sampling(client):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+async def test_min_p_reaches_the_draw(client):
+    """min_p 1.0 leaves only the likeliest token: a hot, seeded draw gives the greedy reply."""
+    greedy = await client.chat.completions.create(model="default", messages=FRANCE, temperature=0, max_tokens=12)
+    for seed in (1, 2):
+        hot = await client.chat.completions.create(model="default", messages=FRANCE, temperature=1.5, seed=seed,
+                                                   max_tokens=12, extra_body={"min_p": 1.0})
+        assert hot.choices[0].message.content == greedy.choices[0].message.content
+
+
 async def test_fields_that_ask_for_nothing_are_accepted(client):
     # what some clients send as a matter of course
     resp = await client.chat.completions.create(model="default", messages=FRANCE, max_tokens=4, temperature=0,
