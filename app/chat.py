@@ -525,6 +525,10 @@ class ChatWindow(QMainWindow):
             elif info.get("finish_reason") == "length":
                 line = (line + " · " if line else "") + "cut off at the length limit"
             view.set_stats(line)
+            if info.get("dropped"):
+                n = info["dropped"]
+                self.show_hint(f"This conversation has grown longer than the model can read at once: it no longer "
+                               f"sees the first {n} message{'s' if n != 1 else ''}. Start a new chat to begin afresh.")
         if self.reply_text or not m.error:
             self.messages.append(m)
             if self.conversation_id is not None:

@@ -201,8 +201,13 @@ class ChatStream(QObject):
                 body["temperature"] = self.temperature
             self.sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS or k == "temperature"}
             body.update(self.penalties)       # leaves the other settings as they were
+            # a conversation that outgrew the model's window goes on without its oldest turns
+            # (engine/core/conversation_fit.py); the reply's header says how many were left out
+            body["context_overflow"] = "drop_oldest"
             async with session.post(self.url.rstrip("/") + "/chat/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as resp:
+                dropped = resp.headers.get("X-Potluck-Dropped-Messages", "0")
+                info["dropped"] = int(dropped) if dropped.isdigit() else 0
                 if resp.status >= 400:
                     try:
                         err = (await resp.json(content_type=None))["error"]["message"]

@@ -420,13 +420,17 @@ def tiny_config(arch: str, n_layers: int = N_LAYERS):
     raise KeyError(f"no tiny config for {arch!r}")
 
 
-def build_tiny_model(arch: str, dir, shard_size=None, n_layers: int = N_LAYERS, seed: int = 0):
-    """Build a float32 random-weight model and save it (safetensors) to `dir`."""
+def build_tiny_model(arch: str, dir, shard_size=None, n_layers: int = N_LAYERS, seed: int = 0,
+                     vocab: int | None = None):
+    """Build a float32 random-weight model and save it (safetensors) to `dir`. vocab: a
+    real tokenizer's size, for a model that takes chat text (default: VOCAB ids only)."""
     from transformers import AutoModelForCausalLM
 
     from engine.model.build_lock import BUILD_LOCK
 
     cfg = tiny_config(arch, n_layers=n_layers)
+    if vocab is not None:
+        cfg.vocab_size = vocab
     # not while a stage of this process (an earlier test's pipeline loading its spares)
     # is built on another thread: its meta-device patch is process-wide
     with BUILD_LOCK:

@@ -145,6 +145,22 @@ def tiny_folder(tmp_path_factory, default_source):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_folder(tmp_path_factory, default_source):
+    """A tiny random-weight Llama that takes chat text: the default model's tokenizer and
+    its whole vocabulary, a 256-token window (a conversation outgrows it in a few turns)."""
+    from transformers import AutoTokenizer
+
+    from testkit.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_chat")
+    vocab = len(AutoTokenizer.from_pretrained(str(default_source.root)))
+    build_tiny_model("llama", root, vocab=vocab)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_source.root / name, root / name)
+    return root
+
+
+@pytest.fixture(scope="session")
 async def spare_stages():
     """Two more stage processes that tests configure with their own heads, one at a time."""
     from engine.pipeline.local import LocalStages

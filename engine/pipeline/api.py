@@ -37,6 +37,7 @@ from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done, PipelineError
 from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, TUNABLE,
                                   SamplingError, SamplingParams)
+from engine.core.conversation_fit import OVERFLOW_CHOICES, fitted_prompt
 from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, forced_call_schema
 from engine.core.tool_calls import parse as parse_calls
 from engine.model.detok import TokenPieces
@@ -185,8 +186,20 @@ class Api:
                 if isinstance(m.get("name"), str):
                     msg["name"] = m["name"]
             clean.append(msg)
+        overflow = _field(body, "context_overflow", str, "error")
+        if overflow not in OVERFLOW_CHOICES:
+            raise ApiError(f"'context_overflow' must be one of {', '.join(OVERFLOW_CHOICES)}",
+                           param="context_overflow", code="invalid_value")
+        listed = fns if tool_choice != "none" else None
+        dropped = 0
         try:
-            prompt = self.head.chat_prompt(clean, tools=fns if tool_choice != "none" else None)
+            if overflow == "drop_oldest":
+                # the oldest turns left out where the window would overflow; the reply's
+                # X-Potluck-Dropped-Messages header says how many
+                prompt, dropped = fitted_prompt(lambda ms: self.head.chat_prompt(ms, tools=listed), clean,
+                                                self.head.context_length, self._max_tokens(body))
+            else:
+                prompt = self.head.chat_prompt(clean, tools=listed)
         except Exception as exc:  # a template that refuses this conversation
             raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from None
         tools = None
@@ -203,7 +216,8 @@ class Api:
                                    param="tools", code="invalid_value") from None
             parallel = _field(body, "parallel_tool_calls", bool, True)
             tools = _Tools({f["name"] for f in fns}, forced, parallel)
-        return await self._generate(request, body, [prompt], chat=True, tools=tools)
+        return await self._generate(request, body, [prompt], chat=True, tools=tools,
+                                    headers={"X-Potluck-Dropped-Messages": str(dropped)} if dropped else None)
 
     @staticmethod
     def _tools(body: dict) -> tuple[list[dict], str]:
@@ -256,6 +270,15 @@ class Api:
                 raise ApiError(f"'{name}' is not supported by this server yet", param=name, code="unsupported")
         return body
 
+    @staticmethod
+    def _max_tokens(body: dict) -> int:
+        """What a request asks its reply to hold at most, for sizing: the default when it
+        names none or names it wrongly (_params says what is wrong)."""
+        v = body.get("max_completion_tokens")
+        if v is None:
+            v = body.get("max_tokens")
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else DEFAULT_MAX_TOKENS
+
     def _params(self, body: dict) -> SamplingParams:
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:  # absent or null: the older name
@@ -298,7 +321,8 @@ class Api:
             raise ApiError(str(exc), param=exc.param, code="invalid_value") from None
         return p
 
-    async def _generate(self, request, body, prompts: list[list[int]], chat: bool, tools: "_Tools | None" = None):
+    async def _generate(self, request, body, prompts: list[list[int]], chat: bool, tools: "_Tools | None" = None,
+                        headers: dict | None = None):
         """Every prompt's n choices (choice index: prompt * n + j), submitted at once so
         they batch together; a prompt's choices share its prefill (Head.submit_n).
         tools: a chat request's functions, whose calls are read back out of the reply."""
@@ -331,7 +355,8 @@ class Api:
         reply = _Reply(self, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, k, tools)
         try:
             if stream:
-                return await self._stream(request, handles, reply, prompt_tokens, bool(opts.get("include_usage")))
+                return await self._stream(request, handles, reply, prompt_tokens, bool(opts.get("include_usage")),
+                                          headers)
             results = await asyncio.gather(*(_collect(h) for h in handles))
         except BaseException:  # the client went away (handler cancellation), or a choice failed
             for h in handles:
@@ -343,7 +368,7 @@ class Api:
                 raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
             choices.append(reply.choice(i, text, done.finish_reason, lps))   # (its tool calls, if any)
         return web.json_response({**reply.envelope(final=True), "choices": choices,
-                                  "usage": _usage(prompt_tokens, [d for _, d, _ in results])})
+                                  "usage": _usage(prompt_tokens, [d for _, d, _ in results])}, headers=headers)
 
     def _choices(self, body: dict, chat: bool) -> tuple[int, int | None]:
         """n, and how many top tokens each token's logprobs lists (None: no logprobs).
@@ -401,8 +426,10 @@ class Api:
         except ValueError as exc:
             raise ApiError(str(exc), code="invalid_value") from None
 
-    async def _stream(self, request, handles, reply: "_Reply", prompt_tokens: int, include_usage: bool):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request, handles, reply: "_Reply", prompt_tokens: int, include_usage: bool,
+                      headers: dict | None = None):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **(headers or {})})
         await resp.prepare(request)
 
         async def send(obj_):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from engine.core.conversation_fit import fitted_prompt
 from engine.core.sampling import PENALTIES, SamplingError, SamplingParams
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done
@@ -13,6 +14,13 @@ from engine.pipeline.requests import Delta, Done
 def ask(head: Head, messages: list[dict], params: SamplingParams):
     """Submit the conversation; a ValueError says why it cannot be sent."""
     return head.submit(head.chat_prompt(messages), params)
+
+
+def ask_fitted(head: Head, messages: list[dict], params: SamplingParams):
+    """Submit the conversation, its oldest turns left out where it outgrew the model's
+    window (engine/core/conversation_fit.py): (the reply's handle, messages left out)."""
+    prompt, dropped = fitted_prompt(head.chat_prompt, messages, head.context_length, params.max_tokens)
+    return head.submit(prompt, params), dropped
 
 
 async def reply(handle, echo=None) -> tuple[str, Done]:
@@ -74,6 +82,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
           "/set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, presence-penalty, frequency-penalty) "
           "changes sampling, /quit leaves.\n", file=sys.stderr)
     messages: list[dict] = []
+    shown_dropped = 0    # messages the model no longer sees, as last said
     loop = asyncio.get_running_loop()
     queued = list(prompts or [])
     while True:
@@ -94,6 +103,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             break
         if line == "/reset":
             messages.clear()
+            shown_dropped = 0
             print("(conversation cleared)")
             continue
         if line.startswith("/set"):
@@ -102,7 +112,11 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
         messages.append({"role": "user", "content": line})
         params = SamplingParams(**settings, max_tokens=max_tokens, seed=seed)
         try:
-            handle = ask(head, messages, params)
+            handle, dropped = ask_fitted(head, messages, params)
+            if dropped > shown_dropped:
+                print(f"(the conversation has outgrown what the model reads at once: it no longer sees the "
+                      f"first {dropped} message{'s' if dropped != 1 else ''}; /reset starts afresh)")
+            shown_dropped = dropped
         except ValueError as exc:
             print(f"(cannot send: {exc})")
             messages.pop()

@@ -17,17 +17,17 @@ def test_the_app_sends_the_fields_the_api_defaults_to():
     assert set(SAMPLING_FIELDS) == set(TUNABLE) - {"temperature"}
 
 
-async def test_a_temperature_set_in_the_app_keeps_the_models_other_defaults(tiny_folder):
+async def test_a_temperature_set_in_the_app_keeps_the_models_other_defaults(tiny_chat_folder):
     import asyncio
 
     import aiohttp
+    from PySide6.QtCore import Qt
 
     from app.client import AsyncWorker, ChatStream
     from engine.pipeline.api import serve_api
     from engine.pipeline.launch import PipelineConfig, launch
 
-    folder, _ = tiny_folder("llama", seed=0)
-    pipe = await launch(PipelineConfig(model=str(folder), stages=1, threads=1, device="cpu"))
+    pipe = await launch(PipelineConfig(model=str(tiny_chat_folder), stages=1, threads=1, device="cpu"))
     runner = await serve_api(pipe.head, "127.0.0.1", 0)
     worker = AsyncWorker()
     try:
@@ -39,9 +39,12 @@ async def test_a_temperature_set_in_the_app_keeps_the_models_other_defaults(tiny
         convo = [{"role": "user", "content": "hi"}]
         for temperature, want in ((0.3, {**said, "temperature": 0.3}), (None, {})):
             stream = ChatStream(worker, url, pipe.head.source.name, convo, 4, temperature)
+            done = []
+            stream.finished.connect(done.append, Qt.DirectConnection)   # no Qt event loop here
             stream.start()
             await asyncio.wrap_future(stream._future)
             assert stream.sampling == want, temperature
+            assert done and done[0]["error"] is None and done[0]["tokens"] > 0, done
     finally:
         worker.close()
         await runner.cleanup()
