@@ -163,6 +163,12 @@ class ChatWindow(QMainWindow):
         self.send_button = QPushButton("Send")
         self.send_button.setMinimumWidth(90)
         self.send_button.clicked.connect(self.send_or_stop)
+        # another draw of the last reply: a small model's sampled reply wanders off now
+        # and then (a first token from the tail), and the next draw usually does not
+        self.retry_button = QPushButton("Try again")
+        self.retry_button.setToolTip("Replace the last reply with a new one (at temperature 0 it comes out the same)")
+        self.retry_button.clicked.connect(self.retry)
+        self.retry_button.setEnabled(False)
         send_shortcut = QAction(self)
         send_shortcut.setShortcuts([QKeySequence("Ctrl+Return"), QKeySequence("Ctrl+Enter")])
         send_shortcut.triggered.connect(self.send_or_stop)
@@ -210,7 +216,10 @@ class ChatWindow(QMainWindow):
         sampling_row.addStretch(1)
         il = QHBoxLayout()
         il.addWidget(self.input, 1)
-        il.addWidget(self.send_button)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.retry_button)
+        il.addLayout(buttons)
 
         rl.addWidget(self.model_label)
         rl.addWidget(self.ring_view)
@@ -377,6 +386,7 @@ class ChatWindow(QMainWindow):
             else:
                 v.set_plain(m.content)
         self.hint.clear()
+        self._update_retry()
         return True
 
     def new_conversation(self):
@@ -386,6 +396,7 @@ class ChatWindow(QMainWindow):
         self.conversation_id = None
         self.messages = []
         self.hint.clear()
+        self._update_retry()
 
     def delete_all(self, confirm: bool = True):
         if confirm and QMessageBox.question(self, "Delete all history",
@@ -427,15 +438,8 @@ class ChatWindow(QMainWindow):
             self.show_hint(f"This message is too long ({len(text):,} characters; at most "
                            f"{MAX_MESSAGE_CHARS:,}). Shorten it or split it up.")
             return False
-        if self.c.lost:
-            self.show_hint("The Potluck engine is not running. Press Restart above.")
-            return False
-        hosting = (self.c.status or {}).get("hosting")
-        if not hosting or not hosting.get("openai_url"):
-            if (self.c.status or {}).get("loading"):
-                self.show_hint("The pipeline is still loading; try again in a moment.")
-            else:
-                self.show_hint("No pipeline is running. Choose “Host a pipeline…” in the Potluck menu first.")
+        hosting = self._serving()
+        if hosting is None:
             return False
         self.hint.clear()
         self.input.clear()
@@ -447,6 +451,42 @@ class ChatWindow(QMainWindow):
         self.c.history.add_message(self.conversation_id, user)
         self.messages.append(user)
         self._add_view("user", text)
+        self._start_reply(hosting)
+        return True
+
+    def retry(self) -> bool:
+        """The last reply replaced by a new draw of it: it leaves the conversation, its
+        view and the history, and the conversation before it is sent again."""
+        if self.stream is not None or not self.messages or self.messages[-1].role != "assistant":
+            return False
+        hosting = self._serving()
+        if hosting is None:
+            return False
+        self.hint.clear()
+        last = self.messages.pop()
+        if last.id is not None:
+            self.c.history.delete_message(last.id)
+        w = self.tl.takeAt(self.tl.count() - 2).widget()   # the last view (the stretch is last)
+        if w is not None:
+            w.deleteLater()
+        self._start_reply(hosting)
+        return True
+
+    def _serving(self) -> dict | None:
+        """The pipeline's hosting status when a message can be sent, else None (said in the hint)."""
+        if self.c.lost:
+            self.show_hint("The Potluck engine is not running. Press Restart above.")
+            return None
+        hosting = (self.c.status or {}).get("hosting")
+        if not hosting or not hosting.get("openai_url"):
+            if (self.c.status or {}).get("loading"):
+                self.show_hint("The pipeline is still loading; try again in a moment.")
+            else:
+                self.show_hint("No pipeline is running. Choose “Host a pipeline…” in the Potluck menu first.")
+            return None
+        return hosting
+
+    def _start_reply(self, hosting: dict) -> None:
         self.reply_view = self._add_view("assistant", "…")
         self.reply_text = ""
         self._pending = []
@@ -458,9 +498,9 @@ class ChatWindow(QMainWindow):
         self.stream.delta.connect(self._on_delta)
         self.stream.finished.connect(self._on_finished)
         self.send_button.setText("Stop")
+        self.retry_button.setEnabled(False)
         self.flush_timer.start()
         self.stream.start()
-        return True
 
     def stop(self):
         if self.stream is not None:
@@ -543,6 +583,11 @@ class ChatWindow(QMainWindow):
                 self.input.setPlainText(user.content)
         self.reply_view = None
         self.last_finish = info
+        self._update_retry()
+
+    def _update_retry(self):
+        self.retry_button.setEnabled(self.stream is None and bool(self.messages)
+                                     and self.messages[-1].role == "assistant")
 
     @property
     def generating(self) -> bool:

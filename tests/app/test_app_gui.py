@@ -492,6 +492,31 @@ def test_send_and_see_the_streamed_reply(qtbot, live):
     assert chat.url_field.text().startswith("http://127.0.0.1:")
 
 
+def test_try_again_replaces_the_last_reply(qtbot, live):
+    """The last reply leaves the conversation, its view and the history, and the
+    conversation before it is sent again: at the tests' temperature 0 the same reply
+    comes back (it would not, were the old reply still in what is sent)."""
+    chat = live.chat
+    chat.new_conversation()
+    assert not chat.retry_button.isEnabled()
+    assert chat.send("Name three fruits.")
+    assert not chat.retry_button.isEnabled()      # not while a reply streams
+    wait_reply(qtbot, chat)
+    first = chat.reply_text
+    assert first and chat.retry_button.isEnabled()
+    views = chat.tl.count()
+    qtbot.mouseClick(chat.retry_button, Qt.LeftButton)
+    assert chat.generating
+    info = wait_reply(qtbot, chat)
+    assert info["error"] is None and chat.delta_count > 0
+    assert chat.reply_text == first and chat.tl.count() == views
+    assert [m.role for m in chat.messages] == ["user", "assistant"]
+    conv = chat.c.history.load(chat.conversation_id)
+    assert [(m.role, m.content) for m in conv.messages] == [("user", "Name three fruits."), ("assistant", first)]
+    chat.open_conversation(chat.conversation_id)  # opened from the history: its last reply can be tried again
+    assert chat.retry_button.isEnabled()
+
+
 def test_every_window_speaks_plainly(qtbot, live):
     """Every text a person sees in the main windows and dialogs, as they open (the
     Advanced sections aside), holds none of the engine's words: no addresses, binds, GPU
