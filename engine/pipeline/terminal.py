@@ -74,13 +74,14 @@ def set_sampling(sampling: dict, line: str) -> str:
 async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, sampling: dict | None = None,
                     seed: int | None = None) -> None:
     """Read messages from stdin (or send `prompts` and stop), print the replies as they
-    stream. /reset clears the conversation, /set changes sampling, /quit leaves.
+    stream. /reset clears the conversation, /retry draws the last reply again, /set
+    changes sampling, /quit leaves.
     sampling: what the user chose (None: the head's defaults, as the API gives)."""
     settings = {**head.sampling_defaults, **{k: 0.0 for k in PENALTIES},
                 **{k: v for k, v in (sampling or {}).items() if v is not None}}
     print(f"Sampling: {describe(settings)}.\nType a message and press Enter. /reset clears the conversation, "
-          "/set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, presence-penalty, frequency-penalty) "
-          "changes sampling, /quit leaves.\n", file=sys.stderr)
+          "/retry draws the last reply again, /set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, "
+          "presence-penalty, frequency-penalty) changes sampling, /quit leaves.\n", file=sys.stderr)
     messages: list[dict] = []
     shown_dropped = 0    # messages the model no longer sees, as last said
     loop = asyncio.get_running_loop()
@@ -109,7 +110,14 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
         if line.startswith("/set"):
             print(f"({set_sampling(settings, line)})")
             continue
-        messages.append({"role": "user", "content": line})
+        retried = None
+        if line == "/retry":   # the last reply out, the conversation before it sent again
+            if not messages or messages[-1]["role"] != "assistant":
+                print("(no reply to draw again yet)")
+                continue
+            retried = messages.pop()
+        else:
+            messages.append({"role": "user", "content": line})
         params = SamplingParams(**settings, max_tokens=max_tokens, seed=seed)
         try:
             handle, dropped = ask_fitted(head, messages, params)
@@ -119,7 +127,10 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             shown_dropped = dropped
         except ValueError as exc:
             print(f"(cannot send: {exc})")
-            messages.pop()
+            if retried is not None:
+                messages.append(retried)
+            else:
+                messages.pop()
             continue
         sys.stdout.write("bot> ")
         text, done = await reply(handle, echo=_write)

@@ -1,8 +1,10 @@
-"""A conversation that outgrows the model's window (engine/core/conversation_fit.py):
-refused by default, as OpenAI's API refuses it; with `context_overflow: "drop_oldest"`
-(what the chat window sends) and in `potluck chat`, its oldest turns are left out and
-the user is told. A tiny model with a 256-token window and the default model's
-tokenizer, behind the real API, over real sockets."""
+"""Turns of a chat, behind the real API over real sockets, on a tiny model with a
+256-token window and the default model's tokenizer.
+
+A conversation that outgrows the window (engine/core/conversation_fit.py): refused by
+default, as OpenAI's API refuses it; with `context_overflow: "drop_oldest"` (what the
+chat window sends) and in `potluck chat`, its oldest turns are left out and the user is
+told. And a reply drawn again (`/retry` in `potluck chat`)."""
 
 from __future__ import annotations
 
@@ -95,3 +97,16 @@ async def test_the_chat_window_asks_for_it_and_hears_how_many(served):
             assert (done[0]["dropped"] > 0) == want
     finally:
         worker.close()
+
+
+async def test_the_terminal_chat_draws_the_last_reply_again(served, capsys):
+    """/retry sends the conversation before the last reply: greedy, the same reply comes
+    back (it would not, were the old reply still in what is sent)."""
+    from engine.pipeline.terminal import chat_loop
+
+    head, _ = served
+    await chat_loop(head, ["/retry", "Name three fruits.", "/retry", "/retry"], 12, sampling={"temperature": 0.0})
+    out = capsys.readouterr().out
+    assert "no reply to draw again yet" in out
+    replies = [line.split("bot> ", 1)[1] for line in out.splitlines() if line.startswith("bot> ")]
+    assert len(replies) == 3 and replies[0] and len(set(replies)) == 1, replies
