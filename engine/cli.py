@@ -67,38 +67,24 @@ def prompt_chunk_arg(text: str):
     return n
 
 
-def penalty_arg(text: str) -> float:
-    """--presence-penalty / --frequency-penalty: a number from -2 to 2 (OpenAI's range)."""
-    lo, hi = PENALTY_RANGE
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not lo <= v <= hi:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number from {lo:g} to {hi:g}")
-    return v
+def ranged_arg(parse, lo, hi, what: str):
+    """An argparse type: `parse(text)` from lo to hi, else argparse's error saying `what`."""
+    def arg(text: str):
+        try:
+            v = parse(text)
+        except ValueError:
+            v = None
+        if v is None or not lo <= v <= hi:   # NaN is out of every range
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    return arg
 
 
-def port_arg(text: str) -> int:
-    """A TCP port: 1 to 65535, or 0 for one the system picks."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to 65535, or 0 for a free one)")
-    return v
-
-
-def count_arg(text: str) -> int:
-    """A whole number from 1: tokens, friends, uses, threads."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1")
-    return v
+# --presence-penalty / --frequency-penalty: OpenAI's range
+penalty_arg = ranged_arg(float, *PENALTY_RANGE, f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}")
+port_arg = ranged_arg(int, 0, 65535, "a port number (1 to 65535, or 0 for a free one)")
+# tokens, friends, uses, threads
+count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
 
 
 def port_taken(host: str, port: int, flag: str) -> str | None:
