@@ -86,6 +86,8 @@ class ChatWindow(QMainWindow):
         self.messages: list[Message] = []
         self.stream: ChatStream | None = None
         self.reply_view: MessageView | None = None
+        self.last_reply_view: MessageView | None = None    # the view of the last assistant message
+        self.retrying: tuple[Message, MessageView] | None = None   # the reply a new draw may replace
         self.reply_text = ""
         self._pending: list[str] = []
         self.render_count = 0          # view refreshes during the current reply (tests: batched)
@@ -374,9 +376,11 @@ class ChatWindow(QMainWindow):
         self._clear_view()
         self.conversation_id = cid
         self.messages = list(conv.messages)
+        self.last_reply_view = None
         for m in self.messages:
             v = self._add_view(m.role, "")
             if m.role == "assistant":
+                self.last_reply_view = v
                 v.set_markdown(m.content)
                 line = stats_line(m)
                 if m.error:
@@ -395,6 +399,7 @@ class ChatWindow(QMainWindow):
         self._clear_view()
         self.conversation_id = None
         self.messages = []
+        self.last_reply_view = None
         self.hint.clear()
         self._update_retry()
 
@@ -455,20 +460,25 @@ class ChatWindow(QMainWindow):
         return True
 
     def retry(self) -> bool:
-        """The last reply replaced by a new draw of it: it leaves the conversation, its
-        view and the history, and the conversation before it is sent again."""
-        if self.stream is not None or not self.messages or self.messages[-1].role != "assistant":
+        """The last reply drawn again: the conversation before it is sent, and the new
+        reply takes the old one's place once it holds any text; stopped or failed before
+        that, the old reply stays as it was."""
+        view = self.last_reply_view
+        if self.stream is not None or not self.messages or self.messages[-1].role != "assistant" or view is None:
             return False
         hosting = self._serving()
         if hosting is None:
             return False
         self.hint.clear()
-        last = self.messages.pop()
-        if last.id is not None:
-            self.c.history.delete_message(last.id)
-        w = self.tl.takeAt(self.tl.count() - 2).widget()   # the last view (the stretch is last)
-        if w is not None:
-            w.deleteLater()
+        # what a send that got nothing back left below the reply (its question went back
+        # into the box) is no longer the conversation's
+        at = self.tl.indexOf(view)
+        while self.tl.count() - 1 > at + 1:
+            w = self.tl.takeAt(at + 1).widget()
+            if w is not None:
+                w.deleteLater()
+        view.hide()
+        self.retrying = (self.messages.pop(), view)
         self._start_reply(hosting)
         return True
 
@@ -569,8 +579,23 @@ class ChatWindow(QMainWindow):
                 n = info["dropped"]
                 self.show_hint(f"This conversation has grown longer than the model can read at once: it no longer "
                                f"sees the first {n} message{'s' if n != 1 else ''}. Start a new chat to begin afresh.")
-        if self.reply_text or not m.error:
+        retried, self.retrying = self.retrying, None
+        if retried is not None and not self.reply_text:
+            # a new draw stopped or failed before its first word: the old reply stays
+            old, old_view = retried
+            self.messages.append(old)
+            old_view.show()
+            self.tl.removeWidget(view)
+            view.deleteLater()
+        elif self.reply_text or not m.error:
+            if retried is not None:    # the new draw takes the old one's place
+                old, old_view = retried
+                if old.id is not None:
+                    self.c.history.delete_message(old.id)
+                self.tl.removeWidget(old_view)
+                old_view.deleteLater()
             self.messages.append(m)
+            self.last_reply_view = view
             if self.conversation_id is not None:
                 self.c.history.add_message(self.conversation_id, m)
         elif self.messages and self.messages[-1].role == "user":
@@ -587,7 +612,7 @@ class ChatWindow(QMainWindow):
 
     def _update_retry(self):
         self.retry_button.setEnabled(self.stream is None and bool(self.messages)
-                                     and self.messages[-1].role == "assistant")
+                                     and self.messages[-1].role == "assistant" and self.last_reply_view is not None)
 
     @property
     def generating(self) -> bool:

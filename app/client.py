@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 
+from urllib.parse import quote
+
 import aiohttp
 from PySide6.QtCore import QObject, Signal, Slot
 
@@ -169,7 +171,7 @@ class ChatStream(QObject):
         """The served model's sampling defaults (GET /v1/models/{id}); none when the API
         does not say (then the temperature goes alone, the others neutral)."""
         try:
-            async with session.get(f"{self.url.rstrip('/')}/models/{self.model}",
+            async with session.get(f"{self.url.rstrip('/')}/models/{quote(self.model, safe='')}",
                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 got = (await resp.json(content_type=None)).get("sampling_defaults") if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):

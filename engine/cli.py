@@ -17,7 +17,7 @@ from engine.pipeline.lifeline import Lifeline
 from engine.pipeline.stopping import StopRequests
 from engine.core.errors import ModelError
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
-from engine.core.sampling import PENALTY_RANGE
+from engine.core.sampling import PENALTY_RANGE, SamplingParams
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
 
@@ -87,31 +87,51 @@ port_arg = ranged_arg(int, 0, 65535, "a port number (1 to 65535, or 0 for a free
 count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
 
 
+def sampling_arg(name: str, parse):
+    """An argparse type for one sampling setting, held to what a request may ask
+    (SamplingParams.validate), so a bad one is said now, not at every message."""
+    def arg(text: str):
+        try:
+            v = parse(text)
+            SamplingParams(**{name: v}).validate()
+        except ValueError as exc:   # SamplingError is one
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        return v
+    return arg
+
+
 def port_taken(host: str, port: int, flag: str) -> str | None:
     """Why `host:port` cannot be listened on, said before the model loads (a bind that
-    fails after a load of minutes loses them), or None. A port in TIME_WAIT counts as
-    free, as aiohttp binds with SO_REUSEADDR off Windows; someone may still take it
-    before we bind, and then the bind's own error is said."""
+    fails after a load of minutes loses them), or None. Every address the host names is
+    tried as asyncio's create_server binds them (SO_REUSEADDR off Windows, so a port in
+    TIME_WAIT is free; IPv6 sockets IPv6-only); someone may still take the port before we
+    bind, and then the bind's own error is said."""
     import errno
     import socket
 
     if not port:
         return None
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
         return f"cannot listen on {host!r}: {exc}"
-    with socket.socket(family, kind, proto) as s:
-        if os.name != "nt":
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
         try:
-            s.bind(addr)
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
-                return (f"port {port} is already in use on {host} (another potluck, or another program): "
-                        f"stop it, or give {flag} with another number")
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            s = socket.socket(family, kind, proto)
+        except OSError:
+            continue    # an address family this machine has off (IPv6): the server skips it too
+        with s:
+            if os.name != "nt":
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                    return (f"port {port} is already in use on {host or 'every address'} (another potluck, or "
+                            f"another program): stop it, or give {flag} with another number")
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
 
 
@@ -533,7 +553,7 @@ def _add_homes_args(sub):
     p.add_argument("--port", type=port_arg, default=8000, help="API port (default 8000)")
     p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
     p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
-    p.add_argument("--max-tokens", type=count_arg, default=64)
+    p.add_argument("--max-tokens", type=sampling_arg("max_tokens", int), default=64)
     p.add_argument("--short", action="store_true",
                    help="also print a short code to read out (one use, 10 minutes; needs --relay)")
 
@@ -634,20 +654,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="terminal chat with a pipeline on this machine")
     add_pipeline_args(p)
-    p.add_argument("--max-tokens", type=count_arg, default=256)
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--max-tokens", type=sampling_arg("max_tokens", int), default=256)
+    p.add_argument("--temperature", type=sampling_arg("temperature", float), default=None,
                    help="0 = greedy (default: the model's own, else 0.7; /set temperature X while chatting)")
-    p.add_argument("--top-p", type=float, default=None, help="default: the model's own, else 0.9")
-    p.add_argument("--top-k", type=int, default=None, help="default: the model's own, else off (0)")
-    p.add_argument("--min-p", type=float, default=None,
+    p.add_argument("--top-p", type=sampling_arg("top_p", float), default=None, help="default: the model's own, else 0.9")
+    p.add_argument("--top-k", type=sampling_arg("top_k", int), default=None, help="default: the model's own, else off (0)")
+    p.add_argument("--min-p", type=sampling_arg("min_p", float), default=None,
                    help="leave out tokens less likely than this times the likeliest, 0..1 (default: the "
                         "model's own, else off)")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's own, else 1.1")
+    p.add_argument("--repetition-penalty", type=sampling_arg("repetition_penalty", float), default=None,
+                   help="default: the model's own, else 1.1")
     p.add_argument("--presence-penalty", type=penalty_arg, default=None,
                    help="OpenAI's, -2..2: lowers the odds of every token the reply already holds (default 0)")
     p.add_argument("--frequency-penalty", type=penalty_arg, default=None,
                    help="OpenAI's, -2..2: lowers each token's odds by how often the reply holds it (default 0)")
-    p.add_argument("--seed", type=int, default=None, help="make sampled replies reproducible")
+    p.add_argument("--seed", type=sampling_arg("seed", int), default=None, help="make sampled replies reproducible")
     p.add_argument("--api-port", type=port_arg, default=0, help="also serve the OpenAI API on this port")
     p.add_argument("--prompt", "--once", action="append",
                    help="send this message instead of reading stdin, print the reply and exit (repeatable)")

@@ -5,9 +5,9 @@ an evening's chat). The API refuses such a prompt, as OpenAI's does; the chat wi
 `potluck chat` would then stop answering, and the only way on was a new conversation.
 Asked to (the API's `context_overflow: "drop_oldest"`), the oldest turns are left out
 instead, whole: a turn starts at a user message, so what is kept never opens with a
-reply or a tool's result whose call was left out. Leading system messages always stay,
-and so does the newest turn, even when it does not fit on its own (then the caller says
-so, as before). Pure: the caller counts a candidate's tokens (its chat template applied).
+reply or a tool's result whose call was left out. System messages always stay, wherever
+they stand (they say how to answer, not what was said), and so does the newest turn, even
+when it does not fit on its own (then the caller says so, as before). Pure: the caller counts a candidate's tokens (its chat template applied).
 """
 
 from __future__ import annotations
@@ -24,23 +24,23 @@ def prompt_budget(context_length: int, max_tokens: int) -> int:
     return context_length - max(1, min(max_tokens, context_length // 4))
 
 
-def fit(messages: Sequence[dict], count: Callable[[list[dict]], int], budget: int) -> tuple[list[dict], int]:
+def fit(messages: Sequence[dict], count: Callable[[list[dict]], int], budget: int,
+        whole: int | None = None) -> tuple[list[dict], int]:
     """(the messages kept, how many were left out). Drops as few whole turns as bring
     count(kept) to at most budget; count need not be cheap, it is called O(log turns)
-    times (fewer tokens for every turn left out: the search is a bisection)."""
+    times (fewer tokens for every turn left out: the search is a bisection). whole: the
+    whole conversation's count, where the caller has it."""
     msgs = list(messages)
-    if count(msgs) <= budget:
+    if (count(msgs) if whole is None else whole) <= budget:
         return msgs, 0
-    lead = 0
-    while lead < len(msgs) and msgs[lead].get("role") == "system":
-        lead += 1
+    first = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
     # where a kept part may begin: a user message after the first turn
-    starts = [i for i in range(lead + 1, len(msgs)) if msgs[i].get("role") == "user"]
+    starts = [i for i in range(first + 1, len(msgs)) if msgs[i].get("role") == "user"]
     if not starts:
         return msgs, 0
 
     def kept(start: int) -> list[dict]:
-        return msgs[:lead] + msgs[start:]
+        return [m for m in msgs[:start] if m.get("role") == "system"] + msgs[start:]
 
     lo, hi = 0, len(starts) - 1      # the first start that fits, else the last
     while lo < hi:
@@ -49,8 +49,8 @@ def fit(messages: Sequence[dict], count: Callable[[list[dict]], int], budget: in
             hi = mid
         else:
             lo = mid + 1
-    start = starts[lo]
-    return kept(start), start - lead
+    out = kept(starts[lo])
+    return out, len(msgs) - len(out)
 
 
 def fitted_prompt(template: Callable[[list[dict]], list[int]], messages: Sequence[dict], context_length: int,
@@ -62,5 +62,5 @@ def fitted_prompt(template: Callable[[list[dict]], list[int]], messages: Sequenc
     budget = prompt_budget(context_length, max_tokens)
     if len(prompt) <= budget:
         return prompt, 0
-    kept, dropped = fit(messages, lambda ms: len(template(ms)), budget)
+    kept, dropped = fit(messages, lambda ms: len(template(ms)), budget, whole=len(prompt))
     return (template(kept) if dropped else prompt), dropped

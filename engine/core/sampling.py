@@ -35,6 +35,10 @@ class SamplingError(ValueError):
 # noise while looping now and then (bench/sampling_defaults.py).
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.1}
 TUNABLE = tuple(CHAT_DEFAULTS)
+# the API's fields whose naming gives a request exactly what it names, its other fields
+# neutral (OpenAI's way: temperature 0 is plain greedy decoding); min_p, like the
+# presence and frequency penalties, changes nothing else when named
+SWITCHING = ("temperature", "top_p", "top_k", "repetition_penalty")
 # OpenAI's presence and frequency penalties: 0 (off) unless a request names them, whatever
 # else it names or leaves to the defaults (engine/model/sampler.py applies them)
 PENALTIES = ("presence_penalty", "frequency_penalty")

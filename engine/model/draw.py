@@ -10,9 +10,9 @@ seed and the token's position, so a seeded reply does not depend on the device o
 its batch mates).
 
 What a row draws (inverse-CDF sampling with the row's uniform u in [0, 1)):
-- a row with neither top-k nor top-p: the whole vocabulary in token-id order, the first
-  token whose cumulative probability exceeds u;
-- a row with top-k or top-p: its nucleus in rank order (logit descending, ties by token
+- a row with none of top-k, top-p and min-p: the whole vocabulary in token-id order, the
+  first token whose cumulative probability exceeds u;
+- a row with any of them: its nucleus in rank order (logit descending, ties by token
   id), the same rule over the nucleus' probabilities. The nucleus is the first top_k
   ranks (all when 0), then of those the smallest prefix whose mass reaches top_p, then
   of those the ones at least min_p times as likely as the first (transformers' order).

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done, PipelineError
-from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, TUNABLE,
+from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, SWITCHING,
                                   SamplingError, SamplingParams)
 from engine.core.conversation_fit import OVERFLOW_CHOICES, fitted_prompt
 from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, forced_call_schema
@@ -46,7 +46,7 @@ from engine.model.grammar import compile_schema, schema_of
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
 MAX_PROMPTS = 64   # per /v1/completions request
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
 # an SSE comment after this long without a token: the pipeline may be rearranging after
@@ -104,7 +104,7 @@ class Api:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/v1/models/{model:.+}", self.model)   # a hub id holds a slash
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/potluck/status", self.status)
@@ -299,17 +299,20 @@ class Api:
             raise ApiError("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
         # A request that names no sampling field gets the model's defaults (its
         # generation_config), else ours for chat (core/sampling.py), as the chat window and
-        # `potluck chat` do; one that names any gets exactly what it names (temperature 0
-        # stays plain greedy decoding), the others neutral. The presence and frequency
-        # penalties are 0 unless named, and naming them changes none of the others
-        # (chat front-ends send them as a matter of course, often as 0).
-        d = NEUTRAL if any(body.get(k) is not None for k in TUNABLE) else self.head.sampling_defaults
+        # `potluck chat` do; one that names any of SWITCHING gets exactly what it names
+        # (temperature 0 stays plain greedy decoding), the others neutral. The chat window
+        # names them all (GET /v1/models/{id}'s sampling_defaults beside its temperature),
+        # so its temperature 0 keeps the repetition penalty, as `potluck chat`'s does. min_p
+        # and the presence and frequency penalties change none of the others when named
+        # (front-ends send them as a matter of course, often as 0): min_p is the model's
+        # own unless named, the penalties 0.
+        d = NEUTRAL if any(body.get(k) is not None for k in SWITCHING) else self.head.sampling_defaults
         try:
             p = SamplingParams(
                 temperature=_number(body, "temperature", d["temperature"]),
                 top_p=_number(body, "top_p", d["top_p"]),
                 top_k=_field(body, "top_k", int, d["top_k"]),
-                min_p=_number(body, "min_p", d["min_p"]),
+                min_p=_number(body, "min_p", self.head.sampling_defaults["min_p"]),
                 repetition_penalty=_number(body, "repetition_penalty", d["repetition_penalty"]),
                 **{k: _number(body, k, 0.0) for k in PENALTIES},
                 seed=_field(body, "seed", int, None),

@@ -50,7 +50,8 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        #     the stage's hello, with a reason, instead
                        # 20: a verification step's frame carries its drafts, which the last
                        #     stage penalizes each position after (one batched draw)
-PROTOCOL_VERSION = 20
+                       # 21: sampling carries min_p (an older last stage refuses the key)
+PROTOCOL_VERSION = 21
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head

@@ -6,7 +6,7 @@ import asyncio
 import sys
 
 from engine.core.conversation_fit import fitted_prompt
-from engine.core.sampling import PENALTIES, SamplingError, SamplingParams
+from engine.core.sampling import PENALTIES, SamplingError, SamplingParams, choice_seed
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done
 
@@ -84,6 +84,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
           "presence-penalty, frequency-penalty) changes sampling, /quit leaves.\n", file=sys.stderr)
     messages: list[dict] = []
     shown_dropped = 0    # messages the model no longer sees, as last said
+    retries = 0          # times the last reply was drawn again
     loop = asyncio.get_running_loop()
     queued = list(prompts or [])
     while True:
@@ -116,9 +117,13 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
                 print("(no reply to draw again yet)")
                 continue
             retried = messages.pop()
+            retries += 1
         else:
             messages.append({"role": "user", "content": line})
-        params = SamplingParams(**settings, max_tokens=max_tokens, seed=seed)
+            retries = 0
+        # a seeded reply drawn again draws other numbers, as a request's next choice does
+        draw_seed = seed if seed is None or not retries else choice_seed(seed, retries)
+        params = SamplingParams(**settings, max_tokens=max_tokens, seed=draw_seed)
         try:
             handle, dropped = ask_fitted(head, messages, params)
             if dropped > shown_dropped:

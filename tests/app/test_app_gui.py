@@ -513,6 +513,15 @@ def test_try_again_replaces_the_last_reply(qtbot, live):
     assert [m.role for m in chat.messages] == ["user", "assistant"]
     conv = chat.c.history.load(chat.conversation_id)
     assert [(m.role, m.content) for m in conv.messages] == [("user", "Name three fruits."), ("assistant", first)]
+    # stopped before its first word, a new draw leaves the old reply as it was
+    qtbot.mouseClick(chat.retry_button, Qt.LeftButton)
+    qtbot.mouseClick(chat.send_button, Qt.LeftButton)      # Stop, at once
+    info = wait_reply(qtbot, chat)
+    assert info["finish_reason"] == "cancelled" and chat.reply_text == ""
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "Name three fruits."), ("assistant", first)]
+    assert chat.tl.count() == views and chat.last_reply_view.isVisibleTo(chat) and chat.retry_button.isEnabled()
+    conv = chat.c.history.load(chat.conversation_id)
+    assert [(m.role, m.content) for m in conv.messages] == [("user", "Name three fruits."), ("assistant", first)]
     chat.open_conversation(chat.conversation_id)  # opened from the history: its last reply can be tried again
     assert chat.retry_button.isEnabled()
 

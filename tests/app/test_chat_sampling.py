@@ -28,6 +28,7 @@ async def test_a_temperature_set_in_the_app_keeps_the_models_other_defaults(tiny
     from engine.pipeline.launch import PipelineConfig, launch
 
     pipe = await launch(PipelineConfig(model=str(tiny_chat_folder), stages=1, threads=1, device="cpu"))
+    pipe.head.source.name = "tiny-org/tiny-chat"    # named as a hub model is: its id holds a slash
     runner = await serve_api(pipe.head, "127.0.0.1", 0)
     worker = AsyncWorker()
     try:

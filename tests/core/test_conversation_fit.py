@@ -25,7 +25,7 @@ def test_a_conversation_that_fits_is_left_as_it_is():
     assert fit(msgs, words, 10_000) == (msgs, 0)
 
 
-@pytest.mark.parametrize("budget", [40, 60, 75, 100, 130, 200])
+@pytest.mark.parametrize("budget", [8, 40, 60, 75, 100, 130, 200])
 def test_the_oldest_whole_turns_go_first_and_no_more_than_needed(budget):
     system = {"role": "system", "content": "be brief"}
     msgs = [system] + turns(6) + [{"role": "user", "content": "and now?"}]
@@ -47,6 +47,14 @@ def test_a_tool_result_is_never_kept_without_its_call():
             {"role": "user", "content": "thanks"}]
     kept, dropped = fit(msgs, words, 20)
     assert (kept, dropped) == ([msgs[-1]], 4)
+
+
+def test_system_messages_stay_wherever_they_stand():
+    rules = {"role": "system", "content": "From now on answer in French."}
+    msgs = turns(3) + [rules] + turns(2) + [{"role": "user", "content": "and now?"}]
+    kept, dropped = fit(msgs, words, 60)
+    assert rules in kept and kept[-1] == msgs[-1] and len(kept) + dropped == len(msgs)
+    assert kept[0] == rules and kept[1]["role"] == "user"
 
 
 def test_one_message_or_one_turn_is_never_dropped():

@@ -290,6 +290,13 @@ async def test_min_p_reaches_the_draw(client):
         hot = await client.chat.completions.create(model="default", messages=FRANCE, temperature=1.5, seed=seed,
                                                    max_tokens=12, extra_body={"min_p": 1.0})
         assert hot.choices[0].message.content == greedy.choices[0].message.content
+    # naming min_p alone (as front-ends do, often as 0) keeps the model's other defaults
+    story = [{"role": "user", "content": "Tell me a story about a cat."}]
+    for seed in (3, 4):
+        plain = await client.chat.completions.create(model="default", messages=story, seed=seed, max_tokens=24)
+        named = await client.chat.completions.create(model="default", messages=story, seed=seed, max_tokens=24,
+                                                     extra_body={"min_p": 0.0})
+        assert named.choices[0].message.content == plain.choices[0].message.content
 
 
 async def test_fields_that_ask_for_nothing_are_accepted(client):

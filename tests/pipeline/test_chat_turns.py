@@ -61,6 +61,10 @@ async def test_the_api_leaves_out_the_oldest_turns_only_when_asked(served):
         short = {**body, "messages": conversation(1), "context_overflow": "drop_oldest"}
         async with s.post(url + "/chat/completions", json=short) as r:
             assert r.status == 200 and "X-Potluck-Dropped-Messages" not in r.headers
+        alone = [*msgs[:-1], {"role": "user", "content": "pears " * 400}]    # the newest turn alone overflows
+        async with s.post(url + "/chat/completions", json={**body, "messages": alone,
+                                                           "context_overflow": "drop_oldest"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
         async with s.post(url + "/chat/completions", json={**body, "context_overflow": "wrap"}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "context_overflow"
 
@@ -105,8 +109,15 @@ async def test_the_terminal_chat_draws_the_last_reply_again(served, capsys):
     from engine.pipeline.terminal import chat_loop
 
     head, _ = served
+    def replies(out: str) -> list[str]:
+        return [line.split("bot> ", 1)[1] for line in out.splitlines() if line.startswith("bot> ")]
+
     await chat_loop(head, ["/retry", "Name three fruits.", "/retry", "/retry"], 12, sampling={"temperature": 0.0})
     out = capsys.readouterr().out
     assert "no reply to draw again yet" in out
-    replies = [line.split("bot> ", 1)[1] for line in out.splitlines() if line.startswith("bot> ")]
-    assert len(replies) == 3 and replies[0] and len(set(replies)) == 1, replies
+    got = replies(out)
+    assert len(got) == 3 and got[0] and len(set(got)) == 1, got
+    # seeded and sampled: a retry draws other numbers (the same seed would give the same reply)
+    await chat_loop(head, ["Name three fruits.", "/retry", "/retry"], 12, sampling={"temperature": 1.5}, seed=7)
+    got = replies(capsys.readouterr().out)
+    assert len(got) == 3 and len(set(got)) == 3, got
