@@ -3,9 +3,11 @@
 A request that names no sampling field gets engine/core/sampling.py's CHAT_DEFAULTS
 (the default model's GGUF carries no generation_config). They were chosen against loops
 (greedy decoding repeats one line of a haiku for all 256 tokens); SmolLM2's authors show
-temperature 0.2, top-p 0.9. This runs the default model behind `potluck serve` over two
-sets of prompts at several settings, each prompt drawn --seeds ways (one request, n
-choices), and prints for each setting:
+temperature 0.2, top-p 0.9; llama.cpp cuts the tail with min-p. This runs the default
+model behind `potluck serve` over two sets of prompts at several settings (today's
+defaults, with min-p 0.05 / 0.1 / 0.2, at temperature 0.2 with and without the
+repetition penalty, greedy), each prompt drawn --seeds ways (one request, n choices),
+and prints for each setting:
 
 - **right**: short questions with one plain answer (a capital, a sum, a symbol), the
   share of replies that give it (a word match in the reply's first 200 characters);
