@@ -347,8 +347,11 @@ class ChatWindow(QMainWindow):
     def on_node_started(self):
         self.banner.hide()
 
-    def show_hint(self, text: str):
-        self.last_error = text
+    def show_hint(self, text: str, error: bool = True):
+        """A line under the transcript: a problem (red), or news about the conversation."""
+        if error:
+            self.last_error = text
+        self.hint.setStyleSheet("color: #b91c1c;" if error else "color: #374151;")
         self.hint.setText(text)
 
     # ---- conversations -----------------------------------------------------------------
@@ -578,7 +581,8 @@ class ChatWindow(QMainWindow):
             if info.get("dropped"):
                 n = info["dropped"]
                 self.show_hint(f"This conversation has grown longer than the model can read at once: it no longer "
-                               f"sees the first {n} message{'s' if n != 1 else ''}. Start a new chat to begin afresh.")
+                               f"sees the first {n} message{'s' if n != 1 else ''}. Start a new chat to begin afresh.",
+                               error=False)
         retried, self.retrying = self.retrying, None
         if retried is not None and not self.reply_text:
             # a new draw stopped or failed before its first word: the old reply stays

@@ -362,6 +362,32 @@ def test_the_chat_window_shows_and_changes_sampling(qtbot, home):
         Settings().save()
 
 
+def test_a_long_conversation_is_news_not_an_error(qtbot, home):
+    """A reply whose conversation no longer fit the window (the API left its oldest turns
+    out): the window says what the model no longer sees, in the news colour, and the
+    reply is kept and can be drawn again."""
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+
+    c = Controller(make_settings(host_on_start=False))
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        w.reply_view = w._add_view("assistant", "…")    # as a reply that streamed in leaves it
+        w.reply_text = "Paris."
+        w._on_finished({"finish_reason": "stop", "ttft": 0.1, "tokens": 2, "tokens_per_s": 10.0, "error": None,
+                        "dropped": 4})
+        assert "no longer sees the first 4 messages" in w.hint.text() and "Start a new chat" in w.hint.text()
+        assert w.last_error is None and "#b91c1c" not in w.hint.styleSheet()
+        assert [m.content for m in w.messages] == ["Paris."] and w.retry_button.isEnabled()
+        w.show_hint("The pipeline is still loading; try again in a moment.")
+        assert w.last_error and "#b91c1c" in w.hint.styleSheet()
+    finally:
+        c.shutdown()
+        Settings().save()
+
+
 def test_a_chat_request_carries_the_penalties_that_are_on(qtbot, home):
     """What the chat window sends: the penalties the user set, none when they are 0."""
     import json
