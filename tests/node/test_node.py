@@ -620,14 +620,17 @@ def test_switching_sharing_off_and_on_leaves_no_threads_behind():
     try:
         call(port, "POST", "/activity", {"idle_seconds": None})
         counts = []
-        for _ in range(7):
+        for _ in range(12):
             call(port, "POST", "/share", {"on": True})
             asyncio.run(take(wait_status(port, lambda s: s["sharing"]["running"])["sharing"]["address"]))
             assert call(port, "POST", "/share", {"on": False})[1]["state"] == "idle"
             counts.append(threads())
-        # the first rounds may start pools that stay (the event loop's default executor)
+        # A thread kept per toggle grows the count by one a round (10 from round 2 on). The
+        # event loop's default executor may add workers now and then and keep them (when
+        # two of the node's calls overlap on a busy machine: seen growing 4 -> 6 over 7
+        # rounds in a CI run), but not one a round: the count may grow by half the rounds.
         print("threads", counts)
-        assert counts[-1] <= counts[1] + 1, counts
+        assert counts[-1] - counts[1] <= (len(counts) - 2) // 2, counts
     finally:
         proc.stdin.close()
         assert proc.wait(30) == 0
