@@ -163,3 +163,17 @@ def test_penalties_set_while_chatting_change_the_next_reply():
     assert "(sampling: greedy, presence penalty 2, frequency penalty 1.5)" in p.stdout, p.stdout
     replies = [part.split("\n     [")[0] for part in p.stdout.split("bot> ")[1:]]   # up to the token count
     assert len(replies) == 2 and all(replies) and replies[0] != replies[1], p.stdout
+
+
+def test_potluck_chat_as_it_starts_takes_min_p_and_retry():
+    """`potluck chat` with nothing pinned (its default stages and threads): min-p is named
+    in the sampling line, and /retry draws the last reply again."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--min-p", "0.1", "--max-tokens", "16",
+                        "--prompt", "What is the capital of France?", "--prompt", "/retry"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "min-p 0.1" in p.stderr
+    assert p.stdout.count("bot> ") == 2 and "no reply to draw again" not in p.stdout, p.stdout
