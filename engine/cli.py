@@ -14,8 +14,9 @@ import time
 from dataclasses import fields
 
 from engine.pipeline.lifeline import Lifeline
-from engine.pipeline.stopping import StopRequests
+from engine.pipeline.stopping import HOST_SHUTTING_DOWN, StopRequests
 from engine.core.errors import ModelError
+from engine.core.local_stages import MOST as MOST_LOCAL_STAGES
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.sampling import PENALTY_RANGE, SamplingParams
 from engine.core.step_gate import COMPUTE_ORDERS
@@ -83,6 +84,7 @@ def ranged_arg(parse, lo, hi, what: str):
 # --presence-penalty / --frequency-penalty: OpenAI's range
 penalty_arg = ranged_arg(float, *PENALTY_RANGE, f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}")
 port_arg = ranged_arg(int, 0, 65535, "a port number (1 to 65535, or 0 for a free one)")
+stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 to {MOST_LOCAL_STAGES}")
 # tokens, friends, uses, threads
 count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
 
@@ -138,9 +140,9 @@ def port_taken(host: str, port: int, flag: str) -> str | None:
 def add_pipeline_args(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face id, a local folder or a .gguf file")
-    p.add_argument("--stages", type=int, default=None,
+    p.add_argument("--stages", type=stages_arg, default=None,
                    help="stage processes on this machine, head included (default: 1 on a GPU, where more "
-                        "would take turns on it, and 2 on a CPU)")
+                        "would take turns on it, and 2 on a CPU; with --layers, one per range)")
     p.add_argument("--stage-addr", action="append", default=[],
                    help="ws://host:port of a remote stage (repeat, in pipeline order); replaces --stages")
     p.add_argument("--layers", default=None, help="override the layer split: '0:10,10:30' or '10,20'")
@@ -203,8 +205,9 @@ def _stage_count(args) -> str:
 
     if args.stage_addr:
         return str(len(args.stage_addr) + 1)
+    split = len([p for p in (args.layers or "").split(",") if p.strip()]) or None
     try:
-        return str(local_stages(args.stages, pick_device(args.device)))
+        return str(local_stages(args.stages or split, pick_device(args.device)))
     except (DeviceError, ValueError):
         return str(args.stages or "the default number of")   # launch says what is wrong
 
@@ -295,12 +298,25 @@ async def _serve(args) -> int:
     runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
     _say(f"Ready: {_describe(pipe.head)}")
     _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1")
+    stopped = asyncio.Event()
+    requests = StopRequests(asyncio.get_running_loop(), stopped.set).install()
     try:
-        await asyncio.Event().wait()
+        await stopped.wait()
     finally:
-        await runner.cleanup()
-        await pipe.close()
+        await _close_serving(pipe, runner)
+        requests.done()
     return 0
+
+
+async def _close_serving(pipe, runner) -> None:
+    """Asked to stop (SIGTERM, Ctrl+C, Windows' console events): the pipeline first, so each
+    reply still streaming ends saying why, and the API has a moment to send it before its
+    connections close (service managers stop with SIGTERM, which used to cut replies off)."""
+    if pipe is not None:
+        await pipe.close(HOST_SHUTTING_DOWN)
+        await asyncio.sleep(0.2)
+    if runner is not None:
+        await runner.cleanup()
 
 
 async def _stage(args) -> int:
@@ -395,7 +411,7 @@ async def _host(args) -> int:
                 _say(f"  short code: {exc}")
 
         short_task = asyncio.ensure_future(offer())
-    runner = pipe = None
+    runner = pipe = requests = None
     try:
         peers = await friends.wait(args.peers)
         for i, p in enumerate(peers):
@@ -404,7 +420,7 @@ async def _host(args) -> int:
         bar = ProgressBar()
         pipe = await launch(cfg, bar, _say)
         bar.finish()
-        friends.follow(pipe.head)  # friends joining later (`potluck invite --new`) take a slice
+        friends.follow(pipe.head)  # friends joining later (`potluck invites --new`) take a slice
         paths = ", ".join(f"stage {i + 1} via {p.path}" for i, p in enumerate(peers))
         _say(f"Ready: {pipe.head.source.name}, {len(peers) + 1} stages ({paths})")
         if args.prompt:
@@ -416,15 +432,16 @@ async def _host(args) -> int:
             return 0
         runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
         print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1", flush=True)
-        await asyncio.Event().wait()
+        stopped = asyncio.Event()
+        requests = StopRequests(asyncio.get_running_loop(), stopped.set).install()
+        await stopped.wait()
     finally:
         if short_task is not None:
             short_task.cancel()
-        if runner is not None:
-            await runner.cleanup()
-        if pipe is not None:
-            await pipe.close()
+        await _close_serving(pipe, runner)
         await friends.close()
+        if requests is not None:
+            requests.done()
     return 0
 
 
@@ -609,7 +626,7 @@ def _add_node_args(p):
     p.add_argument("--limits", default=None, help="JSON with the sharing limits (see engine/node/sharing.py)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
     p.add_argument("--host-model", default=None, help="start hosting this model right away")
-    p.add_argument("--stages", type=int, default=None,
+    p.add_argument("--stages", type=stages_arg, default=None,
                    help="local stages when hosting (head included; default: 1 on a GPU, 2 on a CPU)")
 
 

@@ -58,7 +58,9 @@ def test_a_certificate_that_will_not_load_is_said_before_anything_loads(tmp_path
 
 
 def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(capsys):
-    for argv, said in ((["serve", "--port", "99999"], "not a port number"),
+    for argv, said in ((["chat", "--stages", "0"], "not a number of stages from 1 to 8"),
+                       (["serve", "--stages", "-1"], "not a number of stages from 1 to 8"),
+                       (["serve", "--port", "99999"], "not a port number"),
                        (["serve", "--port", "http"], "not a port number"),
                        (["chat", "--api-port", "-1"], "not a port number"),
                        (["chat", "--max-tokens", "-3"], "max_tokens must be between 1 and"),
@@ -72,6 +74,16 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
         assert e.value.code == 2 and said in capsys.readouterr().err, argv
     args = build_parser().parse_args(["serve", "--port", "0", "--threads", "2"])
     assert (args.port, args.threads) == (0, 2)      # 0: a port the system picks
+
+
+def test_a_layer_split_given_alone_says_how_many_stages():
+    from engine.cli import _stage_count
+
+    for argv, count in ((["chat", "--layers", "0:10,10:20,20:30", "--device", "cpu"], "3"),
+                        (["chat", "--layers", "10,20", "--device", "cpu"], "2"),
+                        (["chat", "--layers", "0:30", "--device", "cpu"], "1"),
+                        (["chat", "--stages", "2", "--layers", "0:10,10:20,20:30", "--device", "cpu"], "2")):
+        assert _stage_count(build_parser().parse_args(argv)) == count, argv
 
 
 def test_a_port_in_use_is_said_before_the_model_loads():
@@ -172,8 +184,69 @@ def test_potluck_chat_as_it_starts_takes_min_p_and_retry():
     import sys
 
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--min-p", "0.1", "--max-tokens", "16",
-                        "--prompt", "What is the capital of France?", "--prompt", "/retry"],
+                        "--prompt", "What is the capital of France?", "--prompt", "/retyr", "--prompt", "/retry"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "min-p 0.1" in p.stderr
     assert p.stdout.count("bot> ") == 2 and "no reply to draw again" not in p.stdout, p.stdout
+    assert "unknown command /retyr" in p.stdout     # a typo is not sent to the model
+
+
+def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():
+    """`potluck serve` as it starts, stopped as a service manager stops it (SIGTERM)
+    while a reply streams: the client reads why in its stream, and the command exits
+    cleanly with its stage processes (it used to die mid-reply, the stream cut)."""
+    import http.client
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import free_port
+
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    p = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", str(port)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        said = []
+        for line in p.stdout:
+            said.append(line)
+            if "OpenAI-compatible API on" in line:
+                break
+        assert p.poll() is None, "".join(said)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+            "max_tokens": 2000, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events, signalled = [], False
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if not signalled and any(c.get("delta", {}).get("content") for c in events[-1].get("choices", [])):
+                os.kill(p.pid, signal.SIGTERM)
+                signalled = True
+        assert signalled
+        errors = [e["error"]["message"] for e in events if "error" in e]
+        assert errors and "shutting down" in errors[0], events[-3:]
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:   # its stage processes (the same session) went with it
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("stage processes outlived `potluck serve`")

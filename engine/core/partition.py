@@ -153,8 +153,8 @@ def check_partition(ranges: list[tuple[int, int]], n_layers: int) -> None:
     for i, (a, b) in enumerate(ranges):
         validate_range(a, b, n_layers)
         if a != expect:
-            kind = "gap" if a > expect else "overlap"
-            raise ModelError(f"layer ranges leave a {kind} before stage {i}: expected start {expect}, got {a}")
+            kind = "a gap" if a > expect else "an overlap"
+            raise ModelError(f"layer ranges leave {kind} before stage {i}: expected start {expect}, got {a}")
         expect = b
     if expect != n_layers:
         raise ModelError(f"layer ranges end at {expect} but the model has {n_layers} layers")

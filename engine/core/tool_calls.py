@@ -75,7 +75,7 @@ def check_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
     elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
           and isinstance(tool_choice.get("function"), dict)):
         choice = tool_choice["function"].get("name")
-        if choice not in {f["name"] for f in fns}:
+        if not isinstance(choice, str) or choice not in {f["name"] for f in fns}:
             raise ToolError(f"tool_choice names {choice!r}, which is not among the tools")
     else:
         raise ToolError("'tool_choice' must be none, auto, required or {\"type\": \"function\", ...}")

@@ -28,7 +28,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.pipeline.lifeline import Lifeline
-from engine.pipeline.stopping import StopRequests
+from engine.pipeline.stopping import HOST_SHUTTING_DOWN, StopRequests
 from engine.model.device import DeviceError, device_name, pick_device
 from engine.node.control_basics import NodeError, default_token_file, lan_address, write_token_file
 from engine.node.hosting import DEFAULT_SHARE_PIPELINE, Hosting
@@ -222,7 +222,7 @@ class Node(NodeRoutes, Hosting, Sharing):
     async def close(self):
         if self._policy_task is not None:
             self._policy_task.cancel()
-        await self._stop_host("Potluck on the host computer is shutting down")
+        await self._stop_host(HOST_SHUTTING_DOWN)
         await self._stop_share("this computer's Potluck is shutting down")
 
 

@@ -26,12 +26,14 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 import ssl
 import time
 import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done, PipelineError
@@ -42,6 +44,8 @@ from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, force
 from engine.core.tool_calls import parse as parse_calls
 from engine.model.detok import TokenPieces
 from engine.model.grammar import compile_schema, schema_of
+
+log = logging.getLogger("potluck.api")
 
 MAX_BODY = 8 << 20
 DEFAULT_MAX_TOKENS = 256
@@ -120,13 +124,20 @@ class Api:
             if exc.status >= 400:
                 return ApiError(exc.reason, code=str(exc.status), status=exc.status).response()
             raise
+        except Exception:
+            # a request no check foresaw: said once in the log, answered in OpenAI's shape
+            # (a client reads its message), and the server carries on
+            log.exception("request %s %s failed", request.method, request.path)
+            return ApiError("the server failed on this request (its log says why)", type_="server_error",
+                            status=500).response()
 
     @web.middleware
     async def _auth(self, request, handler):
         if self.api_key is not None:
-            given = request.headers.get("Authorization", "")
-            token = given[7:] if given.startswith("Bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else ""
+            # a header's bytes that are not UTF-8 arrive as surrogates: compared as the bytes they were
+            if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self.api_key.encode()):
                 raise ApiError("Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key "
                                "this server was started with", code="invalid_api_key", status=401)
         return await handler(request)
@@ -255,16 +266,27 @@ class Api:
     async def _body(self, request) -> dict:
         try:
             body = await request.json()
+        except LookupError:   # Content-Type names a charset Python does not know
+            raise ApiError(f"the request's charset '{request.charset}' is unknown: send UTF-8 JSON",
+                           code="invalid_json") from None
+        except RequestPayloadError as exc:   # a Content-Encoding its body does not decode by
+            raise ApiError(f"the request body could not be read: {exc}", code="invalid_body") from None
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise ApiError("the request body is not valid JSON", code="invalid_json") from None
         except RecursionError:  # valid JSON nested deeper than the parser goes: no request needs it
             raise ApiError("the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object", code="invalid_json")
+        try:
+            # JSON may escape half of a UTF-16 pair ("\\ud800"): text no tokenizer can read
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError("the request holds text that is not valid Unicode (half of a surrogate pair)",
+                           code="invalid_value") from None
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or model not in self.names):
             raise ApiError(f"The model '{model}' does not exist; this server serves '{self.head.source.name}'",
-                           param="model", code="model_not_found")
+                           param="model", code="model_not_found", status=404 if isinstance(model, str) else 400)
         for name, fine in NOT_YET.items():
             if name in body and body[name] not in fine:
                 raise ApiError(f"'{name}' is not supported by this server yet", param=name, code="unsupported")
@@ -339,6 +361,10 @@ class Api:
                            code="invalid_value")
         stream = _field(body, "stream", bool, False)
         opts = _field(body, "stream_options", dict, {}) or {}
+        if body.get("stream_options") is not None and not stream:
+            raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options",
+                           code="invalid_value")
+        include_usage = _field(opts, "include_usage", bool, False)
         for p in prompts:
             if len(p) >= self.head.context_length:
                 raise ApiError(f"the prompt is {len(p)} tokens; the context window is {self.head.context_length}",
@@ -358,8 +384,7 @@ class Api:
         reply = _Reply(self, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, k, tools)
         try:
             if stream:
-                return await self._stream(request, handles, reply, prompt_tokens, bool(opts.get("include_usage")),
-                                          headers)
+                return await self._stream(request, handles, reply, prompt_tokens, include_usage, headers)
             results = await asyncio.gather(*(_collect(h) for h in handles))
         except BaseException:  # the client went away (handler cancellation), or a choice failed
             for h in handles:
@@ -436,6 +461,8 @@ class Api:
         await resp.prepare(request)
 
         async def send(obj_):
+            if include_usage and "choices" in obj_:
+                obj_.setdefault("usage", None)   # as OpenAI's: every chunk but the last has usage null
             await resp.write(b"data: " + json.dumps(obj_).encode() + b"\n\n")
 
         # each choice's events into one queue, tagged with its index: chunks go out in the

@@ -254,7 +254,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             # a typo should cost a message, not a minute of loading.
             check_partition(self.layers_override, n_layers)
             if len(self.layers_override) != self.n_stages:
-                raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages")
+                raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages: give one "
+                                 f"range per stage (or leave --stages out)")
         self.fingerprint = await self._run(self.source.fingerprint)
         for r in self.remotes:
             await self._hello(r)

@@ -98,7 +98,8 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
     addrs = list(cfg.stage_addr)
     threads = cfg.threads
     cores = None
-    n_stages = local_stages(cfg.stages, device)
+    # a split given alone says how many stages it has
+    n_stages = local_stages(cfg.stages or (len(layers) if layers and not addrs else None), device)
     if not addrs and n_stages > 1:
         # Stage processes on one machine split its cores: OpenMP threads that outnumber
         # cores stall each other at every barrier. Unless `threads` fixes it, each

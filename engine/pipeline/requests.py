@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from engine.core.stop_text import StopText
 from engine.model.detok import Detokenizer
 from engine.model.sampler import speculable
 from engine.core.sampling import MAX_CHOICES, SamplingParams, choice_seed
@@ -63,8 +64,8 @@ class Sequence(Seq):
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     needs_free: bool = False     # finished while a step was in flight: free when it returns
-    text: str = ""               # decoded so far (emitted)
     detok: Detokenizer | None = None
+    stop_text: StopText | None = None    # the reply's text, released clear of its stop sequences
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     # after a stage left: prompt + tokens generated so far, prefilled on the new stages

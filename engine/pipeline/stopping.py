@@ -20,6 +20,10 @@ import sys
 import threading
 from typing import Callable
 
+# what a reply still streaming reads when the process serving it is asked to stop (the
+# app's quit, `potluck serve` or `host` told to by a signal): a reason, not a dropped connection
+HOST_SHUTTING_DOWN = "Potluck on the host computer is shutting down"
+
 # console control events (wincon.h)
 CTRL_C_EVENT, CTRL_BREAK_EVENT, CTRL_CLOSE_EVENT = 0, 1, 2
 CTRL_LOGOFF_EVENT, CTRL_SHUTDOWN_EVENT = 5, 6

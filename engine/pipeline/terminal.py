@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 from engine.core.conversation_fit import fitted_prompt
@@ -71,6 +72,9 @@ def set_sampling(sampling: dict, line: str) -> str:
     return f"sampling: {describe(sampling)}"
 
 
+COMMANDS = "/reset clears the conversation, /retry draws the last reply again, /set NAME VALUE changes sampling, /quit leaves"
+
+
 async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, sampling: dict | None = None,
                     seed: int | None = None) -> None:
     """Read messages from stdin (or send `prompts` and stop), print the replies as they
@@ -111,6 +115,13 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
         if line.startswith("/set"):
             print(f"({set_sampling(settings, line)})")
             continue
+        if line in ("/help", "/?") or (re.fullmatch(r"/\w+", line.split()[0]) and line != "/retry"):
+            # a typo of a command would otherwise go to the model as a message
+            said = "" if line in ("/help", "/?") else f"unknown command {line.split()[0]}: "
+            print(f"({said}{COMMANDS}; start a message with // to send one that begins with /)")
+            continue
+        if line.startswith("//"):
+            line = line[1:]
         retried = None
         if line == "/retry":   # the last reply out, the conversation before it sent again
             if not messages or messages[-1]["role"] != "assistant":

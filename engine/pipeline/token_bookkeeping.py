@@ -13,6 +13,7 @@ from websockets.exceptions import ConnectionClosed
 from engine.wire import frames
 from engine.model.detok import Detokenizer
 from engine.core.spec_verify import verify_greedy
+from engine.core.stop_text import StopText
 from engine.pipeline.requests import Delta, Done, Sequence, TokenLogprob
 
 log = logging.getLogger("potluck.head")
@@ -102,28 +103,23 @@ class TokenBookkeeping:
         s.generated.append(tok)
         if s.detok is None:
             s.detok = Detokenizer(self.tokenizer)
-        # "" while the token ends inside a UTF-8 character: it comes with the next one
-        text = s.text + s.detok.add(tok)
-        reason = None
-        for stop in s.params.stop:
-            at = text.find(stop, max(0, len(s.text) - len(stop)))
-            if at != -1:
-                text, reason = text[:at], "stop"
-                break
-        delta = text[len(s.text):]
-        s.text = text
-        if delta or reason is None:
-            s.queue.put_nowait(Delta(delta, [tok], None if lp is None else [lp]))
-        if reason is None and (len(s.generated) >= s.params.max_tokens
-                               or len(s.prompt) + len(s.generated) >= self.context_length):
-            reason = "length"
-        if reason:
-            self._finish(s, reason)
+            s.stop_text = StopText(s.params.stop)
+        # "" while the token ends inside a UTF-8 character: it comes with the next one;
+        # held while the reply could be running into a stop sequence (engine/core/stop_text.py)
+        for text, (toks, lps) in s.stop_text.add(s.detok.add(tok), ([tok], None if lp is None else [lp])):
+            s.queue.put_nowait(Delta(text, toks, lps))
+        if s.stop_text.stopped:
+            self._finish(s, "stop")
+        elif len(s.generated) >= s.params.max_tokens or len(s.prompt) + len(s.generated) >= self.context_length:
+            self._finish(s, "length")
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None, free: bool = True):
         if s.done:
             return
         s.done = True
+        if s.stop_text is not None:
+            for text, (toks, lps) in s.stop_text.flush():   # what was held for a stop that never came
+                s.queue.put_nowait(Delta(text, toks, lps))
         self.seqs.pop(s.id, None)
         self.spec_policy.drop(s.id)
         in_group = self.sched.release(s)

@@ -203,7 +203,20 @@ BAD_REQUESTS = {
                                    "invalid_value"),
     "temperature_out_of_range": (CHAT, {"messages": OK_MSGS, "temperature": 101}, "temperature", "invalid_value"),
     "prompt_list_mixed": (COMPL, {"prompt": ["a", 5]}, "prompt", None),
+    # half a UTF-16 pair is valid JSON but not text a tokenizer reads (was a 500)
+    "lone_surrogate_prompt": (COMPL, b'{"prompt": "\\ud800 hi", "max_tokens": 3}', None, "invalid_value"),
+    "lone_surrogate_message": (CHAT, b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', None,
+                               "invalid_value"),
+    "tool_choice_name_not_text": (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, "tool_choice",
+        "invalid_value"),
+    "stream_options_without_stream": (CHAT, {"messages": OK_MSGS, "stream_options": {"include_usage": True}},
+                                      "stream_options", "invalid_value"),
+    "include_usage_string": (CHAT, {"messages": OK_MSGS, "stream": True, "stream_options": {"include_usage": "no"}},
+                             "include_usage", "invalid_type"),
 }
+# OpenAI's: a model that is not there is a 404
+STATUS = {"unknown_model": 404}
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body) -> tuple[int, dict]:
@@ -230,7 +243,17 @@ async def test_bad_request_shape(api_url, name):
     path, body, param, code = BAD_REQUESTS[name]
     async with aiohttp.ClientSession() as s:
         status, data = await _post(s, api_url + path, body)
-    _check_error(status, data, param, code)
+    _check_error(status, data, param, code, expect_status=STATUS.get(name, 400))
+
+
+async def test_a_body_it_cannot_read_is_a_400(api_url):
+    """An unknown charset or a Content-Encoding the body is not in: the client's mistake,
+    said as one (these were 500s with a traceback in the log)."""
+    async with aiohttp.ClientSession() as s:
+        for headers in ({"Content-Type": "application/json; charset=foo"},
+                        {"Content-Type": "application/json", "Content-Encoding": "gzip"}):
+            async with s.post(api_url + CHAT, data=json.dumps({"messages": OK_MSGS}).encode(), headers=headers) as r:
+                _check_error(r.status, await r.json(content_type=None), None, None)
 
 
 async def test_http_errors_have_the_same_shape(api_url):
@@ -252,8 +275,8 @@ async def test_bad_requests_beside_a_good_one(client, api_url, pipeline):
     async with aiohttp.ClientSession() as s:
         results = await asyncio.gather(*(_post(s, api_url + path, body)
                                          for path, body, _, _ in BAD_REQUESTS.values()))
-    for (status, data), (param, code) in zip(results, [(p, c) for _, _, p, c in BAD_REQUESTS.values()]):
-        _check_error(status, data, param, code)
+    for (status, data), (name, (_, _, param, code)) in zip(results, BAD_REQUESTS.items()):
+        _check_error(status, data, param, code, expect_status=STATUS.get(name, 400))
     resp = await good
     assert "Paris" in resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
@@ -281,6 +304,28 @@ async def test_stop_sequence_and_seeded_sampling(client):
                   temperature=1.2, top_p=0.95, seed=1234, max_tokens=10)
     a, b = await asyncio.gather(client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs))
     assert a.choices[0].message.content == b.choices[0].message.content
+
+
+async def test_a_stop_of_several_tokens_is_never_streamed(client):
+    """A stop sequence that spans tokens ends the reply before it, streamed or not: none of
+    its first tokens' text may have gone out before its last one came."""
+    full = (await client.chat.completions.create(model="default", messages=FRANCE, temperature=0,
+                                                 max_tokens=MAX_TOKENS)).choices[0].message.content
+    words = full.split(" ")
+    assert len(words) >= 6, full
+    stop = " ".join(words[2:5])          # three words: several tokens
+    expected = full[:full.index(stop)]
+    resp = await client.chat.completions.create(model="default", messages=FRANCE, temperature=0,
+                                                max_tokens=MAX_TOKENS, stop=[stop])
+    assert resp.choices[0].message.content == expected and resp.choices[0].finish_reason == "stop"
+    stream = await client.chat.completions.create(model="default", messages=FRANCE, temperature=0,
+                                                  max_tokens=MAX_TOKENS, stop=["nowhere in it", stop], stream=True)
+    parts, finish = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(parts) == expected and finish == "stop"
 
 
 async def test_min_p_reaches_the_draw(client):
@@ -354,6 +399,10 @@ async def test_an_api_key_is_required_when_set_and_beyond_loopback(pipeline):
                 async with s.get(url + path) as r:
                     body = await r.json()
                 _check_error(r.status, body, None, "invalid_api_key", expect_status=401)
+            # a key whose bytes are not UTF-8 is a wrong key, not a 500; the scheme is any case
+            for auth, status in ((b"Bearer \xe9\xff".decode("latin-1"), 401), ("bearer s3cret-key", 200)):
+                async with s.get(url + "/models", headers={"Authorization": auth}) as r:
+                    assert r.status == status, await r.text()
         async with AsyncOpenAI(base_url=url, api_key="s3cret-key", max_retries=0, timeout=120) as c:
             resp = await c.chat.completions.create(model="default", messages=FRANCE, max_tokens=8, temperature=0)
             assert "Paris" in resp.choices[0].message.content
