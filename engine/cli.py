@@ -84,6 +84,8 @@ def ranged_arg(parse, lo, hi, what: str):
 # --presence-penalty / --frequency-penalty: OpenAI's range
 penalty_arg = ranged_arg(float, *PENALTY_RANGE, f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}")
 port_arg = ranged_arg(int, 0, 65535, "a port number (1 to 65535, or 0 for a free one)")
+# an invite's life: a code that has expired as it is printed helps nobody (at most a year)
+hours_arg = ranged_arg(float, 1 / 60, 24 * 366, "a number of hours from 1/60 (a minute) to a year")
 stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 to {MOST_LOCAL_STAGES}")
 # tokens, friends, uses, threads
 count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
@@ -332,6 +334,10 @@ async def _stage(args) -> int:
     from engine.node.control import lan_address
     from engine.wire.stage_auth import is_loopback, new_secret
 
+    taken = port_taken(args.host, args.port, "--port")
+    if taken:
+        _say(f"potluck: {taken}")
+        return 2
     secret = args.secret or os.environ.get("POTLUCK_STAGE_SECRET") or None
     if secret is None and not is_loopback(args.host):
         # never an open port on the LAN: a fresh secret, printed in the address to give the head
@@ -376,6 +382,9 @@ async def _host(args) -> int:
     from engine.pipeline.terminal import ask, reply
     from engine.wire import shortcode
 
+    if args.short and not args.relay:
+        _say("potluck: --short needs --relay: a short code is read out and handed over through a relay")
+        return 2
     ok, tls = _api_security(args) if not args.prompt else (True, None)
     if not ok:
         return 2
@@ -564,7 +573,7 @@ def _add_homes_args(sub):
                    help="address to put in the code for --listen (default: this machine's addresses)")
     p.add_argument("--peers", type=count_arg, default=1, help="friends to wait for, in pipeline order (default 1)")
     p.add_argument("--uses", type=count_arg, default=None, help="how many machines the code admits (default --peers)")
-    p.add_argument("--expires", type=float, default=24.0, help="hours until the code expires (default 24)")
+    p.add_argument("--expires", type=hours_arg, default=24.0, help="hours until the code expires (default 24)")
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default loopback only)")
     _add_api_args(p)
     p.add_argument("--port", type=port_arg, default=8000, help="API port (default 8000)")
@@ -596,7 +605,7 @@ def _add_homes_args(sub):
     p.add_argument("--new", action="store_true", help="make a new code (with the host's last relay/addresses)")
     p.add_argument("--reply", metavar="CODE", help="a friend's reply code: the running host connects to them")
     p.add_argument("--uses", type=count_arg, default=1)
-    p.add_argument("--expires", type=float, default=24.0, help="hours")
+    p.add_argument("--expires", type=hours_arg, default=24.0, help="hours until the code expires (default 24)")
     p.add_argument("--config", default=None)
 
     p = sub.add_parser("relay", help="run a relay that pairs homes by pipeline id and forwards ciphertext")

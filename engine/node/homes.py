@@ -26,6 +26,7 @@ Tunnels, invites and short codes themselves live in engine/wire/.
 from __future__ import annotations
 
 import asyncio
+import errno
 import dataclasses
 from dataclasses import dataclass
 
@@ -73,7 +74,13 @@ class Friends:
                 port_n = int(port or 0)
             except ValueError:
                 raise HomeError(f"cannot read listen address {listen!r}: use HOST:PORT, e.g. 0.0.0.0:7870") from None
-            bound = await self.tunnels.listen(host or "0.0.0.0", port_n, advertise=advertise or None)
+            try:
+                bound = await self.tunnels.listen(host or "0.0.0.0", port_n, advertise=advertise or None)
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                    raise HomeError(f"cannot accept friends on {listen}: {exc.strerror or exc}") from None
+                raise HomeError(f"port {port_n} is already in use on {host or 'every address'} (another Potluck, "
+                                f"or another program): stop it, or accept friends on another port") from None
         if relay:
             await self.tunnels.use_relay(relay)
         self.state.set_routes(self.tunnels.relay_url, self.tunnels.direct_addresses, self.tunnels.direct_kinds)

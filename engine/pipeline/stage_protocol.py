@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from engine.wire import frames
 from engine.wire.keepalive import HeartbeatConnection
@@ -85,6 +86,16 @@ CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEA
                          create_connection=HeartbeatConnection)
 
 
+class NotAuthorized(frames.FrameError):
+    """The stage took our hello and refused it: said in the words a user can act on (the
+    websocket's own "received 1008 (policy violation) not authorized" says nothing)."""
+
+    def __init__(self):
+        super().__init__("the stage refused this head: the secret in its address (the part after #, "
+                         "as the stage printed it) is wrong or missing, or the stage serves another "
+                         "pipeline (--pipeline)")
+
+
 async def connect_stage(address: str, role: str, pipeline: str, key: str = "", timeout: float = 30.0):
     """Open a connection to a stage and say hello, proving `key` against its challenge
     (the share's secret for a control connection, the route token for a data link), and
@@ -100,7 +111,12 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
         opener = HelloOpener(key, role, pipeline, challenge["nonce"])
         await ws.send(frames.control("hello", role=role, version=PROTOCOL_VERSION, pipeline=pipeline,
                                      auth=opener.auth))
-        accept = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+        try:
+            accept = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
+        except ConnectionClosed as exc:
+            if exc.rcvd is not None and exc.rcvd.code == 1008 and exc.rcvd.reason == "not authorized":
+                raise NotAuthorized() from None
+            raise
         if accept["type"] != "accept":
             raise frames.FrameError(f"expected accept, got {accept['type']}")
         sealed = SealedSocket(ws, opener.accept(accept["auth"]))

@@ -289,16 +289,18 @@ class Relay:
         fut = asyncio.get_running_loop().create_future()
         self.mailboxes[ch] = fut
         try:
-            other, done = await asyncio.wait_for(fut, self.limits.pake_timeout)
-        except asyncio.TimeoutError:
-            await ws.close(code=4408, message=b"nobody came")
-            return ws
+            held = await self._wait_in_mailbox(ws, fut)
         finally:
             if self.mailboxes.get(ch) is fut:
                 del self.mailboxes[ch]
+        if held is None:
+            return ws
+        other, done = fut.result()
         self.stats["pake"] += 1
         bucket = _Bucket(64 << 10, 64 << 10)
         try:
+            for data in held:   # what the first side said while it waited (its SPAKE2 message)
+                await other.send_bytes(data)
             a = asyncio.ensure_future(self._forward(ws, other, bucket))
             b = asyncio.ensure_future(self._forward(other, ws, bucket))
             _, pending = await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
@@ -309,6 +311,37 @@ class Relay:
             await other.close()
             done.set()
         return ws
+
+    async def _wait_in_mailbox(self, ws: web.WebSocketResponse, fut: asyncio.Future) -> list[bytes] | None:
+        """The first side of a short code waits for the second: what it sends meanwhile is
+        held for it (a few small frames), and if it leaves, or nobody comes in time, None
+        (the mailbox is let go at once: a joiner who mistyped the code must not hold it,
+        nor the relay's shutdown, for the ten minutes a host's offer lasts)."""
+        held: list[bytes] = []
+        deadline = asyncio.get_running_loop().time() + self.limits.pake_timeout
+        while True:
+            recv = asyncio.ensure_future(ws.receive())
+            left = deadline - asyncio.get_running_loop().time()
+            await asyncio.wait([fut, recv], timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
+            if not recv.done():
+                recv.cancel()
+                await asyncio.gather(recv, return_exceptions=True)
+                if fut.done():
+                    return held
+                await ws.close(code=4408, message=b"nobody came")
+                return None
+            msg = recv.result()
+            if msg.type == WSMsgType.BINARY and len(held) < 4 and len(msg.data) <= 4096:
+                held.append(msg.data)
+                if fut.done():
+                    return held
+                continue
+            await ws.close()
+            if fut.done():   # the second side came just as the first left: let it go too
+                other, done = fut.result()
+                await other.close()
+                done.set()
+            return None
 
     async def _forward(self, src: web.WebSocketResponse, dst: web.WebSocketResponse, bucket: _Bucket):
         lim = self.limits

@@ -31,7 +31,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 SHORT = re.compile(r"^\s*(\d{4})[-\s]?(\d{6})\s*$")
 PAKE_ID = b"potluck short code v1"
 TTL = 600.0
-WS = dict(max_size=4096, compression=None, open_timeout=10)
+# close_timeout: a relay still waiting for a mailbox's other side reads no close frame
+WS = dict(max_size=4096, compression=None, open_timeout=10, close_timeout=2)
 
 
 class ShortCodeError(RuntimeError):
@@ -59,7 +60,13 @@ def _keys(shared: bytes) -> tuple[bytes, bytes]:
     return out[:32], out[32:]
 
 
-async def _exchange(relay: str, channel: str, password: str, timeout: float):
+# how long a joiner waits on the relay for the host's side: a host that printed the code
+# is already waiting, so one not there by then is a mistyped, spent or expired code
+REDEEM_WAIT = 20.0
+ASK_AGAIN = "ask the host for a new one (each works once, for 10 minutes)"
+
+
+async def _exchange(relay: str, channel: str, password: str, timeout: float, host: bool):
     from spake2 import SPAKE2_Symmetric
 
     url = f"{relay.rstrip('/')}/v1/pake/{channel}"
@@ -73,10 +80,17 @@ async def _exchange(relay: str, channel: str, password: str, timeout: float):
         theirs = await asyncio.wait_for(ws.recv(), timeout)
     except asyncio.TimeoutError:
         await ws.close()
-        raise ShortCodeError("nobody used the short code in time") from None
+        if host:
+            raise ShortCodeError("nobody used the short code in time") from None
+        raise ShortCodeError(f"no host is offering short code {channel}-{password} on {relay}: check the digits, "
+                             f"or {ASK_AGAIN}") from None
     except ConnectionClosed as exc:
-        reason = exc.rcvd.reason if exc.rcvd else "closed"
-        raise ShortCodeError(f"the relay closed the exchange: {reason}") from None
+        reason = exc.rcvd.reason if exc.rcvd else ""
+        if reason == "channel busy":
+            raise ShortCodeError(f"someone else is using this short code right now; {ASK_AGAIN}") from None
+        if not host:
+            raise ShortCodeError(f"the host's offer of this short code ended (used, or expired); {ASK_AGAIN}") from None
+        raise ShortCodeError(f"the relay closed the exchange ({reason or 'no reason given'})") from None
     try:
         shared = s.finish(bytes(theirs))
     except Exception:   # noqa: BLE001  spake2 raises its own errors for malformed messages
@@ -88,7 +102,7 @@ async def _exchange(relay: str, channel: str, password: str, timeout: float):
 async def offer(relay: str, channel: str, password: str, invite_code: str, timeout: float = TTL) -> str:
     """Host side: wait for a joiner on the channel, hand over the invite code once.
     Returns "delivered" or raises ShortCodeError (wrong code, timeout...)."""
-    ws, (k_host, k_joiner) = await _exchange(relay, channel, password, timeout)
+    ws, (k_host, k_joiner) = await _exchange(relay, channel, password, timeout, host=True)
     try:
         await ws.send(ChaCha20Poly1305(k_host).encrypt(b"\0" * 12, invite_code.encode(), PAKE_ID))
         ack = await asyncio.wait_for(ws.recv(), 30)
@@ -102,18 +116,18 @@ async def offer(relay: str, channel: str, password: str, invite_code: str, timeo
         await ws.close()
 
 
-async def redeem(relay: str, short: str, timeout: float = 60.0) -> str:
+async def redeem(relay: str, short: str, timeout: float = REDEEM_WAIT) -> str:
     """Joiner side: the invite code behind `short`, or ShortCodeError."""
     channel, password = split(short)
-    ws, (k_host, k_joiner) = await _exchange(relay, channel, password, timeout)
+    ws, (k_host, k_joiner) = await _exchange(relay, channel, password, timeout, host=False)
     try:
         sealed = await asyncio.wait_for(ws.recv(), 30)
         code = ChaCha20Poly1305(k_host).decrypt(b"\0" * 12, bytes(sealed), PAKE_ID).decode()
         await ws.send(ChaCha20Poly1305(k_joiner).encrypt(b"\0" * 12, b"ok", PAKE_ID))
         return code
     except (InvalidTag, TypeError, UnicodeDecodeError):
-        raise ShortCodeError("wrong short code (or it was already used); ask the host for a new one") from None
+        raise ShortCodeError(f"wrong short code (or it was already used); {ASK_AGAIN}") from None
     except (asyncio.TimeoutError, ConnectionClosed):
-        raise ShortCodeError("the host did not answer (the short code expired or was used?)") from None
+        raise ShortCodeError(f"the host did not answer (the short code expired or was used?); {ASK_AGAIN}") from None
     finally:
         await ws.close()

@@ -15,6 +15,7 @@ from conftest import THREADS
 from engine.pipeline.launch import PipelineConfig, launch
 from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer, connect_stage
 from engine.wire import frames
+from engine.pipeline.stage_protocol import NotAuthorized
 from engine.wire.stage_auth import HelloOpener
 
 
@@ -116,10 +117,25 @@ async def test_a_route_token_dies_with_its_head():
         await pipe.close()
         code, reason = await closed_with(link)
         assert code == 1008 and "head" in reason, reason
-        with pytest.raises(ConnectionClosed) as refused:
+        with pytest.raises(NotAuthorized):
             await connect_stage(address, "data", "local", key=route, timeout=30)
-        assert refused.value.rcvd.reason == "not authorized"
         assert not server.closed                          # the stage itself serves on
+    finally:
+        await server.close()
+
+
+async def test_a_head_with_a_wrong_or_missing_stage_secret_is_told_which():
+    """`--stage-addr ws://host:port` without the #secret the stage printed, or with a wrong
+    one: the head says what to fix, not the websocket's "1008 (policy violation)"."""
+    server = await StageServer("127.0.0.1", 0, pipeline="local", threads=THREADS, secret="s3cret").start()
+    address = f"ws://127.0.0.1:{server.port}"
+    try:
+        for given in (address, address + "#wrong"):
+            with pytest.raises(NotAuthorized, match="secret in its address"):
+                await connect_stage(given, "control", "local", timeout=30)
+        proven = await connect_stage(address + "#s3cret", "control", "local", timeout=30)
+        assert frames.parse_control(await proven.recv())["type"] == "welcome"
+        await proven.close()
     finally:
         await server.close()
 

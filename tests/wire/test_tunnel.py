@@ -607,6 +607,16 @@ async def test_short_code_hands_over_the_invite_through_the_relay():
             await shortcode.redeem(url, f"{ch}-{wrong}")
         with pytest.raises(shortcode.ShortCodeError):
             await host
+        # the spent code, and a mistyped mailbox: nobody offers them, and the joiner is told
+        # what to do rather than "the relay closed the exchange: closed"
+        for code in (f"{ch}-{pw}", f"{(int(ch) + 1) % 10000:04d}-{pw}"):
+            with pytest.raises(shortcode.ShortCodeError, match="no host is offering .* ask the host for a new one"):
+                await shortcode.redeem(url, code, timeout=1)
+        for _ in range(50):   # a first side that left holds no mailbox (for the ten minutes an offer lasts)
+            if not relay.mailboxes:
+                break
+            await asyncio.sleep(0.1)
+        assert not relay.mailboxes
         with pytest.raises(shortcode.ShortCodeError, match="4 digits"):
             await shortcode.redeem(url, "12-34")
     finally:
