@@ -28,8 +28,8 @@ def fit(messages: Sequence[dict], count: Callable[[list[dict]], int], budget: in
         whole: int | None = None) -> tuple[list[dict], int]:
     """(the messages kept, how many were left out). Drops as few whole turns as bring
     count(kept) to at most budget; count need not be cheap, it is called O(log turns)
-    times (fewer tokens for every turn left out: the search is a bisection). whole: the
-    whole conversation's count, where the caller has it."""
+    times, on conversations up to about twice what fits. whole: the whole conversation's
+    count, where the caller has it."""
     msgs = list(messages)
     if (count(msgs) if whole is None else whole) <= budget:
         return msgs, 0
@@ -42,14 +42,27 @@ def fit(messages: Sequence[dict], count: Callable[[list[dict]], int], budget: in
     def kept(start: int) -> list[dict]:
         return [m for m in msgs[:start] if m.get("role") == "system"] + msgs[start:]
 
-    lo, hi = 0, len(starts) - 1      # the first start that fits, else the last
-    while lo < hi:
+    # the first start that fits, else the last. Searched from the newest end, 1, 2, 4...
+    # turns back, then bisected: what is counted stays near the window's size, where a
+    # bisection over the whole conversation counts half of it first (a client's thousand
+    # long messages were counted ten times over, a minute of templating)
+    hi = len(starts) - 1             # known to fit (else nothing does)
+    fits = count(kept(starts[hi])) <= budget
+    step, lo = 1, -1                 # lo: known not to fit (-1: nothing known)
+    while fits and hi > 0:
+        probe = max(0, hi - step)
+        if count(kept(starts[probe])) <= budget:
+            hi, step = probe, step * 2
+        else:
+            lo = probe
+            break
+    while lo + 1 < hi:
         mid = (lo + hi) // 2
         if count(kept(starts[mid])) <= budget:
             hi = mid
         else:
-            lo = mid + 1
-    out = kept(starts[lo])
+            lo = mid
+    out = kept(starts[hi])
     return out, len(msgs) - len(out)
 
 

@@ -47,3 +47,27 @@ def prompt_chunk_tokens(prefill: list, bytes_per_token: int, dtype_bytes: int, b
         if compute * HEADROOM <= nbytes / bandwidth:
             return c
     return cap
+
+
+# ---- one stage: a long prompt in pieces between the decode steps --------------------------
+
+# A pipeline of one stage computed a prompt in one step: 4,000 tokens held every other
+# reply for 25 s on a CPU (a 3-token request waited the whole time), and a client that
+# gave up could not stop it. So a long prompt is computed a piece at a time ahead of its
+# micro-batch (the head's prompt lane), and the decode steps go between the pieces.
+LANE_SECONDS = 0.5   # about the longest a decode step waits behind one piece
+LANE_MIN = 256       # tokens: on a CPU 128-token pieces took 10% longer than one step; 256-512 no longer
+LANE_MAX = 8192
+
+
+def lane_chunk_tokens(prefill: list | None) -> int | None:
+    """Tokens per piece of a long prompt on a one-stage pipeline, by the stage's prefill
+    profile ([[tokens, seconds], ...]): the largest power of two from LANE_MIN whose
+    compute takes at most LANE_SECONDS (None: no profile yet). A prompt is cut only
+    when more than two pieces are left of it."""
+    if not prefill:
+        return None
+    c = LANE_MIN
+    while c < LANE_MAX and interp(prefill, 2 * c) <= LANE_SECONDS:
+        c *= 2
+    return c

@@ -112,6 +112,11 @@ class Scheduler:
         self.compress = compress
         self.groups = [Group(i) for i in range(self.micro_batches)]
         self.waiting: list[Seq] = []
+        # one stage: tokens per piece of a long prompt computed in the prompt lane ahead
+        # of its micro-batch (core/prompt_chunk.py lane_chunk_tokens; None: no lane), and
+        # the one sequence in the lane
+        self.lane_chunk: int | None = None
+        self.lane: Seq | None = None
         self.reserved = 0
         self._retuned_at = -math.inf
         self._last_steps: dict[int, int] = {}  # step counters of removed micro-batches (stale frames)
@@ -158,8 +163,9 @@ class Scheduler:
         return heir
 
     def active(self) -> int:
-        """Sequences running or waiting (a waiting request's forks too)."""
-        return self.running() + sum(1 + len(s.forks) for s in self.waiting)
+        """Sequences running or waiting (a waiting request's forks too, and the prompt lane's)."""
+        laned = 0 if self.lane is None else 1 + len(self.lane.forks)
+        return self.running() + sum(1 + len(s.forks) for s in self.waiting) + laned
 
     def running(self) -> int:
         return sum(len(g.seqs) for g in self.groups)
@@ -167,10 +173,14 @@ class Scheduler:
     def release(self, seq: Seq) -> bool:
         """A sequence finished: its KV reservation returns, and a micro-batch that is not
         in flight lets it go now (one in flight drops it when its step is back).
-        Returns whether it had been admitted."""
+        Returns whether it had been admitted (the prompt lane counts: it holds KV)."""
         if seq.parent is not None:
             self._detach(seq)
             return False
+        if seq is self.lane:
+            self.lane = None
+            self.reserved -= seq.need
+            return True
         admitted = any(seq in g.seqs for g in self.groups)
         if admitted:
             self.reserved -= seq.reservation
@@ -239,20 +249,52 @@ class Scheduler:
             self._last_steps[self.groups[-1].id] = self.groups[-1].step
             self.groups.pop()
 
+    def _laned(self, seq: Seq) -> bool:
+        """Whether this waiting prompt goes through the prompt lane first (one stage, more
+        than two pieces of it left; a request of n choices goes whole, its forks with it)."""
+        return self.lane_chunk is not None and not seq.forks and seq.prompt_len - seq.pos > 2 * self.lane_chunk
+
+    def take_for_lane(self) -> Seq | None:
+        """The next waiting prompt long enough for the prompt lane, if the lane is free
+        (its KV reserved): the head computes all but its last piece, then lane_done."""
+        if self.lane is not None:
+            return None
+        for i, seq in enumerate(self.waiting):
+            if self._laned(seq):
+                if self.reserved + seq.need > self.capacity:
+                    return None  # wait for KV memory to come back
+                self.waiting.pop(i)
+                self.reserved += seq.need
+                self.lane = seq
+                return seq
+        return None
+
+    def lane_done(self, seq: Seq) -> None:
+        """Its prompt is down to its last piece: it waits, first in the queue, to join a
+        micro-batch as any newcomer does (its reservation is taken again there)."""
+        if seq is self.lane:
+            self.lane = None
+            self.reserved -= seq.need
+            self.waiting.insert(0, seq)
+
     def _admit(self, g: Group) -> None:
         if g.retiring:
             return
         fair = max(1, math.ceil(self.active() / max(1, self.micro_batches)))
         limit = min(fair, self.max_batch)
         size = sum(1 + len(s.forks) for s in g.seqs)
-        while self.waiting:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting):
+            seq = self.waiting[i]
+            if self._laned(seq):
+                i += 1   # waits for the prompt lane; shorter prompts behind it go on
+                continue
             # a request and its forks join together; alone in a micro-batch, whatever n
             if size and size + 1 + len(seq.forks) > limit:
                 break
             if self.reserved + seq.need > self.capacity:
                 break  # wait for KV memory to come back
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.reserved += seq.need
             size += 1 + len(seq.forks)
             g.seqs.append(seq)

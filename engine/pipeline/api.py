@@ -204,13 +204,16 @@ class Api:
         listed = fns if tool_choice != "none" else None
         dropped = 0
         try:
+            # templating and tokenizing take seconds for a body of megabytes: on a thread,
+            # so the replies streaming meanwhile (and every other request) go on
             if overflow == "drop_oldest":
                 # the oldest turns left out where the window would overflow; the reply's
                 # X-Potluck-Dropped-Messages header says how many
-                prompt, dropped = fitted_prompt(lambda ms: self.head.chat_prompt(ms, tools=listed), clean,
-                                                self.head.context_length, self._max_tokens(body))
+                prompt, dropped = await asyncio.to_thread(
+                    fitted_prompt, lambda ms: self.head.chat_prompt(ms, tools=listed), clean,
+                    self.head.context_length, self._max_tokens(body))
             else:
-                prompt = self.head.chat_prompt(clean, tools=listed)
+                prompt = await asyncio.to_thread(self.head.chat_prompt, clean, tools=listed)
         except Exception as exc:  # a template that refuses this conversation
             raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from None
         tools = None
@@ -252,15 +255,14 @@ class Api:
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
         vocab = self.head.config.vocab_size
-        ids = []
-        for p in prompts:
-            if isinstance(p, str):
-                ids.append(list(self.head.tokenizer(p, add_special_tokens=True)["input_ids"]))
-            elif any(not (0 <= t < vocab) for t in p):
-                raise ApiError("prompt token ids must be within the vocabulary", param="prompt")
-            else:
-                ids.append(list(p))
-        return await self._generate(request, body, ids, chat=False)
+        if any(not isinstance(p, str) and any(not (0 <= t < vocab) for t in p) for p in prompts):
+            raise ApiError("prompt token ids must be within the vocabulary", param="prompt")
+
+        def tokenized() -> list[list[int]]:   # on a thread, as a chat's template is
+            return [list(self.head.tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str)
+                    else list(p) for p in prompts]
+
+        return await self._generate(request, body, await asyncio.to_thread(tokenized), chat=False)
 
     # ---- shared -------------------------------------------------------------
     async def _body(self, request) -> dict:

@@ -50,6 +50,7 @@ from engine.core.sampling import sampling_defaults
 from engine.model.grammar import Grammars
 from engine.model.sampler import Sampler
 from engine.core.partition import check_partition
+from engine.core.prompt_chunk import lane_chunk_tokens
 from engine.model.stage import StageBatch, StageModel
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.core.speculation import SpecPolicy
@@ -194,6 +195,10 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         self.stage0: StageModel | None = None
         # one process: the next decode step queued behind this one's draw (core/ahead.py)
         self._launch_ahead = wanted(self.device)
+        # one stage: long prompts in pieces between the decode steps (_prompt_lane);
+        # POTLUCK_PROMPT_LANE=0 computes each in one step, as before (bench/prompt_lane.py)
+        self.prompt_lane = os.environ.get("POTLUCK_PROMPT_LANE", "1") != "0"
+        self.lane_pieces = 0   # pieces computed in the prompt lane (tests, benchmarks)
         self._ahead: StepsAhead | None = None
         # the old stage 0's layers during a rearrangement, for the new one (model/handover.py)
         self._held = None
@@ -375,8 +380,49 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         if self.sched.retune_due(now):
             self.refresh_own_profile()
             self.sched.retune(now, self.profiles, self.link.sched.link if self.link is not None else None)
+        self.sched.lane_chunk = None
+        if self.n_stages == 1 and self.profiles and self.prompt_lane:
+            self.sched.lane_chunk = lane_chunk_tokens(self.profiles[0]["prefill"])
+            laned = self.sched.take_for_lane()
+            if laned is not None:
+                asyncio.ensure_future(self._prompt_lane(laned, self.recovery.epoch))
         for g in self.sched.schedule():
             asyncio.ensure_future(self._launch(g, self.recovery.epoch))
+
+    async def _prompt_lane(self, s: Sequence, epoch: int):
+        """One stage: a long prompt computed a piece at a time ahead of its micro-batch
+        (core/prompt_chunk.py lane_chunk_tokens). Each piece is a step of its own on the
+        stage's compute thread, so the micro-batches' decode steps go between them, and a
+        request cancelled meanwhile stops at the next piece. Its last piece goes in its
+        micro-batch's step, which draws its first token, as any prompt's does."""
+        c = self.sched.lane_chunk
+        src = s.source_tokens
+        failed = None
+        while s.prompt_len - s.pos > c and not s.done and not s.cancelled:
+            s.in_flight = c
+            try:
+                await self._step0(False, StageBatch([s.id], [s.pos], [c]),
+                                  torch.tensor(src[s.pos:s.pos + c], dtype=torch.long))
+            except (ValueError, RuntimeError) as exc:
+                failed = step_failure(exc, self.device)
+            s.in_flight = 0
+            if epoch != self.recovery.epoch:
+                return   # the stages were rearranged: the sequence is replayed from its history
+            if failed is not None:
+                break
+            s.pos += c
+            self.lane_pieces += 1
+        if s.done:   # ended while a piece computed (the pipeline closing): its KV goes now
+            if s.needs_free:
+                s.needs_free = False
+                asyncio.ensure_future(self._free_everywhere([s.id]))
+        elif failed is not None:
+            self._finish(s, "error", failed)
+        elif s.cancelled:
+            self._finish(s, "cancelled")
+        else:
+            self.sched.lane_done(s)
+        self._kick()
 
     async def _launch(self, g: Group, epoch: int):
         # the step belongs to the arrangement it was scheduled in: a rearrangement that began

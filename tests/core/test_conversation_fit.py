@@ -68,3 +68,19 @@ def test_room_is_left_for_the_reply():
     assert prompt_budget(8192, 256) == 8192 - 256
     assert prompt_budget(8192, 100_000) == 8192 - 2048     # a quarter of the window at most
     assert prompt_budget(100, 0) == 99
+
+
+def test_a_long_conversation_is_counted_near_what_fits_not_whole():
+    """A client's thousand turns with room for a few: each count is of a conversation at
+    most about twice what is kept (counting is templating and tokenizing: a bisection over
+    the whole counted half of it first), and there are few of them."""
+    msgs = [{"role": "system", "content": "be brief"}] + turns(1000)
+    sizes = []
+
+    def counting(ms):
+        sizes.append(len(ms))
+        return words(ms)
+
+    kept, dropped = fit(msgs, counting, 120, whole=words(msgs))   # as fitted_prompt has it
+    assert kept == [msgs[0]] + msgs[1 + dropped:] and words(kept) <= 120 < words([msgs[0]] + msgs[dropped - 1:])
+    assert max(sizes) <= 2 * len(kept) + 2 and len(sizes) <= 8, sizes

@@ -265,3 +265,58 @@ def test_an_admitted_parent_that_leaves_before_its_step_requeues_its_forks():
     assert s.reserved == 0 and s.waiting == [a] and a.forks == [b] and g.seqs == []
     (g,) = s.schedule()
     assert g.seqs == [a] and s.reserved == 2 * a.reservation
+
+
+# ---- one stage: the prompt lane (a long prompt in pieces between the decode steps) ----
+
+def test_a_long_prompt_goes_through_the_lane_and_short_ones_pass_it():
+    from engine.core.prompt_chunk import lane_chunk_tokens
+
+    s = sched(n_stages=1)
+    s.lane_chunk = lane_chunk_tokens(PROFILE["prefill"])   # 1 ms a token: 256 tokens a piece
+    assert s.lane_chunk == 256
+    long1, long2, short, edge = Seq(1, 2000, 10), Seq(2, 1500, 10), Seq(3, 20, 10), Seq(4, 512, 10)
+    for q in (long1, long2, short, edge):
+        s.add(q)
+    assert s.take_for_lane() is long1 and s.lane is long1
+    assert s.take_for_lane() is None                        # one prompt in the lane at a time
+    [g] = s.schedule()
+    assert g.seqs == [short, edge]                          # two pieces or fewer go whole; long2 waits
+    assert s.reserved == long1.need + short.need + edge.need and s.active() == 4
+    long1.pos = 2000 - 200                                  # the head computed all but its last piece
+    s.lane_done(long1)
+    assert s.lane is None and s.waiting[0] is long1 and s.reserved == short.need + edge.need
+    assert s.take_for_lane() is long2
+
+
+def test_a_prompt_in_the_lane_that_ends_returns_its_reservation():
+    s = sched(n_stages=1)
+    s.lane_chunk = 256
+    q = Seq(1, 4000, 10)
+    s.add(q)
+    assert s.take_for_lane() is q and s.reserved == q.need
+    assert s.release(q) is True        # it holds KV: the head frees it everywhere
+    assert s.lane is None and s.reserved == 0 and s.active() == 0
+
+
+def test_the_lane_leaves_requests_of_several_choices_and_many_stages_alone():
+    s = sched(n_stages=1)
+    s.lane_chunk = 256
+    parent, fork = Seq(1, 4000, 10), Seq(2, 4000, 10)
+    parent.forks = [fork]
+    s.add(parent)
+    assert s.take_for_lane() is None
+    [g] = s.schedule()
+    assert g.seqs == [parent]
+    s = sched(n_stages=2)              # no lane set: prompts stream in link-sized chunks instead
+    s.add(Seq(1, 4000, 10))
+    assert s.take_for_lane() is None
+
+
+def test_lane_pieces_follow_the_stages_speed():
+    from engine.core.prompt_chunk import LANE_MAX, LANE_MIN, lane_chunk_tokens
+
+    assert lane_chunk_tokens(None) is None and lane_chunk_tokens([]) is None
+    slow = [[256, 2.0], [1024, 8.0]]                  # a CPU: 128 tokens a second
+    fast = [[256, 0.002], [4096, 0.03]]               # a GPU
+    assert lane_chunk_tokens(slow) == LANE_MIN and lane_chunk_tokens(fast) == LANE_MAX

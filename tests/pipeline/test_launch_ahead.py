@@ -87,6 +87,20 @@ async def test_greedy_replies_of_different_lengths_joining_mid_reply_are_the_sam
     await freed(head)
 
 
+async def test_a_long_prompt_in_pieces_between_launched_steps_changes_no_reply(head):
+    """A long prompt goes through the prompt lane (one stage: pieces of it between the
+    decode steps, Head._prompt_lane) while other replies decode with positions launched
+    ahead: the pieces run between a launched step and the step that takes it."""
+    long = "Tell me about the sea. " * 130 + "Now, in one sentence, what is the sea?"
+    asks = [(QUESTIONS[2], SamplingParams(greedy=True, max_tokens=24), 0.0),
+            (long, SamplingParams(greedy=True, max_tokens=8), 0.2)]
+    pieces = head.lane_pieces
+    plain, launched, steps = await both_ways(head, asks)
+    assert launched == plain
+    assert steps.taken > 5 and head.lane_pieces >= pieces + 2, (steps.taken, head.lane_pieces - pieces)
+    await freed(head)
+
+
 async def test_the_chats_sampled_defaults_with_seeds_are_the_same(head):
     asks = [(q, SamplingParams.from_dict({**CHAT_DEFAULTS, "max_tokens": 20, "seed": 7 + i}), 0.2 * i)
             for i, q in enumerate(QUESTIONS[:3])]
