@@ -39,6 +39,8 @@ class ProgressBar:
             self.open = False
 
     def __call__(self, stage: int, done: int, total: int, what: str):
+        if total <= 0:
+            return   # nothing to load (a rearrangement that kept this stage's layers)
         now = time.monotonic()
         if done < total and now - self.last < 0.1:
             return
@@ -148,7 +150,8 @@ def add_pipeline_args(p):
     p.add_argument("--stage-addr", action="append", default=[],
                    help="ws://host:port of a remote stage (repeat, in pipeline order); replaces --stages")
     p.add_argument("--layers", default=None, help="override the layer split: '0:10,10:30' or '10,20'")
-    p.add_argument("--micro-batches", type=count_arg, default=None, help="micro-batches in flight (default: stages)")
+    p.add_argument("--micro-batches", type=count_arg, default=None, help="micro-batches in flight (default: picked from the measured compute and links; "
+                        "1 for stages sharing this machine's CPU)")
     p.add_argument("--device", default="auto",
                    help="where the head and this machine's stages compute: auto (default: the GPU when torch "
                         "sees one, else the CPU), cpu, cuda or cuda:N")
@@ -481,14 +484,27 @@ async def _join(args) -> int:
           f"{joined.joiner.session.path}; sharing this machine until you stop it (Ctrl+C)", flush=True)
     keep = asyncio.ensure_future(joined.joiner.run())
     closed = asyncio.ensure_future(joined.server.wait_closed())
+    # Ctrl+C or SIGTERM: the host is told first and moves this machine's layers to the
+    # others (the app's "Share this GPU" off does the same), rather than finding it gone
+    stopped = asyncio.Event()
+    requests = StopRequests(asyncio.get_running_loop(), stopped.set).install()
+    stop = asyncio.ensure_future(stopped.wait())
     try:
-        await asyncio.wait([keep, closed], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([keep, closed, stop], return_when=asyncio.FIRST_COMPLETED)
         if keep.done() and keep.exception() is not None:
             _say(f"potluck: {keep.exception()}")
             return 1
+        if stopped.is_set():
+            why = "the friend stopped sharing"
+            if joined.server.stage is not None:
+                _say("Stopping: the host is moving this computer's layers to the others...")
+                await joined.server.leave(why)
+            _say("Stopped sharing this machine.")
     finally:
         keep.cancel()
+        stop.cancel()
         await joined.close("leaving")
+        requests.done()
     return 0
 
 

@@ -57,6 +57,13 @@ def compile_schema(schema: str) -> str:
     error = llg.LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(f"the JSON schema cannot be used: {error}")
+    # a schema no value satisfies ({"$ref": "#"}: itself, with nothing to end it) compiles,
+    # and its reply would end at once, empty, "stop": said now. Its first byte, on a
+    # tokenizer of bytes (no model's needed): nothing may start it
+    start = llg.LLMatcher(llg.LLTokenizer("byte"), grammar, log_level=0)
+    first = start.compute_bitmask()   # (where the matcher finds it has nowhere to go)
+    if start.is_error() or not (start.is_accepting() or any(first)):
+        raise GrammarError("the JSON schema admits no value (a $ref to itself with nothing to end it?)")
     return grammar
 
 

@@ -235,9 +235,12 @@ def _resolve_hub(repo_id: str) -> ModelSource:
             allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"],
         )
     except Exception as exc:  # offline, unknown repo, gated repo...
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
         raise ModelError(
             f"Could not find model '{repo_id}' locally or on the Hugging Face hub "
             f"({type(exc).__name__}). Give a local folder, a .gguf file, or a valid hub id."
+            + (" HF_HUB_OFFLINE is set (as `make` sets it): run with HF_HUB_OFFLINE=0 to download it."
+               if offline else "")
         ) from None
     root = Path(root)
     if not (root / "config.json").exists():

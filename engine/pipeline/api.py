@@ -172,14 +172,18 @@ class Api:
         clean = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
-                raise ApiError(f"messages[{i}] needs a role of system, user or assistant", param="messages")
+                raise ApiError(f"messages[{i}] needs a role of system, developer, user, assistant or tool",
+                               param="messages")
             content = m.get("content", "")
             if isinstance(content, list):  # content parts: text only
                 texts = []
                 for part in content:
-                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    # an assistant's earlier refusal comes back as a part of its own (OpenAI's)
+                    kind = "refusal" if m["role"] == "assistant" and isinstance(part, dict) \
+                        and part.get("type") == "refusal" else "text"
+                    if not (isinstance(part, dict) and part.get("type") == kind and isinstance(part.get(kind), str)):
                         raise ApiError(f"messages[{i}]: only text content is supported", param="messages")
-                    texts.append(part["text"])
+                    texts.append(part[kind])
                 content = "".join(texts)
             if content is None:
                 content = ""
@@ -304,18 +308,20 @@ class Api:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else DEFAULT_MAX_TOKENS
 
     def _params(self, body: dict) -> SamplingParams:
-        max_tokens = body.get("max_completion_tokens")
+        name = "max_completion_tokens"
+        max_tokens = body.get(name)
         if max_tokens is None:  # absent or null: the older name
-            max_tokens = body.get("max_tokens")
+            name = "max_tokens"
+            max_tokens = body.get(name)
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise ApiError("'max_tokens' must be an integer", param="max_tokens", code="invalid_type")
+            raise ApiError(f"'{name}' must be an integer", param=name, code="invalid_type")
         if max_tokens < 1:
-            raise ApiError("'max_tokens' must be at least 1", param="max_tokens", code="invalid_value")
+            raise ApiError(f"'{name}' must be at least 1", param=name, code="invalid_value")
         if max_tokens > self.head.context_length:
-            raise ApiError(f"'max_tokens' is {max_tokens} but the context window is {self.head.context_length}",
-                           param="max_tokens", code="invalid_value")
+            raise ApiError(f"'{name}' is {max_tokens} but the context window is {self.head.context_length}",
+                           param=name, code="invalid_value")
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]

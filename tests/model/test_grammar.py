@@ -79,6 +79,12 @@ def test_compile_schema_refuses_what_it_cannot_hold():
                 {"type": "no-such-type"}):
         with pytest.raises(GrammarError):
             compile_schema(json.dumps(bad))
+    # compiles, but no value satisfies it: its reply was "" with finish_reason "stop"
+    for empty in ({"$ref": "#"}, {"anyOf": [{"$ref": "#"}]}):
+        with pytest.raises(GrammarError, match="admits no value"):
+            compile_schema(json.dumps(empty))
+    # recursion with a way out is a schema like any other
+    assert compile_schema(json.dumps({"type": "object", "properties": {"next": {"$ref": "#"}}}))
 
 
 def test_constrained_rows_are_json_that_matches_whatever_the_logits(grammars, tokenizer):

@@ -530,6 +530,61 @@ def test_join_with_an_invite_code(tmp_path):
         assert proc.wait(30) == 0
 
 
+def test_potluck_join_stopped_by_sigterm_leaves_with_notice_and_the_host_serves_on(tmp_path):
+    """`potluck join` stopped as a service manager or logout stops it (SIGTERM): the host
+    is told first and moves the layers to itself (it used to find the friend gone), and
+    the host's API answers on over one stage; then `potluck host` stopped the same way
+    exits cleanly."""
+    import signal
+
+    api = free_port()
+    host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--listen", "127.0.0.1:0", "--peers", "1",
+                             "--threads", "1", "--port", str(api)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(_env(), POTLUCK_HOME=str(tmp_path / "host"), POTLUCK_KEYSTORE="file"),
+                            cwd=ROOT)
+    joiner = None
+    try:
+        line = ""
+        while not line.startswith("Invite code"):
+            line = host.stdout.readline()
+            assert line, host.stderr.read()
+        code = host.stdout.readline().strip()
+        joiner = subprocess.Popen([sys.executable, "-m", "engine", "join", code, "--threads", "1"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                  env=dict(_env(), POTLUCK_HOME=str(tmp_path / "friend"), POTLUCK_KEYSTORE="file"))
+        while "OpenAI-compatible API on" not in line:
+            line = host.stdout.readline()
+            assert line, host.stderr.read()[-2000:]
+        url = f"http://127.0.0.1:{api}/v1"
+
+        def status():
+            with urllib.request.urlopen(url + "/potluck/status", timeout=30) as r:
+                return json.loads(r.read())
+
+        assert len(status()["stages"]) == 2
+        joiner.send_signal(signal.SIGTERM)
+        out, err = joiner.communicate(timeout=120)
+        assert joiner.returncode == 0 and "Stopped sharing" in err, err[-2000:]
+        deadline = time.monotonic() + 60
+        while len(status()["stages"]) != 1:
+            assert time.monotonic() < deadline, status()
+            time.sleep(0.5)
+        assert any("stopped sharing" in json.dumps(e) for e in status()["events"]), status()["events"]
+        body = json.dumps({"max_tokens": 8, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+        req = urllib.request.Request(url + "/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert "Paris" in json.loads(resp.read())["choices"][0]["message"]["content"]
+        host.send_signal(signal.SIGTERM)
+        assert host.wait(60) == 0, host.stderr.read()[-2000:]
+    finally:
+        for p in (host, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
     """Two nodes, as two homes would run them: one hosts and hands out an invite, the other
     joins with it; the pipeline spans both and answers through the first's API. The

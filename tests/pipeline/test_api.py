@@ -212,6 +212,11 @@ BAD_REQUESTS = {
         "invalid_value"),
     "stream_options_without_stream": (CHAT, {"messages": OK_MSGS, "stream_options": {"include_usage": True}},
                                       "stream_options", "invalid_value"),
+    "max_completion_tokens_zero": (CHAT, {"messages": OK_MSGS, "max_completion_tokens": 0}, "max_completion_tokens",
+                                   "invalid_value"),
+    "schema_that_admits_nothing": (CHAT, {"messages": OK_MSGS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}, "response_format",
+        "invalid_value"),
     "include_usage_string": (CHAT, {"messages": OK_MSGS, "stream": True, "stream_options": {"include_usage": "no"}},
                              "include_usage", "invalid_type"),
 }
@@ -350,6 +355,15 @@ async def test_fields_that_ask_for_nothing_are_accepted(client):
                                                 logprobs=False, response_format={"type": "text"}, tool_choice="none",
                                                 modalities=["text"], audio=None, prediction=None,
                                                 presence_penalty=0, frequency_penalty=0.0)
+    assert resp.choices[0].message.content
+
+
+async def test_an_assistants_refusal_part_is_read_back_as_its_text(client):
+    """OpenAI's clients send an earlier refusal back as a content part of its own."""
+    msgs = [{"role": "user", "content": "Say something rude."},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I would rather not."}]},
+            {"role": "user", "content": "What is the capital of France?"}]
+    resp = await client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=8)
     assert resp.choices[0].message.content
 
 
