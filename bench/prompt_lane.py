@@ -1,19 +1,20 @@
-"""A long prompt beside short requests on one stage: the prompt lane against one step.
+"""A long prompt beside short requests: the prompt lane against the prompt in one go.
 
-`potluck serve --stages 1` (as a GPU host serves, or a CPU host told so) gets a long
-prompt (--long tokens, greedy, 4 tokens out); a moment later a short request (a few
+`potluck serve` as it starts on a CPU (its stages sharing the cores) and `potluck serve
+--stages 1` (as a GPU host serves) each get a long prompt (--long tokens, greedy, 4 tokens out); a moment later a short request (a few
 tokens in and out) is sent beside it, and, in a second round, the long request is given
 up on (the client disconnects) and a short one sent right after. Each round runs with
 the prompt lane (the default: the long prompt computed a piece at a time between the
 decode steps, engine/pipeline/head.py _prompt_lane) and with POTLUCK_PROMPT_LANE=0 (the
-whole prompt in one step, as before), side by side in one run; the table gives each
-cell's median over --repeat rounds and the ratio.
+whole prompt in one step, or in link-sized chunks ahead of its micro-batch's step, as
+before), side by side in one run; the table gives each cell's median over --repeat
+rounds and the ratio.
 
 What should hold: the short request beside a long prompt answered within a piece or two
 of the lane (about a second on a CPU), not after the whole prompt; a prompt given up on
 no longer holds the next request; the long prompt itself no slower than in one step.
 
-    .venv/bin/python bench/prompt_lane.py                 # ~4 minutes on 2 cores
+    .venv/bin/python bench/prompt_lane.py                 # ~8 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ async def one_round(url: str, long_tokens: int) -> dict:
     return out
 
 
-def run(lane: bool, args) -> list[dict]:
+def run(lane: bool, stages: str, args) -> list[dict]:
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", POTLUCK_PROMPT_LANE="1" if lane else "0")
-    cmd = [sys.executable, "-m", "engine", "serve", "--stages", "1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "engine", "serve", "--port", str(port)]
+    cmd += [] if stages == "default" else ["--stages", stages]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, proc)
@@ -75,8 +77,8 @@ def run(lane: bool, args) -> list[dict]:
         rounds = []
         for _ in range(args.repeat):
             rounds.append(asyncio.run(one_round(url, args.long)))
-            print(f"  lane {'on' if lane else 'off'}: " + ", ".join(f"{k} {v:.2f}" for k, v in rounds[-1].items()),
-                  flush=True)
+            print(f"  stages {stages}, lane {'on' if lane else 'off'}: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in rounds[-1].items()), flush=True)
         return rounds
     finally:
         stop(proc)
@@ -86,16 +88,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--long", type=int, default=4000, help="tokens in the long prompt (default 4000)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--stages", default="default,1",
+                   help="comma-separated: 'default' (as `potluck serve` starts) and/or stage counts")
     args = p.parse_args()
-    on, off = run(True, args), run(False, args)
-    keys = [k for k in on[0] if k != "long prompt tokens"]
-    print(f"\n`potluck serve --stages 1`, a {on[0]['long prompt tokens']}-token prompt, median of {args.repeat}:\n")
-    print("| | prompt lane (default) | one step (POTLUCK_PROMPT_LANE=0) | lane / one step |")
-    print("|---|---:|---:|---:|")
-    for k in keys:
-        a = statistics.median(r[k] for r in on)
-        b = statistics.median(r[k] for r in off)
-        print(f"| {k} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
+    results = {st: (run(True, st, args), run(False, st, args)) for st in args.stages.split(",")}
+    print(f"\nMedian of {args.repeat} rounds (seconds):\n")
+    print("| `potluck serve` | | prompt lane (default) | before (POTLUCK_PROMPT_LANE=0) | lane / before |")
+    print("|---|---|---:|---:|---:|")
+    for st, (on, off) in results.items():
+        name = "as it starts" if st == "default" else f"--stages {st}"
+        for k in [k for k in on[0] if k != "long prompt tokens"]:
+            a = statistics.median(r[k] for r in on)
+            b = statistics.median(r[k] for r in off)
+            print(f"| {name} ({on[0]['long prompt tokens']}-token prompt) | {k} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
     return 0
 
 

@@ -117,6 +117,7 @@ class Scheduler:
         # the one sequence in the lane
         self.lane_chunk: int | None = None
         self.lane: Seq | None = None
+        self._lane_need = 0      # what the lane's sequence reserved (its prompt may be cut short)
         self.reserved = 0
         self._retuned_at = -math.inf
         self._last_steps: dict[int, int] = {}  # step counters of removed micro-batches (stale frames)
@@ -179,7 +180,7 @@ class Scheduler:
             return False
         if seq is self.lane:
             self.lane = None
-            self.reserved -= seq.need
+            self.reserved -= self._lane_need
             return True
         admitted = any(seq in g.seqs for g in self.groups)
         if admitted:
@@ -264,6 +265,7 @@ class Scheduler:
                 if self.reserved + seq.need > self.capacity:
                     return None  # wait for KV memory to come back
                 self.waiting.pop(i)
+                self._lane_need = seq.need
                 self.reserved += seq.need
                 self.lane = seq
                 return seq
@@ -274,7 +276,7 @@ class Scheduler:
         micro-batch as any newcomer does (its reservation is taken again there)."""
         if seq is self.lane:
             self.lane = None
-            self.reserved -= seq.need
+            self.reserved -= self._lane_need
             self.waiting.insert(0, seq)
 
     def _admit(self, g: Group) -> None:

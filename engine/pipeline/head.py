@@ -381,7 +381,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             self.refresh_own_profile()
             self.sched.retune(now, self.profiles, self.link.sched.link if self.link is not None else None)
         self.sched.lane_chunk = None
-        if self.n_stages == 1 and self.profiles and self.prompt_lane:
+        # one stage, or stages sharing this machine's CPU (the default on a CPU): over a
+        # link between machines, prompts travel in link-sized chunks instead (_stream_prompt)
+        if (self.n_stages == 1 or self.sched.shared_cpu) and self.profiles and self.prompt_lane:
             self.sched.lane_chunk = lane_chunk_tokens(self.profiles[0]["prefill"])
             laned = self.sched.take_for_lane()
             if laned is not None:
@@ -390,19 +392,21 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             asyncio.ensure_future(self._launch(g, self.recovery.epoch))
 
     async def _prompt_lane(self, s: Sequence, epoch: int):
-        """One stage: a long prompt computed a piece at a time ahead of its micro-batch
-        (core/prompt_chunk.py lane_chunk_tokens). Each piece is a step of its own on the
-        stage's compute thread, so the micro-batches' decode steps go between them, and a
-        request cancelled meanwhile stops at the next piece. Its last piece goes in its
-        micro-batch's step, which draws its first token, as any prompt's does."""
+        """A long prompt computed a piece at a time ahead of its micro-batch (core/
+        prompt_chunk.py lane_chunk_tokens), on one stage or on stages sharing this CPU.
+        Each piece is a step of its own on the head's compute thread (and, sent on as a
+        prompt chunk, on each stage's), so the micro-batches' decode steps go between
+        them, and a request cancelled meanwhile stops at the next piece. Its last piece
+        goes in its micro-batch's step, which draws its first token, as any prompt's does."""
         c = self.sched.lane_chunk
         src = s.source_tokens
         failed = None
         while s.prompt_len - s.pos > c and not s.done and not s.cancelled:
             s.in_flight = c
+            batch = StageBatch([s.id], [s.pos], [c])
             try:
-                await self._step0(False, StageBatch([s.id], [s.pos], [c]),
-                                  torch.tensor(src[s.pos:s.pos + c], dtype=torch.long))
+                t0 = time.monotonic()
+                out = await self._step0(False, batch, torch.tensor(src[s.pos:s.pos + c], dtype=torch.long))
             except (ValueError, RuntimeError) as exc:
                 failed = step_failure(exc, self.device)
             s.in_flight = 0
@@ -410,6 +414,16 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 return   # the stages were rearranged: the sequence is replayed from its history
             if failed is not None:
                 break
+            if self.remotes:
+                # on as a prompt chunk (micro-batch 0, step 0: a chunk's failure comes back
+                # as one, Head._on_tokens); the opening step follows it on every link
+                frame = frames.encode(frames.FrameType.ACTIVATIONS, 0, 0, {"rows": [[s.id, s.pos, c]], "partial": True},
+                                      out, q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
+                try:
+                    self.link.submit(frame, "prefill")
+                except ConnectionClosed:
+                    self._stage_lost(1, "the connection to stage 1 closed", epoch)
+                    return
             s.pos += c
             self.lane_pieces += 1
         if s.done:   # ended while a piece computed (the pipeline closing): its KV goes now
@@ -418,9 +432,15 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 asyncio.ensure_future(self._free_everywhere([s.id]))
         elif failed is not None:
             self._finish(s, "error", failed)
-        elif s.cancelled:
+        elif s.cancelled and not self.remotes:
             self._finish(s, "cancelled")
         else:
+            if s.cancelled:
+                # pieces are on their way to other stages, and a free sent now could overtake
+                # them (a late piece would cache the sequence again): it joins a micro-batch
+                # for one token of its prompt, whose step comes back behind them, and ends
+                # there as cancelled
+                s.prompt_len = s.pos + 1
             self.sched.lane_done(s)
         self._kick()
 
@@ -467,7 +487,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             s = r.seq
             if r.new:
                 src = s.source_tokens
-                inputs.extend(src[s.pos:])
+                inputs.extend(src[s.pos:s.prompt_len])   # (a cancelled lane prompt: cut short)
                 new[str(s.id)] = {"sampling": s.params.to_dict(), "prompt": src}
                 if s.replay is not None and s.generated:
                     new[str(s.id)]["replayed"] = len(s.generated)
