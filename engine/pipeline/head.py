@@ -195,8 +195,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         self.stage0: StageModel | None = None
         # one process: the next decode step queued behind this one's draw (core/ahead.py)
         self._launch_ahead = wanted(self.device)
-        # one stage: long prompts in pieces between the decode steps (_prompt_lane);
-        # POTLUCK_PROMPT_LANE=0 computes each in one step, as before (bench/prompt_lane.py)
+        # on one machine: long prompts in pieces between the decode steps (_prompt_lane);
+        # POTLUCK_PROMPT_LANE=0 turns it off, as before (bench/prompt_lane.py)
         self.prompt_lane = os.environ.get("POTLUCK_PROMPT_LANE", "1") != "0"
         self.lane_pieces = 0   # pieces computed in the prompt lane (tests, benchmarks)
         self._ahead: StepsAhead | None = None
@@ -420,6 +420,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, 0, 0, {"rows": [[s.id, s.pos, c]], "partial": True},
                                       out, q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
                 try:
+                    if self.link is None:
+                        raise ConnectionClosed(None, None)   # let go mid-rearrangement
                     self.link.submit(frame, "prefill")
                 except ConnectionClosed:
                     self._stage_lost(1, "the connection to stage 1 closed", epoch)
