@@ -499,20 +499,26 @@ def test_hosting_with_a_relay_offers_a_short_code_a_friend_joins_with(tmp_path):
         relay.wait(30)
 
 
+def _host_with_invite(tmp_path, *extra) -> tuple[subprocess.Popen, str]:
+    """`potluck host` waiting for one friend on loopback, and the invite code it printed."""
+    host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--listen", "127.0.0.1:0", "--peers", "1",
+                             "--threads", "1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(_env(), POTLUCK_HOME=str(tmp_path / "host"), POTLUCK_KEYSTORE="file"), cwd=ROOT)
+    line = ""
+    while not line.startswith("Invite code"):
+        line = host.stdout.readline()
+        if not line:
+            host.kill()
+            raise AssertionError(host.stderr.read())
+    return host, host.stdout.readline().strip()
+
+
 def test_join_with_an_invite_code(tmp_path):
     """`potluck host` prints an invite; the node joins with it through the tunnel, and the
     host's pipeline answers with this node holding its second stage."""
-    host_env = dict(_env(), POTLUCK_HOME=str(tmp_path / "host"), POTLUCK_KEYSTORE="file")
-    host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--listen", "127.0.0.1:0", "--peers", "1",
-                             "--threads", "1", "--max-tokens", "8", "--prompt", "What is the capital of France?"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=host_env, cwd=ROOT)
+    host, code = _host_with_invite(tmp_path, "--max-tokens", "8", "--prompt", "What is the capital of France?")
     proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file"})
     try:
-        line = ""
-        while not line.startswith("Invite code"):
-            line = host.stdout.readline()
-            assert line, host.stderr.read()
-        code = host.stdout.readline().strip()
         assert call(port, "POST", "/join", {"code": code[:-3] + "AAA"})[0] == 400  # a typo is reported
         status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
         assert status == 200, st
@@ -538,17 +544,10 @@ def test_potluck_join_stopped_by_sigterm_leaves_with_notice_and_the_host_serves_
     import signal
 
     api = free_port()
-    host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--listen", "127.0.0.1:0", "--peers", "1",
-                             "--threads", "1", "--port", str(api)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(_env(), POTLUCK_HOME=str(tmp_path / "host"), POTLUCK_KEYSTORE="file"),
-                            cwd=ROOT)
+    host, code = _host_with_invite(tmp_path, "--port", str(api))
     joiner = None
     try:
         line = ""
-        while not line.startswith("Invite code"):
-            line = host.stdout.readline()
-            assert line, host.stderr.read()
-        code = host.stdout.readline().strip()
         joiner = subprocess.Popen([sys.executable, "-m", "engine", "join", code, "--threads", "1"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                   env=dict(_env(), POTLUCK_HOME=str(tmp_path / "friend"), POTLUCK_KEYSTORE="file"))

@@ -14,8 +14,8 @@ import asyncio
 import pytest
 
 from engine.core.sampling import SamplingParams
-from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import PipelineConfig, launch
+from testkit.streams import tokens as collect
 
 LONG = "The history of the world is long, and nobody has read all of it. " * 140   # ~2,100 tokens
 
@@ -29,16 +29,6 @@ async def head(request):
         yield p.head
     finally:
         await p.close()
-
-
-async def collect(handle) -> tuple[list[int], Done]:
-    toks = []
-    async for ev in handle:
-        if isinstance(ev, Delta):
-            toks.extend(ev.token_ids)
-        else:
-            return toks, ev
-    raise AssertionError("no Done")
 
 
 async def in_lane(head, handle):
