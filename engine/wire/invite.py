@@ -418,6 +418,9 @@ class HostState:
                 known["name"] = name[:64] or known["name"]
                 return
             if rec is None or rec["revoked"] or rec["uses"] >= rec["max_uses"] or time.time() > rec["expires"]:
+                if known is not None and known["revoked"]:
+                    # a revoked member with its old code: told so, not that the code is used up
+                    raise InviteError("this node's key was revoked by the host")
                 if rec is not None and rec["uses"] >= rec["max_uses"]:
                     raise InviteError(f"this invite is used up ({rec['max_uses']} use(s))")
                 raise InviteError("this invite is no longer valid")

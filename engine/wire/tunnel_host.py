@@ -427,7 +427,8 @@ class TunnelHost:
             try:
                 rec = self.state.check_member(key)
             except InviteError as exc:
-                raise _Refused(used_up or str(exc)) from None
+                # a stranger with a used-up code hears that; a revoked member, why it is refused
+                raise _Refused(str(exc) if "revoked" in str(exc) else (used_up or str(exc))) from None
             if used_up and rec.get("invite") != invite_id.hex():
                 raise _Refused(used_up)
         try:

@@ -90,6 +90,8 @@ def test_host_state_expiry_uses_and_revocation(tmp_path):
     st.revoke(st.check_member(b"a" * 32)["node_id"])
     with pytest.raises(inv.InviteError, match="revoked"):
         st.check_member(b"a" * 32)
+    with pytest.raises(inv.InviteError, match="key was revoked"):   # its old code says why, not "used up"
+        st.record_join(i.invite_id, b"a" * 32, "alice")
     old, _ = st.create_invite(host_key, relay="ws://r:1", ttl_s=-1)
     with pytest.raises(inv.InviteError, match="expired"):
         st.invite_psk(old.invite_id)
@@ -365,6 +367,9 @@ async def test_refusals_have_clear_reasons(tmp_path):
         assert "revoked" in s.close_reason
         with pytest.raises(TunnelError, match="revoked"):
             await open_session(good, me, target, member=True)
+        # and with its used-up code, as `potluck join CODE` again: told it was revoked
+        with pytest.raises(TunnelError, match="revoked"):
+            await open_session(good, me, target)
         assert home.host.rejected
     finally:
         await home.host.close()
