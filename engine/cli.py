@@ -16,11 +16,12 @@ from dataclasses import fields
 from engine.pipeline.lifeline import Lifeline
 from engine.pipeline.stopping import HOST_SHUTTING_DOWN, StopRequests
 from engine.core.errors import ModelError
-from engine.core.local_stages import MOST as MOST_LOCAL_STAGES
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
-from engine.core.sampling import PENALTY_RANGE, SamplingParams
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
+from engine.core.cli_args import (count_arg, hours_arg, penalty_arg, port_arg,  # noqa: F401
+                                  prompt_chunk_arg, ranged_arg, sampling_arg, stages_arg)
+from engine.node.control_basics import port_taken
 
 
 class ProgressBar:
@@ -55,90 +56,6 @@ class ProgressBar:
         if done >= total:
             self.stream.write("\n")
         self.stream.flush()
-
-
-def prompt_chunk_arg(text: str):
-    """--prompt-chunk: 'auto' or a positive number of tokens."""
-    if text == "auto":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a positive number of tokens")
-    return n
-
-
-def ranged_arg(parse, lo, hi, what: str):
-    """An argparse type: `parse(text)` from lo to hi, else argparse's error saying `what`."""
-    def arg(text: str):
-        try:
-            v = parse(text)
-        except ValueError:
-            v = None
-        if v is None or not lo <= v <= hi:   # NaN is out of every range
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return v
-    return arg
-
-
-# --presence-penalty / --frequency-penalty: OpenAI's range
-penalty_arg = ranged_arg(float, *PENALTY_RANGE, f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}")
-port_arg = ranged_arg(int, 0, 65535, "a port number (1 to 65535, or 0 for a free one)")
-# an invite's life: a code that has expired as it is printed helps nobody (at most a year)
-hours_arg = ranged_arg(float, 1 / 60, 24 * 366, "a number of hours from 1/60 (a minute) to a year")
-stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 to {MOST_LOCAL_STAGES}")
-# tokens, friends, uses, threads
-count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
-
-
-def sampling_arg(name: str, parse):
-    """An argparse type for one sampling setting, held to what a request may ask
-    (SamplingParams.validate), so a bad one is said now, not at every message."""
-    def arg(text: str):
-        try:
-            v = parse(text)
-            SamplingParams(**{name: v}).validate()
-        except ValueError as exc:   # SamplingError is one
-            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
-        return v
-    return arg
-
-
-def port_taken(host: str, port: int, flag: str) -> str | None:
-    """Why `host:port` cannot be listened on, said before the model loads (a bind that
-    fails after a load of minutes loses them), or None. Every address the host names is
-    tried as asyncio's create_server binds them (SO_REUSEADDR off Windows, so a port in
-    TIME_WAIT is free; IPv6 sockets IPv6-only); someone may still take the port before we
-    bind, and then the bind's own error is said."""
-    import errno
-    import socket
-
-    if not port:
-        return None
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
-        return f"cannot listen on {host!r}: {exc}"
-    for family, kind, proto, _, addr in dict.fromkeys(infos):
-        try:
-            s = socket.socket(family, kind, proto)
-        except OSError:
-            continue    # an address family this machine has off (IPv6): the server skips it too
-        with s:
-            if os.name != "nt":
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(addr)
-            except OSError as exc:
-                if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
-                    return (f"port {port} is already in use on {host or 'every address'} (another potluck, or "
-                            f"another program): stop it, or give {flag} with another number")
-                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return None
 
 
 def add_pipeline_args(p):

@@ -22,6 +22,8 @@ from engine.model.families import SUPPORTED_MODEL_TYPES, check_supported  # noqa
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# the default model's hub id: clients set up for the hub's name find it by that too
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

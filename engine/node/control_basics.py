@@ -1,5 +1,6 @@
 """Small pieces the node's modules share: NodeError (a control API answer with its HTTP
-status), this computer's LAN address, and the file that holds the control API's token.
+status), this computer's LAN address, the file that holds the control API's token, and
+whether a port can be listened on (the command line asks before anything loads).
 """
 
 from __future__ import annotations
@@ -55,3 +56,38 @@ def write_token_file(path: Path, token: str):
         os.write(fd, token.encode())
     finally:
         os.close(fd)
+
+
+def port_taken(host: str, port: int, flag: str) -> str | None:
+    """Why `host:port` cannot be listened on, said before the model loads (a bind that
+    fails after a load of minutes loses them), or None. Every address the host names is
+    tried as asyncio's create_server binds them (SO_REUSEADDR off Windows, so a port in
+    TIME_WAIT is free; IPv6 sockets IPv6-only); someone may still take the port before we
+    bind, and then the bind's own error is said."""
+    import errno
+    import socket
+
+    if not port:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"cannot listen on {host!r}: {exc}"
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
+        try:
+            s = socket.socket(family, kind, proto)
+        except OSError:
+            continue    # an address family this machine has off (IPv6): the server skips it too
+        with s:
+            if os.name != "nt":
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                    return (f"port {port} is already in use on {host or 'every address'} (another potluck, or "
+                            f"another program): stop it, or give {flag} with another number")
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None

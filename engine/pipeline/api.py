@@ -44,6 +44,7 @@ from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, force
 from engine.core.tool_calls import parse as parse_calls
 from engine.model.detok import TokenPieces
 from engine.model.grammar import compile_schema, schema_of
+from engine.model.sources import DEFAULT_HUB_ID, DEFAULT_MODEL
 
 log = logging.getLogger("potluck.api")
 
@@ -102,6 +103,8 @@ class Api:
     def __init__(self, head: Head, api_key: str | None = None):
         self.head = head
         self.names = {head.source.name, head.source.spec, "default", "potluck"}
+        if head.source.spec == DEFAULT_MODEL:
+            self.names.add(DEFAULT_HUB_ID)
         self.api_key = api_key
         self.pieces = TokenPieces(head.tokenizer)   # token ids -> the text and bytes logprobs report
 

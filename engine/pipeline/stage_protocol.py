@@ -114,7 +114,11 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
         try:
             accept = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
         except ConnectionClosed as exc:
-            if exc.rcvd is not None and exc.rcvd.code == 1008 and exc.rcvd.reason == "not authorized":
+            # a control connection is a person's address and secret: said in their words. A
+            # data link refused (a route that changed under a rearrangement) stays a closed
+            # connection, which the rearrangement takes as a machine to try again
+            if role == "control" and exc.rcvd is not None and exc.rcvd.code == 1008 \
+                    and exc.rcvd.reason == "not authorized":
                 raise NotAuthorized() from None
             raise
         if accept["type"] != "accept":

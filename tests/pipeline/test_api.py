@@ -372,6 +372,11 @@ async def test_one_model_by_id(client, pipeline):
 
     model = await client.models.retrieve(pipeline.source.name)
     assert model.id == pipeline.source.name and model.owned_by == "potluck"
+    # the default model answers to its hub id too (clients set up for the hub's name)
+    assert (await client.models.retrieve("HuggingFaceTB/SmolLM2-135M-Instruct")).id == pipeline.source.name
+    resp = await client.chat.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=FRANCE,
+                                                max_tokens=4, temperature=0)
+    assert resp.choices[0].message.content
     with pytest.raises(NotFoundError) as info:
         await client.models.retrieve("gpt-9")
     assert info.value.body["code"] == "model_not_found"

@@ -117,8 +117,9 @@ async def test_a_route_token_dies_with_its_head():
         await pipe.close()
         code, reason = await closed_with(link)
         assert code == 1008 and "head" in reason, reason
-        with pytest.raises(NotAuthorized):
+        with pytest.raises(ConnectionClosed) as refused:   # (a data link: a machine to try again)
             await connect_stage(address, "data", "local", key=route, timeout=30)
+        assert refused.value.rcvd.reason == "not authorized"
         assert not server.closed                          # the stage itself serves on
     finally:
         await server.close()

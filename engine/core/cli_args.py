@@ -1,0 +1,59 @@
+"""The command line's argument types (engine/cli.py): each holds a value to its range as
+the command line is read. A mistake said there costs a line; found after the model loaded,
+it cost minutes."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.core.local_stages import MOST as MOST_LOCAL_STAGES
+from engine.core.sampling import PENALTY_RANGE, SamplingParams
+
+
+def prompt_chunk_arg(text: str):
+    """--prompt-chunk: 'auto' or a positive number of tokens."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a positive number of tokens")
+    return n
+
+
+def ranged_arg(parse, lo, hi, what: str):
+    """An argparse type: `parse(text)` from lo to hi, else argparse's error saying `what`."""
+    def arg(text: str):
+        try:
+            v = parse(text)
+        except ValueError:
+            v = None
+        if v is None or not lo <= v <= hi:   # NaN is out of every range
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    return arg
+
+
+# --presence-penalty / --frequency-penalty: OpenAI's range
+penalty_arg = ranged_arg(float, *PENALTY_RANGE, f"a number from {PENALTY_RANGE[0]:g} to {PENALTY_RANGE[1]:g}")
+port_arg = ranged_arg(int, 0, 65535, "a port number (1 to 65535, or 0 for a free one)")
+# an invite's life: a code that has expired as it is printed helps nobody (at most a year)
+hours_arg = ranged_arg(float, 1 / 60, 24 * 366, "a number of hours from 1/60 (a minute) to a year")
+stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 to {MOST_LOCAL_STAGES}")
+# tokens, friends, uses, threads
+count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
+
+
+def sampling_arg(name: str, parse):
+    """An argparse type for one sampling setting, held to what a request may ask
+    (SamplingParams.validate), so a bad one is said now, not at every message."""
+    def arg(text: str):
+        try:
+            v = parse(text)
+            SamplingParams(**{name: v}).validate()
+        except ValueError as exc:   # SamplingError is one
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        return v
+    return arg
