@@ -67,7 +67,8 @@ def add_pipeline_args(p):
     p.add_argument("--stage-addr", action="append", default=[],
                    help="ws://host:port of a remote stage (repeat, in pipeline order); replaces --stages")
     p.add_argument("--layers", default=None, help="override the layer split: '0:10,10:30' or '10,20'")
-    p.add_argument("--micro-batches", type=count_arg, default=None, help="micro-batches in flight (default: picked from the measured compute and links; "
+    p.add_argument("--micro-batches", type=count_arg, default=None,
+                   help="micro-batches in flight (default: picked from the measured compute and links; "
                         "1 for stages sharing this machine's CPU)")
     p.add_argument("--device", default="auto",
                    help="where the head and this machine's stages compute: auto (default: the GPU when torch "
@@ -220,14 +221,20 @@ async def _serve(args) -> int:
     runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
     _say(f"Ready: {_describe(pipe.head)}")
     _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1")
-    stopped = asyncio.Event()
-    requests = StopRequests(asyncio.get_running_loop(), stopped.set).install()
+    stopped, requests = _stop_requests()
     try:
         await stopped.wait()
     finally:
         await _close_serving(pipe, runner)
         requests.done()
     return 0
+
+
+def _stop_requests() -> tuple[asyncio.Event, StopRequests]:
+    """An event that SIGTERM and Ctrl+C (Windows: its console's events) set, and what
+    listens for them: its done() once the process has left as it should."""
+    stopped = asyncio.Event()
+    return stopped, StopRequests(asyncio.get_running_loop(), stopped.set).install()
 
 
 async def _close_serving(pipe, runner) -> None:
@@ -361,8 +368,7 @@ async def _host(args) -> int:
             return 0
         runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
         print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1", flush=True)
-        stopped = asyncio.Event()
-        requests = StopRequests(asyncio.get_running_loop(), stopped.set).install()
+        stopped, requests = _stop_requests()
         await stopped.wait()
     finally:
         if short_task is not None:
@@ -403,8 +409,7 @@ async def _join(args) -> int:
     closed = asyncio.ensure_future(joined.server.wait_closed())
     # Ctrl+C or SIGTERM: the host is told first and moves this machine's layers to the
     # others (the app's "Share this GPU" off does the same), rather than finding it gone
-    stopped = asyncio.Event()
-    requests = StopRequests(asyncio.get_running_loop(), stopped.set).install()
+    stopped, requests = _stop_requests()
     stop = asyncio.ensure_future(stopped.wait())
     try:
         await asyncio.wait([keep, closed, stop], return_when=asyncio.FIRST_COMPLETED)

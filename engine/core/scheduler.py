@@ -112,8 +112,8 @@ class Scheduler:
         self.compress = compress
         self.groups = [Group(i) for i in range(self.micro_batches)]
         self.waiting: list[Seq] = []
-        # one stage: tokens per piece of a long prompt computed in the prompt lane ahead
-        # of its micro-batch (core/prompt_chunk.py lane_chunk_tokens; None: no lane), and
+        # on one machine: tokens per piece of a long prompt computed in the prompt lane
+        # ahead of its micro-batch (core/prompt_chunk.py lane_chunk_tokens; None: no lane), and
         # the one sequence in the lane
         self.lane_chunk: int | None = None
         self.lane: Seq | None = None
@@ -251,8 +251,9 @@ class Scheduler:
             self.groups.pop()
 
     def _laned(self, seq: Seq) -> bool:
-        """Whether this waiting prompt goes through the prompt lane first (one stage, more
-        than two pieces of it left; a request of n choices goes whole, its forks with it)."""
+        """Whether this waiting prompt goes through the prompt lane first (the head set a
+        piece size; more than two pieces of it left; a request of n choices goes whole,
+        its forks with it)."""
         return self.lane_chunk is not None and not seq.forks and seq.prompt_len - seq.pos > 2 * self.lane_chunk
 
     def take_for_lane(self) -> Seq | None:

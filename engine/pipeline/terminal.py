@@ -72,6 +72,7 @@ def set_sampling(sampling: dict, line: str) -> str:
     return f"sampling: {describe(sampling)}"
 
 
+KNOWN = ("/quit", "/exit", "/reset", "/retry", "/set")
 COMMANDS = "/reset clears the conversation, /retry draws the last reply again, /set NAME VALUE changes sampling, /quit leaves"
 
 
@@ -115,9 +116,10 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
         if line.startswith("/set"):
             print(f"({set_sampling(settings, line)})")
             continue
-        if line in ("/help", "/?") or (re.fullmatch(r"/\w+", line.split()[0]) and line != "/retry"):
+        word = line.split()[0]
+        if line in ("/help", "/?") or (re.fullmatch(r"/\w+", word) and word not in KNOWN):
             # a typo of a command would otherwise go to the model as a message
-            said = "" if line in ("/help", "/?") else f"unknown command {line.split()[0]}: "
+            said = "" if line in ("/help", "/?") else f"unknown command {word}: "
             print(f"({said}{COMMANDS}; start a message with // to send one that begins with /)")
             continue
         if line.startswith("//"):

@@ -300,7 +300,7 @@ class Relay:
         bucket = _Bucket(64 << 10, 64 << 10)
         try:
             for data in held:   # what the first side said while it waited (its SPAKE2 message)
-                await other.send_bytes(data)
+                await self._pass_on(data, other, bucket)
             a = asyncio.ensure_future(self._forward(ws, other, bucket))
             b = asyncio.ensure_future(self._forward(other, ws, bucket))
             _, pending = await asyncio.wait([a, b], return_when=asyncio.FIRST_COMPLETED)
@@ -343,6 +343,20 @@ class Relay:
                 done.set()
             return None
 
+    async def _pass_on(self, data: bytes, dst: web.WebSocketResponse, bucket: _Bucket) -> bool:
+        """One frame to the other side, within the rate, counted (and dumped, in tests);
+        False once the other side is gone."""
+        await bucket.take(len(data))
+        if self.dump is not None:
+            self.dump(data)
+        try:
+            await dst.send_bytes(data)
+        except (ConnectionError, RuntimeError):
+            return False
+        self.stats["frames"] += 1
+        self.stats["bytes"] += len(data)
+        return True
+
     async def _forward(self, src: web.WebSocketResponse, dst: web.WebSocketResponse, bucket: _Bucket):
         lim = self.limits
         while True:
@@ -353,15 +367,8 @@ class Relay:
                 await src.close(code=4408, message=b"idle for too long")
                 return
             if msg.type == WSMsgType.BINARY:
-                await bucket.take(len(msg.data))
-                if self.dump is not None:
-                    self.dump(msg.data)
-                try:
-                    await dst.send_bytes(msg.data)
-                except (ConnectionError, RuntimeError):
+                if not await self._pass_on(msg.data, dst, bucket):
                     return
-                self.stats["frames"] += 1
-                self.stats["bytes"] += len(msg.data)
             elif msg.type == WSMsgType.TEXT:
                 self.refused["text frame"] += 1
                 await src.close(code=4000, message=b"binary frames only")

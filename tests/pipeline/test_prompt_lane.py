@@ -4,7 +4,8 @@ process, as a GPU host (or `--stages 1`) serves, and as `potluck serve` starts o
 (its stages sharing the machine's cores, the pieces sent on as prompt chunks).
 
 Before, a 4,000-token prompt on a CPU held every other reply for its whole step (a
-3-token request sent beside it waited 13 s) and could not be given up on.
+3-token request sent beside it waited 15 s: bench/prompt_lane.py) and could not be given
+up on.
 """
 
 from __future__ import annotations
