@@ -49,6 +49,11 @@ from engine.model.sources import DEFAULT_HUB_ID, DEFAULT_MODEL
 log = logging.getLogger("potluck.api")
 
 MAX_BODY = 8 << 20
+# A client that opens connections and never finishes a request would otherwise hold
+# each for aiohttp's hour: headers must be in within IDLE_SECONDS of the connection
+# (or of its last reply), a body within BODY_SECONDS of its headers.
+IDLE_SECONDS = 75.0
+BODY_SECONDS = 60.0
 DEFAULT_MAX_TOKENS = 256
 MAX_PROMPTS = 64   # per /v1/completions request
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
@@ -100,8 +105,9 @@ NOT_YET = {"functions": ([], None), "function_call": ("none", None), "logit_bias
 
 
 class Api:
-    def __init__(self, head: Head, api_key: str | None = None):
+    def __init__(self, head: Head, api_key: str | None = None, body_seconds: float = BODY_SECONDS):
         self.head = head
+        self.body_seconds = body_seconds
         self.names = {head.source.name, head.source.spec, "default", "potluck"}
         if head.source.spec == DEFAULT_MODEL:
             self.names.add(DEFAULT_HUB_ID)
@@ -274,14 +280,21 @@ class Api:
     # ---- shared -------------------------------------------------------------
     async def _body(self, request) -> dict:
         try:
-            body = await request.json()
+            async with asyncio.timeout(self.body_seconds):
+                body = await request.json()
+        except TimeoutError:
+            raise ApiError(f"the request body did not arrive within {self.body_seconds:g} s",
+                           code="request_timeout", status=408) from None
         except LookupError:   # Content-Type names a charset Python does not know
             raise ApiError(f"the request's charset '{request.charset}' is unknown: send UTF-8 JSON",
                            code="invalid_json") from None
         except RequestPayloadError as exc:   # a Content-Encoding its body does not decode by
             raise ApiError(f"the request body could not be read: {exc}", code="invalid_body") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError("the request body is not valid JSON", code="invalid_json") from None
+        except ValueError:   # Python reads no integer of more than 4300 digits; no field takes one
+            raise ApiError("the request body is not valid JSON, or holds a number too long to read",
+                           code="invalid_json") from None
         except RecursionError:  # valid JSON nested deeper than the parser goes: no request needs it
             raise ApiError("the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
@@ -694,7 +707,8 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 
 
 async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
-                    api_key: str | None = None, tls: ssl.SSLContext | None = None) -> web.AppRunner:
+                    api_key: str | None = None, tls: ssl.SSLContext | None = None,
+                    idle_seconds: float = IDLE_SECONDS, body_seconds: float = BODY_SECONDS) -> web.AppRunner:
     """Serve the API on host:port (HTTPS with `tls`). Beyond loopback an API key is
     required: anyone on the network could otherwise run work on every machine of the
     pipeline."""
@@ -704,7 +718,8 @@ async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels its generation -- otherwise a non-streaming request whose client gave
     # up keeps its KV and its place in the pipeline until max_tokens.
-    runner = web.AppRunner(Api(head, api_key or None).app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(Api(head, api_key or None, body_seconds).app(), access_log=None,
+                           handler_cancellation=True, keepalive_timeout=idle_seconds)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()

@@ -130,6 +130,7 @@ BAD_REQUESTS = {
     "not_utf8": (CHAT, b'{"messages": "\xff\xfe"}', None, "invalid_json"),
     "array_body": (CHAT, b"[1, 2, 3]", None, "invalid_json"),
     "string_body": (COMPL, b'"just a string"', None, "invalid_json"),
+    "seed_5000_digits": (COMPL, b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", None, "invalid_json"),
     "unknown_model": (CHAT, {"model": "gpt-9", "messages": OK_MSGS}, "model", "model_not_found"),
     "model_not_string": (CHAT, {"model": 7, "messages": OK_MSGS}, "model", "model_not_found"),
     "max_tokens_negative": (CHAT, {"messages": OK_MSGS, "max_tokens": -5}, "max_tokens", "invalid_value"),
@@ -425,6 +426,40 @@ async def test_an_api_key_is_required_when_set_and_beyond_loopback(pipeline):
         async with AsyncOpenAI(base_url=url, api_key="s3cret-key", max_retries=0, timeout=120) as c:
             resp = await c.chat.completions.create(model="default", messages=FRANCE, max_tokens=8, temperature=0)
             assert "Paris" in resp.choices[0].message.content
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_client_that_never_finishes_its_request_is_let_go(pipeline):
+    """Slow-loris: headers trickled and never ended, or a body promised and never sent,
+    do not hold a connection for aiohttp's hour; a body that is late is a 408 in OpenAI's
+    shape. (The limits are shortened here; serve_api's defaults are 75 s and 60 s.)"""
+    from conftest import free_port
+    from engine.pipeline.api import serve_api
+
+    port = free_port()
+    runner = await serve_api(pipeline, "127.0.0.1", port, idle_seconds=1.0, body_seconds=1.0)
+    try:
+        # headers begun and never ended: the connection is closed, nothing answered
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 15) == b""
+        writer.close()
+        # a body promised by Content-Length and never sent: 408, then the connection ends
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\"")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 15)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        _check_error(408, json.loads(body), None, "request_timeout", expect_status=408)
+        # and the API answers the next client as ever
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                assert r.status == 200
     finally:
         await runner.cleanup()
 
