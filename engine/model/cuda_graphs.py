@@ -53,6 +53,12 @@ COPIES = frozenset({aten.copy_.default, aten._to_copy.default})
 _ONE_CAPTURE = threading.Lock()
 
 
+def one_capture() -> threading.Lock:
+    """Held while a stage of this process captures: what waits on the whole device (a
+    synchronize, the allocator's cache given back) takes it too."""
+    return _ONE_CAPTURE
+
+
 def release_cached_memory() -> None:
     """Give the CUDA allocator's free cached blocks back to the device, never while a
     stage of this process is capturing (its pool's memory is the allocator's too)."""

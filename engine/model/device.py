@@ -94,7 +94,9 @@ def step_failure(exc: BaseException, device: str) -> str:
     sequences) find the memory this one could not."""
     if isinstance(exc, torch.OutOfMemoryError):
         if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+            from engine.model.cuda_graphs import release_cached_memory
+
+            release_cached_memory()
         return (f"out of memory on {device_name(device)} while computing this request's step; it was "
                 "stopped so the others could go on. Send fewer or shorter requests at once, or give "
                 "the pipeline more memory (a higher VRAM cap, another computer)")
@@ -120,7 +122,9 @@ def release_memory(device: str) -> None:
 
     gc.collect()
     if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        from engine.model.cuda_graphs import release_cached_memory
+
+        release_cached_memory()
     else:
         trim_heap()
 
@@ -191,6 +195,16 @@ def free_memory(device: str) -> int:
 
 def speed_score(device: str, seconds: float = 0.15) -> float:
     """Dense matmul throughput in GFLOP/s: a short, honest proxy for layer speed."""
+    if device.startswith("cuda"):
+        from engine.model.cuda_graphs import one_capture
+
+        # it waits for the device, which must not happen while a stage captures its steps
+        with one_capture():
+            return _speed_score(device, seconds)
+    return _speed_score(device, seconds)
+
+
+def _speed_score(device: str, seconds: float) -> float:
     n = 512
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)

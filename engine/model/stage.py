@@ -349,6 +349,8 @@ class StageModel:
         self._finish_cut(model)
         model.to(self.device)
         place_int4(model, self.device)
+        # a stage only serves: no step, in inference mode or not, should record autograd
+        model.requires_grad_(False)
         return model
 
     def _cut(self, model, placeholders: bool, kept=(), parts=None, kept_config=None):

@@ -19,8 +19,9 @@ sizes and scalars (the same test, under a dispatch mode that records them).
 
 What it does not run (`unsupported` says why, and the stage keeps its eager step):
 Falcon-RW's ALiBi bias and Llama 4's attention temperature, both built from host-side
-positions; the rotary scalings that pick frequencies by the batch's length; and the
-few families whose step reads values back to the host (HOST_BOUND).
+positions; the rotary scalings that pick frequencies by the batch's length; the few
+families whose step reads values back to the host (HOST_BOUND); and int8 weights, whose
+LLM.int8 product does the same.
 """
 
 from __future__ import annotations
@@ -83,7 +84,12 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
     static.reserve = (rows, cap) if cap * rows <= stage.kv.budget_tokens // 2 else (0, 0)
     stage.static = static
     t0 = time.perf_counter()
-    static.warm(sorted(static.plan.warm_shapes(rows), key=lambda s: -s.rows), stage._progress)
+    # in the inference mode the stage's steps (and any later capture) run in: with autograd
+    # on, bitsandbytes' 4-bit product takes its dequantize-then-multiply path, so the graphs
+    # captured here would replay a kernel no served step uses, and the KV store and the
+    # captured outputs would carry autograd history
+    with torch.inference_mode():
+        static.warm(sorted(static.plan.warm_shapes(rows), key=lambda s: -s.rows), stage._progress)
     log.info("captured %d decode graphs in %.1f s (%.0f MiB)", book.captures, time.perf_counter() - t0,
              book.capture_bytes / 2**20)
     return static
@@ -118,6 +124,10 @@ def unsupported(stage) -> str | None:
         return "attention temperature by position (Llama 4)"
     if stage.per_row_rotary:
         return "rotary frequencies that follow the context length"
+    if any(type(m).__name__ == "Linear8bitLt" and getattr(getattr(m, "state", None), "threshold", 0) > 0
+           for m in stage.model.modules()):
+        # LLM.int8 splits out the input's outlier columns, found and counted on the host each step
+        return "int8 weights (bitsandbytes picks each step's outlier columns by their values)"
     return None
 
 

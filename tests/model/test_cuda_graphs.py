@@ -287,6 +287,39 @@ def test_a_random_evening_of_steps_replays_as_the_eager_steps(where, tiny_folder
     assert book.replays >= steps // 4 and not book.failed, book.summary()
 
 
+def test_graphs_captured_at_load_run_the_kernels_a_served_step_runs(tiny_folder, monkeypatch):
+    """Captured at load outside the steps' inference mode, an nf4 stage's graphs recorded
+    bitsandbytes' autograd path (dequantize the whole weight, then multiply) that no served
+    step takes, so the bench's 4-bit rows timed the wrong kernel; and the KV store came out
+    of the capture with autograd history."""
+    import bitsandbytes.autograd._functions as bnb_functions
+
+    calls = []
+    real = bnb_functions.MatMul4Bit.apply
+    monkeypatch.setattr(bnb_functions.MatMul4Bit, "apply", lambda *a: calls.append(1) or real(*a))
+    folder, _ = tiny_folder("llama")
+    s = Where("tape", monkeypatch).stage(folder, True, weights="nf4")
+    assert s.static.book.captures == 6 and not s.static.book.failed, s.static.book.summary()
+    assert calls == []
+    for t in [*s.kv._k.values(), *s.kv._v.values()]:
+        assert not t.requires_grad and t.grad_fn is None
+
+
+def test_int8_stages_keep_their_eager_step_and_say_why(tiny_folder, monkeypatch):
+    """LLM.int8 finds each step's outlier columns on the host and sizes its products by
+    their count: a graph captured over one step's count replays another's out of bounds
+    (the tape caught it as a size mismatch; on a GPU a capture failing half-way can leave
+    the context unusable for what follows)."""
+    from engine.model.static_decode import StaticDecoder, unsupported
+
+    folder, _ = tiny_folder("llama")
+    s = Where("tape", monkeypatch).stage(folder, False, weights="int8")
+    assert "int8" in (unsupported(s) or "")
+    with pytest.raises(ValueError, match="int8"):
+        StaticDecoder(s)
+    assert unsupported(Where("tape", monkeypatch).stage(folder, False, weights="nf4")) is None
+
+
 @pytest.mark.gpu
 def test_capture_at_load_is_cheap(tiny_folder, monkeypatch):
     folder, _ = tiny_folder("llama")
