@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDia
                                QVBoxLayout, QWidget)
 
 from . import autostart, gpu_enable
+from .links import LinkError, is_link, parse_link
 from .secrets_store import get_secret, set_secret
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
@@ -379,9 +380,7 @@ class HostDialog(QDialog):
 
         def done(result, error):
             if error:
-                self.last_error = error
-                self.result.setText(f"<span style='color:#b91c1c'>{error}</span>")
-                return
+                return self._error(error)
             self.started = True
             self._show_plan(result["plan"], None)
             self.progress.show()
@@ -480,7 +479,7 @@ class JoinDialog(QDialog):
         lay = QVBoxLayout(self)
         lay.addWidget(QLabel("Paste the invite code your friend sent you:"))
         self.code = QLineEdit()
-        self.code.setPlaceholderText("invite code, short code (with the relay below), or the pipeline's name")
+        self.code.setPlaceholderText("the invite code or potluck:// link, or a short code (with its relay below)")
         lay.addWidget(self.code)
         self.advanced, form = advanced_box(lay)
         self.relay = QLineEdit()
@@ -510,12 +509,15 @@ class JoinDialog(QDialog):
         self.last_error: str | None = None
         self.reply_code: str | None = None
         self.describe(controller.status)
+        # the node may still be starting (a link opened the app): its reading comes later
+        controller.statusChanged.connect(self.describe)
 
     def describe(self, st: dict):
         gpu = (st or {}).get("gpu") or {}
         cap = self.c.settings.limits.get("vram_cap_mb")
+        compute = gpu.get("message") if gpu.get("message") not in (None, "not read yet") else "checking…"
         self.usage.setText(
-            f"• Compute: {gpu.get('message', 'checking…')}<br>"
+            f"• Compute: {compute}<br>"
             f"• Layers: the host assigns a slice that fits your memory"
             f"{f' (at most {cap:.0f} MB of VRAM, your cap)' if cap else ''}.<br>"
             "• Disk: only the weight files of your layers are downloaded.<br>"
@@ -523,19 +525,27 @@ class JoinDialog(QDialog):
             "• You can switch sharing off from the tray at any moment; it pauses by itself when the GPU runs "
             "hot or a game needs it.")
 
+    def _error(self, message: str) -> None:
+        self.last_error = message
+        self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message)}</span>")
+
     def join(self):
         self.last_error = None
         text = self.code.text().strip()
         if not text:
-            self.last_error = "Paste the invite code first."
-            self.result.setText(f"<span style='color:#b91c1c'>{self.last_error}</span>")
-            return
+            return self._error("Paste the invite code first.")
+        if is_link(text):   # the host window's "Copy the link" gives a potluck://join/… link
+            try:
+                link = parse_link(text)
+            except LinkError as exc:
+                return self._error(f"That link is not a Potluck invite: {exc}.")
+            text = link.code
+            if link.relay and not self.relay.text().strip():
+                self.relay.setText(link.relay)
 
         def done(result, error):
             if error:
-                self.last_error = error
-                self.result.setText(f"<span style='color:#b91c1c'>{error}</span>")
-                return
+                return self._error(error)
             sharing = result.get("sharing") or {}
             joined = sharing.get("joined")
             joining = sharing.get("joining") or {}
@@ -548,8 +558,13 @@ class JoinDialog(QDialog):
                     "their host window's “Connect to them”. You can close this window; Potluck joins as "
                     f"soon as they do.<br><br><code>{html.escape(self.reply_code)}</code>")
             elif joined:
-                self.result.setText(f"<b>Joined.</b> This computer is part of pipeline {joined['pipeline'][:8]}… "
-                                    f"(connected {joined.get('via') or '…'}); the host assigns its layers.")
+                via = joined.get("via") or ""
+                how = "through the relay" if via == "relay" else "directly" if via.startswith("direct") else ""
+                self.result.setText(f"<b>Joined.</b> This computer is connected to your friend's pipeline"
+                                    f"{' ' + how if how else ''}; their computer gives it its share of the "
+                                    "model's layers. You can close this window.")
+                self.accept_button.setEnabled(False)
+                self.buttons.button(QDialogButtonBox.Cancel).setText("Close")
             elif sharing.get("paused"):
                 self.result.setText(f"<b>Sharing is on but paused:</b> {sharing.get('reason')}")
             else:

@@ -167,7 +167,7 @@ class Shell(QObject):
         d.code.setText(link.code)
         if link.relay:
             d.relay.setText(link.relay)
-        d.result.setText("Filled in from the invite link. Check what will be used, then press Join.")
+        d.result.setText("Filled in from the invite link. Check what will be used, then press “Accept and share”.")
         return d
 
     def open_status(self):

@@ -13,6 +13,10 @@ _JOIN = (
     ("revoked", "Your friend withdrew this invite (or this computer's place in their pipeline). "
                 "Ask them for a new code if they want you back."),
     ("expired", "This invite code has expired. Ask your friend for a new one."),
+    ("checksum", "That invite code has a typo: a character differs from the code your friend sent. Copy it "
+                 "again, or ask them to send it again."),
+    ("never used in codes", "That invite code holds a character no code has: copy it again, or ask your friend "
+                            "to send it again."),
     ("typo", "That is not a whole invite code: check that you copied all of it, or ask your friend to send "
              "it again."),
     ("cannot be used", "That is not an invite code Potluck can use: check that you copied all of it, or ask "

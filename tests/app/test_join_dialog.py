@@ -25,7 +25,13 @@ def dialog(qtbot, tmp_path, monkeypatch):
     qtbot.addWidget(d)
     d.answers = []
     # what the node's POST /join answers, set per test
-    c.join = lambda code=None, pipeline=None, port=None, relay=None, cb=None: cb(*d.answers.pop(0))
+    d.asked = []
+
+    def join(code=None, pipeline=None, port=None, relay=None, cb=None):
+        d.asked.append({"code": code, "pipeline": pipeline, "relay": relay})
+        cb(*d.answers.pop(0))
+
+    c.join = join
     yield d
     c.shutdown()
 
@@ -47,7 +53,32 @@ def test_a_direct_join_and_a_refusal_read_as_such(dialog):
                       None))
     d.code.setText(CODE)
     d.join()
-    assert "Joined." in d.result.text() and "direct (punched)" in d.result.text() and d.reply_code is None
+    assert "Joined." in d.result.text() and "directly" in d.result.text() and d.reply_code is None
+    assert "5c55ab92" not in d.result.text() and not d.accept_button.isEnabled()
     d.answers.append((None, "could not reach the host's pipeline: the host refused: invite revoked"))
     d.join()
     assert "invite revoked" in d.result.text() and d.last_error
+
+
+def test_the_link_the_host_window_copies_joins_as_its_code(dialog):
+    """The host window's one copy button gives a potluck://join/ link: pasted here, it
+    used to be refused as "not a whole invite code"."""
+    from app.links import join_link
+
+    d = dialog
+    d.answers.append(({"state": "sharing", "sharing": {"joined": {"pipeline": "5c55ab92fc", "via": "relay"}}}, None))
+    d.code.setText(join_link(CODE, relay="wss://relay.example:8443"))
+    d.join()
+    assert d.asked == [{"code": CODE, "pipeline": None, "relay": "wss://relay.example:8443"}]
+    assert "through the relay" in d.result.text()
+    d.code.setText("potluck://host/whatever")
+    d.join()
+    assert len(d.asked) == 1 and "not a Potluck invite" in d.result.text() and d.last_error
+
+
+def test_the_compute_line_follows_the_node_once_it_has_read_the_gpu(dialog):
+    d = dialog
+    assert "checking" in d.usage.text()
+    d.c.statusChanged.emit({"gpu": {"available": False, "gpus": [],
+                                    "message": "No NVIDIA GPU to use (no driver): Potluck computes on the processor."}})
+    assert "computes on the processor" in d.usage.text()

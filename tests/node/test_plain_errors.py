@@ -15,6 +15,10 @@ def test_each_reason_says_what_happened_and_what_to_do_without_the_engines_words
              "[Errno 113] No route to host": "relay",
              "that invite code cannot be used: this invite has expired": "expired",
              "that invite code cannot be used: a typo? the check characters do not match": "copied all of it",
+             "that invite code cannot be used: this code has a typo (its checksum does not match): copy it again":
+                 "a character differs",
+             "that invite code cannot be used: this code has a typo: 'U' (character 7) is never used in codes":
+                 "character no code has",
              "something new and strange: OSError 42": "Try again"}
     for account, hint in cases.items():
         words = join_failed(account)
