@@ -87,6 +87,7 @@ class ChatWindow(QMainWindow):
         self.stream: ChatStream | None = None
         self.reply_view: MessageView | None = None
         self.last_reply_view: MessageView | None = None    # the view of the last assistant message
+        self.user_view: MessageView | None = None          # the view of the message last sent
         self.retrying: tuple[Message, MessageView] | None = None   # the reply a new draw may replace
         self.reply_text = ""
         self._pending: list[str] = []
@@ -173,8 +174,12 @@ class ChatWindow(QMainWindow):
         self.retry_button.setEnabled(False)
         send_shortcut = QAction(self)
         send_shortcut.setShortcuts([QKeySequence("Ctrl+Return"), QKeySequence("Ctrl+Enter")])
-        send_shortcut.triggered.connect(self.send_or_stop)
+        send_shortcut.triggered.connect(self._send_key)
         self.addAction(send_shortcut)
+        stop_shortcut = QAction(self)
+        stop_shortcut.setShortcut(QKeySequence("Escape"))
+        stop_shortcut.triggered.connect(lambda: self.stream is not None and self.stop())
+        self.addAction(stop_shortcut)
         self.hint = QLabel("")
         self.hint.setStyleSheet("color: #b91c1c;")
         self.hint.setWordWrap(True)
@@ -296,6 +301,7 @@ class ChatWindow(QMainWindow):
         loading = st.get("loading")
         if loading:
             self.model_label.setText(loading.get("message") or "Loading…")
+            self.pipeline_label.setText("The chat answers as soon as the pipeline is ready.")
             self._show_progress(loading.get("stages") or {})
         else:
             self.progress_box.hide()
@@ -330,7 +336,9 @@ class ChatWindow(QMainWindow):
             # per mille: a download counts bytes, beyond a progress bar's int range
             bar.setMaximum(1000)
             bar.setValue(int(1000 * min(1.0, p["done"] / p["total"])) if p["total"] else 0)
-            bar.setFormat(f"stage {key}: {p['what']} %p%")
+            # several bars: this computer's parts of the model, each loading its layers
+            part = f"part {int(key) + 1}: " if len(stages) > 1 and str(key).isdigit() else ""
+            bar.setFormat(f"{part}{p['what']} %p%")
 
     def show_banner(self, text: str, restart: bool):
         self.banner_label.setText(text)
@@ -437,6 +445,14 @@ class ChatWindow(QMainWindow):
         else:
             self.send()
 
+    def _send_key(self):
+        """Ctrl+Enter sends; while a reply comes it stops nothing (it used to stop the
+        reply, the message typed meanwhile left unsent): Stop or Esc does that."""
+        if self.stream is None:
+            self.send()
+        else:
+            self.show_hint("A reply is still coming: wait for it, or press Stop (Esc) first.", error=False)
+
     def send(self, text: str | None = None) -> bool:
         text = self.input.toPlainText() if text is None else text
         if not text.strip():
@@ -458,7 +474,7 @@ class ChatWindow(QMainWindow):
             self.reload_conversations()
         self.c.history.add_message(self.conversation_id, user)
         self.messages.append(user)
-        self._add_view("user", text)
+        self.user_view = self._add_view("user", text)
         self._start_reply(hosting)
         return True
 
@@ -608,8 +624,14 @@ class ChatWindow(QMainWindow):
             user = self.messages.pop()
             if user.id is not None:
                 self.c.history.delete_message(user.id)
-            if len(user.content) <= 20_000 and not self.input.toPlainText():
+            if not self.input.toPlainText():
                 self.input.setPlainText(user.content)
+                # back in the box, whatever its length: the question and its empty reply
+                # leave the transcript (the hint says why), so nothing there is left to retry
+                for v in (self.user_view, view):
+                    if v is not None and self.tl.indexOf(v) >= 0:
+                        self.tl.removeWidget(v)
+                        v.deleteLater()
         self.reply_view = None
         self.last_finish = info
         self._update_retry()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 
@@ -131,7 +132,13 @@ def plain_error(status: int | None, message: str) -> str:
     """What the head said, in words for people."""
     low = message.lower()
     if "context window" in low or "context_length" in low:
-        return f"This message is too long for the model. {message}"
+        sizes = re.search(r"prompt is (\d+) tokens; the context window is (\d+)", message)
+        if sizes:
+            n, window = (int(x) for x in sizes.groups())
+            return (f"This message is too long for the model: it reads at most {window:,} tokens at once (about "
+                    f"{window * 3 // 4:,} words), and with the conversation this one is {n:,}. Shorten it, split "
+                    "it up, or start a new chat.")
+        return f"This message is too long for the model: {message}"
     if "disconnected" in low or "closed" in low or "link to stage" in low:
         return ("A computer in the pipeline dropped out, so the reply stopped. Restart hosting from the tray "
                 f"menu (Host a pipeline…) to continue. ({message})")

@@ -43,6 +43,7 @@ class Controller(QObject):
         self.client = NodeClient(self.worker, self)
         self.node: NodeProcess | None = None
         self.status: dict = {"state": "idle"}
+        self._hosting_asked = 0    # host requests sent, not yet answered
         self.last_host: dict | None = None
         self.lost: str | None = None
         self._closing = False
@@ -175,6 +176,9 @@ class Controller(QObject):
                     self._lose(f"The Potluck engine is not answering ({error}).")
                 return
             self._fails = 0
+            if self._hosting_asked and result.get("state") == "idle" and not result.get("loading"):
+                # the host request is on its way: not "no pipeline" for the seconds it takes
+                result = dict(result, loading={"message": "Starting the pipeline…", "stages": {}})
             self.status = result
             self.statusChanged.emit(result)
 
@@ -220,7 +224,10 @@ class Controller(QObject):
             self.client.call(method, path, body, cb=done, timeout=aiohttp.ClientTimeout(total=timeout))
 
     def host(self, request: dict, cb=None):
+        self._hosting_asked += 1
+
         def done(result, error):
+            self._hosting_asked -= 1
             if not error:
                 self.last_host = dict(request)  # what a restart hosts again
             if cb:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
-                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
-                               QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem,
+                               QFrame, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
+                               QProgressBar, QPushButton, QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget)
 
 from . import autostart, gpu_enable
@@ -82,7 +82,16 @@ class HostDialog(QDialog):
         self.c = controller
         self.setWindowTitle("Host a pipeline")
         self.resize(620, 520)
-        lay = QVBoxLayout(self)
+        outer = QVBoxLayout(self)
+        # what it shows grows as hosting goes on (the split, the loading, the invite): it
+        # scrolls inside a window that fits a laptop's screen, the buttons always in view
+        body = QWidget()
+        lay = QVBoxLayout(body)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.NoFrame)
+        self.scroll.setWidget(body)
+        outer.addWidget(self.scroll, 1)
         form = QFormLayout()
         self.model = QComboBox()
         self.model.setEditable(True)
@@ -241,7 +250,7 @@ class HostDialog(QDialog):
         self.buttons.addButton(QDialogButtonBox.Close)
         self.start_button.clicked.connect(self.start)
         self.buttons.rejected.connect(self.reject)
-        lay.addWidget(self.buttons)
+        outer.addWidget(self.buttons)
         self.last_plan: dict | None = None
         self.last_error: str | None = None
         self.started = False
@@ -375,6 +384,10 @@ class HostDialog(QDialog):
                 self.weights_table.setItem(i, col, item)
         self.weights_table.resizeColumnsToContents()
 
+    def _error(self, message: str) -> None:
+        self.last_error = message
+        self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message)}</span>")
+
     def start(self):
         self.result.setText("Starting…")
 
@@ -421,6 +434,8 @@ class HostDialog(QDialog):
             qr.loadFromData(qr_png(link, scale=3))
             self.invite_qr.setPixmap(qr)
             self.invite_box.show()
+            self.advanced.setChecked(False)   # what it set is in use now: the invite is what matters
+            QTimer.singleShot(0, lambda: self.scroll.ensureWidgetVisible(self.invite_box))
         if code:
             self.reply_row.setVisible(bool(loading))       # while friends are awaited
         short = (loading or {}).get("short_code")

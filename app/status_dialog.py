@@ -95,7 +95,12 @@ def ring_table(h: dict) -> str:
 def status_html(st: dict) -> str:
     st = st or {}
     state = st.get("state", "unknown")
-    out = [f"<h3>{STATE_WORDS.get(state, state)}</h3>"]
+    sh = st.get("sharing") or {}
+    headline = STATE_WORDS.get(state, state)
+    if state in ("idle", "sharing") and sh.get("on") and not sh.get("connected"):
+        # on, and no pipeline of a friend's connected (not yet, or its host went away)
+        headline = "Sharing this computer: waiting for a friend's pipeline"
+    out = [f"<h3>{headline}</h3>"]
     if st.get("error"):
         out.append(f"<p style='color:#b91c1c'>{html.escape(st['error'])}</p>")
     h = st.get("hosting")
@@ -134,14 +139,20 @@ def status_html(st: dict) -> str:
         lines = [event_line(e) for e in (h.get("events") or [])[-8:]]
         if lines:
             out.append("<p><b>What happened</b></p><ul>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>")
-    sh = st.get("sharing") or {}
     if sh.get("on"):
         line = f"<p><b>Sharing this computer</b> ({sh.get('device_name') or sh.get('device') or '?'})"
         if sh.get("layers"):
             a, b = sh["layers"]
             line += f": {b - a} layers of a friend's model"
+            if not sh.get("connected"):
+                line += (" — your friend's computer is not connected now (it may have quit or gone to sleep); "
+                         "they stay loaded for when it comes back")
         elif not sh.get("paused"):
             line += ": waiting for a friend's pipeline"
+        reply = (sh.get("joining") or {}).get("reply_code")
+        if reply:
+            line += (f"<br>Your friend's computer cannot be reached from here: send them this reply code to "
+                     f"paste into their host window's “Connect to them”: <code>{html.escape(reply)}</code>")
         if sh.get("paused"):
             line += f" — paused: {html.escape(str(sh.get('reason')))}"
         if sh.get("restarts"):

@@ -39,6 +39,8 @@ def tooltip(st: dict) -> str:
     if sh.get("on"):
         if sh.get("paused"):
             lines.append(f"Sharing paused: {sh.get('reason')}")
+        elif sh.get("layers") and not sh.get("connected"):
+            lines.append("Sharing: your friend's pipeline is not connected now")
         elif sh.get("layers"):
             a, b = sh["layers"]
             lines.append(f"Sharing: {b - a} layers of a friend's model on "

@@ -303,7 +303,7 @@ async def _stage(args) -> int:
 async def _host(args) -> int:
     """`potluck host`: invite friends, wait for them, run the pipeline over their stages."""
     from engine.core.sampling import SamplingParams
-    from engine.node.homes import Friends, HomeError
+    from engine.node.homes import FriendNames, Friends, HomeError
     from engine.pipeline.api import serve_api
     from engine.pipeline.launch import launch
     from engine.pipeline.terminal import ask, reply
@@ -320,6 +320,9 @@ async def _host(args) -> int:
         _say(f"potluck: {taken}")
         return 2
     friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
+    names = FriendNames(friends)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(names)
     try:
         bound = await friends.open(args.relay, args.listen, args.advertise)
     except HomeError as exc:

@@ -44,6 +44,12 @@ SURVIVOR_ATTEMPTS, SURVIVOR_TIMEOUT_S, SURVIVOR_WITHIN_S = 10, 5.0, 8.0
 LOST_ATTEMPTS, LOST_TIMEOUT_S = 1, 2.0
 # a machine that left or offered itself, asked whether it is (still) there
 PROBE_TIMEOUT_S = 2.0
+# a machine that keeps dropping out (a line that collapsed: each time it is taken back,
+# replaying the conversations over it stalls them until it drops again) is asked back
+# later each time: its second drop within DROPS_WINDOW_S waits HOLD_S[0], later ones
+# HOLD_S[1]. Only while the pipeline serves without it; one it cannot do without is
+# asked as ever
+DROPS_WINDOW_S, HOLD_S = 600.0, (30.0, 120.0)
 
 
 def missing_ranges(ranges: list[tuple[int, int]], kept: list[bool]) -> list[tuple[int, int]]:
@@ -105,6 +111,8 @@ class Recovery:
         self.holders: list[str] = []       # the machines holding layers now (the head aside)
         self.away: dict[str, float] = {}   # machines that left or offered themselves -> since when
         self.served: set[str] = set()      # machines that held layers here (come back vs join)
+        self.drops: dict[str, list[float]] = {}   # when each machine dropped out without notice
+        self._noticed: str | None = None   # the machine that said it is leaving
         # the rearrangement in progress
         self._t0 = self._t_plan = 0.0
         self._old_ranges: list[tuple[int, int]] = []
@@ -147,11 +155,29 @@ class Recovery:
 
     def to_ask(self, now: float) -> list[str]:
         """The machines to ask now whether they are there, first left first: those that left
-        (or offered themselves) within the grace period; the others are forgotten."""
+        (or offered themselves) within the grace period; the others are forgotten. While
+        the pipeline serves, one that keeps dropping out waits out its hold first."""
         for address, since in list(self.away.items()):
             if now - since > self.grace_s:
                 del self.away[address]
-        return list(self.away)
+        if self.status is not None:   # waiting for room: whoever could give it
+            return list(self.away)
+        return [a for a, since in self.away.items() if now - since >= self.hold_s(a, now)]
+
+    def hold_s(self, address: str, now: float) -> float:
+        """How long after its last drop a machine is asked back: 0, unless it dropped out
+        more than once within DROPS_WINDOW_S."""
+        recent = [t for t in self.drops.get(address, ()) if now - t <= DROPS_WINDOW_S]
+        return 0.0 if len(recent) <= 1 else HOLD_S[min(len(recent) - 2, len(HOLD_S) - 1)]
+
+    def _dropped(self, address: str, now: float) -> None:
+        """A machine is gone (asked back later by the watch): without notice, one drop more."""
+        self.away[address] = now
+        if address == self._noticed:
+            self._noticed = None
+            return
+        times = [t for t in self.drops.get(address, ()) if now - t <= DROPS_WINDOW_S]
+        self.drops[address] = times + [now]
 
     def rank(self, address: str) -> int:
         """A machine's place in the pipeline (sort by it): one that came back takes its old
@@ -196,7 +222,7 @@ class Recovery:
     def joined_gone(self, address: str, why: str, now: float) -> str:
         """The machine loading ahead went before it was taken in: asked again later."""
         self._stop_joining()
-        self.away[address] = now
+        self._dropped(address, now)
         return f"{address} went before it was taken in ({why}): it is asked again later"
 
     def turned_away(self, address: str, why: str) -> str:
@@ -218,7 +244,7 @@ class Recovery:
         Its loss follows (lost()) once they have, or its notice runs out."""
         if epoch != self.epoch or self.failed or self.status or self.closed or self.joining or self.parting:
             return False
-        self.parting = address
+        self.parting = self._noticed = address
         self.parting_status = f"{why}: the others load its layers while the pipeline serves"
         self._record("leaving", stage=index, address=address, why=why)
         return True
@@ -259,7 +285,7 @@ class Recovery:
         asks = []
         for i, address in enumerate(holders, start=1):
             if i == lost and not ask_back:
-                self.away[address] = now   # it may come back: the watch asks it
+                self._dropped(address, now)   # it may come back: the watch asks it
             elif i == lost:
                 asks.append(Ask(address, i, LOST_ATTEMPTS, LOST_TIMEOUT_S, True))
             else:
@@ -279,7 +305,7 @@ class Recovery:
         """A machine asked to go on did not answer: gone too (the watch asks it later)."""
         if not ask.lost:   # another one gone at the same time
             self._record("left", stage=None, address=ask.address, why=why)
-        self.away[ask.address] = now
+        self._dropped(ask.address, now)
 
     def gone_meanwhile(self, address: str, why: str, now: float) -> str:
         """A machine of the new arrangement left while it was being formed or waited for
@@ -288,7 +314,7 @@ class Recovery:
         i = self._index.get(address)
         if i is not None and i < len(self._kept):
             self._kept[i] = False
-        self.away[address] = now
+        self._dropped(address, now)
         self._record("left", stage=i, address=address, why=why)
         if self._need_have is not None and self.missing():
             # the room left is not known until the layers are split again: say who went

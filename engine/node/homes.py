@@ -26,8 +26,10 @@ Tunnels, invites and short codes themselves live in engine/wire/.
 from __future__ import annotations
 
 import asyncio
-import errno
 import dataclasses
+import errno
+import logging
+import re
 from dataclasses import dataclass
 
 from engine.pipeline.launch import PipelineConfig
@@ -146,6 +148,27 @@ class Friends:
         await self.tunnels.close()
 
 
+class FriendNames(logging.Filter):
+    """`potluck host`'s log lines name a friend's stage by the friend's name ("friend1 is
+    back: …"), not by the loopback port its tunnel arrives on ("ws://127.0.0.1:45157 is
+    back"), which the person reading cannot tell apart."""
+
+    def __init__(self, friends: "Friends"):
+        super().__init__()
+        self.friends = friends
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        names = {p.address: p.name for p in self.friends.tunnels.peers.values() if p.name and p.port}
+        if names:
+            text = record.getMessage()
+            named = text
+            for address, name in names.items():
+                named = re.sub(re.escape(address) + r"(?!\d)", name, named)
+            if named != text:
+                record.msg, record.args = named, None
+        return True
+
+
 async def redeem(code: str, relay: str = "") -> Invite:
     """An invite from a full code, or from a short code handed over through the relay."""
     if shortcode.is_short(code):
@@ -187,8 +210,8 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
     Pass the joiner of an earlier session to rejoin as a member (after a pause)."""
     # behind the tunnel: on loopback, but the head is a friend's (models by name only)
     server = await StageServer("127.0.0.1", 0, pipeline=invite.pipeline_id, device=device, trusted_head=False,
-                               accept_models=accept_models,
-                               threads=threads, memory_cap=memory_cap).start()
+                               accept_models=accept_models, threads=threads, memory_cap=memory_cap,
+                               on_event=on_event).start()
     if joiner is None:
         me = load_or_create_identity(config_dir(config))
         joiner = Joiner(invite, me, ("127.0.0.1", server.port), name=name or default_name(),

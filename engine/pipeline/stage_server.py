@@ -71,13 +71,17 @@ class Inbox(asyncio.Queue):
 class StageServer(StageCompute):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, pipeline: str = "local",
                  device: str = "auto", threads: int | None = None, cores=None, memory_cap: int | None = None,
-                 secret: str | None = None, trusted_head: bool | None = None, accept_models=()):
+                 secret: str | None = None, trusted_head: bool | None = None, accept_models=(),
+                 on_event=None):
         # Beyond this machine, only a head that proves the share's secret may drive it
         if not is_loopback(host) and not secret:
             raise ValueError(f"a stage listening on {host or 'every interface'} needs a secret "
                              "(--secret, or share through an invite)")
         self.host, self.port = host, port
         self.secret = secret
+        # what the owner of this computer hears of its share (a friend's `potluck join`
+        # terminal): taken into the pipeline, with which layers, and let go
+        self.on_event = on_event or (lambda text: None)
         # a trusted head (this machine's own pipeline, over loopback) may name any model,
         # a path included; any other head only what configure_check.remote_model_ok allows
         self.trusted_head = (is_loopback(host) and not secret) if trusted_head is None else trusted_head
@@ -383,6 +387,9 @@ class StageServer(StageCompute):
             # free that came after its replay took their KV and sampling state from it
             if self.stage is not None:
                 await self._run(self._free, list(self.stage.kv.seqs))
+                if not self.closed and not self._leaving:
+                    self.on_event("the pipeline let this computer go for now (a link dropped or it rearranged); "
+                                  "its layers stay loaded for when it is taken back")
             self._control_ws = None
             if self.closed:
                 self._retire_threads()
@@ -393,11 +400,10 @@ class StageServer(StageCompute):
         loop = asyncio.get_running_loop()
 
         def progress(done, total, what):
-            loop.call_soon_threadsafe(
-                asyncio.ensure_future,
-                # a head that let the load go has closed ws: nothing to tell, nothing to log
-                StageServer._send_quietly(ws, frames.control("progress", done=done, total=total, what=what)),
-            )
+            message = frames.control("progress", done=done, total=total, what=what)
+            # the coroutine is made on the loop, when it runs: one made here would be left
+            # never awaited by a loop that closes first (a Ctrl+C mid-load)
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(StageServer._send_quietly(ws, message)))
         return progress
 
     async def _prepare(self, ws, msg, before: asyncio.Future | None):
@@ -533,6 +539,8 @@ class StageServer(StageCompute):
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
                                    n_layers=self.stage.end - self.stage.start, profile=self.profile,
                                    weights=self.stage.weights, kept_layers=self.stage.kept_layers))
+        self.on_event(f"in the pipeline: this computer computes layers {self.stage.start + 1}–{self.stage.end} "
+                      f"of {self.stage.n_layers_total}")
 
     def _free(self, seq_ids):
         if self.stage is None:

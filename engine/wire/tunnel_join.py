@@ -35,6 +35,9 @@ DIRECT_RETRY_S = 30.0
 KEEP_OPEN_S = 5.0
 BURST_S = 2.0
 BURST_REST_S = 6.0
+# a member whose tunnel closed retries the host's addresses this long before it offers a
+# reply code (the host's address may have changed for good)
+REPLY_AFTER_S = 120.0
 REPLY_QUEUE = 8                  # connections to a joiner's reply listener waiting their turn
 
 
@@ -151,6 +154,8 @@ class Joiner:
         # code (on_reply(code)) and wait for the host to connect (None: fail instead)
         self.reply_listen, self.on_reply = reply_listen, on_reply
         self.reply_code: str | None = None
+        self.joined_by_reply = False   # the host connected to us: its reconnects come the same way
+        self._down_since = 0.0         # when the tunnel last closed (monotonic)
         self._incoming: asyncio.Queue | None = None
         self._reply_server = None
         self._mapper = None
@@ -172,7 +177,12 @@ class Joiner:
         try:
             self.session = await self._open()
         except TunnelError as exc:
-            if self.reply_listen is None or isinstance(exc, HostRefused) or self.prefer == "relay":
+            # a member that reached the host itself and lost the tunnel (its own line down, the
+            # host's lid shut) tries again quietly: a reply code now would send a friend to do
+            # what the next retry does by itself
+            if self.reply_listen is None or isinstance(exc, HostRefused) or self.prefer == "relay" \
+                    or (self.member and not self.joined_by_reply
+                        and time.monotonic() - self._down_since < REPLY_AFTER_S):
                 await self._drop_early(early)
                 raise
             self.session = await self._by_reply(str(exc), early)
@@ -194,6 +204,7 @@ class Joiner:
             finally:
                 seeker.cancel()
             self.on_event(f"tunnel closed: {self.session.close_reason}")
+            self._down_since = time.monotonic()
             if "revoked" in self.session.close_reason:
                 raise TunnelError(self.session.close_reason)
             refusals = 0
@@ -246,15 +257,20 @@ class Joiner:
         try:
             while True:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(waiting), self.direct_retry_s)
+                    session = await asyncio.wait_for(asyncio.shield(waiting), self.direct_retry_s)
+                    self.joined_by_reply = True
+                    return session
                 except asyncio.TimeoutError:
                     pass
                 try:
-                    return await self._open()
+                    session = await self._open()
                 except HostRefused:
                     raise
                 except TunnelError:
                     continue
+                if not self.joined_by_reply:
+                    await self.close()      # the host answered after all: no reply code needed
+                return session
         finally:
             waiting.cancel()
 

@@ -604,6 +604,8 @@ def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
 
 
 def test_bad_messages(qtbot, live):
+    from app.chat import MessageView
+
     chat = live.chat
     chat.new_conversation()
     assert not chat.send("   \n  ")
@@ -614,7 +616,13 @@ def test_bad_messages(qtbot, live):
     assert chat.send("word " * 9000)
     info = wait_reply(qtbot, chat)
     assert info["finish_reason"] == "error" and "too long for the model" in chat.hint.text()
-    # the refused message left the conversation: the next one works
+    assert "8,192 tokens" in chat.hint.text() or "tokens at once" in chat.hint.text()
+    # the refused message left the conversation and the transcript, and is back in the box
+    # to be shortened, however long (over 20,000 characters it used to be lost)
+    assert chat.input.toPlainText() == "word " * 9000
+    qtbot.waitUntil(lambda: not chat.transcript.findChildren(MessageView), timeout=5_000)
+    assert not chat.retry_button.isEnabled()
+    # the next one works
     chat.input.clear()
     assert chat.send("What is 2 + 2?")
     assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")

@@ -112,3 +112,18 @@ def test_the_status_window_says_the_share_was_started_again():
         "on": True, "running": True, "address": "ws://10.0.0.2:7860", "restarts": 1,
         "stopped": "the shared stage stopped by itself; started again"}})
     assert "stopped by itself; started again (1×)" in page
+
+
+def test_the_status_window_says_when_the_friends_pipeline_is_gone_or_not_yet_there():
+    """After the host quit, a friend's status still read "Sharing this computer with a
+    friend: 11 layers of a friend's model"; with sharing on and nothing connected the
+    headline said "Not hosting or sharing" above "waiting for a friend's pipeline"."""
+    from app.status_dialog import status_html
+
+    held = {"on": True, "layers": [0, 11], "device_name": "CPU", "connected": False}
+    page = status_html({"state": "sharing", "sharing": held})
+    assert "waiting for a friend's pipeline</h3>" in page and "not connected now" in page
+    page = status_html({"state": "sharing", "sharing": dict(held, connected=True)})
+    assert "Sharing this computer with a friend</h3>" in page and "not connected" not in page
+    page = status_html({"state": "idle", "sharing": {"on": True, "joining": {"reply_code": "R1ABC-DEFGH"}}})
+    assert "Not hosting" not in page and "R1ABC-DEFGH" in page and "Connect to them" in page

@@ -212,6 +212,25 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     assert not d.reply_row.isVisibleTo(d)
 
 
+def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
+    """On a 900-px screen the dialog grew to 1015 px once the invite showed (Advanced open):
+    the code and Close were below the screen's edge. Its content scrolls now, the invite
+    is scrolled into view and Advanced folds away."""
+    d = dialog
+    d.resize(620, 600)
+    d.show()
+    d.advanced.setChecked(True)
+    d.started = True
+    d.on_status({"loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8",
+                             "short_code": "4821-917305", "arrived": []}})
+    qtbot.waitUntil(lambda: d.scroll.verticalScrollBar().value() > 0 or not d.scroll.verticalScrollBar().maximum())
+    assert d.minimumSizeHint().height() <= 600 and d.height() <= 600
+    assert not d.advanced.isChecked()
+    top = d.invite_box.mapTo(d.scroll.viewport(), d.invite_box.rect().topLeft()).y()
+    assert 0 <= top < d.scroll.viewport().height()      # the invite is in view
+    assert d.buttons.isVisible() and d.buttons.geometry().bottom() <= d.height()
+
+
 def test_stages_on_this_computer_are_automatic_unless_set(qtbot, tmp_path, monkeypatch):
     """A new user's setting is "Automatic": the host request carries 0 and the node runs
     one process on a GPU, two on a CPU (tests/node/test_plan_weights.py)."""

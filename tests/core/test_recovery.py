@@ -231,3 +231,61 @@ def test_a_survivor_lost_while_waiting_for_room_adds_its_layers_to_the_wait():
     assert status == rec.status and "layers 12–29" in status and "left meanwhile" in status, status
     assert set(rec.away) == {A, B}
     assert [e["event"] for e in rec.events] == ["left", "waiting", "left"]
+
+
+def _drops_out(rec: Recovery, address: str, now: float) -> None:
+    """`address` stops answering and the pipeline rearranges over the others."""
+    assert rec.lost(1, address, f"stage 1 ({address}) stopped answering", epoch=rec.epoch)
+    for ask in rec.begin([address, B], THREE, now=now, lost=1, ask_back=False):
+        rec.answered(ask)
+    rec.recovered(now + 1.0, 2, [(0, 15), (15, 30)], 1)
+    rec.formed([B])
+
+
+def _taken_back(rec: Recovery, address: str, now: float) -> None:
+    rec.came(address, now)
+    for ask in rec.begin([B], [(0, 15), (15, 30)], now=now + 0.5, joined=address):
+        rec.answered(ask)
+    rec.recovered(now + 1.0, 3, THREE, 1)
+    rec.formed([address, B])
+
+
+def test_a_machine_that_keeps_dropping_out_is_asked_back_later_each_time():
+    """A friend on a collapsed line was dropped, taken back 4 s later, and its replay over
+    the same line stalled every reply 31 s until it dropped again, over and over: its
+    second drop within DROPS_WINDOW_S holds it HOLD_S[0], later ones HOLD_S[1]."""
+    from engine.core.recovery import DROPS_WINDOW_S, HOLD_S
+
+    rec = running()
+    _drops_out(rec, A, now=0.0)
+    assert rec.to_ask(2.0) == [A]                      # the first time: asked back at once (a lid, a blip)
+    _taken_back(rec, A, now=4.0)
+    _drops_out(rec, A, now=40.0)
+    assert rec.to_ask(42.0) == [] and rec.watching     # the second: held
+    assert rec.to_ask(40.0 + HOLD_S[0]) == [A]
+    _taken_back(rec, A, now=75.0)
+    _drops_out(rec, A, now=100.0)
+    assert rec.to_ask(100.0 + HOLD_S[0]) == []         # the third: longer
+    assert rec.to_ask(100.0 + HOLD_S[1]) == [A]
+    # a pipeline waiting for room asks it at once: it cannot serve without it
+    rec.lost(1, B, "stage 1 (ws://b:1) stopped answering", epoch=rec.epoch)
+    rec.begin([B], [(0, 15), (15, 30)], now=101.0, lost=1, ask_back=False)
+    rec.no_room(30, 15, now=101.0)
+    assert A in rec.to_ask(102.0)
+    # drops long ago are forgotten
+    assert rec.hold_s(A, 100.0 + DROPS_WINDOW_S + 50.0) == 0.0
+
+
+def test_leaving_with_notice_is_no_drop():
+    """Sharing switched off and on again (the app's toggle, a laptop put to sleep with
+    notice) is asked back at once every time."""
+    rec = running()
+    for t in (0.0, 50.0, 100.0):
+        assert rec.leaving(1, A, "stage 1 is leaving: sharing off", epoch=rec.epoch)
+        assert rec.lost(1, A, "stage 1 is leaving: sharing off", epoch=rec.epoch)
+        for ask in rec.begin([A, B], THREE, now=t, lost=1, ask_back=False):
+            rec.answered(ask)
+        rec.recovered(t + 1.0, 2, [(0, 15), (15, 30)], 0)
+        rec.formed([B])
+        assert rec.to_ask(t + 2.0) == [A]
+        _taken_back(rec, A, now=t + 3.0)

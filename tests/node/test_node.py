@@ -564,6 +564,8 @@ def test_potluck_join_stopped_by_sigterm_leaves_with_notice_and_the_host_serves_
         joiner.send_signal(signal.SIGTERM)
         out, err = joiner.communicate(timeout=120)
         assert joiner.returncode == 0 and "Stopped sharing" in err, err[-2000:]
+        # the friend's own terminal says what its computer does in the pipeline
+        assert "in the pipeline: this computer computes layers" in err, err[-2000:]
         deadline = time.monotonic() + 60
         while len(status()["stages"]) != 1:
             assert time.monotonic() < deadline, status()
@@ -577,6 +579,10 @@ def test_potluck_join_stopped_by_sigterm_leaves_with_notice_and_the_host_serves_
             assert "Paris" in json.loads(resp.read())["choices"][0]["message"]["content"]
         host.send_signal(signal.SIGTERM)
         assert host.wait(60) == 0, host.stderr.read()[-2000:]
+        # the host's lines name the friend, not the loopback port its tunnel arrives on
+        said = host.stderr.read()
+        leaving = [x for x in said.splitlines() if "leaving" in x]
+        assert leaving and not any("ws://127.0.0.1" in x for x in leaving), said[-3000:]
     finally:
         for p in (host, joiner):
             if p is not None and p.poll() is None:

@@ -714,6 +714,41 @@ async def test_a_reply_code_is_shown_when_the_hosts_addresses_fail_however_fast_
         await j.close()
 
 
+async def test_a_member_reconnecting_retries_quietly_before_it_offers_a_reply_code(tmp_path, monkeypatch):
+    """A friend already in the pipeline whose tunnel dropped (its own line down, the host's
+    lid shut) was told to send the host a reply code, and its reply listener stayed bound
+    for the rest of the session; the next retry reconnected by itself seconds later. It
+    retries quietly now, and offers a code only when the host's addresses have failed for
+    REPLY_AFTER_S (they may have changed for good)."""
+    from engine.wire import tunnel_join
+    from engine.wire.tunnel import Joiner, TunnelError
+
+    monkeypatch.setenv("POTLUCK_UPNP", "0")
+    (tmp_path / "h").mkdir()
+    state = inv.HostState(tmp_path / "h")
+    _, code = state.create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+    shown = []
+    j = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", 9),
+               reply_listen="127.0.0.1:0", on_reply=shown.append)
+    j.member = True                     # joined directly before; the tunnel just closed
+    j._down_since = time.monotonic()
+    try:
+        with pytest.raises(TunnelError):
+            await asyncio.wait_for(j.connect(), 30)
+        assert shown == [] and j.reply_code is None and j._reply_server is None
+        j._down_since = time.monotonic() - tunnel_join.REPLY_AFTER_S - 1
+        task = asyncio.ensure_future(j.connect())
+        for _ in range(100):
+            if shown:
+                break
+            await asyncio.sleep(0.05)
+        assert shown and shown[0] == j.reply_code
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await j.close()
+
+
 def test_a_joiners_word_on_its_computer_is_kept_only_as_far_as_it_is_well_formed():
     from engine.wire.tunnel_host import joiner_about
 

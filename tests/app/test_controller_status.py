@@ -1,0 +1,72 @@
+"""What the controller reports while a host request is on its way (the app's status,
+without a node): the chat said "No pipeline is running" for the seconds between the
+app's automatic host request and the node's answer."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missing: run `make qt-libs`")
+pytest.importorskip("pytestqt")
+
+
+def test_a_host_request_on_its_way_reads_as_starting_not_as_no_pipeline(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    calls = {}
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.__setitem__(path, cb)
+    c.client.base = "http://127.0.0.1:1"   # as if attached to a node
+    w = ChatWindow(c)
+    qtbot.addWidget(w)
+    try:
+        c.host({"model": "default"})
+        c.poll()
+        calls["/status"]({"state": "idle"}, None)        # the node has not begun it yet
+        assert c.status["loading"]["message"] == "Starting the pipeline…"
+        assert "No pipeline" not in w.model_label.text() and "Host a pipeline" not in w.pipeline_label.text()
+        assert "answers as soon as the pipeline is ready" in w.pipeline_label.text()
+        calls["/host"]({"state": "loading"}, None)        # answered: the node's own status from now on
+        c._polling = False
+        c.poll()
+        calls["/status"]({"state": "idle"}, None)
+        assert "loading" not in c.status and w.model_label.text() == "No pipeline is running"
+    finally:
+        c.shutdown()
+
+
+def test_ctrl_enter_while_a_reply_comes_stops_nothing_and_escape_stops_it(qtbot, tmp_path, monkeypatch):
+    """Ctrl+Enter stopped a streaming reply, and the message typed meanwhile was not sent."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from PySide6.QtCore import Qt
+
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    w = ChatWindow(c)
+    qtbot.addWidget(w)
+    stopped = []
+    w.stop = lambda: stopped.append(1)
+    try:
+        w.show()
+        w.activateWindow()
+        qtbot.waitUntil(w.isActiveWindow, timeout=5_000)   # shortcuts go to the active window
+        w.stream = object()          # a reply on its way
+        w.input.setPlainText("and another thing")
+        w.input.setFocus()
+        qtbot.keyClick(w.input, Qt.Key_Return, Qt.ControlModifier)
+        assert stopped == [] and w.input.toPlainText() == "and another thing" and "still coming" in w.hint.text()
+        qtbot.keyClick(w.input, Qt.Key_Escape)
+        assert stopped == [1]
+    finally:
+        w.stream = None
+        c.shutdown()
