@@ -285,10 +285,14 @@ class ChatWindow(QMainWindow):
         if recovering:
             return f"{model} — {who} left; rearranging the layers over the others… your conversation goes on"
         took = last.get("seconds")
+        took = None if took is None else "under a second" if took < 1 else f"{took:.0f} s"
         if last.get("event") == "recovered" and took is not None:
-            return f"{model} — ready (a computer left; rearranged in {took:.0f} s, no conversation lost)"
+            return f"{model} — ready ({who} left; rearranged in {took}, no conversation lost)"
         if last.get("event") == "rejoined" and took is not None:
-            return f"{model} — ready (a computer joined; rearranged in {took:.0f} s, no conversation lost)"
+            came = [e for e in events if e.get("event") in ("back", "joined")]
+            verb = "came back" if came and came[-1]["event"] == "back" else "joined"
+            newcomer = (came[-1].get("who") if came else None) or "a computer"
+            return f"{model} — ready ({newcomer} {verb}; rearranged in {took}, no conversation lost)"
         return f"{model} — ready"
 
     def on_status(self, st: dict):
@@ -313,7 +317,8 @@ class ChatWindow(QMainWindow):
             self.ring_view.set_rows(rows, rows[0].get("tokens_per_s") if rows else None)
             self.ring_view.show()
             parts = [hop_label(h) for h in hosting.get("hops") or []]
-            parts.append(f"{hosting.get('tokens_served', 0)} tokens written so far")
+            n = hosting.get("tokens_served", 0)
+            parts.append(f"{n:,} token{'' if n == 1 else 's'} written so far")
             spec = speculation_label(hosting)
             if spec:
                 parts.append(spec)

@@ -92,6 +92,11 @@ def ring_table(h: dict) -> str:
     return "".join(out)
 
 
+def _count(n: int, noun: str) -> str:
+    """'no conversation', '1 conversation', '3 conversations'."""
+    return f"no {noun}" if not n else f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def status_html(st: dict) -> str:
     st = st or {}
     state = st.get("state", "unknown")
@@ -109,7 +114,8 @@ def status_html(st: dict) -> str:
         rate = ring_rows[0].get("tokens_per_s") if ring_rows else None
         out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {h.get('tokens_served', 0)} tokens written"
                    + (f", {rate:.1f} tokens/s now" if rate else "")
-                   + f"; {h.get('running', 0)} conversation(s) answering, {h.get('waiting', 0)} waiting<br>"
+                   + f"; {_count(h.get('running', 0), 'conversation')} being answered, "
+                     f"{h.get('waiting', 0)} waiting<br>"
                    f"For other programs (OpenAI-compatible): <code>{h.get('openai_url')}</code>"
                    + (f"<br>On your network: <code>{h['api_lan_url']}</code> (with the API key from "
                       "Host a pipeline…)" if h.get("api_lan_url") else "")

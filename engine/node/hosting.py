@@ -31,7 +31,8 @@ class Hosting:
         self.error = None
         # shown in the status: never the API key
         self.host_request = dict(args, api_key="(set)") if args.get("api_key") else args
-        self.loading = {"message": f"Loading {name or args['model']}…", "stages": {}}
+        self.loading_name = name or args["model"]   # what the person chose, in its own words
+        self.loading = {"message": f"Loading {self.loading_name}…", "stages": {}}
         self.host_task = asyncio.ensure_future(self._host(args))
 
     def host_args(self, body: dict) -> dict:
@@ -288,7 +289,8 @@ class Hosting:
             if self.loading is not None:
                 self.loading.pop("short_code", None)
         self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]
-        self.loading.update(message=f"Loading {args['model']} across {n + 1} computers…",
+        self.loading.update(message=f"Loading {getattr(self, 'loading_name', None) or args['model']} across "
+                                    f"{n + 1} computers…",
                             friends=[p.name or p.node_id for p in peers])
         return await gate.route(peers, cfg)
 

@@ -161,9 +161,9 @@ def plain_why(why: str | None) -> str:
         if marker in why:
             # the friend's node said it of itself: "this computer is going to sleep"
             return why.split(marker, 1)[1].replace("this computer", "their computer")
-    if "disconnected" in why:
+    if "disconnected" in why or "connection closed" in why:
         return "its connection closed"
-    if "silent" in why or "no answer" in why or "heartbeat" in why:
+    if any(w in why for w in ("silent", "no answer", "heartbeat", "stopped answering")):
         return "it stopped answering (asleep, or its network went)"
     return "it stopped answering" if "ws://" in why else why
 

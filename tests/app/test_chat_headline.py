@@ -17,7 +17,7 @@ def test_the_headline_says_a_computer_left_and_that_the_chat_goes_on():
     assert "Ana left" in text and "goes on" in text and "ws://" not in text
     hosting = {"model": "SmolLM2", "recovering": None,
                "events": [left, {"event": "recovered", "seconds": 4.2, "t": 5.2}]}
-    assert "rearranged in 4 s" in ChatWindow.hosting_headline(hosting)
+    assert "Ana left; rearranged in 4 s" in ChatWindow.hosting_headline(hosting)
     assert ChatWindow.hosting_headline({"model": "SmolLM2"}) == "SmolLM2 — ready"
 
 
@@ -34,7 +34,10 @@ def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
     assert "Ana is back" in text
     rejoined = {"event": "rejoined", "seconds": 3.4, "t": 12.0}
     text = ChatWindow.hosting_headline({"model": "M", "recovering": None, "events": [left, back, rejoined]})
-    assert "joined" in text and "rearranged in 3 s" in text
+    assert "Ana came back" in text and "rearranged in 3 s" in text
+    rejoined = dict(rejoined, seconds=0.4)
+    text = ChatWindow.hosting_headline({"model": "M", "recovering": None, "events": [left, back, rejoined]})
+    assert "rearranged in under a second" in text and "0 s" not in text
 
 
 def test_while_a_friend_loads_its_share_the_chat_says_it_goes_on():

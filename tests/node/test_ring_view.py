@@ -41,6 +41,9 @@ def test_a_friend_who_left_is_shown_as_such_with_why_until_back():
     assert ring(hosting(stages, [silent], friends))[-1]["why"] == "its connection closed"
     asleep = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) is leaving: this computer is going to sleep"}
     assert ring(hosting(stages, [asleep], friends))[-1]["why"] == "their computer is going to sleep"
+    # the head's own words for a link that went quiet, as a friend's faded card showed them
+    frozen = {"event": "left", "address": BEN, "why": "the link to stage 1 failed: the receiver stopped answering"}
+    assert ring(hosting(stages, [frozen], friends))[-1]["why"] == "it stopped answering (asleep, or its network went)"
     back = ring(hosting(stages, [left, {"event": "back", "address": BEN}], friends))
     assert [r["who"] for r in back] == ["This computer", "Ana"]
 
