@@ -254,6 +254,7 @@ class HostDialog(QDialog):
         self.last_plan: dict | None = None
         self.last_error: str | None = None
         self.started = False
+        self._replace_ok = False   # told that starting stops the pipeline running now
         self._arrived = 0      # friends who joined, as last shown
         controller.statusChanged.connect(self.on_status)
 
@@ -389,6 +390,18 @@ class HostDialog(QDialog):
         self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message)}</span>")
 
     def start(self):
+        running = (self.c.status or {}).get("hosting")
+        if running and not self._replace_ok:
+            # the node stops the pipeline the chat uses before it starts this one (with
+            # friends to wait for, the chat cannot answer until they have joined): say so once
+            self._replace_ok = True
+            self.start_button.setText("Stop it and host")
+            self.result.setText(f"<b>{html.escape(str(running.get('model') or 'The model'))} is running now.</b> "
+                                "It stops while the new pipeline starts (your conversations are kept); "
+                                + ("the chat answers again once your friends have joined. "
+                                   if self.invitees.value() else "")
+                                + "Press “Stop it and host” to go on.")
+            return
         self.result.setText("Starting…")
 
         def done(result, error):

@@ -638,6 +638,8 @@ def test_host_dialog(qtbot, live):
     assert d.weights_table.rowCount() == 4 and d.last_plan["weights"] == "bf16"   # bf16 int8 nf4 int4
     assert "will be used" in d.weights_table.item(0, 2).text()
     d.model.setEditText("no-such-user/no-such-model-xyz")
+    d.start()   # the pipeline the chat uses is running: the first press says it would stop
+    assert "is running now" in d.result.text() and d.start_button.text() == "Stop it and host"
     d.start()
     qtbot.waitUntil(lambda: bool(d.last_error is not None), timeout=60_000)
     assert "Could not find model" in d.result.text()
