@@ -208,9 +208,14 @@ class Controller(QObject):
         self._act("POST", "/power", {"state": "awake"})
 
     # ---- actions -----------------------------------------------------------------------
-    def _act(self, method, path, body=None, cb=None, timeout=None):
+    def _act(self, method, path, body=None, cb=None, timeout=None, told: bool | None = None):
+        """told: whether the caller shows a failure itself (a dialog that asked: by default,
+        any caller with a callback); else it goes to the chat and the tray as a notice. A
+        join refused in its own window used to stay in the chat after the join succeeded."""
+        told = cb is not None if told is None else told
+
         def done(result, error):
-            if error:
+            if error and not told:
                 self.notice.emit(error)
             if cb:
                 cb(result, error)
@@ -233,7 +238,7 @@ class Controller(QObject):
             if cb:
                 cb(result, error)
 
-        self._act("POST", "/host", request, done)
+        self._act("POST", "/host", request, done, told=cb is not None)
 
     def reply(self, code: str, cb=None):
         """A friend's reply code for the pipeline we host (POST /host/reply)."""
