@@ -34,7 +34,10 @@ previous one's back-off or half-finished rearrangement. Measured per run:
                   when it never broke after the undo; "never" when not whole within
                   --recover-timeout
   drops           the head's "left" events from the fault until the run ends: how many
-                  times a stage was let go (one fault can cost more than one)
+                  times a stage was let go (one fault can cost more than one: a line down
+                  behind friend 2 may first be blamed on friend 1, whose link to it
+                  dropped; --json lists each one's reason, and every run's log folder
+                  keeps the terminals and the head's events.jsonl)
 
 A run ends once the reply is done and the ring has been whole for --settle seconds.
 
@@ -264,8 +267,9 @@ class Watch:
             return 0.0
         return after[broken[-1] + 1][0] - t_undo
 
-    def count(self, event: str, wall_from: float) -> int:
-        return sum(1 for e in self.events.values() if e.get("event") == event and e.get("t", 0) >= wall_from)
+    def of(self, event: str, wall_from: float) -> list[dict]:
+        return sorted((e for e in self.events.values() if e.get("event") == event and e.get("t", 0) >= wall_from),
+                      key=lambda e: e.get("t", 0))
 
 
 class Homes:
@@ -414,7 +418,8 @@ def one_run(co: Checkout, name: str, args, logdir: Path) -> dict:
                 stall_s=got.get("stall"), reply_s=got.get("elapsed"), error=got.get("error"),
                 ref_stall_s=ref.get("stall"), ref_reply_s=ref.get("elapsed"),
                 same=(got.get("text") == ref.get("text") and not got.get("error")) if not th.is_alive() else False,
-                back_s=homes.watch.back_after(t_undo), drops=homes.watch.count("left", wall_inject - 1.0),
+                back_s=homes.watch.back_after(t_undo), drops=len(homes.watch.of("left", wall_inject - 1.0)),
+                left=[e.get("why") for e in homes.watch.of("left", wall_inject - 1.0)],
                 tokens=len(got.get("times") or []))
             if th.is_alive():
                 row["error"] = f"no end to the reply {args.recover_timeout:.0f} s after the undo"
@@ -427,6 +432,9 @@ def one_run(co: Checkout, name: str, args, logdir: Path) -> dict:
                 except Exception:  # noqa: BLE001
                     pass
             homes.stop()
+            with open(logdir / "events.jsonl", "w") as f:    # the head's events, for the record
+                for e in sorted(homes.watch.events.values(), key=lambda e: e.get("t", 0)):
+                    f.write(json.dumps(e) + "\n")
     return row
 
 
