@@ -302,6 +302,14 @@ class Homes:
                                                       f"friend{i}"], self.env(f"friend{i}"), self.co.path, self.dir)
             f.start(self.net)
             self.friends.append(f)
+            # one after the other, as the host sees them arrive: the pipeline's order is the
+            # order they joined, and each fault is aimed at a place in it (friend 1 the middle
+            # stage, whose uplink carries the prompt's activations; friend 2 the last)
+            deadline = time.monotonic() + self.args.ready_timeout
+            while f"(friend{i}) connected" not in self.tail("host", 100_000):
+                if f.p.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"friend{i} did not connect: {self.tail(f'friend{i}')}")
+                time.sleep(0.2)
         self.watch.start()
         deadline = time.monotonic() + self.args.ready_timeout
         while self.watch.whole_for() < 1.0:

@@ -67,8 +67,14 @@ class RecoveryDriver:
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()   # a machine loading ahead (_take_in): the loss comes first
         self._stop_drafting_ahead()   # the steps in flight never come back
-        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._rearrange(index, ask_back,
-                                                                                    planned=planned)))
+        self._recovery = self._start_recovery(self._rearrange(index, ask_back, planned=planned))
+
+    def _start_recovery(self, rearrangement) -> asyncio.Task:
+        """Run a rearrangement (a coroutine) under _recover_or_fail. One cancelled before it
+        began (the pipeline closing in the same turn) is closed, not left never awaited."""
+        task = asyncio.ensure_future(self._recover_or_fail(rearrangement))
+        task.add_done_callback(lambda t: t.cancelled() and rearrangement.close())
+        return task
 
     async def _recover_or_fail(self, rearrangement):
         try:
@@ -222,7 +228,7 @@ class RecoveryDriver:
             return False
         log.warning("%s", self.recovery.parting_status)
         self._disarm_spares()
-        self._recovery = asyncio.ensure_future(self._recover_or_fail(self._take_out(index, why, seconds, epoch)))
+        self._recovery = self._start_recovery(self._take_out(index, why, seconds, epoch))
         return True
 
     async def _take_out(self, index: int, why: str, seconds: float, epoch: int):
@@ -444,15 +450,13 @@ class RecoveryDriver:
             return  # _recover_or_fail starts a new watch if others are still away
 
     def _start_take_in(self, r: RemoteStage, ahead: bool) -> asyncio.Task:
-        take_in = self._take_in(r, ahead)
-        task = asyncio.ensure_future(self._recover_or_fail(take_in))
+        task = self._start_recovery(self._take_in(r, ahead))
 
         def cancelled(t: asyncio.Task):
             # a loss in the same turn cancels the take-in before it began, so its own
             # except never ran: the machine's connection, left open, would hold its one
             # head slot (the watch's next ask then waits out the machine's patience)
             if t.cancelled():
-                take_in.close()
                 if r.ws is not None and getattr(r.ws, "close_code", None) is None:
                     asyncio.ensure_future(r.ws.close())
         task.add_done_callback(cancelled)
