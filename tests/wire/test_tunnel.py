@@ -687,19 +687,25 @@ async def test_a_refusal_at_one_address_does_not_stop_the_join_at_the_next(tmp_p
             echo.close()
 
 
-async def test_a_reply_code_is_shown_when_the_hosts_addresses_fail_however_fast_it_was_made(tmp_path, monkeypatch):
-    """The joiner makes its reply code while it tries the host's addresses: shown the
-    moment they have failed, whether making it took longer than failing (a router to
-    ask) or not (nothing to ask: here)."""
+def _joiner_to_a_closed_port(tmp_path, monkeypatch, on_reply):
+    """A joiner whose invite names only an address nothing answers at, with a reply
+    listener on loopback (no router asked)."""
     from engine.wire.tunnel import Joiner
 
     monkeypatch.setenv("POTLUCK_UPNP", "0")
     (tmp_path / "h").mkdir()
     state = inv.HostState(tmp_path / "h")
     _, code = state.create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+    return Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", 9),
+                  reply_listen="127.0.0.1:0", on_reply=on_reply)
+
+
+async def test_a_reply_code_is_shown_when_the_hosts_addresses_fail_however_fast_it_was_made(tmp_path, monkeypatch):
+    """The joiner makes its reply code while it tries the host's addresses: shown the
+    moment they have failed, whether making it took longer than failing (a router to
+    ask) or not (nothing to ask: here)."""
     shown = []
-    j = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", 9),
-               reply_listen="127.0.0.1:0", on_reply=shown.append)
+    j = _joiner_to_a_closed_port(tmp_path, monkeypatch, shown.append)
     t0 = time.monotonic()
     task = asyncio.ensure_future(j.connect())
     try:
@@ -721,15 +727,10 @@ async def test_a_member_reconnecting_retries_quietly_before_it_offers_a_reply_co
     retries quietly now, and offers a code only when the host's addresses have failed for
     REPLY_AFTER_S (they may have changed for good)."""
     from engine.wire import tunnel_join
-    from engine.wire.tunnel import Joiner, TunnelError
+    from engine.wire.tunnel import TunnelError
 
-    monkeypatch.setenv("POTLUCK_UPNP", "0")
-    (tmp_path / "h").mkdir()
-    state = inv.HostState(tmp_path / "h")
-    _, code = state.create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
     shown = []
-    j = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", 9),
-               reply_listen="127.0.0.1:0", on_reply=shown.append)
+    j = _joiner_to_a_closed_port(tmp_path, monkeypatch, shown.append)
     j.member = True                     # joined directly before; the tunnel just closed
     j._down_since = time.monotonic()
     try:
