@@ -289,8 +289,7 @@ class Hosting:
             if self.loading is not None:
                 self.loading.pop("short_code", None)
         self.friends = [{"name": p.name, "node_id": p.node_id, "via": p.path, "peer": p} for p in peers]
-        self.loading.update(message=f"Loading {getattr(self, 'loading_name', None) or args['model']} across "
-                                    f"{n + 1} computers…",
+        self.loading.update(message=f"Loading {self.loading_name} across {n + 1} computers…",
                             friends=[p.name or p.node_id for p in peers])
         return await gate.route(peers, cfg)
 
