@@ -40,6 +40,14 @@ def applies(req: Requirement, extras: set[str]) -> bool:
     return any(req.marker.evaluate({**TARGET, "extra": e}) for e in (extras or {""}))
 
 
+def for_target(wanted: list[str]) -> list[Requirement]:
+    """The requirements among `wanted` whose markers hold on the target: pyproject's list
+    names one PySide6 for Pythons before 3.12 and another after, and the first one met
+    would otherwise decide the version (the name is fetched once)."""
+    reqs = [Requirement(w) for w in wanted]
+    return [r for r in reqs if applies(r, set(r.extras))]
+
+
 def requirements_of(wheel: Path, extras: set[str]) -> list[Requirement]:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
@@ -54,7 +62,7 @@ def have(dest: Path) -> dict[str, Path]:
 
 def fetch(dest: Path, wanted: list[str], no_deps_of: set[str] = frozenset()) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    queue = [Requirement(w) for w in wanted]
+    queue = for_target(wanted)
     seen: dict[str, set[str]] = {}
     while queue:
         req = queue.pop(0)

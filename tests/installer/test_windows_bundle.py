@@ -189,6 +189,18 @@ def test_layout_drops_what_cannot_load_to_a_fixed_point_and_stops_on_unknown_dll
     assert (lib / "odd.dll").exists()
 
 
+def test_the_wheels_fetched_are_those_whose_markers_hold_on_windows_python_313():
+    import tomllib
+    import fetch_wheels
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    chosen = {str(r.specifier) for r in fetch_wheels.for_target(deps) if r.name == "PySide6-Essentials"}
+    # the bundle's Python is 3.13: the pin kept off Pythons before 3.12 must not decide it
+    assert chosen == {">=6.7"}
+    picked = fetch_wheels.for_target(["pywin32-ctypes; sys_platform == 'win32'", "uvloop; sys_platform != 'win32'",
+                                      "tomli; python_version < '3.11'"])
+    assert [r.name for r in picked] == ["pywin32-ctypes"]
+
+
 # ---- the staged tree --------------------------------------------------------------------
 
 def test_every_dll_import_in_the_bundle_is_met(stage):
