@@ -15,9 +15,9 @@ the kernel in bf16 and the output returns to the stage's dtype; on a CPU stage (
 that rounding is part of what int4 costs. Together: int4 agrees with the default model's
 full-precision logits as often as computing in bf16 does (bench/quant.py).
 
-A stage quantizes its decoder layers' Linear weights on the host as it loads them
-(before the slice moves to its device: the full-precision copy never exists there), then
-packs them for its device. Embeddings and the LM head stay at the compute dtype, as with
+A stage quantizes each decoder layer's Linear weights as soon as that layer is read, on
+the device it is read to (the full-precision copy of one layer at a time exists there, never
+the slice's), then packs them for its device. Embeddings and the LM head stay at the compute dtype, as with
 int8 and nf4. A Linear the kernels cannot take (rows not a multiple of 16, columns not
 of the group) keeps its own product.
 """
@@ -91,8 +91,8 @@ def pack(nibbles: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Int4Linear(nn.Module):
-    """A Linear whose weight is 4-bit groups (see the module's docstring). Built on the host
-    from a full-precision Linear; `packed` for its device by `to_device`."""
+    """A Linear whose weight is 4-bit groups (see the module's docstring). Built from a
+    full-precision Linear where that was read; `packed` for its device by `to_device`."""
 
     def __init__(self, linear: nn.Linear, group: int = GROUP):
         super().__init__()
@@ -129,9 +129,9 @@ class Int4Linear(nn.Module):
 
 
 def quantize_layers(layers: nn.Module, progress=None) -> int:
-    """Swap each Linear of `layers` the kernels can take for an Int4Linear (on the host,
-    where they were loaded); returns how many. progress(done, total, what): a big
-    model's layers take a while on the host."""
+    """Swap each Linear of `layers` the kernels can take for an Int4Linear (on the device
+    they were read to); returns how many. progress(done, total, what): a big model's
+    layers take a while on a CPU."""
     todo = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
             if type(child) is nn.Linear and not child.weight.is_meta and fits(child)]
     for i, (parent, name, child) in enumerate(todo):

@@ -97,6 +97,24 @@ def _quiet(logger: str, words: str, when) -> None:
         target.removeFilter(drop)
 
 
+def _by_layer(state: dict, split: bool):
+    """(layer index or None, tensors): the whole state at once, or -- split -- what is
+    outside the decoder layers first, then each layer's tensors in order (a layer's tensors
+    stay together: transformers fuses a layer's experts in one conversion)."""
+    if not split:
+        yield None, state
+        return
+    parts: dict = {}
+    for key, tensor in state.items():
+        m = _LAYER_KEY.search(key)
+        layer = int(m.group(1)) if m is not None and key.split(".")[0] != "lm_head" else None
+        parts.setdefault(layer, {})[key] = tensor
+    if None in parts:
+        yield None, parts.pop(None)
+    for layer in sorted(parts):
+        yield layer, parts[layer]
+
+
 class _Counted:
     """A checkpoint tensor not read yet, that says when transformers' loader reads it
     (`t[...]`): the progress a user sees is the reading, which is most of the wait."""
@@ -333,16 +351,18 @@ class StageModel:
             with _quiet("transformers.integrations.bitsandbytes", "no linear modules were found", kept):
                 quantizer.preprocess_model(model=model, dtype=self.dtype, device_map={"": str(self.device)},
                                            checkpoint_files=None)
+        layers = getattr(self._base, self._layers_name)
+        # int4: each layer is quantized as soon as it is read, on the device it was read to, so
+        # a stage holds one layer at full precision at a time: a slice that fits its GPU only
+        # in 4 bits must not pass through it whole at 16
+        quantize_each = (lambda i: quantize_layers(layers[i])) if self.weights == INT4 else None
         self.source.on_download = self._progress  # hub shards: bytes per file as they arrive
         try:
-            self._load_weights(model, checkpoint, names, quantizer)
+            self._load_weights(model, checkpoint, names, quantizer, quantize_each)
         finally:
             self.source.on_download = None
         if quantizer is not None:
             quantizer.postprocess_model(model)
-        layers = getattr(self._base, self._layers_name)
-        if self.weights == INT4:
-            quantize_layers(layers, self._progress)   # on the host, before the slice moves to its device
         for i, layer in kept.items():   # in after the quantizer, which would wrap them again
             layers[i] = adopt(layer, kept_config, model.config)
         self.files_opened = checkpoint.files_opened
@@ -435,9 +455,10 @@ class StageModel:
         else:
             self._layer_types = None
 
-    def _load_weights(self, model, checkpoint, param_names: set[str], quantizer) -> None:
+    def _load_weights(self, model, checkpoint, param_names: set[str], quantizer, after_layer=None) -> None:
         """Read this stage's tensors, and only those, through transformers' own weight
-        conversions (MoE expert fusion etc.) and quantizer, onto the stage's device."""
+        conversions (MoE expert fusion etc.) and quantizer, onto the stage's device.
+        after_layer(i): the layers are read one at a time, and it is called after each."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
@@ -464,7 +485,7 @@ class StageModel:
             emb_key = next((k for k in names if k.endswith(suffix) and not _LAYER_KEY.search(k)), None)
         if need_tied and not self.first and emb_key is not None:
             wanted[emb_key] = names[emb_key]
-        what = "loading weights" if quantizer is None else f"loading weights as {self.weights}"
+        what = "loading weights" if quantizer is None and after_layer is None else f"loading weights as {self.weights}"
         total = len(wanted) + (need_tied and not self.first and kept(emb_key or ""))
         done = 0
         lock = threading.Lock()
@@ -490,14 +511,19 @@ class StageModel:
             load_config = LoadStateDictConfig(
                 weight_mapping=get_model_conversion_mapping(model, None, quantizer), dtype=self.dtype,
                 device_map={"": str(self.device)}, hf_quantizer=quantizer)
-            info, _ = convert_and_load_state_dict_in_model(model, state, load_config)
-        # transformers records a failed conversion (a shape that does not fit, a quantizer
-        # that refused a tensor) and carries on: a stage must not serve half-loaded layers
-        errors = dict(getattr(info, "conversion_errors", {}) or {})
+            errors, mismatched = {}, []
+            for layer, part in _by_layer(state, after_layer is not None):
+                info, _ = convert_and_load_state_dict_in_model(model, part, load_config)
+                # transformers records a failed conversion (a shape that does not fit, a quantizer
+                # that refused a tensor) and carries on: a stage must not serve half-loaded layers
+                errors.update(getattr(info, "conversion_errors", {}) or {})
+                mismatched += getattr(info, "mismatched_keys", None) or []
+                if layer is not None and not errors and not mismatched:
+                    after_layer(layer)
         if errors:
             key, why = next(iter(errors.items()))
             raise ModelError(f"could not load {len(errors)} weight(s) of this stage, e.g. {key}: {why}")
-        mismatched = sorted(getattr(info, "mismatched_keys", None) or []) or misshapen(model)
+        mismatched = sorted(mismatched) or misshapen(model)
         if mismatched:
             raise ModelError(f"checkpoint tensors do not match the model's shapes, e.g. {mismatched[:3]}")
         if need_tied and self.first:

@@ -84,6 +84,26 @@ def test_a_stage_at_int4_holds_its_layers_in_four_bits(tiny_folder):
         assert out.shape == (1, source.config().vocab_size) and bool(torch.isfinite(out).all())
 
 
+def test_an_int4_stage_holds_one_layer_at_full_precision_at_a_time_while_loading(tiny_folder, monkeypatch):
+    """A slice that fits its GPU only in 4 bits must not pass through it whole at 16."""
+    import transformers.core_model_loading as loading
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    real, full_layers = loading.convert_and_load_state_dict_in_model, []
+
+    def load(model, state, config, *args, **kwargs):
+        out = real(model, state, config, *args, **kwargs)
+        full_layers.append(sum(any(type(m) is nn.Linear and not m.weight.is_meta for m in layer.modules())
+                               for layer in model.model.layers))
+        return out
+
+    monkeypatch.setattr(loading, "convert_and_load_state_dict_in_model", load)
+    s = StageModel(source, 0, L, device="cpu", weights="int4")
+    assert len(full_layers) == L + 1 and max(full_layers) == 1      # the embeddings, then each layer
+    assert sum(isinstance(m, Int4Linear) for m in s.model.modules()) == 7 * L
+
+
 def test_int4_layers_kept_across_a_rearrangement_are_not_quantized_again(tiny_folder):
     folder, _ = tiny_folder("llama")
     source = resolve(str(folder))
