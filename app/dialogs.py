@@ -391,9 +391,9 @@ class HostDialog(QDialog):
 
     def start(self):
         running = (self.c.status or {}).get("hosting")
-        if running and not self._replace_ok:
-            # the node stops the pipeline the chat uses before it starts this one (with
-            # friends to wait for, the chat cannot answer until they have joined): say so once
+        if running and not self._replace_ok and not (self.invitees.value() and not running.get("friends")):
+            # the node stops the pipeline the chat uses before it starts this one: say so once
+            # (one on this computer alone, replaced by one with friends, serves until they come)
             self._replace_ok = True
             self.start_button.setText("Stop it and host")
             self.result.setText(f"<b>{html.escape(str(running.get('model') or 'The model'))} is running now.</b> "
@@ -431,8 +431,8 @@ class HostDialog(QDialog):
     def on_status(self, st: dict):
         if not self.started:
             return
-        loading = st.get("loading")
-        code = (loading or {}).get("invite") or (st.get("hosting") or {}).get("invite")
+        loading, hosting = st.get("loading"), st.get("hosting")
+        code = (loading or {}).get("invite") or (hosting or {}).get("invite")
         if code and code != self.invite.text():
             from PySide6.QtGui import QPixmap
 
@@ -464,6 +464,9 @@ class HostDialog(QDialog):
                 self.c.models(self._show_models)
             if loading.get("weights_table"):  # what the head settled, against the whole pool
                 text += f"<pre>{html.escape(loading['weights_table'])}</pre>"
+            if hosting:   # the pipeline running now serves until the friends have come
+                text += (f"<br>Until they have, the chat answers with "
+                         f"{html.escape(str(hosting.get('model') or 'the model'))} on this computer.")
             self.result.setText(text)
         if loading and loading.get("stages"):
             stages = list(loading["stages"].values())
@@ -473,8 +476,7 @@ class HostDialog(QDialog):
             self.progress.setValue(int(share * 1000))
             downloading = [str(p.get("what")) for p in stages if str(p.get("what", "")).startswith("downloading")]
             self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading layers %p%")
-        hosting = st.get("hosting")
-        if hosting:
+        if hosting and not loading:
             self.progress.setValue(self.progress.maximum())
             self.result.setText(
                 f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "

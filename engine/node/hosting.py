@@ -20,6 +20,8 @@ from engine.node.ring_view import gives_words, path_words
 log = logging.getLogger("potluck.node")
 
 DEFAULT_SHARE_PIPELINE = "potluck"   # the name a plain "Share this GPU" accepts
+# what a reply still streaming on the pipeline that gave way to one with friends ends with
+REPLACED = "the host moved this chat onto a pipeline with friends; send it again in a moment"
 
 
 class Hosting:
@@ -225,10 +227,14 @@ class Hosting:
                              wait_timeout=args.get("wait_timeout_s", 300.0), draft=args.get("draft"),
                              # friends' shares check the name; our own stage processes use "local"
                              pipeline=args.get("pipeline", DEFAULT_SHARE_PIPELINE) if args["stage_addr"] else "local")
-        pipe = None
+        pipe, replaced = None, False
         try:
             if args.get("friends"):
                 cfg = await self._wait_for_friends(args, cfg)
+            # a pipeline kept serving while the friends came (routes.h_host) gives way now:
+            # the new one's head takes its memory and its API's port
+            await self._close_pipeline(REPLACED)
+            replaced = True
             pipe = await launch(cfg, progress, say)
             if self.friends_gate is not None:
                 self.friends_gate.follow(pipe.head)  # friends joining later take a slice
@@ -247,11 +253,13 @@ class Hosting:
             raise
         except Exception as exc:
             log.exception("hosting failed")
-            for runner in (self.api_runner, self.api_lan_runner):   # e.g. the LAN port is taken
-                if runner is not None:
-                    await runner.cleanup()
-            self.api_runner = self.api_lan_runner = None
-            self.openai_url = self.api_lan_url = None
+            if replaced:   # the API's runners are the new pipeline's (e.g. the LAN port is taken)
+                for runner in (self.api_runner, self.api_lan_runner):
+                    if runner is not None:
+                        await runner.cleanup()
+                self.api_runner = self.api_lan_runner = None
+                self.openai_url = self.api_lan_url = None
+            # else the friends never came: the pipeline kept serving meanwhile serves on
             if pipe is not None:
                 await pipe.close()
             if self.friends_gate is not None:
@@ -307,6 +315,13 @@ class Hosting:
                 log.info("host: short code: %s", exc)
                 await asyncio.sleep(2.0)      # the relay may be down: not a busy loop
 
+    def keeps_serving_while_friends_join(self, args: dict) -> bool:
+        """Whether a new pipeline can wait for its friends while the one running now serves:
+        a pipeline on this computer alone (one with friends shares their gate with the new
+        invite) replaced by one with friends (who may take minutes to come)."""
+        return bool(args.get("friends")) and self.pipe is not None and not self.friends \
+            and self.friends_gate is None
+
     async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
         if self.host_task is not None and not self.host_task.done():
             self.host_task.cancel()
@@ -315,6 +330,15 @@ class Hosting:
             except (asyncio.CancelledError, Exception):
                 pass
         self.host_task = None
+        await self._close_pipeline(why)
+        self.loading = None
+        if self.friends_gate is not None:
+            gate, self.friends_gate = self.friends_gate, None
+            await gate.close()
+        self.invite_code, self.friends = None, []
+
+    async def _close_pipeline(self, why: str):
+        """The pipeline serving now and its API, closed (a replacement may be loading)."""
         if self.pipe is not None:
             # the pipeline first: each reply still streaming ends with why, and the API
             # gets a moment to send it before its connections close
@@ -327,9 +351,4 @@ class Hosting:
         self.api_runner = self.api_lan_runner = None
         self.api_lan_url = None
         self.openai_url = None
-        self.loading = None
-        if self.friends_gate is not None:
-            gate, self.friends_gate = self.friends_gate, None
-            await gate.close()
-        self.invite_code, self.friends = None, []
 

@@ -142,7 +142,8 @@ class NodeRoutes:
         async with self._lock:
             if self.host_task is not None and not self.host_task.done():
                 raise NodeError("a pipeline is already starting; wait for it or stop it first", 409)
-            await self._stop_host()
+            if not self.keeps_serving_while_friends_join(args):
+                await self._stop_host()
             self.start_hosting(args, plan["model"])
         return web.json_response({"ok": True, "plan": plan})
 

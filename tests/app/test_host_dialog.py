@@ -212,6 +212,30 @@ def test_a_friends_reply_code_is_taken_while_friends_are_awaited(dialog):
     assert not d.reply_row.isVisibleTo(d)
 
 
+def test_hosting_with_friends_while_the_chat_runs_keeps_it_answering_until_they_come(dialog):
+    """The node keeps a pipeline on this computer alone serving while the friends invited
+    come (routes.h_host): nothing to confirm, and the dialog says the chat still answers.
+    Without friends it would stop at once: that is asked first."""
+    d = dialog
+    d.c.status = {"state": "serving", "hosting": {"model": "SmolLM2 135M", "friends": [], "stages": []}}
+    d.invitees.setValue(1)
+    d.start()
+    assert [what for what, _ in d.sent] == ["host"] and d.start_button.text() != "Stop it and host"
+    d.started = True    # as the node's answer sets it
+    d.on_status({"state": "serving", "hosting": {"model": "SmolLM2 135M", "friends": [], "stages": []},
+                 "loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8"}})
+    assert "Until they have, the chat answers with SmolLM2 135M" in d.result.text()
+    assert "Ready" not in d.result.text() and d.reply_row.isVisibleTo(d)
+    d.on_status({"state": "serving", "hosting": {"model": "SmolLM2 135M", "invite": "0411V-648F8", "stages": [],
+                                                 "friends": [{"name": "Ana"}], "openai_url": "http://x/v1"}})
+    assert "Ready" in d.result.text() and "Ana" in d.result.text()
+    d2_sent = len(d.sent)
+    d.invitees.setValue(0)       # on this computer alone: the running one stops first, said first
+    d._replace_ok = False
+    d.start()
+    assert len(d.sent) == d2_sent and d.start_button.text() == "Stop it and host"
+
+
 def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
     """On a 900-px screen the dialog grew to 1015 px once the invite showed (Advanced open):
     the code and Close were below the screen's edge. Its content scrolls now, the invite

@@ -638,6 +638,44 @@ def test_a_friend_who_cannot_reach_the_host_joins_with_a_reply_code(tmp_path):
         assert host.wait(60) == 0 and friend.wait(60) == 0
 
 
+def _ask(openai_url: str) -> str:
+    body = json.dumps({"model": "default", "max_tokens": 8, "temperature": 0,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+    req = urllib.request.Request(openai_url + "/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
+    """The app hosts the default model on this computer for its chat; then its owner hosts
+    with a friend. The chat's pipeline serves until the friend has joined (it used to stop
+    at once: no answer for as long as the friend took), then the pipeline with the friend
+    takes over."""
+    common = {"POTLUCK_KEYSTORE": "file", "POTLUCK_UPNP": "0"}
+    host, hport = start_node(env={**common, "POTLUCK_HOME": str(tmp_path / "host")})
+    friend, fport = start_node(env={**common, "POTLUCK_HOME": str(tmp_path / "friend")})
+    try:
+        assert call(hport, "POST", "/host", {"model": "default"})[0] == 200
+        alone = wait_status(hport, lambda s: s["state"] == "serving", timeout=300)["openai_url"]
+        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
+        assert status == 200, r
+        st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
+        assert st["state"] == "serving" and st["openai_url"] == alone and not st["hosting"]["friends"]
+        assert "Paris" in _ask(alone)     # while nobody has joined yet
+        status, fst = call(fport, "POST", "/join", {"code": st["loading"]["invite"]}, timeout=120)
+        assert status == 200, fst
+        st = wait_status(hport, lambda s: s["state"] == "serving" and not s["loading"]
+                         and (s["hosting"] or {}).get("friends"), timeout=300)
+        assert any(st_.get("name") for st_ in st["hosting"]["stages"][1:]), st["hosting"]["stages"]
+        assert "Paris" in _ask(st["openai_url"])
+        assert call(hport, "POST", "/stop", {"what": "host"})[1]["state"] == "idle"
+    finally:
+        for p in (host, friend):
+            p.stdin.close()
+        assert host.wait(60) == 0 and friend.wait(60) == 0
+
+
 def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     """Sharing switched off while the host has not used the reply code yet: the wait ends,
     its listener closes, and the node is idle again."""
