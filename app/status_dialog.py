@@ -61,6 +61,9 @@ def event_line(e: dict) -> str:
         text = f"{who} is leaving: the others load its layers while it still serves"
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
+    elif kind == "slow":
+        text = (f"{who} answers again, but {e.get('why') or 'its connection is too slow for now'}; "
+                "the others go on without it, and it is asked again shortly")
     elif kind in ("back", "joined"):
         text = f"{who} {'is back' if kind == 'back' else 'joined'}"
     elif kind in ("recovered", "rejoined"):

@@ -20,6 +20,8 @@ does the I/O -- closing connections, saying hello, loading layers, replaying seq
     rec.turned_away(address, why)                          # (or it cannot take the model)
     rec.leaving(index, address, why, epoch) ... rec.lost(...)   # a stage with notice: the others load
                                                            # its layers while it serves, then it is lost
+    rec.too_slow(address, why, now, hold_s)        # it answers, but its line cannot carry
+                                                   # its take-in yet (core/line_check.py)
     rec.offer(address, now)                        # a machine offers itself
     rec.rank(address)                              # its place in the pipeline's order
 
@@ -112,6 +114,9 @@ class Recovery:
         self.away: dict[str, float] = {}   # machines that left or offered themselves -> since when
         self.served: set[str] = set()      # machines that held layers here (come back vs join)
         self.drops: dict[str, list[float]] = {}   # when each machine dropped out without notice
+        # machines that answered but whose line could not carry their take-in (line_check.py):
+        # not asked again before this time
+        self.slow_until: dict[str, float] = {}
         self._noticed: str | None = None   # the machine that said it is leaving
         # the rearrangement in progress
         self._t0 = self._t_plan = 0.0
@@ -142,6 +147,7 @@ class Recovery:
         self.served.update(holders)
         for a in holders:
             self.away.pop(a, None)
+            self.slow_until.pop(a, None)
 
     def offer(self, address: str, now: float) -> bool:
         """A machine offers its stage: it is asked, as the machines that left are, until it
@@ -162,7 +168,18 @@ class Recovery:
                 del self.away[address]
         if self.status is not None:   # waiting for room: whoever could give it
             return list(self.away)
-        return [a for a, since in self.away.items() if now - since >= self.hold_s(a, now)]
+        return [a for a, since in self.away.items()
+                if now - since >= self.hold_s(a, now) and now >= self.slow_until.get(a, 0.0)]
+
+    def too_slow(self, address: str, why: str, now: float, hold_s: float) -> str:
+        """A machine answered the watch, but its line cannot carry its take-in now (why):
+        the pipeline serves on without it, and it is asked again after hold_s. The first
+        time in an absence is recorded; what the log says."""
+        if address not in self.slow_until:
+            self._record("slow", address=address, why=why)
+        self.away[address] = now     # it is there: its grace counts from now
+        self.slow_until[address] = now + hold_s
+        return f"{address} answers, but {why}: asked again in {hold_s:g} s"
 
     def hold_s(self, address: str, now: float) -> float:
         """How long after its last drop a machine is asked back: 0, unless it dropped out
@@ -187,6 +204,7 @@ class Recovery:
     def take(self, address: str) -> None:
         """A machine that answered is taken in: it is no longer asked."""
         self.away.pop(address, None)
+        self.slow_until.pop(address, None)
 
     @property
     def watching(self) -> bool:
@@ -204,6 +222,7 @@ class Recovery:
         rearrangement takes it in (begin(joined=...)); without `ahead`, at once. What the
         log says."""
         self.joining, self._t_came, self._loaded_ahead = address, now, False
+        self.slow_until.pop(address, None)
         doing = "loading its layers while the pipeline serves" if ahead else "rearranging the pipeline"
         self.joining_status = f"{address} {self._verb(address)}: {doing}"
         self._record("back" if address in self.served else "joined", address=address, why=self.joining_status)

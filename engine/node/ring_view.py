@@ -105,12 +105,15 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
             continue
         if e.get("event") == "left" and addr not in here:
             away[addr] = e
+        elif e.get("event") == "slow" and addr in away:   # it answers; its line is the matter
+            away[addr] = dict(away[addr], slow=e.get("why"))
         elif e.get("event") in ("back", "joined"):
             away.pop(addr, None)
     names = {f.get("address"): f.get("name") for f in hosting.get("friends") or [] if isinstance(f, dict)}
     for addr, e in away.items():
         rows.append({"who": names.get(addr) or _who(1, {"address": addr}), "device": None, "layers": None,
-                     "share": None, "path": None, "rtt_ms": None, "state": "left", "why": plain_why(e.get("why")),
+                     "share": None, "path": None, "rtt_ms": None, "state": "left",
+                     "why": f"back, but {e['slow']}" if e.get("slow") else plain_why(e.get("why")),
                      "memory": None})
     if rows and tokens_per_s is not None:
         rows[0]["tokens_per_s"] = round(tokens_per_s, 1)

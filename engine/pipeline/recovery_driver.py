@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from engine.model.device import release_memory
 from engine.model.sources import ModelError
 from engine.core.partition import NoRoom
+from engine.core import line_check
 from engine.core.recovery import PROBE_TIMEOUT_S, Ask, describe_layers
 from engine.wire import frames
 from engine.model.handover import HeldLayers
@@ -426,6 +427,31 @@ class RecoveryDriver:
                 continue
         return None
 
+    async def _line_too_slow(self, r: RemoteStage) -> str | None:
+        """Why the line of a machine that answered the watch cannot carry its take-in now
+        (the replay of every conversation crosses it), or None (engine/core/line_check.py)."""
+        tokens = sum(s.pos for s in self.seqs.values() if not s.done)
+        check = line_check.LineCheck.for_replay(tokens, self.config.hidden_size, self.dtype.itemsize)
+        try:
+            round_trip = await self._line_fill(r, 1, line_check.ROUND_TRIP_S)
+            try:
+                elapsed = await self._line_fill(r, line_check.TEST_BYTES, check.deadline_s(round_trip))
+            except asyncio.TimeoutError:
+                elapsed = None
+        except (asyncio.TimeoutError, ConnectionClosed, frames.FrameError) as exc:
+            return f"it did not answer a test of its line ({str(exc) or 'no answer'})"
+        return check.verdict(round_trip, elapsed)
+
+    @staticmethod
+    async def _line_fill(r: RemoteStage, n: int, timeout: float) -> float:
+        """Asks the stage for n bytes of filler; the seconds they took."""
+        t0 = time.monotonic()
+        await r.ws.send(frames.control("line_test", bytes=n))
+        msg = frames.parse_control(await asyncio.wait_for(r.ws.recv(), timeout))
+        if msg["type"] != "line_fill" or len(msg["fill"]) != n:
+            raise frames.FrameError(f"a {msg['type']} instead of {n} bytes of filler")
+        return time.monotonic() - t0
+
     def _ensure_watch(self):
         if self.recovery.watching and (self._watch is None or self._watch.done()):
             self._watch = asyncio.ensure_future(self._watch_loop())
@@ -442,6 +468,11 @@ class RecoveryDriver:
                 continue
             if not self.recovery.may_ask:  # a stage left meanwhile
                 await r.ws.close()
+                continue
+            slow = await self._line_too_slow(r)
+            if slow is not None:   # the pipeline serves on without it: asked again later
+                await r.ws.close()
+                log.warning("%s", self.recovery.too_slow(r.address, slow, time.monotonic(), line_check.HOLD_S))
                 continue
             ahead = loading_ahead()
             log.warning("%s", self.recovery.came(r.address, time.monotonic(), ahead))

@@ -52,7 +52,9 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        # 20: a verification step's frame carries its drafts, which the last
                        #     stage penalizes each position after (one batched draw)
                        # 21: sampling carries min_p (an older last stage refuses the key)
-PROTOCOL_VERSION = 21
+                       # 22: "line_test" / "line_fill": the head times a machine's line before
+                       #     it takes it back (engine/core/line_check.py)
+PROTOCOL_VERSION = 22
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head

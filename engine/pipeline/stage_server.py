@@ -361,6 +361,8 @@ class StageServer(StageCompute):
                                                rejected=self.rejected_frames,
                                                cut_ins=self.stage.gate.cut_ins if self.stage else 0,
                                                **decode_counts(self.stage)))
+                elif kind == "line_test":   # the head times what our line carries
+                    await ws.send(frames.control("line_fill", fill="x" * msg["bytes"]))
                 elif kind == "shutdown":
                     await self.close()
                     return

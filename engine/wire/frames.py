@@ -289,6 +289,8 @@ def _check_meta(f: Frame) -> None:
 
 _STR, _INT, _OPT_STR, _OPT_INT, _LIST_INT, _NUM, _DICT = "str", "int", "str?", "int?", "[int]", "num", "dict"
 _BOOL = "bool"
+# the line test's (engine/core/line_check.py): a size the stage sends back, and what it sends
+_TEST_SIZE, _FILL = "test_size", "fill"
 _PROFILE = "profile"   # a stage's compute profile, checked point by point (profile.check_profile)
 _OPT_PROFILE = "profile?"
 
@@ -313,6 +315,8 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
                 "spare": _BOOL},
     "free": {"seq_ids": _LIST_INT},
     "get_stats": {},
+    # before a machine that dropped out is taken back: send `bytes` of filler (line_fill)
+    "line_test": {"bytes": _TEST_SIZE},
     "shutdown": {},
     # stage -> head
     # a data link's hello was proven: the link may now carry activations (a data link's
@@ -328,6 +332,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     # the stage's profile as its steps in service time it (profile.StepLog)
     "profile": {"profile": _PROFILE},
     "error": {"message": _STR},
+    "line_fill": {"fill": _FILL},
     "stats": {"seqs": _INT, "kv_tokens": _INT, "kv_bytes": _INT, "rejected": _INT, "cut_ins": _INT, "fixed_steps": _INT,
               "graph_replays": _INT, "graph_captures": _INT},
     # the stage's owner is taking it away (sharing off, a game, sleep): the head moves
@@ -337,6 +342,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "ack": {"v": _INT, "bytes": _INT},
 }
 MAX_CONTROL = 1 << 20
+LINE_TEST_MAX = 256 * 1024
 
 
 def _type_ok(v, kind: str) -> bool:
@@ -356,6 +362,10 @@ def _type_ok(v, kind: str) -> bool:
         return isinstance(v, list) and len(v) <= MAX_ROWS and all(_is_uint(x) for x in v)
     if kind == _DICT:
         return isinstance(v, dict)
+    if kind == _TEST_SIZE:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= LINE_TEST_MAX
+    if kind == _FILL:
+        return isinstance(v, str) and len(v) <= LINE_TEST_MAX
     if kind == _PROFILE:
         try:
             check_profile(v)

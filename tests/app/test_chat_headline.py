@@ -130,3 +130,17 @@ def test_the_status_window_says_when_the_friends_pipeline_is_gone_or_not_yet_the
     assert "Sharing this computer with a friend</h3>" in page and "not connected" not in page
     page = status_html({"state": "idle", "sharing": {"on": True, "joining": {"reply_code": "R1ABC-DEFGH"}}})
     assert "Not hosting" not in page and "R1ABC-DEFGH" in page and "Connect to them" in page
+
+
+def test_a_friend_back_on_a_line_too_slow_is_said_in_the_status_and_the_chat_stays_ready():
+    from app.chat import ChatWindow
+    from app.status_dialog import event_line
+
+    slow = {"event": "slow", "address": "ws://ana-pc:7860", "who": "Ana", "t": 20.0,
+            "why": "its line carries 256 kbit/s: taking it back would keep every conversation waiting about 43 s"}
+    line = event_line(slow)
+    assert "Ana answers again, but its line carries 256 kbit/s" in line and "go on without it" in line
+    left = {"event": "left", "address": "ws://ana-pc:7860", "who": "Ana", "why": "disconnected", "t": 1.0}
+    recovered = {"event": "recovered", "seconds": 4.2, "t": 5.2}
+    text = ChatWindow.hosting_headline({"model": "M", "events": [left, recovered, slow]})
+    assert text == "M — ready"

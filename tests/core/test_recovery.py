@@ -276,6 +276,26 @@ def test_a_machine_that_keeps_dropping_out_is_asked_back_later_each_time():
     assert rec.hold_s(A, 100.0 + DROPS_WINDOW_S + 50.0) == 0.0
 
 
+def test_a_machine_whose_line_cannot_carry_its_take_in_is_asked_again_after_a_hold():
+    """It answers the watch, but its line is too slow for the replay (line_check.py): the
+    pipeline serves on without it; asked again after the hold, recorded once an absence."""
+    rec = running()
+    _drops_out(rec, A, now=0.0)
+    assert rec.to_ask(2.0) == [A]
+    said = rec.too_slow(A, "its line carries 200 kbit/s", now=2.0, hold_s=10.0)
+    assert "200 kbit/s" in said and "10 s" in said
+    assert rec.to_ask(5.0) == [] and rec.watching and rec.may_ask
+    assert rec.to_ask(12.0) == [A]
+    rec.too_slow(A, "its line carries 300 kbit/s", now=12.0, hold_s=10.0)
+    assert [e["event"] for e in rec.events].count("slow") == 1     # once, not every ten seconds
+    assert rec.hold_s(A, 12.0) == 0.0      # slow is no drop: its line, not the machine, is the matter
+    _taken_back(rec, A, now=22.0)
+    assert A not in rec.slow_until
+    _drops_out(rec, A, now=30.0)
+    rec.too_slow(A, "its line carries 100 kbit/s", now=60.0, hold_s=10.0)
+    assert [e["event"] for e in rec.events].count("slow") == 2     # a new absence, said again
+
+
 def test_leaving_with_notice_is_no_drop():
     """Sharing switched off and on again (the app's toggle, a laptop put to sleep with
     notice) is asked back at once every time."""

@@ -909,3 +909,55 @@ async def test_a_machine_that_comes_back_gets_its_slice_again(tiny_folder, monke
         await a.close()
         if back is not None:
             await back.close()
+
+
+async def test_a_machine_back_on_a_collapsed_line_waits_until_its_line_carries_the_replay(tiny_folder, monkeypatch):
+    """A friend's upload collapses (someone at home sends a video): dropped, it still
+    answers the watch's hello, a few bytes. It used to be taken straight back, and the
+    replay of every conversation over its line stalled them all until it dropped again.
+    Now the head times its line first (engine/core/line_check.py): too slow, the pipeline
+    serves on without it and asks again later; once the line carries the replay in time
+    it is taken back. The line: testkit's shaping proxy between the head and the stage."""
+    import engine.pipeline.head as head_module
+    from engine.core import line_check
+    from engine.model.sources import resolve
+    from engine.pipeline.stage_server import StageServer
+    from testkit.linkemu import ShapedLink
+
+    monkeypatch.setattr(head_module, "WATCH_S", 0.1)
+    # the tiny model's replay is small: a budget to match, and a short hold between tests
+    monkeypatch.setattr(line_check, "BUDGET_S", 0.5)
+    monkeypatch.setattr(line_check, "HOLD_S", 0.5)
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    a = await StageServer("127.0.0.1", 0, threads=1).start()
+    port = a.port
+    line = ShapedLink("127.0.0.1", 0, "127.0.0.1", port, rate_bps=200e6)
+    head = back = None
+    try:
+        head = await tiny_head(source, [f"ws://127.0.0.1:{await line.start()}"])
+        reference, _ = await tiny_reply(head, 40)
+        await a.close("switched off", wait_s=10)
+        await until(lambda: head.info()["events"][-1]["event"] == "recovered")
+        line.set_rate(100e3, "down")        # the stage's upload: 100 kbit/s
+        back = await StageServer("127.0.0.1", port, threads=1).start()
+        await until(lambda: head.info()["events"][-1]["event"] == "slow", timeout=30)
+        slow = head.info()["events"][-1]
+        assert "its line carries under" in slow["why"] and head.n_stages == 1, slow
+        # served on without it meanwhile, and asked again more than once
+        tested = line.connections
+        assert (await tiny_reply(head, 40))[0] == reference
+        await until(lambda: line.connections >= tested + 2, timeout=30)
+        assert head.n_stages == 1 and [e["event"] for e in head.info()["events"]].count("slow") == 1
+        line.set_rate(200e6, "down")        # the video is sent
+        await until(lambda: head.info()["events"][-1]["event"] == "rejoined", timeout=60)
+        assert head.n_stages == 2
+        assert [e["event"] for e in head.info()["events"]] == ["left", "recovered", "slow", "back", "rejoined"]
+        assert (await tiny_reply(head, 40))[0] == reference
+    finally:
+        if head is not None:
+            await head.close()
+        for s in (a, back):
+            if s is not None:
+                await s.close()
+        await line.close()

@@ -300,10 +300,10 @@ def test_token_frame_with_tensor_rejected():
 
 _SAMPLE = {"str": "abc", "int": 3, "str?": None, "int?": 5, "[int]": [1, 2, 3], "num": 1.5, "dict": {"a": 1}, "bool": False,
            "profile": {"decode": [[1, 0.03], [4, 0.05]], "prefill": [[32, 0.1]]},
-           "profile?": {"decode": [[1, 0.03]], "prefill": [[32, 0.1]]}}
+           "profile?": {"decode": [[1, 0.03]], "prefill": [[32, 0.1]]}, "test_size": 1024, "fill": "xx"}
 _WRONG = {"str": 3, "int": "3", "str?": 3, "int?": 1.5, "[int]": [1, -2], "num": "1.5", "dict": [1], "bool": 1,
           "profile": {"decode": [[1, -0.03]], "prefill": [[32, 0.1]]},
-          "profile?": {"decode": [], "prefill": [[32, 0.1]]}}
+          "profile?": {"decode": [], "prefill": [[32, 0.1]]}, "test_size": 0, "fill": 5}
 
 
 def _valid(kind: str) -> dict:
@@ -363,6 +363,19 @@ def test_control_extra_field_on_empty_schema():
 def test_control_rejections(text, match):
     with pytest.raises(FrameError, match=match):
         parse_control(text)
+
+
+def test_a_line_test_asks_for_and_carries_at_most_its_limit():
+    """A head asks a stage for filler to time its line (engine/core/line_check.py): a stage
+    sends no more than LINE_TEST_MAX for one request, and a head reads no more."""
+    n = frames.LINE_TEST_MAX
+    assert parse_control(json.dumps({"type": "line_test", "bytes": n}))["bytes"] == n
+    for bad in (0, -1, n + 1, True, 1.5):
+        with pytest.raises(FrameError, match="bytes has the wrong type"):
+            parse_control(json.dumps({"type": "line_test", "bytes": bad}))
+    assert len(parse_control(frames.control("line_fill", fill="x" * n))["fill"]) == n
+    with pytest.raises(FrameError, match="fill has the wrong type"):
+        parse_control(json.dumps({"type": "line_fill", "fill": "x" * (n + 1)}))
 
 
 def test_control_limits():
