@@ -33,6 +33,9 @@ previous one's back-off or half-finished rearrangement. Measured per run:
                   stage, nothing being recovered) and stays so until the run ends; 0
                   when it never broke after the undo; "never" when not whole within
                   --recover-timeout
+  held            the head's "slow" events from the fault on: a friend that answered
+                  again but whose line, timed, could not carry the replay yet, held out
+                  (engine/core/line_check.py; said once per absence)
   drops           the head's "left" events from the fault until the run ends: how many
                   times a stage was let go (one fault can cost more than one: a line down
                   behind friend 2 may first be blamed on friend 1, whose link to it
@@ -428,6 +431,7 @@ def one_run(co: Checkout, name: str, args, logdir: Path) -> dict:
                 same=(got.get("text") == ref.get("text") and not got.get("error")) if not th.is_alive() else False,
                 back_s=homes.watch.back_after(t_undo), drops=len(homes.watch.of("left", wall_inject - 1.0)),
                 left=[e.get("why") for e in homes.watch.of("left", wall_inject - 1.0)],
+                held=len(homes.watch.of("slow", wall_inject - 1.0)),
                 tokens=len(got.get("times") or []))
             if th.is_alive():
                 row["error"] = f"no end to the reply {args.recover_timeout:.0f} s after the undo"
@@ -457,7 +461,7 @@ def summary(rows: list[dict]) -> dict:
     return {"n": len(rows), "ok": len(ok),
             "stall_s": _med(rows, "stall_s"), "reply_s": _med(rows, "reply_s"), "ref_reply_s": _med(rows, "ref_reply_s"),
             "back_s": _med(rows, "back_s"), "never": sum(1 for r in ok if r.get("back_s") is None),
-            "drops": _med(rows, "drops"), "same": sum(1 for r in ok if r.get("same")),
+            "drops": _med(rows, "drops"), "held": _med(rows, "held"), "same": sum(1 for r in ok if r.get("same")),
             "errors": [r.get("failed") or r.get("error") for r in rows if r.get("failed") or r.get("error")]}
 
 
@@ -474,23 +478,24 @@ def cells(s: dict) -> dict[str, str]:
     return {"longest stall s": fmt(s["stall_s"]), "reply s": fmt(s["reply_s"]),
             "fault-free reply s": fmt(s["ref_reply_s"]),
             "same text": "yes" if s["same"] == s["ok"] == s["n"] else f"{s['same']}/{s['n']}",
-            "back after undo s": back, "drops": fmt(s["drops"])}
+            "back after undo s": back, "drops": fmt(s["drops"]), "held: line too slow": fmt(s["held"])}
 
 
-MEASURES = ("longest stall s", "reply s", "fault-free reply s", "same text", "back after undo s", "drops")
+MEASURES = ("longest stall s", "reply s", "fault-free reply s", "same text", "back after undo s", "drops",
+            "held: line too slow")
 
 
 def compare(measure: str, a: dict, b: dict) -> str:
     if not (a["ok"] and b["ok"]):
         return ""
     key = {"longest stall s": "stall_s", "reply s": "reply_s", "fault-free reply s": "ref_reply_s",
-           "back after undo s": "back_s", "drops": "drops"}.get(measure)
+           "back after undo s": "back_s", "drops": "drops", "held: line too slow": "held"}.get(measure)
     if key is None:
         return ""
     x, y = a[key], b[key]
     if x is None or y is None:
         return ""
-    if key == "drops":
+    if key in ("drops", "held"):
         return f"{y - x:+g}"
     return f"{y / x:.2f}x" if x > 0.05 else f"{y - x:+.1f} s"
 
@@ -584,7 +589,7 @@ def main(argv=None) -> int:
                     back = "never" if row["back_s"] is None else f"{row['back_s']:.1f} s"
                     line = (f"longest stall {fmt(row['stall_s'])} s, reply {fmt(row['reply_s'])} s (fault-free "
                             f"{fmt(row['ref_reply_s'])} s), same text {'yes' if row['same'] else 'NO'}, back {back} "
-                            f"after the undo, drops {row['drops']}" + (f", error: {row['error']}" if row["error"] else ""))
+                            f"after the undo, drops {row['drops']}, held {row.get('held')}" + (f", error: {row['error']}" if row["error"] else ""))
                 ready = f"ring whole {row['ready_s']:.0f} s after the start, " if "ready_s" in row else ""
                 print(f"  {f}, {co.label}, run {rep + 1}: {line} [{ready}{row['run_s']:.0f} s in all]", flush=True)
     print_table(faults, srcs, results)
