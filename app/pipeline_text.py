@@ -7,7 +7,8 @@ from __future__ import annotations
 
 
 def speculation_label(hosting: dict) -> str:
-    """'speculation: 2.4 tokens/trip, 71% accepted' where speculative decoding ran, else '':
+    """'guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right' where
+    speculative decoding ran, else '':
     the head says it in words (its status's speculation.summary, engine/core/speculation.py
     describe); the app, a client of the node's API, only shows it."""
     return str((hosting.get("speculation") or {}).get("summary") or "")

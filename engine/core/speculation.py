@@ -351,11 +351,13 @@ class SpecPolicy:
 
 
 def describe(info: dict | None) -> str:
-    """'speculation: 2.4 tokens/trip, 71% accepted' (and the draft model, when one drafts)
-    from Head.info()["speculation"], for status and the chat window; '' where speculation
-    has not run (off, or nothing drafted yet)."""
+    """'guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right' (and
+    the draft model, when one guesses) from Head.info()["speculation"], for status and the
+    chat window, in people's words (a trip: one round of the pipeline, which a person
+    waits for); '' where speculation has not run (off, or nothing drafted yet)."""
     if not info or info.get("mode") == "off" or info.get("acceptance") is None or not info.get("tokens_per_trip"):
         return ""
     draft = info.get("draft")
     by = f" ({draft})" if draft and draft != "prompt lookup" else ""
-    return f"speculation{by}: {info['tokens_per_trip']:.1f} tokens/trip, {info['acceptance']:.0%} accepted"
+    return (f"guessing ahead{by}: {info['tokens_per_trip']:.1f} tokens a trip around the computers, "
+            f"{info['acceptance']:.0%} of guesses right")

@@ -272,7 +272,7 @@ async def test_a_draft_model_gives_the_same_replies_and_its_drafts_stand(head):
     # the chat reply too: a draft model guesses prose that prompt lookup cannot
     assert stats["tokens_per_trip"] > 1.5 and stats["acceptance"] > 0.3, stats
     assert info["draft"] == "SmolLM2-135M-Instruct (int8)" and info["tokens_per_trip"] == stats["tokens_per_trip"]
-    assert info["summary"].startswith("speculation (SmolLM2-135M-Instruct (int8)): ") and "accepted" in info["summary"]
+    assert info["summary"].startswith("guessing ahead (SmolLM2-135M-Instruct (int8)): ") and "guesses right" in info["summary"]
     print(f"\ndraft model on a quote and a chat: {stats['tokens_per_trip']:.2f} tokens per trip, "
           f"acceptance {stats['acceptance']:.2f} over {stats['rounds']} decode rounds")
     await all_freed(head)
@@ -314,9 +314,10 @@ def test_speculation_says_tokens_per_trip_and_acceptance_where_it_ran():
     from engine.core.speculation import describe
 
     ran = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4, "acceptance": 0.712, "rounds": 30}
-    assert describe(ran) == "speculation: 2.4 tokens/trip, 71% accepted"
+    assert describe(ran) == "guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right"
     drafted = dict(ran, draft="SmolLM2-135M-Instruct (nf4)")
-    assert describe(drafted) == "speculation (SmolLM2-135M-Instruct (nf4)): 2.4 tokens/trip, 71% accepted"
+    assert describe(drafted) == ("guessing ahead (SmolLM2-135M-Instruct (nf4)): 2.4 tokens a trip around the "
+                                 "computers, 71% of guesses right")
     # off, on but nothing drafted yet, or a head too old to say: nothing
     assert describe(dict(ran, mode="off")) == ""
     assert describe(dict(ran, acceptance=None, tokens_per_trip=1.0)) == ""
