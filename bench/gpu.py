@@ -800,6 +800,14 @@ def report(a, results: dict, build_s: float | None) -> dict:
     if nb and fb:
         ns = nb + results["ours1", "nf4"]["scale_bytes"]
         verdict("nf4 / bf16 weight bytes with NF4 scales (ours1)", ns / fb, TARGET_NF4, False)
+    # a stage quantizing as it loads must never hold its slice at full precision on the GPU
+    # (a slice that fits only at 4 bits could not load): the peak while loading, per weights
+    full_peak = results.get(("ours1", "bf16"), {}).get("peak_alloc_load")
+    for w in [w for w in a.weights if w != "bf16"]:
+        peak = results.get(("ours1", w), {}).get("peak_alloc_load")
+        if peak and full_peak:
+            verdicts.append([f"peak GPU memory while loading, {w} / bf16 (ours1)", f"{peak / full_peak:.2f}", "",
+                             "(info)"])
     for w in a.weights:
         for b in a.batches:
             o, h = get("ours1", w, b, "decode_agg"), get("hf", w, b, "decode_agg")
