@@ -476,7 +476,9 @@ class HostDialog(QDialog):
             self.progress.setValue(int(share * 1000))
             downloading = [str(p.get("what")) for p in stages if str(p.get("what", "")).startswith("downloading")]
             self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading layers %p%")
-        if hosting and not loading:
+        if st.get("error") and not loading:   # the friends never came: what serves on stays
+            self.result.setText(f"<span style='color:#b91c1c'>{html.escape(st['error'], quote=False)}</span>")
+        elif hosting and not loading:
             self.progress.setValue(self.progress.maximum())
             self.result.setText(
                 f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "
@@ -484,8 +486,6 @@ class HostDialog(QDialog):
                     friends_list(hosting["friends"]) if hosting.get("friends") else
                     "<br>To add friends' GPUs, set “Friends to invite” and start again: they paste the "
                     "invite code into “Join with invite code…”."))
-        elif st.get("state") == "error" and st.get("error"):
-            self.result.setText(f"<span style='color:#b91c1c'>{st['error']}</span>")
 
 
 def friends_list(friends: list[dict]) -> str:

@@ -61,9 +61,10 @@ def event_line(e: dict) -> str:
         text = f"{who} is leaving: the others load its layers while it still serves"
     elif kind == "waiting":
         text = e.get("why") or "waiting for a computer to join"
-    elif kind == "slow":
-        text = (f"{who} answers again, but {e.get('why') or 'its connection is too slow for now'}; "
-                "the others go on without it, and it is asked again shortly")
+    elif kind == "slow":   # back: it held layers here before; else it asked to join
+        text = (f"{who} {'answers again' if e.get('back', True) else 'asked to join'}, but "
+                f"{e.get('why') or 'its connection is too slow for now'}; the others go on without it, "
+                "and it is asked again later")
     elif kind in ("back", "joined"):
         text = f"{who} {'is back' if kind == 'back' else 'joined'}"
     elif kind in ("recovered", "rejoined"):

@@ -20,7 +20,7 @@ does the I/O -- closing connections, saying hello, loading layers, replaying seq
     rec.turned_away(address, why)                          # (or it cannot take the model)
     rec.leaving(index, address, why, epoch) ... rec.lost(...)   # a stage with notice: the others load
                                                            # its layers while it serves, then it is lost
-    rec.too_slow(address, why, now, hold_s)        # it answers, but its line cannot carry
+    rec.too_slow(address, why, now)                # it answers, but its line cannot carry
                                                    # its take-in yet (core/line_check.py)
     rec.offer(address, now)                        # a machine offers itself
     rec.rank(address)                              # its place in the pipeline's order
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+from engine.core import line_check
 
 # how often machines that left are asked whether they are back, and for how long
 WATCH_S, REJOIN_GRACE_S = 2.0, 600.0
@@ -117,6 +119,7 @@ class Recovery:
         # machines that answered but whose line could not carry their take-in (line_check.py):
         # not asked again before this time
         self.slow_until: dict[str, float] = {}
+        self.slow_times: dict[str, int] = {}      # ... after how many tests in a row
         self._noticed: str | None = None   # the machine that said it is leaving
         # the rearrangement in progress
         self._t0 = self._t_plan = 0.0
@@ -148,6 +151,7 @@ class Recovery:
         for a in holders:
             self.away.pop(a, None)
             self.slow_until.pop(a, None)
+            self.slow_times.pop(a, None)
 
     def offer(self, address: str, now: float) -> bool:
         """A machine offers its stage: it is asked, as the machines that left are, until it
@@ -166,20 +170,26 @@ class Recovery:
         for address, since in list(self.away.items()):
             if now - since > self.grace_s:
                 del self.away[address]
+                self.slow_until.pop(address, None)
+                self.slow_times.pop(address, None)
         if self.status is not None:   # waiting for room: whoever could give it
             return list(self.away)
         return [a for a, since in self.away.items()
                 if now - since >= self.hold_s(a, now) and now >= self.slow_until.get(a, 0.0)]
 
-    def too_slow(self, address: str, why: str, now: float, hold_s: float) -> str:
+    def too_slow(self, address: str, why: str, now: float) -> str:
         """A machine answered the watch, but its line cannot carry its take-in now (why):
-        the pipeline serves on without it, and it is asked again after hold_s. The first
-        time in an absence is recorded; what the log says."""
-        if address not in self.slow_until:
-            self._record("slow", address=address, why=why)
+        the pipeline serves on without it, and it is asked again later, later each time
+        (line_check.hold_s). The first time in an absence is recorded (`back`: whether it
+        held layers here before, or asks to join); what the log says."""
+        times = self.slow_times.get(address, 0) + 1
+        if times == 1:
+            self._record("slow", address=address, why=why, back=address in self.served)
+        self.slow_times[address] = times
         self.away[address] = now     # it is there: its grace counts from now
-        self.slow_until[address] = now + hold_s
-        return f"{address} answers, but {why}: asked again in {hold_s:g} s"
+        wait = line_check.hold_s(times)
+        self.slow_until[address] = now + wait
+        return f"{address} answers, but {why}: asked again in {wait:g} s"
 
     def hold_s(self, address: str, now: float) -> float:
         """How long after its last drop a machine is asked back: 0, unless it dropped out
@@ -205,6 +215,7 @@ class Recovery:
         """A machine that answered is taken in: it is no longer asked."""
         self.away.pop(address, None)
         self.slow_until.pop(address, None)
+        self.slow_times.pop(address, None)
 
     @property
     def watching(self) -> bool:
@@ -223,6 +234,7 @@ class Recovery:
         log says."""
         self.joining, self._t_came, self._loaded_ahead = address, now, False
         self.slow_until.pop(address, None)
+        self.slow_times.pop(address, None)
         doing = "loading its layers while the pipeline serves" if ahead else "rearranging the pipeline"
         self.joining_status = f"{address} {self._verb(address)}: {doing}"
         self._record("back" if address in self.served else "joined", address=address, why=self.joining_status)

@@ -518,7 +518,9 @@ class StageModel:
                 # that refused a tensor) and carries on: a stage must not serve half-loaded layers
                 errors.update(getattr(info, "conversion_errors", {}) or {})
                 mismatched += getattr(info, "mismatched_keys", None) or []
-                if layer is not None and not errors and not mismatched:
+                if errors or mismatched:
+                    break      # said below; the layers after it would load unquantized
+                if layer is not None:
                     after_layer(layer)
         if errors:
             key, why = next(iter(errors.items()))

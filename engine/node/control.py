@@ -122,7 +122,7 @@ class Node(NodeRoutes, Hosting, Sharing):
 
     # ---- state ----------------------------------------------------------------
     def state(self) -> str:
-        if self.error:
+        if self.error and self.head is None:   # (a pipeline serving on says so instead)
             return "error"
         if self.share_wanted and self.paused_reason:
             return "paused"

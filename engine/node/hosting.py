@@ -12,7 +12,7 @@ from engine.core import precision
 from engine.core.errors import ModelError
 from engine.core.local_stages import MOST as MOST_STAGES
 from engine.core.local_stages import local_stages
-from engine.model.device import DTYPES, compute_dtype, free_memory
+from engine.model.device import DTYPES, compute_dtype, free_memory, release_memory
 from engine.node.control_basics import NodeError, lan_address
 from engine.node.plain_errors import host_failed
 from engine.node.ring_view import gives_words, path_words
@@ -21,7 +21,8 @@ log = logging.getLogger("potluck.node")
 
 DEFAULT_SHARE_PIPELINE = "potluck"   # the name a plain "Share this GPU" accepts
 # what a reply still streaming on the pipeline that gave way to one with friends ends with
-REPLACED = "the host moved this chat onto a pipeline with friends; send it again in a moment"
+REPLACED = ("the host moved this chat onto a pipeline with their friends; it answers again once that "
+            "pipeline has loaded")
 
 
 class Hosting:
@@ -31,6 +32,8 @@ class Hosting:
         """Start loading the pipeline `args` describes (host_args) in the background;
         status() shows its progress."""
         self.error = None
+        # what the pipeline serving on while friends come was asked for, should they not come
+        self._kept_request = self.host_request if self.pipe is not None else None
         # shown in the status: never the API key
         self.host_request = dict(args, api_key="(set)") if args.get("api_key") else args
         self.loading_name = name or args["model"]   # what the person chose, in its own words
@@ -265,8 +268,11 @@ class Hosting:
             if self.friends_gate is not None:
                 gate, self.friends_gate = self.friends_gate, None
                 await gate.close()
+            if not replaced and self.pipe is not None:   # what serves on is what was asked before
+                self.host_request, self.invite_code, self.friends = self._kept_request, None, []
             self.loading = None
-            self.error = host_failed(str(exc))      # the engine's account is in the log above
+            # the engine's account is in the log above; a pipeline serving on stays "serving"
+            self.error = host_failed(str(exc))
 
     async def _wait_for_friends(self, args: dict, cfg):
         """Invite friends (engine/node/homes.py) and wait for them; they become the stages."""
@@ -320,7 +326,7 @@ class Hosting:
         a pipeline on this computer alone (one with friends shares their gate with the new
         invite) replaced by one with friends (who may take minutes to come)."""
         return bool(args.get("friends")) and self.pipe is not None and not self.friends \
-            and self.friends_gate is None
+            and self.friends_gate is None and not (self.host_request or {}).get("stage_addr")
 
     async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
         if self.host_task is not None and not self.host_task.done():
@@ -343,8 +349,13 @@ class Hosting:
             # the pipeline first: each reply still streaming ends with why, and the API
             # gets a moment to send it before its connections close
             pipe, self.pipe, self.head = self.pipe, None, None
-            await pipe.close(why)
+            # shielded: a stop that cancels the hosting task mid-switch must not leave the
+            # old pipeline half-closed with nothing holding it
+            await asyncio.shield(pipe.close(why))
             await asyncio.sleep(0.2)
+            # what it held goes back before a new pipeline measures the memory it has
+            # (on a GPU the allocator's cache would still count as used)
+            await asyncio.get_running_loop().run_in_executor(None, release_memory, self.device)
         for runner in (self.api_runner, self.api_lan_runner):
             if runner is not None:
                 await runner.cleanup()

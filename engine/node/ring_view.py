@@ -113,7 +113,7 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
     for addr, e in away.items():
         rows.append({"who": names.get(addr) or _who(1, {"address": addr}), "device": None, "layers": None,
                      "share": None, "path": None, "rtt_ms": None, "state": "left",
-                     "why": f"back, but {e['slow']}" if e.get("slow") else plain_why(e.get("why")),
+                     "why": f"answers again, but {e['slow']}" if e.get("slow") else plain_why(e.get("why")),
                      "memory": None})
     if rows and tokens_per_s is not None:
         rows[0]["tokens_per_s"] = round(tokens_per_s, 1)

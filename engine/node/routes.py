@@ -119,7 +119,7 @@ class NodeRoutes:
         friends = [(named[r.address], int((r.welcome or {}).get("free_memory") or 0))
                    for r in (self.head.remotes if self.head is not None else []) if r.address in named]
         loading = self.loading or {}
-        if self.head is None:   # still waiting: those who joined said what they give as they came
+        if self.head is None or loading.get("invite"):   # waiting: those who joined said what they give as they came
             friends = [(a["name"], int(a["memory"])) for a in loading.get("arrived") or [] if a.get("memory")]
         invited = (self.host_request or {}).get("friends") or 0
         waiting = max(0, invited - len(loading.get("friends") or [])) if loading.get("invite") else 0

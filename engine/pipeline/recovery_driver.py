@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from engine.model.device import release_memory
 from engine.model.sources import ModelError
@@ -438,8 +438,10 @@ class RecoveryDriver:
                 elapsed = await self._line_fill(r, line_check.TEST_BYTES, check.deadline_s(round_trip))
             except asyncio.TimeoutError:
                 elapsed = None
-        except (asyncio.TimeoutError, ConnectionClosed, frames.FrameError) as exc:
-            return f"it did not answer a test of its line ({str(exc) or 'no answer'})"
+        except asyncio.TimeoutError:
+            return f"its line carried nothing within {line_check.ROUND_TRIP_S:g} s"
+        except (OSError, WebSocketException, frames.FrameError) as exc:
+            return f"its connection broke while its line was timed ({str(exc) or type(exc).__name__})"
         return check.verdict(round_trip, elapsed)
 
     @staticmethod
@@ -469,10 +471,15 @@ class RecoveryDriver:
             if not self.recovery.may_ask:  # a stage left meanwhile
                 await r.ws.close()
                 continue
-            slow = await self._line_too_slow(r)
-            if slow is not None:   # the pipeline serves on without it: asked again later
+            try:
+                slow = await self._line_too_slow(r)
+            except BaseException:   # the head closing: the stage's one head slot is let go
+                asyncio.ensure_future(r.ws.close())
+                raise
+            if slow is not None or not self.recovery.may_ask:   # or a stage left meanwhile
                 await r.ws.close()
-                log.warning("%s", self.recovery.too_slow(r.address, slow, time.monotonic(), line_check.HOLD_S))
+                if slow is not None:   # the pipeline serves on without it: asked again later
+                    log.warning("%s", self.recovery.too_slow(r.address, slow, time.monotonic()))
                 continue
             ahead = loading_ahead()
             log.warning("%s", self.recovery.came(r.address, time.monotonic(), ahead))

@@ -342,7 +342,7 @@ CONTROL_SCHEMAS: dict[str, dict[str, str]] = {
     "ack": {"v": _INT, "bytes": _INT},
 }
 MAX_CONTROL = 1 << 20
-LINE_TEST_MAX = 256 * 1024
+LINE_TEST_MAX = 64 * 1024      # engine/core/line_check.py's TEST_BYTES: all a head asks
 
 
 def _type_ok(v, kind: str) -> bool:

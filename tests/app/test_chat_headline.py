@@ -140,6 +140,7 @@ def test_a_friend_back_on_a_line_too_slow_is_said_in_the_status_and_the_chat_sta
             "why": "its line carries 256 kbit/s: taking it back would keep every conversation waiting about 43 s"}
     line = event_line(slow)
     assert "Ana answers again, but its line carries 256 kbit/s" in line and "go on without it" in line
+    assert "Ana asked to join, but" in event_line(dict(slow, back=False))
     left = {"event": "left", "address": "ws://ana-pc:7860", "who": "Ana", "why": "disconnected", "t": 1.0}
     recovered = {"event": "recovered", "seconds": 4.2, "t": 5.2}
     text = ChatWindow.hosting_headline({"model": "M", "events": [left, recovered, slow]})

@@ -282,18 +282,21 @@ def test_a_machine_whose_line_cannot_carry_its_take_in_is_asked_again_after_a_ho
     rec = running()
     _drops_out(rec, A, now=0.0)
     assert rec.to_ask(2.0) == [A]
-    said = rec.too_slow(A, "its line carries 200 kbit/s", now=2.0, hold_s=10.0)
+    said = rec.too_slow(A, "its line carries 200 kbit/s", now=2.0)
     assert "200 kbit/s" in said and "10 s" in said
     assert rec.to_ask(5.0) == [] and rec.watching and rec.may_ask
     assert rec.to_ask(12.0) == [A]
-    rec.too_slow(A, "its line carries 300 kbit/s", now=12.0, hold_s=10.0)
-    assert [e["event"] for e in rec.events].count("slow") == 1     # once, not every ten seconds
+    said = rec.too_slow(A, "its line carries 300 kbit/s", now=12.0)
+    assert "20 s" in said                  # later each time: a line slow all evening is not probed on and on
+    assert rec.to_ask(25.0) == [] and rec.to_ask(32.0) == [A]
+    assert [e["event"] for e in rec.events].count("slow") == 1     # said once, not every ten seconds
+    assert rec.events[-1]["back"] is True  # it held layers here: "answers again", not "asked to join"
     assert rec.hold_s(A, 12.0) == 0.0      # slow is no drop: its line, not the machine, is the matter
-    _taken_back(rec, A, now=22.0)
-    assert A not in rec.slow_until
-    _drops_out(rec, A, now=30.0)
-    rec.too_slow(A, "its line carries 100 kbit/s", now=60.0, hold_s=10.0)
-    assert [e["event"] for e in rec.events].count("slow") == 2     # a new absence, said again
+    _taken_back(rec, A, now=33.0)
+    assert A not in rec.slow_until and A not in rec.slow_times
+    _drops_out(rec, A, now=40.0)
+    assert "10 s" in rec.too_slow(A, "its line carries 100 kbit/s", now=70.0)    # a new absence: anew
+    assert [e["event"] for e in rec.events].count("slow") == 2                   # and said again
 
 
 def test_leaving_with_notice_is_no_drop():

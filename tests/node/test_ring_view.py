@@ -50,7 +50,7 @@ def test_a_friend_who_left_is_shown_as_such_with_why_until_back():
     slow = {"event": "slow", "address": BEN, "why": "its line carries 256 kbit/s: taking it back would keep "
                                                     "every conversation waiting about 43 s"}
     row = ring(hosting(stages, [frozen, slow], friends))[-1]
-    assert row["state"] == "left" and row["why"].startswith("back, but its line carries 256 kbit/s"), row
+    assert row["state"] == "left" and row["why"].startswith("answers again, but its line carries 256 kbit/s"), row
 
 
 def test_tokens_per_second_over_a_sliding_window():

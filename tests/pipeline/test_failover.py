@@ -927,7 +927,7 @@ async def test_a_machine_back_on_a_collapsed_line_waits_until_its_line_carries_t
     monkeypatch.setattr(head_module, "WATCH_S", 0.1)
     # the tiny model's replay is small: a budget to match, and a short hold between tests
     monkeypatch.setattr(line_check, "BUDGET_S", 0.5)
-    monkeypatch.setattr(line_check, "HOLD_S", 0.5)
+    monkeypatch.setattr(line_check, "HOLD_S", (0.5, 2.0))
     folder, _ = tiny_folder("llama", seed=0)
     source = resolve(str(folder))
     a = await StageServer("127.0.0.1", 0, threads=1).start()
