@@ -658,6 +658,13 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
     try:
         assert call(hport, "POST", "/host", {"model": "default"})[0] == 200
         alone = wait_status(hport, lambda s: s["state"] == "serving", timeout=300)["openai_url"]
+        # the friends' door cannot open (an address not this computer's): the chat's pipeline
+        # serves on, as it was asked for, and the failure is said beside it
+        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "203.0.113.7:0"})
+        assert status == 200, r
+        st = wait_status(hport, lambda s: s["error"] and not s["loading"])
+        assert st["state"] == "serving" and st["openai_url"] == alone and not st["host_request"].get("friends"), st
+        assert "Paris" in _ask(alone)
         status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
         assert status == 200, r
         st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
