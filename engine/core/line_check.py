@@ -20,9 +20,11 @@ from dataclasses import dataclass
 # what the stage sends back for the measurement (and the most it will send: frames.py)
 TEST_BYTES = 64 * 1024
 # the longest a take-in's replay may keep every conversation waiting on the line
-BUDGET_S = 15.0
+BUDGET_S = 10.0
 # an idle pipeline's next prompt crosses the line too: at least this many tokens count
-FLOOR_TOKENS = 256
+# (with 256 and a 15 s budget, a friend's upload collapsed to 256 kbit/s passed with no
+# conversation running, was taken back, and dropped out again and again: home_faults)
+FLOOR_TOKENS = 512
 # how long a machine whose line is too slow waits before it is tested again, doubling
 # each time up to the last (each test costs its line TEST_BYTES: a line slow all evening
 # is not probed every few seconds)
