@@ -373,6 +373,19 @@ class RecoveryDriver:
             except PipelineError as exc:
                 self.recovery.unanswered(ask, str(exc), time.monotonic())
                 return None
+            # the one that left answers (its connection may only have dropped), but a line
+            # that collapsed answers a hello too: timed as the watch times one, or it would
+            # be kept, and the replay over its line would lose it again
+            try:
+                slow = await self._line_too_slow(r, ask.timeout) if ask.lost else None
+            except BaseException:   # the rearrangement cancelled: the stage's head slot let go
+                asyncio.ensure_future(r.ws.close())
+                raise
+            if slow is not None:
+                await r.ws.close()
+                self.recovery.unanswered(ask, slow, time.monotonic())
+                log.warning("%s", self.recovery.too_slow(ask.address, slow, time.monotonic()))
+                return None
             self.recovery.answered(ask)
             return r
 
@@ -427,19 +440,20 @@ class RecoveryDriver:
                 continue
         return None
 
-    async def _line_too_slow(self, r: RemoteStage) -> str | None:
-        """Why the line of a machine that answered the watch cannot carry its take-in now
-        (the replay of every conversation crosses it), or None (engine/core/line_check.py)."""
-        tokens = sum(s.pos for s in self.seqs.values() if not s.done)
+    async def _line_too_slow(self, r: RemoteStage, within: float = line_check.ROUND_TRIP_S) -> str | None:
+        """Why the line of a machine that answered cannot carry its take-in now (the replay
+        of every conversation crosses it), or None (engine/core/line_check.py). within: how
+        long the first byte may take."""
+        tokens = sum(len(s.prompt) + len(s.generated) for s in self.seqs.values() if not s.done)
         check = line_check.LineCheck.for_replay(tokens, self.config.hidden_size, self.dtype.itemsize)
         try:
-            round_trip = await self._line_fill(r, 1, line_check.ROUND_TRIP_S)
+            round_trip = await self._line_fill(r, 1, within)
             try:
                 elapsed = await self._line_fill(r, line_check.TEST_BYTES, check.deadline_s(round_trip))
             except asyncio.TimeoutError:
                 elapsed = None
         except asyncio.TimeoutError:
-            return f"its line carried nothing within {line_check.ROUND_TRIP_S:g} s"
+            return f"its line carried nothing within {within:g} s"
         except (OSError, WebSocketException, frames.FrameError) as exc:
             return f"its connection broke while its line was timed ({str(exc) or type(exc).__name__})"
         return check.verdict(round_trip, elapsed)
