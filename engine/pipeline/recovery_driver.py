@@ -376,11 +376,7 @@ class RecoveryDriver:
             # the one that left answers (its connection may only have dropped), but a line
             # that collapsed answers a hello too: timed as the watch times one, or it would
             # be kept, and the replay over its line would lose it again
-            try:
-                slow = await self._line_too_slow(r, ask.timeout) if ask.lost else None
-            except BaseException:   # the rearrangement cancelled: the stage's head slot let go
-                asyncio.ensure_future(r.ws.close())
-                raise
+            slow = await self._line_too_slow(r, ask.timeout) if ask.lost else None
             if slow is not None:
                 await r.ws.close()
                 self.recovery.unanswered(ask, slow, time.monotonic())
@@ -456,6 +452,9 @@ class RecoveryDriver:
             return f"its line carried nothing within {within:g} s"
         except (OSError, WebSocketException, frames.FrameError) as exc:
             return f"its connection broke while its line was timed ({str(exc) or type(exc).__name__})"
+        except BaseException:   # cancelled (the head closing, a rearrangement given up): the
+            asyncio.ensure_future(r.ws.close())   # stage's one head slot is let go
+            raise
         return check.verdict(round_trip, elapsed)
 
     @staticmethod
@@ -485,11 +484,7 @@ class RecoveryDriver:
             if not self.recovery.may_ask:  # a stage left meanwhile
                 await r.ws.close()
                 continue
-            try:
-                slow = await self._line_too_slow(r)
-            except BaseException:   # the head closing: the stage's one head slot is let go
-                asyncio.ensure_future(r.ws.close())
-                raise
+            slow = await self._line_too_slow(r)
             if slow is not None or not self.recovery.may_ask:   # or a stage left meanwhile
                 await r.ws.close()
                 if slow is not None:   # the pipeline serves on without it: asked again later
