@@ -352,7 +352,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             "model": self.source.name,
             "stages": stages,
             "dtype": self.dtype_name,
-            "weights": self.weights,
+            # unquantized weights are at the compute dtype: "full (float32)" on a CPU, not "bf16"
+            # beside "dtype": "float32"
+            "weights": precision.full_label(self.dtype_name) if self.weights == precision.FULL else self.weights,
             "micro_batches": self.micro_batches,
             "kv_capacity_tokens": self.capacity,
             "kv_reserved_tokens": self.reserved,

@@ -28,6 +28,7 @@ from conftest import THREADS, free_port
 from engine.wire import frames
 from engine.pipeline.head import Delta, Done, Head, PipelineError
 from engine.model.sources import ModelError, ModelSource, resolve
+from engine.core import precision
 from engine.core.partition import parse_layers
 from engine.core.sampling import SamplingParams
 from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer, connect_stage
@@ -782,6 +783,8 @@ async def test_status_says_where_each_stage_computes(pipeline):
     assert [s["device"] for s in info["stages"]] == [want] * 3
     assert all(s["device_name"] for s in info["stages"])
     assert info["dtype"] == ("float32" if want == "cpu" else pipeline.dtype_name)
+    # unquantized weights are named by that dtype, not "bf16" beside float32
+    assert info["weights"] == ("full (float32)" if want == "cpu" else precision.full_label(pipeline.dtype_name))
 
 
 @pytest.mark.parametrize("where", ["last", "middle"])
