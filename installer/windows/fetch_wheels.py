@@ -13,6 +13,7 @@ llama-cpp-python, which has no Windows wheel; Potluck reads the GGUF it carries 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -20,7 +21,10 @@ from email.parser import Parser
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
+
+STAMP = "requirements.json"   # in dest: the requirement set its wheels were resolved for
 
 # the environment markers of the embedded Python the installer ships
 TARGET = {
@@ -57,31 +61,71 @@ def requirements_of(wheel: Path, extras: set[str]) -> list[Requirement]:
 
 
 def have(dest: Path) -> dict[str, Path]:
-    return {canonicalize_name(parse_wheel_filename(p.name)[0]): p for p in dest.glob("*.whl")}
+    """Each name's newest wheel in dest (a re-resolve may leave two versions until it
+    keeps one)."""
+    found: dict[str, Path] = {}
+    for p in sorted(dest.glob("*.whl"), key=lambda p: parse_wheel_filename(p.name)[1]):
+        found[canonicalize_name(parse_wheel_filename(p.name)[0])] = p
+    return found
+
+
+def keep_newest(dest: Path, req: Requirement) -> None:
+    """Keeps one wheel of req's name, the newest its specifier accepts: the closure holds
+    one version of each (a re-resolve may have left an older one, or one the specifier
+    now excludes)."""
+    name = canonicalize_name(req.name)
+    mine = [p for p in dest.glob("*.whl") if canonicalize_name(parse_wheel_filename(p.name)[0]) == name]
+    ok = [p for p in mine if req.specifier.contains(parse_wheel_filename(p.name)[1], prereleases=True)]
+    keep = max(ok, key=lambda p: parse_wheel_filename(p.name)[1], default=None)
+    for p in mine:
+        if p != keep:
+            p.unlink()
+
+
+def stamp_of(wanted: list[str], no_deps_of: set[str]) -> dict:
+    return {"wanted": sorted(wanted), "no_deps_of": sorted(no_deps_of), "target": TARGET}
+
+
+def resolved_for(dest: Path, stamp: dict) -> bool:
+    """Whether dest's wheels were resolved for this requirement set. When it changed, every
+    name is asked of the index again: a cached wheel the new specifier still accepts could
+    be an older version than a fresh resolve picks (a developer's bundle kept PySide6
+    6.11.3 while CI's fresh cache took 6.12.0, whose plugins import other system DLLs)."""
+    try:
+        return json.loads((dest / STAMP).read_text()) == stamp
+    except (OSError, ValueError):
+        return False
 
 
 def fetch(dest: Path, wanted: list[str], no_deps_of: set[str] = frozenset()) -> None:
     dest.mkdir(parents=True, exist_ok=True)
+    stamp = stamp_of(wanted, no_deps_of)
+    fresh = resolved_for(dest, stamp)
     queue = for_target(wanted)
     seen: dict[str, set[str]] = {}
+    specs: dict[str, SpecifierSet] = {}   # what every requirement of a name met so far allows
     while queue:
         req = queue.pop(0)
         name = canonicalize_name(req.name)
         extras = set(req.extras)
+        specs[name] = specs.get(name, SpecifierSet()) & req.specifier
         if name in seen and extras <= seen[name]:
             continue
         seen.setdefault(name, set()).update(extras)
+        wanted_one = Requirement(f"{req.name}{specs[name]}")
         wheels = have(dest)
-        if name not in wheels or not req.specifier.contains(
+        if not fresh or name not in wheels or not wanted_one.specifier.contains(
                 parse_wheel_filename(wheels[name].name)[1], prereleases=True):
             subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest),
-                            *PIP_TARGET, str(Requirement(f"{req.name}{req.specifier}"))], check=True)
+                            *PIP_TARGET, str(wanted_one)], check=True)
+            keep_newest(dest, wanted_one)
             wheels = have(dest)
         if name not in no_deps_of:
             queue += requirements_of(wheels[name], seen[name])
     stray = set(have(dest)) - set(seen)
     for name in stray:  # left from an older requirement set: not part of this closure
         have(dest)[name].unlink()
+    (dest / STAMP).write_text(json.dumps(stamp))
     print(f"{len(seen)} wheels in {dest}")
 
 

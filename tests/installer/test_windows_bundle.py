@@ -201,6 +201,39 @@ def test_the_wheels_fetched_are_those_whose_markers_hold_on_windows_python_313()
     assert [r.name for r in picked] == ["pywin32-ctypes"]
 
 
+def _wheel(where: Path, name: str, version: str) -> None:
+    import zipfile
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(where / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+
+
+def test_a_cache_resolved_for_other_requirements_is_resolved_again(tmp_path, monkeypatch):
+    """pip download from a local index of two versions: a warm cache keeps its wheel while
+    the requirement set is the one it was resolved for, and asks the index again when the
+    set changes, where a cached version the new specifier still accepts would otherwise
+    be kept (a developer's bundle differed from CI's that way)."""
+    import fetch_wheels
+    index, dest = tmp_path / "index", tmp_path / "cache"
+    index.mkdir()
+    _wheel(index, "pkga", "1.0")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    cached = lambda: sorted(p.name for p in dest.glob("*.whl"))
+    fetch_wheels.fetch(dest, ["pkga>=0.5"])
+    assert cached() == ["pkga-1.0-py3-none-any.whl"]
+    _wheel(index, "pkga", "2.0")                       # a newer release
+    fetch_wheels.fetch(dest, ["pkga>=0.5"])           # same set: the cache answers
+    assert cached() == ["pkga-1.0-py3-none-any.whl"]
+    fetch_wheels.fetch(dest, ["pkga>=0.5; python_version >= '3.12'"])   # the set changed
+    assert cached() == ["pkga-2.0-py3-none-any.whl"]
+    fetch_wheels.fetch(dest, ["pkga<2"])              # one the new specifier excludes goes
+    assert cached() == ["pkga-1.0-py3-none-any.whl"]
+
+
 # ---- the staged tree --------------------------------------------------------------------
 
 def test_every_dll_import_in_the_bundle_is_met(stage):
