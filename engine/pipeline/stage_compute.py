@@ -58,7 +58,8 @@ class StageCompute:
             if stage.last:
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:
-                    raise ValueError(f"no sampling parameters for sequences {unknown}")
+                    more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+                    raise ValueError(f"no sampling parameters for sequences {unknown[:8]}{more}")
             out = stage.forward(batch, torch.cat([f.tensor for f in queued]))
             self.trace("forwarded")   # on a GPU: launched, not done (the tokens' or frame's copy waits)
         except (ValueError, SamplingError, RuntimeError):
@@ -92,7 +93,8 @@ class StageCompute:
                 self.sampler.open_new(frame.meta.get("new", {}), stage.vocab_size)
                 unknown = [s for s in batch.seq_ids if not self.sampler.knows(s)]
                 if unknown:
-                    raise ValueError(f"no sampling parameters for sequences {unknown}")
+                    more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+                    raise ValueError(f"no sampling parameters for sequences {unknown[:8]}{more}")
             t0 = time.perf_counter()
             out = stage.forward(batch, frame.tensor)
             self.trace("forwarded")   # on a GPU: launched, not done (the tokens' or frame's copy waits)

@@ -74,6 +74,18 @@ WS_OPTIONS = dict(compression=None, max_size=frames.DEFAULT_MAX_PAYLOAD + (2 << 
 # sharing node by a gigabyte. The limit is lifted for that connection once it is proven.
 PROOF_MAX = 4096
 PROOF_QUEUE = 4
+# What a proven peer may send on each kind of connection, once its proof is taken: a data
+# link carries activations (WS_OPTIONS' max_size); a control connection carries control
+# messages to a stage, and control messages and token frames (no tensor) back from one.
+# Lifting a control connection to a data link's gigabyte let a head that stopped reading
+# park the stage's loop and then queue 64 messages of 64 MiB in its memory.
+SEAL_OVERHEAD = 1024
+CONTROL_QUEUE = 16
+CONTROL_MAX = max(frames.MAX_CONTROL, frames.HEADER.size + 4 * frames.MAX_NDIM + frames.MAX_META) + SEAL_OVERHEAD
+# A peer that has read nothing we sent for this long has stopped (a frozen head, a hostile
+# one): its connection is cut. websockets' own keepalive cannot tell, since its ping waits
+# on the same full send buffer; the accepting side's ping_timeout is the same patience.
+SEND_STALL_S = 60.0
 # Heartbeats on the connections a head or a stage opens (to the stage after it): a stage
 # that stops answering (asleep, unplugged, frozen) is noticed within the two together
 # and the head rearranges the pipeline without it. A ping is a few bytes every few
@@ -86,6 +98,13 @@ PROOF_QUEUE = 4
 HEARTBEAT_S, HEARTBEAT_TIMEOUT_S = 2.0, 5.0
 CLIENT_WS_OPTIONS = dict(WS_OPTIONS, ping_interval=HEARTBEAT_S, ping_timeout=HEARTBEAT_TIMEOUT_S, close_timeout=1.0,
                          create_connection=HeartbeatConnection)
+
+
+def lift_proof_limit(ws, max_size: int, max_queue: int = WS_OPTIONS["max_queue"]) -> None:
+    """A proven peer may send messages up to max_size, max_queue of them buffered before
+    reading pauses. websockets reads the limits per frame: raising them takes effect at once."""
+    ws.protocol.max_message_size = max_size
+    ws.recv_messages.high, ws.recv_messages.low = max_queue, max(1, max_queue // 4)
 
 
 class NotAuthorized(frames.FrameError):
@@ -105,7 +124,10 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
     secret; a stage on loopback with none takes the empty key."""
     url, secret = split_address(address)
     key = key or secret or ""
-    ws = await asyncio.wait_for(connect(url, **CLIENT_WS_OPTIONS), timeout)
+    # whoever answers at the address (a stage, or anyone else there now) may send only a
+    # challenge and an accept until it has proven the key: not a gigabyte before it
+    ws = await asyncio.wait_for(connect(url, **dict(CLIENT_WS_OPTIONS, max_size=PROOF_MAX,
+                                                      max_queue=PROOF_QUEUE)), timeout)
     try:
         challenge = frames.parse_control(await asyncio.wait_for(ws.recv(), timeout))
         if challenge["type"] != "challenge":
@@ -126,6 +148,8 @@ async def connect_stage(address: str, role: str, pipeline: str, key: str = "", t
         if accept["type"] != "accept":
             raise frames.FrameError(f"expected accept, got {accept['type']}")
         sealed = SealedSocket(ws, opener.accept(accept["auth"]))
+        # proven: a stage sends control messages and token frames back (a data link: acks)
+        lift_proof_limit(ws, CONTROL_MAX)
         if role == "data":
             # nothing more until the stage has taken the proof and lifted its size limit
             # (a control connection waits for its welcome the same way)

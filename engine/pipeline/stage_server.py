@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.protocol import State
 
 from engine.wire import frames
@@ -44,11 +44,13 @@ from engine.pipeline.stage_compute import StageCompute
 from engine.pipeline.load_ahead import ahead_profile, build_alone, build_beside
 from engine.model.handover import HeldLayers
 from engine.wire.sealed_socket import SealedSocket
-from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce
+from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce, split_address
+from engine.core.ws_address import address_problem
 # what a stage and its peers agree on, importable from here as before
 from engine.pipeline.stage_protocol import (CLIENT_WS_OPTIONS, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S,  # noqa: F401
                                             HELLO_TIMEOUT, LEAVE_S, LET_GO_S, NEXT_LINK_GRACE_S, PROFILE_REPORT_S,
-                                            PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION, WS_OPTIONS, connect_stage)
+                                            CONTROL_MAX, CONTROL_QUEUE, PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION,
+                                            SEND_STALL_S, WS_OPTIONS, connect_stage, lift_proof_limit)
 from engine.model.sampler import Sampler
 from engine.model.stage import StageModel, import_model_code
 from engine.core.step_gate import COMPUTE_ORDERS
@@ -135,6 +137,7 @@ class StageServer(StageCompute):
         self._out: asyncio.Queue | None = None
         self._sender_task: asyncio.Task | None = None
         self.rejected_frames = 0
+        self.send_stall_s = SEND_STALL_S   # a peer that reads nothing this long is cut
 
     async def start(self):
         self._server = await serve(self._handle, self.host, self.port,
@@ -292,13 +295,16 @@ class StageServer(StageCompute):
                 raise frames.FrameError("not authorized")
             answer, seal = answer_hello(key, hello["role"], hello["pipeline"], nonce, hello["auth"])
             await ws.send(frames.control("accept", auth=answer))
-            _lift_proof_limit(ws)
+            if hello["role"] == "data":
+                lift_proof_limit(ws, WS_OPTIONS["max_size"])
+            else:   # control messages only, a few at a time: megabytes at most, not gigabytes
+                lift_proof_limit(ws, CONTROL_MAX, CONTROL_QUEUE)
         except (frames.FrameError, ConnectionClosed) as exc:
             log.warning("refused connection: %s", exc)
             self.rejected_frames += 1
             await ws.close(1008, str(exc)[:120] or "bad hello")
             return
-        sealed = SealedSocket(ws, seal)
+        sealed = SealedSocket(ws, seal, send_stall_s=self.send_stall_s)
         if hello["role"] == "control":
             await self._control(sealed)   # its first message, the welcome, says the proof was taken
             return
@@ -365,6 +371,11 @@ class StageServer(StageCompute):
                     await ws.send(frames.control("line_fill", fill="x" * msg["bytes"]))
                 elif kind == "shutdown":
                     await self.close()
+                    return
+                else:   # what a stage sends (welcome, line_fill, ...): no head sends it
+                    self.rejected_frames += 1
+                    log.warning("closing the head's connection: it sent %r", kind)
+                    await ws.close(1008, f"a head does not send {kind}")
                     return
         except ConnectionClosed:
             pass
@@ -504,6 +515,10 @@ class StageServer(StageCompute):
                      "" if profile else " and measuring", time.perf_counter() - t1, stage.kept_layers, budget)
             return stage, fp, prof
 
+        problem = msg["next"] and address_problem(msg["next"])
+        if problem:   # said before anything loads or is dialled
+            await ws.send(frames.control("error", message=f"the next stage: {problem}"[:500]))
+            return
         link_mode = msg["link"] or "jit"
         if link_mode not in LINK_MODES:
             await ws.send(frames.control("error", message=f"unknown link mode {link_mode!r}"))
@@ -528,14 +543,23 @@ class StageServer(StageCompute):
             return
         await self._drop_next()
         if msg["next"]:
-            self._next_ws = await connect_stage(msg["next"], "data", self.pipeline, key=msg["route"])
+            try:
+                self._next_ws = await connect_stage(msg["next"], "data", self.pipeline, key=msg["route"])
+            except (OSError, asyncio.TimeoutError, WebSocketException, frames.FrameError) as exc:
+                # the head sees why (it rearranges without that hop), and this stage goes on
+                await ws.send(frames.control("error", message=f"cannot reach the next stage at "
+                                             f"{split_address(msg['next'])[0]}: {exc or type(exc).__name__}"[:500]))
+                return
             # the profile as last reported: the scheduler's windows follow it too
             self._link = open_link(self._next_ws, link_mode, lambda n: interp(self.profile["decode"], n),
                                    on_failed=lambda why: self._next_link_failed(ws, why),
                                    acked=self.acks, trace=self.trace)
         if self._sender_task is not None:
             self._sender_task.cancel()  # a reconfigure: the old route is gone
-        self._out = asyncio.Queue()
+        # bounded: a head or next stage that reads slowly holds the compute lanes here, and
+        # their inboxes then hold the stage before (TCP), instead of tokens piling up in
+        # this process's memory without end
+        self._out = asyncio.Queue(maxsize=OUT_QUEUE)
         self._sender_task = asyncio.ensure_future(self._sender(self._out, self._next_ws))
         await ws.send(frames.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
@@ -690,11 +714,6 @@ class StageServer(StageCompute):
 
 
 MAX_MERGED_ROWS = 64
+OUT_QUEUE = 64   # frames computed and waiting to be sent
 SPEED_FRESH_S = 120.0   # a welcome's speed score is measured again after this long
 
-
-def _lift_proof_limit(ws) -> None:
-    """A proven peer may send activations: the message size and queue of WS_OPTIONS.
-    websockets reads the limits per frame, so raising them here takes effect at once."""
-    ws.protocol.max_message_size = WS_OPTIONS["max_size"]
-    ws.recv_messages.high, ws.recv_messages.low = WS_OPTIONS["max_queue"], WS_OPTIONS["max_queue"] // 4

@@ -5,6 +5,8 @@ to a step that failed. Pure."""
 
 from __future__ import annotations
 
+import json
+
 from engine.wire import frames
 
 
@@ -51,10 +53,30 @@ def is_decode(frame: frames.Frame) -> bool:
     return not frame.meta.get("partial") and not frame.meta.get("new")
 
 
+def fit_reason(why: str, max_bytes: int) -> str:
+    """`why`, cut (with "…") so that its JSON, as a frame encodes it, takes at most
+    max_bytes (never under 64: a few words stay)."""
+    max_bytes = max(max_bytes, 64)
+    if len(json.dumps(why)) <= max_bytes:
+        return why
+    lo, hi = 0, len(why)     # the longest prefix that fits, with the mark
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(json.dumps(why[:mid] + "…")) <= max_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return why[:lo] + "…"
+
+
 def failed(frame: frames.Frame, why: str) -> bytes:
     """The head's answer to a step that failed: `why` for each of its sequences (the head
     ends their replies with it and frees them everywhere). Step 0 tells the head it came
     from a prompt chunk, not its micro-batch's step."""
-    meta = {"tokens": [], "errors": [[r[0], why] for r in frame.meta["rows"]]}
+    rows = frame.meta["rows"]
+    # every row carries it: kept short enough that the frame stays within what the head
+    # reads (frames.MAX_META), whatever the rows and the reason (4096 rows of a long one
+    # made a frame the head refused, and it dropped this stage for it)
+    meta = {"tokens": [], "errors": [[r[0], fit_reason(why, frames.MAX_META // 2 // len(rows))] for r in rows]}
     step = 0 if frame.meta.get("partial") else frame.step
     return frames.encode(frames.FrameType.TOKENS, frame.micro_batch, step, meta)

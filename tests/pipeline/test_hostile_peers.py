@@ -1,0 +1,158 @@
+"""A peer that proved its key can still be frozen, buggy or hostile: what it can make a
+stage (or a head) hold is bounded, and it gets its connection closed, never the process
+crashed or the stage's one head slot held for ever. Real servers, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+import torch
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from engine.model.sources import resolve
+from engine.pipeline import step_rows
+from engine.pipeline.stage_server import CONTROL_MAX, StageServer, connect_stage
+from engine.wire import frames
+
+
+@pytest.fixture
+async def stage():
+    server = await StageServer("127.0.0.1", 0, pipeline="local", threads=1).start()
+    try:
+        yield server, f"ws://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+async def _head(addr):
+    ws = await connect_stage(addr, "control", "local")
+    assert frames.parse_control(await asyncio.wait_for(ws.recv(), 30))["type"] == "welcome"
+    return ws
+
+
+async def _closed(ws, timeout=30):
+    """The close the stage sent, once it shows."""
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), timeout)
+    except ConnectionClosed as exc:
+        return exc.rcvd
+
+
+async def test_a_head_that_stops_reading_is_cut_and_the_stage_takes_another(stage):
+    """A head asks for its line's filler and then reads nothing (frozen, or hostile): the
+    stage's send waits on a full buffer, which websockets' keepalive cannot see (its ping
+    waits on the same buffer). The stage cuts it after send_stall_s, and the next head is
+    taken (before, the slot stayed held while the connection lived)."""
+    server, addr = stage
+    server.send_stall_s = 1.0
+    frozen = await _head(addr)
+    # frozen: reads nothing from here on, and sends no heartbeat (which would end it
+    # from the head's side)
+    frozen.ws.keepalive_task.cancel()
+    frozen.transport.pause_reading()
+
+    async def ask():       # 300 x 64 KiB asked: more than the socket buffers hold
+        for _ in range(300):
+            await frozen.send(frames.control("line_test", bytes=frames.LINE_TEST_MAX))
+
+    try:   # (the asking itself waits once the stage stops reading, until it is cut)
+        await asyncio.wait_for(ask(), 30)
+    except (ConnectionClosed, asyncio.TimeoutError):
+        pass
+    t0 = time.monotonic()
+    while server._control_ws is not None and time.monotonic() - t0 < 30:
+        await asyncio.sleep(0.1)
+    assert server._control_ws is None, "the stage still holds the frozen head"
+    frozen.transport.abort()
+    fresh = await _head(addr)                    # the slot is free again
+    try:
+        await fresh.send(frames.control("get_stats"))
+        assert frames.parse_control(await asyncio.wait_for(fresh.recv(), 30))["type"] == "stats"
+    finally:
+        await fresh.close()
+
+
+async def test_a_control_message_past_what_control_carries_is_refused_from_its_header(stage):
+    """A proven head's control connection carries control messages (at most MAX_CONTROL):
+    one larger is refused from its frame header (1009), not read into memory first (it
+    was lifted to a data link's gigabyte)."""
+    _, addr = stage
+    ws = await _head(addr)
+    await ws.send("x" * (CONTROL_MAX + 1))
+    rcvd = await _closed(ws)
+    assert rcvd is not None and rcvd.code == 1009, rcvd
+
+
+@pytest.mark.parametrize("kind", ["ready", "line_fill", "accept"])
+async def test_a_message_only_a_stage_sends_closes_the_heads_connection(stage, kind):
+    server, addr = stage
+    ws = await _head(addr)
+    fields = {"ready": {}, "line_fill": {"fill": "x"}, "accept": {"auth": "00"}}[kind]
+    await ws.send(frames.control(kind, **fields))
+    rcvd = await _closed(ws)
+    assert rcvd is not None and rcvd.code == 1008 and kind in rcvd.reason, rcvd
+    assert server.rejected_frames >= 1
+    (await _head(addr)).transport.abort()     # and the stage takes the next head
+
+
+async def test_a_next_stage_that_is_no_address_or_does_not_answer_is_an_error_not_a_dead_link(stage, tiny_folder):
+    """configure's `next` is said back as an error, on a connection that goes on: a text
+    that is no stage address before anything loads, an address where nothing answers
+    after the layers load (it closed the control connection with a traceback)."""
+    server, addr = stage
+    folder, _ = tiny_folder("llama", seed=0)
+    configure = dict(model=str(folder), start=3, end=6, dtype="float32", kv_budget_tokens=None, threads=None,
+                     link=None, compress=None, compute=None, acks=True, weights="bf16", profile=None,
+                     route="r" * 32, fingerprint=resolve(str(folder)).fingerprint())
+    with socket.socket() as s:                   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    ws = await _head(addr)
+    try:
+        for nxt, said in [("ws://127.0.0.1", "not a stage's address"), ("file:///etc/passwd", "not a stage's address"),
+                          (f"ws://127.0.0.1:{closed_port}#secret", "cannot reach the next stage at ws://127.0.0.1:")]:
+            await ws.send(frames.control("configure", next=nxt, **configure))
+            msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 60))
+            while msg["type"] == "progress":
+                msg = frames.parse_control(await asyncio.wait_for(ws.recv(), 60))
+            assert msg["type"] == "error" and said in msg["message"], msg
+            assert "secret" not in msg["message"]
+        await ws.send(frames.control("get_stats"))   # the connection goes on
+        assert frames.parse_control(await asyncio.wait_for(ws.recv(), 30))["type"] == "stats"
+    finally:
+        await ws.close()
+
+
+async def test_a_head_reads_little_from_whoever_answers_before_it_proves_the_key():
+    """The head dials a stage's old address (a dropped machine it probes): whoever answers
+    there now may send a challenge, not a quarter of a gigabyte the head reads whole."""
+    async def impostor(ws):
+        await ws.send("x" * (8 << 20))
+        await asyncio.sleep(5)
+
+    async with serve(impostor, "127.0.0.1", 0, max_size=1 << 10) as srv:
+        port = srv.sockets[0].getsockname()[1]
+        with pytest.raises(ConnectionClosed) as got:
+            await connect_stage(f"ws://127.0.0.1:{port}", "control", "local", timeout=10)
+        assert got.value.sent is not None and got.value.sent.code == 1009
+
+
+def test_a_failed_steps_answer_stays_within_what_a_head_reads():
+    """4096 rows failing with a long reason: each row carries it, cut so that the frame
+    is one the head decodes (it refused it, and dropped the stage for a fault upstream)."""
+    rows = [[i, 0, 1] for i in range(frames.MAX_ROWS)]
+    step = frames.decode(frames.encode(frames.FrameType.ACTIVATIONS, 0, 7, {"rows": rows}, torch.zeros(len(rows), 4)))
+    why = "no sampling parameters for sequences " + "é" * 600
+    answer = frames.decode(step_rows.failed(step, why))
+    assert len(answer.meta["errors"]) == frames.MAX_ROWS
+    said = answer.meta["errors"][0][1]
+    assert said.startswith("no sampling parameters") and said.endswith("…") and len(said) < len(why)
+    one = frames.decode(frames.encode(frames.FrameType.ACTIVATIONS, 0, 7, {"rows": rows[:1]}, torch.zeros(1, 4)))
+    assert frames.decode(step_rows.failed(one, why)).meta["errors"][0][1] == why   # room for it whole
+    assert len(json.dumps(frames.decode(step_rows.failed(step, why)).meta)) <= frames.MAX_META
