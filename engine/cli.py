@@ -20,7 +20,7 @@ from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
 from engine.core.cli_args import (count_arg, hours_arg, penalty_arg, port_arg,  # noqa: F401
-                                  prompt_chunk_arg, ranged_arg, sampling_arg, stages_arg)
+                                  prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, stages_arg)
 from engine.node.control_basics import port_taken
 
 
@@ -388,6 +388,15 @@ async def _join(args) -> int:
     from engine.node.homes import HomeError, join_stage, redeem
     from engine.wire import shortcode
 
+    from engine.core.join_link import LinkError, is_link, parse_link
+
+    if is_link(args.code):   # the link a friend sent, pasted whole
+        try:
+            link = parse_link(args.code)
+        except LinkError as exc:
+            _say(f"potluck: {exc}")
+            return 2
+        args.code, args.relay = link.code, args.relay or link.relay or ""
     try:
         invite = await redeem(args.code, args.relay)
     except HomeError as exc:   # a code that cannot be used: the user's to fix
@@ -508,7 +517,7 @@ async def _node(args) -> int:
 def _add_homes_args(sub):
     p = sub.add_parser("host", help="host a pipeline: print an invite code, wait for friends, serve the API")
     add_pipeline_args(p)
-    p.add_argument("--relay", default="", help="ws://relay:port that both homes can reach")
+    p.add_argument("--relay", type=relay_arg, default="", help="ws://relay:port that both homes can reach")
     p.add_argument("--listen", default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
     p.add_argument("--advertise", action="append", default=[],
                    help="address to put in the code for --listen (default: this machine's addresses)")
@@ -525,8 +534,9 @@ def _add_homes_args(sub):
                    help="also print a short code to read out (one use, 10 minutes; needs --relay)")
 
     p = sub.add_parser("join", help="contribute this machine to a friend's pipeline with their invite code")
-    p.add_argument("code", help="the invite code, or a short code (4821-917305) with --relay")
-    p.add_argument("--relay", default="", help="the host's relay, for a short code")
+    p.add_argument("code", help="the invite code, its potluck://join/… link, or a short code (4821-917305) "
+                                "with --relay")
+    p.add_argument("--relay", type=relay_arg, default="", help="the host's relay, for a short code")
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
     p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
                    help="auto: a direct address from the code first, then the relay")

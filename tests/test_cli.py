@@ -1,6 +1,9 @@
 """The command line parses, and says what it wants when it cannot (engine/cli.py)."""
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -68,10 +71,17 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["chat", "--temperature", "nan"], "temperature must be between"),
                        (["chat", "--top-p", "0"], "top_p must be greater than 0"),
                        (["chat", "--threads", "0"], "not a whole number from 1"),
-                       (["host", "--peers", "0"], "not a whole number from 1")):
+                       (["host", "--peers", "0"], "not a whole number from 1"),
+                       # a relay given as a web address went into the invite, then failed
+                       # at every registration in a library's words
+                       (["host", "--relay", "http://relay.example:8765"], "is written ws://host:port"),
+                       (["host", "--relay", "ws:///nohost"], "is written ws://host:port"),
+                       (["join", "4821-917305", "--relay", "relay.example:8765/x"], "not a relay's address")):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)
         assert e.value.code == 2 and said in capsys.readouterr().err, argv
+    assert build_parser().parse_args(["host", "--relay", " wss://relay.example:443 "]).relay == "wss://relay.example:443"
+    assert build_parser().parse_args(["join", "x", "--relay", "wss://relay.example"]).relay == "wss://relay.example"
     args = build_parser().parse_args(["serve", "--port", "0", "--threads", "2"])
     assert (args.port, args.threads) == (0, 2)      # 0: a port the system picks
 
@@ -250,3 +260,13 @@ def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():
     else:
         os.killpg(p.pid, signal.SIGKILL)
         raise AssertionError("stage processes outlived `potluck serve`")
+
+
+def test_join_takes_the_link_a_friend_sent_pasted_whole():
+    """The app opens potluck://join/<code> links; pasted on the command line the link's
+    scheme was read as part of the code ("'U' (character 5) is never used in codes")."""
+    for arg, said in (("potluck://join/ABCD-EFGH", "it is too short"),
+                      ("potluck://leave/ABCD", "unknown potluck link 'leave'")):
+        p = subprocess.run([sys.executable, "-m", "engine", "join", arg], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert p.returncode == 2 and said in p.stderr and "never used in codes" not in p.stderr, p.stderr

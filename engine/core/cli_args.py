@@ -8,6 +8,7 @@ import argparse
 
 from engine.core.local_stages import MOST as MOST_LOCAL_STAGES
 from engine.core.sampling import PENALTY_RANGE, SamplingParams
+from engine.core.ws_address import address_problem
 
 
 def prompt_chunk_arg(text: str):
@@ -57,3 +58,13 @@ def sampling_arg(name: str, parse):
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
         return v
     return arg
+
+
+def relay_arg(text: str) -> str:
+    """--relay: ws://host:port (or wss://); an http:// one went into the invite and failed
+    at every registration, a library's words once a second."""
+    text = text.strip()
+    problem = text and address_problem(text, "a relay's address", port_needed=False)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text

@@ -10,6 +10,7 @@ import os
 
 from engine.core import precision
 from engine.core.errors import ModelError
+from engine.core.ws_address import address_problem
 from engine.core.local_stages import MOST as MOST_STAGES
 from engine.core.local_stages import local_stages
 from engine.model.device import DTYPES, compute_dtype, free_memory, release_memory
@@ -60,8 +61,12 @@ class Hosting:
             raise NodeError("'friends' must be a whole number from 0 to 8")
         relay = body.get("relay") or ""
         listen = body.get("listen") or ""
-        if not isinstance(relay, str) or (relay and not relay.startswith(("ws://", "wss://"))):
+        if not isinstance(relay, str):
             raise NodeError("'relay' must be a ws:// address")
+        problem = relay.strip() and address_problem(relay.strip(), "a relay's address", port_needed=False)
+        if problem:
+            raise NodeError(problem)
+        relay = relay.strip()
         if not isinstance(listen, str) or (listen and ":" not in listen):
             raise NodeError("'listen' must be HOST:PORT, e.g. 0.0.0.0:7870")
         if friends and not (relay or listen):

@@ -32,6 +32,7 @@ import json
 from aiohttp import web
 
 from engine.core.group_fit import group_fit
+from engine.core.ws_address import address_problem
 from engine.model.device import free_memory
 from engine.model.quant import bnb_missing
 from engine.node.control_basics import NodeError
@@ -164,6 +165,9 @@ class NodeRoutes:
             relay = body.get("relay") or ""
             if not isinstance(relay, str):
                 raise NodeError("'relay' must be a ws:// address")
+            problem = relay.strip() and address_problem(relay.strip(), "a relay's address", port_needed=False)
+            if problem:
+                raise NodeError(problem)
             return web.json_response(await self.join_invite(code.strip(), relay.strip()))
         pipeline = body.get("pipeline")
         if not isinstance(pipeline, str) or not pipeline.strip() or len(pipeline) > 200:

@@ -60,3 +60,14 @@ def test_stages_default_to_one_process_on_a_gpu_and_two_on_a_cpu():
     for bad in (9, -1, True, "2"):
         with pytest.raises(NodeError, match="'stages' must be a whole number from 1 to 8"):
             node.host_args({"stages": bad})
+
+
+def test_a_relay_is_a_ws_address_before_anything_starts():
+    """The app's host dialog posts what a person typed: a web address is said at once,
+    not found at every registration after the invite went out."""
+    node = Node("t" * 32, device="cpu")
+    assert node.host_args({"relay": " ws://relay.example:8765 ", "friends": 1})["relay"] == "ws://relay.example:8765"
+    assert node.host_args({"relay": "wss://relay.example", "friends": 1})["relay"] == "wss://relay.example"
+    for bad in ("http://relay.example:8765", "ws://relay.example:port", "relay.example:8765"):
+        with pytest.raises(NodeError, match="is not a relay's address"):
+            node.host_args({"relay": bad, "friends": 1})
