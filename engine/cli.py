@@ -730,6 +730,7 @@ def main(argv=None) -> int:
     try:
         return asyncio.run(COMMANDS[args.cmd](args))
     except KeyboardInterrupt:
+        sys.stderr.write("\n")   # the shell's prompt on a line of its own, not after "you> ^C"
         return 130
     except ModelError as exc:
         print(f"potluck: {exc}", file=sys.stderr)

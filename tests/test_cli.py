@@ -4,6 +4,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -270,3 +271,41 @@ def test_join_takes_the_link_a_friend_sent_pasted_whole():
         p = subprocess.run([sys.executable, "-m", "engine", "join", arg], capture_output=True, text=True,
                            timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         assert p.returncode == 2 and said in p.stderr and "never used in codes" not in p.stderr, p.stderr
+
+
+def test_ctrl_c_stops_the_reply_and_the_chat_goes_on():
+    """`potluck chat` as typed: Ctrl+C while a reply streams stops that reply, and the
+    next message is answered (it ended the whole chat, the conversation lost)."""
+    import signal
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "chat", "--temperature", "0", "--max-tokens", "400"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+
+    def wait_for(pred, timeout=300):
+        deadline = time.monotonic() + timeout
+        while not pred("".join(out)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(out)[-2000:]
+            time.sleep(0.05)
+
+    try:
+        wait_for(lambda o: "Type a message" in o)
+        proc.stdin.write("Tell me a long story about a dragon who learns to cook.\n")
+        proc.stdin.flush()
+        wait_for(lambda o: "bot> " in o and len(o.rpartition("bot> ")[2]) > 20)     # the reply is streaming
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda o: "stopped]" in o, timeout=60)
+        proc.stdin.write("Say hello.\n")
+        proc.stdin.flush()
+        wait_for(lambda o: o.count("tok/s") == 2)
+        proc.stdin.write("/quit\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0, "".join(out)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

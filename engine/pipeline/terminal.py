@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import sys
+import threading
 
 from engine.core.conversation_fit import fitted_prompt
 from engine.core.sampling import PENALTIES, SamplingError, SamplingParams, choice_seed
@@ -36,6 +38,35 @@ async def reply(handle, echo=None) -> tuple[str, Done]:
         else:
             done = ev
     return "".join(parts), done
+
+
+class CtrlCStopsReply:
+    """While a reply streams, Ctrl+C stops that reply (what was written stays in the
+    conversation) instead of ending the chat; a second Ctrl+C, or one at the prompt,
+    leaves as before. Python's own handler, swapped in and back: the event loop's
+    add_signal_handler does not exist on Windows."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._loop = asyncio.get_running_loop()
+        self._old = None
+        self.pressed = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame):
+        if self.pressed and callable(self._old):   # again: what Ctrl+C did before
+            self._old(signum, frame)
+            return
+        self.pressed = True
+        self._loop.call_soon_threadsafe(self._handle.cancel)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 def _write(text: str):
@@ -86,7 +117,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
                 **{k: v for k, v in (sampling or {}).items() if v is not None}}
     print(f"Sampling: {describe(settings)}.\nType a message and press Enter. /reset clears the conversation, "
           "/retry draws the last reply again, /set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, "
-          "presence-penalty, frequency-penalty) changes sampling, /quit leaves.\n", file=sys.stderr)
+          "presence-penalty, frequency-penalty) changes sampling, Ctrl+C stops a reply, /quit leaves.\n", file=sys.stderr)
     messages: list[dict] = []
     shown_dropped = 0    # messages the model no longer sees, as last said
     retries = 0          # times the last reply was drawn again
@@ -151,9 +182,11 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
                 messages.pop()
             continue
         sys.stdout.write("bot> ")
-        text, done = await reply(handle, echo=_write)
+        with CtrlCStopsReply(handle) as ctrl_c:
+            text, done = await reply(handle, echo=_write)
         rate = done.completion_tokens / max(done.seconds - (done.ttft or 0), 1e-6)
+        stopped = ", stopped" if ctrl_c.pressed and done.finish_reason == "cancelled" else ""
         print(f"\n     [{done.completion_tokens} tokens, first after {done.ttft or 0:.2f}s, "
-              f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}]"
+              f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}{stopped}]"
               + (f" {spec}" if (spec := head.speculation()["summary"]) else ""))
         messages.append({"role": "assistant", "content": text})
