@@ -430,7 +430,9 @@ async def _join(args) -> int:
             return 1
         if stopped.is_set():
             why = "the friend stopped sharing"
-            if joined.server.stage is not None:
+            session = joined.joiner.session
+            # only a host still there moves the layers (one that stopped has nobody to move them to)
+            if joined.server.stage is not None and session is not None and not session.closed.is_set():
                 _say("Stopping: the host is moving this computer's layers to the others...")
                 await joined.server.leave(why)
             _say("Stopped sharing this machine.")

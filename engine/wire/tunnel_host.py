@@ -29,9 +29,9 @@ from engine.wire.keepalive import HeartbeatConnection
 from engine.wire.noise import NoiseError, Responder
 from engine.wire.punch import punch_key
 from engine.wire.tunnel_routes import _first_to_connect
-from engine.wire.tunnel_session import (BYE, CONFIRM, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, MODE_FRIEND, MODE_JOIN,
-                                        MODE_MEMBER, MODE_RESUME, PUNCH, PUNCH_TIMEOUT, READY, WS_OPTIONS, Session,
-                                        parse_hello)
+from engine.wire.tunnel_session import (BYE, CONFIRM, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, HOST_STOPPED,
+                                        MODE_FRIEND, MODE_JOIN, MODE_MEMBER, MODE_RESUME, PUNCH, PUNCH_TIMEOUT, READY,
+                                        WS_OPTIONS, Session, parse_hello)
 
 log = logging.getLogger("potluck.tunnel")
 
@@ -290,7 +290,7 @@ class TunnelHost:
             self._udp = None
         for p in self.peers.values():
             if p.session:
-                await p.session.close("host shutting down")
+                await p.session.close(HOST_STOPPED)
             if p.server:
                 p.server.close()
         for t in list(self._tasks):

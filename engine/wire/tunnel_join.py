@@ -23,8 +23,9 @@ from engine.wire.noise import Initiator, NoiseError
 from engine.wire.punch import punch_key
 from engine.wire.tunnel_routes import (RELAY_AFTER_S, STAGGER_S, _first_to_connect, direct_routes, open_timeouts,
                                        punch_direct, resume_direct)
-from engine.wire.tunnel_session import (BYE, CONFIRM, DEAD_AFTER, HANDSHAKE_TIMEOUT, MODE_JOIN, MODE_MEMBER, READY,
-                                        WS_OPTIONS, HostRefused, Session, TunnelError, _hello_prefix)
+from engine.wire.tunnel_session import (BYE, CONFIRM, DEAD_AFTER, HANDSHAKE_TIMEOUT, HOST_STOPPED, MODE_JOIN,
+                                        MODE_MEMBER, READY, WS_OPTIONS, HostRefused, Session, TunnelError,
+                                        _hello_prefix)
 
 log = logging.getLogger("potluck.tunnel")
 
@@ -203,7 +204,9 @@ class Joiner:
                 await self.session.closed.wait()
             finally:
                 seeker.cancel()
-            self.on_event(f"tunnel closed: {self.session.close_reason}")
+            host_stopped = HOST_STOPPED in self.session.close_reason
+            self.on_event("the host stopped Potluck: this computer waits for it to come back, its layers "
+                          "kept loaded" if host_stopped else f"tunnel closed: {self.session.close_reason}")
             self._down_since = time.monotonic()
             if "revoked" in self.session.close_reason:
                 raise TunnelError(self.session.close_reason)
@@ -218,7 +221,10 @@ class Joiner:
                     refusals = refusals + 1 if isinstance(exc, HostRefused) else 0
                     if refusals >= self.GIVE_UP_AFTER:
                         raise
-                    self.on_event(f"reconnect failed: {exc}")
+                    if host_stopped:   # expected until it is back: no advice about routers
+                        log.info("the host is not back yet: %s", exc)
+                    else:
+                        self.on_event(f"reconnect failed: {exc}")
                     delay = min(delay * 2, 30.0)
 
 

@@ -38,6 +38,9 @@ CONNECT_TIMEOUT = 5.0
 # new one connects at once
 PING_INTERVAL = 10.0
 DEAD_AFTER = 30.0
+# the reason a host's tunnels close with when it stops on purpose: a joiner waits for it
+# quietly instead of advising router settings at every retry
+HOST_STOPPED = "host shutting down"
 MAX_STREAMS = 32
 WS_OPTIONS = dict(max_size=MAX_MESSAGE + 1024, compression=None, ping_interval=None, max_queue=32)
 

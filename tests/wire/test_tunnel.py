@@ -637,13 +637,19 @@ async def test_joiner_reconnects_as_a_member_after_the_host_restarts(tmp_path):
     home = Home(tmp_path / "host")
     await home.host.listen("127.0.0.1", port)
     code = home.host.invite(uses=1)
-    joiner = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", echo_port), name="j")
+    events: list[str] = []
+    joiner = Joiner(inv.parse(code), load_or_create_identity(tmp_path / "j"), ("127.0.0.1", echo_port), name="j",
+                    on_event=events.append)
     await joiner.connect()
     keep = asyncio.ensure_future(joiner.run())
     try:
         peer = await asyncio.wait_for(home.host.wait_peer(), 10)
         assert await _roundtrip(peer, 1000)
         await home.host.close()                       # the host goes away...
+        await asyncio.sleep(2.5)                      # (a retry or two find nobody)
+        # ...on purpose: the friend is told it waits, not advised about routers at each retry
+        assert any("the host stopped Potluck" in e for e in events), events
+        assert not any("reconnect failed" in e or "UPnP" in e for e in events), events
         again = Home(tmp_path / "host")               # ...and comes back: same key, same record
         await again.host.listen("127.0.0.1", port)
         try:
