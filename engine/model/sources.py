@@ -223,8 +223,31 @@ def resolve(spec: str | None) -> ModelSource:
             raise ModelError(f"{spec} has no config.json: is it a Hugging Face model folder?")
         return ModelSource(spec=spec, name=path.resolve().name, root=path.resolve())
     if os.sep in spec and spec.count("/") != 1 or spec.startswith((".", "~")):
+        if path.is_file():   # there, but neither a folder nor a .gguf file
+            raise ModelError(f"{spec} is a file, not a model: give a model's folder (with its config.json) "
+                             f"or a .gguf file")
         raise ModelError(f"Model folder not found: {spec}")
     return _resolve_hub(spec)
+
+
+def hub_failure(repo_id: str, exc: Exception, offline: bool) -> str:
+    """Why a hub model could not be had, in words a person can act on: every failure
+    read "could not find model ... give a valid hub id", a valid id with no network too."""
+    kind = {c.__name__ for c in type(exc).__mro__}
+    if offline:
+        return (f"'{repo_id}' is not on this computer, and downloading is off (HF_HUB_OFFLINE is set, as "
+                f"`make` sets it): run with HF_HUB_OFFLINE=0 to download it, or give a local folder or .gguf file")
+    if "GatedRepoError" in kind:
+        return (f"'{repo_id}' is gated: accept its license on huggingface.co/{repo_id} while signed in, then "
+                f"log in here (`hf auth login`, or set HF_TOKEN)")
+    if "RepositoryNotFoundError" in kind:
+        return (f"there is no model '{repo_id}' on the Hugging Face hub (or it is private: log in with "
+                f"`hf auth login`). Check the name, or give a local folder or a .gguf file")
+    if "LocalEntryNotFoundError" in kind or "ConnectError" in kind or "ConnectionError" in kind \
+            or "TimeoutException" in kind:
+        return (f"'{repo_id}' is not on this computer and the Hugging Face hub could not be reached (no "
+                f"network?): connect and try again, or give a local folder or a .gguf file")
+    return f"could not download '{repo_id}' from the Hugging Face hub: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}"
 
 
 def _resolve_hub(repo_id: str) -> ModelSource:
@@ -238,12 +261,7 @@ def _resolve_hub(repo_id: str) -> ModelSource:
         )
     except Exception as exc:  # offline, unknown repo, gated repo...
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-        raise ModelError(
-            f"Could not find model '{repo_id}' locally or on the Hugging Face hub "
-            f"({type(exc).__name__}). Give a local folder, a .gguf file, or a valid hub id."
-            + (" HF_HUB_OFFLINE is set (as `make` sets it): run with HF_HUB_OFFLINE=0 to download it."
-               if offline else "")
-        ) from None
+        raise ModelError(hub_failure(repo_id, exc, offline)) from None
     root = Path(root)
     if not (root / "config.json").exists():
         raise ModelError(f"'{repo_id}' has no config.json: not a transformers model")

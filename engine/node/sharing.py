@@ -17,7 +17,12 @@ Limits (all optional):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
+
+
+def _finite_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 @dataclass
@@ -32,6 +37,13 @@ class Limits:
     idle_after_s: float = 300.0
 
     def validate(self) -> "Limits":
+        for f in fields(self):   # a wrong type said as such ("'<=' not supported" said nothing)
+            v, optional = getattr(self, f.name), "None" in str(f.type)
+            if isinstance(f.default, bool):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{f.name} must be true or false")
+            elif not (v is None and optional) and not _finite_number(v):
+                raise ValueError(f"{f.name} must be a number" + (" (or empty)" if optional else ""))
         if self.vram_cap_mb is not None and self.vram_cap_mb <= 0:
             raise ValueError("the VRAM cap must be positive (or empty for no cap)")
         if (self.temp_pause_c is None) != (self.temp_resume_c is None):

@@ -642,7 +642,7 @@ def test_host_dialog(qtbot, live):
     assert "is running now" in d.result.text() and d.start_button.text() == "Stop it and host"
     d.start()
     qtbot.waitUntil(lambda: bool(d.last_error is not None), timeout=60_000)
-    assert "Could not find model" in d.result.text()
+    assert "is not on this computer" in d.result.text()
     # a model that does not fit in the memory Potluck may use
     d.last_error = None
     live.c.set_limits({"vram_cap_mb": 64})

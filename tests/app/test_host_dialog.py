@@ -145,7 +145,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
 
     # an error clears it; a reply from a node without per-precision rows shows none
-    d._show_plan(None, "Could not find model 'x'")
+    d._show_plan(None, "there is no model 'x' on the Hugging Face hub")
     assert not t.isVisibleTo(d)
     old = _plan()
     del old["precisions"], old["weights"]

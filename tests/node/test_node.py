@@ -214,7 +214,7 @@ def test_plan_with_friends_counts_this_machines_part(node):
 
 def test_nonexistent_model_is_refused_with_a_message(node):
     status, r = call(node, "POST", "/host", {"model": "no-such-user/no-such-model-xyz"})
-    assert status == 400 and "Could not find model" in r["error"]
+    assert status == 400 and "is not on this computer" in r["error"]
     assert call(node, "GET", "/status")[1]["state"] == "idle"
 
 

@@ -90,6 +90,19 @@ def test_bad_limits_refused(bad):
         Limits(**bad).validate()
 
 
+@pytest.mark.parametrize("bad, said", [
+    (dict(vram_cap_mb="x"), "vram_cap_mb must be a number (or empty)"),
+    (dict(other_grace_s=None), "other_grace_s must be a number"),
+    (dict(idle_after_s=float("nan")), "idle_after_s must be a number"),
+    (dict(only_when_idle="yes"), "only_when_idle must be true or false"),
+    (dict(other_process_mb=True), "other_process_mb must be a number")])
+def test_a_limit_of_the_wrong_type_is_named(bad, said):
+    """The app's settings (and the node's POST /limits) are told which value is wrong,
+    not Python's "'<=' not supported between instances of 'str' and 'int'"."""
+    with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        Limits.from_json(bad)
+
+
 def test_limits_json_round_trip_ignores_unknown_keys():
     lim = Limits.from_json({"vram_cap_mb": 4096, "nonsense": 1})
     assert lim.vram_cap_mb == 4096

@@ -1,0 +1,36 @@
+"""What a person reads when a model cannot be had: the cause they can act on, not
+"could not find model" for every failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model.sources import ModelError, hub_failure, resolve
+
+
+def _exc(name: str, *bases):
+    return type(name, bases or (Exception,), {})("details")
+
+
+def test_each_hub_failure_says_its_own_cause():
+    said = hub_failure("meta-llama/Llama-3.1-8B", _exc("GatedRepoError", _exc("RepositoryNotFoundError").__class__),
+                       offline=False)
+    assert "is gated" in said and "HF_TOKEN" in said
+    assert "no model 'a/b' on the Hugging Face hub" in hub_failure("a/b", _exc("RepositoryNotFoundError"), False)
+    assert "could not be reached" in hub_failure("a/b", _exc("LocalEntryNotFoundError"), False)
+    assert "could not be reached" in hub_failure("a/b", _exc("ConnectError"), False)
+    assert "downloading is off" in hub_failure("a/b", _exc("RepositoryNotFoundError"), True)
+    assert hub_failure("a/b", RuntimeError("disk full\nmore"), False).endswith("disk full")
+
+
+def test_a_hub_id_offline_and_a_file_that_is_no_model_say_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="downloading is off"):
+        resolve("no-such-user/no-such-model-xyz")
+    note = tmp_path / "notes.txt"
+    note.write_text("hello")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="is a file, not a model"):
+        resolve("./notes.txt")
+    with pytest.raises(ModelError, match="Model folder not found"):
+        resolve("./nothing-here")
