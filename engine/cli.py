@@ -132,7 +132,13 @@ def _stage_count(args) -> str:
     try:
         return str(local_stages(args.stages or split, pick_device(args.device)))
     except (DeviceError, ValueError):
-        return str(args.stages or "the default number of")   # launch says what is wrong
+        return str(args.stages) if args.stages else ""   # launch says what is wrong
+
+
+def _loading(args) -> str:
+    """The line said before a pipeline loads (seconds to minutes: the terminal is not blank)."""
+    n = _stage_count(args)
+    return f"Loading {args.model}" + (f" on {n} stage(s)..." if n else "...")
 
 
 def _describe(head) -> str:
@@ -149,7 +155,7 @@ async def _chat(args) -> int:
     if taken:
         _say(f"potluck: {taken}")
         return 2
-    _say(f"Loading {args.model} on {_stage_count(args)} stage(s)...")
+    _say(_loading(args))
     bar = ProgressBar()
     pipe = await launch(pipeline_config(args), bar, _say)
     bar.finish()
@@ -217,6 +223,7 @@ async def _serve(args) -> int:
     if taken:
         _say(f"potluck: {taken}")
         return 2
+    _say(_loading(args))
     pipe = await launch(pipeline_config(args), ProgressBar(), _say)
     runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
     _say(f"Ready: {_describe(pipe.head)}")

@@ -144,6 +144,8 @@ def test_sampling_can_be_changed_while_chatting():
     assert "top-k 40" in set_sampling(s, "/set top-k 40") and s["top_k"] == 40
     assert "cannot set" in set_sampling(s, "/set top-p 0") and s["top_p"] == 0.9
     assert "usage" in set_sampling(s, "/set warmth 3")
+    assert set_sampling(s, "/set temperature abc") == "cannot set temperature: 'abc' is not a number"
+    assert "'2.5' is not a whole number" in set_sampling(s, "/set top-k 2.5") and s["top_k"] == 40
     assert describe({**s, "temperature": 0}) == "greedy, repetition penalty 1.1"
     assert describe({**s, "temperature": 0, "repetition_penalty": 1.0}) == "greedy"
     # OpenAI's presence and frequency penalties: /set, named once they are on, -2..2
@@ -305,6 +307,8 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on():
         proc.stdin.write("/quit\n")
         proc.stdin.flush()
         assert proc.wait(60) == 0, "".join(out)[-2000:]
+        # from a pipe, what was read is written after the prompt (no terminal echoes it)
+        assert "you> Tell me a long story about a dragon who learns to cook.\nbot> " in "".join(out)
     finally:
         if proc.poll() is None:
             proc.kill()

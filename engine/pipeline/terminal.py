@@ -96,6 +96,9 @@ def set_sampling(sampling: dict, line: str) -> str:
     name = parts[1].replace("-", "_")
     try:
         value = int(parts[2]) if name == "top_k" else float(parts[2])
+    except ValueError:
+        return f"cannot set {parts[1]}: {parts[2]!r} is not a {'whole ' if name == 'top_k' else ''}number"
+    try:
         SamplingParams(**{**sampling, name: value}).validate()
     except (ValueError, SamplingError) as exc:
         return f"cannot set {parts[1]}: {exc}"
@@ -115,9 +118,13 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
     sampling: what the user chose (None: the head's defaults, as the API gives)."""
     settings = {**head.sampling_defaults, **{k: 0.0 for k in PENALTIES},
                 **{k: v for k, v in (sampling or {}).items() if v is not None}}
-    print(f"Sampling: {describe(settings)}.\nType a message and press Enter. /reset clears the conversation, "
+    print(f"Sampling: {describe(settings)}." + ("" if prompts else
+          "\nType a message and press Enter. /reset clears the conversation, "
           "/retry draws the last reply again, /set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, "
-          "presence-penalty, frequency-penalty) changes sampling, Ctrl+C stops a reply, /quit leaves.\n", file=sys.stderr)
+          "presence-penalty, frequency-penalty) changes sampling, Ctrl+C stops a reply, /quit leaves.\n"),
+          file=sys.stderr)
+    # read from a pipe or file: the line is not echoed by a terminal, so it is written here
+    echo_input = not prompts and not sys.stdin.isatty()
     messages: list[dict] = []
     shown_dropped = 0    # messages the model no longer sees, as last said
     retries = 0          # times the last reply was drawn again
@@ -133,7 +140,11 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             try:
                 line = await loop.run_in_executor(None, lambda: input("you> "))
             except EOFError:
+                if echo_input:
+                    print()     # the shell's prompt on a line of its own
                 break
+            if echo_input:
+                print(line)
         line = line.strip()
         if not line:
             continue
