@@ -66,6 +66,9 @@ def make_quantizer(weights: str, cfg, dtype: torch.dtype):
     # step of a float32 or bf16 stage): said once per process it is noise, said per
     # layer per step it buries the log
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    # and on a CPU, at import, that an optional kernels package would speed 4-bit up:
+    # nothing a person sharing a computer acts on
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     if saved is not None:
         qc = cfg.quantization_config
         config = BitsAndBytesConfig.from_dict(qc if isinstance(qc, dict) else qc.to_dict())

@@ -469,11 +469,15 @@ class StageServer(StageCompute):
         sent down this way would wait for ever. So, unless the head has let go by then,
         this stage leaves its arrangement and the head forms the pipeline again (asking
         this stage back)."""
-        log.warning("link to the next stage ended: %s", why)
+        # a warning only once it matters: when a pipeline stops, its stages' links end in
+        # turn, and a stage told to go meanwhile has nothing to report
+        log.info("link to the next stage ended: %s", why)
 
         async def tell():
             await asyncio.sleep(NEXT_LINK_GRACE_S)
             if self._control_ws is head_ws and not self.closed:
+                log.warning("link to the next stage ended (%s), and the head still holds this stage: "
+                            "leaving the arrangement", why)
                 try:
                     await head_ws.close(1001, f"its link to the next stage dropped ({why})"[:120])
                 except Exception:   # the head went meanwhile
