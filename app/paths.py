@@ -41,9 +41,13 @@ def data_dir() -> Path:
 def runtime_dir() -> Path:
     if _home():
         return _made(_home() / "run")
+    import warnings
+
     from platformdirs import user_runtime_dir
 
-    return _made(Path(user_runtime_dir("potluck", appauthor=False)))
+    with warnings.catch_warnings():   # no XDG_RUNTIME_DIR (a bare session): its /tmp fallback is fine
+        warnings.simplefilter("ignore")
+        return _made(Path(user_runtime_dir("potluck", appauthor=False)))
 
 
 def assets_dir() -> Path:

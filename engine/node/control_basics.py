@@ -39,10 +39,18 @@ def lan_address() -> str:
 
 
 def default_token_file() -> Path:
+    """Where a node started by hand writes its token: POTLUCK_HOME/run when set (the app's
+    runtime folder, app/paths.py), else the user's runtime folder."""
+    if os.environ.get("POTLUCK_HOME"):
+        return Path(os.environ["POTLUCK_HOME"]) / "run" / "node-token"
     try:
+        import warnings
+
         from platformdirs import user_runtime_dir
 
-        base = Path(user_runtime_dir("potluck"))
+        with warnings.catch_warnings():   # no XDG_RUNTIME_DIR (a bare shell): its /tmp fallback is fine
+            warnings.simplefilter("ignore")
+            base = Path(user_runtime_dir("potluck"))
     except Exception:
         base = Path.home() / ".cache" / "potluck"
     return base / "node-token"
