@@ -152,7 +152,11 @@ def _loading(args) -> str:
 
 
 def _describe(head) -> str:
-    parts = [f"{s['address']}: layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in head.info()["stages"]]
+    # counted from 1, as a friend's machine and the app say them ("layers 20–30 of 30")
+    stages = head.info()["stages"]
+    total = stages[-1]["layers"][1] if stages else 0
+    parts = [f"{s['address']}: layers {s['layers'][0] + 1}–{s['layers'][1]}" for s in stages]
+    parts[-1:] = [f"{parts[-1]} of {total}"] if parts else []
     return f"{head.source.name}, {len(parts)} stage(s) — " + "; ".join(parts)
 
 
