@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 from engine.core import precision
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -53,9 +55,12 @@ class Entry:
     def sizes(self, dtype_bytes: int = 2) -> dict[str, int]:
         return {w: self.weights_bytes(w, dtype_bytes) for w in (precision.FULL,) + precision.QUANTIZED}
 
-    def label(self) -> str:
-        """'Qwen2.5-7B-Instruct — 16.5 GB bf16 · 8.7 GB int8 · 5.0 GB nf4'"""
-        sizes = " · ".join(f"{gb(b)} {w}" for w, b in self.sizes().items())
+    def label(self, dtype_name: str = "bfloat16") -> str:
+        """'Qwen2.5-7B-Instruct — 16.5 GB bf16 · 8.7 GB int8 · 5.0 GB nf4', the unquantized
+        size at the dtype the machine computes in ('… 33.0 GB full (float32) · …' on a CPU)."""
+        nbytes = DTYPE_BYTES.get(dtype_name, 2)
+        sizes = " · ".join(f"{gb(b)} {precision.full_label(dtype_name) if w == precision.FULL else w}"
+                           for w, b in self.sizes(nbytes).items())
         return f"{self.name} — {sizes}"
 
 

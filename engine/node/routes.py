@@ -33,7 +33,7 @@ from aiohttp import web
 
 from engine.core.group_fit import group_fit
 from engine.core.ws_address import address_problem
-from engine.model.device import free_memory
+from engine.model.device import compute_dtype, free_memory
 from engine.model.quant import bnb_missing
 from engine.node.control_basics import NodeError
 from engine.node.share_stage import SLEEP_LEAVE_S
@@ -102,10 +102,13 @@ class NodeRoutes:
         if cap is not None:
             free = min(free, int(cap * 2**20))
         friends, waiting = self.group_memory()
+        # unquantized weights are held at the dtype this machine computes in: float32 on a
+        # CPU, twice bf16's bytes (the list said 269 MB where the plan then needed 0.5 GB)
+        dtype_name = compute_dtype(self.device)
         out = []
         for e in catalog.MODELS:
-            sizes = e.sizes()
-            out.append({"id": e.id, "name": e.name, "label": e.label(), "params": e.params, "gated": e.gated,
+            sizes = e.sizes(catalog.DTYPE_BYTES[dtype_name])
+            out.append({"id": e.id, "name": e.name, "label": e.label(dtype_name), "params": e.params, "gated": e.gated,
                         "draft": e.draft, "sizes": sizes,
                         "fits_here": {w: b <= precision.USABLE * free for w, b in sizes.items()},
                         # with the friends in the ring: which precision, or who else is needed

@@ -153,6 +153,13 @@ def test_the_curated_models_with_their_sizes_come_from_the_node(node):
         fits = m["fits_here"]
         assert fits["nf4"] >= fits["int8"] >= fits["bf16"]
     assert r["models"][0]["fits_here"]["bf16"]  # the built-in model fits anywhere
+    # the unquantized size is at the dtype this machine computes in (the plan's), named so
+    default = r["models"][0]
+    import torch
+
+    if not torch.cuda.is_available():   # the node computes on the CPU, in float32
+        assert "full (float32)" in default["label"] and " bf16" not in default["label"]
+        assert default["sizes"]["bf16"] > 3 * default["sizes"]["nf4"]
     assert not next(m for m in r["models"] if "72B" in m["id"])["fits_here"]["bf16"]
     # the catalog's draft pairing, for a host request's draft (speculation, issue 34)
     assert all(isinstance(m["draft"], str) for m in r["models"])
