@@ -301,7 +301,9 @@ async def _stage(args) -> int:
         await server.close("the stage was stopped by its owner")
 
     leaving: list[asyncio.Future] = []
-    requests = StopRequests(loop, lambda: leaving.append(asyncio.ensure_future(leave()))).install()
+    # a stage its head started (--announce) leaves Ctrl+C to the head, which may go on
+    requests = StopRequests(loop, lambda: leaving.append(asyncio.ensure_future(leave())),
+                            interrupts=not args.announce).install()
     if args.announce:
         print(f"{ANNOUNCE}{server.port}", flush=True)
         # our parent holds our stdin: when it goes, we go

@@ -33,7 +33,13 @@ class StopRequests:
     """Calls `on_stop()` in the loop's thread, once, when a stop is asked for; `done()`
     (after the leave went out) lets a waiting Windows console handler return."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None], grace: float = 4.5):
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None], grace: float = 4.5,
+                 interrupts: bool = True):
+        # interrupts=False: Ctrl+C (and Ctrl+Break) are ignored. A terminal sends them to
+        # every process it started, a stage its head started included; the head decides
+        # (in `potluck chat`, Ctrl+C stops a reply and the chat goes on), and its stage
+        # goes when the head closes its stdin (engine/pipeline/lifeline.py)
+        self._interrupts = interrupts
         self._loop = loop
         self._on_stop = on_stop
         self._grace = grace
@@ -46,8 +52,11 @@ class StopRequests:
         if sys.platform == "win32":
             self._install_windows()
         else:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._loop.add_signal_handler(sig, self.ask)
+            self._loop.add_signal_handler(signal.SIGTERM, self.ask)
+            if self._interrupts:
+                self._loop.add_signal_handler(signal.SIGINT, self.ask)
+            elif threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             self.how = "signals"
         return self
 
@@ -71,7 +80,7 @@ class StopRequests:
         # Ctrl+C / Ctrl+Break: Python's own signal handlers (it wakes the Proactor loop)
         for name in ("SIGINT", "SIGBREAK"):
             if hasattr(signal, name) and threading.current_thread() is threading.main_thread():
-                signal.signal(getattr(signal, name), lambda *_: self.ask())
+                signal.signal(getattr(signal, name), (lambda *_: self.ask()) if self._interrupts else signal.SIG_IGN)
         self.how = "signals"
         try:
             import ctypes
