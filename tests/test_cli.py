@@ -77,12 +77,16 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        # at every registration in a library's words
                        (["host", "--relay", "http://relay.example:8765"], "is written ws://host:port"),
                        (["host", "--relay", "ws:///nohost"], "is written ws://host:port"),
-                       (["join", "4821-917305", "--relay", "relay.example:8765/x"], "not a relay's address")):
+                       (["join", "4821-917305", "--relay", "relay.example:8765/x"], "not a relay's address"),
+                       (["join", "4821-917305", "--relay", "ws://relay.example:8765/?x=1"], "not a relay's address")):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)
         assert e.value.code == 2 and said in capsys.readouterr().err, argv
     assert build_parser().parse_args(["host", "--relay", " wss://relay.example:443 "]).relay == "wss://relay.example:443"
     assert build_parser().parse_args(["join", "x", "--relay", "wss://relay.example"]).relay == "wss://relay.example"
+    # behind a web server under a path: its routes are made by adding to it
+    assert build_parser().parse_args(["join", "x", "--relay", "wss://example.com/potluck"]).relay == \
+        "wss://example.com/potluck"
     args = build_parser().parse_args(["serve", "--port", "0", "--threads", "2"])
     assert (args.port, args.threads) == (0, 2)      # 0: a port the system picks
 

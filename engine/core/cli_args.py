@@ -64,7 +64,7 @@ def relay_arg(text: str) -> str:
     """--relay: ws://host:port (or wss://); an http:// one went into the invite and failed
     at every registration, a library's words once a second."""
     text = text.strip()
-    problem = text and address_problem(text, "a relay's address", port_needed=False)
+    problem = text and address_problem(text, "a relay's address", relay=True)
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text

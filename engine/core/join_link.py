@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from engine.core.ws_address import address_problem
+
 SCHEME = "potluck"
 # an invite is a few hundred characters of base32 and dashes; anything far longer is not one
 MAX_LINK_CHARS = 4096
@@ -51,8 +53,8 @@ def parse_link(text: str) -> JoinLink:
     if any(not (c.isalnum() or c in "-_ ") for c in code):
         raise LinkError("the invite code in the link has characters an invite never has")
     relay = (parse_qs(parts.query).get("relay") or [None])[0]
-    if relay is not None and not relay.lower().startswith(("ws://", "wss://")):
-        raise LinkError("the link's relay must be a ws:// or wss:// address")
+    if relay is not None and address_problem(relay, "a relay's address", relay=True):
+        raise LinkError(f"the link's relay: {address_problem(relay, 'a relay address', relay=True)}")
     return JoinLink(code=code, relay=relay)
 
 

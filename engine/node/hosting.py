@@ -63,7 +63,7 @@ class Hosting:
         listen = body.get("listen") or ""
         if not isinstance(relay, str):
             raise NodeError("'relay' must be a ws:// address")
-        problem = relay.strip() and address_problem(relay.strip(), "a relay's address", port_needed=False)
+        problem = relay.strip() and address_problem(relay.strip(), "a relay's address", relay=True)
         if problem:
             raise NodeError(problem)
         relay = relay.strip()

@@ -168,7 +168,7 @@ class NodeRoutes:
             relay = body.get("relay") or ""
             if not isinstance(relay, str):
                 raise NodeError("'relay' must be a ws:// address")
-            problem = relay.strip() and address_problem(relay.strip(), "a relay's address", port_needed=False)
+            problem = relay.strip() and address_problem(relay.strip(), "a relay's address", relay=True)
             if problem:
                 raise NodeError(problem)
             return web.json_response(await self.join_invite(code.strip(), relay.strip()))

@@ -145,6 +145,8 @@ class StageCompute:
                     failed.append([c, step_failure(exc, str(self.device))])
             forks[r[0]] = [c for c in forks.get(r[0], ()) if stage.kv.has(c)]
         log.warning("out of memory in a step of %d sequences: %d went on one by one (%s)", len(rows), len(good), why)
+        # every failed row carries its reason: each cut to its share of what a frame holds
+        failed = [[c, step_rows.fit_reason(w, frames.MAX_META // 2 // max(1, len(failed)))] for c, w in failed]
         ids = [r[0] for r in good]
         if stage.last:
             sub = {**frame.meta, "rows": good}

@@ -80,7 +80,9 @@ PROOF_QUEUE = 4
 # Lifting a control connection to a data link's gigabyte let a head that stopped reading
 # park the stage's loop and then queue 64 messages of 64 MiB in its memory.
 SEAL_OVERHEAD = 1024
-CONTROL_QUEUE = 16
+# messages read ahead: a head sends a "free" per finished reply, dozens at once, and
+# while they wait here unread a full queue stops reading the socket, pings included
+CONTROL_QUEUE = WS_OPTIONS["max_queue"]
 CONTROL_MAX = max(frames.MAX_CONTROL, frames.HEADER.size + 4 * frames.MAX_NDIM + frames.MAX_META) + SEAL_OVERHEAD
 # A peer that has read nothing we sent for this long has stopped (a frozen head, a hostile
 # one): its connection is cut. websockets' own keepalive cannot tell, since its ping waits

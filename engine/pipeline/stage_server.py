@@ -134,7 +134,7 @@ class StageServer(StageCompute):
         self.acks = True               # until configured (see _configure)
         self._server = None
         self._closed = asyncio.Event()
-        self._out: asyncio.Queue | None = None
+        self._out: Outbox | None = None
         self._sender_task: asyncio.Task | None = None
         self.rejected_frames = 0
         self.send_stall_s = SEND_STALL_S   # a peer that reads nothing this long is cut
@@ -227,9 +227,12 @@ class StageServer(StageCompute):
         ws = self._control_ws
         if ws is None:
             return True
-        try:
+        async def tell_and_wait():
             await ws.send(frames.control("leaving", reason=reason[:500], seconds=float(seconds)))
-            await asyncio.wait_for(ws.wait_closed(), seconds)
+            await ws.wait_closed()
+
+        try:   # the telling within the owner's `seconds` too: a head that reads nothing cannot hold it
+            await asyncio.wait_for(tell_and_wait(), seconds)
         except ConnectionClosed:
             pass
         except asyncio.TimeoutError:
@@ -543,7 +546,7 @@ class StageServer(StageCompute):
         try:
             self.stage, fp, self.profile = await self._run(load)
         except (ModelError, OSError, ValueError) as exc:
-            await ws.send(frames.control("error", message=str(exc)))
+            await ws.send(frames.control("error", message=(str(exc) or type(exc).__name__)[:2000]))
             return
         await self._drop_next()
         if msg["next"]:
@@ -563,7 +566,9 @@ class StageServer(StageCompute):
         # bounded: a head or next stage that reads slowly holds the compute lanes here, and
         # their inboxes then hold the stage before (TCP), instead of tokens piling up in
         # this process's memory without end
-        self._out = asyncio.Queue(maxsize=OUT_QUEUE)
+        if self._out is not None:
+            self._out.retire()   # a lane still putting into the old route's queue is let go
+        self._out = Outbox(OUT_QUEUE)
         self._sender_task = asyncio.ensure_future(self._sender(self._out, self._next_ws))
         await ws.send(frames.control("configured", fingerprint=fp, param_bytes=self.stage.param_bytes(),
                                    kv_budget_tokens=self.stage.kv.budget_tokens,
@@ -712,12 +717,38 @@ class StageServer(StageCompute):
                 self.trace("out")
                 await ws.send(data)
             except ConnectionClosed:
+                # and on: frames for the head still go, and the lanes never wait on a queue
+                # nobody empties (the link's loss is the head's to handle)
                 log.warning("%s connection closed while sending", where)
-                if where == "next":
-                    return
 
 
 MAX_MERGED_ROWS = 64
 OUT_QUEUE = 64   # frames computed and waiting to be sent
+
+
+class Outbox:
+    """The frames a stage computed, in order, for its sender task: bounded, so a head or
+    next stage that reads slowly holds the compute lanes (and through their inboxes, TCP,
+    the stage before) instead of frames piling up in memory. Retired when the route
+    changes: a lane still putting into it is let go, what it held is dropped."""
+
+    def __init__(self, maxsize: int):
+        self._q: asyncio.Queue = asyncio.Queue(maxsize)
+        self.retired = False
+
+    async def put(self, item) -> None:
+        if not self.retired:
+            await self._q.put(item)
+
+    async def get(self):
+        return await self._q.get()
+
+    def empty(self) -> bool:
+        return self._q.empty()
+
+    def retire(self) -> None:
+        self.retired = True
+        while not self._q.empty():   # each frees a slot: a lane waiting to put goes on
+            self._q.get_nowait()
 SPEED_FRESH_S = 120.0   # a welcome's speed score is measured again after this long
 

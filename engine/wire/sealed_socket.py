@@ -30,7 +30,11 @@ class SealedSocket:
             await self.ws.send(sealed)
             return
         try:
-            await asyncio.wait_for(self.ws.send(sealed), self.send_stall_s)
+            if hasattr(asyncio, "timeout"):   # 3.11+: in this task (wait_for makes one per send)
+                async with asyncio.timeout(self.send_stall_s):
+                    await self.ws.send(sealed)
+            else:
+                await asyncio.wait_for(self.ws.send(sealed), self.send_stall_s)
         except asyncio.TimeoutError:
             transport = getattr(self.ws, "transport", None)
             if transport is not None:

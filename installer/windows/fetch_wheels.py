@@ -108,9 +108,10 @@ def fetch(dest: Path, wanted: list[str], no_deps_of: set[str] = frozenset()) -> 
         req = queue.pop(0)
         name = canonicalize_name(req.name)
         extras = set(req.extras)
-        specs[name] = specs.get(name, SpecifierSet()) & req.specifier
-        if name in seen and extras <= seen[name]:
-            continue
+        before = specs.get(name)
+        specs[name] = (before or SpecifierSet()) & req.specifier
+        if name in seen and extras <= seen[name] and specs[name] == before:
+            continue   # nothing new asked of it (a tighter specifier is: its wheel is checked again)
         seen.setdefault(name, set()).update(extras)
         wanted_one = Requirement(f"{req.name}{specs[name]}")
         wheels = have(dest)
