@@ -156,3 +156,18 @@ def test_a_failed_steps_answer_stays_within_what_a_head_reads():
     one = frames.decode(frames.encode(frames.FrameType.ACTIVATIONS, 0, 7, {"rows": rows[:1]}, torch.zeros(1, 4)))
     assert frames.decode(step_rows.failed(one, why)).meta["errors"][0][1] == why   # room for it whole
     assert len(json.dumps(frames.decode(step_rows.failed(step, why)).meta)) <= frames.MAX_META
+
+
+async def test_a_lane_waiting_on_a_full_outbox_goes_on_once_the_route_changes():
+    """The outbound queue is bounded; a reconfigure retires it, and a compute lane waiting
+    to put into it must not wait for ever (nobody empties it any more)."""
+    from engine.pipeline.stage_server import Outbox
+
+    box = Outbox(1)
+    await box.put("a")
+    waiting = asyncio.ensure_future(box.put("b"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()                    # full: the lane waits (backpressure)
+    box.retire()
+    await asyncio.wait_for(waiting, 5)
+    await asyncio.wait_for(box.put("c"), 5)      # retired: dropped at once
