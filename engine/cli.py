@@ -411,15 +411,6 @@ async def _join(args) -> int:
     from engine.node.homes import HomeError, join_stage, redeem
     from engine.wire import shortcode
 
-    from engine.core.join_link import LinkError, is_link, parse_link
-
-    if is_link(args.code):   # the link a friend sent, pasted whole
-        try:
-            link = parse_link(args.code)
-        except LinkError as exc:
-            _say(f"potluck: {exc}")
-            return 2
-        args.code, args.relay = link.code, args.relay or link.relay or ""
     try:
         invite = await redeem(args.code, args.relay)
     except HomeError as exc:   # a code that cannot be used: the user's to fix
@@ -560,7 +551,7 @@ def _add_homes_args(sub):
                    help="also print a short code to read out (one use, 10 minutes; needs --relay)")
 
     p = sub.add_parser("join", help="contribute this machine to a friend's pipeline with their invite code")
-    p.add_argument("code", help="the invite code, its potluck://join/… link, or a short code (4821-917305) "
+    p.add_argument("code", help="the invite code (or its potluck://join/… link), or a short code (4821-917305) "
                                 "with --relay")
     p.add_argument("--relay", type=relay_arg, default="", help="the host's relay, for a short code")
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")

@@ -274,7 +274,8 @@ def test_join_takes_the_link_a_friend_sent_pasted_whole():
     scheme was read as part of the code ("'U' (character 5) is never used in codes")."""
     for arg, said in (("potluck://join/ABCD-EFGH", "it is too short"),
                       ("potluck://leave/ABCD", "unknown potluck link 'leave'")):
-        p = subprocess.run([sys.executable, "-m", "engine", "join", arg], capture_output=True, text=True,
+        # the `potluck` command (app/launcher.py): the links are the app's
+        p = subprocess.run([sys.executable, "-m", "app.launcher", "join", arg], capture_output=True, text=True,
                            timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         assert p.returncode == 2 and said in p.stderr and "never used in codes" not in p.stderr, p.stderr
 
