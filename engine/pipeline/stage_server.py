@@ -44,6 +44,7 @@ from engine.pipeline.stage_compute import StageCompute
 from engine.pipeline.load_ahead import ahead_profile, build_alone, build_beside
 from engine.model.handover import HeldLayers
 from engine.wire.sealed_socket import SealedSocket
+from engine.wire.write_watch import watch_writes
 from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce, split_address
 from engine.core.ws_address import address_problem
 # what a stage and its peers agree on, importable from here as before
@@ -307,13 +308,21 @@ class StageServer(StageCompute):
             self.rejected_frames += 1
             await ws.close(1008, str(exc)[:120] or "bad hello")
             return
-        sealed = SealedSocket(ws, seal, send_stall_s=self.send_stall_s)
-        if hello["role"] == "control":
+        sealed = SealedSocket(ws, seal)
+        # a proven peer that reads nothing for send_stall_s is cut (engine/wire/write_watch.py)
+        watch = asyncio.ensure_future(watch_writes(ws.transport, self.send_stall_s))
+        try:
+            await self._proven(sealed, hello["role"], key)
+        finally:
+            watch.cancel()
+
+    async def _proven(self, sealed, role: str, key: str):
+        """A connection whose peer proved `key`: a head's control connection, or a data link."""
+        if role == "control":
             await self._control(sealed)   # its first message, the welcome, says the proof was taken
             return
-        route = key
-        if route != self._route:   # the head that gave it let go meanwhile
-            await ws.close(1008, "not authorized")
+        if key != self._route:   # the head that gave it let go meanwhile
+            await sealed.close(1008, "not authorized")
             return
         self._data_links.add(sealed)
         try:

@@ -9,37 +9,18 @@ as it sees any other: the process goes on.
 
 from __future__ import annotations
 
-import asyncio
-
-from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
+from websockets.exceptions import ConnectionClosedOK
 
 from engine.wire.stage_auth import Seal, SealError
 
 
 class SealedSocket:
-    def __init__(self, ws, seal: Seal, send_stall_s: float | None = None):
+    def __init__(self, ws, seal: Seal):
         self.ws = ws
         self.seal = seal
-        # a send still waiting after this long (the peer reads nothing: frozen or hostile)
-        # cuts the connection, and every reader of it sees it closed
-        self.send_stall_s = send_stall_s
 
     async def send(self, message: str | bytes) -> None:
-        sealed = self.seal.seal(message)
-        if self.send_stall_s is None:
-            await self.ws.send(sealed)
-            return
-        try:
-            if hasattr(asyncio, "timeout"):   # 3.11+: in this task (wait_for makes one per send)
-                async with asyncio.timeout(self.send_stall_s):
-                    await self.ws.send(sealed)
-            else:
-                await asyncio.wait_for(self.ws.send(sealed), self.send_stall_s)
-        except asyncio.TimeoutError:
-            transport = getattr(self.ws, "transport", None)
-            if transport is not None:
-                transport.abort()
-            raise ConnectionClosedError(None, None) from None
+        await self.ws.send(self.seal.seal(message))
 
     async def recv(self) -> str | bytes:
         message = await self.ws.recv()

@@ -44,11 +44,14 @@ async def _closed(ws, timeout=30):
         return exc.rcvd
 
 
-async def test_a_head_that_stops_reading_is_cut_and_the_stage_takes_another(stage):
+@pytest.mark.parametrize("then", ["nothing", "a message too big"])
+async def test_a_head_that_stops_reading_is_cut_and_the_stage_takes_another(stage, then):
     """A head asks for its line's filler and then reads nothing (frozen, or hostile): the
     stage's send waits on a full buffer, which websockets' keepalive cannot see (its ping
-    waits on the same buffer). The stage cuts it after send_stall_s, and the next head is
-    taken (before, the slot stayed held while the connection lived)."""
+    waits on the same buffer); or, sent a message too big, the stage starts a close that
+    waits for that buffer to drain while its handler waits for the next message. The
+    stage cuts it after send_stall_s, and the next head is taken (before, the slot stayed
+    held while the connection lived)."""
     server, addr = stage
     server.send_stall_s = 1.0
     frozen = await _head(addr)
@@ -63,6 +66,8 @@ async def test_a_head_that_stops_reading_is_cut_and_the_stage_takes_another(stag
 
     try:   # (the asking itself waits once the stage stops reading, until it is cut)
         await asyncio.wait_for(ask(), 30)
+        if then == "a message too big":
+            await asyncio.wait_for(frozen.ws.send(b"x" * (CONTROL_MAX + 1)), 30)
     except (ConnectionClosed, asyncio.TimeoutError):
         pass
     t0 = time.monotonic()
