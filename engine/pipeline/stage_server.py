@@ -43,6 +43,7 @@ from engine.pipeline import step_rows
 from engine.pipeline.stage_compute import StageCompute
 from engine.pipeline.load_ahead import ahead_profile, build_alone, build_beside
 from engine.model.handover import HeldLayers
+from engine.pipeline.outbox import Outbox
 from engine.wire.sealed_socket import SealedSocket
 from engine.wire.write_watch import watch_writes
 from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce, split_address
@@ -733,31 +734,3 @@ class StageServer(StageCompute):
 
 MAX_MERGED_ROWS = 64
 OUT_QUEUE = 64   # frames computed and waiting to be sent
-
-
-class Outbox:
-    """The frames a stage computed, in order, for its sender task: bounded, so a head or
-    next stage that reads slowly holds the compute lanes (and through their inboxes, TCP,
-    the stage before) instead of frames piling up in memory. Retired when the route
-    changes: a lane still putting into it is let go, what it held is dropped."""
-
-    def __init__(self, maxsize: int):
-        self._q: asyncio.Queue = asyncio.Queue(maxsize)
-        self.retired = False
-
-    async def put(self, item) -> None:
-        if not self.retired:
-            await self._q.put(item)
-
-    async def get(self):
-        return await self._q.get()
-
-    def empty(self) -> bool:
-        return self._q.empty()
-
-    def retire(self) -> None:
-        self.retired = True
-        while not self._q.empty():   # each frees a slot: a lane waiting to put goes on
-            self._q.get_nowait()
-SPEED_FRESH_S = 120.0   # a welcome's speed score is measured again after this long
-

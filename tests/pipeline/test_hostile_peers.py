@@ -166,7 +166,7 @@ def test_a_failed_steps_answer_stays_within_what_a_head_reads():
 async def test_a_lane_waiting_on_a_full_outbox_goes_on_once_the_route_changes():
     """The outbound queue is bounded; a reconfigure retires it, and a compute lane waiting
     to put into it must not wait for ever (nobody empties it any more)."""
-    from engine.pipeline.stage_server import Outbox
+    from engine.pipeline.outbox import Outbox
 
     box = Outbox(1)
     await box.put("a")
