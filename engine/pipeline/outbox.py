@@ -29,4 +29,3 @@ class Outbox:
         self.retired = True
         while not self._q.empty():   # each frees a slot: a lane waiting to put goes on
             self._q.get_nowait()
-SPEED_FRESH_S = 120.0   # a welcome's speed score is measured again after this long

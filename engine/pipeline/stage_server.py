@@ -734,3 +734,4 @@ class StageServer(StageCompute):
 
 MAX_MERGED_ROWS = 64
 OUT_QUEUE = 64   # frames computed and waiting to be sent
+SPEED_FRESH_S = 120.0   # a welcome's speed score is measured again after this long
