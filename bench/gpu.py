@@ -70,7 +70,7 @@ two calls where time is short; --json is rewritten after every worker, so a run 
 short keeps what it measured.
 
 On a lent GPU machine: `make gpu-pack` here, then `bash bench/gpu_window.sh` there with
-.whl carried (the GPU tests of the decode graphs, then this; logs and JSON as they land).
+.whl carried (the GPU tests, then this; every log packed into $OUT/window.tgz as it lands).
 What that packs, and why: on the project's lent GPU machines python3 (3.12) lacks websockets, gguf, bitsandbytes,
 cryptography's cffi, pytest-asyncio and platformdirs, and holds an older transformers
 than the engine pins (5.23). What worked (2026-11-26): the two compiled ones as cp312
@@ -433,6 +433,10 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     # ahead as on a GPU, so the smoke run takes the GPU's path
     if system == "ours1s":
         os.environ["POTLUCK_LAUNCH_AHEAD"] = "0"
+    if system != "ours1":
+        # the steps are profiled once, ours1's: another system's profile would overwrite it
+        # and spend the window's seconds on a second profiler run
+        os.environ.pop("POTLUCK_BENCH_PROFILE", None)
     elif a.cpu and a.tape:
         os.environ["POTLUCK_LAUNCH_AHEAD"] = "1"
     from engine.pipeline.launch import PipelineConfig, launch

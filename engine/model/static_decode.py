@@ -286,11 +286,12 @@ class StaticDecoder:
         if self.runner is None:
             return
         kv = self.stage.kv
-        scratch = -1
         for i, shape in enumerate(shapes):
             if progress is not None:
                 progress(i, len(shapes), "capturing decode steps")
-            ids = list(range(scratch, scratch - shape.rows, -1))
+            # ids below zero, which no request has (an id counted from the scratch slot
+            # below could be a live sequence's, and would be freed with the scratch ones)
+            ids = list(range(-1, -1 - shape.rows, -1))
             try:
                 for s in ids:
                     kv.open(s)

@@ -275,3 +275,20 @@ def test_a_capture_that_raises_runs_the_step_eagerly_and_enough_failures_stop_ca
     assert book.disabled and "operation not permitted" in book.disabled
     assert book.eager.get("capture failed before", 0) >= 1
     assert "runs without a CUDA graph" in caplog.text
+
+
+def test_capturing_at_load_opens_only_scratch_sequences(tiny_folder):
+    """The capture at load runs each bucket on sequences of its own and frees them: they
+    must never be ids a request can hold (an id counted from the scratch slot was one:
+    the second bucket's warm-up took ids 9..16 and freed them after)."""
+    from engine.model.static_decode import use_graphs
+
+    folder, _ = tiny_folder("llama")
+    (stage,) = stages(folder, 1, False)
+    opened = []
+    open_ = stage.kv.open
+    stage.kv.open = lambda seq_id: opened.append(seq_id) or open_(seq_id)
+    use_graphs(stage, TapeCuda())
+    assert stage.static.book.captures >= 2 and opened
+    assert all(s < 0 for s in opened), sorted(set(opened))
+    assert not stage.kv.seqs
