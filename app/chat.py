@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
 from .client import ChatStream
 from .pipeline_text import hop_label, speculation_label
 from .ring_view import RingView
-from .store import DamagedConversation, Message
+from .store import ConversationGone, DamagedConversation, Message
 
 FLUSH_MS = 80
 MAX_MESSAGE_CHARS = 100_000
@@ -253,6 +253,8 @@ class ChatWindow(QMainWindow):
         controller.statusChanged.connect(self.on_status)
         controller.nodeLost.connect(self.on_node_lost)
         controller.nodeStarted.connect(self.on_node_started)
+        controller.historyCleared.connect(self._history_cleared)
+        self._clear_after_reply = False
         self.reload_conversations()
         for p in controller.history.problems:
             self.show_hint(p)
@@ -423,9 +425,22 @@ class ChatWindow(QMainWindow):
         if confirm and QMessageBox.question(self, "Delete all history",
                                             "Delete every conversation? This cannot be undone.") != QMessageBox.Yes:
             return
-        self.c.history.delete_all()
-        self.new_conversation()
+        self.c.delete_history()
+
+    def _history_cleared(self):
+        """Every conversation was deleted (here or in Settings): the open one too. A reply
+        still coming is stopped and saved nowhere; the window then starts afresh."""
+        self.conversation_id = None
         self.reload_conversations()
+        if self.stream is not None:
+            self._clear_after_reply = True
+            self.stop()
+        else:
+            self._afresh()
+
+    def _afresh(self):
+        self.new_conversation()
+        self.show_hint("All chat history was deleted.", error=False)
 
     def _clear_view(self):
         while self.tl.count() > 1:
@@ -473,15 +488,23 @@ class ChatWindow(QMainWindow):
         self.hint.clear()
         self.input.clear()
         user = Message("user", text)
-        if self.conversation_id is None:
-            title = " ".join(text.split())[:60]
-            self.conversation_id = self.c.history.new_conversation(title)
-            self.reload_conversations()
-        self.c.history.add_message(self.conversation_id, user)
+        self._save_question(user)
         self.messages.append(user)
         self.user_view = self._add_view("user", text)
         self._start_reply(hosting)
         return True
+
+    def _save_question(self, user: Message) -> None:
+        title = " ".join(user.content.split())[:60]
+        if self.conversation_id is None:
+            self.conversation_id = self.c.history.new_conversation(title)
+            self.reload_conversations()
+        try:
+            self.c.history.add_message(self.conversation_id, user)
+        except ConversationGone:   # deleted meanwhile: the question starts a new one, not lost
+            self.conversation_id = self.c.history.new_conversation(title)
+            self.c.history.add_message(self.conversation_id, user)
+            self.reload_conversations()
 
     def retry(self) -> bool:
         """The last reply drawn again: the conversation before it is sent, and the new
@@ -622,13 +645,21 @@ class ChatWindow(QMainWindow):
             self.messages.append(m)
             self.last_reply_view = view
             if self.conversation_id is not None:
-                self.c.history.add_message(self.conversation_id, m)
+                try:
+                    self.c.history.add_message(self.conversation_id, m)
+                except ConversationGone:
+                    self.conversation_id = None
         elif self.messages and self.messages[-1].role == "user":
             # nothing came back: the question leaves the conversation (it would fail again with
             # every later message) and goes back into the box to be edited
             user = self.messages.pop()
             if user.id is not None:
                 self.c.history.delete_message(user.id)
+            if not self.messages and self.conversation_id is not None:
+                # it was the chat's first message: no conversation is left to keep in the list
+                self.c.history.delete_conversation(self.conversation_id)
+                self.conversation_id = None
+                self.reload_conversations()
             if not self.input.toPlainText():
                 self.input.setPlainText(user.content)
                 # back in the box, whatever its length: the question and its empty reply
@@ -640,6 +671,9 @@ class ChatWindow(QMainWindow):
         self.reply_view = None
         self.last_finish = info
         self._update_retry()
+        if self._clear_after_reply:
+            self._clear_after_reply = False
+            self._afresh()
 
     def _update_retry(self):
         self.retry_button.setEnabled(self.stream is None and bool(self.messages)

@@ -128,16 +128,19 @@ class NodeClient(QObject):
         return self.worker.submit(run())
 
 
-def plain_error(status: int | None, message: str) -> str:
-    """What the head said, in words for people."""
+def plain_error(status: int | None, message: str, alone: bool = False) -> str:
+    """What the head said, in words for people. `alone`: the message was the chat's
+    first, so there is no conversation to blame or to start afresh from."""
     low = message.lower()
     if "context window" in low or "context_length" in low:
         sizes = re.search(r"prompt is (\d+) tokens; the context window is (\d+)", message)
         if sizes:
             n, window = (int(x) for x in sizes.groups())
-            return (f"This message is too long for the model: it reads at most {window:,} tokens at once (about "
-                    f"{window * 3 // 4:,} words), and with the conversation this one is {n:,}. Shorten it, split "
-                    "it up, or start a new chat.")
+            head = (f"This message is too long for the model: it reads at most {window:,} tokens at once (about "
+                    f"{window * 3 // 4:,} words), and ")
+            if alone:
+                return head + f"this one is {n:,}. Shorten it or split it up."
+            return head + f"with the conversation this one is {n:,}. Shorten it, split it up, or start a new chat."
         return f"This message is too long for the model: {message}"
     if "disconnected" in low or "closed" in low or "link to stage" in low:
         return ("A computer in the pipeline dropped out, so the reply stopped. Restart hosting from the tray "
@@ -198,6 +201,7 @@ class ChatStream(QObject):
         info = {"finish_reason": None, "ttft": None, "tokens": 0, "tokens_per_s": None, "error": None}
         t_first = None
         chunks = 0
+        alone = sum(m.get("role") == "user" for m in self.messages) <= 1   # the chat's first message
         try:
             session = await self.worker.session()
             body = {"model": self.model, "messages": self.messages, "stream": True,
@@ -222,7 +226,7 @@ class ChatStream(QObject):
                         err = (await resp.json(content_type=None))["error"]["message"]
                     except Exception:
                         err = f"HTTP {resp.status}"
-                    info.update(finish_reason="error", error=plain_error(resp.status, err))
+                    info.update(finish_reason="error", error=plain_error(resp.status, err, alone))
                     return
                 async for raw in resp.content:
                     line = raw.decode(errors="replace").strip()
@@ -233,7 +237,8 @@ class ChatStream(QObject):
                         break
                     obj = json.loads(data)
                     if "error" in obj:
-                        info.update(finish_reason="error", error=plain_error(None, obj["error"].get("message", "")))
+                        info.update(finish_reason="error",
+                                    error=plain_error(None, obj["error"].get("message", ""), alone))
                         continue
                     if obj.get("usage"):
                         info["tokens"] = obj["usage"]["completion_tokens"]

@@ -30,6 +30,7 @@ class Controller(QObject):
     nodeLost = Signal(str)          # plain-language reason
     nodeStarted = Signal()
     notice = Signal(str)            # something to tell the user (history damage, failed action)
+    historyCleared = Signal()       # every conversation was deleted (the chat starts afresh)
 
     def __init__(self, settings: Settings | None = None, node_args: list[str] | None = None,
                  history: History | None = None, host_on_start: bool | None = None, parent=None,
@@ -140,6 +141,11 @@ class Controller(QObject):
         self.status = {"state": "error", "error": why}
         self.statusChanged.emit(self.status)
         self.nodeLost.emit(why)
+
+    def delete_history(self):
+        """Every conversation deleted, from whichever window asked; the chat hears it."""
+        self.history.delete_all()
+        self.historyCleared.emit()
 
     @property
     def closing(self) -> bool:

@@ -33,6 +33,11 @@ class DamagedConversation(Exception):
     pass
 
 
+class ConversationGone(Exception):
+    """A message was added to a conversation that was deleted meanwhile (Settings →
+    Delete all history while a chat was open)."""
+
+
 @dataclass
 class Message:
     role: str
@@ -168,6 +173,8 @@ class History:
     def add_message(self, cid: int, m: Message) -> int:
         now = time.time()
         with self.db:
+            if self.db.execute("SELECT 1 FROM conversations WHERE id=?", (cid,)).fetchone() is None:
+                raise ConversationGone(cid)
             cur = self.db.execute(
                 "INSERT INTO messages (conversation_id, role, content, created, ttft, tokens_per_s, tokens, error) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

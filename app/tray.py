@@ -17,7 +17,6 @@ from .dialogs import HostDialog, JoinDialog, SettingsDialog
 from .status_dialog import StatusDialog
 from .gpu_dialog import GpuEnableDialog, GpuOffer
 from .gpu_enable import offer_label
-from .links import LinkError, parse_link
 
 STATES = ("idle", "loading", "sharing", "serving", "paused", "error")
 
@@ -160,16 +159,7 @@ class Shell(QObject):
         if self.closed:
             return None
         d = self.open_join()
-        try:
-            link = parse_link(text)
-        except LinkError as e:
-            d.last_error = f"That link did not work: {e}."
-            d.result.setText(f"<span style='color:#b91c1c'>{d.last_error}</span>")
-            return d
-        d.code.setText(link.code)
-        if link.relay:
-            d.relay.setText(link.relay)
-        d.result.setText("Filled in from the invite link. Check what will be used, then press “Accept and share”.")
+        d.fill_from_link(text)
         return d
 
     def open_status(self):

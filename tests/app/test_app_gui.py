@@ -608,6 +608,7 @@ def test_bad_messages(qtbot, live):
 
     chat = live.chat
     chat.new_conversation()
+    listed = chat.conv_list.count()
     assert not chat.send("   \n  ")
     assert "Type a message first" in chat.hint.text() and not chat.generating
     assert not chat.send("x" * 150_000)
@@ -617,6 +618,9 @@ def test_bad_messages(qtbot, live):
     info = wait_reply(qtbot, chat)
     assert info["finish_reason"] == "error" and "too long for the model" in chat.hint.text()
     assert "8,192 tokens" in chat.hint.text() or "tokens at once" in chat.hint.text()
+    # the chat's first message: no conversation to blame, and none left behind empty
+    assert "start a new chat" not in chat.hint.text() and "with the conversation" not in chat.hint.text()
+    assert chat.conv_list.count() == listed and chat.conversation_id is None
     # the refused message left the conversation and the transcript, and is back in the box
     # to be shortened, however long (over 20,000 characters it used to be lost)
     assert chat.input.toPlainText() == "word " * 9000
@@ -626,6 +630,34 @@ def test_bad_messages(qtbot, live):
     chat.input.clear()
     assert chat.send("What is 2 + 2?")
     assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
+
+
+def test_deleting_all_history_in_settings_starts_the_chat_afresh(qtbot, live, monkeypatch):
+    """Settings → Delete all history empties the chat's list and its open conversation
+    too, also while a reply streams; the next message starts a new conversation (it was
+    lost, with a database error, when the chat still held the deleted one)."""
+    from PySide6.QtWidgets import QMessageBox
+
+    from app import dialogs
+
+    monkeypatch.setattr(dialogs.QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)   # "Yes, delete"
+    chat, c = live.chat, live.c
+    chat.new_conversation()
+    assert chat.send("Name a colour.")
+    wait_reply(qtbot, chat)
+    assert chat.conv_list.count() >= 1
+    settings = dialogs.SettingsDialog(c)
+    qtbot.addWidget(settings)
+    assert chat.send("Name another colour.")          # still streaming when the history goes
+    qtbot.mouseClick(settings.delete_all, Qt.LeftButton)
+    assert not settings.delete_all.isEnabled() and "deleted" in settings.delete_all.text()
+    wait_reply(qtbot, chat)
+    assert chat.conv_list.count() == 0 and chat.conversation_id is None and not chat.messages
+    assert "history was deleted" in chat.hint.text() and "b91c1c" not in chat.hint.styleSheet()
+    assert chat.send("What is 2 + 2?")
+    assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
+    conv = c.history.load(chat.conversation_id)
+    assert [m.role for m in conv.messages] == ["user", "assistant"] and chat.conv_list.count() == 1
 
 
 def test_host_dialog(qtbot, live):
@@ -675,7 +707,11 @@ def test_join_dialog_and_share_toggle(qtbot, live):
     d.join()
     qtbot.waitUntil(lambda: bool(d.last_error), timeout=60_000)
     assert "ask your friend to send it again" in d.result.text() and "Error" not in d.result.text()
-    d.code.setText("friends-pipeline")
+    d.code.setText("friends-pipeline")   # a name in the code's box is refused: it would share
+    d.join()
+    assert "doesn't look like an invite code" in d.result.text() and not c.status.get("sharing", {}).get("on")
+    d.code.clear()
+    d.pipeline.setText("friends-pipeline")   # sharing by name is asked for under Advanced
     d.port.setValue(0)
     d.join()
     qtbot.waitUntil(lambda: bool("ws://" in d.result.text()), timeout=60_000)

@@ -78,6 +78,31 @@ def test_the_link_fills_the_join_dialog(qtbot, tmp_path, monkeypatch):
         assert joined and joined[0]["code"] == code
         bad = shell.open_link("potluck://join/AB<script>")
         assert bad is d and "did not work" in d.result.text()
+        # a link whose code is no invite code, and text that is none: said, and nothing is
+        # joined or shared (a name typed by mistake used to share this computer under it)
+        joined.clear()
+        for text in ("potluck://join/hello", "hello world", "https://example.com/join/ABC"):
+            if text.startswith("potluck:"):
+                shell.open_link(text)
+                assert not d.code.text()
+            else:
+                d.code.setText(text)
+                d.join()
+            assert joined == [] and "doesn't look like an invite code" in d.result.text(), text
+        # sharing by a pipeline name is asked for under Advanced, and checked
+        d.code.clear()
+        d.pipeline.setText("friends pipeline")
+        d.join()
+        assert joined == [] and "letters, digits" in d.result.text()
+        d.pipeline.setText("friends-pipeline")
+        d.join()
+        assert joined == [{"pipeline": "friends-pipeline", "port": d.port.value(), "cb": d._done}]
+        d.pipeline.clear()
+        # joined: the button is spent; a link opened then starts the window over
+        d._done({"sharing": {"joined": {"via": "direct"}}}, None)
+        assert "Joined" in d.result.text() and not d.accept_button.isEnabled()
+        again = shell.open_link(f"potluck://join/{code}")
+        assert again is d and d.accept_button.isEnabled() and "Filled in" in d.result.text()
     finally:
         # not shell.quit(): it ends the QApplication, which the later GUI tests still need
         shell.close()
