@@ -159,6 +159,10 @@ def status_html(st: dict) -> str:
                          "they stay loaded for when it comes back")
         elif not sh.get("paused"):
             line += ": waiting for a friend's pipeline"
+            if sh.get("address"):   # shared by address (no invite): what a host adds by hand
+                line += (f"<br>A friend's host adds this computer with this address (it holds a secret: "
+                         f"send it to them only): <code style='white-space:nowrap'>"
+                         f"{html.escape(sh['address'])}</code>")
         reply = (sh.get("joining") or {}).get("reply_code")
         if reply:
             line += (f"<br>Your friend's computer cannot be reached from here: send them this reply code to "

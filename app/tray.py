@@ -27,13 +27,19 @@ def state_icon(state: str) -> QIcon:
     return QIcon(str(path)) if path.exists() else QIcon(str(paths.assets_dir() / "potluck.svg"))
 
 
+# the node's state, as the tray's first line says it
+TIP_WORDS = {"idle": "ready", "loading": "starting", "sharing": "sharing", "serving": "hosting",
+             "paused": "sharing paused", "error": "something went wrong"}
+
+
 def tooltip(st: dict) -> str:
-    lines = [f"Potluck — {st.get('state', 'starting')}"]
+    state = st.get("state", "loading")
+    lines = [f"Potluck — {TIP_WORDS.get(state, state)}"]
     if st.get("error"):
         lines.append(st["error"][:120])
     h = st.get("hosting")
     if h:
-        lines.append(f"Hosting {h['model']}; {h.get('tokens_served', 0)} tokens served")
+        lines.append(f"Hosting {h['model']}; {h.get('tokens_served', 0)} tokens written")
     sh = st.get("sharing") or {}
     if sh.get("on"):
         if sh.get("paused"):
@@ -53,6 +59,28 @@ def tooltip(st: dict) -> str:
     elif gpu.get("message"):
         lines.append("No NVIDIA GPU: computing on the processor")
     return "\n".join(lines)
+
+
+def has_gpu(st: dict) -> bool | None:
+    """Whether the node found an NVIDIA GPU here; None until it has looked."""
+    gpu = (st or {}).get("gpu") or {}
+    if gpu.get("gpus"):
+        return True
+    return False if gpu.get("message") not in (None, "not read yet") else None
+
+
+def share_news(st: dict) -> str:
+    """What switching sharing on did, for the person who ticked it."""
+    sh = st.get("sharing") or {}
+    if sh.get("paused"):
+        return f"Sharing is on but paused: {sh.get('reason')}."
+    if has_gpu(st) is False:
+        what = ("No NVIDIA graphics card was found, so a friend's share of the model would run on this "
+                "computer's processor (slower).")
+    else:
+        what = f"{sh.get('device_name') or 'This computer'} is offered to your friend's pipeline."
+    return (f"Sharing is on. {what} To take part, paste your friend's invite code into “Join with invite "
+            "code…” (Pipeline status shows this computer's address, for a host who adds it by hand).")
 
 
 class Shell(QObject):
@@ -108,6 +136,8 @@ class Shell(QObject):
         self.share_action.blockSignals(True)
         self.share_action.setChecked(bool(sh.get("on")))
         self.share_action.blockSignals(False)
+        # what there is to share: no GPU found, the processor is what friends would get
+        self.share_action.setText("Share this computer" if has_gpu(st) is False else "Share this GPU")
         if self.tray is not None:
             self.tray.setIcon(state_icon(self.state))
             self.tray.setToolTip(tooltip(st))
@@ -129,7 +159,16 @@ class Shell(QObject):
 
     # ---- actions -----------------------------------------------------------------
     def _share_toggled(self, on: bool):
-        self.c.set_share(on)
+        self.c.set_share(on, cb=self._share_answered if on else None)
+
+    def _share_answered(self, result, error):
+        """Switched on: what is now offered, and how a friend reaches it, in words."""
+        self.say(error or share_news(result or {}), error=bool(error))
+
+    def say(self, text: str, error: bool = False):
+        self.chat.show_hint(text, error=error)
+        if self.tray is not None and not self.chat.isVisible():
+            self.tray.showMessage("Potluck", text, QSystemTrayIcon.Warning if error else QSystemTrayIcon.Information)
 
     def open_chat(self):
         if self.closed:

@@ -129,7 +129,7 @@ def test_tray_menu_icons_and_tooltip(qtbot, home):
               "sharing": {"on": True, "paused": True, "reason": "the GPU is hot (85 °C)"},
               "gpu": {"available": True, "gpus": [{"utilization_pct": 40.0, "temperature_c": 85.0}]}}
         tip = tooltip(st)
-        assert "12 tokens served" in tip and "paused: the GPU is hot" in tip and "GPU 40% · 85 °C" in tip
+        assert tip.startswith("Potluck — hosting") and "12 tokens written" in tip and "paused: the GPU is hot" in tip and "GPU 40% · 85 °C" in tip
         shell.on_status(st)
         assert shell.share_action.isChecked() and shell.state == "serving"
         # every menu entry is also in the chat window's menu bar (for desktops without a tray)
@@ -726,6 +726,15 @@ def test_join_dialog_and_share_toggle(qtbot, live):
     live.share_action.trigger()  # and on again
     qtbot.waitUntil(lambda: bool((c.status.get("sharing") or {}).get("running")), timeout=30_000)
     assert live.share_action.isChecked() and can_connect(c.status["sharing"]["address"])
+    # said where the person looks, in words: what is offered (here no GPU: the processor)
+    qtbot.waitUntil(lambda: "Sharing is on" in live.chat.hint.text(), timeout=30_000)
+    no_gpu = not (c.status.get("gpu") or {}).get("gpus")
+    assert ("processor" in live.chat.hint.text()) == no_gpu
+    assert live.share_action.text() == ("Share this computer" if no_gpu else "Share this GPU")
+    # Pipeline status shows the address a host adds by hand, as the README says
+    from app.status_dialog import status_html
+
+    assert c.status["sharing"]["address"] in status_html(c.status)
     live.share_action.trigger()
     qtbot.waitUntil(lambda: bool(not (c.status.get("sharing") or {}).get("on")), timeout=30_000)
 
