@@ -324,6 +324,8 @@ class ChatWindow(QMainWindow):
             spec = speculation_label(hosting)
             if spec:
                 parts.append(spec)
+            if loading and loading.get("message"):   # the next pipeline, while this one answers
+                parts.insert(0, loading["message"])
             self.pipeline_label.setText("  ·  ".join(parts))
             self.url_field.setText(hosting.get("openai_url") or "")
         elif not loading:
@@ -334,8 +336,15 @@ class ChatWindow(QMainWindow):
                 self.pipeline_label.setText("Choose “Host a pipeline…” in the Potluck menu to start one.")
 
     def _show_progress(self, stages: dict):
-        self.progress_box.show()
-        for key, p in sorted(stages.items()):
+        # this loading's bars, in order: an earlier loading's (full) bars go, and nothing
+        # shows while nothing loads yet (friends awaited)
+        if sorted(self.progress_bars) != sorted(stages):
+            for bar in self.progress_bars.values():
+                self.progress_layout.removeWidget(bar)
+                bar.deleteLater()
+            self.progress_bars = {}
+        self.progress_box.setVisible(bool(stages))
+        for key, p in sorted(stages.items(), key=lambda kv: (len(str(kv[0])), str(kv[0]))):
             bar = self.progress_bars.get(key)
             if bar is None:
                 bar = self.progress_bars[key] = QProgressBar()

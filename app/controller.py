@@ -257,6 +257,10 @@ class Controller(QObject):
     def plan(self, request: dict, cb):
         self.client.call("POST", "/plan", request, cb=cb)
 
+    def stop_waiting(self, cb=None):
+        """The invite withdrawn while no friend has joined: what serves meanwhile goes on."""
+        self._act("POST", "/stop", {"what": "invite"}, cb)
+
     def stop_hosting(self, cb=None):
         self.last_host = None
         self._act("POST", "/stop", {"what": "host"}, cb)

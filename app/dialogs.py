@@ -91,6 +91,8 @@ class HostDialog(QDialog):
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
         self.scroll.setFrameShape(QFrame.NoFrame)
+        # it scrolls down, never sideways: a sideways scroll cut the first letters off every line
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.scroll.setWidget(body)
         outer.addWidget(self.scroll, 1)
         form = QFormLayout()
@@ -102,9 +104,13 @@ class HostDialog(QDialog):
         self.model.setToolTip("Pick a model (sizes: its weights at each precision), or type a Hugging Face "
                               "model id, a local folder or a .gguf file")
         form.addRow("Model:", self.model)
-        # the model list's labels are long (name, size per precision): shown whole
-        self.model.setSizeAdjustPolicy(QComboBox.AdjustToContents)
-        self.model.setMinimumContentsLength(48)
+        # the model list's labels are long (name, size per precision): whole in the open list,
+        # while the box itself fits the window (sized to its contents it was wider than the
+        # window, and everything scrolled sideways)
+        self.model.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.model.setMinimumContentsLength(24)
+        self.model.view().setMinimumWidth(560)
+        self.model.view().setTextElideMode(Qt.ElideNone)
         # which model this group can run: the node's answer for the chosen model (GET /models'
         # `group`: this computer's memory and the friends' in the ring, against the weights)
         self.fit_label = QLabel("")
@@ -211,16 +217,30 @@ class HostDialog(QDialog):
         self.invite_box = QGroupBox("Invite your friends")
         ib = QHBoxLayout(self.invite_box)
         texts = QVBoxLayout()
-        texts.addWidget(QLabel("Send this link (it opens Potluck's join window) or the code in it:"))
+        send = QLabel("Send this link (it opens Potluck's join window) or the code in it:")
+        send.setWordWrap(True)   # beside the QR code: unwrapped, it made the window scroll sideways
+        texts.addWidget(send)
         self.invite_link = QLineEdit()
         self.invite_link.setReadOnly(True)
         texts.addWidget(self.invite_link)
         self.invite = QLineEdit()
         self.invite.setReadOnly(True)
         texts.addWidget(self.invite)
+        copies = QHBoxLayout()
         copy = QPushButton("Copy the link")
         copy.clicked.connect(lambda: QApplication.clipboard().setText(self.invite_link.text()))
-        texts.addWidget(copy)
+        copies.addWidget(copy)
+        copy_code = QPushButton("Copy the code")
+        copy_code.clicked.connect(lambda: QApplication.clipboard().setText(self.invite.text()))
+        copies.addWidget(copy_code)
+        # friends awaited, none come yet: the invite withdrawn, the chat answering on as it does
+        self.stop_waiting_button = QPushButton("Stop waiting")
+        self.stop_waiting_button.setToolTip("Withdraw this invite: its code stops working, and the chat goes on "
+                                            "answering on this computer")
+        self.stop_waiting_button.clicked.connect(self.stop_waiting)
+        self.stop_waiting_button.hide()
+        copies.addWidget(self.stop_waiting_button)
+        texts.addLayout(copies)
         # hosting with a relay: a short code to read out over the phone (one friend, 10 minutes)
         self.short_code = QLabel("")
         self.short_code.setTextInteractionFlags(Qt.TextSelectableByMouse)
@@ -258,6 +278,14 @@ class HostDialog(QDialog):
         self._replace_ok = False   # told that starting stops the pipeline running now
         self._arrived = 0      # friends who joined, as last shown
         controller.statusChanged.connect(self.on_status)
+        # opened again while an invite is out (the window was closed meanwhile): the same
+        # invite, its friends and its progress, as it was left
+        st = controller.status or {}
+        if (st.get("loading") or {}).get("invite"):
+            self.started = True
+            self.progress.show()
+            self.start_button.setEnabled(False)
+            self.on_status(st)
 
     def _show_models(self, reply, error):
         """The node's curated list with each model's size per precision (GET /models)."""
@@ -415,6 +443,21 @@ class HostDialog(QDialog):
 
         self.c.host(self.request(), done)
 
+    def stop_waiting(self):
+        def done(result, error):
+            if error:
+                return self._error(error)
+            self.started = False
+            self.invite_box.hide()
+            self.reply_row.hide()
+            self.progress.hide()
+            self.start_button.setEnabled(True)
+            self.result.setText("The invite was withdrawn: its code no longer works."
+                                + (" The chat answers on this computer as before."
+                                   if (result or {}).get("hosting") else ""))
+
+        self.c.stop_waiting(done)
+
     def take_reply(self):
         code = self.reply.text().strip()
         if not code:
@@ -452,6 +495,8 @@ class HostDialog(QDialog):
             QTimer.singleShot(0, lambda: self.scroll.ensureWidgetVisible(self.invite_box))
         if code:
             self.reply_row.setVisible(bool(loading))       # while friends are awaited
+        # withdrawn only while no friend has come (once one has, the pipeline is theirs too)
+        self.stop_waiting_button.setVisible(bool(loading and loading.get("invite") and not loading.get("friends")))
         short = (loading or {}).get("short_code")
         self.short_code.setVisible(bool(short))
         if short:
@@ -469,6 +514,8 @@ class HostDialog(QDialog):
                 text += (f"<br>Until they have, the chat answers with "
                          f"{html.escape(str(hosting.get('model') or 'the model'))} on this computer.")
             self.result.setText(text)
+        if loading:   # nothing loads while friends are awaited: an empty bar says nothing
+            self.progress.setVisible(bool(loading.get("stages")))
         if loading and loading.get("stages"):
             stages = list(loading["stages"].values())
             # each stage's share done (a download counts bytes, loading counts tensors)
@@ -480,6 +527,7 @@ class HostDialog(QDialog):
         if st.get("error") and not loading:   # the friends never came: what serves on stays
             self.result.setText(f"<span style='color:#b91c1c'>{html.escape(st['error'], quote=False)}</span>")
         elif hosting and not loading:
+            self.progress.show()
             self.progress.setValue(self.progress.maximum())
             self.result.setText(
                 f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "

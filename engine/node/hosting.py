@@ -333,6 +333,27 @@ class Hosting:
         return bool(args.get("friends")) and self.pipe is not None and not self.friends \
             and self.friends_gate is None and not (self.host_request or {}).get("stage_addr")
 
+    def waiting_for_friends(self) -> bool:
+        """Whether a pipeline with friends is waiting for them to join (none has loaded)."""
+        return bool(self.host_task is not None and not self.host_task.done() and self.friends_gate is not None
+                    and not self.friends and (self.loading or {}).get("invite"))
+
+    async def _stop_waiting(self):
+        """The invite withdrawn while no friend has joined yet: its code stops working, and a
+        pipeline that served meanwhile serves on (what `_stop_host` would close too)."""
+        task, self.host_task = self.host_task, None
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        if self.friends_gate is not None:
+            gate, self.friends_gate = self.friends_gate, None
+            await gate.close()
+        if self.pipe is not None:   # what serves on is what was asked before
+            self.host_request = self._kept_request
+        self.invite_code, self.friends, self.loading = None, [], None
+
     async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
         if self.host_task is not None and not self.host_task.done():
             self.host_task.cancel()

@@ -14,7 +14,7 @@ each checking its request and answering JSON (NodeError: an error with its HTTP 
     POST /share  {on}          the Share-this-GPU toggle
     POST /join   {code, relay?} or {pipeline, port?}  contribute this GPU to a friend's pipeline
     POST /limits {...}         the owner's limits (guest.Limits fields)
-    POST /stop   {what: host|share|all}
+    POST /stop   {what: host|share|invite|all}  (invite: friends no longer awaited)
     POST /host/offer {address}  a friend's stage (ws://...) offers itself to the hosted pipeline: taken
                                when the pipeline waits for room, else at its next rearrangement
     POST /power  {state: sleeping|awake}   the computer is about to sleep (a shared stage hands its
@@ -253,9 +253,13 @@ class NodeRoutes:
     async def h_stop(self, request):
         body = await self._body(request)
         what = body.get("what", "all")
-        if what not in ("host", "share", "all"):
-            raise NodeError("'what' must be host, share or all")
+        if what not in ("host", "share", "all", "invite"):
+            raise NodeError("'what' must be host, share, invite or all")
         async with self._lock:
+            if what == "invite":   # friends no longer awaited; what serves meanwhile goes on
+                if not self.waiting_for_friends():
+                    raise NodeError("no invite is waiting for friends now (they may have joined)", 409)
+                await self._stop_waiting()
             if what in ("host", "all"):
                 await self._stop_host()
                 self.error = None

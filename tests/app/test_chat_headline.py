@@ -145,3 +145,32 @@ def test_a_friend_back_on_a_line_too_slow_is_said_in_the_status_and_the_chat_sta
     recovered = {"event": "recovered", "seconds": 4.2, "t": 5.2}
     text = ChatWindow.hosting_headline({"model": "M", "events": [left, recovered, slow]})
     assert text == "M — ready"
+
+
+def test_while_friends_are_awaited_the_chat_says_so_and_shows_no_old_loading_bars(qtbot, tmp_path, monkeypatch):
+    """Hosting with friends while the chat's pipeline answers: the first load's full bars
+    stayed up ("part 2: loading weights 100%" above part 1) for as long as the friends took,
+    and nothing said they were awaited."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(None, keep=False))
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        w.show()
+        w.on_status({"state": "loading", "loading": {"message": "Loading SmolLM2…", "stages": {
+            "1": {"done": 5, "total": 10, "what": "loading weights"},
+            "0": {"done": 10, "total": 10, "what": "loading weights"}}}})
+        bars = [w.progress_layout.itemAt(i).widget().format() for i in range(w.progress_layout.count())]
+        assert bars == ["part 1: loading weights %p%", "part 2: loading weights %p%"]
+        w.on_status({"state": "serving", "hosting": {"model": "SmolLM2", "openai_url": "http://x/v1"},
+                     "loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V", "stages": {}}})
+        assert not w.progress_box.isVisibleTo(w)
+        assert "Waiting for friends to join: 0 of 1" in w.pipeline_label.text()
+    finally:
+        c.shutdown()

@@ -250,6 +250,11 @@ def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
     qtbot.waitUntil(lambda: d.scroll.verticalScrollBar().value() > 0 or not d.scroll.verticalScrollBar().maximum())
     assert d.minimumSizeHint().height() <= 600 and d.height() <= 600
     assert not d.advanced.isChecked()
+    # nor sideways: the long model labels made the content 873 px wide in a 620-px window,
+    # and every line lost its first letters
+    d.resize(520, 600)      # a window made narrower still: its content narrows with it
+    qtbot.wait(10)
+    assert d.scroll.widget().minimumSizeHint().width() <= d.scroll.viewport().width()
     top = d.invite_box.mapTo(d.scroll.viewport(), d.invite_box.rect().topLeft()).y()
     assert 0 <= top < d.scroll.viewport().height()      # the invite is in view
     assert d.buttons.isVisible() and d.buttons.geometry().bottom() <= d.height()
@@ -274,5 +279,43 @@ def test_stages_on_this_computer_are_automatic_unless_set(qtbot, tmp_path, monke
         assert d.stages.text() == "Automatic" and d.request()["stages"] == 0
         d.stages.setValue(3)
         assert d.request()["stages"] == 3
+    finally:
+        c.shutdown()
+
+
+def test_an_invite_out_is_shown_again_and_can_be_withdrawn(qtbot, tmp_path, monkeypatch):
+    """Closed while friends were awaited, the window opened again showed nothing: the
+    invite (valid for a day) and the wait were out of reach, with no way to stop them."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.dialogs import HostDialog
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    c.models = lambda cb: None
+    withdrawn = []
+    c.stop_waiting = lambda cb: withdrawn.append(cb)
+    c.status = {"state": "serving", "hosting": {"model": "SmolLM2 135M", "friends": [], "stages": []},
+                "loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8",
+                            "arrived": [], "stages": {}}}
+    try:
+        d = HostDialog(c)
+        qtbot.addWidget(d)
+        assert d.invite.text() == "0411V-648F8" and d.invite_box.isVisibleTo(d)
+        assert "Waiting for friends" in d.result.text() and not d.start_button.isEnabled()
+        assert not d.progress.isVisibleTo(d)            # nothing loads while friends are awaited
+        assert d.stop_waiting_button.isVisibleTo(d)
+        d.stop_waiting_button.click()
+        assert len(withdrawn) == 1
+        withdrawn[0]({"hosting": {"model": "SmolLM2 135M"}}, None)       # the node's answer
+        assert not d.invite_box.isVisibleTo(d) and d.start_button.isEnabled()
+        assert "withdrawn" in d.result.text() and "answers on this computer" in d.result.text()
+        # a friend has come: the pipeline is theirs too, no withdrawing
+        d.started = True
+        d.on_status({"loading": {"message": "Waiting for friends to join: 1 of 2", "invite": "0411V-648F8",
+                                 "friends": ["Ana"], "arrived": [{"name": "Ana"}]}})
+        assert not d.stop_waiting_button.isVisibleTo(d)
     finally:
         c.shutdown()

@@ -677,6 +677,15 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
         st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
         assert st["state"] == "serving" and st["openai_url"] == alone and not st["hosting"]["friends"]
         assert "Paris" in _ask(alone)     # while nobody has joined yet
+        # the invite withdrawn before anyone came: the chat's pipeline serves on as it was
+        status, r = call(hport, "POST", "/stop", {"what": "invite"})
+        assert status == 200 and not r["loading"] and r["openai_url"] == alone, r
+        assert not r["host_request"].get("friends") and r["state"] == "serving", r
+        assert call(hport, "POST", "/stop", {"what": "invite"})[0] == 409      # nothing left to withdraw
+        assert "Paris" in _ask(alone)
+        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
+        assert status == 200, r
+        st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
         status, fst = call(fport, "POST", "/join", {"code": st["loading"]["invite"]}, timeout=120)
         assert status == 200, fst
         st = wait_status(hport, lambda s: s["state"] == "serving" and not s["loading"]
