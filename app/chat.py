@@ -11,7 +11,7 @@ button when the engine has stopped).
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtGui import QAction, QKeySequence, QTextDocument
 from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
                                QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton,
                                QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
@@ -23,6 +23,17 @@ from .store import ConversationGone, DamagedConversation, Message
 
 FLUSH_MS = 80
 MAX_MESSAGE_CHARS = 100_000
+
+
+def markdown_html(text: str) -> str:
+    """A reply's markdown as the label's rich text, through a document: there a code
+    block's long line wraps (the label's own markdown kept it whole, and one such line
+    widened every bubble of the transcript past the window). HTML in the reply is shown as
+    the text it is, not interpreted (a model explaining <div> would lose it)."""
+    doc = QTextDocument()
+    feature = QTextDocument.MarkdownFeature
+    doc.setMarkdown(text, feature.MarkdownDialectGitHub | feature.MarkdownNoHTML)
+    return doc.toHtml()
 
 
 class MessageView(QFrame):
@@ -52,10 +63,12 @@ class MessageView(QFrame):
     def set_plain(self, text: str):
         self.body.setTextFormat(Qt.PlainText)
         self.body.setText(text)
+        self.markdown = False
 
     def set_markdown(self, text: str):
-        self.body.setTextFormat(Qt.MarkdownText)
-        self.body.setText(text)
+        self.body.setTextFormat(Qt.RichText)
+        self.body.setText(markdown_html(text))
+        self.markdown = True
 
     def set_stats(self, text: str, error: bool = False):
         self.stats.setText(text)
@@ -625,6 +638,7 @@ class ChatWindow(QMainWindow):
             self.show_hint(info.get("error") or "The reply failed.")
         else:
             view.set_markdown(self.reply_text or "(empty reply)")
+            QTimer.singleShot(0, self._scroll_down)   # rendered, the reply may be taller: still in view
             line = stats_line(m)
             if info.get("finish_reason") == "cancelled":
                 line = (line + " · " if line else "") + "stopped"

@@ -506,7 +506,7 @@ def test_send_and_see_the_streamed_reply(qtbot, live):
     # batched: never more view refreshes than deltas (usually far fewer)
     assert 1 <= chat.render_count <= chat.delta_count
     view = chat.tl.itemAt(chat.tl.count() - 2).widget()
-    assert view.body.textFormat() == Qt.MarkdownText  # rendered once complete
+    assert view.markdown and view.body.textFormat() == Qt.RichText  # rendered once complete
     assert "first token after" in view.stats.text() and "tokens/s" in view.stats.text()
     conv = chat.c.history.load(chat.conversation_id)
     assert [m.role for m in conv.messages] == ["user", "assistant"] and conv.messages[1].ttft is not None

@@ -174,3 +174,17 @@ def test_while_friends_are_awaited_the_chat_says_so_and_shows_no_old_loading_bar
         assert "Waiting for friends to join: 0 of 1" in w.pipeline_label.text()
     finally:
         c.shutdown()
+
+
+def test_a_long_line_of_code_in_a_reply_wraps_inside_its_bubble(qtbot):
+    """A reply's code block with one long line made the transcript as wide as that line,
+    every bubble with it (sideways scrolling to read the prose)."""
+    from app.chat import MessageView
+
+    code = "x = " + " + ".join(["'a'"] * 80)
+    v = MessageView("assistant")
+    qtbot.addWidget(v)
+    v.set_markdown(f"Like this:\n\n```python\n{code}\n```\n\nand **that** is <all>.")
+    assert v.body.minimumSizeHint().width() < 400
+    text = v.body.text()
+    assert "&lt;all&gt;" in text and "'a' + 'a'" in text     # HTML in a reply shown as text
