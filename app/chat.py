@@ -23,6 +23,7 @@ from .store import ConversationGone, DamagedConversation, Message
 
 FLUSH_MS = 80
 MAX_MESSAGE_CHARS = 100_000
+STILL_COMING = "A reply is still coming: wait for it, or press Stop (Esc) first."
 
 
 def markdown_html(text: str) -> str:
@@ -123,6 +124,9 @@ class ChatWindow(QMainWindow):
         self.new_button = QPushButton("New chat")
         self.new_button.clicked.connect(self.new_conversation)
         self.conv_list = QListWidget()
+        # long titles end in "…" (the whole title in the tooltip), never a sideways scrollbar
+        self.conv_list.setTextElideMode(Qt.ElideRight)
+        self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.conv_list.itemClicked.connect(self._open_item)
         self.delete_all_button = QPushButton("Delete all history")
         self.delete_all_button.clicked.connect(self.delete_all)
@@ -397,9 +401,20 @@ class ChatWindow(QMainWindow):
         for conv in self.c.history.conversations():
             item = QListWidgetItem(conv.title + ("  (damaged)" if conv.damaged else ""))
             item.setData(Qt.UserRole, conv.id)
+            item.setToolTip(conv.title)
             if conv.damaged:
                 item.setForeground(Qt.red)
             self.conv_list.addItem(item)
+        self._mark_open()
+
+    def _mark_open(self):
+        """The open conversation stays selected in the list (none for a new chat)."""
+        for i in range(self.conv_list.count()):
+            if self.conv_list.item(i).data(Qt.UserRole) == self.conversation_id:
+                self.conv_list.setCurrentRow(i)
+                return
+        self.conv_list.clearSelection()
+        self.conv_list.setCurrentRow(-1)
 
     def _open_item(self, item: QListWidgetItem):
         self.open_conversation(item.data(Qt.UserRole))
@@ -431,6 +446,7 @@ class ChatWindow(QMainWindow):
                 v.set_plain(m.content)
         self.hint.clear()
         self._update_retry()
+        self._mark_open()
         return True
 
     def new_conversation(self):
@@ -442,6 +458,7 @@ class ChatWindow(QMainWindow):
         self.last_reply_view = None
         self.hint.clear()
         self._update_retry()
+        self._mark_open()
 
     def delete_all(self, confirm: bool = True):
         if confirm and QMessageBox.question(self, "Delete all history",
@@ -493,7 +510,7 @@ class ChatWindow(QMainWindow):
         if self.stream is None:
             self.send()
         else:
-            self.show_hint("A reply is still coming: wait for it, or press Stop (Esc) first.", error=False)
+            self.show_hint(STILL_COMING, error=False)
 
     def send(self, text: str | None = None) -> bool:
         text = self.input.toPlainText() if text is None else text
@@ -622,6 +639,8 @@ class ChatWindow(QMainWindow):
         self._scroll_down()
 
     def _on_finished(self, info: dict):
+        if self.hint.text() == STILL_COMING:   # it came
+            self.hint.clear()
         self._flush()
         self.flush_timer.stop()
         stream, self.stream = self.stream, None

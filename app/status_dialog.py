@@ -96,6 +96,15 @@ def ring_table(h: dict) -> str:
     return "".join(out)
 
 
+def other_computers(h: dict) -> bool:
+    """Whether the pipeline spans other computers than this one (the ring names its own
+    parts "This computer…"); without a ring, whether it has several stages."""
+    ring = [r for r in h.get("ring") or [] if r.get("state") != "left"]
+    if ring:
+        return any(not str(r.get("who", "")).startswith("This computer") for r in ring)
+    return len(h.get("stages") or []) > 1
+
+
 def _count(n: int, noun: str) -> str:
     """'no conversation', '1 conversation', '3 conversations'."""
     return f"no {noun}" if not n else f"{n} {noun}{'' if n == 1 else 's'}"
@@ -119,7 +128,7 @@ def status_html(st: dict) -> str:
         out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {h.get('tokens_served', 0)} tokens written"
                    + (f", {rate:.1f} tokens/s now" if rate else "")
                    + f"; {_count(h.get('running', 0), 'conversation')} being answered, "
-                     f"{h.get('waiting', 0)} waiting<br>"
+                     f"{h.get('waiting') or 'none'} waiting<br>"
                    f"For other programs (OpenAI-compatible): <code>{h.get('openai_url')}</code>"
                    + (f"<br>On your network: <code>{h['api_lan_url']}</code> (with the API key from "
                       "Host a pipeline…)" if h.get("api_lan_url") else "")
@@ -142,7 +151,7 @@ def status_html(st: dict) -> str:
             who = (came[-1].get("who") if came else None) or "a computer"
             out.append(f"<p><b>Now:</b> {html.escape(who)} is loading its share of the model; "
                        "conversations go on meanwhile</p>")
-        elif h.get("spare_layers") and len(h.get("stages") or []) > 1:
+        elif h.get("spare_layers") and other_computers(h):
             # held beside each computer's share: a friend dropping off without a word costs no loading
             out.append(f"<p>Ready if a computer drops off: the others hold {h['spare_layers']} spare layers "
                        "of the model, so nothing needs loading before conversations go on</p>")

@@ -159,7 +159,7 @@ class Hosting:
         from engine.wire.stage_auth import split_address
 
         # a friend's address may carry its share's secret: never echoed back
-        where = ["this machine"] * (total_stages if not stage_addr else 1) + [split_address(a)[0] for a in stage_addr]
+        where = ["This computer"] * (total_stages if not stage_addr else 1) + [split_address(a)[0] for a in stage_addr]
         # Each precision's weights, and what of them this machine holds: all of them when
         # every stage runs here, else the head's stage (friends' memory is only known once
         # they connect: the head then settles `auto` against the whole pool).

@@ -658,6 +658,9 @@ def test_deleting_all_history_in_settings_starts_the_chat_afresh(qtbot, live, mo
     assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
     conv = c.history.load(chat.conversation_id)
     assert [m.role for m in conv.messages] == ["user", "assistant"] and chat.conv_list.count() == 1
+    assert chat.conv_list.currentRow() == 0          # the open conversation is the one marked
+    chat.new_conversation()
+    assert chat.conv_list.currentRow() == -1
 
 
 def test_host_dialog(qtbot, live):

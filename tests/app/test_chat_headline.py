@@ -84,7 +84,9 @@ def test_the_status_window_says_when_the_others_hold_spare_layers():
     hosting = {"model": "M", "recovering": None, "events": [], "joining": None, "leaving": None,
                "stages": stages, "spare_layers": 30}
     assert "the others hold 30 spare layers" in status_html({"state": "serving", "hosting": hosting})
-    for quiet in (dict(hosting, spare_layers=0), dict(hosting, stages=stages[:1]),
+    # this computer alone, in two parts (a CPU's default): no other computer to drop off
+    alone = [{"who": "This computer", "share": "15 of 30 layers"}, {"who": "This computer, part 2"}]
+    for quiet in (dict(hosting, spare_layers=0), dict(hosting, stages=stages[:1]), dict(hosting, ring=alone),
                   dict(hosting, recovering="stage 1 left: rearranging")):
         assert "spare layers" not in status_html({"state": "serving", "hosting": quiet})
 
