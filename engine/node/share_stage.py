@@ -43,6 +43,11 @@ class Sharing:
             invite = await redeem(code, relay)
         except HomeError as exc:
             raise NodeError(join_failed(str(exc)), details=str(exc)) from None
+        gate = getattr(self, "friends_gate", None)
+        if gate is not None and invite.pipeline_id == gate.pipeline_id:
+            # it would "work": this computer joined to itself, counted as the friend awaited
+            raise NodeError("That is this computer's own invite: send it to your friends, who paste it into "
+                            "“Join with invite code…” on their computers.")
         async with self._lock:
             await self._stop_share("joining another pipeline")
             self.invite, self.joiner = invite, None

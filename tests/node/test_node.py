@@ -686,6 +686,9 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
         status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
         assert status == 200, r
         st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
+        # pasted on the host's own computer, the invite is refused in words (it joined itself)
+        status, r = call(hport, "POST", "/join", {"code": st["loading"]["invite"]}, timeout=120)
+        assert status == 400 and "own invite" in r["error"], r
         status, fst = call(fport, "POST", "/join", {"code": st["loading"]["invite"]}, timeout=120)
         assert status == 200, fst
         st = wait_status(hport, lambda s: s["state"] == "serving" and not s["loading"]
