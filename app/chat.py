@@ -10,7 +10,7 @@ button when the engine has stopped).
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence, QTextDocument
 from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
                                QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton,
@@ -23,6 +23,7 @@ from .store import ConversationGone, DamagedConversation, Message
 
 FLUSH_MS = 80
 MAX_MESSAGE_CHARS = 100_000
+ENGINE_DOWN = "The Potluck engine is not running. Press Restart above."
 STILL_COMING = "A reply is still coming: wait for it, or press Stop (Esc) first."
 
 
@@ -178,7 +179,10 @@ class ChatWindow(QMainWindow):
         self.scroll.setWidget(self.transcript)
 
         self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Type a message (Ctrl+Enter sends)")
+        self.input.setPlaceholderText("Type a message (Enter sends, Shift+Enter starts a new line)")
+        # Enter sends, as in every chat app; Shift+Enter is a new line; Tab moves on to Send
+        self.input.installEventFilter(self)
+        self.input.setTabChangesFocus(True)
         self.input.setFixedHeight(90)
         self.send_button = QPushButton("Send")
         self.send_button.setMinimumWidth(90)
@@ -348,7 +352,13 @@ class ChatWindow(QMainWindow):
         elif not loading:
             self.url_field.clear()
             self.ring_view.hide()
-            if state != "error":
+            sharing = st.get("sharing") or {}
+            if state != "error" and (sharing.get("joined") or sharing.get("layers")):
+                # a friend's computer: what it does is help, not "nothing running"
+                self.model_label.setText("Sharing this computer with a friend's pipeline")
+                self.pipeline_label.setText("Its chat is on your friend's computer. To chat here too, choose "
+                                            "“Host a pipeline…” in the Potluck menu.")
+            elif state != "error":
                 self.model_label.setText("No pipeline is running")
                 self.pipeline_label.setText("Choose “Host a pipeline…” in the Potluck menu to start one.")
 
@@ -387,6 +397,8 @@ class ChatWindow(QMainWindow):
 
     def on_node_started(self):
         self.banner.hide()
+        if self.hint.text() == ENGINE_DOWN:   # said while it was down: no longer true
+            self.hint.clear()
 
     def show_hint(self, text: str, error: bool = True):
         """A line under the transcript: a problem (red), or news about the conversation."""
@@ -504,8 +516,15 @@ class ChatWindow(QMainWindow):
         else:
             self.send()
 
+    def eventFilter(self, obj, event):
+        if obj is self.input and event.type() == QEvent.KeyPress and event.key() in (Qt.Key_Return, Qt.Key_Enter) \
+                and not event.modifiers() & (Qt.ShiftModifier | Qt.ControlModifier | Qt.AltModifier):
+            self._send_key()
+            return True
+        return super().eventFilter(obj, event)
+
     def _send_key(self):
-        """Ctrl+Enter sends; while a reply comes it stops nothing (it used to stop the
+        """Enter (or Ctrl+Enter) sends; while a reply comes it stops nothing (it used to stop the
         reply, the message typed meanwhile left unsent): Stop or Esc does that."""
         if self.stream is None:
             self.send()
@@ -571,7 +590,7 @@ class ChatWindow(QMainWindow):
     def _serving(self) -> dict | None:
         """The pipeline's hosting status when a message can be sent, else None (said in the hint)."""
         if self.c.lost:
-            self.show_hint("The Potluck engine is not running. Press Restart above.")
+            self.show_hint(ENGINE_DOWN)
             return None
         hosting = (self.c.status or {}).get("hosting")
         if not hosting or not hosting.get("openai_url"):

@@ -118,7 +118,16 @@ class Controller(QObject):
         self.timer.start()
         self.nodeStarted.emit()
         if self.last_host is not None:
-            self.host(self.last_host)
+            again = dict(self.last_host)
+            if again.pop("friends", 0):
+                # the friends' tunnels ended with the engine: a new invite would wait for friends
+                # who hold the old one, with nothing answering meanwhile. This computer hosts
+                # alone, and the person invites again
+                again.pop("listen", None)
+                again.pop("relay", None)
+                self.notice.emit("Potluck restarted and hosts the model on this computer alone: your "
+                                 "friends' invite ended with it. Invite them again from “Host a pipeline…”.")
+            self.host(again)
         elif self.host_on_start:
             self.host({"model": self.settings.default_model, "stages": self.settings.local_stages})
         if self.settings.share_on_start:

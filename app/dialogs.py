@@ -140,6 +140,9 @@ class HostDialog(QDialog):
                               "guesses a few tokens ahead and the pipeline checks them in one trip. It costs this "
                               "computer its memory and a download; Potluck drafts only where it pays")
         form.addRow("Draft model:", self.draft)
+        for box in (self.weights, self.draft):   # as the model's box: they fit the window
+            box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+            box.setMinimumContentsLength(16)
         self.model.currentTextChanged.connect(self._show_draft_pairing)
         self.model.currentTextChanged.connect(self._show_fit)
         self.model.currentIndexChanged.connect(self._show_start)   # a choice from the list, not typing
@@ -174,6 +177,7 @@ class HostDialog(QDialog):
         self.api_key = QLineEdit(get_secret("api_key") or "")
         self.api_key.setPlaceholderText("made for you when you host")
         self.api_key.setToolTip("Clients send it as their API key (Authorization: Bearer …)")
+        self.api_key.setMinimumWidth(80)
         new_key = QPushButton("New key")
         new_key.clicked.connect(lambda: self.api_key.setText(new_api_key()))
         api_row = QHBoxLayout()

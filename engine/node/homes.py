@@ -95,6 +95,13 @@ class Friends:
     def invite(self, ttl_s: float = 24 * 3600, uses: int = 1) -> str:
         return self.tunnels.invite(ttl_s=ttl_s, uses=uses)
 
+    def withdraw(self, code: str) -> None:
+        """The invite in `code` revoked: no one joins with it again (it would have worked
+        for its day, with whatever gate this host opens next)."""
+        from engine.wire.invite import parse
+
+        self.state.revoke(parse(code).invite_id.hex())
+
     async def wait(self, n: int, on_arrival=None) -> list[Peer]:
         """The next n friends to join, in the order they came (= pipeline order)."""
         peers: list[Peer] = []

@@ -349,6 +349,8 @@ class Hosting:
             pass
         if self.friends_gate is not None:
             gate, self.friends_gate = self.friends_gate, None
+            if self.invite_code:
+                gate.withdraw(self.invite_code)
             await gate.close()
         if self.pipe is not None:   # what serves on is what was asked before
             self.host_request = self._kept_request

@@ -190,3 +190,23 @@ def test_a_long_line_of_code_in_a_reply_wraps_inside_its_bubble(qtbot):
     assert v.body.minimumSizeHint().width() < 400
     text = v.body.text()
     assert "&lt;all&gt;" in text and "'a' + 'a'" in text     # HTML in a reply shown as text
+
+
+def test_a_friends_computer_says_it_shares_not_that_nothing_runs(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(None, keep=False))
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        w.on_status({"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "ab12", "via": "direct"}}})
+        assert "Sharing this computer" in w.model_label.text() and "No pipeline" not in w.model_label.text()
+        w.on_status({"state": "idle", "sharing": {"on": False}})
+        assert w.model_label.text() == "No pipeline is running"
+    finally:
+        c.shutdown()

@@ -67,6 +67,50 @@ def test_ctrl_enter_while_a_reply_comes_stops_nothing_and_escape_stops_it(qtbot,
         assert stopped == [] and w.input.toPlainText() == "and another thing" and "still coming" in w.hint.text()
         qtbot.keyClick(w.input, Qt.Key_Escape)
         assert stopped == [1]
+        # Enter sends (as in any chat app), Shift+Enter is a new line in the message
+        w.stream = None
+        sent = []
+        w.send = lambda: sent.append(w.input.toPlainText())
+        w.input.setPlainText("first line")
+        w.input.moveCursor(w.input.textCursor().MoveOperation.End)
+        qtbot.keyClick(w.input, Qt.Key_Return, Qt.ShiftModifier)
+        qtbot.keyClicks(w.input, "second")
+        assert sent == [] and w.input.toPlainText() == "first line\nsecond"
+        qtbot.keyClick(w.input, Qt.Key_Return)
+        assert sent == ["first line\nsecond"]
     finally:
         w.stream = None
+        c.shutdown()
+
+
+def test_a_restart_after_a_crash_hosts_alone_what_was_hosted_with_friends(qtbot, tmp_path, monkeypatch):
+    """The engine died while hosting with a friend; Restart hosted the same request again,
+    friends included: a new invite nobody held, and the chat "still loading" for good."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from types import SimpleNamespace
+
+    from app.chat import ENGINE_DOWN, ChatWindow
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    calls = []
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
+    c.client.attach = lambda url, token: None
+    w = ChatWindow(c)
+    qtbot.addWidget(w)
+    notices = []
+    c.notice.connect(notices.append)
+    try:
+        w.show_hint(ENGINE_DOWN)            # what a send said while the engine was down
+        c.last_host = {"model": "default", "stages": 0, "friends": 1, "listen": "0.0.0.0:7870", "weights": "auto"}
+        c.node = SimpleNamespace(url="http://127.0.0.1:1", token="t", stop=lambda: None)
+        c._attach()                           # the engine started again
+        assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
+        assert notices and "invite them again" in notices[0].lower()
+        assert w.hint.text() != ENGINE_DOWN
+    finally:
+        c.timer.stop()
         c.shutdown()

@@ -258,6 +258,10 @@ def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
     top = d.invite_box.mapTo(d.scroll.viewport(), d.invite_box.rect().topLeft()).y()
     assert 0 <= top < d.scroll.viewport().height()      # the invite is in view
     assert d.buttons.isVisible() and d.buttons.geometry().bottom() <= d.height()
+    d.resize(620, 600)
+    d.advanced.setChecked(True)     # Advanced open too (the draft model's long labels, the API's row)
+    qtbot.wait(10)
+    assert d.scroll.widget().minimumSizeHint().width() <= d.scroll.viewport().width()
 
 
 def test_stages_on_this_computer_are_automatic_unless_set(qtbot, tmp_path, monkeypatch):

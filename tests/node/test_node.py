@@ -672,20 +672,27 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
         st = wait_status(hport, lambda s: s["error"] and not s["loading"])
         assert st["state"] == "serving" and st["openai_url"] == alone and not st["host_request"].get("friends"), st
         assert "Paris" in _ask(alone)
-        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
+        with socket.socket() as s:      # one door for both invites, as the app's 0.0.0.0:7870
+            s.bind(("127.0.0.1", 0))
+            door = f"127.0.0.1:{s.getsockname()[1]}"
+        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": door})
         assert status == 200, r
         st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
         assert st["state"] == "serving" and st["openai_url"] == alone and not st["hosting"]["friends"]
         assert "Paris" in _ask(alone)     # while nobody has joined yet
+        withdrawn = st["loading"]["invite"]
         # the invite withdrawn before anyone came: the chat's pipeline serves on as it was
         status, r = call(hport, "POST", "/stop", {"what": "invite"})
         assert status == 200 and not r["loading"] and r["openai_url"] == alone, r
         assert not r["host_request"].get("friends") and r["state"] == "serving", r
         assert call(hport, "POST", "/stop", {"what": "invite"})[0] == 409      # nothing left to withdraw
         assert "Paris" in _ask(alone)
-        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "127.0.0.1:0"})
+        status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": door})
         assert status == 200, r
         st = wait_status(hport, lambda s: (s["loading"] or {}).get("invite"))
+        # the withdrawn code no longer works, though the host's door is open again
+        status, r = call(fport, "POST", "/join", {"code": withdrawn}, timeout=120)
+        assert status == 502 and "withdrew this invite" in r["error"], r
         # pasted on the host's own computer, the invite is refused in words (it joined itself)
         status, r = call(hport, "POST", "/join", {"code": st["loading"]["invite"]}, timeout=120)
         assert status == 400 and "own invite" in r["error"], r
