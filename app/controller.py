@@ -79,7 +79,7 @@ class Controller(QObject):
         instead of staying blank for as long as the engine takes to start (a minute on a
         slow disk, the first time)."""
         args = ["--share-port", str(self.settings.share_port), "--pipeline", self.settings.pipeline_name,
-                "--limits", _json(self.settings.limits)] + self.node_args
+                "--api-port", str(self.settings.api_port if 0 <= self.settings.api_port < 65536 else 0), "--limits", _json(self.settings.limits)] + self.node_args
         env = dict(os.environ)
         try:
             from .secrets_store import get_secret

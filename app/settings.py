@@ -36,6 +36,10 @@ class Settings:
     local_stages: int = 0
     share_on_start: bool = False
     share_port: int = 7860
+    # the chat's OpenAI-compatible API on this computer: the same address from one start
+    # to the next, so a tool set up with it keeps working (a free one if another program
+    # holds it; 0: a free one every time)
+    api_port: int = 8400
     pipeline_name: str = "potluck"
     max_tokens: int = 512
     # None: the model's sampling defaults, the same as the API's and `potluck chat`'s

@@ -599,7 +599,8 @@ def _add_node_args(p):
     p.add_argument("--accept-model", action="append", default=[], metavar="MODEL",
                    help="a model a friend's head may have this machine load, beyond the default and "
                         "Potluck's model list (a hub id or a folder/GGUF path here; repeatable)")
-    p.add_argument("--api-port", type=port_arg, default=0, help="OpenAI API port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--api-port", type=port_arg, default=0,
+                   help="OpenAI API port on 127.0.0.1, a free one if it is taken (default: a free one)")
     p.add_argument("--pipeline", default="potluck", help="pipeline name a shared stage accepts")
     p.add_argument("--threads", type=count_arg, default=None)
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")

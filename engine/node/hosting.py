@@ -246,7 +246,13 @@ class Hosting:
             pipe = await launch(cfg, progress, say)
             if self.friends_gate is not None:
                 self.friends_gate.follow(pipe.head)  # friends joining later take a slice
-            self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
+            try:
+                self.api_runner = await serve_api(pipe.head, "127.0.0.1", self.api_port)
+            except OSError:
+                # the port asked for (the app's stable one) is another program's now: a free
+                # one serves instead, and the status says which
+                log.info("host: port %s is taken: the API goes on a free port", self.api_port)
+                self.api_runner = await serve_api(pipe.head, "127.0.0.1", 0)
             port = self.api_runner.addresses[0][1]
             self.openai_url = f"http://127.0.0.1:{port}/v1"
             if args.get("api_lan_port"):

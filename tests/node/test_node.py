@@ -765,3 +765,26 @@ def test_switching_sharing_off_and_on_leaves_no_threads_behind():
     finally:
         proc.stdin.close()
         assert proc.wait(30) == 0
+
+
+def test_the_api_keeps_its_port_from_one_start_to_the_next_or_takes_a_free_one(tmp_path):
+    """The app asks its node for a stable API port (a tool set up with the address keeps
+    working after a restart; it changed at every start); another program holding it
+    means a free one, not a failure."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        wanted = held.getsockname()[1]
+        node, port = start_node("--api-port", str(wanted), env={"POTLUCK_HOME": str(tmp_path)})
+        try:
+            assert call(port, "POST", "/host", {"model": "default", "stages": 1})[0] == 200
+            st = wait_status(port, lambda s: s["state"] == "serving", timeout=300)
+            assert f":{wanted}/" not in st["openai_url"] and "Paris" in _ask(st["openai_url"])
+            assert call(port, "POST", "/stop", {"what": "host"})[0] == 200
+            held.close()                       # the port free again: the next pipeline takes it
+            assert call(port, "POST", "/host", {"model": "default", "stages": 1})[0] == 200
+            st = wait_status(port, lambda s: s["state"] == "serving", timeout=300)
+            assert st["openai_url"] == f"http://127.0.0.1:{wanted}/v1"
+        finally:
+            node.stdin.close()
+            assert node.wait(60) == 0
