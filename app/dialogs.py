@@ -456,6 +456,7 @@ class HostDialog(QDialog):
             self.reply_row.hide()
             self.progress.hide()
             self.start_button.setEnabled(True)
+            self.c.models(self._show_models)   # what the group can run, without the friends awaited
             self.result.setText("The invite was withdrawn: its code no longer works."
                                 + (" The chat answers on this computer as before."
                                    if (result or {}).get("hosting") else ""))

@@ -357,6 +357,8 @@ def test_the_chat_window_shows_and_changes_sampling(qtbot, home):
         w2 = ChatWindow(c)
         qtbot.addWidget(w2)
         assert (w2.presence_penalty.value(), w2.frequency_penalty.value()) == (0.5, -1.25)
+        # a penalty on shows its row at the next start; all off, it stays folded under More settings
+        assert w2.more_button.isChecked() and not w.more_button.isChecked() and w.minimumSizeHint().width() < 800
     finally:
         c.shutdown()
         Settings().save()
