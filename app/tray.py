@@ -13,7 +13,9 @@ from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 
 from . import paths
 from .chat import ChatWindow
-from .dialogs import HostDialog, JoinDialog, SettingsDialog
+from .dialogs import HostDialog
+from .join_dialog import JoinDialog
+from .settings_dialog import SettingsDialog
 from .status_dialog import StatusDialog
 from .gpu_dialog import GpuEnableDialog, GpuOffer
 from .gpu_enable import offer_label

@@ -87,7 +87,7 @@ def test_gui_process_never_imports_torch(home):
         "import sys, os\n"
         "from PySide6.QtWidgets import QApplication\n"
         "qa = QApplication([])\n"
-        "import app.main, app.tray, app.chat, app.dialogs, app.controller\n"
+        "import app.main, app.tray, app.chat, app.dialogs, app.join_dialog, app.settings_dialog, app.controller\n"
         "from app.controller import Controller\n"
         "from app.settings import Settings\n"
         "from app.tray import Shell\n"
@@ -157,7 +157,7 @@ def test_without_a_tray_the_window_opens(qtbot, home):
 
 
 def test_join_dialog_tells_codes_from_names():
-    from app.dialogs import looks_like_code
+    from app.join_dialog import looks_like_code
 
     assert looks_like_code("4821-917305") and looks_like_code("ABCD" * 20)
     assert not looks_like_code("alices-pipeline") and not looks_like_code("friends")
@@ -291,7 +291,7 @@ def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
 
 def test_settings_dialog(qtbot, home):
     from app.controller import Controller
-    from app.dialogs import SettingsDialog
+    from app.settings_dialog import SettingsDialog
     from app.secrets_store import get_secret
     from app.settings import Settings
     from app.store import History, Message
@@ -640,15 +640,15 @@ def test_deleting_all_history_in_settings_starts_the_chat_afresh(qtbot, live, mo
     lost, with a database error, when the chat still held the deleted one)."""
     from PySide6.QtWidgets import QMessageBox
 
-    from app import dialogs
+    from app import settings_dialog
 
-    monkeypatch.setattr(dialogs.QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)   # "Yes, delete"
+    monkeypatch.setattr(settings_dialog.QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)   # "Yes, delete"
     chat, c = live.chat, live.c
     chat.new_conversation()
     assert chat.send("Name a colour.")
     wait_reply(qtbot, chat)
     assert chat.conv_list.count() >= 1
-    settings = dialogs.SettingsDialog(c)
+    settings = settings_dialog.SettingsDialog(c)
     qtbot.addWidget(settings)
     assert chat.send("Name another colour.")          # still streaming when the history goes
     qtbot.mouseClick(settings.delete_all, Qt.LeftButton)

@@ -40,7 +40,7 @@ def test_command_starts_the_app_from_here():
 def test_settings_dialog_checkbox(qtbot, xdg):
     pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missing: run `make qt-libs`")
     from app.controller import Controller
-    from app.dialogs import SettingsDialog
+    from app.settings_dialog import SettingsDialog
     from app.settings import Settings
     from app.store import History
 

@@ -135,7 +135,7 @@ def test_cancel_stops_the_install_and_keeps_the_cpu(qtbot, shell, index, tmp_pat
 
 
 def test_settings_goes_back_to_the_cpu_build(qtbot, shell, index, tmp_path):
-    from app.dialogs import SettingsDialog
+    from app.settings_dialog import SettingsDialog
 
     d = SettingsDialog(shell.c)
     qtbot.addWidget(d)

@@ -16,7 +16,7 @@ def dialog(qtbot, tmp_path, monkeypatch):
     monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
     monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
     from app.controller import Controller
-    from app.dialogs import JoinDialog
+    from app.join_dialog import JoinDialog
     from app.settings import Settings
     from app.store import History
 

@@ -59,7 +59,7 @@ def test_the_link_fills_the_join_dialog(qtbot, tmp_path, monkeypatch):
     monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
     monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
     from app.controller import Controller
-    from app.dialogs import looks_like_code
+    from app.join_dialog import looks_like_code
     from app.settings import Settings
     from app.store import History
     from app.tray import Shell

@@ -32,7 +32,8 @@ def test_the_host_and_join_dialogs_open_in_plain_words(qtbot, tmp_path, monkeypa
     monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
     monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
     from app.controller import Controller
-    from app.dialogs import HostDialog, JoinDialog
+    from app.dialogs import HostDialog
+    from app.join_dialog import JoinDialog
     from app.settings import Settings
     from app.store import History
     from app.visible_text import engine_words

@@ -1,0 +1,165 @@
+"""Join with invite code…: paste the invite (or share under a pipeline name, under
+Advanced), see what of this computer is used, accept. Thin: the node joins."""
+
+from __future__ import annotations
+
+import html
+import re
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QDialog, QDialogButtonBox, QGroupBox, QLabel, QLineEdit, QSpinBox, QVBoxLayout
+
+from .dialogs import advanced_box
+from .links import LinkError, is_link, parse_link
+
+
+class JoinDialog(QDialog):
+    """Paste the invite (or, until invite codes exist, the pipeline's name), see what is used, accept."""
+
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        self.setWindowTitle("Join a friend's pipeline")
+        self.resize(560, 420)
+        lay = QVBoxLayout(self)
+        lay.addWidget(QLabel("Paste the invite code your friend sent you:"))
+        self.code = QLineEdit()
+        self.code.setPlaceholderText("the invite code or potluck:// link, or a short code (with its relay below)")
+        lay.addWidget(self.code)
+        self.advanced, form = advanced_box(lay)
+        self.relay = QLineEdit()
+        self.relay.setPlaceholderText("only for a short code like 4821-917305: the host's relay, ws://…")
+        form.addRow("Relay:", self.relay)
+        # sharing by name instead of a code: the friend's host adds this computer's address
+        self.pipeline = QLineEdit()
+        self.pipeline.setPlaceholderText("instead of a code: the name the host gave (letters, digits, - and _)")
+        form.addRow("Pipeline name:", self.pipeline)
+        self.port = QSpinBox()
+        self.port.setRange(0, 65535)
+        self.port.setValue(controller.settings.share_port)
+        self.port.setToolTip("Only when joining by pipeline name: the host then connects to this port")
+        form.addRow("Port (joining by name):", self.port)
+        box = QGroupBox("What will be used of this computer")
+        bl = QVBoxLayout(box)
+        self.usage = QLabel("")
+        self.usage.setWordWrap(True)
+        bl.addWidget(self.usage)
+        lay.addWidget(box)
+        self.result = QLabel("")
+        self.result.setWordWrap(True)
+        self.result.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        lay.addWidget(self.result, 1)
+        self.buttons = QDialogButtonBox()
+        self.accept_button = self.buttons.addButton("Accept and share", QDialogButtonBox.AcceptRole)
+        self.buttons.addButton(QDialogButtonBox.Cancel)
+        self.accept_button.clicked.connect(self.join)
+        self.buttons.rejected.connect(self.reject)
+        lay.addWidget(self.buttons)
+        self.last_error: str | None = None
+        self.reply_code: str | None = None
+        self.describe(controller.status)
+        # the node may still be starting (a link opened the app): its reading comes later
+        controller.statusChanged.connect(self.describe)
+
+    def describe(self, st: dict):
+        gpu = (st or {}).get("gpu") or {}
+        cap = self.c.settings.limits.get("vram_cap_mb")
+        compute = gpu.get("message") if gpu.get("message") not in (None, "not read yet") else "checking…"
+        self.usage.setText(
+            f"• Compute: {compute}<br>"
+            f"• Layers: the host assigns a slice that fits your memory"
+            f"{f' (at most {cap:.0f} MB of VRAM, your cap)' if cap else ''}.<br>"
+            "• Disk: only the weight files of your layers are downloaded.<br>"
+            "• Traffic: a few KB per generated token, a few MB per long prompt.<br>"
+            "• You can switch sharing off from the tray at any moment; it pauses by itself when the GPU runs "
+            "hot or a game needs it.")
+
+    def _error(self, message: str) -> None:
+        self.last_error = message
+        self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message, quote=False)}</span>")
+
+    def fill_from_link(self, text: str) -> None:
+        """A potluck:// link opened while this window may still show an earlier join: it
+        starts over, filled in; the user still presses the button."""
+        self.last_error = None
+        self.reply_code = None
+        self.code.clear()   # a bad link leaves no earlier code behind to be joined by mistake
+        self.accept_button.setEnabled(True)
+        self.buttons.button(QDialogButtonBox.Cancel).setText("Cancel")
+        try:
+            link = parse_link(text)
+        except LinkError as e:
+            return self._error(f"That link did not work: {e}.")
+        if not looks_like_code(link.code):
+            return self._error(NOT_A_CODE)
+        self.code.setText(link.code)
+        if link.relay:
+            self.relay.setText(link.relay)
+        self.result.setText("Filled in from the invite link. Check what will be used, then press “Accept and share”.")
+
+    def join(self):
+        self.last_error = None
+        text = self.code.text().strip()
+        name = self.pipeline.text().strip()
+        if not text and name:   # sharing by name (Advanced): no code
+            if not PIPELINE_NAME.fullmatch(name):
+                return self._error("A pipeline name is letters, digits, “-” and “_” (at most 64), "
+                                   "as the host wrote it.")
+            self.result.setText("Connecting…")
+            return self.c.join(pipeline=name, port=self.port.value(), cb=self._done)
+        if not text:
+            return self._error("Paste the invite code first.")
+        if is_link(text):   # the host window's "Copy the link" gives a potluck://join/… link
+            try:
+                link = parse_link(text)
+            except LinkError as exc:
+                return self._error(f"That link is not a Potluck invite: {exc}.")
+            text = link.code
+            if link.relay and not self.relay.text().strip():
+                self.relay.setText(link.relay)
+        if not looks_like_code(text):
+            # never a share under a name typed by mistake: that opens a port and shows its secret
+            return self._error(NOT_A_CODE)
+        self.result.setText("Connecting…")
+        self.c.join(code=text, relay=self.relay.text().strip() or None, cb=self._done)
+
+    def _done(self, result, error):
+        """The node's answer to a join: joined, waiting on a reply code, or sharing by name."""
+        if error:
+            return self._error(error)
+        sharing = result.get("sharing") or {}
+        joined = sharing.get("joined")
+        joining = sharing.get("joining") or {}
+        if joining.get("reply_code"):
+            # the host's addresses do not answer from here; the host can reach us instead
+            self.reply_code = joining["reply_code"]
+            self.result.setText(
+                "<b>Your friend's computer cannot be reached from here.</b> It can reach this one "
+                "instead: send your friend this <b>reply code</b> (select it and copy), to paste into "
+                "their host window's “Connect to them”. You can close this window; Potluck joins as "
+                f"soon as they do.<br><br><code>{html.escape(self.reply_code)}</code>")
+        elif joined:
+            via = joined.get("via") or ""
+            how = "through the relay" if via == "relay" else "directly" if via.startswith("direct") else ""
+            self.result.setText(f"<b>Joined.</b> This computer is connected to your friend's pipeline"
+                                f"{' ' + how if how else ''}: the host gives this computer its share of the "
+                                "model's layers. You can close this window.")
+            self.accept_button.setEnabled(False)
+            self.buttons.button(QDialogButtonBox.Cancel).setText("Close")
+        elif sharing.get("paused"):
+            self.result.setText(f"<b>Sharing is on but paused:</b> {sharing.get('reason')}")
+        else:
+            self.result.setText(f"<b>Sharing is on.</b> Send your friend this address: "
+                                f"<code style='white-space:nowrap'>{html.escape(str(sharing.get('address')))}</code>")
+
+
+NOT_A_CODE = ("That doesn't look like an invite code. An invite code is a long line of letters and digits "
+              "(or a short code like 4821-917305, with the host's relay under Advanced): ask your friend to "
+              "copy it again, or to send the potluck:// link.")
+PIPELINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def looks_like_code(text: str) -> bool:
+    """Invite codes are long; short codes are digits with a dash; a pipeline name is neither."""
+    compact = text.replace(" ", "")
+    return len(compact) > 40 or (compact.replace("-", "").isdigit() and "-" in compact)

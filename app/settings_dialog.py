@@ -1,0 +1,134 @@
+"""Settings: chat history, starting at sign-in, the Hugging Face token, the sharing
+limits and which torch computes. Thin: the limits are the node's to apply."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QGroupBox, QLabel,
+                               QLineEdit, QMessageBox, QPushButton, QSpinBox, QVBoxLayout)
+
+from . import autostart, gpu_enable
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.c = controller
+        s = controller.settings
+        lim = s.limits
+        self.setWindowTitle("Potluck settings")
+        lay = QVBoxLayout(self)
+        chat = QGroupBox("Chat")
+        cf = QFormLayout(chat)
+        self.keep_history = QCheckBox("Keep chat history on this computer")
+        self.keep_history.setChecked(s.keep_history)
+        cf.addRow(self.keep_history)
+        self.delete_all = QPushButton("Delete all history")
+        self.delete_all.clicked.connect(self._delete_all)
+        cf.addRow(self.delete_all)
+        self.host_on_start = QCheckBox("Host the default model when Potluck starts")
+        self.host_on_start.setChecked(s.host_on_start)
+        cf.addRow(self.host_on_start)
+        self.autostart = QCheckBox("Start Potluck when I sign in")
+        self.autostart.setChecked(autostart.is_enabled())
+        cf.addRow(self.autostart)
+        self.hf_token = QLineEdit()
+        self.hf_token.setEchoMode(QLineEdit.Password)
+        self.hf_token.setPlaceholderText("only for gated models (kept in the keyring)")
+        cf.addRow("Hugging Face token:", self.hf_token)
+        lay.addWidget(chat)
+        share = QGroupBox("Sharing with friends")
+        sf = QFormLayout(share)
+        self.vram_cap = QSpinBox()
+        self.vram_cap.setRange(0, 1_000_000)
+        self.vram_cap.setSuffix(" MB")
+        self.vram_cap.setSpecialValueText("no cap")
+        self.vram_cap.setValue(int(lim.get("vram_cap_mb") or 0))
+        sf.addRow("GPU memory Potluck may use:", self.vram_cap)
+        self.temp_pause = QDoubleSpinBox()
+        self.temp_pause.setRange(40, 110)
+        self.temp_pause.setSuffix(" °C")
+        self.temp_pause.setValue(lim.get("temp_pause_c") or 83)
+        self.temp_resume = QDoubleSpinBox()
+        self.temp_resume.setRange(30, 105)
+        self.temp_resume.setSuffix(" °C")
+        self.temp_resume.setValue(lim.get("temp_resume_c") or 75)
+        sf.addRow("Pause when the GPU reaches:", self.temp_pause)
+        sf.addRow("Resume below:", self.temp_resume)
+        self.other = QCheckBox("Pause while another program (a game) uses the GPU heavily")
+        self.other.setChecked(bool(lim.get("pause_for_other_processes", True)))
+        sf.addRow(self.other)
+        self.idle = QCheckBox("Share only while I am away from this computer")
+        self.idle.setChecked(bool(lim.get("only_when_idle")))
+        sf.addRow(self.idle)
+        lay.addWidget(share)
+        compute = QGroupBox("Computing")
+        gl = QVBoxLayout(compute)
+        self.torch_label = QLabel("")
+        self.torch_label.setWordWrap(True)
+        gl.addWidget(self.torch_label)
+        self.cpu_button = QPushButton("Use the CPU build of torch instead")
+        self.cpu_button.setToolTip("Switches back to the torch Potluck was installed with and deletes the "
+                                   "downloaded CUDA build; the engine restarts")
+        self.cpu_button.clicked.connect(self._use_cpu)
+        gl.addWidget(self.cpu_button)
+        lay.addWidget(compute)
+        self._show_torch()
+        self.error = QLabel("")
+        self.error.setStyleSheet("color: #b91c1c;")
+        lay.addWidget(self.error)
+        buttons = QDialogButtonBox(QDialogButtonBox.Save | QDialogButtonBox.Cancel)
+        buttons.accepted.connect(self.save)
+        buttons.rejected.connect(self.reject)
+        lay.addWidget(buttons)
+
+    def _show_torch(self):
+        version = gpu_enable.installed()
+        self.cpu_button.setVisible(version is not None)
+        self.torch_label.setText(
+            f"Potluck uses the CUDA build of torch ({version}) it downloaded for your NVIDIA GPU." if version else
+            "Potluck uses the torch it was installed with. With an NVIDIA GPU, “Enable GPU” in the tray menu "
+            "downloads the CUDA build (or run `potluck gpu --enable`).")
+
+    def _use_cpu(self):
+        try:
+            gpu_enable.disable()
+        except gpu_enable.GpuEnableError as e:
+            self.error.setText(str(e))
+            return
+        self._show_torch()
+        self.torch_label.setText("Switched back to the CPU build of torch; the engine restarts on it.")
+        self.c.restart()
+
+    def _delete_all(self):
+        if QMessageBox.question(self, "Delete all history",
+                                "Delete every conversation? This cannot be undone.") == QMessageBox.Yes:
+            self.c.delete_history()
+            self.delete_all.setText("All chat history was deleted")
+            self.delete_all.setEnabled(False)
+
+    def save(self):
+        if self.temp_resume.value() >= self.temp_pause.value():
+            self.error.setText("The resume temperature must be below the pause temperature.")
+            return
+        s = self.c.settings
+        s.keep_history = self.keep_history.isChecked()
+        s.host_on_start = self.host_on_start.isChecked()
+        s.limits.update(vram_cap_mb=float(self.vram_cap.value()) or None, temp_pause_c=self.temp_pause.value(),
+                        temp_resume_c=self.temp_resume.value(), pause_for_other_processes=self.other.isChecked(),
+                        only_when_idle=self.idle.isChecked())
+        s.save()
+        if self.autostart.isChecked() != autostart.is_enabled():
+            try:
+                autostart.enable() if self.autostart.isChecked() else autostart.disable()
+            except OSError as e:
+                why = e.strerror or "the system refused"
+                self.error.setText(f"Could not change starting at sign-in ({why.lower()}): check that your "
+                                   "account may write its own settings folders, then try again.")
+                return
+        self.c.history.set_keep(s.keep_history)
+        if self.hf_token.text():
+            from .secrets_store import set_secret
+
+            set_secret("hf_token", self.hf_token.text())
+        self.c.set_limits(s.limits)
+        self.accept()
