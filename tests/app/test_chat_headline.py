@@ -149,10 +149,9 @@ def test_a_friend_back_on_a_line_too_slow_is_said_in_the_status_and_the_chat_sta
     assert text == "M — ready"
 
 
-def test_while_friends_are_awaited_the_chat_says_so_and_shows_no_old_loading_bars(qtbot, tmp_path, monkeypatch):
-    """Hosting with friends while the chat's pipeline answers: the first load's full bars
-    stayed up ("part 2: loading weights 100%" above part 1) for as long as the friends took,
-    and nothing said they were awaited."""
+@pytest.fixture
+def chat_window(qtbot, tmp_path, monkeypatch):
+    """A chat window on a controller with no node: its status is what a test hands it."""
     monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
     monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
     from app.chat import ChatWindow
@@ -164,18 +163,26 @@ def test_while_friends_are_awaited_the_chat_says_so_and_shows_no_old_loading_bar
     try:
         w = ChatWindow(c)
         qtbot.addWidget(w)
-        w.show()
-        w.on_status({"state": "loading", "loading": {"message": "Loading SmolLM2…", "stages": {
-            "1": {"done": 5, "total": 10, "what": "loading weights"},
-            "0": {"done": 10, "total": 10, "what": "loading weights"}}}})
-        bars = [w.progress_layout.itemAt(i).widget().format() for i in range(w.progress_layout.count())]
-        assert bars == ["part 1: loading weights %p%", "part 2: loading weights %p%"]
-        w.on_status({"state": "serving", "hosting": {"model": "SmolLM2", "openai_url": "http://x/v1"},
-                     "loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V", "stages": {}}})
-        assert not w.progress_box.isVisibleTo(w)
-        assert "Waiting for friends to join: 0 of 1" in w.pipeline_label.text()
+        yield w
     finally:
         c.shutdown()
+
+
+def test_while_friends_are_awaited_the_chat_says_so_and_shows_no_old_loading_bars(chat_window):
+    """Hosting with friends while the chat's pipeline answers: the first load's full bars
+    stayed up ("part 2: loading weights 100%" above part 1) for as long as the friends took,
+    and nothing said they were awaited."""
+    w = chat_window
+    w.show()
+    w.on_status({"state": "loading", "loading": {"message": "Loading SmolLM2…", "stages": {
+        "1": {"done": 5, "total": 10, "what": "loading weights"},
+        "0": {"done": 10, "total": 10, "what": "loading weights"}}}})
+    bars = [w.progress_layout.itemAt(i).widget().format() for i in range(w.progress_layout.count())]
+    assert bars == ["part 1: loading weights %p%", "part 2: loading weights %p%"]
+    w.on_status({"state": "serving", "hosting": {"model": "SmolLM2", "openai_url": "http://x/v1"},
+                 "loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V", "stages": {}}})
+    assert not w.progress_box.isVisibleTo(w)
+    assert "Waiting for friends to join: 0 of 1" in w.pipeline_label.text()
 
 
 def test_a_long_line_of_code_in_a_reply_wraps_inside_its_bubble(qtbot):
@@ -192,21 +199,9 @@ def test_a_long_line_of_code_in_a_reply_wraps_inside_its_bubble(qtbot):
     assert "&lt;all&gt;" in text and "'a' + 'a'" in text     # HTML in a reply shown as text
 
 
-def test_a_friends_computer_says_it_shares_not_that_nothing_runs(qtbot, tmp_path, monkeypatch):
-    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
-    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
-    from app.chat import ChatWindow
-    from app.controller import Controller
-    from app.settings import Settings
-    from app.store import History
-
-    c = Controller(Settings(host_on_start=False), history=History(None, keep=False))
-    try:
-        w = ChatWindow(c)
-        qtbot.addWidget(w)
-        w.on_status({"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "ab12", "via": "direct"}}})
-        assert "Sharing this computer" in w.model_label.text() and "No pipeline" not in w.model_label.text()
-        w.on_status({"state": "idle", "sharing": {"on": False}})
-        assert w.model_label.text() == "No pipeline is running"
-    finally:
-        c.shutdown()
+def test_a_friends_computer_says_it_shares_not_that_nothing_runs(chat_window):
+    w = chat_window
+    w.on_status({"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "ab12", "via": "direct"}}})
+    assert "Sharing this computer" in w.model_label.text() and "No pipeline" not in w.model_label.text()
+    w.on_status({"state": "idle", "sharing": {"on": False}})
+    assert w.model_label.text() == "No pipeline is running"
