@@ -78,8 +78,9 @@ class Controller(QObject):
         (`nodeStarted` or `nodeLost`): the app's windows paint and answer meanwhile
         instead of staying blank for as long as the engine takes to start (a minute on a
         slow disk, the first time)."""
+        api_port = self.settings.api_port if 0 <= self.settings.api_port < 65536 else 0   # a hand-edited file
         args = ["--share-port", str(self.settings.share_port), "--pipeline", self.settings.pipeline_name,
-                "--api-port", str(self.settings.api_port if 0 <= self.settings.api_port < 65536 else 0), "--limits", _json(self.settings.limits)] + self.node_args
+                "--api-port", str(api_port), "--limits", _json(self.settings.limits)] + self.node_args
         env = dict(os.environ)
         try:
             from .secrets_store import get_secret

@@ -276,9 +276,7 @@ class Hosting:
             # else the friends never came: the pipeline kept serving meanwhile serves on
             if pipe is not None:
                 await pipe.close()
-            if self.friends_gate is not None:
-                gate, self.friends_gate = self.friends_gate, None
-                await gate.close()
+            await self._close_friends_gate()
             if not replaced and self.pipe is not None:   # what serves on is what was asked before
                 self.host_request, self.invite_code, self.friends = self._kept_request, None, []
             self.loading = None
@@ -347,35 +345,36 @@ class Hosting:
     async def _stop_waiting(self):
         """The invite withdrawn while no friend has joined yet: its code stops working, and a
         pipeline that served meanwhile serves on (what `_stop_host` would close too)."""
-        task, self.host_task = self.host_task, None
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        if self.friends_gate is not None:
-            gate, self.friends_gate = self.friends_gate, None
-            if self.invite_code:
-                gate.withdraw(self.invite_code)
-            await gate.close()
+        await self._cancel_host_task()
+        await self._close_friends_gate(withdraw=True)
         if self.pipe is not None:   # what serves on is what was asked before
             self.host_request = self._kept_request
         self.invite_code, self.friends, self.loading = None, [], None
 
     async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
-        if self.host_task is not None and not self.host_task.done():
-            self.host_task.cancel()
-            try:
-                await self.host_task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self.host_task = None
+        await self._cancel_host_task()
         await self._close_pipeline(why)
         self.loading = None
+        await self._close_friends_gate()
+        self.invite_code, self.friends = None, []
+
+    async def _cancel_host_task(self):
+        task, self.host_task = self.host_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _close_friends_gate(self, withdraw: bool = False):
+        """The door friends come in by, closed; `withdraw`: its invite revoked too (a gate
+        opened later on the same port would take it otherwise)."""
         if self.friends_gate is not None:
             gate, self.friends_gate = self.friends_gate, None
+            if withdraw and self.invite_code:
+                gate.withdraw(self.invite_code)
             await gate.close()
-        self.invite_code, self.friends = None, []
 
     async def _close_pipeline(self, why: str):
         """The pipeline serving now and its API, closed (a replacement may be loading)."""
