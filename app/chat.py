@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
 from .client import ChatStream
 from .pipeline_text import hop_label, speculation_label
 from .ring_view import RingView
-from .store import ConversationGone, DamagedConversation, Message
+from .store import FINISHES, ConversationGone, DamagedConversation, Message
 
 FLUSH_MS = 80
 MAX_MESSAGE_CHARS = 100_000
@@ -86,6 +86,10 @@ def stats_line(m: Message) -> str:
         parts.append(f"{m.tokens_per_s:.1f} tokens/s")
     if m.tokens:
         parts.append(f"{m.tokens} tokens")
+    if m.finish == "cancelled":
+        parts.append("stopped")
+    elif m.finish == "length":
+        parts.append("cut off at the length limit")
     return " · ".join(parts)
 
 
@@ -680,8 +684,9 @@ class ChatWindow(QMainWindow):
         if stream is not None:
             stream.deleteLater()
         self.send_button.setText("Send")
+        finish = info.get("finish_reason")
         m = Message("assistant", self.reply_text, info.get("ttft"), info.get("tokens_per_s"), info.get("tokens"),
-                    info.get("error"))
+                    info.get("error"), finish=finish if finish in FINISHES else None)
         view = self.reply_view
         if info.get("finish_reason") == "error":
             if not self.reply_text:
@@ -691,12 +696,7 @@ class ChatWindow(QMainWindow):
         else:
             view.set_markdown(self.reply_text or "(empty reply)")
             QTimer.singleShot(0, self._scroll_down)   # rendered, the reply may be taller: still in view
-            line = stats_line(m)
-            if info.get("finish_reason") == "cancelled":
-                line = (line + " · " if line else "") + "stopped"
-            elif info.get("finish_reason") == "length":
-                line = (line + " · " if line else "") + "cut off at the length limit"
-            view.set_stats(line)
+            view.set_stats(stats_line(m))
             if info.get("dropped"):
                 n = info["dropped"]
                 self.show_hint(f"This conversation has grown longer than the model can read at once: it no longer "

@@ -18,15 +18,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROLES = ("user", "assistant", "system")
+FINISHES = ("cancelled", "length")    # how a reply ended when it did not end on its own
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY, title TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY, conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
     role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL,
-    ttft REAL, tokens_per_s REAL, tokens INTEGER, error TEXT);
+    ttft REAL, tokens_per_s REAL, tokens INTEGER, error TEXT, finish TEXT);
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
+
+
+def _add_finish_column(db: sqlite3.Connection):
+    """Histories written before replies kept how they ended gain the column (empty for
+    their old replies); nothing else in them changes."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(messages)").fetchall()}
+    if "finish" not in columns:
+        with db:
+            db.execute("ALTER TABLE messages ADD COLUMN finish TEXT")
 
 
 class DamagedConversation(Exception):
@@ -47,6 +57,7 @@ class Message:
     tokens: int | None = None
     error: str | None = None
     id: int | None = None
+    finish: str | None = None     # "cancelled" or "length" when the reply did not end on its own
 
 
 @dataclass
@@ -83,6 +94,7 @@ class History:
             db.execute("PRAGMA synchronous = FULL")
             db.executescript(SCHEMA)
             db.execute("SELECT id, title, created, updated FROM conversations").fetchall()
+            _add_finish_column(db)
             return db
         except sqlite3.DatabaseError as exc:
             try:
@@ -134,18 +146,19 @@ class History:
             if row is None:
                 raise DamagedConversation(f"conversation {cid} does not exist")
             rows = self.db.execute(
-                "SELECT id, role, content, ttft, tokens_per_s, tokens, error FROM messages "
+                "SELECT id, role, content, ttft, tokens_per_s, tokens, error, finish FROM messages "
                 "WHERE conversation_id=? ORDER BY id", (cid,)).fetchall()
         except sqlite3.DatabaseError as exc:
             self.damaged.add(cid)
             raise DamagedConversation(f"this conversation is damaged and cannot be shown ({exc})") from None
         msgs = []
-        for mid, role, content, ttft, tps, tokens, error in rows:
+        for mid, role, content, ttft, tps, tokens, error, finish in rows:
             if role not in ROLES or not isinstance(content, str):
                 self.damaged.add(cid)
                 raise DamagedConversation("this conversation is damaged and cannot be shown "
                                           f"(message {mid} is unreadable)")
-            msgs.append(Message(role, content, ttft, tps, tokens, error, mid))
+            finish = finish if finish in FINISHES else None   # a damaged note is no reason to hide the reply
+            msgs.append(Message(role, content, ttft, tps, tokens, error, mid, finish))
         title = row[1] if isinstance(row[1], str) else "(untitled)"
         return Conversation(cid, title, float(row[2] or 0), messages=msgs)
 
@@ -176,9 +189,10 @@ class History:
             if self.db.execute("SELECT 1 FROM conversations WHERE id=?", (cid,)).fetchone() is None:
                 raise ConversationGone(cid)
             cur = self.db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created, ttft, tokens_per_s, tokens, error) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (cid, m.role, m.content, now, m.ttft, m.tokens_per_s, m.tokens, m.error))
+                "INSERT INTO messages (conversation_id, role, content, created, ttft, tokens_per_s, tokens, error, "
+                "finish) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (cid, m.role, m.content, now, m.ttft, m.tokens_per_s, m.tokens, m.error,
+                 m.finish if m.finish in FINISHES else None))
             self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, cid))
         m.id = cur.lastrowid
         return cur.lastrowid

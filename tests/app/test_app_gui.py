@@ -596,6 +596,11 @@ def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
 
     qtbot.waitUntil(freed, timeout=60_000)
     assert "stopped" in chat.tl.itemAt(chat.tl.count() - 2).widget().stats.text()
+    # opened again from the list, the reply still says it was stopped
+    cid = chat.conversation_id
+    chat.new_conversation()
+    assert chat.open_conversation(cid)
+    assert "stopped" in chat.last_reply_view.stats.text()
     # the conversation goes on
     c.settings.max_tokens = 30
     try:

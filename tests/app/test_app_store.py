@@ -34,6 +34,33 @@ def test_round_trip(tmp_path):
     assert h.problems == [] and h.check() == []
 
 
+def test_how_a_reply_ended_is_kept_and_an_older_history_gains_it(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    # a history written before replies kept how they ended (the schema of 2026-12-05)
+    old = sqlite3.connect(str(path))
+    old.executescript(
+        "CREATE TABLE conversations (id INTEGER PRIMARY KEY, title TEXT NOT NULL, created REAL NOT NULL, "
+        "updated REAL NOT NULL);"
+        "CREATE TABLE messages (id INTEGER PRIMARY KEY, conversation_id INTEGER NOT NULL REFERENCES "
+        "conversations(id) ON DELETE CASCADE, role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL, "
+        "ttft REAL, tokens_per_s REAL, tokens INTEGER, error TEXT);"
+        "INSERT INTO conversations VALUES (1, 'old chat', 0, 0);"
+        "INSERT INTO messages (conversation_id, role, content, created) VALUES (1, 'user', 'old question', 0);")
+    old.commit()
+    old.close()
+    h = History(path)
+    assert h.problems == []
+    assert [(m.content, m.finish) for m in h.load(1).messages] == [("old question", None)]
+    h.add_message(1, Message("assistant", "a long story, cut", tokens=400, finish="length"))
+    cid = h.new_conversation("new chat")
+    h.add_message(cid, Message("assistant", "stopped half", finish="cancelled"))
+    h.add_message(cid, Message("assistant", "ended", finish="stop"))   # ended on its own: nothing to say
+    h.close()
+    h = History(path)
+    assert [m.finish for m in h.load(1).messages] == [None, "length"]
+    assert [m.finish for m in h.load(cid).messages] == ["cancelled", None]
+
+
 def test_a_failed_write_leaves_the_previous_state(tmp_path):
     h = History(tmp_path / "h.sqlite3")
     cid = h.new_conversation("chat")
