@@ -121,7 +121,7 @@ class NodeClient(QObject):
             except Exception:  # never lose a callback; the log keeps the engine's account
                 log.exception("%s %s failed", method, path)
                 self._done.emit(cb, None, "Something went wrong talking to the Potluck engine. Try again; if it "
-                                          "keeps happening, quit Potluck from the tray menu and start it again.")
+                                          "keeps happening, choose Quit in the Potluck menu and start Potluck again.")
             else:
                 self._done.emit(cb, result, None)
 
@@ -143,7 +143,7 @@ def plain_error(status: int | None, message: str, alone: bool = False) -> str:
             return head + f"with the conversation this one is {n:,}. Shorten it, split it up, or start a new chat."
         return f"This message is too long for the model: {message}"
     if "disconnected" in low or "closed" in low or "link to stage" in low:
-        return ("A computer in the pipeline dropped out, so the reply stopped. Restart hosting from the tray "
+        return ("A computer in the pipeline dropped out, so the reply stopped. Restart hosting from the Potluck "
                 f"menu (Host a pipeline…) to continue. ({message})")
     if status == 503 or "not serving" in low:
         return f"The pipeline is not ready. {message}"
@@ -255,7 +255,7 @@ class ChatStream(QObject):
             info["finish_reason"] = "cancelled"
         except aiohttp.ClientConnectionError:
             info.update(finish_reason="error",
-                        error="The pipeline is not running. Host one from the tray menu (Host a pipeline…).")
+                        error="The pipeline is not running. Host one from the Potluck menu (Host a pipeline…).")
         except Exception:
             log.exception("the reply stream failed")
             info.update(finish_reason="error", error="The reply broke off: the connection to the Potluck engine "

@@ -57,6 +57,9 @@ class JoinDialog(QDialog):
         lay.addWidget(self.buttons)
         self.last_error: str | None = None
         self.reply_code: str | None = None
+        self.leave_confirmed = False     # pressed once already while joined elsewhere
+        for edit in (self.code, self.pipeline):
+            edit.textEdited.connect(self._unconfirm)
         self.describe(controller.status)
         # the node may still be starting (a link opened the app): its reading comes later
         controller.statusChanged.connect(self.describe)
@@ -71,8 +74,8 @@ class JoinDialog(QDialog):
             f"{f' (at most {cap:.0f} MB of VRAM, your cap)' if cap else ''}.<br>"
             "• Disk: only the weight files of your layers are downloaded.<br>"
             "• Traffic: a few KB per generated token, a few MB per long prompt.<br>"
-            "• You can switch sharing off from the tray at any moment; it pauses by itself when the GPU runs "
-            "hot or a game needs it.")
+            "• You can switch sharing off at any moment (“Share…” in the Potluck menu); it pauses by itself "
+            "when the GPU runs hot or a game needs it.")
 
     def _error(self, message: str) -> None:
         self.last_error = message
@@ -84,12 +87,13 @@ class JoinDialog(QDialog):
         self.last_error = None
         self.reply_code = None
         self.code.clear()   # a bad link leaves no earlier code behind to be joined by mistake
+        self._unconfirm()
         self.accept_button.setEnabled(True)
         self.buttons.button(QDialogButtonBox.Cancel).setText("Cancel")
         try:
             link = parse_link(text)
         except LinkError as e:
-            return self._error(f"That link did not work: {e}.")
+            return self._error(bad_link(e))
         if not looks_like_code(link.code):
             return self._error(NOT_A_CODE)
         self.code.setText(link.code)
@@ -105,6 +109,8 @@ class JoinDialog(QDialog):
             if not PIPELINE_NAME.fullmatch(name):
                 return self._error("A pipeline name is letters, digits, “-” and “_” (at most 64), "
                                    "as the host wrote it.")
+            if self._asks_to_leave():
+                return
             self.result.setText("Connecting…")
             return self.c.join(pipeline=name, port=self.port.value(), cb=self._done)
         if not text:
@@ -113,15 +119,36 @@ class JoinDialog(QDialog):
             try:
                 link = parse_link(text)
             except LinkError as exc:
-                return self._error(f"That link is not a Potluck invite: {exc}.")
+                return self._error(bad_link(exc))
             text = link.code
             if link.relay and not self.relay.text().strip():
                 self.relay.setText(link.relay)
         if not looks_like_code(text):
             # never a share under a name typed by mistake: that opens a port and shows its secret
             return self._error(NOT_A_CODE)
+        if self._asks_to_leave():
+            return
         self.result.setText("Connecting…")
         self.c.join(code=text, relay=self.relay.text().strip() or None, cb=self._done)
+
+    def _asks_to_leave(self) -> bool:
+        """Joined to a friend's pipeline already: a second join leaves it, so the first press
+        says so and the second goes ahead (it used to leave without a word)."""
+        sharing = (self.c.status or {}).get("sharing") or {}
+        if not (sharing.get("joined") or sharing.get("joining")) or self.leave_confirmed:
+            return False
+        self.leave_confirmed = True
+        self.accept_button.setText("Leave it and join")
+        self.result.setText("<b>This computer already shares with a friend's pipeline.</b> Joining this one "
+                            "leaves it: that pipeline carries on without this computer's layers. Press "
+                            "“Leave it and join” to go on, or Cancel to stay.")
+        return True
+
+    def _unconfirm(self, *_):
+        if self.leave_confirmed:
+            self.leave_confirmed = False
+            self.accept_button.setText("Accept and share")
+            self.result.clear()
 
     def _done(self, result, error):
         """The node's answer to a join: joined, waiting on a reply code, or sharing by name."""
@@ -151,6 +178,11 @@ class JoinDialog(QDialog):
         else:
             self.result.setText(f"<b>Sharing is on.</b> Send your friend this address: "
                                 f"<code style='white-space:nowrap'>{html.escape(str(sharing.get('address')))}</code>")
+
+
+def bad_link(exc: Exception) -> str:
+    """One wording whether the link was opened from outside or pasted in."""
+    return f"That link is not a Potluck invite ({exc}): ask your friend to copy it again."
 
 
 NOT_A_CODE = ("That doesn't look like an invite code. An invite code is a long line of letters and digits "

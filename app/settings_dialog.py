@@ -86,7 +86,7 @@ class SettingsDialog(QDialog):
         self.cpu_button.setVisible(version is not None)
         self.torch_label.setText(
             f"Potluck uses the CUDA build of torch ({version}) it downloaded for your NVIDIA GPU." if version else
-            "Potluck uses the torch it was installed with. With an NVIDIA GPU, “Enable GPU” in the tray menu "
+            "Potluck uses the torch it was installed with. With an NVIDIA GPU, “Enable GPU” in the Potluck menu "
             "downloads the CUDA build (or run `potluck gpu --enable`).")
 
     def _use_cpu(self):

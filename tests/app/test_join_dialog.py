@@ -76,6 +76,22 @@ def test_the_link_the_host_window_copies_joins_as_its_code(dialog):
     assert len(d.asked) == 1 and "not a Potluck invite" in d.result.text() and d.last_error
 
 
+def test_a_second_invite_while_joined_asks_before_leaving_the_first(dialog, qtbot):
+    d = dialog
+    d.c.status = {"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "5c55ab92fc", "via": "relay"}}}
+    d.code.setText(CODE)
+    d.join()
+    assert d.asked == [] and "already shares" in d.result.text() and d.accept_button.text() == "Leave it and join"
+    # another code typed: asked again
+    qtbot.keyClicks(d.code, " ")
+    assert d.accept_button.text() == "Accept and share"
+    d.join()
+    assert d.asked == []
+    d.answers.append(({"state": "sharing", "sharing": {"joined": {"pipeline": "77aa", "via": "relay"}}}, None))
+    d.join()
+    assert len(d.asked) == 1 and "Joined." in d.result.text()
+
+
 def test_the_compute_line_follows_the_node_once_it_has_read_the_gpu(dialog):
     d = dialog
     assert "checking" in d.usage.text()

@@ -77,7 +77,7 @@ def test_the_link_fills_the_join_dialog(qtbot, tmp_path, monkeypatch):
         d.join()
         assert joined and joined[0]["code"] == code
         bad = shell.open_link("potluck://join/AB<script>")
-        assert bad is d and "did not work" in d.result.text()
+        assert bad is d and "not a Potluck invite" in d.result.text()
         # a link whose code is no invite code, and text that is none: said, and nothing is
         # joined or shared (a name typed by mistake used to share this computer under it)
         joined.clear()
