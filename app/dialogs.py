@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDia
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
                                QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from .gpu_enable import format_size
 from .secrets_store import get_secret, set_secret
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
@@ -49,10 +50,6 @@ def _weights_name(weights: str, plan: dict) -> str:
     if weights == "bf16" and plan.get("dtype") not in (None, "bfloat16"):
         return f"full ({plan['dtype']})"
     return weights
-
-
-def _gib(n) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def advanced_box(lay) -> tuple[QGroupBox, QFormLayout]:
@@ -381,8 +378,8 @@ class HostDialog(QDialog):
         color = "#15803d" if plan["fits"] else "#b91c1c"
         weights = f" · {_weights_name(plan['weights'], plan)} weights" if plan.get("weights") else ""
         self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
-                                f"Needed here: {_gib(plan['needed_here_bytes'])} · available: "
-                                f"{_gib(plan['available_bytes'])} · {plan['layers']} layers{weights}")
+                                f"Needed here: {format_size(plan['needed_here_bytes'])} · available: "
+                                f"{format_size(plan['available_bytes'])} · {plan['layers']} layers{weights}")
         self._show_precisions(plan)
         self.split_table.setRowCount(len(plan["split"]))
         for i, s in enumerate(plan["split"]):
@@ -405,7 +402,7 @@ class HostDialog(QDialog):
             if chosen:
                 verdict += " ← will be used"
             here = r.get("here_bytes", r["bytes"])
-            size = _gib(here) if here == r["bytes"] else f"{_gib(here)} (of {_gib(r['bytes'])} in all)"
+            size = format_size(here) if here == r["bytes"] else f"{format_size(here)} (of {format_size(r['bytes'])} in all)"
             for col, text in enumerate((name, size, verdict)):
                 item = QTableWidgetItem(text)
                 if chosen:

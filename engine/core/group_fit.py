@@ -15,13 +15,7 @@ from __future__ import annotations
 import math
 
 from engine.core.precision import FULL, QUANTIZED, USABLE
-
-
-def _gb(n: float, up: bool = False) -> str:
-    """'12 GB', '8.5 GB'; up: rounded up (what a model needs is never said smaller)."""
-    if n >= 9.5e9:
-        return f"{math.ceil(n / 1e9) if up else round(n / 1e9)} GB"
-    return f"{math.ceil(n / 1e8) / 10 if up else n / 1e9:.1f} GB"
+from engine.core.sizes import size_words
 
 
 def group_fit(sizes: dict[str, int], here: int, friends: list[tuple[str, int]] = (), waiting: int = 0,
@@ -39,19 +33,19 @@ def group_fit(sizes: dict[str, int], here: int, friends: list[tuple[str, int]] =
     label = {FULL: "full precision", "int8": "int8", "nf4": "nf4"}
     later = f" ({waiting} friend{'s' if waiting != 1 else ''} still to join)" if waiting else ""
     if here_fits:
-        words = f"fits on this computer{'' if w == FULL else ' as ' + label[w]}: needs {_gb(need[w], up=True)}"
+        words = f"fits on this computer{'' if w == FULL else ' as ' + label[w]}: needs {size_words(need[w], up=True)}"
     elif w is not None:
-        givers = ", ".join([f"this computer gives {_gb(here)}"] + [f"{n} {_gb(m)}" for n, m in friends])
-        words = (f"fits with your friends{'' if w == FULL else ' as ' + label[w]}: needs {_gb(need[w], up=True)}, "
+        givers = ", ".join([f"this computer gives {size_words(here)}"] + [f"{n} {size_words(m)}" for n, m in friends])
+        words = (f"fits with your friends{'' if w == FULL else ' as ' + label[w]}: needs {size_words(need[w], up=True)}, "
                  f"{givers}")
     else:
         w = None
         smallest = order[-1]
         missing = need[smallest] - have
         more = math.ceil(missing / 1e9)
-        words = (f"needs {_gb(need[smallest], up=True)}{'' if smallest == FULL else ' even as ' + label[smallest]} — "
-                 f"your group has {_gb(have)}: invite one more friend with a {more} GB GPU" if more <= 80 else
-                 f"needs {_gb(need[smallest], up=True)} — your group has {_gb(have)}: invite friends with {more} GB "
+        words = (f"needs {size_words(need[smallest], up=True)}{'' if smallest == FULL else ' even as ' + label[smallest]} — "
+                 f"your group has {size_words(have)}: invite one more friend with a {more} GB GPU" if more <= 80 else
+                 f"needs {size_words(need[smallest], up=True)} — your group has {size_words(have)}: invite friends with {more} GB "
                  f"more GPU memory between them")
     out = {"weights": w, "fits_here": here_fits, "fits": w is not None, "have_bytes": have,
            "here_bytes": here, "friends": [{"name": n, "bytes": m} for n, m in friends], "waiting": waiting,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.core.errors import ModelError
 from engine.core.partition import layer_bytes_estimate, slice_bytes_estimate
+from engine.core.sizes import size_words
 
 FULL = "bf16"
 QUANTIZED = ("int8", "nf4")        # bitsandbytes' (auto chooses among these and FULL)
@@ -98,8 +99,8 @@ def choose(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) ->
             return row.weights
     best = rows[-1] if quantized_ok else rows[0]
     raise ModelError(
-        f"the model does not fit this pool even as {best.weights}: it needs about {_gb(best.bytes)} for its "
-        f"weights and the pool's {len(free)} machine(s) have {_gb(USABLE * sum(free))} to give them. "
+        f"the model does not fit this pool even as {best.weights}: it needs about {size_words(best.bytes)} for its "
+        f"weights and the pool's {len(free)} machine(s) have {size_words(USABLE * sum(free))} to give them. "
         "Add a machine, or choose a smaller model")
 
 
@@ -109,13 +110,13 @@ def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str |
     where: who gives the memory ("this machine's 2 stage(s) (CPU)"). The unquantized row
     says what it is: bf16 where the pipeline computes in bfloat16, else "full (float32)"."""
     where = where or f"the pool's {len(free)} machine(s)"
-    lines = [f"What the weights need, against the {_gb(USABLE * sum(free))} that {where} can give them:"]
+    lines = [f"What the weights need, against the {size_words(USABLE * sum(free))} that {where} can give them:"]
     among = (FULL,) + QUANTIZED + ((INT4,) if chosen == INT4 else ())   # int4: shown when asked for
     for row in options(cfg, dtype_bytes, free, quantized_ok, among):
         label = full_label(dtype_name) if row.weights == FULL else row.weights
         verdict = ("fits" if row.fits else "does not fit") if row.available else "needs bitsandbytes"
         mark = "  <- chosen" if row.weights == chosen else ""
-        lines.append(f"  {label:<16} {_gb(row.bytes):>9}  {verdict}{mark}")
+        lines.append(f"  {label:<16} {size_words(row.bytes):>9}  {verdict}{mark}")
     return "\n".join(lines)
 
 
@@ -124,6 +125,3 @@ def full_label(dtype_name: str) -> str:
     ("full (float32)" on a CPU), not bf16 beside another dtype."""
     return FULL if dtype_name == "bfloat16" else f"full ({dtype_name})"
 
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"

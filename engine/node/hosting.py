@@ -13,6 +13,7 @@ from engine.core.errors import ModelError
 from engine.core.ws_address import address_problem
 from engine.core.local_stages import MOST as MOST_STAGES
 from engine.core.local_stages import local_stages
+from engine.core.sizes import size_words
 from engine.model.device import DTYPES, compute_dtype, free_memory, release_memory
 from engine.node.control_basics import NodeError, lan_address
 from engine.node.plain_errors import host_failed
@@ -188,20 +189,19 @@ class Hosting:
             chosen = next((r["weights"] for r in usable_rows if r["fits_here"]), usable_rows[-1]["weights"])
         row = next(r for r in rows if r["weights"] == chosen)
         local_needed, fits = row["here_bytes"], row["fits_here"] and row["available"]
-        gib = 2**30
         here = f"on {self.device_name}" if self.device.startswith("cuda") else "here"
         # "full (float32)" on a CPU, as the first screen and the host dialog say it
         label = chosen if chosen != precision.FULL else precision.full_label(compute_dtype(self.device))
-        message = (f"{source.name} needs about {local_needed / gib:.2f} GiB {here} with {label} weights; "
-                   f"{available / gib:.1f} GiB available")
+        message = (f"{source.name} needs about {size_words(local_needed, up=True)} {here} with {label} weights; "
+                   f"{size_words(available)} available")
         if not row["available"]:
             message = f"{source.name} cannot load {chosen} weights here: {missing}"
         elif not fits:
             smaller = next((r["weights"] for r in rows if r["available"] and r["fits_here"]), None)
             hint = (f"Choose {smaller} weights, add friends' GPUs" if smaller and weights != "auto" else
                     "Add friends' GPUs")
-            message = (f"{source.name} does not fit: it needs about {local_needed / gib:.2f} GiB {here} "
-                       f"with {label} weights but only {usable / gib:.2f} GiB can be used. {hint}, pick a "
+            message = (f"{source.name} does not fit: it needs about {size_words(local_needed, up=True)} {here} "
+                       f"with {label} weights but only {size_words(usable)} can be used. {hint}, pick a "
                        f"smaller model, or raise the memory limit in Settings.")
         if saved and fits:
             message += f". The checkpoint is saved as {saved}, so it loads as {saved}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from urllib.parse import urlsplit
 
+from engine.core.sizes import size_words
+
 
 class TokenRate:
     """Tokens per second from a running total read now and then (each status read):
@@ -118,18 +120,6 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
     if rows and tokens_per_s is not None:
         rows[0]["tokens_per_s"] = round(tokens_per_s, 1)
     return rows
-
-
-def size_words(n: int | float | None) -> str | None:
-    """A size in bytes as people read it: '24 GB', '1.5 GB', '300 MB'."""
-    if n is None:
-        return None
-    gb = n / 1e9
-    if gb >= 10:
-        return f"{gb:.0f} GB"
-    if gb >= 1:
-        return f"{gb:.1f} GB"
-    return f"{n / 1e6:.0f} MB"
 
 
 def memory_words(mem: dict | None) -> str | None:

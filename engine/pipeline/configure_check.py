@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.precision import EXPLICIT, slice_bytes
+from engine.core.sizes import size_words
 from engine.model import catalog
 from engine.model.device import DTYPES
 from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME, ModelError, ModelSource, resolve
@@ -52,7 +53,7 @@ def check_configure(msg: dict, trusted_head: bool, accept_models, memory_cap: in
     weights = slice_bytes(cfg, msg["start"], msg["end"], msg["weights"], dtype.itemsize)
     if memory_cap is not None and weights > memory_cap:
         raise ModelError(
-            f"layers {msg['start']}-{msg['end'] - 1} need about {weights / 2**30:.2f} GiB for their "
-            f"weights; this computer's owner allows {memory_cap / 2**30:.2f} GiB (their VRAM "
+            f"layers {msg['start']}-{msg['end'] - 1} need about {size_words(weights, up=True)} for their "
+            f"weights; this computer's owner allows {size_words(memory_cap)} (their VRAM "
             "cap): give this stage fewer layers, or ask them to raise the cap")
     return Checked(source, dtype, fp, cfg, weights)

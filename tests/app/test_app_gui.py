@@ -675,7 +675,7 @@ def test_host_dialog(qtbot, live):
     assert d.model.currentIndex() == 0 and "default" in d.model.currentText()  # preselected
     d.check()
     qtbot.waitUntil(lambda: bool(d.last_plan is not None), timeout=60_000)
-    assert d.split_table.rowCount() == 2 and "GiB" in d.plan_label.text()
+    assert d.split_table.rowCount() == 2 and " GB" in d.plan_label.text()
     # each weight precision's memory here, the one that loads marked (plenty of memory: bf16)
     assert d.weights_table.rowCount() == 4 and d.last_plan["weights"] == "bf16"   # bf16 int8 nf4 int4
     assert "will be used" in d.weights_table.item(0, 2).text()

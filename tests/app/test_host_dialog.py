@@ -109,7 +109,7 @@ def _plan(chosen="int8", fits=True):
         "model": "Qwen/Qwen2.5-7B-Instruct", "spec": "Qwen/Qwen2.5-7B-Instruct", "layers": 28,
         "needed_bytes": 9 * gib, "needed_here_bytes": 9 * gib, "available_bytes": 16 * gib,
         "device": "cuda:0", "dtype": "bfloat16", "fits": fits, "weights": chosen,
-        "message": "Qwen/Qwen2.5-7B-Instruct needs about 9.00 GiB on the GPU with int8 weights",
+        "message": "Qwen/Qwen2.5-7B-Instruct needs about 9.7 GB on the GPU with int8 weights",
         "split": [{"where": "this machine", "layers": [0, 14]}, {"where": "this machine", "layers": [14, 28]}],
         "precisions": [
             {"weights": "bf16", "bytes": 16 * gib, "here_bytes": 16 * gib, "fits_here": False, "available": True},
@@ -126,7 +126,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     assert t.isVisibleTo(d) and t.rowCount() == 3
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert [r[0] for r in rows] == ["bf16", "int8", "nf4"]
-    assert rows[0][1] == "16.00 GiB" and rows[0][2] == "does not fit"
+    assert rows[0][1] == "17.2 GB" and rows[0][2] == "does not fit"
     assert rows[1][2] == "fits ← will be used" and t.item(1, 0).font().bold()
     assert rows[2][2] == "fits" and not t.item(2, 0).font().bold()
     assert "int8 weights" in d.plan_label.text()
@@ -141,7 +141,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     d._show_plan(plan, None)
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert rows[0][0] == "full (float32)" and rows[0][2] == "fits ← will be used"
-    assert rows[0][1] == "8.00 GiB (of 16.00 GiB in all)"
+    assert rows[0][1] == "8.6 GB (of 17.2 GB in all)"
     assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
 
     # an error clears it; a reply from a node without per-precision rows shows none
@@ -150,7 +150,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     old = _plan()
     del old["precisions"], old["weights"]
     d._show_plan(old, None)
-    assert not t.isVisibleTo(d) and "GiB" in d.plan_label.text()
+    assert not t.isVisibleTo(d) and "GB" in d.plan_label.text()
 
 
 def test_download_progress_shows_in_the_loading_bar(dialog):

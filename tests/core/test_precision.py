@@ -58,10 +58,10 @@ def test_the_table_a_user_reads_before_loading():
     assert lines[1].split()[0] == "bf16" and "does not fit" in lines[1]
     assert lines[2].split()[0] == "int8" and lines[2].rstrip().endswith("fits  <- chosen")
     assert lines[3].split()[0] == "nf4" and "fits" in lines[3]
-    assert lines[0] == "What the weights need, against the 14.4 GB that 2 GPUs can give them:"
+    assert lines[0] == "What the weights need, against the 14 GB that 2 GPUs can give them:"
     cpu = precision.table(L8B, 4, "float32", [64 * GB], quantized_ok=False, chosen="bf16",
                           where="this machine's 2 stage(s) (CPU)")
-    assert cpu.splitlines()[0] == "What the weights need, against the 38.4 GB that this machine's 2 stage(s) (CPU) " \
+    assert cpu.splitlines()[0] == "What the weights need, against the 38 GB that this machine's 2 stage(s) (CPU) " \
                                   "can give them:"
     # a CPU computes at float32: the row says so, not bf16
     assert cpu.splitlines()[1].startswith("  full (float32) ") and cpu.splitlines()[1].endswith("<- chosen")

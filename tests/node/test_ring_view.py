@@ -3,7 +3,8 @@ node builds it."""
 
 from __future__ import annotations
 
-from engine.node.ring_view import TokenRate, gives_words, memory_words, ring, ring_text, size_words
+from engine.core.sizes import size_words
+from engine.node.ring_view import TokenRate, gives_words, memory_words, ring, ring_text
 
 ANA = "ws://127.0.0.1:41001"
 BEN = "ws://127.0.0.1:41002"
@@ -78,6 +79,9 @@ def test_each_machine_shows_the_memory_its_share_takes_of_what_it_offered():
     assert memory_words(None) is None
     assert memory_words({"weights": 1, "cache": 499_999_999, "offered": None}) == "500 MB"
     assert size_words(1_500_000_000) == "1.5 GB"
+    # what something needs is rounded up, never said smaller
+    assert (size_words(1_410_000_000, up=True), size_words(9_600_000_000, up=True),
+            size_words(270_100_000, up=True)) == ("1.5 GB", "10 GB", "271 MB")
 
 
 def test_a_friend_who_joins_says_what_their_computer_gives():
