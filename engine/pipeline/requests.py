@@ -20,6 +20,7 @@ from engine.core.sampling import MAX_CHOICES, SamplingParams, choice_seed
 from engine.core.scheduler import Seq
 from engine.core.tool_calls import without_tool_messages
 from engine.core.drafts import PromptLookup
+from engine.core.literal_text import literal_chat_ids
 
 if TYPE_CHECKING:
     from engine.pipeline.head import Head
@@ -149,10 +150,29 @@ class RequestIntake:
         elif not knows_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
             # calls and results are written as text, even when this turn offers no tools
             messages = without_tool_messages(messages, tools or [])
+        literal = literal_chat_ids(
+            messages, self._control_markers(),
+            lambda msgs: self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                            **kwargs),
+            lambda text, split: list(self.tokenizer(text, add_special_tokens=False,
+                                                    split_special_tokens=split)["input_ids"]))
+        if literal is not None:
+            return literal
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def _control_markers(self) -> list[str]:
+        """The tokenizer's special tokens as text ("<|im_end|>"): written in a message, they
+        are read as characters (core/literal_text.py)."""
+        markers = getattr(self, "_markers", None)
+        if markers is None:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            found = {t.content for t in added.values() if getattr(t, "special", False)}
+            found.update(getattr(self.tokenizer, "all_special_tokens", []) or [])
+            markers = self._markers = sorted(m for m in found if m)
+        return markers
 
     def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
         return self.submit_n(prompt, params, 1)[0]
