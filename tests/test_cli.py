@@ -70,7 +70,7 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["chat", "--max-tokens", "-3"], "max_tokens must be between 1 and"),
                        (["chat", "--min-p", "2"], "min_p must be between 0.0 and 1.0"),
                        (["chat", "--temperature", "nan"], "temperature must be between"),
-                       (["chat", "--top-p", "0"], "top_p must be greater than 0"),
+                       (["chat", "--top-p", "1.5"], "top_p must be between"),
                        (["chat", "--threads", "0"], "not a whole number from 1"),
                        (["host", "--peers", "0"], "not a whole number from 1"),
                        # a relay given as a web address went into the invite, then failed

@@ -90,7 +90,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0.0
+        return self.greedy or self.temperature == 0.0 or self.top_p == 0.0
 
     @property
     def penalized(self) -> bool:
@@ -123,9 +123,7 @@ class SamplingParams:
 
         num("temperature", 0.0, 100.0)
         num("top_k", 0, 1 << 20, integer=True)
-        num("top_p", 0.0, 1.0)
-        if self.top_p == 0.0:
-            raise SamplingError("top_p must be greater than 0", "top_p")
+        num("top_p", 0.0, 1.0)   # 0 keeps only the likeliest token (OpenAI takes it; clients send it for greedy)
         num("min_p", 0.0, 1.0)
         num("repetition_penalty", 0.01, 100.0)
         for name in PENALTIES:

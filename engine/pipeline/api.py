@@ -112,6 +112,7 @@ class Api:
         if head.source.spec == DEFAULT_MODEL:
             self.names.add(DEFAULT_HUB_ID)
         self.api_key = api_key
+        self.created = int(time.time())   # the model's "created": when this server took it up
         self.pieces = TokenPieces(head.tokenizer)   # token ids -> the text and bytes logprobs report
 
     def app(self) -> web.Application:
@@ -131,7 +132,10 @@ class Api:
             return exc.response()
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return ApiError(exc.reason, code=str(exc.status), status=exc.status).response()
+                resp = ApiError(exc.reason, code=str(exc.status), status=exc.status).response()
+                if isinstance(exc, web.HTTPMethodNotAllowed):   # HTTP asks a 405 to say what is allowed
+                    resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+                return resp
             raise
         except Exception:
             # a request no check foresaw: said once in the log, answered in OpenAI's shape
@@ -156,7 +160,7 @@ class Api:
         # sampling_defaults: what a request that names no sampling field gets; a client that
         # changes one setting (the app's temperature) sends the rest from here, as the
         # terminal chat keeps them (one naming any gets the others neutral, as OpenAI's does)
-        return {"id": self.head.source.name, "object": "model", "created": 0, "owned_by": "potluck",
+        return {"id": self.head.source.name, "object": "model", "created": self.created, "owned_by": "potluck",
                 "sampling_defaults": dict(self.head.sampling_defaults)}
 
     async def models(self, request):
@@ -194,7 +198,7 @@ class Api:
                         raise ApiError(f"messages[{i}]: only text content is supported", param="messages")
                     texts.append(part[kind])
                 content = "".join(texts)
-            if content is None:
+            if content is None and m["role"] == "assistant":   # a turn of tool calls only
                 content = ""
             if not isinstance(content, str):
                 raise ApiError(f"messages[{i}].content must be a string", param="messages")
@@ -306,9 +310,11 @@ class Api:
             raise ApiError("the request holds text that is not valid Unicode (half of a surrogate pair)",
                            code="invalid_value") from None
         model = body.get("model")
-        if model is not None and (not isinstance(model, str) or model not in self.names):
+        if model is not None and not isinstance(model, str):
+            raise ApiError("'model' must be a string", param="model", code="invalid_type")
+        if model is not None and model not in self.names:
             raise ApiError(f"The model '{model}' does not exist; this server serves '{self.head.source.name}'",
-                           param="model", code="model_not_found", status=404 if isinstance(model, str) else 400)
+                           param="model", code="model_not_found", status=404)
         for name, fine in NOT_YET.items():
             if name in body and body[name] not in fine:
                 raise ApiError(f"'{name}' is not supported by this server yet", param=name, code="unsupported")

@@ -132,7 +132,7 @@ BAD_REQUESTS = {
     "string_body": (COMPL, b'"just a string"', None, "invalid_json"),
     "seed_5000_digits": (COMPL, b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", None, "invalid_json"),
     "unknown_model": (CHAT, {"model": "gpt-9", "messages": OK_MSGS}, "model", "model_not_found"),
-    "model_not_string": (CHAT, {"model": 7, "messages": OK_MSGS}, "model", "model_not_found"),
+    "model_not_string": (CHAT, {"model": 7, "messages": OK_MSGS}, "model", "invalid_type"),
     "max_tokens_negative": (CHAT, {"messages": OK_MSGS, "max_tokens": -5}, "max_tokens", "invalid_value"),
     "max_tokens_zero": (CHAT, {"messages": OK_MSGS, "max_tokens": 0}, "max_tokens", "invalid_value"),
     "max_tokens_huge": (CHAT, {"messages": OK_MSGS, "max_tokens": 10**9}, "max_tokens", "invalid_value"),
@@ -140,7 +140,7 @@ BAD_REQUESTS = {
     "max_tokens_float": (COMPL, {"prompt": "hi", "max_tokens": 3.5}, "max_tokens", "invalid_type"),
     "temperature_string": (CHAT, {"messages": OK_MSGS, "temperature": "hot"}, "temperature", "invalid_type"),
     "temperature_negative": (CHAT, {"messages": OK_MSGS, "temperature": -1}, None, "invalid_value"),
-    "top_p_zero": (CHAT, {"messages": OK_MSGS, "top_p": 0}, None, "invalid_value"),
+    "top_p_negative": (CHAT, {"messages": OK_MSGS, "top_p": -0.1}, "top_p", "invalid_value"),
     "stream_string": (CHAT, {"messages": OK_MSGS, "stream": "yes"}, "stream", "invalid_type"),
     "stop_number": (CHAT, {"messages": OK_MSGS, "stop": 5}, "stop", "invalid_type"),
     "messages_string": (CHAT, {"messages": "hi"}, "messages", "invalid_type"),
@@ -149,6 +149,8 @@ BAD_REQUESTS = {
     "message_without_role": (CHAT, {"messages": [{"content": "hi"}]}, "messages", None),
     "message_not_object": (CHAT, {"messages": ["hi"]}, "messages", None),
     "message_content_number": (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages", None),
+    # only an assistant's turn of tool calls may have no text (OpenAI's rule)
+    "user_content_null": (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages", None),
     "message_image_part": (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages", None),
     "chat_prompt_too_long": (CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}]},
@@ -268,6 +270,7 @@ async def test_http_errors_have_the_same_shape(api_url):
             _check_error(r.status, await r.json(content_type=None), None, None, expect_status=404)
         async with s.get(api_url + CHAT) as r:
             _check_error(r.status, await r.json(content_type=None), None, None, expect_status=405)
+            assert r.headers["Allow"] == "POST"   # HTTP's rule for a 405
         big = b'{"messages": "' + b"x" * (9 << 20) + b'"}'
         async with s.post(api_url + CHAT, data=big) as r:
             _check_error(r.status, await r.json(content_type=None), None, None, expect_status=413)
@@ -334,6 +337,14 @@ async def test_a_stop_of_several_tokens_is_never_streamed(client):
     assert "".join(parts) == expected and finish == "stop"
 
 
+async def test_top_p_zero_is_greedy_as_openai_takes_it(client):
+    """Clients send top_p=0 for "the likeliest token only" (it was a 400)."""
+    kwargs = dict(model="default", messages=FRANCE, max_tokens=8)
+    zero = await client.chat.completions.create(**kwargs, temperature=1.5, top_p=0, seed=1)
+    greedy = await client.chat.completions.create(**kwargs, temperature=0)
+    assert zero.choices[0].message.content == greedy.choices[0].message.content
+
+
 async def test_min_p_reaches_the_draw(client):
     """min_p 1.0 leaves only the likeliest token: a hot, seeded draw gives the greedy reply."""
     greedy = await client.chat.completions.create(model="default", messages=FRANCE, temperature=0, max_tokens=12)
@@ -391,7 +402,7 @@ async def test_one_model_by_id(client, pipeline):
     from openai import NotFoundError
 
     model = await client.models.retrieve(pipeline.source.name)
-    assert model.id == pipeline.source.name and model.owned_by == "potluck"
+    assert model.id == pipeline.source.name and model.owned_by == "potluck" and model.created > 1.7e9
     # the default model answers to its hub id too (clients set up for the hub's name)
     assert (await client.models.retrieve("HuggingFaceTB/SmolLM2-135M-Instruct")).id == pipeline.source.name
     resp = await client.chat.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=FRANCE,
