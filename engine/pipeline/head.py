@@ -358,7 +358,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             "micro_batches": self.micro_batches,
             "kv_capacity_tokens": self.capacity,
             "kv_reserved_tokens": self.reserved,
-            "running": self.sched.running(),
+            # a long prompt computed a piece at a time (the prompt lane) is running too
+            "running": self.sched.running() + (self.sched.lane is not None),
             "waiting": len(self.waiting),
             "tokens_served": self.tokens_served,
             "recovering": self.recovering,

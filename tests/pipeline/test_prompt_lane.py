@@ -47,6 +47,7 @@ async def test_a_short_request_is_answered_while_a_long_prompt_is_computed(head)
     assert len(long_prompt) > 4 * head.sched.lane_chunk if head.sched.lane_chunk else len(long_prompt) > 1024
     long = head.submit(long_prompt, greedy)
     await in_lane(head, long)
+    assert head.info()["running"] == 1   # status said nothing ran while a long prompt was computed
     short_toks, short_done = await collect(head.submit(short_prompt, SamplingParams(greedy=True, max_tokens=3)))
     # the short reply went out between the long prompt's pieces: that prompt is not done yet
     assert short_done.finish_reason == "length" and len(short_toks) == 3
