@@ -199,6 +199,30 @@ def test_a_long_line_of_code_in_a_reply_wraps_inside_its_bubble(qtbot):
     assert "&lt;all&gt;" in text and "'a' + 'a'" in text     # HTML in a reply shown as text
 
 
+def test_a_long_unbroken_string_wraps_and_copies_as_written(qtbot):
+    """A key or a hash (no spaces) in a reply or a message made its bubble, and the whole
+    transcript, as wide as itself; it wraps now, and what is copied is what was written."""
+    from PySide6.QtWidgets import QApplication
+
+    from app.chat import ZWSP, MessageView
+
+    key = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" * 3
+    url = "https://example.com/" + "p" * 90
+    reply = MessageView("assistant")
+    qtbot.addWidget(reply)
+    reply.set_markdown(f"The key: `{key}` or {key} — [see]({url}) & <b>")
+    mine = MessageView("user")
+    qtbot.addWidget(mine)
+    mine.set_plain(key)
+    for v in (reply, mine):
+        assert v.body.minimumSizeHint().width() < 400
+        v.select_all()
+        v.copy()
+        copied = QApplication.clipboard().text()
+        assert ZWSP not in copied and copied.count(key) == (2 if v is reply else 1)
+    assert f'href="{url}"' in reply.body.text() and "&amp;" in reply.body.text()
+
+
 def test_a_friends_computer_says_it_shares_not_that_nothing_runs(chat_window):
     w = chat_window
     w.on_status({"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "ab12", "via": "direct"}}})
