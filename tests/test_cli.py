@@ -284,7 +284,7 @@ def test_join_takes_the_link_a_friend_sent_pasted_whole():
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on():
     """`potluck chat` as typed, its defaults (a stage process beside the head on a CPU):
     Ctrl+C while a reply streams stops that reply, and the next message is answered (it
-    ended the whole chat, the conversation lost). The terminal sends it to every process
+    ended the whole chat, the conversation lost); at the prompt it leaves. The terminal sends it to every process
     of the chat, its stage's too, which leaves it to the head."""
     import signal
     import threading
@@ -312,9 +312,15 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on():
         proc.stdin.write("Say hello.\n")
         proc.stdin.flush()
         wait_for(lambda o: o.count("tok/s") == 2)
-        proc.stdin.write("/quit\n")
+        # a line that is not UTF-8 (a pipe in another encoding) is answered too: it ended
+        # the chat with a traceback from the tokenizer
+        proc.stdin.buffer.write(b"Caf\xe9?\n")
         proc.stdin.flush()
-        assert proc.wait(60) == 0, "".join(out)[-2000:]
+        wait_for(lambda o: o.count("tok/s") == 3)
+        # Ctrl+C at the prompt leaves at once: it waited for Enter (the line being read)
+        wait_for(lambda o: o.endswith("you> "))
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 130, "".join(out)[-2000:]
         # from a pipe, what was read is written after the prompt (no terminal echoes it)
         said = "".join(out)
         assert "you> Tell me a long story about a dragon who learns to cook.\nbot> " in said

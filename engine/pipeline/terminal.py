@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
@@ -69,6 +70,60 @@ class CtrlCStopsReply:
             signal.signal(signal.SIGINT, self._old)
 
 
+class LineReader:
+    """The chat's lines from stdin, each read on a daemon thread of its own: Ctrl+C at the
+    prompt ends the chat at once (read on the loop's default executor, asyncio.run's exit
+    waited for that thread, so the chat left only once Enter was pressed). A terminal's
+    line goes through input() (line editing; it holds no lock a daemon thread could keep
+    at exit); a pipe's is read from the file descriptor itself, for the same reason (a
+    thread blocked in sys.stdin's buffer aborts the interpreter's exit). A line that is
+    not UTF-8 comes with replacement characters, not as text no tokenizer reads."""
+
+    def __init__(self):
+        self.tty = sys.stdin.isatty()
+        self._fd = sys.stdin.fileno()
+        self._pending = b""
+        self._ended = False
+
+    def _raw_line(self) -> str:
+        while b"\n" not in self._pending and not self._ended:
+            chunk = os.read(self._fd, 65536)
+            self._ended = not chunk
+            self._pending += chunk
+        if not self._pending:
+            raise EOFError
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.rstrip(b"\r").decode("utf-8", "replace")
+
+    def _read(self, prompt: str) -> str:
+        if self.tty:
+            return input(prompt).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        return self._raw_line()
+
+    async def line(self, prompt: str) -> str:
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+
+        def settle(result, error):
+            if not answer.done():
+                answer.set_exception(error) if error is not None else answer.set_result(result)
+
+        def work():
+            try:
+                result, error = self._read(prompt), None
+            except BaseException as exc:   # EOFError at the input's end, or the read failed
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:   # the chat has ended meanwhile
+                pass
+
+        threading.Thread(target=work, name="chat-input", daemon=True).start()
+        return await answer
+
+
 def _write(text: str):
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -128,8 +183,8 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
     messages: list[dict] = []
     shown_dropped = 0    # messages the model no longer sees, as last said
     retries = 0          # times the last reply was drawn again
-    loop = asyncio.get_running_loop()
     queued = list(prompts or [])
+    reader = None if prompts else LineReader()
     while True:
         if queued:
             line = queued.pop(0)
@@ -138,10 +193,9 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             break
         else:
             try:
-                line = await loop.run_in_executor(None, lambda: input("you> "))
+                line = await reader.line("you> ")
             except EOFError:
-                if echo_input:
-                    print()     # the shell's prompt on a line of its own
+                print()     # the shell's prompt on a line of its own (Ctrl+D, or the input's end)
                 break
             if echo_input:
                 print(line)
