@@ -19,9 +19,9 @@ from engine.core.errors import ModelError
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
-from engine.core.cli_args import (count_arg, hours_arg, penalty_arg, port_arg,  # noqa: F401
-                                  prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, stages_arg)
-from engine.node.control_basics import port_taken
+from engine.core.cli_args import (count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,  # noqa: F401
+                                  prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, seconds_arg, stages_arg)
+from engine.node.control_basics import lan_address, port_taken
 
 
 class ProgressBar:
@@ -76,7 +76,7 @@ def add_pipeline_args(p):
                    help="how finely the weights are stored: auto (default: the finest the machines' memory "
                         "holds), bf16 (as published), int8 or nf4 (about 1/2 and 1/4 the memory, with the "
                         "bitsandbytes package), int4 (about 1/4, torch's own kernels)")
-    g.add_argument("--memory-cap-mb", type=float, default=None,
+    g.add_argument("--memory-cap-mb", type=mb_arg, default=None,
                    help="the most memory (MiB) this machine's own stage may use (default: what is free)")
     t = p.add_argument_group("tuning (the defaults adapt to the machine and its links; most people leave these)")
     t.add_argument("--layers", default=None, help="the layer split instead of the automatic one: '0:10,10:30' "
@@ -89,7 +89,7 @@ def add_pipeline_args(p):
     t.add_argument("--micro-batches", type=count_arg, default=None,
                    help="groups of requests in flight along the pipeline at once (default: picked from the "
                         "measured compute and links; 1 for stages sharing this machine's CPU)")
-    t.add_argument("--wait-timeout", type=float, default=300.0,
+    t.add_argument("--wait-timeout", type=seconds_arg, default=300.0,
                    help="seconds requests wait for a machine to join when the ones left after a friend "
                         "leaves cannot hold the model (default 300)")
     t.add_argument("--kv-budget-tokens", type=count_arg, default=None,
@@ -509,6 +509,10 @@ def _invites(args) -> int:
 async def _relay(args) -> int:
     from engine.wire.relay import Limits, Relay
 
+    taken = port_taken(args.host, args.port, "--port")
+    if taken:   # said as the other commands say it, not in the socket library's words
+        _say(f"potluck: {taken}")
+        return 2
     dump = None
     if args.dump:
         f = open(args.dump, "ab", buffering=0)
@@ -516,7 +520,10 @@ async def _relay(args) -> int:
     limits = Limits(max_frame=args.max_frame, max_channels=args.max_channels, idle_timeout=args.idle,
                     rate=args.rate * 1e6, burst=max(args.rate * 1e6 / 5, 2 * args.max_frame))
     r = await Relay(limits, dump=dump).start(args.host, args.port)
-    print(f"Relay listening on ws://{args.host}:{r.port}", flush=True)
+    where = args.host if args.host not in ("0.0.0.0", "::", "") else lan_address()
+    print(f"Relay listening on port {r.port} ({'every address' if where != args.host else args.host}): hosts "
+          f"give it as --relay ws://{where}:{r.port} on this network, or with this machine's public address "
+          "from other homes", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -534,7 +541,7 @@ def _add_homes_args(sub):
     p = sub.add_parser("host", help="host a pipeline: print an invite code, wait for friends, serve the API")
     add_pipeline_args(p)
     p.add_argument("--relay", type=relay_arg, default="", help="ws://relay:port that both homes can reach")
-    p.add_argument("--listen", default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
+    p.add_argument("--listen", type=listen_arg, default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
     p.add_argument("--advertise", action="append", default=[],
                    help="address to put in the code for --listen (default: this machine's addresses)")
     p.add_argument("--peers", type=count_arg, default=1, help="friends to wait for, in pipeline order (default 1)")
@@ -557,7 +564,7 @@ def _add_homes_args(sub):
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
     p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
                    help="auto: a direct address from the code first, then the relay")
-    p.add_argument("--reply-listen", default="0.0.0.0:7871", metavar="HOST:PORT",
+    p.add_argument("--reply-listen", type=listen_arg, default="0.0.0.0:7871", metavar="HOST:PORT",
                    help="when nothing in the code reaches the host: listen here (asking this router for a "
                         "mapping) and show a reply code for the host to paste (default %(default)s)")
     p.add_argument("--no-reply", action="store_true", help="fail instead of offering a reply code")
@@ -581,10 +588,14 @@ def _add_homes_args(sub):
     p = sub.add_parser("relay", help="run a relay that pairs homes by pipeline id and forwards ciphertext")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every address)")
     p.add_argument("--port", type=port_arg, default=8765, help="port to listen on (default 8765)")
-    p.add_argument("--max-frame", type=int, default=128 << 10, help="bytes per frame")
-    p.add_argument("--max-channels", type=count_arg, default=8, help="joiner connections per pipeline")
-    p.add_argument("--idle", type=float, default=120.0, help="seconds a channel may stay silent")
-    p.add_argument("--rate", type=float, default=20.0, help="MB/s per pipeline")
+    p.add_argument("--max-frame", type=ranged_arg(int, 4096, 16 << 20, "a number of bytes from 4096 to 16 MiB"),
+                   default=128 << 10, help="bytes per frame (default %(default)s)")
+    p.add_argument("--max-channels", type=count_arg, default=8,
+                   help="joiner connections per pipeline (default %(default)s)")
+    p.add_argument("--idle", type=ranged_arg(float, 1, float("inf"), "a number of seconds from 1"), default=120.0,
+                   help="seconds a channel may stay silent (default %(default)s)")
+    p.add_argument("--rate", type=ranged_arg(float, 0.01, float("inf"), "a number of MB/s above 0"), default=20.0,
+                   help="MB/s per pipeline (default %(default)s)")
     p.add_argument("--dump", default=None, help=argparse.SUPPRESS)  # tests: forwarded bytes
 
 
@@ -695,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=count_arg, default=None, help="CPU threads (default: the cores your "
                                                                    "programs leave free)")
-    p.add_argument("--memory-cap-mb", type=float, default=None,
+    p.add_argument("--memory-cap-mb", type=mb_arg, default=None,
                    help="the most memory (MiB) this stage may give a head's layers and cache (default: what is free)")
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/model/cores.py

@@ -156,7 +156,7 @@ async def start_world(folder: Path):
     py = sys.executable
     relay = Proc("relay", [py, "-m", "engine", "relay", "--host", "127.0.0.1", "--port", "0"],
                  dict(env, POTLUCK_HOME=str(folder / "relay")), folder)
-    m = await relay.wait_line(r"Relay listening on ws://127.0.0.1:(\d+)", 60)
+    m = await relay.wait_line(r"--relay ws://127.0.0.1:(\d+)", 60)
     relay_url = f"ws://127.0.0.1:{m.group(1)}"
     api_port = _free_port()
     host_home = folder / "host"

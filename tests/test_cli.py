@@ -61,6 +61,19 @@ def test_a_certificate_that_will_not_load_is_said_before_anything_loads(tmp_path
         assert p.returncode == 2 and said in p.stderr and "Loading" not in p.stderr, p.stderr
 
 
+def test_a_relay_on_a_port_in_use_says_so_as_the_other_commands_do():
+    """It said "[Errno 98] error while attempting to bind on address…" (the socket library's words)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "engine", "relay", "--host", "127.0.0.1", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"port {port} is already in use" in p.stderr and "Errno" not in p.stderr, p.stderr
+
+
 def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(capsys):
     for argv, said in ((["chat", "--stages", "0"], "not a number of stages from 1 to 8"),
                        (["serve", "--stages", "-1"], "not a number of stages from 1 to 8"),
@@ -73,6 +86,14 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["chat", "--top-p", "1.5"], "top_p must be between"),
                        (["chat", "--threads", "0"], "not a whole number from 1"),
                        (["host", "--peers", "0"], "not a whole number from 1"),
+                       # a port out of range ended these with a traceback from bind()
+                       (["host", "--listen", "127.0.0.1:99999"], "not HOST:PORT with a port from 0 to 65535"),
+                       (["join", "4821-917305", "--reply-listen", "0.0.0.0:-1"], "not HOST:PORT"),
+                       (["chat", "--memory-cap-mb", "-5"], "not a number of MiB from 1"),
+                       (["serve", "--wait-timeout", "-1"], "not a number of seconds from 0"),
+                       (["relay", "--max-frame", "-1"], "not a number of bytes from 4096"),
+                       (["relay", "--idle", "-1"], "not a number of seconds from 1"),
+                       (["relay", "--rate", "0"], "not a number of MB/s above 0"),
                        # a relay given as a web address went into the invite, then failed
                        # at every registration in a library's words
                        (["host", "--relay", "http://relay.example:8765"], "is written ws://host:port"),

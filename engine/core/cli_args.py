@@ -47,6 +47,28 @@ stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 t
 count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
 
 
+def listen_arg(text: str) -> str:
+    """--listen / --reply-listen: HOST:PORT (HOST may be empty: every address); a port out
+    of range ended the command with a traceback from bind()."""
+    if not text.strip():
+        return ""   # not asked for
+    host, sep, port = text.strip().rpartition(":")
+    try:
+        ok = bool(sep) and 0 <= int(port) <= 65535
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port from 0 to 65535 "
+                                         "(e.g. 0.0.0.0:7870)")
+    return text.strip()
+
+
+# --memory-cap-mb (MiB, as it says), and seconds to wait: a negative one ran and said
+# the machines had -3 MB to give
+mb_arg = ranged_arg(float, 1, float("inf"), "a number of MiB from 1")
+seconds_arg = ranged_arg(float, 0, float("inf"), "a number of seconds from 0")
+
+
 def sampling_arg(name: str, parse):
     """An argparse type for one sampling setting, held to what a request may ask
     (SamplingParams.validate), so a bad one is said now, not at every message."""
