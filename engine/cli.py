@@ -291,7 +291,8 @@ async def _stage(args) -> int:
         # never an open port on the LAN: a fresh secret, printed in the address to give the head
         secret = new_secret()
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
-                               threads=args.threads, cores=cores, memory_cap=cap, secret=secret).start()
+                               threads=args.threads, cores=cores, memory_cap=cap, secret=secret,
+                               accept_models=args.accept_model).start()
     server.warm_up()
     loop = asyncio.get_running_loop()
 
@@ -708,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "programs leave free)")
     p.add_argument("--memory-cap-mb", type=mb_arg, default=None,
                    help="the most memory (MiB) this stage may give a head's layers and cache (default: what is free)")
+    p.add_argument("--accept-model", action="append", default=[], metavar="MODEL",
+                   help="a model (hub id or path) a head may have this stage load beyond the default and "
+                        "Potluck's list (repeatable)")
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--core-lease", default=None, help=argparse.SUPPRESS)  # engine/model/cores.py
 

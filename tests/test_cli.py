@@ -103,6 +103,9 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)
         assert e.value.code == 2 and said in capsys.readouterr().err, argv
+    # the README's `potluck stage --accept-model` (only join and node had it)
+    assert build_parser().parse_args(["stage", "--accept-model", "a/b", "--accept-model", "c"]).accept_model == \
+        ["a/b", "c"]
     assert build_parser().parse_args(["host", "--relay", " wss://relay.example:443 "]).relay == "wss://relay.example:443"
     assert build_parser().parse_args(["join", "x", "--relay", "wss://relay.example"]).relay == "wss://relay.example"
     # behind a web server under a path: its routes are made by adding to it
