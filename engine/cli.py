@@ -733,6 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
     _add_node_args(p)
     sub.add_parser("app", help="the desktop app (tray icon, chat window); see `potluck-app --help`", add_help=False)
+    for name, command in sub.choices.items():
+        if name != "app":   # `potluck chat -v` as well as `potluck -v chat`
+            command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="log what happens, for a bug report")
     return parser
 
 
@@ -751,7 +755,11 @@ def main(argv=None) -> int:
     from engine.model.cores import apply_openmp_env
 
     apply_openmp_env(os.environ)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "draft", None) and getattr(args, "speculate", None) == "off":
+        parser.error("--draft loads a model that guesses for speculation, which --speculate off switches off: "
+                     "leave out one of them")
     if args.cmd == "gpu":  # before transformers: only torch's own import is under test
         return _gpu(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

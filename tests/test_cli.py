@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.cli import add_pipeline_args, build_parser, pipeline_config, prompt_chunk_arg
+from engine.cli import add_pipeline_args, build_parser, main, pipeline_config, prompt_chunk_arg
 
 
 def test_the_cli_takes_auto_or_tokens_and_says_what_it_wants_otherwise():
@@ -103,6 +103,13 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)
         assert e.value.code == 2 and said in capsys.readouterr().err, argv
+    # a draft model with speculation off loaded for nothing (its help said "not with")
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--draft", "default", "--speculate", "off"])
+    assert e.value.code == 2 and "--speculate off" in capsys.readouterr().err
+    # -v after the command too
+    assert build_parser().parse_args(["chat", "-v"]).verbose and build_parser().parse_args(["-v", "doctor"]).verbose
+    assert not build_parser().parse_args(["doctor"]).verbose
     # the README's `potluck stage --accept-model` (only join and node had it)
     assert build_parser().parse_args(["stage", "--accept-model", "a/b", "--accept-model", "c"]).accept_model == \
         ["a/b", "c"]

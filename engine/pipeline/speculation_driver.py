@@ -16,6 +16,7 @@ import time
 
 from engine.core.drafts import PromptLookup
 from engine.core.scheduler import Group
+from engine.core.sizes import size_words
 from engine.core.speculation import describe as describe_speculation
 from engine.model import catalog
 from engine.model.draft import DraftModel
@@ -54,7 +55,7 @@ class SpeculationDriver:
             target_name=self.source.name, target_vocab=self.config.vocab_size))
         self.progress(0, 1, 1, "loading the draft model")
         self.say(f"Draft model: {self.drafter.name} on {self.device_name}, "
-                 f"{self.drafter.param_bytes / 2**20:.0f} MiB; it drafts where speculation pays"
+                 f"{size_words(self.drafter.param_bytes)}; it drafts where speculation pays"
                  + ("" if self.speculate != "off" else " (speculation is off: --speculate auto turns it on)"))
 
     def speculation(self) -> dict:
