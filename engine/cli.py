@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -169,6 +170,32 @@ async def _chat(args) -> int:
     if taken:
         _say(f"potluck: {taken}")
         return 2
+    terminated = _end_on_sigterm()
+    try:
+        return await _chat_until_done(args, launch, serve_api, chat_loop)
+    except asyncio.CancelledError:
+        if terminated:   # `kill`, a logout: the stages closed and their files gone, as Ctrl+C does
+            return 143
+        raise
+
+
+def _end_on_sigterm() -> list[bool]:
+    """SIGTERM cancels the chat as Ctrl+C at the prompt does, so the pipeline closes (it
+    killed the process outright, leaving the stages' shared-core files behind). Says in
+    the list returned whether it came. Windows has no SIGTERM."""
+    came: list[bool] = []
+    if sys.platform != "win32":
+        task = asyncio.current_task()
+
+        def on_term():
+            came.append(True)
+            task.cancel()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
+    return came
+
+
+async def _chat_until_done(args, launch, serve_api, chat_loop) -> int:
     _say(_loading(args))
     bar = ProgressBar()
     pipe = await launch(pipeline_config(args), bar, _say)

@@ -311,6 +311,29 @@ def test_join_takes_the_link_a_friend_sent_pasted_whole():
         assert p.returncode == 2 and said in p.stderr and "never used in codes" not in p.stderr, p.stderr
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM: POSIX")
+def test_a_chat_told_to_stop_closes_its_pipeline_and_leaves_no_files(tmp_path):
+    """`kill` (or a logout) ended `potluck chat` outright: exit 143 with the stages'
+    shared-core files left in the temporary folder. It closes the pipeline now."""
+    import signal
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "chat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if "Type a message" in line:
+                break
+        assert list(tmp_path.glob("potluck-cores-*")), "the default chat shares its cores through a folder"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 143
+        assert list(tmp_path.glob("potluck-cores-*")) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="a terminal's Ctrl+C to a process group: POSIX")
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on():
     """`potluck chat` as typed, its defaults (a stage process beside the head on a CPU):
