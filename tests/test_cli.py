@@ -177,7 +177,8 @@ def test_sampling_can_be_changed_while_chatting():
     s = dict(CHAT_DEFAULTS)
     assert "temperature 0.2" in set_sampling(s, "/set temperature 0.2") and s["temperature"] == 0.2
     assert "top-k 40" in set_sampling(s, "/set top-k 40") and s["top_k"] == 40
-    assert "cannot set" in set_sampling(s, "/set top-p 0") and s["top_p"] == 0.9
+    assert "cannot set" in set_sampling(s, "/set top-p 1.5") and s["top_p"] == 0.9
+    assert set_sampling(dict(s), "/set top-p 0") == "sampling: greedy, repetition penalty 1.1"
     assert "usage" in set_sampling(s, "/set warmth 3")
     assert set_sampling(s, "/set temperature abc") == "cannot set temperature: 'abc' is not a number"
     assert "'2.5' is not a whole number" in set_sampling(s, "/set top-k 2.5") and s["top_k"] == 40

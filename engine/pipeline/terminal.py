@@ -133,7 +133,7 @@ def describe(sampling: dict) -> str:
     """The settings in words: greedy decoding names only the penalties that shape it, and
     the presence and frequency penalties are named when they are on."""
     rep = sampling["repetition_penalty"]
-    if sampling["temperature"] == 0:
+    if sampling["temperature"] == 0 or sampling["top_p"] == 0:   # top-p 0 keeps the likeliest token alone
         parts = ["greedy"] + ([f"repetition penalty {rep:g}"] if rep != 1.0 else [])
     else:
         top_k = sampling["top_k"] or "off"
