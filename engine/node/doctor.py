@@ -94,11 +94,20 @@ async def gather_network(port: int | None = None) -> NetFacts:
                     len(stun.servers_from_env()), g.mapping.how)
 
 
+def _hosts(urls: list[str]) -> list[str]:
+    from urllib.parse import urlsplit
+
+    return list(dict.fromkeys(urlsplit(u).hostname or u for u in urls))
+
+
 def advise_network(n: NetFacts) -> list[str]:
-    lines = [f"LAN: {', '.join(n.lan) if n.lan else 'no private IPv4 address'}",
-             f"IPv6: {', '.join(n.ipv6) if n.ipv6 else 'no global IPv6 address'}"]
+    # the addresses alone: their port is the trial's, not the one a host listens on
+    lan, ipv6 = _hosts(n.lan), _hosts(n.ipv6)
+    lines = [f"LAN: {', '.join(lan) if lan else 'no private IPv4 address'}",
+             f"IPv6: {', '.join(ipv6) if ipv6 else 'no global IPv6 address'}"]
     if n.mapped:
-        lines.append(f"router port mapping ({n.mapping_how or 'UPnP'}): granted ({n.mapped}): friends in other "
+        lines.append(f"router port mapping ({n.mapping_how or 'UPnP'}): granted (to {_hosts([n.mapped])[0]}, "
+                     "for a trial port, removed at once): friends in other "
                      "homes can join you directly, with no relay")
     else:
         lines.append(f"router port mapping (UPnP, PCP, NAT-PMP): none -- {n.mapping_why}. Friends in other "
