@@ -522,8 +522,11 @@ def main(argv=None) -> int:
                         "index's CUDA build for this driver, then PyPI for what it lacks)")
     args = p.parse_args(argv)
     if args.disable:
-        print("Switched back to the CPU build of torch." if disable() else "The CPU build was already in use.")
-        print("Restart Potluck (or its node) for the change to take effect.")
+        if disable():
+            print("Switched back to the CPU build of torch. Restart Potluck (or its node) for the change to "
+                  "take effect.")
+        else:
+            print("The CPU build was already in use: nothing changed.")
         return 0
     gpu = read_nvidia()
     if not gpu.names:

@@ -273,6 +273,9 @@ def test_the_cli_enables_headless_and_resumes_after_its_process_is_stopped(home,
     p = cli("--disable")
     assert p.returncode == 0 and "Switched back to the CPU build" in p.stdout
     assert_cpu_build(home)
+    # again: nothing to switch, and no restart asked for
+    p = cli("--disable")
+    assert p.returncode == 0 and "nothing changed" in p.stdout and "Restart" not in p.stdout
 
 
 # ---- pure: the offer ------------------------------------------------------------------------
