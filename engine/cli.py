@@ -156,7 +156,8 @@ def _describe(head) -> str:
     # counted from 1, as a friend's machine and the app say them ("layers 20–30 of 30")
     stages = head.info()["stages"]
     total = stages[-1]["layers"][1] if stages else 0
-    parts = [f"{s['address']}: layers {s['layers'][0] + 1}–{s['layers'][1]}" for s in stages]
+    parts = [f"{s['address']}: " + (f"layer {b}" if b - a == 1 else f"layers {a + 1}–{b}")
+             for s in stages for a, b in [s["layers"]]]
     parts[-1:] = [f"{parts[-1]} of {total}"] if parts else []
     return f"{head.source.name}, {len(parts)} stage(s) — " + "; ".join(parts)
 

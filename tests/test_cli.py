@@ -385,3 +385,18 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_ready_line_says_a_one_layer_stage_as_one_layer():
+    """`--stages 3` on a small model said "layers 30–30 of 30"."""
+    from engine.cli import _describe
+
+    class Head:
+        source = type("Source", (), {"name": "SmolLM2-135M-Instruct"})
+
+        def info(self):
+            return {"stages": [{"address": "head (this process)", "layers": [0, 29]},
+                               {"address": "ws://127.0.0.1:1", "layers": [29, 30]}]}
+
+    assert _describe(Head()) == ("SmolLM2-135M-Instruct, 2 stage(s) — head (this process): layers 1–29; "
+                                 "ws://127.0.0.1:1: layer 30 of 30")
