@@ -400,3 +400,10 @@ def test_the_ready_line_says_a_one_layer_stage_as_one_layer():
 
     assert _describe(Head()) == ("SmolLM2-135M-Instruct, 2 stage(s) — head (this process): layers 1–29; "
                                  "ws://127.0.0.1:1: layer 30 of 30")
+
+
+def test_a_split_that_does_not_count_the_stages_says_so():
+    """It said "1 layer ranges for 2 stages"."""
+    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--layers", "0:30", "--stages", "2", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.returncode == 2 and "--layers gives 1 layer range for 2 stages" in p.stderr, p.stderr[-2000:]

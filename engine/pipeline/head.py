@@ -259,8 +259,9 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             # a typo should cost a message, not a minute of loading.
             check_partition(self.layers_override, n_layers)
             if len(self.layers_override) != self.n_stages:
-                raise ModelError(f"{len(self.layers_override)} layer ranges for {self.n_stages} stages: give one "
-                                 f"range per stage (or leave --stages out)")
+                n = len(self.layers_override)
+                raise ModelError(f"--layers gives {n} layer range{'s' if n != 1 else ''} for {self.n_stages} "
+                                 "stages: give one range per stage (or leave --stages out)")
         self.fingerprint = await self._run(self.source.fingerprint)
         for r in self.remotes:
             await self._hello(r)
