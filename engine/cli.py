@@ -642,7 +642,8 @@ def _add_node_args(p):
     p.add_argument("--api-port", type=port_arg, default=0,
                    help="OpenAI API port on 127.0.0.1, a free one if it is taken (default: a free one)")
     p.add_argument("--pipeline", default="potluck", help="pipeline name a shared stage accepts")
-    p.add_argument("--threads", type=count_arg, default=None)
+    p.add_argument("--threads", type=count_arg, default=None,
+                   help="CPU threads for this machine's stages (default: the cores your programs leave free)")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--limits", default=None, help="the sharing limits as JSON (the app passes its settings), e.g. "
                         '\'{"vram_cap_mb": 8000, "temp_pause_c": 83, "only_when_idle": true}\'')
@@ -761,7 +762,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("node", help="this machine's engine process, driven by the app over a local control API")
     _add_node_args(p)
     sub.add_parser("app", help="the desktop app (tray icon, chat window); see `potluck-app --help`", add_help=False)
+    helps = {a.dest: a.help for a in sub._choices_actions}
     for name, command in sub.choices.items():
+        if command.description is None and helps.get(name):   # `potluck chat --help` says what it is
+            command.description = helps[name][0].upper() + helps[name][1:] + "."
         if name != "app":   # `potluck chat -v` as well as `potluck -v chat`
             command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                  help="log what happens, for a bug report")
