@@ -493,6 +493,10 @@ def _invites(args) -> int:
     from engine.wire.invite import HostState, InviteError
 
     folder = config_dir(args.config)
+    if not (folder / HostState.FILE).exists() and not (args.revoke or args.new or args.reply is not None):
+        # nothing to list, and nothing written for asking
+        print("This computer has not hosted a pipeline yet: `potluck host` makes its first invite.")
+        return 0
     state = HostState(folder)
     if args.revoke:
         try:
@@ -501,7 +505,7 @@ def _invites(args) -> int:
             print(f"potluck: {exc.args[0]}", file=sys.stderr)
             return 2
         return 0
-    if args.reply:
+    if args.reply is not None:
         try:
             r = state.add_reply(args.reply)
         except InviteError as exc:
@@ -515,9 +519,13 @@ def _invites(args) -> int:
             print("potluck: run `potluck host` once first (it records the relay and addresses)", file=sys.stderr)
             return 2
         me = load_or_create_identity(folder)
-        _, code = state.create_invite(me.public, routes.get("relay", ""), routes.get("direct", []),
-                                      ttl_s=args.expires * 3600, max_uses=args.uses, kinds=routes.get("kinds"))
-        print(code)
+        invite, code = state.create_invite(me.public, routes.get("relay", ""), routes.get("direct", []),
+                                        ttl_s=args.expires * 3600, max_uses=args.uses, kinds=routes.get("kinds"))
+        print(code)   # alone on stdout, for scripts; what it is on stderr
+        iid = invite.invite_id.hex()
+        print(f"invite {iid}: admits {args.uses} computer{'s' if args.uses != 1 else ''}, valid until "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(time.time() + args.expires * 3600))} "
+              f"(`potluck invites --revoke {iid}` withdraws it)", file=sys.stderr)
         return 0
     data = state.data()
     now = time.time()

@@ -407,3 +407,24 @@ def test_a_split_that_does_not_count_the_stages_says_so():
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--layers", "0:30", "--stages", "2", "--prompt", "hi"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert p.returncode == 2 and "--layers gives 1 layer range for 2 stages" in p.stderr, p.stderr[-2000:]
+
+
+def test_invites_on_a_computer_that_never_hosted_and_a_new_one(tmp_path, capsys):
+    """`potluck invites` before any `host` wrote a host file and listed nothing; `--new`
+    printed a bare code; `--reply ""` listed silently."""
+    from engine.wire.invite import HostState
+
+    folder = tmp_path / "potluck"
+    assert main(["invites", "--config", str(folder)]) == 0
+    assert "not hosted a pipeline yet" in capsys.readouterr().out and not (folder / HostState.FILE).exists()
+    assert main(["invites", "--config", str(folder), "--reply", ""]) == 2
+    assert "reply code cannot be used" in capsys.readouterr().err
+    # as `potluck host` leaves it: the routes recorded
+    HostState(folder).set_routes("ws://relay.example:8765", [], [])
+    assert main(["invites", "--config", str(folder), "--new", "--uses", "2"]) == 0
+    said = capsys.readouterr()
+    code = said.out.strip()
+    assert len(code) > 40 and "\n" not in code
+    assert "admits 2 computers, valid until" in said.err and "--revoke" in said.err
+    assert main(["invites", "--config", str(folder)]) == 0
+    assert "open" in capsys.readouterr().out
