@@ -320,7 +320,10 @@ async def _stage(args) -> int:
         secret = new_secret()
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
                                threads=args.threads, cores=cores, memory_cap=cap, secret=secret,
-                               accept_models=args.accept_model).start()
+                               accept_models=args.accept_model,
+                               # its owner hears when a head takes it in and lets it go (one its head
+                               # started says nothing: the head speaks)
+                               on_event=None if args.announce else _say).start()
     server.warm_up()
     loop = asyncio.get_running_loop()
 

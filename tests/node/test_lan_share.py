@@ -94,7 +94,8 @@ def test_a_stranger_on_the_lan_cannot_drive_a_shared_stage(tmp_path):
                           env=_env(tmp_path, "stage"), text=True)
         serve = None
         try:
-            said = Lines(stage.stderr).wait_for(lambda s: "Give the head this address" in s, 120)
+            stage_said = Lines(stage.stderr)
+            said = stage_said.wait_for(lambda s: "Give the head this address" in s, 120)
             secret = re.search(r"#(\w+)\s*$", said).group(1)
             assert len(secret) >= 20
 
@@ -102,6 +103,8 @@ def test_a_stranger_on_the_lan_cannot_drive_a_shared_stage(tmp_path):
             serve = net.popen(0, [py, "-m", "engine", "serve", "--stage-addr", f"ws://{owner}:7860#{secret}",
                                   "--port", "8000", "--threads", "1"], env=_env(tmp_path, "head"), text=True)
             Lines(serve.stderr).wait_for(lambda s: s.startswith("OpenAI-compatible API"), 300)
+            # its owner's terminal says it was taken in, and with what (it said nothing)
+            stage_said.wait_for(lambda s: "in the pipeline: this computer computes layers" in s, 60)
 
             res = net.exec(1, [py, "-c", STRANGER, f"ws://{owner}:7860"], timeout=300)
             results = json.loads(res.stdout.strip().splitlines()[-1])
