@@ -21,7 +21,8 @@ from engine.core.precision import CHOICES as WEIGHT_CHOICES
 from engine.core.step_gate import COMPUTE_ORDERS
 from engine.model.sources import DEFAULT_MODEL
 from engine.core.cli_args import (count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,  # noqa: F401
-                                  prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, seconds_arg, stages_arg)
+                                  prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, seconds_arg, stage_addr_arg,
+                                  stages_arg)
 from engine.node.control_basics import lan_address, port_taken
 
 
@@ -67,7 +68,7 @@ def add_pipeline_args(p):
     g.add_argument("--stages", type=stages_arg, default=None,
                    help="pieces the model is split into on this machine, this process included (default: 1 on a "
                         "GPU, where more would take turns on it, and 2 on a CPU; with --layers, one per range)")
-    g.add_argument("--stage-addr", action="append", default=[], metavar="ADDRESS",
+    g.add_argument("--stage-addr", type=stage_addr_arg, action="append", default=[], metavar="ADDRESS",
                    help="ws://host:port#secret of another computer's stage, as `potluck stage` printed it "
                         "(repeat, in pipeline order); replaces --stages")
     g.add_argument("--device", default="auto",

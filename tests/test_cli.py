@@ -92,6 +92,8 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["chat", "--memory-cap-mb", "-5"], "not a number of MiB from 1"),
                        (["serve", "--wait-timeout", "-1"], "not a number of seconds from 0"),
                        (["relay", "--max-frame", "-1"], "not a number of bytes from 4096"),
+                       (["serve", "--stage-addr", "not-a-url"], "is not a stage's address"),
+                       (["chat", "--stage-addr", "http://10.0.0.2:7860#s"], "is not a stage's address"),
                        (["relay", "--idle", "-1"], "not a number of seconds from 1"),
                        (["relay", "--rate", "0"], "not a number of MB/s above 0"),
                        # a relay given as a web address went into the invite, then failed

@@ -47,6 +47,15 @@ stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 t
 count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
 
 
+def stage_addr_arg(text: str) -> str:
+    """--stage-addr: ws://host:port#secret; anything else failed after the model loaded, in
+    the websockets library's words."""
+    problem = address_problem(text, "a stage's address")
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text.strip()
+
+
 def listen_arg(text: str) -> str:
     """--listen / --reply-listen: HOST:PORT (HOST may be empty: every address); a port out
     of range ended the command with a traceback from bind()."""
