@@ -279,7 +279,10 @@ class Api:
             return [list(self.head.tokenizer(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str)
                     else list(p) for p in prompts]
 
-        return await self._generate(request, body, await asyncio.to_thread(tokenized), chat=False)
+        ids = await asyncio.to_thread(tokenized)
+        if not all(ids):   # "" where the model adds no beginning-of-text token: nothing to go on from
+            raise ApiError("'prompt' is empty: give it some text", param="prompt")
+        return await self._generate(request, body, ids, chat=False)
 
     # ---- shared -------------------------------------------------------------
     async def _body(self, request) -> dict:

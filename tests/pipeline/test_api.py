@@ -159,6 +159,7 @@ BAD_REQUESTS = {
     "prompt_missing": (COMPL, {"max_tokens": 3}, "prompt", None),
     "prompt_ids_out_of_vocab": (COMPL, {"prompt": [1, 2, 10**7]}, "prompt", None),
     "prompt_empty_list": (COMPL, {"prompt": []}, "prompt", None),
+    "prompt_empty_string": (COMPL, {"prompt": ""}, "prompt", None),
     "n_string": (CHAT, {"messages": OK_MSGS, "n": "2"}, "n", "invalid_type"),
     "n_zero": (CHAT, {"messages": OK_MSGS, "n": 0}, "n", "invalid_value"),
     "n_too_many": (COMPL, {"prompt": "hi", "n": 17}, "n", "invalid_value"),
