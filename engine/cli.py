@@ -226,7 +226,13 @@ def _api_security(args):
     certificate that will not load is said now, not after the model. Returns whether to
     go on, and the TLS context (None: plain HTTP)."""
     from engine.pipeline.api import is_loopback, tls_context
+    from engine.pipeline.api_cors import Cors
 
+    try:
+        Cors(args.cors_origin, args.api_key)
+    except ValueError as exc:
+        _say(f"potluck: {exc}")
+        return False, None
     if not (args.api_key or is_loopback(args.host)):
         _say(f"potluck: the API would listen on {args.host}, beyond this machine, without an API key: give one "
              "(--api-key or POTLUCK_API_KEY), or keep the API on 127.0.0.1")
@@ -253,6 +259,9 @@ def _add_api_args(p) -> None:
     p.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve the API over HTTPS with this certificate (chain), PEM; with --tls-key")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key, PEM")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web page's origin (e.g. http://localhost:3000) whose scripts may call the API from a "
+                        "browser (repeatable; '*' for any, with --api-key only; default none)")
 
 
 async def _serve(args) -> int:
@@ -268,7 +277,8 @@ async def _serve(args) -> int:
         return 2
     _say(_loading(args))
     pipe = await launch(pipeline_config(args), ProgressBar(), _say)
-    runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
+    runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls,
+                             cors_origins=args.cors_origin)
     _say(f"Ready: {_describe(pipe.head)}")
     _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1")
     stopped, requests = _stop_requests()
@@ -425,7 +435,8 @@ async def _host(args) -> int:
                 print(f"you> {text}\nbot> {answer}\n     [{done.completion_tokens} tokens, "
                       f"{done.finish_reason}; {paths}]", flush=True)
             return 0
-        runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls)
+        runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls,
+                                 cors_origins=args.cors_origin)
         print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1", flush=True)
         stopped, requests = _stop_requests()
         await stopped.wait()

@@ -55,7 +55,8 @@ def test_a_certificate_that_will_not_load_is_said_before_anything_loads(tmp_path
     cert, _ = self_signed(tmp_path)
     for extra, said in ([["--tls-cert", str(cert)], "go together"],
                         [["--tls-cert", str(cert), "--tls-key", str(tmp_path / "nope.pem")], "does not exist"],
-                        [["--tls-cert", str(cert), "--tls-key", str(cert)], "cannot use the certificate"]):
+                        [["--tls-cert", str(cert), "--tls-key", str(cert)], "cannot use the certificate"],
+                        [["--cors-origin", "*"], "any web page"]):
         p = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", "0", *extra],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and said in p.stderr and "Loading" not in p.stderr, p.stderr

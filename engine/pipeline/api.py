@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from engine.pipeline.api_cors import Cors
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done, PipelineError
 from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, SWITCHING,
@@ -717,7 +718,8 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 
 async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
                     api_key: str | None = None, tls: ssl.SSLContext | None = None,
-                    idle_seconds: float = IDLE_SECONDS, body_seconds: float = BODY_SECONDS) -> web.AppRunner:
+                    idle_seconds: float = IDLE_SECONDS, body_seconds: float = BODY_SECONDS,
+                    cors_origins=()) -> web.AppRunner:
     """Serve the API on host:port (HTTPS with `tls`). Beyond loopback an API key is
     required: anyone on the network could otherwise run work on every machine of the
     pipeline."""
@@ -727,7 +729,9 @@ async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels its generation -- otherwise a non-streaming request whose client gave
     # up keeps its KV and its place in the pipeline until max_tokens.
-    runner = web.AppRunner(Api(head, api_key or None, body_seconds).app(), access_log=None,
+    app = Api(head, api_key or None, body_seconds).app()
+    Cors(cors_origins, api_key or None).install(app)   # web pages of other origins: only those named
+    runner = web.AppRunner(app, access_log=None,
                            handler_cancellation=True, keepalive_timeout=idle_seconds)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls)

@@ -461,6 +461,43 @@ async def test_an_api_key_is_required_when_set_and_beyond_loopback(pipeline):
         await runner.cleanup()
 
 
+async def test_web_pages_call_the_api_only_from_the_origins_named(pipeline):
+    """A browser front-end on another origin needs CORS headers; none are given unless the
+    owner names the origin (a page the user merely visits must not drive the model)."""
+    from conftest import free_port
+    from engine.pipeline.api import serve_api
+
+    with pytest.raises(ValueError, match="any web page"):
+        await serve_api(pipeline, "127.0.0.1", free_port(), cors_origins=["*"])
+    port = free_port()
+    runner = await serve_api(pipeline, "127.0.0.1", port, cors_origins=["http://localhost:3000"])
+    url = f"http://127.0.0.1:{port}/v1"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.options(url + CHAT, headers={"Origin": "http://localhost:3000", **preflight}) as r:
+                assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+                assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            async with s.options(url + CHAT, headers={"Origin": "http://evil.example", **preflight}) as r:
+                assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
+            body = {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "stream": True}
+            for origin, allowed in (("http://localhost:3000", True), ("http://evil.example", False)):
+                async with s.post(url + CHAT, json=body, headers={"Origin": origin}) as r:
+                    assert r.status == 200 and await r.text()
+                    assert ("Access-Control-Allow-Origin" in r.headers) == allowed
+    finally:
+        await runner.cleanup()
+    # the default: no page of another origin at all
+    async with aiohttp.ClientSession() as s:
+        port = free_port()
+        runner = await serve_api(pipeline, "127.0.0.1", port)
+        try:
+            async with s.get(f"http://127.0.0.1:{port}/v1/models", headers={"Origin": "http://localhost:3000"}) as r:
+                assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+        finally:
+            await runner.cleanup()
+
+
 async def test_a_client_that_never_finishes_its_request_is_let_go(pipeline):
     """Slow-loris: headers trickled and never ended, or a body promised and never sent,
     do not hold a connection for aiohttp's hour; a body that is late is a 408 in OpenAI's
