@@ -817,8 +817,11 @@ def main(argv=None) -> int:
                      "leave out one of them")
     if args.cmd == "gpu":  # before transformers: only torch's own import is under test
         return _gpu(args)
+    # what a user reads beside the chat's and host's own lines: the time and the words
+    # (which module said it, and how loudly, is for a bug report: -v)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s" if args.verbose else
+                        "%(asctime)s %(message)s", datefmt=None if args.verbose else "%H:%M:%S")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
