@@ -199,6 +199,7 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
     import torch
 
     from engine import cli
+    from engine.cli import parser as cli_parser
     from engine.pipeline.launch import launch
     from engine.model.sources import DEFAULT_MODEL, resolve
 
@@ -213,7 +214,7 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
         layers = ",".join(str(n // stages + (i < n % stages)) for i in range(stages))
     # the CLI's own options and defaults, as `potluck chat --stages N` would get them
     parser = argparse.ArgumentParser()
-    cli.add_pipeline_args(parser)
+    cli_parser.add_pipeline_args(parser)
     argv = ["--model", DEFAULT_MODEL, "--stages", str(stages), "--dtype", "float32"]
     argv += ["--threads", str(threads)] if threads else []
     argv += ["--layers", layers] if layers else []
@@ -409,7 +410,7 @@ class Channel:
 
 def worker_main(a) -> int:
     if a.worker != "hf":
-        # as `potluck chat` does before torch loads (engine/cli.py): a pipeline's
+        # as `potluck chat` does before torch loads (engine/cli/): a pipeline's
         # processes take turns on the cores, so OpenMP's idle threads spin only briefly
         from engine.model.cores import apply_openmp_env
 

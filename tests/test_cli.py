@@ -1,4 +1,4 @@
-"""The command line parses, and says what it wants when it cannot (engine/cli.py)."""
+"""The command line parses, and says what it wants when it cannot (engine/cli/)."""
 
 import argparse
 import os
@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from engine.cli import add_pipeline_args, build_parser, main, pipeline_config, prompt_chunk_arg
+from engine.cli import main, pipeline_config
+from engine.cli.parser import add_pipeline_args, build_parser
+from engine.core.cli_args import prompt_chunk_arg
 
 
 def test_the_cli_takes_auto_or_tokens_and_says_what_it_wants_otherwise():

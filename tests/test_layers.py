@@ -71,7 +71,7 @@ def known(mod: str) -> bool:
 
 def test_engine_top_level_holds_only_the_cli_and_the_layers():
     top = {p.name for p in (ROOT / "engine").iterdir() if not p.name.startswith((".", "__pycache__"))}
-    assert top == {"__init__.py", "__main__.py", "cli.py", "boot", "core", "model", "wire",
+    assert top == {"__init__.py", "__main__.py", "cli", "boot", "core", "model", "wire",
                    "pipeline", "node"}
 
 

@@ -1,4 +1,4 @@
-"""The command line's argument types (engine/cli.py): each holds a value to its range as
+"""The command line's argument types (engine/cli/): each holds a value to its range as
 the command line is read. A mistake said there costs a line; found after the model loaded,
 it cost minutes."""
 

