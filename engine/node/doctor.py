@@ -12,6 +12,7 @@ homes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 # PyTorch's own package index for CUDA builds; the suffix is the CUDA version
 TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -95,8 +96,6 @@ async def gather_network(port: int | None = None) -> NetFacts:
 
 
 def _hosts(urls: list[str]) -> list[str]:
-    from urllib.parse import urlsplit
-
     return list(dict.fromkeys(urlsplit(u).hostname or u for u in urls))
 
 
@@ -106,8 +105,9 @@ def advise_network(n: NetFacts) -> list[str]:
     lines = [f"LAN: {', '.join(lan) if lan else 'no private IPv4 address'}",
              f"IPv6: {', '.join(ipv6) if ipv6 else 'no global IPv6 address'}"]
     if n.mapped:
-        lines.append(f"router port mapping ({n.mapping_how or 'UPnP'}): granted (to {_hosts([n.mapped])[0]}, "
-                     "for a trial port, removed at once): friends in other "
+        trial = urlsplit(n.mapped)
+        lines.append(f"router port mapping ({n.mapping_how or 'UPnP'}): granted (a trial of port {trial.port} on "
+                     f"{trial.hostname}, removed at once): friends in other "
                      "homes can join you directly, with no relay")
     else:
         lines.append(f"router port mapping (UPnP, PCP, NAT-PMP): none -- {n.mapping_why}. Friends in other "
