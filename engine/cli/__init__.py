@@ -98,17 +98,13 @@ def _describe(head) -> str:
 
 
 async def _chat(args) -> int:
-    from engine.pipeline.api import serve_api
-    from engine.pipeline.launch import launch
-    from engine.pipeline.terminal import chat_loop
-
     taken = port_taken("127.0.0.1", args.api_port, "--api-port")
     if taken:
         _say(f"potluck: {taken}")
         return 2
     terminated = _end_on_sigterm()
     try:
-        return await _chat_until_done(args, launch, serve_api, chat_loop)
+        return await _chat_until_done(args)
     except asyncio.CancelledError:
         if terminated:   # `kill`, a logout: the stages closed and their files gone, as Ctrl+C does
             return 143
@@ -131,7 +127,11 @@ def _end_on_sigterm() -> list[bool]:
     return came
 
 
-async def _chat_until_done(args, launch, serve_api, chat_loop) -> int:
+async def _chat_until_done(args) -> int:
+    from engine.pipeline.api import serve_api
+    from engine.pipeline.launch import launch
+    from engine.pipeline.terminal import chat_loop
+
     _say(_loading(args))
     bar = ProgressBar()
     pipe = await launch(pipeline_config(args), bar, _say)
