@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 def speculation_label(hosting: dict) -> str:
-    """'guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right' where
+    """'guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right' where
     speculative decoding ran, else '':
     the head says it in words (its status's speculation.summary, engine/core/speculation.py
     describe); the app, a client of the node's API, only shows it."""

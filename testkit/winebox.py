@@ -96,10 +96,17 @@ class Wine:
             self.wait()
         return p
 
-    def popen(self, cmd, env=None) -> subprocess.Popen:
-        return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, encoding="utf-8", errors="replace",
-                                env={**self.env, **(env or {})}, cwd=str(self.home))
+    def popen(self, cmd, env=None, log: Path | None = None) -> subprocess.Popen:
+        """A program left running. With `log` its output goes to that file: a pipe that
+        nobody reads while the program runs fills at 64 KiB and then blocks it."""
+        out = open(log, "w", encoding="utf-8") if log is not None else subprocess.PIPE
+        try:
+            return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, encoding="utf-8", errors="replace",
+                                    env={**self.env, **(env or {})}, cwd=str(self.home))
+        finally:
+            if log is not None:
+                out.close()   # the child holds its own copy
 
     def wait(self, timeout: float = 600):
         """Until every process in the prefix has ended (the uninstaller re-launches itself)."""

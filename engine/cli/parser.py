@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.core.cli_args import (count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,
+from engine.core.cli_args import (MOST_LOCAL_STAGES, count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,
                                   prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, seconds_arg, stage_addr_arg,
                                   stages_arg)
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
@@ -20,8 +20,9 @@ def add_pipeline_args(p):
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face id, a local folder or a .gguf file")
     g.add_argument("--stages", type=stages_arg, default=None,
-                   help="pieces the model is split into on this machine, this process included (default: 1 on a "
-                        "GPU, where more would take turns on it, and 2 on a CPU; with --layers, one per range)")
+                   help="pieces the model is split into on this machine, this process included, 1 to "
+                        f"{MOST_LOCAL_STAGES} (default: 1 on a GPU, where more would take turns on it, and 2 on "
+                        "a CPU; with --layers, one per range)")
     g.add_argument("--stage-addr", type=stage_addr_arg, action="append", default=[], metavar="ADDRESS",
                    help="ws://host:port#secret of another computer's stage, as `potluck stage` printed it "
                         "(repeat, in pipeline order); replaces --stages")
@@ -171,7 +172,7 @@ def _add_node_args(p):
     p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
     p.add_argument("--host-model", default=None, help="start hosting this model right away")
     p.add_argument("--stages", type=stages_arg, default=None,
-                   help="local stages when hosting (head included; default: 1 on a GPU, 2 on a CPU)")
+                   help=f"local stages when hosting, 1 to {MOST_LOCAL_STAGES} (head included; default: 1 on a GPU, 2 on a CPU)")
 
 
 def _version() -> str:

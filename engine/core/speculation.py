@@ -351,13 +351,13 @@ class SpecPolicy:
 
 
 def describe(info: dict | None) -> str:
-    """'guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right' (and
+    """'guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right' (and
     the draft model, when one guesses) from Head.info()["speculation"], for status and the
-    chat window, in people's words (a trip: one round of the pipeline, which a person
-    waits for); '' where speculation has not run (off, or nothing drafted yet)."""
+    chat window, in people's words (a pass: one round of the pipeline, every stage once,
+    which a person waits for); '' where speculation has not run (off, or nothing drafted yet)."""
     if not info or info.get("mode") == "off" or not info.get("acceptance") or not info.get("tokens_per_trip"):
         return ""   # off, nothing drafted yet, or no guess right so far: nothing it explains
     draft = info.get("draft")
     by = f" ({draft})" if draft and draft != "prompt lookup" else ""
-    return (f"guessing ahead{by}: {info['tokens_per_trip']:.1f} tokens a trip around the computers, "
+    return (f"guessing ahead{by}: {info['tokens_per_trip']:.1f} tokens a pass through the model, "
             f"{info['acceptance']:.0%} of guesses right")

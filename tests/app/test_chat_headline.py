@@ -106,8 +106,8 @@ def test_the_status_window_lists_what_happened():
     assert "speculation" not in page   # none ran
     st["hosting"]["speculation"] = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4,
                                     "acceptance": 0.712, "rounds": 30,
-                                    "summary": "guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right"}
-    assert "<p>guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right</p>" in status_html(st)
+                                    "summary": "guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right"}
+    assert "<p>guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right</p>" in status_html(st)
 
 
 def test_the_status_window_says_the_share_was_started_again():

@@ -19,9 +19,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 import urllib.request
-import zipfile
 from pathlib import Path
 
 import psutil
@@ -170,17 +170,18 @@ def test_the_installed_potluck_answers_on_two_stages_through_a_pipe_in_utf8(wine
 
 def test_serve_answers_http_and_its_stages_end_when_it_is_killed(wine):
     port = free_port()
-    head = wine.popen(["wine", wine.dir / "potluck.exe", "serve", "--port", port])
+    log = wine.home / "serve.log"
+    head = wine.popen(["wine", wine.dir / "potluck.exe", "serve", "--port", port], log=log)
     try:
-        deadline, ready = time.time() + 900, False
+        deadline, ready = time.time() + 600, False
         while time.time() < deadline and not ready:
-            assert head.poll() is None, head.stdout.read()[-3000:]
+            assert head.poll() is None, _tail(log)
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
                     ready = r.status == 200
             except OSError:
                 time.sleep(2)
-        assert ready, "serve never answered"
+        assert ready, "serve never answered" + _tail(log)
         body = json.dumps({"model": "default", "temperature": 0, "max_tokens": 24,
                            "messages": [{"role": "user", "content": QUESTION}]}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
@@ -203,23 +204,29 @@ def test_serve_answers_http_and_its_stages_end_when_it_is_killed(wine):
         wine.kill_all()
 
 
+@pytest.mark.timeout(1200)   # its own deadlines (660 s to the link step, 300 s after) fail first, saying where
 def test_the_desktop_app_from_its_start_menu_target_answers_and_opens_links(wine):
     lnk = wine.roaming / "Microsoft/Windows/Start Menu/Programs/Potluck.lnk"
     assert "Potluck-App.exe".encode("utf-16-le") in lnk.read_bytes() or b"Potluck-App.exe" in lnk.read_bytes()
     out = wine.home / "tour"
-    app = wine.popen(["wine", wine.dir / "Potluck-App.exe", "--tour", wine.win_path(out), "--tour-link"])
+    log = wine.home / "app.log"
+    app = wine.popen(["wine", wine.dir / "Potluck-App.exe", "--tour", wine.win_path(out), "--tour-link"], log=log)
     try:
-        deadline = time.time() + 1200
+        # well inside pytest's timeout: a tour that stalls fails here, saying where it stood
+        deadline = time.time() + 660
         while not (out / LINK_READY).exists():
-            assert app.poll() is None, app.stdout.read()[-3000:] + _tour(out)
-            assert time.time() < deadline, "the app's tour never reached its link step" + _tour(out)
+            assert app.poll() is None, _tail(log) + _tour(out)
+            assert time.time() < deadline, "the app's tour never reached its link step" + _tail(log) + _tour(out)
             time.sleep(1)
         # a link clicked in a chat app: Windows runs the potluck:// handler the installer
         # registered, a second Potluck-App.exe, which hands the link to the running app
         wine.merge_user_classes("potluck")
         p = wine.run(["wine", "start", "potluck://join/4821-917305"], timeout=300, wait=False)
         assert p.returncode == 0, p.stdout + p.stderr
-        app.wait(600)
+        try:
+            app.wait(300)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the app never took the link and finished its tour" + _tail(log) + _tour(out))
     finally:
         if app.poll() is None:
             app.kill()
@@ -235,6 +242,10 @@ def test_the_desktop_app_from_its_start_menu_target_answers_and_opens_links(wine
     assert steps["link"]["code"] == "4821-917305", steps["link"]
     for png in ("chat-answered.png", "tray-menu.png", "host-dialog.png", "join-from-link.png"):
         assert (out / png).stat().st_size > 2000, png
+
+
+def _tail(log: Path) -> str:
+    return "\n" + log.read_text(encoding="utf-8", errors="replace")[-3000:] if log.exists() else ""
 
 
 def _tour(out: Path) -> str:

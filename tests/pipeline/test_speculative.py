@@ -314,10 +314,10 @@ def test_speculation_says_tokens_per_trip_and_acceptance_where_it_ran():
     from engine.core.speculation import describe
 
     ran = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4, "acceptance": 0.712, "rounds": 30}
-    assert describe(ran) == "guessing ahead: 2.4 tokens a trip around the computers, 71% of guesses right"
+    assert describe(ran) == "guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right"
     drafted = dict(ran, draft="SmolLM2-135M-Instruct (nf4)")
-    assert describe(drafted) == ("guessing ahead (SmolLM2-135M-Instruct (nf4)): 2.4 tokens a trip around the "
-                                 "computers, 71% of guesses right")
+    assert describe(drafted) == ("guessing ahead (SmolLM2-135M-Instruct (nf4)): 2.4 tokens a pass through the "
+                                 "model, 71% of guesses right")
     # off, on but nothing drafted yet, or a head too old to say: nothing
     assert describe(dict(ran, mode="off")) == ""
     assert describe(dict(ran, acceptance=None, tokens_per_trip=1.0)) == ""
