@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent / "wine"
@@ -97,16 +98,21 @@ class Wine:
         return p
 
     def popen(self, cmd, env=None, log: Path | None = None) -> subprocess.Popen:
-        """A program left running. With `log` its output goes to that file: a pipe that
-        nobody reads while the program runs fills at 64 KiB and then blocks it."""
-        out = open(log, "w", encoding="utf-8") if log is not None else subprocess.PIPE
-        try:
-            return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, encoding="utf-8", errors="replace",
-                                    env={**self.env, **(env or {})}, cwd=str(self.home))
-        finally:
-            if log is not None:
-                out.close()   # the child holds its own copy
+        """A program left running. With `log`, a thread drains its output into that file
+        as it comes: a pipe that nobody reads while the program runs fills at 64 KiB and
+        then blocks it (and a file instead of the pipe the embedded Python refuses)."""
+        p = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, encoding="utf-8", errors="replace",
+                             env={**self.env, **(env or {})}, cwd=str(self.home))
+        if log is not None:
+            def drain():
+                with open(log, "w", encoding="utf-8") as f:
+                    for line in p.stdout:
+                        f.write(line)
+                        f.flush()
+
+            threading.Thread(target=drain, daemon=True).start()
+        return p
 
     def wait(self, timeout: float = 600):
         """Until every process in the prefix has ended (the uninstaller re-launches itself)."""

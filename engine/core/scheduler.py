@@ -119,6 +119,10 @@ class Scheduler:
         self.lane: Seq | None = None
         self._lane_need = 0      # what the lane's sequence reserved (its prompt may be cut short)
         self.reserved = 0
+        # KV tokens that ended replies leave on every stage for their follow-up
+        # (core/kept_prefixes.py): the head sets it, and lets them go when a request needs
+        # the room (room_wanted)
+        self.kept = 0
         self._retuned_at = -math.inf
         self._last_steps: dict[int, int] = {}  # step counters of removed micro-batches (stale frames)
 
@@ -245,6 +249,14 @@ class Scheduler:
             g.step += 1
         return launch
 
+    def room_wanted(self) -> int:
+        """KV tokens the first waiting request lacks while ended replies are kept for
+        their follow-ups: that many of them must go before it can start (0: none waits,
+        or it fits)."""
+        if not self.waiting or not self.kept:
+            return 0
+        return max(0, min(self.kept, self.reserved + self.kept + self.waiting[0].need - self.capacity))
+
     def _drop_trailing(self, k: int) -> None:
         while len(self.groups) > k and not self.groups[-1].seqs and not self.groups[-1].in_flight:
             self._last_steps[self.groups[-1].id] = self.groups[-1].step
@@ -263,7 +275,7 @@ class Scheduler:
             return None
         for i, seq in enumerate(self.waiting):
             if self._laned(seq):
-                if self.reserved + seq.need > self.capacity:
+                if self.reserved + self.kept + seq.need > self.capacity:
                     return None  # wait for KV memory to come back
                 self.waiting.pop(i)
                 self._lane_need = seq.need
@@ -295,7 +307,7 @@ class Scheduler:
             # a request and its forks join together; alone in a micro-batch, whatever n
             if size and size + 1 + len(seq.forks) > limit:
                 break
-            if self.reserved + seq.need > self.capacity:
+            if self.reserved + self.kept + seq.need > self.capacity:
                 break  # wait for KV memory to come back
             self.waiting.pop(i)
             self.reserved += seq.need

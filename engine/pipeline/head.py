@@ -39,6 +39,7 @@ from engine.model.sources import ModelError, ModelSource
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.core.compression import should_compress
 from engine.pipeline.hop_trace import HopTrace
+from engine.pipeline.kept_replies import KeptReplies
 from engine.pipeline.launch_ahead import StepsAhead, wanted
 from engine.pipeline.link import LinkSender
 from engine.core import precision
@@ -70,7 +71,8 @@ __all__ = ["Head", "PipelineError", "TokenLogprob", "Delta", "Done", "Sequence",
 log = logging.getLogger("potluck.head")
 
 
-class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, SpareLayers, TokenBookkeeping):
+class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, SpareLayers, TokenBookkeeping,
+           KeptReplies):
     def __init__(self, source: ModelSource, stage_addresses: list[str] | None = None, *,
                  layers: list[tuple[int, int]] | None = None, micro_batches: int | None = None,
                  dtype: str = "auto", device: str = "auto", kv_budget_tokens: int | None = None,
@@ -81,8 +83,11 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                  solo_cores: bool = False,
                  hop=None, memory_cap: int | None = None,
                  wait_timeout: float = 300.0, speculate: str | None = None, spec_policy: SpecPolicy | None = None,
-                 draft: str | None = None):
+                 draft: str | None = None, keep_replies: int | None = None):
         self.source = source
+        # ended replies' KV kept on the stages for their follow-ups (kept_replies.py;
+        # None: core/kept_prefixes.py's MOST of them, 0: none)
+        self._init_kept(keep_replies)
         # speculative decoding (issue 34): "auto" drafts (prompt lookup, or the draft model)
         # where the policy (engine/core/speculation.py) says it pays, "off" never (None:
         # POTLUCK_SPECULATE, else auto: replies are token-identical either way -- test_pipeline,
@@ -221,15 +226,17 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
     async def _step0(self, decode: bool, batch: StageBatch, x: torch.Tensor,
-                     forks: dict[int, list[int]] | None = None) -> torch.Tensor:
+                     forks: dict[int, list[int]] | None = None, opening: dict | None = None) -> torch.Tensor:
         """Stage 0's share of a step: decode steps cut into prompt steps (compute
-        "decode-first"), or everything in arrival order ("in-order"). Then the step's
+        "decode-first"), or everything in arrival order ("in-order"). Kept replies are let
+        go or taken over first (`opening`: kept_replies.py), and after it the step's
         forks (a request's other choices) copy their parent's KV, as every stage does."""
         cut_in = decode and self.compute == "decode-first"
 
         def run():
             self.trace("compute")
             with self.stage0.gate.step(decode=cut_in):
+                self._apply_opening(opening)
                 out = self.stage0.forward(batch, x)
                 self.trace("forwarded")   # on a GPU: launched, waited for below
                 for parent, children in (forks or {}).items():
@@ -372,6 +379,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             # layers held beside the slices, so that a stage lost without notice costs no loading
             "spare_layers": self.spare_layers,
             "speculation": self.speculation(),
+            # ended replies cached on every stage for their follow-ups (kept_replies.py)
+            "kept": self.kept_info(),
             "events": self.events[-20:],
             "error": self.error,
         }
@@ -384,6 +393,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         if self.sched.retune_due(now):
             self.refresh_own_profile()
             self.sched.retune(now, self.profiles, self.link.sched.link if self.link is not None else None)
+        self._room_for_waiting()
         self.sched.lane_chunk = None
         # one stage, or stages sharing this machine's CPU (the default on a CPU): over a
         # link between machines, prompts travel in link-sized chunks instead (_stream_prompt)
@@ -408,9 +418,11 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         while s.prompt_len - s.pos > c and not s.done and not s.cancelled:
             s.in_flight = c
             batch = StageBatch([s.id], [s.pos], [c])
+            opening = self._opening([s])
             try:
                 t0 = time.monotonic()
-                out = await self._step0(False, batch, torch.tensor(src[s.pos:s.pos + c], dtype=torch.long))
+                out = await self._step0(False, batch, torch.tensor(src[s.pos:s.pos + c], dtype=torch.long),
+                                        opening=opening)
             except (ValueError, RuntimeError) as exc:
                 failed = step_failure(exc, self.device)
             s.in_flight = 0
@@ -421,8 +433,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             if self.remotes:
                 # on as a prompt chunk (micro-batch 0, step 0: a chunk's failure comes back
                 # as one, Head._on_tokens); the opening step follows it on every link
-                frame = frames.encode(frames.FrameType.ACTIVATIONS, 0, 0, {"rows": [[s.id, s.pos, c]], "partial": True},
-                                      out, q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
+                frame = frames.encode(frames.FrameType.ACTIVATIONS, 0, 0,
+                                      {"rows": [[s.id, s.pos, c]], "partial": True, **opening}, out, q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
                 try:
                     if self.link is None:
                         raise ConnectionClosed(None, None)   # let go mid-rearrangement
@@ -435,7 +447,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         if s.done:   # ended while a piece computed (the pipeline closing): its KV goes now
             if s.needs_free:
                 s.needs_free = False
-                asyncio.ensure_future(self._free_everywhere([s.id]))
+                self._end_kv(s)
         elif failed is not None:
             self._finish(s, "error", failed)
         elif s.cancelled and not self.remotes:
@@ -471,7 +483,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             for x in g.seqs:
                 if x.done and x.needs_free:
                     x.needs_free = False
-                    asyncio.ensure_future(self._free_everywhere([x.id]))
+                    self._end_kv(x)
             g.seqs = [x for x in g.seqs if not x.done]
         # A sequence that finished (cancelled, failed) after it joined this micro-batch
         # but before the step was built -- at submit time, or while prompts streamed
@@ -516,7 +528,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
             for s in g.seqs:  # no step to trail behind: free now
                 if s.needs_free:
                     s.needs_free = False
-                    asyncio.ensure_future(self._free_everywhere([s.id]))
+                    self._end_kv(s)
             g.seqs = []
             g.in_flight = False
             self._kick()
@@ -524,6 +536,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         batch = StageBatch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                            keep if drafted else None)
         x = torch.tensor(inputs, dtype=torch.long)
+        opening = self._opening([r.seq for r in step_rows])
         self._trips[g.id] = (time.monotonic(), drafted, not new)
         try:
             if self.remotes:
@@ -531,14 +544,14 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 t0 = time.monotonic()
                 if decode:
                     self.link.sched.decode_compute_started(t0, len(rows))
-                out = await self._step0(decode, batch, x, forks)
+                out = await self._step0(decode, batch, x, forks, opening)
                 if epoch != self.recovery.epoch:
                     return  # computed for stages that are gone: its sequences are replayed
                 t1 = time.monotonic()
                 if decode:
                     self.link.sched.decode_compute_finished(t1)
                 kind = "decode" if decode else "prefill"
-                meta = {"rows": rows, "new": new}
+                meta = {"rows": rows, "new": new, **opening}
                 if checked:  # the last stage penalizes each position after the draft before it
                     meta["drafts"] = {str(k): v for k, v in checked.items()}
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step, meta, out,
@@ -552,7 +565,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 goes_on = [len(r.seq.generated) + 2 <= r.seq.params.max_tokens
                            and len(r.seq.prompt) + len(r.seq.generated) + 2 <= self.context_length
                            for r in step_rows] if self._launch_ahead else None
-                entries = await self._run(self._local_last, batch, x, new, forks, checked, goes_on, epoch)
+                entries = await self._run(self._local_last, batch, x, new, forks, checked, goes_on, epoch, opening)
                 if epoch != self.recovery.epoch:
                     return
                 self._on_tokens(g.id, g.step, entries, [])
@@ -580,16 +593,17 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         while s.prompt_len - s.pos > c and not s.done:
             batch = StageBatch([s.id], [s.pos], [c])
             x = torch.tensor(src[s.pos: s.pos + c], dtype=torch.long)
+            opening = self._opening([s])
             try:
                 t0 = time.monotonic()
-                out = await self._step0(False, batch, x)
+                out = await self._step0(False, batch, x, opening=opening)
             except (ValueError, RuntimeError) as exc:
                 self._finish(s, "error", step_failure(exc, self.device))
                 raise
             if epoch != self.recovery.epoch:
                 return
             frame = frames.encode(frames.FrameType.ACTIVATIONS, g.id, g.step,
-                                {"rows": [[s.id, s.pos, c]], "partial": True}, out,
+                                {"rows": [[s.id, s.pos, c]], "partial": True, **opening}, out,
                                 q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
             s.pos += c
             s.in_flight -= c
@@ -611,7 +625,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         """Sequences the pipeline holds now (admitted, not finished), all micro-batches."""
         return sum(1 for g in self.groups for s in g.seqs if not s.done)
 
-    def _local_last(self, batch, x, new, forks, drafts, goes_on=None, epoch=None):
+    def _local_last(self, batch, x, new, forks, drafts, goes_on=None, epoch=None, opening=None):
+        self._apply_opening(opening)
         if self.sampler.grammars is None:   # loads nothing until a request has a schema
             self.sampler.grammars = Grammars(lambda: self.tokenizer, self.stage0.vocab_size)
         self.sampler.open_new(new, self.stage0.vocab_size)

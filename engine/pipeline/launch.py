@@ -61,6 +61,8 @@ class PipelineConfig:
     draft: str | None = None              # a draft model 'MODEL[@WEIGHTS]' beside stage 0 (engine/model/draft.py)
     pipeline: str = "local"               # the name stages check at hello
     memory_cap_mb: float | None = None    # the most memory the head's own stage may use (None: what is free)
+    # ended replies kept cached for their follow-ups (None: pipeline/kept_replies.py's default, 0: none)
+    keep_replies: int | None = None
     # when a stage leaves and the ones left cannot hold the model: how long requests wait
     # for a machine to join (or come back) before they fail
     wait_timeout: float = 300.0
@@ -127,7 +129,8 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 solo_cores=local is None and not threads,
                 hop=cfg.hop, weights=cfg.weights, say=say, same_machine=local is not None,
                 memory_cap=None if cfg.memory_cap_mb is None else int(cfg.memory_cap_mb * 2**20),
-                wait_timeout=cfg.wait_timeout, speculate=cfg.speculate, draft=cfg.draft)
+                wait_timeout=cfg.wait_timeout, speculate=cfg.speculate, draft=cfg.draft,
+                keep_replies=cfg.keep_replies)
     try:
         await head.start()
     except BaseException:

@@ -118,6 +118,19 @@ class StepsAhead:
         self.rows = [AheadRow(sid, start, tok[sid]) for sid, start in self._pending if sid in tok]
         self._pending = []
 
+    def forget(self, seq_ids) -> None:
+        """These sequences ended, or were taken over by a new request and cut back
+        (kept_replies.py): what was launched ahead for them is void."""
+        gone = set(seq_ids)
+        self._roll_back([a for a in self.rows if a.seq_id in gone]
+                        + [AheadRow(sid, start, -1) for sid, start in self._pending if sid in gone])
+        self._pending = [(sid, start) for sid, start in self._pending if sid not in gone]
+        stay = [i for i, a in enumerate(self.rows) if a.seq_id not in gone]
+        if len(stay) < len(self.rows):
+            # rows and logits go together, row i's logits at i
+            self.logits = self.logits[stay] if self.logits is not None and stay else None
+            self.rows = [self.rows[i] for i in stay]
+
     def _roll_back(self, rows) -> None:
         kv = self.stage.kv
         for a in rows:

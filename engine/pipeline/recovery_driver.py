@@ -360,6 +360,7 @@ class RecoveryDriver:
         live = sorted((s for s in self.seqs.values() if not s.done), key=lambda s: s.id)
         for s in live:
             s.rewind()
+        self._forget_kept()
         return live
 
     async def _ask(self, asks: list[Ask]) -> list[RemoteStage]:

@@ -81,6 +81,15 @@ class Sequence(Seq):
     # the draft model has yet to read this sequence's context: read it while its step is
     # in flight (Head._draft_on), draft from the round after
     draft_unread: bool = False
+    # an ended reply's sequence this one took over (core/kept_prefixes.py): the first
+    # `rewind_to` tokens of its prompt are cached on every stage already, and its first
+    # frame tells each stage to cut that KV back to them (None: nothing taken, or told)
+    rewind_to: int | None = None
+    finish: str = ""     # how it ended (Done's finish_reason), once it has
+    # kept replies let go to make room for this one: its first frame tells every stage,
+    # so the room is there when its step comes (a free on the control connection could
+    # arrive after it)
+    drops: list[int] = field(default_factory=list)
 
     @property
     def source_tokens(self) -> list[int]:
@@ -95,6 +104,7 @@ class Sequence(Seq):
         self.pos = self.in_flight = 0
         self.opened = self.needs_free = False
         self.draft = []   # a verification in flight on the old stages: its answer never comes
+        self.rewind_to, self.drops = None, []   # the new stages hold nothing kept
         # a choice still waiting for its parent's prompt replays as a prompt of its own
         self.forks, self.parent = [], None
 
@@ -203,6 +213,7 @@ class RequestIntake:
         if seq.need > self.capacity:
             raise ValueError(f"this request needs {seq.need} tokens of KV cache but the pipeline "
                              f"holds at most {self.capacity}; lower max_tokens or n, or shorten the prompt")
+        self._take_kept(seq)
         for s in seqs:
             self.seqs[s.id] = s
             # n > 1 choices decode side by side already; logprobs and grammars need each

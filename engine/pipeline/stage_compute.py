@@ -16,6 +16,7 @@ from engine.model.device import step_failure
 from engine.model.grammar import Grammars
 from engine.model.stage import StageBatch
 from engine.pipeline import step_rows
+from engine.pipeline.kept_replies import apply_opening
 from engine.wire import frames
 
 log = logging.getLogger("potluck.stage")
@@ -40,6 +41,8 @@ class StageCompute:
     def _gated_compute(self, queued: list[frames.Frame], cut_in: bool) -> list:
         self.trace("compute")
         with self.stage.gate.step(decode=cut_in):
+            for f in queued:   # kept replies let go or taken over, once, before any step of them
+                apply_opening(f.meta, self.stage, self.sampler)
             out = self._compute(queued)
         self.trace("computed")
         return out
@@ -164,7 +167,7 @@ class StageCompute:
             return out
         keep = {str(s) for s in ids}
         meta = {**frame.meta, "rows": good}
-        for part in ("new", "drafts"):
+        for part in ("new", "drafts", "rewind"):
             if part in meta:
                 meta[part] = {k: v for k, v in meta[part].items() if k in keep}
         kind = "decode" if step_rows.is_decode(frame) else "prefill"

@@ -54,7 +54,10 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        # 21: sampling carries min_p (an older last stage refuses the key)
                        # 22: "line_test" / "line_fill": the head times a machine's line before
                        #     it takes it back (engine/core/line_check.py)
-PROTOCOL_VERSION = 22
+                       # 23: an activation frame may carry "rewind" (a kept reply's sequence
+                       #     taken over, cut back) and "drop" (kept replies let go):
+                       #     engine/pipeline/kept_replies.py
+PROTOCOL_VERSION = 23
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head

@@ -4,7 +4,6 @@ A step's tokens back (drafts verified), each token appended and streamed, a sequ
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -89,7 +88,7 @@ class TokenBookkeeping:
         for s in g.seqs:
             if s.needs_free:
                 s.needs_free = False
-                asyncio.ensure_future(self._free_everywhere([s.id]))
+                self._end_kv(s)
         self.sched.on_result(g)
         self._kick()
 
@@ -117,6 +116,7 @@ class TokenBookkeeping:
         if s.done:
             return
         s.done = True
+        s.finish = reason
         if s.stop_text is not None:
             for text, (toks, lps) in s.stop_text.flush():   # what was held for a stop that never came
                 s.queue.put_nowait(Delta(text, toks, lps))
@@ -127,7 +127,11 @@ class TokenBookkeeping:
             if s.in_flight:
                 s.needs_free = True  # its step is still on some stage
             else:
-                asyncio.ensure_future(self._free_everywhere([s.id]))
+                self._end_kv(s)
+        elif s.rewind_to is not None:
+            # it took a kept reply over but never went out: the stages still hold that
+            # reply (kept again, or freed)
+            self._end_kv(s)
         now = time.perf_counter()
         s.queue.put_nowait(Done(reason, len(s.prompt), len(s.generated), error,
                                 None if s.t_first is None else s.t_first - s.t_submit, now - s.t_submit))

@@ -192,7 +192,7 @@ def _is_logprob(v) -> bool:
 def _check_meta(f: Frame) -> None:
     m = f.meta
     if f.type == FrameType.ACTIVATIONS:
-        allowed = {"rows", "new", "partial", "drafts"}
+        allowed = {"rows", "new", "partial", "drafts", "rewind", "drop"}
         if set(m) - allowed or "rows" not in m:
             raise FrameError(f"activation metadata must have keys {sorted(allowed)}")
         if not isinstance(m.get("partial", False), bool):
@@ -224,6 +224,21 @@ def _check_meta(f: Frame) -> None:
                 raise FrameError(f"draft for {k!r}, which this step does not verify")
             if not (isinstance(d, list) and len(d) == sizes[int(k)] - 1 > 0 and all(_is_uint(t, 2**31) for t in d)):
                 raise FrameError("a draft must list the row's n - 1 drafted token ids")
+        # rewind: {seq_id: n}, a kept reply's sequence this step's row takes over, its KV
+        # cut back to the n tokens the row starts after (engine/pipeline/kept_replies.py)
+        rewind = m.get("rewind", {})
+        if not isinstance(rewind, dict) or len(rewind) > MAX_ROWS:
+            raise FrameError("rewind must be an object")
+        starts = {r[0]: r[1] for r in rows}
+        for k, n in rewind.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 16) or int(k) not in seen:
+                raise FrameError(f"rewind for {k!r}, which is not in this step")
+            if not (_is_uint(n) and n == starts[int(k)]):
+                raise FrameError("a rewind keeps the tokens its row starts after")
+        # drop: kept replies let go before this step (room for it); none of its rows
+        drop = m.get("drop", [])
+        if not (isinstance(drop, list) and len(drop) <= MAX_ROWS and all(_is_uint(d) and d not in seen for d in drop)):
+            raise FrameError(f"drop must list at most {MAX_ROWS} sequences this step does not compute")
         forked = set()
         for k, v in new.items():
             # isascii: int() rejects some str.isdigit() characters ('²'); len: 2**53 has 16 digits

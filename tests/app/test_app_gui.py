@@ -578,7 +578,7 @@ def test_every_window_speaks_plainly(qtbot, live):
                 w.close()
 
 
-def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
+def test_stop_mid_reply_leaves_only_its_kept_reply_and_the_follow_up_takes_it_over(qtbot, live):
     chat, c = live.chat, live.c
     chat.new_conversation()
     assert chat.send("Write a very long story about a dragon who learns to bake bread. Use at least 400 words.")
@@ -590,11 +590,15 @@ def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
     assert info["finish_reason"] == "cancelled"
 
     def freed():
+        # nothing runs, and every stage holds the replies the head keeps for their
+        # follow-ups (the stopped one among them), nothing else
         h = c.status.get("hosting") or {}
-        return (h.get("kv_used_tokens") == 0 and h.get("running") == 0
-                and all(s.get("kv_tokens") == 0 for s in h.get("stages", [])))
+        kept = h.get("kept") or {}
+        return (h.get("running") == 0 and kept.get("replies", 0) >= 1
+                and all(s.get("seqs") == kept["replies"] for s in h.get("stages", [])))
 
     qtbot.waitUntil(freed, timeout=60_000)
+    hits = c.status["hosting"]["kept"]["hits"]
     assert "stopped" in chat.tl.itemAt(chat.tl.count() - 2).widget().stats.text()
     # opened again from the list, the reply still says it was stopped
     cid = chat.conversation_id
@@ -608,6 +612,8 @@ def test_stop_mid_reply_frees_kv_on_every_stage(qtbot, live):
         assert wait_reply(qtbot, chat)["finish_reason"] in ("stop", "length")
     finally:
         c.settings.max_tokens = 400
+    # the follow-up computed only what is new: it took the stopped reply's KV over
+    qtbot.waitUntil(lambda: c.status["hosting"]["kept"]["hits"] > hits, timeout=30_000)
 
 
 def test_bad_messages(qtbot, live):

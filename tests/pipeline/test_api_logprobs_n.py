@@ -16,6 +16,7 @@ import math
 import pytest
 
 from engine.core.sampling import SamplingParams
+from testkit.freed import all_freed
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 FRUIT = [{"role": "user", "content": "Name a fruit and say why you like it."}]
@@ -152,6 +153,7 @@ async def test_n2_greedy_gives_two_identical_choices_and_counts_the_prompt_once(
 async def test_n_choices_share_one_prefill(pipeline, monkeypatch):
     """A request's n choices compute and send their prompt once: stage 0 sees one prompt
     row, and the others start from a copy of its KV on every stage."""
+    await pipeline.drop_kept()   # an earlier test's reply to this prompt would be taken over
     prompt = pipeline.chat_prompt(FRUIT)
     rows = []
     forward = pipeline.stage0.forward
@@ -175,11 +177,7 @@ async def test_n_choices_share_one_prefill(pipeline, monkeypatch):
     assert [t for t, _ in again] == [t for t, _ in results]
     assert len({t for t, _ in results}) > 1
     # and nothing is left behind on any stage
-    for _ in range(100):
-        if all(s["seqs"] == 0 for s in await pipeline.stage_stats()):
-            break
-        await asyncio.sleep(0.05)
-    assert all(s["seqs"] == 0 for s in await pipeline.stage_stats())
+    await all_freed(pipeline)
 
 
 async def test_n2_streamed_chat_sends_each_choices_index(client):

@@ -27,6 +27,7 @@ from engine.core.sampling import SamplingParams
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import launch
 from testkit.streams import tiny_head, tokens, until
+from testkit.freed import all_freed
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
            "What is 12 times 12?"]
@@ -60,16 +61,6 @@ async def replies(head, asks: list[tuple[str, SamplingParams]], on_token=None) -
         return toks
 
     return await asyncio.wait_for(asyncio.gather(*(one(i, h) for i, h in enumerate(handles))), 300)
-
-
-async def all_freed(head, timeout=15):
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await head.stage_stats()
-        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
-            return stats
-        assert time.monotonic() < deadline, stats
-        await asyncio.sleep(0.2)
 
 
 # An uninterrupted run's replies (greedy, seeded), taken once for the module: every

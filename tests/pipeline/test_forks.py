@@ -18,6 +18,7 @@ from engine.core.sampling import SamplingParams
 from engine.model.sources import resolve
 from engine.pipeline.head import Delta, Done, Head
 from engine.pipeline.stage_server import StageServer
+from testkit.freed import all_freed
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -47,12 +48,7 @@ async def start_head(folder, addrs, **kw) -> Head:
 
 
 async def wait_freed(head, timeout: float = 10.0):
-    for _ in range(int(timeout / 0.05)):
-        stats = await head.stage_stats()
-        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"KV still held: {await head.stage_stats()}")
+    await all_freed(head, timeout)
 
 
 PROMPT = list(range(5, 45))

@@ -33,6 +33,7 @@ from engine.core.partition import parse_layers
 from engine.core.sampling import SamplingParams
 from engine.pipeline.stage_server import PROTOCOL_VERSION, StageServer, connect_stage
 from engine.wire.stage_auth import HelloOpener
+from testkit.freed import all_freed
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGE_CMD = ("engine", "stage", "--announce")
@@ -56,15 +57,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 async def wait_freed(head, timeout: float = 10.0) -> list[dict]:
-    """Poll every stage until it holds no sequence and no cached token."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await head.stage_stats()
-        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV still held after {timeout}s: {stats}")
-        await asyncio.sleep(0.1)
+    """Every stage holds no sequence and no cached token, once the head lets its kept replies go."""
+    return await all_freed(head, timeout)
 
 
 async def start_head(source: ModelSource, addrs: list[str], **kw) -> Head:

@@ -17,6 +17,7 @@ import pytest
 from engine.core.sampling import SamplingParams
 from engine.pipeline.launch import PipelineConfig, launch
 from testkit.streams import tokens as collect
+from testkit.freed import all_freed
 
 LONG = "The history of the world is long, and nobody has read all of it. " * 140   # ~2,100 tokens
 
@@ -81,9 +82,4 @@ async def test_a_long_prompt_given_up_on_stops_at_its_next_piece(head):
 
 async def freed(head):
     """Every stage let the sequences go (a piece that came late would cache one again)."""
-    for _ in range(100):
-        stats = await head.stage_stats()
-        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"still cached: {stats}")
+    await all_freed(head, 10)

@@ -26,6 +26,7 @@ from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import launch
+from testkit.freed import all_freed
 
 QUOTE = ("Repeat exactly, word for word: The quick brown fox jumps over the lazy dog. "
          "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!")
@@ -236,16 +237,6 @@ async def test_max_tokens_is_never_passed_by_a_draft(head):
         plain(head)
     assert len(toks) == done.completion_tokens <= 7
     await all_freed(head)
-
-
-async def all_freed(head, timeout=15):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        stats = await head.stage_stats()
-        if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
-            return stats
-        assert asyncio.get_running_loop().time() < deadline, stats
-        await asyncio.sleep(0.1)
 
 
 async def test_a_draft_model_gives_the_same_replies_and_its_drafts_stand(head):

@@ -244,6 +244,17 @@ def test_deeply_nested_meta_is_a_frame_error():
     ({"rows": [[0, 0, 2]], "drafts": {"0": [2**31]}}, "n - 1 drafted"),
     ({"rows": [[0, 0, 2]], "drafts": {"0": [True]}}, "n - 1 drafted"),
     ({"rows": [[0, 0, 2]], "drafts": {"0": "5"}}, "n - 1 drafted"),
+    # a kept reply taken over by a row (cut back to where the row starts), kept ones let go
+    ({"rows": [[0, 4, 2]], "rewind": []}, "rewind must be an object"),
+    ({"rows": [[0, 4, 2]], "rewind": {"1": 4}}, "not in this step"),
+    ({"rows": [[0, 4, 2]], "rewind": {"x": 4}}, "not in this step"),
+    ({"rows": [[0, 4, 2]], "rewind": {"0": 3}}, "the tokens its row starts after"),
+    ({"rows": [[0, 4, 2]], "rewind": {"0": -1}}, "the tokens its row starts after"),
+    ({"rows": [[0, 4, 2]], "rewind": {"0": True}}, "the tokens its row starts after"),
+    ({"rows": [[0, 4, 2]], "drop": {"1": 1}}, "drop must list"),
+    ({"rows": [[0, 4, 2]], "drop": [0]}, "drop must list"),
+    ({"rows": [[0, 4, 2]], "drop": [-3]}, "drop must list"),
+    ({"rows": [[0, 4, 2]], "drop": list(range(1, 5000))}, "drop must list"),
 ])
 def test_activation_meta_violations(meta, match):
     rejects(raw_frame(meta=meta, dims=(2, 3)), match)
@@ -255,6 +266,9 @@ def test_activation_meta_valid_edges():
     assert ok.meta["rows"][0][0] == 2**53 - 1
     ok = decode(raw_frame(meta={"rows": [[7, 30, 2]], "drafts": {"7": [2**31 - 1]}}))
     assert ok.meta["drafts"] == {"7": [2**31 - 1]}
+    ok = decode(raw_frame(meta={"rows": [[7, 30, 2]], "rewind": {"7": 30}, "drop": [8, 2**53 - 1],
+                                "partial": True}))
+    assert ok.meta["rewind"] == {"7": 30} and ok.meta["drop"] == [8, 2**53 - 1]
 
 
 def test_activation_needs_2d_tensor():

@@ -1,0 +1,141 @@
+"""An ended reply's KV kept on every stage for its follow-up: KeptReplies (a mixin of Head).
+
+The decisions are core/kept_prefixes.py's; this is where they meet the sequences and the
+stages. A reply that ends well leaves its sequence cached everywhere instead of freeing
+it; a new request whose prompt starts with the same tokens takes that sequence over
+(submit), and its first frame tells every stage to cut the sequence's KV back to where
+the prompts part (`rewind`), so the stages compute only what is new. Kept replies that a
+request needs the room of go in that request's first frame (`drop`): on the same path,
+ahead of its step, so the room is there when the step arrives (and on the control
+connection, so that they go even where that frame never gets).
+
+On the wire (protocol 23) an activation frame may carry `rewind` {seq_id: n} and `drop`
+[seq_id, ...]; every stage applies them before it computes the frame (apply_opening).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from engine.core.kept_prefixes import KeptPrefixes
+
+if TYPE_CHECKING:
+    from engine.pipeline.requests import Sequence
+
+log = logging.getLogger("potluck.head")
+
+KEEP_AFTER = ("stop", "length", "cancelled")   # an error's KV may be half written: it goes
+
+
+def apply_opening(meta: dict, stage, sampler) -> None:
+    """A frame's `drop` and `rewind`, on this stage (its compute thread, before the
+    frame's step): kept replies let go, taken-over sequences cut back. A rewind this
+    stage cannot do (the sequence is not here, or shorter) is left: the row's step then
+    fails with the reason, as any row that does not fit the cache does."""
+    for sid in meta.get("drop", ()):
+        stage.free(sid)
+        if sampler is not None:
+            sampler.close(sid)
+    for k, n in meta.get("rewind", {}).items():
+        sid = int(k)
+        if stage.kv.has(sid) and n <= stage.kv.length(sid):
+            stage.kv.truncate(sid, n)
+        else:
+            log.warning("sequence %d: %d kept tokens to resume from, but %s here", sid, n,
+                        f"{stage.kv.length(sid)} are cached" if stage.kv.has(sid) else "none is cached")
+
+
+class KeptReplies:
+    """Head's kept replies (self.kept, self.sched, self.recovery, self._free_everywhere are Head's)."""
+
+    def _init_kept(self, most: int | None):
+        self.kept = KeptPrefixes() if most is None else KeptPrefixes(most=most)
+
+    def _kept_changed(self):
+        self.sched.kept = self.kept.tokens
+
+    def _take_kept(self, seq: "Sequence"):
+        """A new request whose prompt starts as a kept reply's tokens: it takes that
+        sequence over, and only the rest of its prompt is computed."""
+        if self.recovering or self.error:
+            return   # the stages are being rearranged: what they kept is gone
+        hit = self.kept.take(seq.prompt)
+        if hit is None:
+            return
+        seq.id, seq.pos = hit
+        seq.rewind_to = seq.pos
+        self._kept_changed()
+
+    def _opening(self, seqs) -> dict:
+        """What the stages must do before the first step of these sequences (the frame's
+        `drop` and `rewind`); each sequence says it once."""
+        ops: dict = {}
+        for s in seqs:
+            if s.drops:
+                ops.setdefault("drop", []).extend(s.drops)
+                s.drops = []
+            if s.rewind_to is not None:
+                ops.setdefault("rewind", {})[str(s.id)] = s.rewind_to
+                s.rewind_to = None
+        return ops
+
+    def _apply_opening(self, ops: dict):
+        """The head's own stage does what the frame will tell the others (compute thread)."""
+        if not ops:
+            return
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:   # a position launched ahead for a sequence that ended is void
+            ahead.forget([*ops.get("drop", ()), *(int(k) for k in ops.get("rewind", {}))])
+        apply_opening(ops, self.stage0, self.sampler)
+
+    def _room_for_waiting(self):
+        """Kept replies go, least recently used first, when the next request needs their room."""
+        short = self.sched.room_wanted()
+        if short:
+            ids = self.kept.evict(short)
+            self._kept_changed()
+            # in its first frame, ahead of its step on every stage; and on the control
+            # connection too, so that they go even where that frame never gets (a stage
+            # before it failed the step): a second free is nothing
+            self.sched.waiting[0].drops.extend(ids)
+            asyncio.ensure_future(self._free_everywhere(ids))
+        gone = self.kept.expired(time.monotonic())
+        if gone:
+            self._kept_changed()
+            asyncio.ensure_future(self._free_everywhere(gone))
+
+    def _end_kv(self, s: "Sequence"):
+        """A sequence ended and no step of it is on any stage: its KV is kept for a
+        follow-up, or freed. What went into the model is its first `pos` tokens."""
+        free, s.drops = [], []   # (those were freed when they were let go)
+        if s.finish in KEEP_AFTER and not self.recovering and not self.error:
+            # prompt + generated is the stream a replay starts over from too
+            free += self.kept.keep(s.id, (s.prompt + s.generated)[:s.pos], time.monotonic())
+            self._kept_changed()
+            if s.id in self.kept:
+                # asked again once it has been unused long enough to let go (_room_for_waiting)
+                asyncio.get_running_loop().call_later(self.kept.idle_s + 1, self._kick)
+        else:
+            free.append(s.id)
+        if free:
+            asyncio.ensure_future(self._free_everywhere(free))
+
+    def _forget_kept(self):
+        """The stages are being rearranged: nothing kept survives it."""
+        self.kept.clear()
+        self._kept_changed()
+
+    async def drop_kept(self):
+        """Every kept reply let go now, on every stage (the stages then hold only live
+        sequences: what the tests' leak checks count)."""
+        ids = self.kept.clear()
+        self._kept_changed()
+        if ids:
+            await self._free_everywhere(ids)
+
+    def kept_info(self) -> dict:
+        k = self.kept
+        return {"replies": len(k), "tokens": k.tokens, "hits": k.hits, "reused_tokens": k.reused_tokens}

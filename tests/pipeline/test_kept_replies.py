@@ -1,0 +1,144 @@
+"""An ended reply's KV kept on every stage for its follow-up (engine/pipeline/kept_replies.py).
+
+A chat sends the whole conversation every turn. The follow-up must compute only what is
+new on every stage and reply token for token as it would from scratch: on the pipeline
+`potluck chat` starts by default (the real model), and on tiny models over stage
+processes where kept replies fill the cache and must make room, and where a request of
+n choices forks from a reply it took over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.core.sampling import SamplingParams
+from engine.model.sources import resolve
+from engine.pipeline.head import Delta, Done, Head
+from engine.pipeline.launch import PipelineConfig, launch
+from testkit.freed import all_freed
+
+STORY = "Here is a list. " + " ".join(f"Item {i} is a {c} fruit." for i, c in
+                                      zip(range(60), ["red", "green", "yellow", "small"] * 15))
+
+
+async def reply(head, prompt, params) -> tuple[list[int], Done]:
+    toks = []
+    async for ev in head.submit(prompt, params):
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+        else:
+            return toks, ev
+    raise AssertionError("no Done event")
+
+
+def computed_by_stage0(head, counts: dict):
+    """Counts the tokens the head's own stage computes, per sequence."""
+    forward = head.stage0.forward
+
+    def counting(batch, x):
+        for sid, n in zip(batch.seq_ids, batch.ns):
+            counts[sid] = counts.get(sid, 0) + n
+        return forward(batch, x)
+
+    head.stage0.forward = counting
+
+
+async def test_a_follow_up_computes_only_what_is_new_and_replies_as_from_scratch():
+    # what `potluck chat` runs on a CPU: the default model and stage count, no options
+    pipe = await launch(PipelineConfig())
+    head = pipe.head
+    try:
+        assert head.n_stages == 2
+        params = SamplingParams(greedy=True, max_tokens=24)
+        turn = [{"role": "user", "content": STORY + " Which items are red?"}]
+        first, done = await reply(head, head.chat_prompt(turn), params)
+        assert done.finish_reason in ("stop", "length") and head.kept_info()["replies"] == 1
+        turn += [{"role": "assistant", "content": head.tokenizer.decode(first, skip_special_tokens=True)},
+                 {"role": "user", "content": "And which are green?"}]
+        prompt = head.chat_prompt(turn)
+        counts: dict[int, int] = {}
+        computed_by_stage0(head, counts)
+        follow, done = await reply(head, prompt, params)
+        kept = head.kept_info()
+        assert kept["hits"] == 1 and kept["reused_tokens"] > len(prompt) - 40, (kept, len(prompt))
+        # the new turn's tokens and the reply's steps (with drafts checked): a fraction of it
+        assert sum(counts.values()) < len(prompt) // 2, (counts, len(prompt))
+        # from scratch, nothing kept: the same reply, token for token
+        await head.drop_kept()
+        counts.clear()
+        again, _ = await reply(head, prompt, params)
+        assert again == follow and sum(counts.values()) >= len(prompt)
+        await all_freed(head)
+    finally:
+        await pipe.close()
+
+
+async def start_head(folder, addrs, **kw) -> Head:
+    head = Head(resolve(str(folder)), addrs, **kw)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()
+        raise
+    head.eos_ids = set()   # random weights: run to max_tokens
+    return head
+
+
+def turns(n: int, length: int = 40) -> list[list[int]]:
+    return [[5 + (i * 7 + j) % 200 for j in range(length)] for i in range(n)]
+
+
+async def test_kept_replies_make_room_and_forks_start_from_one_taken_over(tiny_folder, spare_stages):
+    """A cache of 200 tokens: four ended conversations of 49 fill it, so a follow-up of
+    the second lets the oldest go (in its first frame, ahead of its step), and n = 3
+    choices of that follow-up take its reply over, let the other two go and fork from it
+    on every stage. Every reply is the one a head that keeps nothing gives."""
+    folder, _ = tiny_folder("llama")
+    params = SamplingParams(greedy=True, max_tokens=10)
+    prompts = turns(4)
+    plain = await start_head(folder, spare_stages, kv_budget_tokens=200, keep_replies=0)
+    try:
+        want = [await reply(plain, p, params) for p in prompts]
+        follow = prompts[1] + want[1][0] + [9, 9, 9]
+        want_follow = await reply(plain, follow, params)
+        want_n = await asyncio.gather(*(h.text() for h in plain.submit_n(follow, params, 3)))
+        await all_freed(plain)
+    finally:
+        await plain.close()
+    head = await start_head(folder, spare_stages, kv_budget_tokens=200)
+    try:
+        for p, (toks, _) in zip(prompts, want):
+            assert (await reply(head, p, params))[0] == toks
+        assert len(head.kept) == 4 and head.kept.tokens == 4 * 49, head.kept_info()
+        assert all(s["seqs"] == 4 for s in await head.stage_stats())
+        # the follow-up takes the second over; 3 x 49 kept beside its 63 do not fit
+        got = await reply(head, follow, params)
+        assert got[0] == want_follow[0] and head.kept_info()["hits"] == 1
+        assert len(head.kept) == 3 and all(s["seqs"] == 3 for s in await head.stage_stats())
+        got_n = await asyncio.gather(*(h.text() for h in head.submit_n(follow, params, 3)))
+        assert [t for t, _ in got_n] == [t for t, _ in want_n] and head.kept_info()["hits"] == 2
+        assert len(head.kept) == 3      # the three choices; the two others went for their room
+        await all_freed(head)
+    finally:
+        await head.close()
+
+
+async def test_a_request_that_never_starts_gives_the_reply_it_took_over_back(tiny_folder, spare_stages):
+    """Cancelled while it waits: the stages still hold the kept reply it took over, which
+    is kept again (or freed), never left behind."""
+    folder, _ = tiny_folder("llama")
+    params = SamplingParams(greedy=True, max_tokens=10)
+    head = await start_head(folder, spare_stages[:1], kv_budget_tokens=160)
+    try:
+        a, b = turns(2)
+        first, _ = await reply(head, a, params)
+        # b (100 reserved) runs beside the kept reply (49); the follow-up of a (62) waits behind it
+        running = head.submit(b, SamplingParams(greedy=True, max_tokens=60))
+        waiting = head.submit(a + first + [3, 3], params)
+        assert waiting.seq.rewind_to is not None and len(head.kept) == 0
+        head.cancel(waiting.seq.id)
+        await running.text()
+        assert waiting.seq.id in head.kept
+        await all_freed(head)
+    finally:
+        await head.close()
