@@ -182,6 +182,9 @@ def main(argv=None) -> int:
     p.add_argument("--tour", metavar="DIR", default=None,
                    help="walk through the app (chat, tray menu, host dialog), save screenshots and "
                         "tour.json into DIR, and quit (checks an install; shows what the app shows)")
+    p.add_argument("--tour-timeout", type=float, default=900, metavar="SECONDS",
+                   help="with --tour: how long each wait (the engine, the pipeline, a reply) may take "
+                        "before the tour stops and says where (default 900)")
     p.add_argument("--tour-link", action="store_true",
                    help="with --tour: also wait for a potluck:// link from another launch")
     p.add_argument("--tour-friend", action="store_true",
@@ -272,8 +275,8 @@ def main(argv=None) -> int:
         from .tour import Tour
 
         def tour():
-            code = Tour(app, shell, controller, Path(args.tour)).run(wait_link=args.tour_link,
-                                                                     friend=args.tour_friend)
+            code = Tour(app, shell, controller, Path(args.tour), load_timeout=args.tour_timeout).run(
+                wait_link=args.tour_link, friend=args.tour_friend)
             shell.close()
             controller.shutdown()
             QApplication.exit(code)

@@ -74,7 +74,7 @@ class Tour:
         self.shell.open_chat()
         settle(self.app, 1.0)
         chat.send(question)
-        wait(self.app, lambda: not chat.generating, 600, "the reply")
+        wait(self.app, lambda: not chat.generating, min(600, self.load_timeout), "the reply")
         settle(self.app, 1.0)
         reply = chat.messages[-1].content if chat.messages and chat.messages[-1].role == "assistant" else ""
         self._step("chat", question=question, reply=reply, png=shoot(chat, self.out / name))
@@ -200,6 +200,9 @@ class Tour:
         except Exception as exc:   # the report says where it stopped; the app still quits
             self.report["ok"] = False
             self.report["error"] = f"{type(exc).__name__}: {exc}"
+            node = getattr(self.c, "node", None)   # and what the engine said last
+            self.report["engine_log"] = list(getattr(node, "log_lines", None) or [])[-40:]
+            self.report["status"] = {k: self.c.status.get(k) for k in ("state", "error")}
             return 1
         finally:
             self._step("end")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,9 @@ class KeptReplies:
     """Head's kept replies (self.kept, self.sched, self.recovery, self._free_everywhere are Head's)."""
 
     def _init_kept(self, most: int | None):
+        if most is None:   # POTLUCK_KEEP_REPLIES=0 keeps none (bench/follow_up.py's "before")
+            env = os.environ.get("POTLUCK_KEEP_REPLIES", "")
+            most = int(env) if env.isdigit() else None
         self.kept = KeptPrefixes() if most is None else KeptPrefixes(most=most)
 
     def _kept_changed(self):

@@ -210,7 +210,9 @@ def test_the_desktop_app_from_its_start_menu_target_answers_and_opens_links(wine
     assert "Potluck-App.exe".encode("utf-16-le") in lnk.read_bytes() or b"Potluck-App.exe" in lnk.read_bytes()
     out = wine.home / "tour"
     log = wine.home / "app.log"
-    app = wine.popen(["wine", wine.dir / "Potluck-App.exe", "--tour", wine.win_path(out), "--tour-link"], log=log)
+    # the tour gives up on a wait before this test does: its report then says where it stood
+    app = wine.popen(["wine", wine.dir / "Potluck-App.exe", "--tour", wine.win_path(out), "--tour-link",
+                      "--tour-timeout", "540"], log=log)
     try:
         # well inside pytest's timeout: a tour that stalls fails here, saying where it stood
         deadline = time.time() + 660

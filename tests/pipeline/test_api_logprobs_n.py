@@ -134,7 +134,11 @@ async def test_chat_logprobs_streamed(client):
             if ch.logprobs is not None:
                 content += ch.logprobs.content
     assert text == full.choices[0].message.content
-    assert [(e.token, e.logprob) for e in content] == [(e.token, e.logprob) for e in full.choices[0].logprobs.content]
+    assert [e.token for e in content] == [e.token for e in full.choices[0].logprobs.content]
+    # the second request takes the first's kept reply over: its prompt's last position is
+    # computed alone, not inside the whole prompt's step, so the float sums differ a little
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in full.choices[0].logprobs.content],
+                                                         abs=1e-4)
     check_chat_logprobs(content, text, 2)
 
 

@@ -1,0 +1,110 @@
+"""A conversation's follow-ups: kept replies against every turn computed from scratch.
+
+`potluck serve` as it starts (on a CPU: two stage processes sharing the cores) is sent a
+conversation the way a chat client sends one, the whole of it every turn: a long first
+message (a pasted document, --paste tokens) and then short follow-ups, each after the
+reply before it. Two servers run side by side, one as it starts (an ended reply's KV
+stays on every stage and the next turn takes it over: engine/pipeline/kept_replies.py)
+and one with POTLUCK_KEEP_REPLIES=0 (every turn's prompt computed on every stage again,
+as before); their turns alternate, so each runs alone on the cores. The table gives each
+turn's median time to first token over --repeat conversations, and the ratio; the
+replies must be the same text (greedy).
+
+What should hold: a follow-up's first token in about the time of its new message, not
+of the whole conversation; the first turn no slower.
+
+    .venv/bin/python bench/follow_up.py                 # ~4 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from busy_cpu import free_port, stop, wait_ready  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SENTENCE = "The river town kept its records in a ledger by the mill, one line a day. "   # ~17 tokens
+FOLLOW_UPS = ["Summarize that in one sentence.", "What is the ledger for?", "Say it again, shorter."]
+
+
+def turn(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+    """One streamed greedy reply: (seconds to its first token, its text)."""
+    body = json.dumps({"model": "default", "stream": True, "temperature": 0, "max_tokens": max_tokens,
+                       "messages": messages}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    t0, first, text = time.perf_counter(), None, []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            if delta and first is None:
+                first = time.perf_counter() - t0
+            text.append(delta)
+    return (first if first is not None else time.perf_counter() - t0), "".join(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paste", type=int, default=1500, help="tokens in the first message (default 1500)")
+    p.add_argument("--repeat", type=int, default=3, help="conversations per server (default 3)")
+    p.add_argument("--max-tokens", type=int, default=24)
+    args = p.parse_args()
+    servers = {}
+    for name, keep in (("kept", None), ("scratch", "0")):
+        port = free_port()
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env.pop("POTLUCK_KEEP_REPLIES", None)
+        if keep is not None:
+            env["POTLUCK_KEEP_REPLIES"] = keep
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", str(port)], cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        servers[name] = (port, proc)
+    try:
+        for port, proc in servers.values():
+            wait_ready(port, proc)
+            turn(port, [{"role": "user", "content": "Hello."}], 4)   # warm: the first allocations
+        times = {name: [[] for _ in range(1 + len(FOLLOW_UPS))] for name in servers}
+        same = True
+        for i in range(args.repeat):
+            # a new document each conversation: nothing of the last one is taken over
+            paste = f"Document {i}. " + SENTENCE * max(1, args.paste // 17)
+            convs = {name: [{"role": "user", "content": paste + " What happens in the town?"}] for name in servers}
+            for t in range(1 + len(FOLLOW_UPS)):
+                texts = {}
+                for name, (port, _) in servers.items():
+                    ttft, texts[name] = turn(port, convs[name], args.max_tokens)
+                    times[name][t].append(ttft)
+                    convs[name].append({"role": "assistant", "content": texts[name]})
+                    if t < len(FOLLOW_UPS):
+                        convs[name].append({"role": "user", "content": FOLLOW_UPS[t]})
+                same &= texts["kept"] == texts["scratch"]
+                print(f"  conversation {i + 1}, turn {t + 1}: "
+                      + ", ".join(f"{n} {times[n][t][-1]:.2f} s" for n in servers), flush=True)
+    finally:
+        for _, proc in servers.values():
+            stop(proc)
+    print(f"\nTime to first token, median of {args.repeat} conversations (a {args.paste}-token first "
+          f"message, then short follow-ups; `potluck serve` as it starts):\n")
+    print("| turn | kept replies (default) | from scratch (POTLUCK_KEEP_REPLIES=0) | kept / scratch |")
+    print("|---|---:|---:|---:|")
+    for t in range(1 + len(FOLLOW_UPS)):
+        a, b = statistics.median(times["kept"][t]), statistics.median(times["scratch"][t])
+        print(f"| {t + 1}{' (the paste)' if t == 0 else ''} | {a:.2f} s | {b:.2f} s | {a / b:.2f} |")
+    print(f"\nreplies the same text: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
