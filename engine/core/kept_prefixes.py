@@ -110,6 +110,10 @@ class KeptPrefixes:
             del self._kept[sid]
         return out
 
+    def next_expiry(self) -> float | None:
+        """When the least recently used will have been unused `idle_s` (None: nothing kept)."""
+        return min((k.since for k in self._kept.values()), default=None) if self._kept else None
+
     def clear(self) -> list[int]:
         out = list(self._kept)
         self._kept.clear()

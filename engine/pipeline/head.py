@@ -326,6 +326,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         self._disarm_spares()
         for s in list(self.seqs.values()):
             self._finish(s, "error", why, free=False)
+        self._forget_kept()
         for task in (self._recovery, self._watch):
             if task is not None and not task.done():
                 task.cancel()  # what it connected is closed below

@@ -57,9 +57,19 @@ class KeptReplies:
             env = os.environ.get("POTLUCK_KEEP_REPLIES", "")
             most = int(env) if env.isdigit() else None
         self.kept = KeptPrefixes() if most is None else KeptPrefixes(most=most)
+        self._kept_timer: asyncio.TimerHandle | None = None
 
     def _kept_changed(self):
+        """The scheduler counts what is kept, and the oldest kept reply is let go once it
+        has been unused long enough (_room_for_waiting, on the kick this timer gives)."""
         self.sched.kept = self.kept.tokens
+        if self._kept_timer is not None:
+            self._kept_timer.cancel()
+            self._kept_timer = None
+        oldest = self.kept.next_expiry()
+        if oldest is not None and not self.recovery.closed:
+            wait = max(0.0, oldest + self.kept.idle_s - time.monotonic()) + 0.5
+            self._kept_timer = asyncio.get_running_loop().call_later(wait, self._kick)
 
     def _take_kept(self, seq: "Sequence"):
         """A new request whose prompt starts as a kept reply's tokens: it takes that
@@ -119,16 +129,13 @@ class KeptReplies:
             # prompt + generated is the stream a replay starts over from too
             free += self.kept.keep(s.id, (s.prompt + s.generated)[:s.pos], time.monotonic())
             self._kept_changed()
-            if s.id in self.kept:
-                # asked again once it has been unused long enough to let go (_room_for_waiting)
-                asyncio.get_running_loop().call_later(self.kept.idle_s + 1, self._kick)
         else:
             free.append(s.id)
         if free:
             asyncio.ensure_future(self._free_everywhere(free))
 
     def _forget_kept(self):
-        """The stages are being rearranged: nothing kept survives it."""
+        """The stages are being rearranged, or the pipeline closes: nothing kept survives it."""
         self.kept.clear()
         self._kept_changed()
 

@@ -39,7 +39,9 @@ def test_the_least_recently_used_go_first_for_room_count_and_age():
     assert k.evict(25) == [2, 3]                      # 20 tokens were not enough room
     k.keep(4, CHAT, now=50)
     k.keep(5, CHAT, now=120)
+    assert k.next_expiry() == 50
     assert k.expired(now=160) == [4] and list(k.clear()) == [5] and k.tokens == 0
+    assert k.next_expiry() is None
     assert common_prefix([1, 2, 3], [1, 2]) == 2 and common_prefix([], [1]) == 0
 
 

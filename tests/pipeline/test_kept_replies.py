@@ -142,3 +142,20 @@ async def test_a_request_that_never_starts_gives_the_reply_it_took_over_back(tin
         await all_freed(head)
     finally:
         await head.close()
+
+
+async def test_a_kept_reply_nobody_follows_up_is_let_go_on_every_stage(tiny_folder, spare_stages):
+    folder, _ = tiny_folder("llama")
+    head = await start_head(folder, spare_stages[:1])
+    try:
+        head.kept.idle_s = 1.0   # (ten minutes as it ships)
+        await reply(head, turns(1)[0], SamplingParams(greedy=True, max_tokens=5))
+        assert len(head.kept) == 1 and all(s["seqs"] == 1 for s in await head.stage_stats())
+        for _ in range(100):     # nothing asks: the head's own timer lets it go
+            stats = await head.stage_stats()
+            if all(s["seqs"] == 0 and s["kv_tokens"] == 0 for s in stats):
+                break
+            await asyncio.sleep(0.1)
+        assert len(head.kept) == 0 and all(s["seqs"] == 0 for s in stats), stats
+    finally:
+        await head.close()
