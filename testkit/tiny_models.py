@@ -444,3 +444,19 @@ def build_tiny_model(arch: str, dir, shard_size=None, n_layers: int = N_LAYERS, 
     kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
     model.save_pretrained(str(dir), **kwargs)
     return model
+
+
+async def start_tiny_head(folder, addrs, **kw):
+    """A started head on a tiny checkpoint that runs every reply to max_tokens (random
+    weights would stop at a random end-of-text), closed again if it cannot start."""
+    from engine.model.sources import resolve
+    from engine.pipeline.head import Head
+
+    head = Head(resolve(str(folder)), addrs, **kw)
+    try:
+        await head.start()
+    except BaseException:
+        await head.close()
+        raise
+    head.eos_ids = set()
+    return head

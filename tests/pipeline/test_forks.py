@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from conftest import THREADS
 from engine.core.sampling import SamplingParams
-from engine.model.sources import resolve
-from engine.pipeline.head import Delta, Done, Head
+from engine.pipeline.head import Delta, Done
 from engine.pipeline.stage_server import StageServer
 from testkit.freed import all_freed
+from testkit.tiny_models import start_tiny_head as start_head
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -34,17 +33,6 @@ async def collect(handle) -> tuple[list[int], list, Done]:
         else:
             return toks, lps, ev
     raise AssertionError("no Done event")
-
-
-async def start_head(folder, addrs, **kw) -> Head:
-    head = Head(resolve(str(folder)), addrs, **kw)
-    try:
-        await head.start()
-    except BaseException:
-        await head.close()
-        raise
-    head.eos_ids = set()   # random weights: run to max_tokens
-    return head
 
 
 async def wait_freed(head, timeout: float = 10.0):

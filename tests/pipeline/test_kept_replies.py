@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 
 from engine.core.sampling import SamplingParams
-from engine.model.sources import resolve
-from engine.pipeline.head import Delta, Done, Head
+from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import PipelineConfig, launch
 from testkit.freed import all_freed
+from testkit.tiny_models import start_tiny_head as start_head
 
 STORY = "Here is a list. " + " ".join(f"Item {i} is a {c} fruit." for i, c in
                                       zip(range(60), ["red", "green", "yellow", "small"] * 15))
@@ -71,17 +71,6 @@ async def test_a_follow_up_computes_only_what_is_new_and_replies_as_from_scratch
         await all_freed(head)
     finally:
         await pipe.close()
-
-
-async def start_head(folder, addrs, **kw) -> Head:
-    head = Head(resolve(str(folder)), addrs, **kw)
-    try:
-        await head.start()
-    except BaseException:
-        await head.close()
-        raise
-    head.eos_ids = set()   # random weights: run to max_tokens
-    return head
 
 
 def turns(n: int, length: int = 40) -> list[list[int]]:
