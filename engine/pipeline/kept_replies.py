@@ -89,7 +89,8 @@ class KeptReplies:
         ops: dict = {}
         for s in seqs:
             if s.drops:
-                ops.setdefault("drop", []).extend(s.drops)
+                drop = ops.setdefault("drop", [])
+                drop.extend(d for d in s.drops if d not in drop)
                 s.drops = []
             if s.rewind_to is not None:
                 ops.setdefault("rewind", {})[str(s.id)] = s.rewind_to
@@ -111,10 +112,13 @@ class KeptReplies:
         if short:
             ids = self.kept.evict(short)
             self._kept_changed()
-            # in its first frame, ahead of its step on every stage; and on the control
-            # connection too, so that they go even where that frame never gets (a stage
-            # before it failed the step): a second free is nothing
-            self.sched.waiting[0].drops.extend(ids)
+            # in the first frame of whichever waiting request starts first (the scheduler
+            # may start one behind a long prompt that waits for the prompt lane), ahead of
+            # its step on every stage; and on the control connection too, so that they go
+            # even where that frame never gets (a stage before it failed the step): a
+            # second free is nothing
+            for w in self.sched.waiting:
+                w.drops.extend(ids)
             asyncio.ensure_future(self._free_everywhere(ids))
         gone = self.kept.expired(time.monotonic())
         if gone:
