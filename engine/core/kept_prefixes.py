@@ -62,6 +62,9 @@ class KeptPrefixes:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._kept
 
+    def ids(self) -> list[int]:
+        return list(self._kept)
+
     def keep(self, seq_id: int, tokens: list[int], now: float) -> list[int]:
         """A reply ended and its KV holds `tokens` (what went into the model: the prompt
         and the reply but its last token, which was drawn and never fed back). Returns

@@ -128,10 +128,11 @@ class SpeculationDriver:
         if not ks:
             return {}
         asks = [(sid, ctxs[sid], k) for sid, k in ks.items()]
-        live = [sid for sid, x in self.seqs.items() if not x.done]
+        # kept replies too: a follow-up that takes one over reads only its new tokens
+        live = [sid for sid, x in self.seqs.items() if not x.done] + self.kept.ids()
 
         def run():
-            drafter.retain(live)   # sequences that finished since: their draft KV goes
+            drafter.retain(live)   # sequences that finished since (and were not kept): their draft KV goes
             return drafter.draft(asks), drafter.seconds_per_token
 
         try:

@@ -15,7 +15,7 @@ def test_the_longest_common_start_is_taken_and_the_last_prompt_token_is_left_to_
     assert k.keep(2, CHAT[:10] + [7, 7, 7], now=1) == []
     follow_up = CHAT + [1, 2, 3]
     assert k.take(follow_up) == (1, len(CHAT))        # every kept token, the new ones to compute
-    assert 1 not in k and 2 in k and k.tokens == 13
+    assert 1 not in k and 2 in k and k.tokens == 13 and k.ids() == [2]
     # the same prompt again: its last token is computed, its logits draw the reply
     k.keep(3, CHAT, now=2)
     assert k.take(CHAT) == (3, len(CHAT) - 1)
