@@ -23,6 +23,7 @@ from engine.core.speculation import SpecPolicy
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import PipelineConfig, launch
 from engine.pipeline.launch_ahead import wanted
+from testkit.freed import all_freed
 
 QUESTIONS = ["Name three colors.", "What is the capital of France? Answer in one sentence.",
              "Count from one to ten.", "Write a haiku about the sea."]
@@ -67,13 +68,9 @@ async def both_ways(head, asks) -> tuple[list[list[int]], list[list[int]], objec
 
 
 async def freed(head):
-    """Every sequence's cache let go once its reply is done (a position launched ahead
-    for a finished reply must not outlive it)."""
-    for _ in range(100):
-        if not head.stage0.kv.seqs:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"still cached: {dict(head.stage0.kv.seqs)}")
+    """Every sequence's cache let go once its reply is done and the kept replies go (a
+    position launched ahead for a finished reply must not outlive it)."""
+    await all_freed(head, 5)
 
 
 async def test_greedy_replies_of_different_lengths_joining_mid_reply_are_the_same(head):
