@@ -13,7 +13,14 @@ replies must be the same text (greedy).
 What should hold: a follow-up's first token in about the time of its new message, not
 of the whole conversation; the first turn no slower.
 
+--link MBIT,MS: instead, a head and one stage process with every byte between them
+crossing an emulated home line (testkit/linkemu.py, as bench/weaklink.py builds it: the
+rate each way and the one-way delay), as a host and a friend's computer are. One head
+runs both modes, a conversation at a time: kept replies, then none kept (nothing of the
+other conversation matches).
+
     .venv/bin/python bench/follow_up.py                 # ~4 minutes on 2 cores
+    .venv/bin/python bench/follow_up.py --link 20,15    # a 20 Mbit/s line, 15 ms each way
 """
 
 from __future__ import annotations
@@ -55,12 +62,93 @@ def turn(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str]:
     return (first if first is not None else time.perf_counter() - t0), "".join(text)
 
 
+def conversation(i: int, paste_tokens: int) -> list[dict]:
+    # a new document each conversation: nothing of the last one is taken over
+    paste = f"Document {i}. " + SENTENCE * max(1, paste_tokens // 17)
+    return [{"role": "user", "content": paste + " What happens in the town?"}]
+
+
+def table(times: dict, args, where: str) -> None:
+    print(f"\nTime to first token, median of {args.repeat} conversations (a {args.paste}-token first "
+          f"message, then short follow-ups; {where}):\n")
+    print("| turn | kept replies (default) | from scratch (POTLUCK_KEEP_REPLIES=0) | kept / scratch |")
+    print("|---|---:|---:|---:|")
+    for t in range(1 + len(FOLLOW_UPS)):
+        a, b = statistics.median(times["kept"][t]), statistics.median(times["scratch"][t])
+        print(f"| {t + 1}{' (the paste)' if t == 0 else ''} | {a:.2f} s | {b:.2f} s | {a / b:.2f} |")
+
+
+async def over_a_line(args) -> int:
+    from engine.core.sampling import SamplingParams
+    from engine.pipeline.head import Delta, Head
+    from engine.pipeline.local import LocalStages
+    from engine.model.sources import resolve
+    from weaklink import Proxies
+
+    mbit, ms = (float(x) for x in args.link.split(","))
+    stage = LocalStages(1, threads=1)
+    await stage.start()
+    line = Proxies([int(stage.addresses[0].rsplit(":", 1)[1])], mbit * 1e6, ms / 1000, 4 << 20)
+    head = None
+    try:
+        head = Head(resolve("default"), await line.start())
+        await head.start()
+
+        async def ask(msgs) -> tuple[float, str]:
+            t0, first, toks = time.perf_counter(), None, []
+            async for ev in head.submit(head.chat_prompt(msgs), SamplingParams(greedy=True,
+                                                                               max_tokens=args.max_tokens)):
+                if isinstance(ev, Delta):
+                    if first is None and ev.token_ids:
+                        first = time.perf_counter() - t0
+                    toks += ev.token_ids
+            return first or time.perf_counter() - t0, head.tokenizer.decode(toks, skip_special_tokens=True)
+
+        await ask([{"role": "user", "content": "Hello."}])   # warm
+        times = {name: [[] for _ in range(1 + len(FOLLOW_UPS))] for name in ("kept", "scratch")}
+        same = True
+        for i in range(args.repeat):
+            texts = {}
+            for name in ("kept", "scratch"):
+                await head.drop_kept()
+                head.kept.most = 8 if name == "kept" else 0
+                conv = conversation(i, args.paste)
+                texts[name] = []
+                for t in range(1 + len(FOLLOW_UPS)):
+                    ttft, text = await ask(conv)
+                    times[name][t].append(ttft)
+                    texts[name].append(text)
+                    conv.append({"role": "assistant", "content": text})
+                    if t < len(FOLLOW_UPS):
+                        conv.append({"role": "user", "content": FOLLOW_UPS[t]})
+                print(f"  conversation {i + 1}, {name}: " + ", ".join(f"{x:.2f}" for x in
+                                                                     (ts[-1] for ts in times[name])) + " s",
+                      flush=True)
+            same &= texts["kept"] == texts["scratch"]
+    finally:
+        if head is not None:
+            await head.close()
+        await line.stop()
+        await stage.stop()
+    table(times, args, f"a head and a stage process over an emulated {mbit:g} Mbit/s line, {ms:g} ms each way")
+    print(f"\nreplies the same text: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paste", type=int, default=1500, help="tokens in the first message (default 1500)")
     p.add_argument("--repeat", type=int, default=3, help="conversations per server (default 3)")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--link", default=None, metavar="MBIT,MS",
+                   help="a head and a stage over an emulated line of MBIT Mbit/s and MS ms each way")
     args = p.parse_args()
+    if args.link:
+        import asyncio
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        sys.path.insert(0, str(ROOT))
+        return asyncio.run(over_a_line(args))
     servers = {}
     for name, keep in (("kept", None), ("scratch", "0")):
         port = free_port()
@@ -78,9 +166,7 @@ def main() -> int:
         times = {name: [[] for _ in range(1 + len(FOLLOW_UPS))] for name in servers}
         same = True
         for i in range(args.repeat):
-            # a new document each conversation: nothing of the last one is taken over
-            paste = f"Document {i}. " + SENTENCE * max(1, args.paste // 17)
-            convs = {name: [{"role": "user", "content": paste + " What happens in the town?"}] for name in servers}
+            convs = {name: conversation(i, args.paste) for name in servers}
             for t in range(1 + len(FOLLOW_UPS)):
                 texts = {}
                 for name, (port, _) in servers.items():
@@ -95,13 +181,7 @@ def main() -> int:
     finally:
         for _, proc in servers.values():
             stop(proc)
-    print(f"\nTime to first token, median of {args.repeat} conversations (a {args.paste}-token first "
-          f"message, then short follow-ups; `potluck serve` as it starts):\n")
-    print("| turn | kept replies (default) | from scratch (POTLUCK_KEEP_REPLIES=0) | kept / scratch |")
-    print("|---|---:|---:|---:|")
-    for t in range(1 + len(FOLLOW_UPS)):
-        a, b = statistics.median(times["kept"][t]), statistics.median(times["scratch"][t])
-        print(f"| {t + 1}{' (the paste)' if t == 0 else ''} | {a:.2f} s | {b:.2f} s | {a / b:.2f} |")
+    table(times, args, "`potluck serve` as it starts")
     print(f"\nreplies the same text: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
