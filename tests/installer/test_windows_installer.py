@@ -42,11 +42,13 @@ if not SETUP or winebox.available():
 
 
 def wine_processes(*words: str) -> list[psutil.Process]:
-    """Wine's processes (Linux processes) whose command line has all these words."""
+    """Wine's processes (Linux processes) whose command line has all these words: a
+    Windows program's (an .exe), never this machine's own Potluck processes that another
+    test runs beside this one."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         line = " ".join(p.info["cmdline"] or [])
-        if all(w in line for w in words):
+        if ".exe" in line.lower() and all(w in line for w in words):
             found.append(p)
     return found
 
