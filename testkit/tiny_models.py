@@ -447,16 +447,8 @@ def build_tiny_model(arch: str, dir, shard_size=None, n_layers: int = N_LAYERS, 
 
 
 async def start_tiny_head(folder, addrs, **kw):
-    """A started head on a tiny checkpoint that runs every reply to max_tokens (random
-    weights would stop at a random end-of-text), closed again if it cannot start."""
+    """testkit/streams.py tiny_head on a tiny checkpoint's folder."""
     from engine.model.sources import resolve
-    from engine.pipeline.head import Head
+    from testkit.streams import tiny_head
 
-    head = Head(resolve(str(folder)), addrs, **kw)
-    try:
-        await head.start()
-    except BaseException:
-        await head.close()
-        raise
-    head.eos_ids = set()
-    return head
+    return await tiny_head(resolve(str(folder)), addrs, **kw)
