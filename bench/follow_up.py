@@ -68,10 +68,10 @@ def conversation(i: int, paste_tokens: int) -> list[dict]:
     return [{"role": "user", "content": paste + " What happens in the town?"}]
 
 
-def table(times: dict, args, where: str) -> None:
+def table(times: dict, args, where: str, scratch: str = "from scratch (POTLUCK_KEEP_REPLIES=0)") -> None:
     print(f"\nTime to first token, median of {args.repeat} conversations (a {args.paste}-token first "
           f"message, then short follow-ups; {where}):\n")
-    print("| turn | kept replies (default) | from scratch (POTLUCK_KEEP_REPLIES=0) | kept / scratch |")
+    print(f"| turn | kept replies (default) | {scratch} | kept / scratch |")
     print("|---|---:|---:|---:|")
     for t in range(1 + len(FOLLOW_UPS)):
         a, b = statistics.median(times["kept"][t]), statistics.median(times["scratch"][t])
@@ -130,7 +130,8 @@ async def over_a_line(args) -> int:
             await head.close()
         await line.stop()
         await stage.stop()
-    table(times, args, f"a head and a stage process over an emulated {mbit:g} Mbit/s line, {ms:g} ms each way")
+    table(times, args, f"a head and a stage process over an emulated {mbit:g} Mbit/s line, {ms:g} ms each way",
+          "from scratch (none kept)")
     print(f"\nreplies the same text: {'yes' if same else 'NO'}")
     return 0 if same else 1
 

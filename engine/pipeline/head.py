@@ -435,7 +435,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                 # on as a prompt chunk (micro-batch 0, step 0: a chunk's failure comes back
                 # as one, Head._on_tokens); the opening step follows it on every link
                 frame = frames.encode(frames.FrameType.ACTIVATIONS, 0, 0,
-                                      {"rows": [[s.id, s.pos, c]], "partial": True, **opening}, out, q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
+                                      {"rows": [[s.id, s.pos, c]], "partial": True, **opening}, out,
+                                      q8=self._q8("prefill", out, time.monotonic() - t0), to_host=self._to_host)
                 try:
                     if self.link is None:
                         raise ConnectionClosed(None, None)   # let go mid-rearrangement

@@ -50,12 +50,16 @@ def apply_opening(meta: dict, stage, sampler) -> None:
 
 
 class KeptReplies:
-    """Head's kept replies (self.kept, self.sched, self.recovery, self._free_everywhere are Head's)."""
+    """Head's kept replies (self.sched, self.recovery, self.stage0, self.sampler, self._ahead,
+    self._kick and self._free_everywhere are Head's)."""
 
     def _init_kept(self, most: int | None):
         if most is None:   # POTLUCK_KEEP_REPLIES=0 keeps none (bench/follow_up.py's "before")
-            env = os.environ.get("POTLUCK_KEEP_REPLIES", "")
-            most = int(env) if env.isdigit() else None
+            env = os.environ.get("POTLUCK_KEEP_REPLIES", "").strip()
+            if env.isdigit():
+                most = int(env)
+            elif env:
+                log.warning("POTLUCK_KEEP_REPLIES=%r is not a number of replies: keeping the default", env)
         self.kept = KeptPrefixes() if most is None else KeptPrefixes(most=most)
         self._kept_timer: asyncio.TimerHandle | None = None
 
@@ -101,9 +105,8 @@ class KeptReplies:
         """The head's own stage does what the frame will tell the others (compute thread)."""
         if not ops:
             return
-        ahead = getattr(self, "_ahead", None)
-        if ahead is not None:   # a position launched ahead for a sequence that ended is void
-            ahead.forget([*ops.get("drop", ()), *(int(k) for k in ops.get("rewind", {}))])
+        if self._ahead is not None:   # a position launched ahead for a sequence that ended is void
+            self._ahead.forget([*ops.get("drop", ()), *(int(k) for k in ops.get("rewind", {}))])
         apply_opening(ops, self.stage0, self.sampler)
 
     def _room_for_waiting(self):

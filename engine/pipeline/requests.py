@@ -86,9 +86,8 @@ class Sequence(Seq):
     # frame tells each stage to cut that KV back to them (None: nothing taken, or told)
     rewind_to: int | None = None
     finish: str = ""     # how it ended (Done's finish_reason), once it has
-    # kept replies let go to make room for this one: its first frame tells every stage,
-    # so the room is there when its step comes (a free on the control connection could
-    # arrive after it)
+    # kept replies let go for room while this one waited: its first frame tells every
+    # stage, ahead of its step (their free on the control connection could arrive after it)
     drops: list[int] = field(default_factory=list)
 
     @property
