@@ -4,7 +4,7 @@ A chat sends the whole conversation with every turn, and without this each turn 
 all of it again on every stage: after a long paste, a short follow-up waited seconds for
 its first token, and across homes every turn's prompt crossed every link again. So when
 a reply ends, its sequence is not freed: its KV stays on every stage, kept here under the
-tokens it holds. A new prompt that starts with the same tokens takes the kept sequence
+tokens it holds. A new prompt that starts with (most of) the same tokens takes the kept sequence
 over (its id, and its KV cut back to where the two part), and only the rest of the
 prompt is computed. vLLM's automatic prefix caching and SGLang's radix cache do this per
 block of tokens on one machine; here a whole sequence is the unit, because every stage
@@ -26,6 +26,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 MIN_MATCH = 16      # a shorter common start saves less than a step's fixed cost
+# a kept reply is taken over only by a prompt that holds at least this share of it: every
+# chat prompt starts with the same system prompt, and a friend's new conversation taking
+# over someone's 2,000-token conversation to save its 30 tokens of template would cost
+# that conversation's follow-up the whole 2,000
+TAKE_SHARE = 0.5
 MOST = 8            # sequences kept at once (each holds a KV slot on every stage)
 IDLE_S = 600.0      # a conversation nobody followed up for this long lets its memory go
 
@@ -45,8 +50,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class KeptPrefixes:
-    def __init__(self, min_match: int = MIN_MATCH, most: int = MOST, idle_s: float = IDLE_S):
-        self.min_match, self.most, self.idle_s = min_match, most, idle_s
+    def __init__(self, min_match: int = MIN_MATCH, most: int = MOST, idle_s: float = IDLE_S,
+                 take_share: float = TAKE_SHARE):
+        self.min_match, self.most, self.idle_s, self.take_share = min_match, most, idle_s, take_share
         self._kept: OrderedDict[int, Kept] = OrderedDict()   # least recently used first
         self.hits = 0
         self.reused_tokens = 0
@@ -83,11 +89,13 @@ class KeptPrefixes:
         """The kept sequence sharing the longest start with `prompt`, taken out: (its id,
         how many of the prompt's tokens its KV holds). At least the prompt's last token is
         left to compute: its logits draw the reply's first token. None when no kept
-        sequence shares `min_match` tokens."""
+        sequence shares `min_match` tokens and `take_share` of its own with it (a start
+        shorter than that is computed again, and the kept reply stays for its own
+        conversation)."""
         best, best_n = None, 0
         for sid, k in self._kept.items():
             n = common_prefix(k.tokens, prompt)
-            if n > best_n:
+            if n > best_n and n >= self.take_share * len(k.tokens):
                 best, best_n = sid, n
         best_n = min(best_n, len(prompt) - 1)
         if best is None or best_n < self.min_match:

@@ -31,6 +31,20 @@ def test_too_little_in_common_is_no_match_and_too_short_a_reply_is_not_kept():
     assert KeptPrefixes(most=0).keep(5, CHAT, now=0) == [5]   # keeping switched off
 
 
+def test_a_new_conversation_sharing_only_the_system_prompt_leaves_anothers_kept_reply():
+    system = list(range(500, 530))                    # the chat template's start, in every prompt
+    k = KeptPrefixes(min_match=16)
+    k.keep(1, system + list(range(1000, 2000)), now=0)   # a friend's long conversation
+    assert k.take(system + [7, 8, 9]) is None and 1 in k
+    k.keep(2, system + [1, 2, 3, 4, 5], now=1)           # a short one: most of it is the template
+    assert k.take(system + [7, 8, 9]) == (2, 30) and 1 in k
+    # a regenerated reply (the same prompt, the reply's tokens dropped) takes its own over
+    # where the prompt is most of what is kept
+    k.keep(3, system + list(range(3000, 3100)) + [9] * 40, now=2)
+    assert k.take(system + list(range(3000, 3100))) == (3, 129)
+    assert 1 in k                                      # the friend's is still there for its follow-up
+
+
 def test_the_least_recently_used_go_first_for_room_count_and_age():
     k = KeptPrefixes(min_match=4, most=2, idle_s=100)
     k.keep(1, CHAT, now=0)

@@ -1,8 +1,8 @@
 """An ended reply's KV kept on every stage for its follow-up (engine/pipeline/kept_replies.py).
 
 A chat sends the whole conversation every turn. The follow-up must compute only what is
-new on every stage and reply token for token as it would from scratch: on the pipeline
-`potluck chat` starts by default (the real model), and on tiny models over stage
+new on every stage and reply token for token as it would from scratch, and another
+conversation must leave it alone: on the pipeline `potluck chat` starts by default (the real model), and on tiny models over stage
 processes where kept replies fill the cache and must make room, and where a request of
 n choices forks from a reply it took over.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.core.kept_prefixes import MIN_MATCH, common_prefix
 from engine.core.sampling import SamplingParams
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import PipelineConfig, launch
@@ -53,6 +54,12 @@ async def test_a_follow_up_computes_only_what_is_new_and_replies_as_from_scratch
         turn = [{"role": "user", "content": STORY + " Which items are red?"}]
         first, done = await reply(head, head.chat_prompt(turn), params)
         assert done.finish_reason in ("stop", "length") and head.kept_info()["replies"] == 1
+        # a second conversation (a friend's, or a new chat) starts with the same template and
+        # system prompt, and takes nothing over: the first's reply stays for its follow-up
+        other = head.chat_prompt([{"role": "user", "content": "Name a color."}])
+        assert common_prefix(other, head.chat_prompt(turn)) >= MIN_MATCH
+        await reply(head, other, params)
+        assert (head.kept_info()["replies"], head.kept_info()["hits"]) == (2, 0), head.kept_info()
         turn += [{"role": "assistant", "content": head.tokenizer.decode(first, skip_special_tokens=True)},
                  {"role": "user", "content": "And which are green?"}]
         prompt = head.chat_prompt(turn)
