@@ -53,7 +53,9 @@ def aggregate(port: int, users: int, tokens: int) -> float:
 
 def measure(stages: int, users: list[int], tokens: int) -> dict[int, float]:
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    # every request asks the same prompt: with none kept, each computes it (the work the
+    # figures count), not a token of the last one's kept reply
+    env = dict(os.environ, HF_HUB_OFFLINE="1", POTLUCK_KEEP_REPLIES="0")
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", str(stages), "--port", str(port)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

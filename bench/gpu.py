@@ -15,7 +15,9 @@ word-level tokenizer of the same vocabulary, and runs on it, for each weight pre
 
 Every request is greedy, its prompt --prompt-len random token ids (the same ids for
 every system), and runs to exactly --tokens new tokens (our head's eos_ids are cleared;
-generate runs with eos_token_id None and min_new_tokens = max_new_tokens). A batch of B
+generate runs with eos_token_id None and min_new_tokens = max_new_tokens), and every
+prompt is computed from its first token: our head keeps no ended reply for a follow-up
+(keep_replies=0), as generate keeps none. A batch of B
 is B requests submitted at once (ours) or one B-row generate call (hf). ours1 also runs
 its largest batch at the chat's sampled defaults (temperature 0.7, top-p 0.9, repetition
 penalty 1.1: what the chat window sends), against its greedy aggregate.
@@ -450,7 +452,10 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
         torch.cuda.reset_peak_memory_stats()  # the copy's buffers are no part of any figure
     stages = {"ours1": 1, "ours2": 2, "ours1e": 1, "ours1n": 1, "ours1s": 1}[system]
     t0 = time.perf_counter()
-    pipe = await launch(PipelineConfig(model=str(a.out), stages=stages, device=device, weights=weights))
+    # keep_replies=0: every round asks the same prompts, and a kept reply taken over would
+    # compute one token of each (engine/core/kept_prefixes.py); generate computes them all
+    pipe = await launch(PipelineConfig(model=str(a.out), stages=stages, device=device, weights=weights,
+                                       keep_replies=0))
     head = pipe.head
     load_s = time.perf_counter() - t0
     try:

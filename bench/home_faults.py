@@ -282,8 +282,11 @@ class Homes:
         self.net, self.co, self.args, self.dir = net, co, args, logdir
         self.ups = [float(x) * 1e6 for x in args.up.split(",")]
 
+        # POTLUCK_KEEP_REPLIES=0: the faulted request repeats the fault-free one, and would
+        # otherwise take its kept reply over and send no prompt through the fault
         def env(name):
             return dict(os.environ, POTLUCK_HOME=str(logdir / "homes" / name), POTLUCK_KEYSTORE="file",
+                        POTLUCK_KEEP_REPLIES="0",
                         HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
                         TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(co.path),
                         POTLUCK_STUN=",".join(f"{h}:{p}" for h, p in (net.stun_addr, net.stun_addr2)))

@@ -104,6 +104,7 @@ async def one_row(kind: str, context: int, threads: int | None, n_tokens: int) -
         while not any(e["event"] == done_event for e in head.events) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         back = next((e for e in head.events if e["event"] == done_event), None)
+        await head.drop_kept()   # the reference computes the prompt on the new split
         reference = await tokens_of(head, ids, len(got))
         before = [t for t in times if t < at]
         after = [t for t in times if t >= at]

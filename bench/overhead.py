@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -222,7 +223,9 @@ async def engine_worker(system: str, prompts: list[list[int]], n_tokens: int, ma
     probe = CpuProbe()
     await wait_quiet_async(probe, max_foreign, max_wait)  # the stage split is measured at start
     t0 = time.perf_counter()
-    pipe = await launch(cli.pipeline_config(args))
+    # every round asks the same prompts: none kept, so each computes its prompt as
+    # generate does (a kept reply taken over would compute one token of it)
+    pipe = await launch(dataclasses.replace(cli.pipeline_config(args), keep_replies=0))
     head = pipe.head
     log(f"{system}: pipeline up in {time.perf_counter() - t0:.1f}s: {head.info()['stages']}")
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import subprocess
@@ -37,13 +38,23 @@ ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = "The history of the world is long, and nobody has read all of it. "   # ~15 tokens
 
 
+PASTES = itertools.count()
+
+
+def paste(long_tokens: int) -> dict:
+    """A long prompt the server has not seen: one it had would take its kept reply over
+    (engine/core/kept_prefixes.py) and compute a token of it, and the lane would have
+    nothing to do."""
+    return {"prompt": f"Document {next(PASTES)}. " + SENTENCE * max(1, long_tokens // 15), "max_tokens": 4,
+            "temperature": 0}
+
+
 async def one_round(url: str, long_tokens: int) -> dict:
-    long = {"prompt": SENTENCE * max(1, long_tokens // 15), "max_tokens": 4, "temperature": 0}
     short = {"prompt": "One, two,", "max_tokens": 3, "temperature": 0}
     out = {}
     async with aiohttp.ClientSession() as s:
         t0 = time.perf_counter()
-        big = asyncio.ensure_future(s.post(url + "/v1/completions", json=long))
+        big = asyncio.ensure_future(s.post(url + "/v1/completions", json=paste(long_tokens)))
         await asyncio.sleep(1.0)
         t1 = time.perf_counter()
         async with s.post(url + "/v1/completions", json=short) as r:
@@ -53,7 +64,7 @@ async def one_round(url: str, long_tokens: int) -> dict:
         body = await r.json()
         out["long prompt's reply (s)"] = time.perf_counter() - t0
         out["long prompt tokens"] = body["usage"]["prompt_tokens"]
-        given_up = asyncio.ensure_future(s.post(url + "/v1/completions", json=long))
+        given_up = asyncio.ensure_future(s.post(url + "/v1/completions", json=paste(long_tokens)))
         await asyncio.sleep(1.0)
         given_up.cancel()
         await asyncio.gather(given_up, return_exceptions=True)

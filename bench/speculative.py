@@ -380,8 +380,11 @@ async def run(a) -> dict:
     try:
         shaped = await proxies.start()
         extra = {"draft": a.draft} if a.draft_ok else {}
+        # keep_replies=0: each prompt runs in every mode back to back, and a kept reply
+        # taken over would leave the next mode one token of its prompt (and its draft model
+        # a new context to read behind that one-token trip)
         cfg = PipelineConfig(model=DEFAULT_MODEL, stage_addr=shaped, threads=1, layers=LAYERS, dtype="float32",
-                             speculate="off", **extra)
+                             speculate="off", keep_replies=0, **extra)
         t0 = time.perf_counter()
         pipe = await launch(cfg)
         bench.head = head = pipe.head

@@ -91,10 +91,13 @@ class GraphPlan:
 
     def warm_shapes(self, up_to_rows: int = 16) -> list[StepShape]:
         """What a stage captures at load: decode steps of every row bucket up to
-        `up_to_rows` in the first slots, and one user's in any slot, at the shortest
-        context (a chat's first replies)."""
+        `up_to_rows` in the first slots, one user's in any slot, and one user's first
+        verification step (the speculation policy's probe drafts one token:
+        engine/core/speculation.py), at the shortest context (a chat's first replies).
+        Each shape met later is a capture in the middle of a reply."""
         first = [StepShape(r, 1, self.min_kv, 0) for r in self.row_buckets if r <= up_to_rows]
-        return first + [StepShape(1, 1, self.min_kv, None)]
+        probe = [StepShape(1, 2, self.min_kv, 0)] if self.max_tokens >= 2 else []
+        return first + [StepShape(1, 1, self.min_kv, None)] + probe
 
 
 @dataclass

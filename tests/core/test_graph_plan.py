@@ -43,10 +43,12 @@ def test_steps_that_fit_no_bucket_say_why():
     assert GraphPlan(max_kv=600).shape_for([1], [520], [0]).kv_len == 600
 
 
-def test_warm_shapes_are_decode_steps_in_the_first_slots_and_one_user_anywhere():
+def test_warm_shapes_are_decode_steps_in_the_first_slots_one_user_anywhere_and_its_probe():
     shapes = GraphPlan().warm_shapes(16)
-    assert [(s.rows, s.lo) for s in shapes] == [(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (1, None)]
-    assert all(s.tokens == 1 and s.kv_len == 256 for s in shapes)
+    assert [(s.rows, s.tokens, s.lo) for s in shapes] == [(1, 1, 0), (2, 1, 0), (4, 1, 0), (8, 1, 0), (16, 1, 0),
+                                                          (1, 1, None), (1, 2, 0)]
+    assert all(s.kv_len == 256 for s in shapes)
+    assert all(s.tokens == 1 for s in GraphPlan(max_tokens=1).warm_shapes(16))
 
 
 def test_the_book_evicts_the_least_recently_used_graph():

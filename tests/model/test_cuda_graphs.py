@@ -102,9 +102,9 @@ def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
         assert book.captures == 0 and book.disabled, book.summary()
         where.same(decode(s, 12), eager)
         return
-    assert book.captures == 6            # rows 1, 2, 4, 8, 16 at load, and 1 row in any slot
+    assert book.captures == 7            # rows 1, 2, 4, 8, 16 at load, 1 row in any slot, its probe
     where.same(decode(s, 12), eager)
-    assert book.replays == 12 and book.captures == 6 and not book.failed, book.summary()
+    assert book.replays == 12 and book.captures == 7 and not book.failed, book.summary()
 
 
 def test_one_user_in_another_slot_replays_a_graph_captured_at_load(where, tiny_folder):
@@ -129,7 +129,7 @@ def test_one_user_in_another_slot_replays_a_graph_captured_at_load(where, tiny_f
 
     where.same(reply(s), reply(eager))
     book = s.static.book
-    assert book.captures == 6 and book.replays == 6 and not book.failed, book.summary()
+    assert book.captures == 7 and book.replays == 6 and not book.failed, book.summary()
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in STATIC_EAGER_ONLY])
@@ -177,6 +177,42 @@ def test_a_sequence_in_a_slot_past_the_store_is_captured_again_over_the_grown_on
     assert s.static.book.captures == captures + 1 and s.static.book.replays == 2
 
 
+def test_a_kept_reply_taken_over_by_its_follow_up_replays_the_graphs_of_the_load(where, tiny_folder):
+    """A chat's follow-up takes its kept reply over (engine/pipeline/kept_replies.py): the
+    KV is cut back to where the two prompts part, the new tokens are a prompt step, and the
+    reply replays the one-row graph captured at load, from slot 1 while another
+    conversation's kept reply holds slot 0; no capture mid-reply, and the logits of the
+    follow-up computed from scratch."""
+    folder, _ = tiny_folder("llama")
+    s = where.stage(folder, True)
+
+    def greedy(stage, seq: int, start: int, ids: list[int], steps: int) -> list[torch.Tensor]:
+        out = stage.forward(StageBatch([seq], [start], [len(ids)]), torch.tensor(ids))
+        got, pos = [out.cpu()], start + len(ids)
+        for _ in range(steps):
+            out = stage.forward(StageBatch([seq], [pos], [1]), out.argmax(-1).cpu())
+            got.append(out.cpu())
+            pos += 1
+        return got
+
+    greedy(s, 0, 0, PROMPTS[1], 5)                          # a conversation, kept in slot 0
+    first = greedy(s, 1, 0, PROMPTS[0], 6)                  # another, kept in slot 1
+    reply = [int(o.argmax(-1)[-1]) for o in first]
+    assert s.kv.length(1) == len(PROMPTS[0]) + 6 and s.kv.seqs[1].slot == 1
+    # its follow-up: the prompt, the reply's first four tokens as the chat sent them back,
+    # and a new message; the kept tokens past the fourth go
+    follow = PROMPTS[0] + reply[:4] + [7, 8, 9]
+    parts = len(PROMPTS[0]) + 4
+    s.kv.truncate(1, parts)
+    captured, replayed = s.static.book.captures, s.static.book.replays
+    got = greedy(s, 1, parts, follow[parts:], 6)
+    want = greedy(where.stage(folder, False), 5, 0, follow, 6)
+    where.same(got[1:], want[1:])
+    where.same(got[:1], [want[0][-1:]])                     # the new tokens' last position
+    book = s.static.book
+    assert book.captures == captured and book.replays == replayed + 6 and not book.failed, book.summary()
+
+
 def test_a_verification_step_replays_and_rolls_back(where, tiny_folder):
     folder, _ = tiny_folder("llama")
     outs = {}
@@ -203,7 +239,7 @@ def test_the_store_growing_recaptures_and_stays_right(where, tiny_folder):
     long = [list(range(2, 122))]                       # 120 tokens: decoding crosses 128 keys
     where.same(decode(s, 12, long), decode(where.stage(folder, False), 12, long))
     # 128 keys, then 256: the store grew past the first, whose graph went with the old store
-    assert [shape.kv_len for shape in s.static.book.live] == [256] and s.static.book.captures == 6 + 2
+    assert [shape.kv_len for shape in s.static.book.live] == [256] and s.static.book.captures == 7 + 2
 
 
 def test_graphs_captured_again_after_all_were_dropped_while_their_memory_lives(where, tiny_folder):
@@ -299,7 +335,7 @@ def test_graphs_captured_at_load_run_the_kernels_a_served_step_runs(tiny_folder,
     monkeypatch.setattr(bnb_functions.MatMul4Bit, "apply", lambda *a: calls.append(1) or real(*a))
     folder, _ = tiny_folder("llama")
     s = Where("tape", monkeypatch).stage(folder, True, weights="nf4")
-    assert s.static.book.captures == 6 and not s.static.book.failed, s.static.book.summary()
+    assert s.static.book.captures == 7 and not s.static.book.failed, s.static.book.summary()
     assert calls == []
     for t in [*s.kv._k.values(), *s.kv._v.values()]:
         assert not t.requires_grad and t.grad_fn is None
@@ -325,7 +361,7 @@ def test_capture_at_load_is_cheap(tiny_folder, monkeypatch):
     folder, _ = tiny_folder("llama")
     s = Where("cuda", monkeypatch).stage(folder, True, dtype=torch.bfloat16)
     summary = s.static.book.summary()
-    assert summary["captures"] == 6 and summary["capture_s"] < 30, summary
+    assert summary["captures"] == 7 and summary["capture_s"] < 30, summary
 
 
 @pytest.mark.gpu

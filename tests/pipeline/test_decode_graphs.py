@@ -53,3 +53,46 @@ async def test_a_head_whose_stage_replays_graphs_answers_as_the_eager_one(tiny_f
         assert measured > 0 and book.replays > measured and not book.failed, book.summary()
     finally:
         await head.close()
+
+
+async def test_a_follow_up_taking_its_kept_reply_over_replays_graphs_as_the_eager_head(tiny_folder, monkeypatch):
+    """On a GPU a chat's follow-up takes its kept reply over through a stage replaying
+    graphs: the rewind in its first frame, its new tokens, then replayed steps."""
+    import engine.model.stage as stage_module
+    from engine.model.sources import resolve
+    from engine.model.static_decode import unsupported, use_graphs
+
+    folder, _ = tiny_folder("llama", seed=0)
+    source = resolve(str(folder))
+    greedy = SamplingParams(greedy=True, max_tokens=12)
+
+    async def conversation(head) -> list[list[int]]:
+        first, _ = await tokens(head.submit(PROMPTS[1], greedy))
+        other, _ = await tokens(head.submit(PROMPTS[0] * 3, greedy))     # kept beside it
+        follow, _ = await tokens(head.submit(PROMPTS[1] + first[:6] + [50, 51, 52], greedy))
+        return [first, other, follow]
+
+    eager = await tiny_head(source, [], keep_replies=0)
+    eager.speculate = "off"
+    try:
+        want = await conversation(eager)
+    finally:
+        await eager.close()
+
+    def graphs(stage):
+        if unsupported(stage) is None:
+            use_graphs(stage, TapeCuda())
+
+    monkeypatch.setattr(stage_module, "decode_path", graphs)
+    head = await tiny_head(source, [])
+    # plain steps only: a verification step of a k met for the first time is a capture of
+    # its own (engine/core/graph_plan.py), whatever was kept
+    head.speculate = "off"
+    try:
+        book = head.stage0.static.book
+        captured = book.captures
+        assert await conversation(head) == want
+        assert head.kept_info()["hits"] == 1 and book.captures == captured and not book.failed, \
+            (head.kept_info(), book.summary())
+    finally:
+        await head.close()

@@ -47,6 +47,7 @@ async def test_a_lone_head_forks_its_choices(tiny_folder):
     head = await start_head(folder, [])
     try:
         alone, _, _ = await collect(head.submit(PROMPT, greedy(12)))
+        await head.drop_kept()   # the choices compute their prompt (else they take `alone`'s over)
         results = await asyncio.gather(*(collect(h) for h in head.submit_n(
             PROMPT, greedy(12, logprobs=True, top_logprobs=2), 3)))
         for toks, lps, done in results:
@@ -64,6 +65,7 @@ async def test_choices_fork_after_a_chunked_prompt_on_every_stage(tiny_folder, s
     head = await start_head(folder, spare_stages, prefill_chunk=8)
     try:
         alone, _, _ = await collect(head.submit(PROMPT, greedy(10)))
+        await head.drop_kept()   # the choices' prompt goes in chunks again, not one token of it
         # two requests of 3 and 2 choices at once, beside a plain one
         a = head.submit_n(PROMPT, greedy(10), 3)
         b = head.submit_n(PROMPT[:20], greedy(10), 2)

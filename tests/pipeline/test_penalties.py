@@ -191,6 +191,7 @@ async def test_the_chats_repetition_penalty_on_the_pipeline_serve_starts(referen
                  for p in prompts]
         params = SamplingParams(greedy=True, max_tokens=MAX_TOKENS, repetition_penalty=rep)
         assert await _direct_tokens(head, prompts[0], params) == wants[0]
+        await head.drop_kept()   # all three prompts computed side by side
         together = await asyncio.gather(*(_direct_tokens(head, p, params) for p in prompts))
         assert together == wants
     finally:

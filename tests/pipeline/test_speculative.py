@@ -279,6 +279,7 @@ async def test_no_round_waits_for_the_draft_model_to_read_a_new_context(head):
         "default@int8", dtype=head.dtype, device=head.device, target_tokenizer=head.tokenizer,
         target_vocab=head.config.vocab_size, kv_budget_tokens=head.capacity))
     speculate(head, read_prompts=True)
+    await head.drop_kept()   # the prompt's own trip, not a kept reply's one-token one
     try:
         got = await replies(head, asks)
         await head._on_draft_thread(lambda: None)   # what was queued has run
