@@ -7,8 +7,12 @@ was captured at and over the same buffers. So a step is rounded up to a bucket:
 
 * rows to the next of `row_buckets` (the padding rows repeat the last real row: they
   compute and write exactly what it does, and their outputs are dropped);
-* tokens per row as they are: 1 for decoding, 1 + k for a speculative verification
-  step, every row alike (a step whose rows differ runs eagerly);
+* tokens per row: 1 for decoding; for a speculative verification step of 1 + k, every
+  row alike (a step whose rows differ runs eagerly), up to the next of
+  `verify_tokens` (the padding positions repeat the row's last token, write KV past
+  the row's length that its next step overwrites, and their outputs are dropped): the
+  speculation policy picks any k from 1 to 8 as acceptance moves, and each k met for
+  the first time was a capture in the middle of a reply;
 * keys attended over to the next power of two from `min_kv` (each row's mask hides the
   keys past its own length), so a graph serves a whole range of context lengths;
 * where the rows sit in the KV store: in the first slots, 0 on (a graph attends over a
@@ -32,6 +36,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KV = 256
 # 1 + k tokens a row: a verification step of up to 8 drafted tokens (engine/core/speculation.py)
 MAX_TOKENS_PER_ROW = 9
+# the buckets a verification step's tokens are padded up to: on a GPU a step of one row
+# reads every weight whatever its few tokens, so a padded position costs little; four
+# graphs per row count and context serve every k
+VERIFY_TOKENS = (2, 3, 5, 9)
 MAX_GRAPHS = 48
 # captures that fail (for any shape) before a stage stops trying: a family whose step
 # cannot be captured fails the same way at every shape
@@ -56,6 +64,7 @@ class GraphPlan:
     min_kv: int = MIN_KV
     max_kv: int | None = None            # longest context a graph attends over (None: any)
     max_tokens: int = MAX_TOKENS_PER_ROW
+    verify_tokens: tuple[int, ...] = VERIFY_TOKENS
 
     def kv_bucket(self, need: int) -> int:
         b = self.min_kv
@@ -80,24 +89,27 @@ class GraphPlan:
         rows = next((b for b in self.row_buckets if b >= len(ns)), None)
         if rows is None:
             return f"{len(ns)} rows, more than {self.row_buckets[-1]}"
-        need = max(s + n for s in starts)
+        tokens = n if n == 1 else next((t for t in self.verify_tokens if t >= n), n)
+        need = max(s + tokens for s in starts)
         kv_len = self.kv_bucket(need)
         if self.max_kv is not None and kv_len > self.max_kv:
             if need > self.max_kv:
                 return f"a context of {need} tokens, past {self.max_kv}"
             kv_len = self.max_kv
         lo = 0 if slots == list(range(len(slots))) else None
-        return StepShape(rows, n, kv_len, lo)
+        return StepShape(rows, tokens, kv_len, lo)
 
     def warm_shapes(self, up_to_rows: int = 16) -> list[StepShape]:
         """What a stage captures at load: decode steps of every row bucket up to
-        `up_to_rows` in the first slots, one user's in any slot, and one user's first
-        verification step (the speculation policy's probe drafts one token:
-        engine/core/speculation.py), at the shortest context (a chat's first replies).
-        Each shape met later is a capture in the middle of a reply."""
+        `up_to_rows` in the first slots, one user's in any slot, and one user's
+        verification steps in either (speculation drafts for one user, whose
+        conversation sits in slot 0 or, beside another's kept reply, anywhere:
+        engine/core/speculation.py, kept_prefixes.py), at the shortest context (a chat's
+        first replies). Each shape met later is a capture in the middle of a reply."""
         first = [StepShape(r, 1, self.min_kv, 0) for r in self.row_buckets if r <= up_to_rows]
-        probe = [StepShape(1, 2, self.min_kv, 0)] if self.max_tokens >= 2 else []
-        return first + [StepShape(1, 1, self.min_kv, None)] + probe
+        verify = [StepShape(1, t, self.min_kv, lo) for lo in (0, None)
+                  for t in self.verify_tokens if t <= self.max_tokens]
+        return first + [StepShape(1, 1, self.min_kv, None)] + verify
 
 
 @dataclass

@@ -248,9 +248,14 @@ class StaticDecoder:
             bufs = self.buffers[shape] = Buffers.make(stage, shape)
         scratch = kv.scratch_slot() if shape.rows > len(slots) else None
         dtype = inputs.dtype if stage.first else stage.dtype
-        bufs.fill(inputs.to(stage.device, dtype) if inputs.device.type == stage.device.type
-                  else to_device(inputs, dtype, stage.device),
-                  slots, batch.starts, shape.tokens, scratch)
+        x = (inputs.to(stage.device, dtype) if inputs.device.type == stage.device.type
+             else to_device(inputs, dtype, stage.device))
+        n = batch.ns[0]
+        if shape.tokens > n:
+            # a verification step padded to its bucket: each row's last token again
+            rows = x.view(len(slots), n, *x.shape[1:])
+            x = torch.cat([rows, rows[:, -1:].expand(-1, shape.tokens - n, *x.shape[1:])], 1).flatten(0, 1)
+        bufs.fill(x, slots, batch.starts, shape.tokens, scratch)
         need_slots = max(slots + [scratch or 0]) + 1
         if shape.lo is not None:
             need_slots = max(need_slots, shape.lo + shape.rows)
@@ -271,10 +276,14 @@ class StaticDecoder:
             out = run() if self.runner is None else self.runner.run(shape, run)
         B, T = len(batch.ns), shape.tokens
         kept = T if stage.last and batch.keep is not None else (1 if stage.last else T)
-        out = out[: B * kept].clone()       # a replay overwrites its output buffer next step
+        if kept > n:      # the padding positions' outputs go
+            out = out[: B * kept].view(B, kept, -1)[:, :n].flatten(0, 1)
+        else:
+            out = out[: B * kept]
+        out = out.clone()                   # a replay overwrites its output buffer next step
         for seq_id, k in zip(batch.seq_ids, batch.kept):
             s = kv.seqs[seq_id]
-            s.length += T
+            s.length += n                   # what a padding position wrote lies past it
             s.tentative = k - 1
         self.steps += 1
         return out

@@ -43,12 +43,22 @@ def test_steps_that_fit_no_bucket_say_why():
     assert GraphPlan(max_kv=600).shape_for([1], [520], [0]).kv_len == 600
 
 
-def test_warm_shapes_are_decode_steps_in_the_first_slots_one_user_anywhere_and_its_probe():
+def test_warm_shapes_are_decode_steps_in_the_first_slots_one_user_anywhere_and_its_verifications():
     shapes = GraphPlan().warm_shapes(16)
-    assert [(s.rows, s.tokens, s.lo) for s in shapes] == [(1, 1, 0), (2, 1, 0), (4, 1, 0), (8, 1, 0), (16, 1, 0),
-                                                          (1, 1, None), (1, 2, 0)]
+    assert [(s.rows, s.tokens, s.lo) for s in shapes] == [
+        (1, 1, 0), (2, 1, 0), (4, 1, 0), (8, 1, 0), (16, 1, 0), (1, 1, None),
+        (1, 2, 0), (1, 3, 0), (1, 5, 0), (1, 9, 0), (1, 2, None), (1, 3, None), (1, 5, None), (1, 9, None)]
     assert all(s.kv_len == 256 for s in shapes)
     assert all(s.tokens == 1 for s in GraphPlan(max_tokens=1).warm_shapes(16))
+
+
+def test_a_verification_step_is_padded_to_its_bucket_of_tokens():
+    plan = GraphPlan()
+    got = {n: plan.shape_for([n, n], [10, 250], [0, 1], keep=[n, n]) for n in range(2, 10)}
+    assert {n: s.tokens for n, s in got.items()} == {2: 2, 3: 3, 4: 5, 5: 5, 6: 9, 7: 9, 8: 9, 9: 9}
+    # the keys cover the padding positions' writes: 250 + 9 past 256
+    assert got[4].kv_len == 256 and got[6].kv_len == 512
+    assert plan.shape_for([1], [10], [0]).tokens == 1
 
 
 def test_the_book_evicts_the_least_recently_used_graph():

@@ -185,6 +185,33 @@ def test_verification_steps_and_their_rollback_match_the_eager_step(tiny_folder,
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen2_moe"])
+def test_verification_steps_of_every_k_padded_to_their_bucket_match_the_eager_step(tiny_folder, arch):
+    """1 + k tokens a row for k from 1 to 8, in four buckets (engine/core/graph_plan.py
+    VERIFY_TOKENS): the padding positions' outputs go, and what they wrote past each
+    row's length is overwritten by its next step, which starts inside the draft."""
+    folder, _ = tiny_folder(arch)
+    outs = {}
+    for static in (False, True):
+        chain = stages(folder, 3, static)
+        got = [forward(chain, StageBatch([0, 1], [0, 0], [5, 11]), PROMPTS[0] + PROMPTS[1])]
+        pos = [5, 11]
+        for k in range(1, 9):
+            n = 1 + k
+            ids = [(7 * k + i) % 200 + 3 for i in range(2 * n)]
+            got.append(forward(chain, StageBatch([0, 1], list(pos), [n, n], keep=[n, n]), ids))
+            pos = [p + 1 + k // 2 for p in pos]          # half the draft stood
+        got.append(forward(chain, StageBatch([0, 1], list(pos), [1, 1]), [30, 31]))
+        outs[static] = got
+        if static:
+            assert all(s.static.steps == 9 for s in chain)
+            assert {(b.rows, b.tokens) for b in chain[1].static.buffers} == {(2, 1), (2, 2), (2, 3), (2, 5), (2, 9)}
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.shape == b.shape
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_padding_rows_never_write_another_sequences_cache(tiny_folder):
     folder, _ = tiny_folder("llama")
     (stage,) = stages(folder, 1, True)

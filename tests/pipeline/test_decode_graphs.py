@@ -57,7 +57,10 @@ async def test_a_head_whose_stage_replays_graphs_answers_as_the_eager_one(tiny_f
 
 async def test_a_follow_up_taking_its_kept_reply_over_replays_graphs_as_the_eager_head(tiny_folder, monkeypatch):
     """On a GPU a chat's follow-up takes its kept reply over through a stage replaying
-    graphs: the rewind in its first frame, its new tokens, then replayed steps."""
+    graphs: the rewind in its first frame, its new tokens, then replayed steps. Beside
+    the kept reply in slot 0 the second conversation's steps gather from slot 1, and
+    speculation's verification steps of whatever k replay graphs of the load too: no
+    capture in the middle of a reply."""
     import engine.model.stage as stage_module
     from engine.model.sources import resolve
     from engine.model.static_decode import unsupported, use_graphs
@@ -73,7 +76,6 @@ async def test_a_follow_up_taking_its_kept_reply_over_replays_graphs_as_the_eage
         return [first, other, follow]
 
     eager = await tiny_head(source, [], keep_replies=0)
-    eager.speculate = "off"
     try:
         want = await conversation(eager)
     finally:
@@ -85,9 +87,6 @@ async def test_a_follow_up_taking_its_kept_reply_over_replays_graphs_as_the_eage
 
     monkeypatch.setattr(stage_module, "decode_path", graphs)
     head = await tiny_head(source, [])
-    # plain steps only: a verification step of a k met for the first time is a capture of
-    # its own (engine/core/graph_plan.py), whatever was kept
-    head.speculate = "off"
     try:
         book = head.stage0.static.book
         captured = book.captures
