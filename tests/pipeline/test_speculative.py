@@ -296,6 +296,55 @@ async def test_no_round_waits_for_the_draft_model_to_read_a_new_context(head):
     await all_freed(head)
 
 
+async def test_a_follow_up_taking_its_kept_reply_over_leaves_the_draft_model_only_its_new_message(head):
+    """The draft model keeps its cache of a kept reply too (engine/pipeline/kept_replies.py),
+    through another conversation's drafts: a follow-up's first drafts read the new
+    message, not the conversation again, and the reply is the one without speculation."""
+    await head.drop_kept()
+    turn = [{"role": "user", "content": QUOTE}]
+    first, _ = await _tokens(head, head.chat_prompt(turn), greedy(16))
+    turn += [{"role": "assistant", "content": head.tokenizer.decode(first, skip_special_tokens=True)},
+             {"role": "user", "content": "Once more, please."}]
+    follow = head.chat_prompt(turn)
+    await head.drop_kept()
+    want, _ = await _tokens(head, follow, greedy(16))              # from scratch, no drafts
+    await head.drop_kept()
+    head.drafter = await head._run(lambda: Recording.load(
+        "default@int8", dtype=head.dtype, device=head.device, target_tokenizer=head.tokenizer,
+        target_vocab=head.config.vocab_size, kv_budget_tokens=head.capacity))
+    speculate(head)
+    try:
+        assert (await _tokens(head, head.chat_prompt(turn[:1]), greedy(16)))[0] == first
+        # another conversation drafts meanwhile: the draft model lets go of every sequence
+        # that ended, but not of a kept reply
+        await _tokens(head, head.chat_prompt([{"role": "user", "content": CHAT}]), greedy(8))
+        head.drafter.calls.clear()
+        got, _ = await _tokens(head, follow, greedy(16))
+        await head._on_draft_thread(lambda: None)   # what was queued has run
+        reads = [n for _, ns in head.drafter.calls for n in ns]
+    finally:
+        plain(head)
+        head.drafter = None
+    kept = head.kept_info()
+    assert got == want and kept["hits"] >= 1, kept
+    new = len(follow) - len(head.chat_prompt(turn[:1])) - len(first) + 1
+    # the first draft reads what the kept reply lacks: the new message (and the turn's
+    # end markers), far less than the conversation
+    assert reads and reads[0] <= new + 4 and max(reads) < len(follow) // 2, (reads, new, len(follow))
+    await all_freed(head)
+
+
+async def _tokens(head, prompt: list[int], params: SamplingParams) -> tuple[list[int], Done]:
+    toks = []
+    async for ev in head.submit(prompt, params):
+        if isinstance(ev, Delta):
+            toks.extend(ev.token_ids)
+        else:
+            assert ev.error is None, ev
+            return toks, ev
+    raise AssertionError("no Done")
+
+
 # ---- what status says ------------------------------------------------------------------
 
 
