@@ -4,9 +4,9 @@ A chat sends the whole conversation with every turn, and without this each turn 
 all of it again on every stage: after a long paste, a short follow-up waited seconds for
 its first token, and across homes every turn's prompt crossed every link again. So when
 a reply ends, its sequence is not freed: its KV stays on every stage, kept here under the
-tokens it holds. A new prompt that starts with (most of) the same tokens takes the kept sequence
-over (its id, and its KV cut back to where the two part), and only the rest of the
-prompt is computed. vLLM's automatic prefix caching and SGLang's radix cache do this per
+tokens it holds. A new prompt that starts with most of the same tokens takes the kept
+sequence over (its id, and its KV cut back to where the two part), and only the rest of
+the prompt is computed. vLLM's automatic prefix caching and SGLang's radix cache do this per
 block of tokens on one machine; here a whole sequence is the unit, because every stage
 holds its own slice of it and one sequence id names it on all of them.
 

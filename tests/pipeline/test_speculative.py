@@ -27,6 +27,7 @@ from engine.model.stage import StageBatch, StageModel
 from engine.pipeline.head import Delta, Done
 from engine.pipeline.launch import launch
 from testkit.freed import all_freed
+from testkit.streams import tokens
 
 QUOTE = ("Repeat exactly, word for word: The quick brown fox jumps over the lazy dog. "
          "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!")
@@ -335,14 +336,9 @@ async def test_a_follow_up_taking_its_kept_reply_over_leaves_the_draft_model_onl
 
 
 async def _tokens(head, prompt: list[int], params: SamplingParams) -> tuple[list[int], Done]:
-    toks = []
-    async for ev in head.submit(prompt, params):
-        if isinstance(ev, Delta):
-            toks.extend(ev.token_ids)
-        else:
-            assert ev.error is None, ev
-            return toks, ev
-    raise AssertionError("no Done")
+    toks, done = await tokens(head.submit(prompt, params))
+    assert done.error is None, done
+    return toks, done
 
 
 # ---- what status says ------------------------------------------------------------------
