@@ -501,7 +501,9 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
             log(f"{system} {weights} @{b} at the chat's defaults: {m['decode_agg']:.1f} tok/s aggregate")
         static = getattr(head.stage0, "static", None)
         if static is not None:
-            extra["graphs"] = static.book.summary()
+            # the fewest keys each row count's graphs attend over (engine/core/graph_plan.py
+            # row_floors): where a reply's context crosses a bucket, a capture mid-reply
+            extra["graphs"] = {**static.book.summary(), "floors": dict(static.plan.floors)}
             log(f"{system} {weights}: decode graphs {extra['graphs']}")
         if stages > 1:
             # every stage's decode graphs: a graph captured in service (more captures than
@@ -774,6 +776,8 @@ def report(a, results: dict, build_s: float | None) -> dict:
         if g:
             verdicts.append([f"decode graphs captured at load, {w}", f"{g['captures']} in {g['capture_s']:.1f} s",
                              f"+{g['capture_mib']:.0f} MiB reserved", "(info)" if not g["disabled"] else "DISABLED"])
+            floors = ", ".join(f"{r}: {k}" for r, k in g.get("floors", {}).items()) or "none above 256"
+            verdicts.append([f"fewest keys a graph attends over, by rows, {w}", floors, "", "(info)"])
         e, o = get("ours1e", w, 1, "decode_seq"), get("ours1", w, 1, "decode_seq")
         if e and o:
             verdicts.append([f"ours1 with graphs / without, decode tok/s, batch 1, {w}", f"{o / e:.2f}", "",

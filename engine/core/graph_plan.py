@@ -14,7 +14,11 @@ was captured at and over the same buffers. So a step is rounded up to a bucket:
   speculation policy picks any k from 1 to 8 as acceptance moves, and each k met for
   the first time was a capture in the middle of a reply;
 * keys attended over to the next power of two from `min_kv` (each row's mask hides the
-  keys past its own length), so a graph serves a whole range of context lengths;
+  keys past its own length), so a graph serves a whole range of context lengths; and
+  from more for few rows (`floors`, from `row_floors`): a step reads every weight, and
+  one user's keys are a small share beside them even at 2,048, so a chat's context
+  crosses no bucket -- each crossing a capture in the middle of a reply, on a GPU a
+  fifth of a second of an 8B model's -- until it is that long;
 * where the rows sit in the KV store: in the first slots, 0 on (a graph attends over a
   slice of the store, no copy), or anywhere else (a graph gathers its rows' keys). Not a
   graph per first slot: a conversation lands in whichever slot is free (one freed a
@@ -41,6 +45,9 @@ MAX_TOKENS_PER_ROW = 9
 # graphs per row count and context serve every k
 VERIFY_TOKENS = (2, 3, 5, 9)
 MAX_GRAPHS = 48
+# the most a step's keys read past its context may add to the bytes it reads anyway, its
+# weights', where row_floors sets a bucket's floor above `min_kv`
+KEY_SHARE = 0.03
 # captures that fail (for any shape) before a stage stops trying: a family whose step
 # cannot be captured fails the same way at every shape
 MAX_FAILURES = 3
@@ -65,9 +72,10 @@ class GraphPlan:
     max_kv: int | None = None            # longest context a graph attends over (None: any)
     max_tokens: int = MAX_TOKENS_PER_ROW
     verify_tokens: tuple[int, ...] = VERIFY_TOKENS
+    floors: tuple[tuple[int, int], ...] = ()   # (rows, fewest keys) above min_kv: row_floors
 
-    def kv_bucket(self, need: int) -> int:
-        b = self.min_kv
+    def kv_bucket(self, need: int, rows: int = 1) -> int:
+        b = dict(self.floors).get(rows, self.min_kv)
         while b < need:
             b *= 2
         return b
@@ -91,7 +99,7 @@ class GraphPlan:
             return f"{len(ns)} rows, more than {self.row_buckets[-1]}"
         tokens = n if n == 1 else next((t for t in self.verify_tokens if t >= n), n)
         need = max(s + tokens for s in starts)
-        kv_len = self.kv_bucket(need)
+        kv_len = self.kv_bucket(need, rows)
         if self.max_kv is not None and kv_len > self.max_kv:
             if need > self.max_kv:
                 return f"a context of {need} tokens, past {self.max_kv}"
@@ -106,10 +114,26 @@ class GraphPlan:
         conversation sits in slot 0 or, beside another's kept reply, anywhere:
         engine/core/speculation.py, kept_prefixes.py), at the shortest context (a chat's
         first replies). Each shape met later is a capture in the middle of a reply."""
-        first = [StepShape(r, 1, self.min_kv, 0) for r in self.row_buckets if r <= up_to_rows]
-        verify = [StepShape(1, t, self.min_kv, lo) for lo in (0, None)
-                  for t in self.verify_tokens if t <= self.max_tokens]
-        return first + [StepShape(1, 1, self.min_kv, None)] + verify
+        first = [StepShape(r, 1, self.kv_bucket(1, r), 0) for r in self.row_buckets if r <= up_to_rows]
+        one = self.kv_bucket(1, 1)
+        verify = [StepShape(1, t, one, lo) for lo in (0, None) for t in self.verify_tokens if t <= self.max_tokens]
+        return first + [StepShape(1, 1, one, None)] + verify
+
+
+def row_floors(weight_bytes: int, kv_bytes_per_token: int, cap: int, row_buckets=ROW_BUCKETS,
+               min_kv: int = MIN_KV, share: float = KEY_SHARE) -> tuple[tuple[int, int], ...]:
+    """The fewest keys each row bucket's graphs attend over: the longest power of two from
+    `min_kv` up to `cap` (what the KV store holds a slot at once) whose keys, read for
+    every row, add at most `share` to the weights' bytes. An 8B model's one user: 2,048;
+    its 16 rows: 256, as before; a model of 135M parameters: 256 for every bucket."""
+    out = []
+    for rows in row_buckets:
+        keys = min_kv
+        while keys * 2 <= cap and rows * keys * 2 * kv_bytes_per_token <= share * weight_bytes:
+            keys *= 2
+        if keys > min_kv:
+            out.append((rows, keys))
+    return tuple(out)
 
 
 @dataclass

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.graph_plan import GraphBook, GraphPlan, StepShape
-from engine.model.device import attention_kernels
+from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, row_floors
+from engine.model.device import attention_kernels, kv_bytes_per_token
 from engine.model.draw import to_device
 
 log = logging.getLogger("potluck.static_decode")
@@ -82,6 +82,8 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
             and (static.plan.max_kv is None or cap * 2 <= static.plan.max_kv):
         cap *= 2
     static.reserve = (rows, cap) if cap * rows <= stage.kv.budget_tokens // 2 else (0, 0)
+    if static.reserve[1]:
+        static.plan = replace(static.plan, floors=_floors(stage, static.reserve[1], static.plan.min_kv))
     stage.static = static
     t0 = time.perf_counter()
     # in the inference mode the stage's steps (and any later capture) run in: with autograd
@@ -90,9 +92,22 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
     # captured outputs would carry autograd history
     with torch.inference_mode():
         static.warm(sorted(static.plan.warm_shapes(rows), key=lambda s: -s.rows), stage._progress)
-    log.info("captured %d decode graphs in %.1f s (%.0f MiB)", book.captures, time.perf_counter() - t0,
-             book.capture_bytes / 2**20)
+    log.info("captured %d decode graphs in %.1f s (%.0f MiB); fewest keys by rows %s", book.captures,
+             time.perf_counter() - t0, book.capture_bytes / 2**20, dict(static.plan.floors) or static.plan.min_kv)
     return static
+
+
+def _floors(stage, cap: int, min_kv: int) -> tuple[tuple[int, int], ...]:
+    """Few rows' graphs attend over up to the store's whole reserve where their keys cost
+    little beside the weights (graph_plan.row_floors): a chat then captures nothing in
+    the middle of a reply until its context is that long."""
+    try:
+        per_token = kv_bytes_per_token(stage.source.config(), (stage.start, stage.end), stage.kv.dtype)
+        return row_floors(stage.param_bytes(), per_token, cap, min_kv=min_kv)
+    except Exception as exc:  # noqa: BLE001 -- a rounding rule never stops a load
+        # (a config whose layers differ in heads, Gemma 4's, has no one size a token)
+        log.info("decode graphs attend over %d keys at fewest for every row count: %s", min_kv, exc)
+        return ()
 
 
 # families whose step reads device values back to the host or makes host tensors as it

@@ -81,3 +81,21 @@ def test_failed_captures_are_not_retried_and_enough_of_them_stop_capturing():
     assert not book.may_capture(c)
     assert "2 captures failed" in book.disabled and "again" in book.disabled
     assert book.summary()["failed"][a.label()].startswith("RuntimeError")
+
+
+def test_few_rows_attend_over_more_keys_where_they_cost_little_beside_the_weights():
+    from engine.core.graph_plan import row_floors
+
+    per_token = 32 * 2 * 8 * 128 * 2                   # an 8B model's keys and values, bf16
+    floors = row_floors(16 * 10**9, per_token, cap=2048)
+    assert floors == ((1, 2048), (2, 1024), (4, 512))  # 8 and 16 rows: 256, as before
+    assert row_floors(270 * 10**6, 30 * 2 * 3 * 64 * 2, cap=2048) == ()   # a 135M model: none
+    assert row_floors(16 * 10**9, per_token, cap=512) == ((1, 512), (2, 512), (4, 512))   # the reserve bounds it
+    plan = GraphPlan(floors=floors)
+    # one user's chat crosses no bucket until 2,048 tokens; 16 users' steps as before
+    assert {plan.shape_for([1], [s], [0]).kv_len for s in (10, 300, 1500, 2047)} == {2048}
+    assert plan.shape_for([1], [2048], [0]).kv_len == 4096
+    assert plan.shape_for([1] * 16, list(range(16)), list(range(16))).kv_len == 256
+    assert [(s.rows, s.tokens, s.kv_len) for s in plan.warm_shapes(16)][:6] == [
+        (1, 1, 2048), (2, 1, 1024), (4, 1, 512), (8, 1, 256), (16, 1, 256), (1, 1, 2048)]
+    assert all(s.kv_len == 2048 for s in plan.warm_shapes(16) if s.tokens > 1)

@@ -233,6 +233,26 @@ def test_one_users_verification_steps_of_every_k_replay_the_graphs_of_the_load(w
     where.same(outs[True], outs[False])
 
 
+def test_one_user_whose_graphs_attend_over_more_keys_crosses_no_bucket_mid_reply(where, tiny_folder):
+    """Few rows' floors (engine/core/graph_plan.py row_floors): a reply growing from 11 to
+    111 tokens of context replays one graph, where buckets from 32 keys capture three,
+    each in the middle of the reply; the logits are the eager step's either way."""
+    from dataclasses import replace
+
+    from engine.core.graph_plan import GraphPlan
+
+    folder, _ = tiny_folder("llama")
+    want = decode(where.stage(folder, False), 100, [PROMPTS[1]])
+    for floors, captures in (((), 3), (((1, 128),), 1)):
+        s = where.stage(folder, True)
+        s.static.plan = replace(GraphPlan(min_kv=32, max_kv=256), floors=floors)
+        s.static.runner.drop_all()
+        before = s.static.book.captures
+        where.same(decode(s, 100, [PROMPTS[1]]), want)
+        book = s.static.book
+        assert book.captures - before == captures and not book.failed, book.summary()
+
+
 def test_a_verification_step_replays_and_rolls_back(where, tiny_folder):
     folder, _ = tiny_folder("llama")
     outs = {}
