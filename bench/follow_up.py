@@ -13,6 +13,10 @@ replies must be the same text (greedy).
 What should hold: a follow-up's first token in about the time of its new message, not
 of the whole conversation; the first turn no slower.
 
+--people N: N conversations at once on each server, their turns taking turns (friends
+sharing one host): every conversation starts with the same chat template and system
+prompt, and one's new conversation must not take another's kept reply over.
+
 --link MBIT,MS: instead, a head and one stage process with every byte between them
 crossing an emulated home line (testkit/linkemu.py, as bench/weaklink.py builds it: the
 rate each way and the one-way delay), as a host and a friend's computer are. One head
@@ -20,6 +24,7 @@ runs both modes, a conversation at a time: kept replies, then none kept (nothing
 other conversation matches).
 
     .venv/bin/python bench/follow_up.py                 # ~4 minutes on 2 cores
+    .venv/bin/python bench/follow_up.py --people 2      # two conversations taking turns
     .venv/bin/python bench/follow_up.py --link 20,15    # a 20 Mbit/s line, 15 ms each way
 """
 
@@ -69,8 +74,9 @@ def conversation(i: int, paste_tokens: int) -> list[dict]:
 
 
 def table(times: dict, args, where: str, scratch: str = "from scratch (POTLUCK_KEEP_REPLIES=0)") -> None:
-    print(f"\nTime to first token, median of {args.repeat} conversations (a {args.paste}-token first "
-          f"message, then short follow-ups; {where}):\n")
+    people = f", {args.people} at once taking turns" if args.people > 1 else ""
+    print(f"\nTime to first token, median of {args.repeat * args.people} conversations{people} (a {args.paste}-token "
+          f"first message, then short follow-ups; {where}):\n")
     print(f"| turn | kept replies (default) | {scratch} | kept / scratch |")
     print("|---|---:|---:|---:|")
     for t in range(1 + len(FOLLOW_UPS)):
@@ -141,9 +147,12 @@ def main() -> int:
     p.add_argument("--paste", type=int, default=1500, help="tokens in the first message (default 1500)")
     p.add_argument("--repeat", type=int, default=3, help="conversations per server (default 3)")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--people", type=int, default=1, help="conversations at once, taking turns (default 1)")
     p.add_argument("--link", default=None, metavar="MBIT,MS",
                    help="a head and a stage over an emulated line of MBIT Mbit/s and MS ms each way")
     args = p.parse_args()
+    if args.link and args.people > 1:
+        p.error("--people runs on two servers side by side, not over --link")
     if args.link:
         import asyncio
 
@@ -167,18 +176,20 @@ def main() -> int:
         times = {name: [[] for _ in range(1 + len(FOLLOW_UPS))] for name in servers}
         same = True
         for i in range(args.repeat):
-            convs = {name: conversation(i, args.paste) for name in servers}
+            people = range(i * args.people, (i + 1) * args.people)
+            convs = {name: {j: conversation(j, args.paste) for j in people} for name in servers}
             for t in range(1 + len(FOLLOW_UPS)):
-                texts = {}
-                for name, (port, _) in servers.items():
-                    ttft, texts[name] = turn(port, convs[name], args.max_tokens)
-                    times[name][t].append(ttft)
-                    convs[name].append({"role": "assistant", "content": texts[name]})
-                    if t < len(FOLLOW_UPS):
-                        convs[name].append({"role": "user", "content": FOLLOW_UPS[t]})
-                same &= texts["kept"] == texts["scratch"]
-                print(f"  conversation {i + 1}, turn {t + 1}: "
-                      + ", ".join(f"{n} {times[n][t][-1]:.2f} s" for n in servers), flush=True)
+                for j in people:
+                    texts = {}
+                    for name, (port, _) in servers.items():
+                        ttft, texts[name] = turn(port, convs[name][j], args.max_tokens)
+                        times[name][t].append(ttft)
+                        convs[name][j].append({"role": "assistant", "content": texts[name]})
+                        if t < len(FOLLOW_UPS):
+                            convs[name][j].append({"role": "user", "content": FOLLOW_UPS[t]})
+                    same &= texts["kept"] == texts["scratch"]
+                    print(f"  conversation {j + 1}, turn {t + 1}: "
+                          + ", ".join(f"{n} {times[n][t][-1]:.2f} s" for n in servers), flush=True)
     finally:
         for _, proc in servers.values():
             stop(proc)
