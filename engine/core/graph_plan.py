@@ -98,6 +98,8 @@ class GraphPlan:
         if rows is None:
             return f"{len(ns)} rows, more than {self.row_buckets[-1]}"
         tokens = n if n == 1 else next((t for t in self.verify_tokens if t >= n), n)
+        if self.max_kv is not None and max(starts) + tokens > self.max_kv:
+            tokens = n        # near the context's end the padding would not fit: as it is
         need = max(s + tokens for s in starts)
         kv_len = self.kv_bucket(need, rows)
         if self.max_kv is not None and kv_len > self.max_kv:
@@ -144,6 +146,10 @@ class GraphBook:
     max_failures: int = MAX_FAILURES
     failed: dict[StepShape, str] = field(default_factory=dict)
     disabled: str | None = None          # why nothing is captured any more
+    # why no verification step is captured any more: its several tokens a row may take a
+    # path a decode step does not (a product that reads the host), and its shapes, tried
+    # at load, must not cost every decode step its graphs
+    verify_disabled: str | None = None
     captures: int = 0
     capture_seconds: float = 0.0
     capture_bytes: int = 0               # growth of the device's reserved memory over captures
@@ -152,7 +158,9 @@ class GraphBook:
     _live: OrderedDict = field(default_factory=OrderedDict)
 
     def may_capture(self, shape: StepShape) -> bool:
-        return self.disabled is None and shape not in self.failed
+        if self.disabled is not None or shape in self.failed:
+            return False
+        return shape.tokens == 1 or self.verify_disabled is None
 
     def captured(self, shape: StepShape, seconds: float, grew_bytes: int) -> list[StepShape]:
         """Record a capture; returns the shapes to drop (least recently used first)."""
@@ -181,8 +189,14 @@ class GraphBook:
 
     def capture_failed(self, shape: StepShape, reason: str) -> None:
         self.failed[shape] = reason
-        if len(self.failed) >= self.max_failures and self.disabled is None:
-            self.disabled = f"{len(self.failed)} captures failed, the last: {reason}"
+        verify = shape.tokens > 1
+        n = sum(1 for s in self.failed if (s.tokens > 1) == verify)
+        if n < self.max_failures:
+            return
+        if verify and self.verify_disabled is None:
+            self.verify_disabled = f"{n} captures of verification steps failed, the last: {reason}"
+        elif not verify and self.disabled is None:
+            self.disabled = f"{n} captures failed, the last: {reason}"
 
     def ran_eagerly(self, reason: str) -> None:
         self.eager[reason] = self.eager.get(reason, 0) + 1
@@ -195,5 +209,6 @@ class GraphBook:
         """For the stage's status and the GPU benchmark."""
         return {"graphs": len(self._live), "captures": self.captures, "replays": self.replays,
                 "capture_s": round(self.capture_seconds, 3), "capture_mib": round(self.capture_bytes / 2**20, 1),
-                "disabled": self.disabled, "failed": {s.label(): r for s, r in self.failed.items()},
+                "disabled": self.disabled, "verify_disabled": self.verify_disabled,
+                "failed": {s.label(): r for s, r in self.failed.items()},
                 "eager": dict(self.eager)}

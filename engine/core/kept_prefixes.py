@@ -26,10 +26,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 MIN_MATCH = 16      # a shorter common start saves less than a step's fixed cost
-# a kept reply is taken over only by a prompt that holds at least this share of it: every
-# chat prompt starts with the same system prompt, and a friend's new conversation taking
-# over someone's 2,000-token conversation to save its 30 tokens of template would cost
-# that conversation's follow-up the whole 2,000
+# a kept reply is taken over only by a prompt that holds at least this share of its prompt:
+# every chat prompt starts with the same system prompt, and a friend's new conversation
+# taking over someone's 2,000-token conversation to save its 30 tokens of template would
+# cost that conversation's follow-up the whole 2,000. Of its prompt, not of all it holds:
+# a follow-up may part from it early in a long reply (a template that drops the last
+# turn's thinking, a reply that tokenizes otherwise as text) and still save the prompt
 TAKE_SHARE = 0.5
 MOST = 8            # sequences kept at once (each holds a KV slot on every stage)
 IDLE_S = 600.0      # a conversation nobody followed up for this long lets its memory go
@@ -39,6 +41,7 @@ IDLE_S = 600.0      # a conversation nobody followed up for this long lets its m
 class Kept:
     tokens: list[int]
     since: float
+    prompt: int       # of the tokens, the ended request's prompt
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -71,14 +74,15 @@ class KeptPrefixes:
     def ids(self) -> list[int]:
         return list(self._kept)
 
-    def keep(self, seq_id: int, tokens: list[int], now: float) -> list[int]:
-        """A reply ended and its KV holds `tokens` (what went into the model: the prompt
-        and the reply but its last token, which was drawn and never fed back). Returns
-        the sequences to free now: this one when it is too short to be worth keeping,
-        and the least recently used when more than `most` are kept."""
+    def keep(self, seq_id: int, tokens: list[int], now: float, prompt: int | None = None) -> list[int]:
+        """A reply ended and its KV holds `tokens` (what went into the model: the `prompt`
+        first, then the reply but its last token, which was drawn and never fed back).
+        Returns the sequences to free now: this one when it is too short to be worth
+        keeping, and the least recently used when more than `most` are kept."""
         if len(tokens) < self.min_match or self.most <= 0:
             return [seq_id]
-        self._kept[seq_id] = Kept(list(tokens), now)
+        prompt = len(tokens) if prompt is None else min(prompt, len(tokens))
+        self._kept[seq_id] = Kept(list(tokens), now, prompt)
         self._kept.move_to_end(seq_id)
         out = []
         while len(self._kept) > self.most:
@@ -89,13 +93,13 @@ class KeptPrefixes:
         """The kept sequence sharing the longest start with `prompt`, taken out: (its id,
         how many of the prompt's tokens its KV holds). At least the prompt's last token is
         left to compute: its logits draw the reply's first token. None when no kept
-        sequence shares `min_match` tokens and `take_share` of its own with it (a start
+        sequence shares `min_match` tokens and `take_share` of its prompt with it (a start
         shorter than that is computed again, and the kept reply stays for its own
         conversation)."""
         best, best_n = None, 0
         for sid, k in self._kept.items():
             n = common_prefix(k.tokens, prompt)
-            if n > best_n and n >= self.take_share * len(k.tokens):
+            if n > best_n and n >= self.take_share * k.prompt:
                 best, best_n = sid, n
         best_n = min(best_n, len(prompt) - 1)
         if best is None or best_n < self.min_match:

@@ -268,7 +268,7 @@ class StaticDecoder:
         n = batch.ns[0]
         if shape.tokens > n:
             # a verification step padded to its bucket: each row's last token again
-            rows = x.view(len(slots), n, *x.shape[1:])
+            rows = x.reshape(len(slots), n, *x.shape[1:])
             x = torch.cat([rows, rows[:, -1:].expand(-1, shape.tokens - n, *x.shape[1:])], 1).flatten(0, 1)
         bufs.fill(x, slots, batch.starts, shape.tokens, scratch)
         need_slots = max(slots + [scratch or 0]) + 1
@@ -292,7 +292,7 @@ class StaticDecoder:
         B, T = len(batch.ns), shape.tokens
         kept = T if stage.last and batch.keep is not None else (1 if stage.last else T)
         if kept > n:      # the padding positions' outputs go
-            out = out[: B * kept].view(B, kept, -1)[:, :n].flatten(0, 1)
+            out = out[: B * kept].reshape(B, kept, -1)[:, :n].flatten(0, 1)
         else:
             out = out[: B * kept]
         out = out.clone()                   # a replay overwrites its output buffer next step

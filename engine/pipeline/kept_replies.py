@@ -134,7 +134,7 @@ class KeptReplies:
         free, s.drops = [], []   # (those were freed when they were let go)
         if s.finish in KEEP_AFTER and not self.recovering and not self.error:
             # prompt + generated is the stream a replay starts over from too
-            free += self.kept.keep(s.id, (s.prompt + s.generated)[:s.pos], time.monotonic())
+            free += self.kept.keep(s.id, (s.prompt + s.generated)[:s.pos], time.monotonic(), len(s.prompt))
             self._kept_changed()
         else:
             free.append(s.id)

@@ -83,6 +83,18 @@ def test_failed_captures_are_not_retried_and_enough_of_them_stop_capturing():
     assert book.summary()["failed"][a.label()].startswith("RuntimeError")
 
 
+def test_failed_verification_captures_stop_only_verification_captures():
+    """One user's verification steps are tried at load: a family whose several tokens a
+    row take a path that cannot be captured must keep its decode steps' graphs."""
+    book = GraphBook(max_failures=2)
+    v2, v3, v5 = (StepShape(1, t, 256, 0) for t in (2, 3, 5))
+    book.capture_failed(v2, "refused: reads the host")
+    book.capture_failed(v3, "refused: reads the host")
+    assert book.disabled is None and "2 captures of verification" in book.verify_disabled
+    assert not book.may_capture(v5) and book.may_capture(StepShape(1, 1, 512, 0))
+    assert book.summary()["verify_disabled"] == book.verify_disabled
+
+
 def test_few_rows_attend_over_more_keys_where_they_cost_little_beside_the_weights():
     from engine.core.graph_plan import row_floors
 
@@ -99,3 +111,10 @@ def test_few_rows_attend_over_more_keys_where_they_cost_little_beside_the_weight
     assert [(s.rows, s.tokens, s.kv_len) for s in plan.warm_shapes(16)][:6] == [
         (1, 1, 2048), (2, 1, 1024), (4, 1, 512), (8, 1, 256), (16, 1, 256), (1, 1, 2048)]
     assert all(s.kv_len == 2048 for s in plan.warm_shapes(16) if s.tokens > 1)
+
+
+def test_near_the_context_limit_a_verification_step_is_not_padded_past_it():
+    plan = GraphPlan(max_kv=1024)
+    assert plan.shape_for([4], [1018], [0], keep=[4]).tokens == 5
+    assert plan.shape_for([4], [1020], [0], keep=[4]).tokens == 4      # 1020 + 5 would pass 1024
+    assert plan.shape_for([4], [1021], [0], keep=[4]) == "a context of 1025 tokens, past 1024"

@@ -39,9 +39,12 @@ def test_a_new_conversation_sharing_only_the_system_prompt_leaves_anothers_kept_
     k.keep(2, system + [1, 2, 3, 4, 5], now=1)           # a short one: most of it is the template
     assert k.take(system + [7, 8, 9]) == (2, 30) and 1 in k
     # a regenerated reply (the same prompt, the reply's tokens dropped) takes its own over
-    # where the prompt is most of what is kept
-    k.keep(3, system + list(range(3000, 3100)) + [9] * 40, now=2)
+    k.keep(3, system + list(range(3000, 3100)) + [9] * 40, now=2, prompt=130)
     assert k.take(system + list(range(3000, 3100))) == (3, 129)
+    # and a follow-up that parts from a reply longer than its prompt early in the reply
+    # (a template that drops the last turn's thinking) saves the prompt
+    k.keep(4, system + list(range(4000, 4100)) + [8] * 400, now=3, prompt=130)
+    assert k.take(system + list(range(4000, 4100)) + [8, 7, 7, 7]) == (4, 131)
     assert 1 in k                                      # the friend's is still there for its follow-up
 
 

@@ -150,6 +150,16 @@ def test_two_steps_of_one_bucket_run_the_same_operators_and_read_nothing_back(ti
         assert bad or not same
     else:
         assert same and not bad, bad
+        # and two verification steps of 1 + 3 tokens a row (padded to 5), the second inside
+        # the first's draft: what a GPU stage captures at load for one user and replays
+        at = [len(p) + 3 for p in PROMPTS]
+        traces.clear()
+        forward(chain, StageBatch(rows, at, [4] * 3, keep=[4] * 3), list(range(20, 32)))
+        first = list(traces)
+        traces.clear()
+        forward(chain, StageBatch(rows, [a + 2 for a in at], [4] * 3, keep=[4] * 3), list(range(40, 52)))
+        bad = [op for ops in first for op, *_ in ops if any(h in op for h in HOST_READS)]
+        assert first == traces and not bad, bad
 
 
 def test_rows_in_scattered_slots_gather_their_keys_and_match(tiny_folder):
