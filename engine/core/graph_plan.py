@@ -75,7 +75,7 @@ class GraphPlan:
     floors: tuple[tuple[int, int], ...] = ()   # (rows, fewest keys) above min_kv: row_floors
 
     def kv_bucket(self, need: int, rows: int = 1) -> int:
-        b = dict(self.floors).get(rows, self.min_kv)
+        b = next((keys for r, keys in self.floors if r == rows), self.min_kv)   # per step: no dict
         while b < need:
             b *= 2
         return b

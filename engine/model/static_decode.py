@@ -267,7 +267,8 @@ class StaticDecoder:
              else to_device(inputs, dtype, stage.device))
         n = batch.ns[0]
         if shape.tokens > n:
-            # a verification step padded to its bucket: each row's last token again
+            # a verification step padded to its bucket: each row's last input (a token or a
+            # hidden state) again
             rows = x.reshape(len(slots), n, *x.shape[1:])
             x = torch.cat([rows, rows[:, -1:].expand(-1, shape.tokens - n, *x.shape[1:])], 1).flatten(0, 1)
         bufs.fill(x, slots, batch.starts, shape.tokens, scratch)
