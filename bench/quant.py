@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--weights", default="int8,nf4,int4")
+    ap.add_argument("--weights", default="int8,nf4,int4",
+                    help="of int8, nf4, int4, int4-apart (int4 without its joined products)")
     ap.add_argument("--sweep", default="", help="also int8 at these LLM.int8 thresholds, e.g. 6,4,3,2,1,0.5 "
                                                 "(why engine/model/quant.py uses the one it does)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -155,7 +156,15 @@ def main(argv=None) -> int:
     ref = None
     for w in ["bf16"] + [w for w in args.weights.split(",") if w]:
         t0 = time.perf_counter()
-        stage = StageModel(source, 0, n_layers, dtype=dtype, device=device, weights=w)
+        # "int4-apart": int4 with q/k/v and gate/up as separate products, as before they were joined
+        apart = w == "int4-apart"
+        if apart:
+            os.environ["POTLUCK_FUSED_PRODUCTS"] = "0"
+        try:
+            stage = StageModel(source, 0, n_layers, dtype=dtype, device=device, weights="int4" if apart else w)
+        finally:
+            if apart:
+                del os.environ["POTLUCK_FUSED_PRODUCTS"]
         load_s = time.perf_counter() - t0
         layer_bytes = sum(p.numel() * p.element_size() for p in stage._layers.parameters()) + int4_bytes(stage._layers)
         t0 = time.perf_counter()
@@ -186,7 +195,8 @@ def main(argv=None) -> int:
           "| decode step ms | vs full | two ways: max Δ logit |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        name = {"bf16": f"full ({str(dtype).split('.')[-1]})", "bf16 compute": "full, computed in bf16"}
+        name = {"bf16": f"full ({str(dtype).split('.')[-1]})", "bf16 compute": "full, computed in bf16",
+                "int4-apart": "int4, products apart"}
         step = f"{r['decode_ms']:.1f} | {r['decode_ms'] / full['decode_ms']:.2f}x" if r["decode_ms"] else "- | -"
         ways = "-" if r["two_ways"] is None else f"{r['two_ways']:.2g}"
         print(f"| {name.get(r['weights'], r['weights'])} "

@@ -26,6 +26,7 @@ keep transformers' modules (engine/model/cpu_linear.py chooses their products).
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -37,13 +38,14 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _MARK = "_potluck_fused_group"
 
 
-class _Group:
-    """One fused product: the joined weight (the members' weights are its row slices),
-    each member's columns of the output, and the last input with its product while
-    members are still due to take theirs."""
+class SharedProduct:
+    """One product shared by sibling projections: `product(x)` gives the members' outputs
+    side by side, member i's in columns `bounds[i]`; it holds the last input and its
+    product while members are still due to take theirs. `product` is the joined Linear's
+    weights here, and a joined int4 layer in engine/model/int4.py."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bounds: list[tuple[int, int]]):
-        self.weight, self.bias, self.bounds = weight, bias, bounds
+    def __init__(self, product, bounds: list[tuple[int, int]]):
+        self.product, self.bounds = product, bounds
         self.x = self.y = None
         self.served: set[int] = set()
 
@@ -51,7 +53,7 @@ class _Group:
         # another input, or a member asking twice for this one: a new call of the module
         # (a step that stopped half-way, a module feeding its members different inputs)
         if self.x is not x or index in self.served:
-            self.x, self.y = x, F.linear(x, self.weight, self.bias)
+            self.x, self.y = x, self.product(x)
             self.served = set()
         lo, hi = self.bounds[index]
         y = self.y[..., lo:hi]
@@ -65,6 +67,23 @@ class _Group:
 def _member_forward(self, x: torch.Tensor) -> torch.Tensor:
     group, index = getattr(self, _MARK)
     return group.take(index, x)
+
+
+def bounds(members) -> list[tuple[int, int]]:
+    """Each member's columns of the joined output, in order."""
+    out, lo = [], 0
+    for m in members:
+        out.append((lo, lo + m.out_features))
+        lo += m.out_features
+    return out
+
+
+def sibling_groups(parent: nn.Module):
+    """Each set of `parent`'s projections (GROUPS) that all exist, as (names, modules)."""
+    for names in GROUPS:
+        members = [getattr(parent, name, None) for name in names]
+        if all(m is not None for m in members):
+            yield names, members
 
 
 def _groupable(members: list) -> bool:
@@ -85,10 +104,7 @@ def fuse_products(model: nn.Module) -> int:
     are joined already)."""
     n = 0
     for parent in model.modules():
-        for names in GROUPS:
-            members = [getattr(parent, name, None) for name in names]
-            if any(m is None for m in members):
-                continue
+        for _, members in sibling_groups(parent):
             if all(getattr(m, _MARK, None) is not None for m in members):
                 n += 1
                 continue
@@ -103,18 +119,15 @@ def fuse_products(model: nn.Module) -> int:
                 # groups left keep their separate products (slower, never a failed load)
                 _give_back(members[0].weight)
                 return n
-            group = _Group(weight, bias, [])
-            lo = 0
+            group = SharedProduct(functools.partial(F.linear, weight=weight, bias=bias), bounds(members))
             for i, m in enumerate(members):
-                hi = lo + m.out_features
-                group.bounds.append((lo, hi))
+                lo, hi = group.bounds[i]
                 # the member's parameters become views of the joined ones: one copy in memory
                 m.weight = nn.Parameter(weight[lo:hi], requires_grad=False)
                 if bias is not None:
                     m.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
                 setattr(m, _MARK, (group, i))
                 m.forward = types.MethodType(_member_forward, m)
-                lo = hi
             n += 1
             # the members' old weights go back to the device now, not to the allocator's
             # cache: kept there, a layer's joined matrix would not fit in them (another

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.core.errors import ModelError
+from engine.model.fused_products import SharedProduct, bounds, sibling_groups
 
 GROUP = 32
 # the CPU kernel packs rows 16 at a time; the CUDA one tiles the columns by 16 x innerKTiles
@@ -128,19 +129,74 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
 
 
-def quantize_layers(layers: nn.Module, progress=None) -> int:
+class Int4Part(nn.Module):
+    """One projection's columns of a joined int4 product: q of q/k/v, gate of gate/up.
+    The joined layer is registered under the first part only, so it is moved, packed and
+    counted once with the model."""
+
+    def __init__(self, shared: SharedProduct, index: int, in_features: int, out_features: int,
+                 whole: Int4Linear | None = None):
+        super().__init__()
+        self.shared, self.index = shared, index
+        self.in_features, self.out_features = in_features, out_features
+        if whole is not None:
+            self.whole = whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.take(self.index, x)
+
+    def extra_repr(self) -> str:
+        lo, hi = self.shared.bounds[self.index]
+        return f"columns {lo}..{hi} of a joined int4 product"
+
+
+def join(members: list[nn.Linear], group: int = GROUP) -> list[Int4Part]:
+    """Sibling projections that read one input (engine/model/fused_products.py GROUPS) as
+    one int4 product. A weight's groups are per row, so each member keeps the very levels
+    it would have alone, and the kernel computes each output as it would alone (the CPU's
+    bit for bit); what goes is a kernel call per member -- and on a GPU a grouped-query
+    model's small k and v products, too narrow to keep its memory busy."""
+    K = members[0].in_features
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in members])
+        bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
+    joined = nn.Linear(K, weight.shape[0], bias=bias is not None, device="meta")
+    joined.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        joined.bias = nn.Parameter(bias, requires_grad=False)
+    whole = Int4Linear(joined, group)
+    shared = SharedProduct(whole, bounds(members))
+    return [Int4Part(shared, i, K, m.out_features, whole if i == 0 else None) for i, m in enumerate(members)]
+
+
+def _joinable(members: list) -> bool:
+    return all(type(m) is nn.Linear and not m.weight.is_meta and fits(m) for m in members) \
+        and len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1
+
+
+def quantize_layers(layers: nn.Module, progress=None, joined: bool = True) -> int:
     """Swap each Linear of `layers` the kernels can take for an Int4Linear (on the device
-    they were read to); returns how many. progress(done, total, what): a big model's
-    layers take a while on a CPU."""
+    they were read to), sibling projections that read one input for one joined product
+    unless `joined` is False; returns how many Linears are now 4-bit. progress(done, total,
+    what): a big model's layers take a while on a CPU."""
+    groups = [(parent, names, members) for parent in layers.modules() for names, members in sibling_groups(parent)
+              if joined and _joinable(members)]
+    in_groups = {id(m) for _, _, members in groups for m in members}
     todo = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear and not child.weight.is_meta and fits(child)]
+            if type(child) is nn.Linear and not child.weight.is_meta and fits(child) and id(child) not in in_groups]
+    total = len(todo) + len(groups)
     for i, (parent, name, child) in enumerate(todo):
         if progress is not None:
-            progress(i, len(todo), "quantizing to int4")
+            progress(i, total, "quantizing to int4")
         setattr(parent, name, Int4Linear(child))
-    if progress is not None and todo:
-        progress(len(todo), len(todo), "quantizing to int4")
-    return len(todo)
+    for i, (parent, names, members) in enumerate(groups):
+        if progress is not None:
+            progress(len(todo) + i, total, "quantizing to int4")
+        for name, part in zip(names, join(members)):
+            setattr(parent, name, part)
+    if progress is not None and total:
+        progress(total, total, "quantizing to int4")
+    return len(todo) + len(in_groups)
 
 
 def place(model: nn.Module, device: torch.device) -> None:

@@ -355,7 +355,10 @@ class StageModel:
         # int4: each layer is quantized as soon as it is read, on the device it was read to, so
         # a stage holds one layer at full precision at a time: a slice that fits its GPU only
         # in 4 bits must not pass through it whole at 16
-        quantize_each = (lambda i: quantize_layers(layers[i])) if self.weights == INT4 else None
+        # (q/k/v and gate/up joined, as engine/model/fused_products.py joins a GPU's full
+        # weights; POTLUCK_FUSED_PRODUCTS=0 keeps them apart here too)
+        joined = os.environ.get("POTLUCK_FUSED_PRODUCTS", "1") != "0"
+        quantize_each = (lambda i: quantize_layers(layers[i], joined=joined)) if self.weights == INT4 else None
         self.source.on_download = self._progress  # hub shards: bytes per file as they arrive
         try:
             self._load_weights(model, checkpoint, names, quantizer, quantize_each)

@@ -8,9 +8,24 @@ import torch
 from torch import nn
 
 from engine.core import precision
-from engine.model.int4 import GROUP, Int4Linear, dequantize, quantize, quantize_layers
+from engine.model.int4 import GROUP, Int4Linear, Int4Part, dequantize, join, quantize, quantize_layers
 from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
+
+# a Llama layer at int4: o and down alone, q/k/v and gate/up each one joined product
+JOINED_PER_LAYER = {"Int4Linear": 4, "Int4Part": 5}
+
+
+def four_bit(model: nn.Module) -> dict[str, int]:
+    out = {}
+    for m in model.modules():
+        if isinstance(m, (Int4Linear, Int4Part)):
+            out[type(m).__name__] = out.get(type(m).__name__, 0) + 1
+    return out
+
+
+def per_layer(counts: dict[str, int], L: int) -> dict[str, float]:
+    return {k: v / L for k, v in counts.items()}
 
 
 def test_a_group_spans_its_range_in_sixteen_levels():
@@ -61,6 +76,69 @@ def test_layers_the_kernels_cannot_take_keep_their_own_product():
     assert [type(m).__name__ for m in block] == ["Int4Linear", "Linear", "Linear"]
 
 
+def test_projections_that_read_one_input_are_one_product_with_the_levels_each_had_alone():
+    torch.manual_seed(1)
+    members = [nn.Linear(96, n) for n in (64, 32, 32)]
+    alone = [Int4Linear(m) for m in members]
+    parts = join(members)
+    whole = parts[0].whole
+    assert torch.equal(whole.nibbles, torch.cat([a.nibbles for a in alone]))
+    assert torch.equal(whole.scale_zero, torch.cat([a.scale_zero for a in alone], 1))
+    for m in alone + [whole]:
+        m.to_device(torch.device("cpu"))
+    for rows in (1, 5):
+        x = torch.randn(rows, 96)
+        # the kernel sums each output as it would alone: bit for bit
+        for part, a in zip(parts, alone):
+            assert torch.equal(part(x), a(x))
+        # one kernel call for the three (the first member computes it, the others take columns)
+        y = whole(x)
+        assert torch.equal(torch.cat([p(x) for p in parts], -1), y)
+    # a member fed another input computes the product again, never hands out stale columns
+    x1, x2 = torch.randn(1, 96), torch.randn(1, 96)
+    assert torch.equal(parts[0](x1), alone[0](x1)) and torch.equal(parts[1](x2), alone[1](x2))
+
+
+def test_an_int4_stage_joins_its_products_and_answers_as_one_that_does_not(tiny_folder, monkeypatch):
+    """The same logits, prompt and decode, with 4 int4 kernel calls a layer where 7 were."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.core.product_choice import ProductChoice
+
+    class Calls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.n += "int4pack_mm" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    # one product for the LM head in both (a CPU stage's first steps time two, cpu_linear.py)
+    rows = ProductChoice(fixed="rows")
+    monkeypatch.setenv("POTLUCK_FUSED_PRODUCTS", "0")
+    apart = StageModel(source, 0, L, device="cpu", weights="int4", products=rows)
+    monkeypatch.delenv("POTLUCK_FUSED_PRODUCTS")
+    joined = StageModel(source, 0, L, device="cpu", weights="int4", products=rows)
+    assert four_bit(apart.model) == {"Int4Linear": 7 * L}
+    prompt = [5, 9, 14, 3, 77, 8, 1, 60]
+    outs, calls = [], []
+    for s in (apart, joined):
+        out = s.forward(StageBatch([0], [0], [len(prompt)]), torch.tensor(prompt))
+        got = [out]
+        Calls.n = 0
+        for i in range(3):
+            with Calls():
+                out = s.forward(StageBatch([0], [len(prompt) + i], [1]), out.argmax(-1))
+            got.append(out)
+        outs.append(got)
+        calls.append(Calls.n / 3)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert calls == [7 * L, 4 * L]
+
+
 def test_int4_is_a_choice_of_its_own_that_auto_never_makes():
     assert "int4" in precision.CHOICES and "int4" not in precision.QUANTIZED
     assert precision.layer_bytes_per_param("int4", 4) == 0.625
@@ -73,7 +151,7 @@ def test_a_stage_at_int4_holds_its_layers_in_four_bits(tiny_folder):
     full = StageModel(source, 0, L, device="cpu")
     s = StageModel(source, 0, L, device="cpu", weights="int4")
     assert s.weights == "int4"
-    assert sum(isinstance(m, Int4Linear) for m in s.model.modules()) == 7 * L   # q k v o gate up down
+    assert per_layer(four_bit(s.model), L) == JOINED_PER_LAYER
     # the embeddings and LM head stay whole; the layers take about a sixth of float32's bytes
     layers_full = sum(p.numel() * p.element_size() for p in full._layers.parameters())
     assert s.param_bytes() < full.param_bytes() - 0.8 * layers_full
@@ -101,7 +179,7 @@ def test_an_int4_stage_holds_one_layer_at_full_precision_at_a_time_while_loading
     monkeypatch.setattr(loading, "convert_and_load_state_dict_in_model", load)
     s = StageModel(source, 0, L, device="cpu", weights="int4")
     assert len(full_layers) == L + 1 and max(full_layers) == 1      # the embeddings, then each layer
-    assert sum(isinstance(m, Int4Linear) for m in s.model.modules()) == 7 * L
+    assert per_layer(four_bit(s.model), L) == JOINED_PER_LAYER
 
 
 def test_int4_layers_kept_across_a_rearrangement_are_not_quantized_again(tiny_folder):
@@ -113,7 +191,7 @@ def test_int4_layers_kept_across_a_rearrangement_are_not_quantized_again(tiny_fo
     kept = StageModel(source, 0, L // 2, device="cpu", weights="int4", reuse=old.hand_over())
     fresh = StageModel(source, 0, L // 2, device="cpu", weights="int4")
     mine = [m for m in kept.model.modules() if isinstance(m, Int4Linear)]
-    assert kept.kept_layers == L // 2 and all(any(m is h for h in held) for m in mine) and len(mine) == 7 * (L // 2)
+    assert kept.kept_layers == L // 2 and all(any(m is h for h in held) for m in mine) and len(mine) == 4 * (L // 2)
     prompt = torch.tensor([5, 9, 14, 3, 77, 8, 1, 60])
     batch = StageBatch([0], [0], [len(prompt)])
     assert torch.equal(kept.forward(batch, prompt), fresh.forward(batch, prompt))
