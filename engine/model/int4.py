@@ -25,7 +25,6 @@ of the group) keeps its own product.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.core.errors import ModelError
