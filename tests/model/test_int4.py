@@ -274,3 +274,17 @@ def test_a_gpu_computes_what_the_cpu_does_at_int4():
     want = cpu(x)
     got = gpu(x.cuda().to(torch.bfloat16)).float().cpu()
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+@pytest.mark.gpu
+def test_a_gpu_computes_a_joined_product_as_its_members_alone():
+    torch.manual_seed(4)
+    members = [nn.Linear(256, n, bias=False) for n in (256, 64, 64)]
+    alone = [Int4Linear(m) for m in members]
+    parts = join(members)
+    for m in alone + [parts[0].whole]:
+        m.to_device(torch.device("cuda"))
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        for part, a in zip(parts, alone):
+            torch.testing.assert_close(part(x), a(x), rtol=1e-2, atol=1e-2)
