@@ -127,7 +127,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SYSTEMS = ("ours1", "ours2", "hf", "ours1e", "ours1n", "ours1s")
 DEFAULT_SYSTEMS = ("ours1", "ours2", "hf")
 LABELS = {"ours1": "ours, 1 process", "ours2": "ours, 2 stages / 2 processes", "hf": "HF generate",
-          "ours1e": "ours, 1 process, no CUDA graphs", "ours1n": "ours, 1 process, transformers' norms and products",
+          "ours1e": "ours, 1 process, no CUDA graphs", "ours1n": "ours, 1 process, transformers' norms, products and attention",
           "ours1s": "ours, 1 process, no step launched ahead"}
 # issue 42's targets
 TARGET_VS_HF = 2.0       # ours1 / hf decode tok/s at batch 1 bf16, at least
@@ -426,10 +426,11 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     # the same engine, every step eager (ours1e) or replayed as graphs (opt-in in the product
     # until their replay is fixed: engine/model/static_decode.py)
     os.environ["POTLUCK_CUDA_GRAPHS"] = "0" if system == "ours1e" else "1"
-    # ours1n: the same with transformers' own RMSNorms and projections, none fused
-    # (engine/model/fused_norms.py and fused_products.py off)
+    # ours1n: the same with transformers' own RMSNorms, projections and attention, none
+    # fused or folded (engine/model/fused_norms.py, fused_products.py, gqa_attention.py off)
     os.environ["POTLUCK_FUSED_NORMS"] = "0" if system == "ours1n" else "1"
     os.environ["POTLUCK_FUSED_PRODUCTS"] = "0" if system == "ours1n" else "1"
+    os.environ["POTLUCK_PACKED_GQA"] = "0" if system == "ours1n" else "1"
     # ours1s: each decode step queued only once the last one's tokens are read and
     # streamed (engine/core/ahead.py off); on the CPU with --tape the others launch
     # ahead as on a GPU, so the smoke run takes the GPU's path
@@ -784,7 +785,7 @@ def report(a, results: dict, build_s: float | None) -> dict:
                              "(info)"])
         n = get("ours1n", w, 1, "decode_seq")
         if n and o:
-            verdicts.append([f"ours1 with fused norms and products / transformers' own, decode tok/s, batch 1, {w}",
+            verdicts.append([f"ours1 with fused norms and products, folded GQA / transformers' own, decode tok/s, batch 1, {w}",
                              f"{o / n:.2f}", "", "(info)"])
         for b in a.batches:
             s1, o1 = get("ours1s", w, b, "decode_agg"), get("ours1", w, b, "decode_agg")
@@ -849,7 +850,7 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="bf16,nf4", help="weight precisions, default bf16,nf4")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"subset of {','.join(SYSTEMS)} (ours1e: ours1 with CUDA graphs off; ours1n: with "
-                        f"transformers' RMSNorms and projections, none fused; ours1s: no decode step "
+                        f"transformers' RMSNorms, projections and attention, none fused; ours1s: no decode step "
                         f"launched before the last one's tokens are read; default "
                         f"{','.join(DEFAULT_SYSTEMS)})")
     p.add_argument("--repeat", type=int, default=3, help="measured rounds per batch size, median kept (default 3)")

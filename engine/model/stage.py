@@ -46,6 +46,7 @@ from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.fused_norms import fuse_rms_norms
 from engine.model.fused_products import fuse_products
+from engine.model.gqa_attention import use_packed_gqa
 from engine.model.int4 import int4_bytes, quantize_layers
 from engine.model.int4 import place as place_int4
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
@@ -283,6 +284,10 @@ class StageModel:
         self.fused_norms = 0
         if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_NORMS", "1") != "0":
             self.fused_norms = fuse_rms_norms(self.model)
+        # several new tokens a row (a prompt, a verification step) attend over grouped keys
+        # without a copy of them per query head (engine/model/gqa_attention.py);
+        # POTLUCK_PACKED_GQA=0 keeps transformers' SDPA path as it is
+        self.packed_gqa = os.environ.get("POTLUCK_PACKED_GQA", "1") != "0" and use_packed_gqa(self.model)
         # and the projections that read one input as one product: q/k/v, gate/up
         # (engine/model/fused_products.py); POTLUCK_FUSED_PRODUCTS=0 keeps them apart
         self.fused_products = 0
