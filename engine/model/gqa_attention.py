@@ -7,8 +7,8 @@ once. For more than one with a mask -- a verification step of 1 + k tokens, a pr
 it copies every key and value once per query head first (`repeat_kv`): for a 1 + 4 token
 step over 2,048 keys of an 8B model, 16 MiB of copies a layer and four times the reads,
 about a gigabyte a step beside the 16 GB of weights. CUDA's fused kernels take no mask
-with `enable_gqa`, so this folds the query heads into the length for any number of
-tokens, as pack_gqa does for one: query [B, H, T, D] -> [B, KVH, n_rep * T, D] (row
+with `enable_gqa`, so this folds the query heads into the length for a few tokens
+(FOLD_MAX_TOKENS), as pack_gqa does for one: query [B, H, T, D] -> [B, KVH, n_rep * T, D] (row
 r * T + t is query head kv * n_rep + r at token t), the mask [B, 1, T, L] tiled n_rep
 times to match. The same sums as the copied keys give, in another kernel's order.
 
@@ -27,6 +27,10 @@ import torch
 import torch.nn.functional as F
 
 NAME = "potluck_packed_gqa"
+# up to this many new tokens a row are folded: a verification step (2-9 tokens) or a
+# short prompt piece, where reading the keys is the step's cost. A long prompt piece is
+# compute, not reads, and its mask, tiled per query head, would outgrow the copies it saves
+FOLD_MAX_TOKENS = 16
 
 
 def packed_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -36,7 +40,7 @@ def packed_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
 
     n_rep = getattr(module, "num_key_value_groups", 1) or 1
     B, H, T, _ = query.shape
-    plain = (n_rep > 1 and T > 1 and dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4
+    plain = (n_rep > 1 and 1 < T <= FOLD_MAX_TOKENS and dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4
              and attention_mask.shape[1] == 1 and attention_mask.shape[2] == T and key.shape[1] * n_rep == H
              and all(kwargs.get(k) is None for k in ("position_bias", "cache", "softcap")))
     if not plain:

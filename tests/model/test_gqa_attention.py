@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.core.product_choice import ProductChoice
-from engine.model.gqa_attention import NAME, packed_gqa_attention
+from engine.model.gqa_attention import FOLD_MAX_TOKENS, NAME, packed_gqa_attention
 from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 
@@ -89,6 +89,14 @@ def test_prompts_and_verification_steps_read_grouped_keys_as_stored(tiny_folder,
         assert seen.calls and all(k == kv_heads for _, k, _ in seen.calls)
         T = max(batch.ns)
         assert all(q == kv_heads and n == heads // kv_heads * T for q, _, n in seen.calls)
+    # a long prompt piece keeps transformers' path (compute, not reads, is its cost)
+    long = list(range(3, 3 + FOLD_MAX_TOKENS + 8))
+    batch = StageBatch([2], [0], [len(long)])
+    want = plain.forward(batch, torch.tensor(long))
+    with AttentionCalls() as seen:
+        got = packed.forward(batch, torch.tensor(long))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert seen.calls and all(k == heads for _, k, _ in seen.calls)
 
 
 def test_a_family_that_asks_for_sdpa_by_name_keeps_it(tiny_folder):
