@@ -5,8 +5,8 @@ key/value head serve several query heads. For one new token a row, transformers'
 path folds those query heads into the query's length (`pack_gqa`) and reads each key
 once. For more than one with a mask -- a verification step of 1 + k tokens, a prompt --
 it copies every key and value once per query head first (`repeat_kv`): for a 1 + 4 token
-step over 2,048 keys of an 8B model, 16 MiB of copies a layer and four times the reads,
-about a gigabyte a step beside the 16 GB of weights. CUDA's fused kernels take no mask
+step over 2,048 keys of an 8B model, 32 MiB of keys and values copied a layer and read
+again, two gigabytes of traffic a step beside the 16 GB of weights. CUDA's fused kernels take no mask
 with `enable_gqa`, so this folds the query heads into the length for a few tokens
 (FOLD_MAX_TOKENS), as pack_gqa does for one: query [B, H, T, D] -> [B, KVH, n_rep * T, D] (row
 r * T + t is query head kv * n_rep + r at token t), the mask [B, 1, T, L] tiled n_rep
