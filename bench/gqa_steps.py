@@ -12,8 +12,8 @@ The two stages alternate step by step, so a busy moment of the machine falls on 
 
     .venv/bin/python bench/gqa_steps.py [--contexts 64,512,1536] [--steps 30] [--device auto]
 
-On a GPU (`--device cuda`, e.g. `--model` an 8B-shaped folder) the step is eager here, not
-a replayed graph: bench/gpu.py's ours1 / ours1n rows time the graphs.
+On a GPU (`--device cuda`) both stages replay their decode and verification steps as
+CUDA graphs, as a served stage does; bench/gpu.py's ours1 / ours1n rows time the 8B shape.
 """
 
 from __future__ import annotations

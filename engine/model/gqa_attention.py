@@ -90,8 +90,12 @@ def _asks_for_sdpa_by_name(module_name: str) -> bool:
     return False
 
 
-def _holds(code: types.CodeType, text: str) -> bool:
-    return any(c == text or (isinstance(c, types.CodeType) and _holds(c, text)) for c in code.co_consts)
+def _holds(code, text: str) -> bool:
+    """Whether a code object's constants hold `text`, in nested code and in the tuples and
+    frozensets a test like `x in ("eager", "sdpa")` compiles to."""
+    consts = code.co_consts if isinstance(code, types.CodeType) else code
+    return any(c == text or (isinstance(c, (types.CodeType, tuple, frozenset)) and _holds(c, text))
+               for c in consts)
 
 
 def _configs(config):

@@ -156,14 +156,16 @@ def join(members: list[nn.Linear], group: int = GROUP) -> list[Int4Part]:
     bit for bit); what goes is a kernel call per member -- and on a GPU a grouped-query
     model's small k and v products, too narrow to keep its memory busy."""
     K = members[0].in_features
-    with torch.no_grad():
-        weight = torch.cat([m.weight for m in members])
-        bias = torch.cat([m.bias for m in members]) if members[0].bias is not None else None
-    joined = nn.Linear(K, weight.shape[0], bias=bias is not None, device="meta")
-    joined.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        joined.bias = nn.Parameter(bias, requires_grad=False)
-    whole = Int4Linear(joined, group)
+    # quantized one member at a time, then joined: the float copies quantizing makes are
+    # one projection's, not the group's (a 70B model's gate and up together would be
+    # gigabytes on the device a stage fits only at 4 bits)
+    parts = [Int4Linear(m, group) for m in members]
+    whole = parts[0]
+    whole.out_features = sum(p.out_features for p in parts)
+    whole.nibbles = torch.cat([p.nibbles for p in parts])
+    whole.scale_zero = torch.cat([p.scale_zero for p in parts], 1)
+    if whole.bias is not None:
+        whole.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
     shared = SharedProduct(whole, bounds(members))
     return [Int4Part(shared, i, K, m.out_features, whole if i == 0 else None) for i, m in enumerate(members)]
 
