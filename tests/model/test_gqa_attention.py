@@ -105,3 +105,25 @@ def test_a_family_that_asks_for_sdpa_by_name_keeps_it(tiny_folder):
     source = resolve(str(folder))
     s = StageModel(source, 0, source.config().num_hidden_layers, device="cpu")
     assert not s.packed_gqa and s.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("test, asks", [
+    ('self.config._attn_implementation == "sdpa"', True),
+    ('self.config._attn_implementation in ("eager", "sdpa")', True),
+    ('self.config._attn_implementation in {"eager", "sdpa"}', True),
+    ('self.config._attn_implementation == "eager"', False),
+])
+def test_a_modeling_module_that_names_sdpa_is_found_in_its_bytecode(monkeypatch, test, asks):
+    """As the installed app's transformers has it: compiled, no source to read."""
+    import sys
+    import types
+
+    from engine.model.gqa_attention import _asks_for_sdpa_by_name
+
+    name = f"potluck_test_modeling_{abs(hash(test))}"
+    module = types.ModuleType(name)
+    code = f"class Attention:\n    def forward(self):\n        return {test}\n"
+    exec(compile(code, "<modeling>", "exec"), module.__dict__)
+    module.Attention.__module__ = name
+    monkeypatch.setitem(sys.modules, name, module)
+    assert _asks_for_sdpa_by_name(name) is asks
