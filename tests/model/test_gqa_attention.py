@@ -127,3 +127,29 @@ def test_a_modeling_module_that_names_sdpa_is_found_in_its_bytecode(monkeypatch,
     module.Attention.__module__ = name
     monkeypatch.setitem(sys.modules, name, module)
     assert _asks_for_sdpa_by_name(name) is asks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rep, T, L", [(4, 5, 2048), (4, 9, 256), (8, 3, 1024)])
+def test_a_gpu_folds_query_heads_on_its_memory_efficient_kernel(n_rep, T, L):
+    """The kernel a GPU stage's masked step takes (engine/model/device.py attention_kernels
+    allows flash, efficient and math): the folded call runs on the efficient one alone --
+    no silent fall back to the math kernel -- and agrees with transformers' copied keys."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(n_rep + T)
+    B, KVH, D = 2, 8, 128
+    dev, dt = "cuda", torch.bfloat16
+    # as a stage's step has them: q from a transposed projection, keys a slice of the store
+    q = torch.randn(B, T, KVH * n_rep, D, device=dev, dtype=dt).transpose(1, 2)
+    store = torch.randn(B + 2, KVH, L + 64, D, device=dev, dtype=dt)
+    k, v = store[1:B + 1, :, :L], store[:B, :, :L]
+    pos = torch.tensor([[L // 3], [L - T]], device=dev) + torch.arange(T, device=dev)
+    allowed = torch.arange(L, device=dev).view(1, 1, L) <= pos[:, :, None]
+    mask = torch.zeros(B, 1, T, L, device=dev, dtype=dt).masked_fill_(~allowed[:, None], torch.finfo(dt).min)
+    m = _Module(n_rep)
+    want, _ = sdpa_attention_forward(m, q, k, v, mask, scaling=D ** -0.5)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got, _ = packed_gqa_attention(m, q, k, v, mask, scaling=D ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
