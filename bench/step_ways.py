@@ -1,16 +1,20 @@
-"""What folding a grouped-query model's query heads saves a step of several new tokens
-(engine/model/gqa_attention.py): the same stage with transformers' SDPA path (which
-copies every key and value once per query head first) and with the folded one, side by
-side in one run, at growing context.
+"""What one switch of a stage saves its steps: the same stage built both ways, side by
+side in one run, at growing context, the two alternating step by step (a busy moment of
+the machine falls on both).
+
+`--compare gqa` (the default): a grouped-query model's steps of several new tokens with
+transformers' SDPA path, which copies every key and value once per query head first,
+and folded (engine/model/gqa_attention.py; POTLUCK_PACKED_GQA).
+`--compare int4-join`: `--weights int4` with q/k/v and gate/up as separate 4-bit
+products, and joined into one each (engine/model/int4.py `join`; POTLUCK_FUSED_PRODUCTS).
 
 Steps timed, one user, the default model (SmolLM2-135M: 9 query heads over 3 key/value
 heads) unless --model says otherwise:
 * a verification step of 1 + 4 tokens (what speculation checks each round), after a
   context of N tokens;
-* a 1-token decode step beside it, for scale (both ways take the same path there).
-The two stages alternate step by step, so a busy moment of the machine falls on both.
+* a 1-token decode step.
 
-    .venv/bin/python bench/gqa_steps.py [--contexts 64,512,1536] [--steps 30] [--device auto]
+    .venv/bin/python bench/step_ways.py [--compare gqa|int4-join] [--contexts 64,512,1536] [--steps 30]
 
 On a GPU (`--device cuda`) both stages replay their decode and verification steps as
 CUDA graphs, as a served stage does; bench/gpu.py's ours1 / ours1n rows time the 8B shape.
@@ -31,20 +35,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 
-def build(source, device, packed: bool):
+# each comparison: the switch, its two settings (before, after), their names, the weights
+COMPARE = {
+    "gqa": ("POTLUCK_PACKED_GQA", ("0", "1"), ("transformers' SDPA", "folded"), "auto"),
+    "int4-join": ("POTLUCK_FUSED_PRODUCTS", ("0", "1"), ("int4 apart", "int4 joined"), "int4"),
+}
+
+
+def build(source, device, env: str, value: str, weights: str):
     from engine.core.product_choice import ProductChoice
     from engine.model.stage import StageModel
 
-    os.environ["POTLUCK_PACKED_GQA"] = "1" if packed else "0"
+    old = os.environ.get(env)
+    os.environ[env] = value
     try:
         n = source.config().num_hidden_layers
-        return StageModel(source, 0, n, device=device, products=ProductChoice(fixed="rows"))
+        return StageModel(source, 0, n, device=device, weights=weights, products=ProductChoice(fixed="rows"))
     finally:
-        del os.environ["POTLUCK_PACKED_GQA"]
+        if old is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = old
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", default="gqa", choices=sorted(COMPARE))
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--contexts", default="64,512,1536", help="tokens of context before the steps")
@@ -60,8 +76,10 @@ def main(argv=None) -> int:
     device = pick_device(a.device)
     source = resolve(a.model)
     cfg = source.config()
-    ways = {"transformers' SDPA": build(source, device, False), "folded": build(source, device, True)}
-    assert ways["folded"].packed_gqa, "this model's attention is not folded (not grouped-query, or asks for SDPA)"
+    env, values, names, weights = COMPARE[a.compare]
+    ways = {name: build(source, device, env, value, weights) for name, value in zip(names, values)}
+    if a.compare == "gqa":
+        assert ways[names[1]].packed_gqa, "this model's attention is not folded (not grouped-query, or asks for SDPA)"
     print(f"\n{source.name} on {device}: {cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} "
           f"key/value heads, {cfg.num_hidden_layers} layers, {torch.get_num_threads()} threads\n")
 
@@ -95,15 +113,15 @@ def main(argv=None) -> int:
         med = {w: {k: statistics.median(v) * 1e3 for k, v in t.items()} for w, t in times.items()}
         rows.append((n, med))
 
-    names = list(ways)
-    print("| context | 1-token step ms | 1 + 4 tokens, " + " ms | 1 + 4 tokens, ".join(names)
-          + " ms | folded / SDPA | verify / 1-token, SDPA | verify / 1-token, folded |")
-    print("|---:|---:|" + "---:|" * (len(names) + 3))
+    before, after = names
+    print(f"| context | 1-token step ms, {before} | {after} | ratio | 1 + 4 tokens ms, {before} | {after} | ratio "
+          f"| 1 + 4 / 1-token, {before} | {after} |")
+    print("|---:|" + "---:|" * 8)
     for n, med in rows:
-        plain, folded = med[names[0]], med[names[1]]
-        print(f"| {n} | {folded['decode']:.1f} | {plain['verify']:.1f} | {folded['verify']:.1f} "
-              f"| {folded['verify'] / plain['verify']:.2f} | {plain['verify'] / plain['decode']:.2f} "
-              f"| {folded['verify'] / folded['decode']:.2f} |")
+        b, f = med[before], med[after]
+        print(f"| {n} | {b['decode']:.1f} | {f['decode']:.1f} | {f['decode'] / b['decode']:.2f} "
+              f"| {b['verify']:.1f} | {f['verify']:.1f} | {f['verify'] / b['verify']:.2f} "
+              f"| {b['verify'] / b['decode']:.2f} | {f['verify'] / f['decode']:.2f} |")
     return 0
 
 
