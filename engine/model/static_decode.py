@@ -103,11 +103,22 @@ def _floors(stage, cap: int, min_kv: int) -> tuple[tuple[int, int], ...]:
     the middle of a reply until its context is that long."""
     try:
         per_token = kv_bytes_per_token(stage.source.config(), (stage.start, stage.end), stage.kv.dtype)
-        return row_floors(stage.param_bytes(), per_token, cap, min_kv=min_kv)
+        return row_floors(step_read_bytes(stage), per_token, cap, min_kv=min_kv)
     except Exception as exc:  # noqa: BLE001 -- a rounding rule never stops a load
         # (a config whose layers differ in heads, Gemma 4's, has no one size a token)
         log.info("decode graphs attend over %d keys at fewest for every row count: %s", min_kv, exc)
         return ()
+
+
+def step_read_bytes(stage) -> int:
+    """The weight bytes a decode step reads: all of them but the token embedding table, of
+    which a step reads only its tokens' rows -- unless this stage's LM head is that same
+    table (tied), which it reads whole. (An 8B model's table is 1 GB of its 16.)"""
+    total = stage.param_bytes()
+    if stage.first and not (stage.last and stage._tied):
+        emb = stage.model.get_input_embeddings()
+        total -= sum(p.numel() * p.element_size() for p in emb.parameters())
+    return total
 
 
 # families whose step reads device values back to the host or makes host tensors as it

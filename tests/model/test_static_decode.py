@@ -329,3 +329,21 @@ def test_capturing_at_load_opens_only_scratch_sequences(tiny_folder):
     assert stage.static.book.captures >= 2 and opened
     assert all(s < 0 for s in opened), sorted(set(opened))
     assert not stage.kv.seqs
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", True)])
+def test_a_steps_weight_bytes_leave_out_the_token_table_it_only_looks_up(tiny_folder, arch, tied):
+    """What the graphs' key floors weigh the keys against (graph_plan.row_floors): a step
+    reads one row of the token embedding per token, the whole LM head, every layer."""
+    from engine.model.static_decode import step_read_bytes
+
+    folder, _ = tiny_folder(arch)
+    table = lambda s: sum(p.numel() * p.element_size() for p in s.model.get_input_embeddings().parameters())
+    (whole,) = stages(folder, 1, False)
+    assert whole._tied is tied
+    # tied: the table is the LM head this stage reads whole
+    assert step_read_bytes(whole) == whole.param_bytes() - (0 if tied else table(whole))
+    first, middle, last = stages(folder, 3, False)
+    assert step_read_bytes(first) == first.param_bytes() - table(first) < first.param_bytes()
+    for s in (middle, last):
+        assert step_read_bytes(s) == s.param_bytes()
