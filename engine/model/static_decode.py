@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, row_floors
+from engine.core.kept_prefixes import MOST as KEPT_MOST
 from engine.model.device import attention_kernels, kv_bytes_per_token
 from engine.model.draw import to_device
 
@@ -81,7 +82,14 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
     while cap * 2 * rows <= stage.kv.budget_tokens // 2 and cap * 2 <= RESERVE_CAP \
             and (static.plan.max_kv is None or cap * 2 <= static.plan.max_kv):
         cap *= 2
-    static.reserve = (rows, cap) if cap * rows <= stage.kv.budget_tokens // 2 else (0, 0)
+    static.reserve = (0, 0)
+    if cap * rows <= stage.kv.budget_tokens // 2:
+        # slots for the largest bucket's rows, for the replies kept for their follow-ups
+        # beside them (each holds a slot on every stage), and for the padding rows' scratch
+        # slot, where they fit: a store grown past its reserve captures every graph in use
+        # again, in the middle of replies
+        slots = rows + KEPT_MOST + 1
+        static.reserve = (slots if cap * slots <= stage.kv.budget_tokens // 2 else rows, cap)
     if static.reserve[1]:
         static.plan = replace(static.plan, floors=_floors(stage, static.reserve[1], static.plan.min_kv))
     stage.static = static

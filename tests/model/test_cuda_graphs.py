@@ -177,6 +177,28 @@ def test_a_sequence_in_a_slot_past_the_store_is_captured_again_over_the_grown_on
     assert s.static.book.captures == captures + 1 and s.static.book.replays == 2
 
 
+def test_sixteen_users_and_the_replies_kept_beside_them_fit_the_store_of_the_load(where, tiny_folder):
+    """Each reply kept for its follow-up (engine/core/kept_prefixes.py MOST) holds a slot
+    on every stage: with a full bucket of users beside them, the store captured at load
+    holds them all, and a step in the last of those slots replays a graph of the load
+    (a store grown past its reserve would capture every graph in use again, mid-reply)."""
+    from engine.core.kept_prefixes import MOST
+
+    folder, _ = tiny_folder("llama")
+    s, ref = where.stage(folder, True), where.stage(folder, False)
+    n = 16 + MOST
+    prompts = [[3 + i, 4, 5] for i in range(n)]
+    rows = list(range(n))
+    for m in (s, ref):
+        m.forward(StageBatch(rows, [0] * n, [3] * n), torch.tensor([t for p in prompts for t in p]))
+    slots, captures = s.kv._k[0].shape[0], s.static.book.captures
+    assert max(s.kv.seqs[r].slot for r in rows) < slots
+    for pos in (3, 4):
+        batch = StageBatch([rows[-1]], [pos], [1])
+        where.same([s.forward(batch, torch.tensor([9]))], [ref.forward(batch, torch.tensor([9]))])
+    assert s.kv._k[0].shape[0] == slots and s.static.book.captures == captures, s.static.book.summary()
+
+
 def test_a_kept_reply_taken_over_by_its_follow_up_replays_the_graphs_of_the_load(where, tiny_folder):
     """A chat's follow-up takes its kept reply over (engine/pipeline/kept_replies.py): the
     KV is cut back to where the two prompts part, the new tokens are a prompt step, and the
@@ -321,7 +343,9 @@ def test_a_padding_slot_made_after_the_capture_grows_the_store_before_the_replay
     folder, _ = tiny_folder("llama")
     s, ref = where.stage(folder, True), where.stage(folder, False)
     slots = s.kv._k[0].shape[0]
-    s.kv._scratch = None                               # the next padding slot: one past the store
+    # every slot of the store given out (the load reserves more than its captures open),
+    # so the next padding slot is one past it
+    s.kv._scratch, s.kv._n_slots = None, slots
     where.same(decode(s, 4), decode(ref, 4))
     assert s.kv.scratch_slot() == slots and s.kv._k[0].shape[0] > slots
 
