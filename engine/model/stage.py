@@ -284,7 +284,7 @@ class StageModel:
         self.fused_norms = 0
         if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_NORMS", "1") != "0":
             self.fused_norms = fuse_rms_norms(self.model)
-        # several new tokens a row (a prompt, a verification step) attend over grouped keys
+        # a few new tokens a row (a verification step, a short prompt) attend over grouped keys
         # without a copy of them per query head (engine/model/gqa_attention.py);
         # POTLUCK_PACKED_GQA=0 keeps transformers' SDPA path as it is
         self.packed_gqa = os.environ.get("POTLUCK_PACKED_GQA", "1") != "0" and use_packed_gqa(self.model)
