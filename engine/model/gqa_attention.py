@@ -65,8 +65,7 @@ def use_packed_gqa(model) -> bool:
         return False
     AttentionInterface.register(NAME, packed_gqa_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)      # masks made as for SDPA
-    for c in _configs(config):
-        c._attn_implementation = NAME
+    config._attn_implementation = NAME     # transformers' setter passes it to sub-configs
     return True
 
 
@@ -96,18 +95,3 @@ def _holds(code, text: str) -> bool:
     consts = code.co_consts if isinstance(code, types.CodeType) else code
     return any(c == text or (isinstance(c, (types.CodeType, tuple, frozenset)) and _holds(c, text))
                for c in consts)
-
-
-def _configs(config):
-    """The config and its sub-configs (a multimodal model's text config), each once."""
-    seen, todo = set(), [config]
-    while todo:
-        c = todo.pop()
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
-        yield c
-        for name in getattr(c, "sub_configs", {}) or {}:
-            sub = getattr(c, name, None)
-            if sub is not None and hasattr(sub, "_attn_implementation"):
-                todo.append(sub)

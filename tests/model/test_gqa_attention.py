@@ -153,3 +153,26 @@ def test_a_gpu_folds_query_heads_on_its_memory_efficient_kernel(n_rep, T, L):
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         got, _ = packed_gqa_attention(m, q, k, v, mask, scaling=D ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_default_models_stage_as_a_user_gets_it_folds_its_verification_steps(default_source, monkeypatch):
+    """The default model (9 query heads over 3 key/value heads) with every setting left to
+    its default, as `potluck chat` loads it: its speculation's verification steps read the
+    stored key heads, with the logits of transformers' own path."""
+    source = default_source
+    L = source.config().num_hidden_layers
+    stage = StageModel(source, 0, L)
+    assert stage.packed_gqa and stage.model.config._attn_implementation == NAME
+    monkeypatch.setenv("POTLUCK_PACKED_GQA", "0")
+    plain = StageModel(source, 0, L, products=stage.products)
+    ids = source.tokenizer()("The capital of France is Paris, and the capital of Italy is")["input_ids"]
+    n = len(ids)
+    check = (StageBatch([0], [n], [5], keep=[5]), [11, 12, 13, 14, 15])
+    for s in (stage, plain):
+        s.forward(StageBatch([0], [0], [n]), torch.tensor(ids))
+    want = plain.forward(check[0], torch.tensor(check[1]))
+    with AttentionCalls() as seen:
+        got = stage.forward(check[0], torch.tensor(check[1]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kv = source.config().num_key_value_heads
+    assert seen.calls and all(q == kv and k == kv for q, k, _ in seen.calls)
