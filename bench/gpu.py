@@ -427,8 +427,10 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     # until their replay is fixed: engine/model/static_decode.py)
     os.environ["POTLUCK_CUDA_GRAPHS"] = "0" if system == "ours1e" else "1"
     # ours1n: the same with transformers' own RMSNorms, projections and attention, none
-    # fused or folded (engine/model/fused_norms.py, fused_products.py, gqa_attention.py off)
+    # fused or folded (engine/model/fused_norms.py, fused_rotary.py, fused_products.py,
+    # gqa_attention.py off)
     os.environ["POTLUCK_FUSED_NORMS"] = "0" if system == "ours1n" else "1"
+    os.environ["POTLUCK_FUSED_ROTARY"] = "0" if system == "ours1n" else "1"
     os.environ["POTLUCK_FUSED_PRODUCTS"] = "0" if system == "ours1n" else "1"
     os.environ["POTLUCK_PACKED_GQA"] = "0" if system == "ours1n" else "1"
     # ours1s: each decode step queued only once the last one's tokens are read and

@@ -2,8 +2,9 @@
 # One lent GPU window (issue 42), as one command on the device machine: first the GPU test
 # of steps launched ahead (ours1's default on a GPU, never yet run on one: if it does not
 # pass, the bench runs without them), then the GPU tests of the decode graphs, the batched
-# draw, quantized weights, fused norms and products, folded attention; bench/gpu.py at bf16 (ours1,
-# generate, ours2, then ours1s: ours1 without steps launched ahead, last since no target
+# draw, quantized weights, fused norms, rotary and products, folded attention;
+# bench/gpu.py at bf16 (ours1, generate, ours2, then ours1s: ours1 without steps launched
+# ahead, last since no target
 # needs it; ours1's steps profiled); the chat's sampled draw (bench/sampling.py); then
 # bench/gpu.py's nf4 and int4 rows, then int8's.
 #
@@ -75,7 +76,7 @@ fi
 part "${TESTS_S:-80}" gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py \
     tests/model/test_draw.py tests/model/test_quant.py tests/model/test_fused_norms.py \
     tests/model/test_fused_products.py tests/model/test_int4.py tests/model/test_step_clock.py \
-    tests/model/test_gqa_attention.py
+    tests/model/test_gqa_attention.py tests/model/test_fused_rotary.py
 grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/gpu-tests.log" | tail -12
 
 # ours1's 1-token and verification steps profiled (kernels, CPU) into $WORK; ours2's

@@ -7,6 +7,9 @@ transformers' SDPA path, which copies every key and value once per query head fi
 and folded (engine/model/gqa_attention.py; POTLUCK_PACKED_GQA).
 `--compare int4-join`: `--weights int4` with q/k/v and gate/up as separate 4-bit
 products, and joined into one each (engine/model/int4.py `join`; POTLUCK_FUSED_PRODUCTS).
+`--compare rotary`: transformers' rotary embeddings, and three kernels a layer
+(engine/model/fused_rotary.py; POTLUCK_FUSED_ROTARY). A GPU stage's switch: on the CPU
+this script switches it by hand, with q/k/v joined on both sides as a GPU's are.
 
 Steps timed, one user, the default model (SmolLM2-135M: 9 query heads over 3 key/value
 heads) unless --model says otherwise:
@@ -14,7 +17,7 @@ heads) unless --model says otherwise:
   context of N tokens;
 * a 1-token decode step.
 
-    .venv/bin/python bench/step_ways.py [--compare gqa|int4-join] [--contexts 64,512,1536] [--steps 30]
+    .venv/bin/python bench/step_ways.py [--compare gqa|int4-join|rotary] [--contexts 64,512,1536] [--steps 30]
 
 On a GPU (`--device cuda`) both stages replay their decode and verification steps as
 CUDA graphs, as a served stage does; bench/gpu.py's ours1 / ours1n rows time the 8B shape.
@@ -39,7 +42,24 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 COMPARE = {
     "gqa": ("POTLUCK_PACKED_GQA", ("0", "1"), ("transformers' SDPA", "folded"), "auto"),
     "int4-join": ("POTLUCK_FUSED_PRODUCTS", ("0", "1"), ("int4 apart", "int4 joined"), "int4"),
+    "rotary": ("POTLUCK_FUSED_ROTARY", ("0", "1"), ("transformers' rotary", "fused rotary"), "auto"),
 }
+
+
+def as_on_a_gpu(stage, rotary: bool) -> None:
+    """A CPU stage given what a GPU stage's switches give it: transformers' Linears with
+    q/k/v and gate/up joined, and, when asked, the fused rotary."""
+    from torch import nn
+
+    from engine.model.fused_products import fuse_products
+    from engine.model.fused_rotary import fuse_rotary
+
+    for m in stage.model.modules():
+        if type(m).__module__.startswith("engine.model.cpu_linear"):
+            m.__class__ = nn.Linear
+    fuse_products(stage.model)
+    if rotary:
+        assert fuse_rotary(stage.model) > 0, "this model's rotary embeddings are not switched"
 
 
 def build(source, device, env: str, value: str, weights: str):
@@ -78,6 +98,9 @@ def main(argv=None) -> int:
     cfg = source.config()
     env, values, names, weights = COMPARE[a.compare]
     ways = {name: build(source, device, env, value, weights) for name, value in zip(names, values)}
+    if a.compare == "rotary" and str(device) == "cpu":
+        for name, s in ways.items():
+            as_on_a_gpu(s, rotary=name == names[1])
     if a.compare == "gqa":
         assert ways[names[1]].packed_gqa, "this model's attention is not folded (not grouped-query, or asks for SDPA)"
     print(f"\n{source.name} on {device}: {cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} "

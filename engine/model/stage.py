@@ -45,6 +45,7 @@ from engine.core.precision import INT4
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.fused_norms import fuse_rms_norms
+from engine.model.fused_rotary import fuse_rotary
 from engine.model.fused_products import fuse_products
 from engine.model.gqa_attention import use_packed_gqa
 from engine.model.int4 import int4_bytes, quantize_layers
@@ -284,6 +285,11 @@ class StageModel:
         self.fused_norms = 0
         if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_NORMS", "1") != "0":
             self.fused_norms = fuse_rms_norms(self.model)
+        # and rotary embeddings as three kernels a layer, not ten (engine/model/fused_rotary.py);
+        # POTLUCK_FUSED_ROTARY=0 keeps transformers' own
+        self.fused_rotary = 0
+        if self.device.type == "cuda" and os.environ.get("POTLUCK_FUSED_ROTARY", "1") != "0":
+            self.fused_rotary = fuse_rotary(self.model)
         # a few new tokens a row (a verification step, a short prompt) attend over grouped keys
         # without a copy of them per query head (engine/model/gqa_attention.py);
         # POTLUCK_PACKED_GQA=0 keeps transformers' SDPA path as it is
