@@ -111,6 +111,21 @@ def test_q_and_k_from_one_product_are_rotated_as_one(tiny_folder):
     assert d_plain - d_fused == 7 * L and v_plain - v_fused == 7 * L, (d_plain, d_fused, v_plain, v_fused)
 
 
+def test_the_fixed_buffer_decode_path_rotates_as_one_too(tiny_folder, monkeypatch):
+    """The path a GPU replays as graphs (engine/model/static_decode.py), run eagerly here."""
+    monkeypatch.setenv("POTLUCK_STATIC_DECODE", "1")
+    folder, _ = tiny_folder("llama")
+    source = resolve(str(folder))
+    L = source.config().num_hidden_layers
+    plain = stage(source, rotary=False, joined_products=True)
+    fused = stage(source, rotary=True, joined_products=True)
+    want, d_plain, v_plain = steps(plain)
+    got, d_fused, v_fused = steps(fused)
+    assert plain.static is not None and fused.static.steps == plain.static.steps == 2
+    same(got, want)
+    assert d_plain - d_fused == 7 * L and v_plain - v_fused == 7 * L
+
+
 def test_transformers_module_and_other_models_keep_their_function(tiny_folder):
     import transformers.models.llama.modeling_llama as ml
 
