@@ -505,8 +505,10 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
         static = getattr(head.stage0, "static", None)
         if static is not None:
             # the fewest keys each row count's graphs attend over (engine/core/graph_plan.py
-            # row_floors): where a reply's context crosses a bucket, a capture mid-reply
-            extra["graphs"] = {**static.book.summary(), "floors": dict(static.plan.floors)}
+            # row_floors, timed_floors): where a reply's context crosses a bucket, a capture
+            # mid-reply; and what they were weighed against (the attention timed at load)
+            extra["graphs"] = {**static.book.summary(), "floors": dict(static.plan.floors),
+                               "key_costs": static.key_costs}
             log(f"{system} {weights}: decode graphs {extra['graphs']}")
         if stages > 1:
             # every stage's decode graphs: a graph captured in service (more captures than
@@ -787,7 +789,11 @@ def report(a, results: dict, build_s: float | None) -> dict:
             verdicts.append([f"decode graphs captured at load, {w}", f"{g['captures']} in {g['capture_s']:.1f} s",
                              f"+{g['capture_mib']:.0f} MiB reserved", "(info)" if not g["disabled"] else "DISABLED"])
             floors = ", ".join(f"{r}: {k}" for r, k in g.get("floors", {}).items()) or "none above 256"
-            verdicts.append([f"fewest keys a graph attends over, by rows, {w}", floors, "", "(info)"])
+            costs = g.get("key_costs") or {}
+            timed = ", ".join(f"{k}: {t} us" for k, t in costs.get("attention_us", {}).items())
+            verdicts.append([f"fewest keys a graph attends over, by rows, {w}", floors,
+                             f"by bytes {costs.get('by_bytes')}; a layer's attention {timed or costs.get('untimed')}; "
+                             f"weights {costs.get('weights_ms')} ms" if costs else "", "(info)"])
         e, o = get("ours1e", w, 1, "decode_seq"), get("ours1", w, 1, "decode_seq")
         if e and o:
             verdicts.append([f"ours1 with graphs / without, decode tok/s, batch 1, {w}", f"{o / e:.2f}", "",

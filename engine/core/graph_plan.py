@@ -138,6 +138,25 @@ def row_floors(weight_bytes: int, kv_bytes_per_token: int, cap: int, row_buckets
     return tuple(out)
 
 
+def timed_floors(byte_floors: tuple[tuple[int, int], ...], attention, weight_seconds: float, layers: int,
+                 min_kv: int = MIN_KV, share: float = KEY_SHARE) -> tuple[tuple[int, int], ...]:
+    """row_floors' floors lowered where the keys cost more time than their bytes say:
+    the longest power of two, up to the byte rule's floor, whose attention (timed on the
+    device: `attention(rows, keys)`, seconds a layer) adds at most `share` of the time the
+    step's weights take to read (`weight_seconds`) over `layers` layers, beside attending
+    over `min_kv` keys. On a GPU one row's attention walks its keys a block per key/value
+    head, far below the bandwidth its bytes would take (engine/model/key_clock.py)."""
+    out = []
+    for rows, most in byte_floors:
+        base = attention(rows, min_kv)
+        keys = min_kv
+        while keys * 2 <= most and layers * (attention(rows, keys * 2) - base) <= share * weight_seconds:
+            keys *= 2
+        if keys > min_kv:
+            out.append((rows, keys))
+    return tuple(out)
+
+
 @dataclass
 class GraphBook:
     """What a stage's runner captured, how long it took, and what it gave up on."""

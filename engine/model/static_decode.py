@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, row_floors
+from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, row_floors, timed_floors
 from engine.core.kept_prefixes import MOST as KEPT_MOST
 from engine.model.device import attention_kernels, kv_bytes_per_token
 from engine.model.draw import to_device
@@ -92,6 +92,9 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
         static.reserve = (slots if cap * slots <= stage.kv.budget_tokens // 2 else rows, cap)
     if static.reserve[1]:
         static.plan = replace(static.plan, floors=_floors(stage, static.reserve[1], static.plan.min_kv))
+        if stage.device.type == "cuda" and static.plan.floors:
+            floors, static.key_costs = _timed(stage, static.plan.floors, static.plan.min_kv)
+            static.plan = replace(static.plan, floors=floors)
     stage.static = static
     t0 = time.perf_counter()
     # in the inference mode the stage's steps (and any later capture) run in: with autograd
@@ -116,6 +119,27 @@ def _floors(stage, cap: int, min_kv: int) -> tuple[tuple[int, int], ...]:
         # (a config whose layers differ in heads, Gemma 4's, has no one size a token)
         log.info("decode graphs attend over %d keys at fewest for every row count: %s", min_kv, exc)
         return ()
+
+
+def _timed(stage, floors, min_kv: int, clock=None) -> tuple[tuple[tuple[int, int], ...], dict]:
+    """The byte rule's floors lowered where this device's attention makes the keys cost
+    more time than their bytes say (engine/model/key_clock.py, graph_plan.timed_floors),
+    and what was timed."""
+    from engine.model.key_clock import KeyClock
+
+    costs = {"by_bytes": dict(floors)}
+    try:
+        clock = clock or KeyClock(stage)
+        weights = step_read_bytes(stage) * clock.seconds_per_byte_read()
+        out = timed_floors(floors, clock.attention, weights, stage.end - stage.start, min_kv=min_kv)
+    except Exception as exc:  # noqa: BLE001 -- a rounding rule never stops a load
+        log.info("decode graphs' fewest keys weighed in bytes only: %s", exc)
+        return floors, {**costs, "untimed": f"{type(exc).__name__}: {exc}"[:200]}
+    costs["weights_ms"] = round(weights * 1e3, 3)
+    costs["attention_us"] = {f"{r}x{k}": round(t * 1e6, 1) for (r, k), t in sorted(clock.seen.items())}
+    log.info("decode graphs' fewest keys by rows %s (by bytes %s): a layer's attention (rows x keys) %s us, "
+             "the weights %.2f ms", dict(out) or min_kv, costs["by_bytes"], costs["attention_us"], weights * 1e3)
+    return out, costs
 
 
 def step_read_bytes(stage) -> int:
@@ -265,6 +289,8 @@ class StaticDecoder:
         # storage the KV store takes at once, (slots, tokens a slot): with graphs, every
         # growth of the store is a recapture of every bucket used since
         self.reserve = (0, 0)
+        # what the key floors were weighed against on a GPU (_timed): shown by bench/gpu.py
+        self.key_costs: dict = {}
 
     def try_step(self, batch, inputs: torch.Tensor) -> torch.Tensor | None:
         """The step's output as the eager step returns it, or None: not a step for a

@@ -118,3 +118,24 @@ def test_near_the_context_limit_a_verification_step_is_not_padded_past_it():
     assert plan.shape_for([4], [1018], [0], keep=[4]).tokens == 5
     assert plan.shape_for([4], [1020], [0], keep=[4]).tokens == 4      # 1020 + 5 would pass 1024
     assert plan.shape_for([4], [1021], [0], keep=[4]) == "a context of 1025 tokens, past 1024"
+
+
+def test_few_rows_keys_are_also_weighed_in_the_time_their_attention_takes():
+    """On a GPU one row's attention walks its keys a block per key/value head, far below
+    the bandwidth its bytes would take: the byte rule's floors come down where the time
+    attending over them adds more than the share, stay where it does not."""
+    from engine.core.graph_plan import timed_floors
+
+    byte_floors = ((1, 2048), (2, 1024), (4, 512))
+    weights = 4.5e-3          # an 8B model's weights read in 4.5 ms
+    starved = lambda rows, keys: 4e-6 + 0.035e-6 * keys          # ~13 us a layer at 256 keys
+    assert timed_floors(byte_floors, starved, weights, layers=32) == ()
+    fast = lambda rows, keys: 4e-6 + rows * keys * 128 * 1024 / 32 / 3e12   # at the bandwidth
+    assert timed_floors(byte_floors, fast, weights, layers=32) == byte_floors
+    # between: one user's 512 keys add 0.11 ms (within 3% of 4.5 ms), 1,024 add 0.34
+    middling = lambda rows, keys: 4e-6 + rows * 0.0138e-6 * keys
+    assert timed_floors(byte_floors, middling, weights, layers=32) == ((1, 512),)
+    # timed only where the byte rule allows more keys, each count once per row bucket
+    asked = []
+    timed_floors(byte_floors, lambda r, k: asked.append((r, k)) or 0.0, weights, layers=32)
+    assert sorted(set(asked)) == sorted(asked) and max(k for r, k in asked if r == 4) == 512

@@ -347,3 +347,57 @@ def test_a_steps_weight_bytes_leave_out_the_token_table_it_only_looks_up(tiny_fo
     assert step_read_bytes(first) == first.param_bytes() - table(first) < first.param_bytes()
     for s in (middle, last):
         assert step_read_bytes(s) == s.param_bytes()
+
+
+class Clock:
+    """A device whose attention walks its keys slowly (as one row's does on a GPU), or one
+    whose clock fails."""
+
+    def __init__(self, per_key: float, fail: bool = False):
+        self.per_key, self.fail, self.seen = per_key, fail, {}
+
+    def attention(self, rows, keys):
+        if self.fail:
+            raise RuntimeError("no clock")
+        self.seen[(rows, keys)] = 1e-6 + self.per_key * rows * keys
+        return self.seen[(rows, keys)]
+
+    def seconds_per_byte_read(self):
+        return 1 / 3e12
+
+
+def test_the_key_floors_come_down_where_the_attention_is_slower_than_its_bytes(tiny_folder):
+    """graph_plan.timed_floors on a stage: its weights' read time and layer count; a clock
+    that fails leaves the byte rule's floors; the stage's own attention timed by KeyClock
+    (the wall clock on a CPU) gives a time for every count the rule asks."""
+    from engine.model.key_clock import KeyClock
+    from engine.model.static_decode import _timed
+
+    folder, _ = tiny_folder("llama")
+    (s,) = stages(folder, 1, False)
+    floors = ((1, 2048), (2, 1024))
+    assert _timed(s, floors, 256, clock=Clock(0.0))[0] == floors
+    got, costs = _timed(s, floors, 256, clock=Clock(1e-6))
+    assert got == () and costs["by_bytes"] == dict(floors) and costs["attention_us"]["1x512"] > 256
+    got, costs = _timed(s, floors, 256, clock=Clock(0.0, fail=True))
+    assert got == floors and "no clock" in costs["untimed"]
+    clock = KeyClock(s)
+    got, _ = _timed(s, floors, 256, clock=clock)
+    assert set(got) <= set(floors) | {(1, 512), (1, 1024), (2, 512)}
+    assert {(1, 256), (2, 256), (1, 512)} <= set(clock.seen) and all(t > 0 for t in clock.seen.values())
+    assert clock.seconds_per_byte_read() > 0
+
+
+@pytest.mark.gpu
+def test_a_gpu_times_its_attention_and_copies_for_the_key_floors(tmp_path):
+    from engine.model.key_clock import KeyClock
+    from testkit.tiny_models import build_tiny_model
+
+    build_tiny_model("llama", tmp_path)
+    source = resolve(str(tmp_path))
+    s = StageModel(source, 0, source.config().num_hidden_layers, device="cuda", serving=False)
+    clock = KeyClock(s)
+    per_byte = clock.seconds_per_byte_read()
+    assert 1 / 20e12 < per_byte < 1 / 50e9          # between 50 GB/s and 20 TB/s
+    short, long = clock.attention(1, 256), clock.attention(1, 8192)
+    assert 0 < short < 1e-3 and short <= long * 1.5   # more keys never much faster
