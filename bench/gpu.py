@@ -420,6 +420,21 @@ def replay_on_the_tape() -> None:
     stage_module.decode_path = graphs
 
 
+def long_context_attention(stage) -> dict:
+    """One row's attention a layer (us) at growing context, as the model runs it (SDPA:
+    a block per key/value head walks every key) and as two products (a grid over the
+    keys; engine/model/key_clock.py): what a chat's long context costs a decode step."""
+    from engine.model.key_clock import KeyClock
+
+    try:
+        clock = KeyClock(stage)
+        return {keys: {"sdpa_us": round(clock.attention(1, keys) * 1e6, 1),
+                       "products_us": round(clock.two_products(1, keys) * 1e6, 1)}
+                for keys in (256, 2048, 8192, 32768)}
+    except Exception as exc:  # noqa: BLE001 -- information only
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
 async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) -> dict:
     import torch
 
@@ -503,6 +518,9 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
             extra["sampled"] = {"batch": b, **m}
             log(f"{system} {weights} @{b} at the chat's defaults: {m['decode_agg']:.1f} tok/s aggregate")
         static = getattr(head.stage0, "static", None)
+        if system == "ours1" and static is not None:
+            extra["long_keys"] = long_context_attention(head.stage0)
+            log(f"{system} {weights}: one row's attention a layer at long contexts {extra['long_keys']}")
         if static is not None:
             # the fewest keys each row count's graphs attend over (engine/core/graph_plan.py
             # row_floors, timed_floors): where a reply's context crosses a bucket, a capture
@@ -794,6 +812,13 @@ def report(a, results: dict, build_s: float | None) -> dict:
             verdicts.append([f"fewest keys a graph attends over, by rows, {w}", floors,
                              f"by bytes {costs.get('by_bytes')}; a layer's attention {timed or costs.get('untimed')}; "
                              f"weights {costs.get('weights_ms')} ms" if costs else "", "(info)"])
+        long_keys = results.get(("ours1", w), {}).get("long_keys") or {}
+        if long_keys and "error" not in long_keys:
+            layers = sum(hi - lo for lo, hi in results[("ours1", w)].get("layers") or [[0, 32]])
+            verdicts.append([f"one row's attention a step at 256 / 2k / 8k / 32k keys, SDPA, ms, {w}",
+                             " / ".join(f"{v['sdpa_us'] * layers / 1e3:.2f}" for v in long_keys.values()),
+                             "two products: " + " / ".join(f"{v['products_us'] * layers / 1e3:.2f}"
+                                                          for v in long_keys.values()), "(info)"])
         e, o = get("ours1e", w, 1, "decode_seq"), get("ours1", w, 1, "decode_seq")
         if e and o:
             verdicts.append([f"ours1 with graphs / without, decode tok/s, batch 1, {w}", f"{o / e:.2f}", "",

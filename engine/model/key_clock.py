@@ -56,16 +56,35 @@ class KeyClock:
         """Seconds one layer's attention takes for `rows` rows of one new token over
         `keys` keys (an additive mask over them, as a decode graph's)."""
         if (rows, keys) not in self.seen:
-            kw = dict(device=self.device, dtype=self.dtype)
-            q = torch.randn(rows, self.heads, 1, self.head_dim, **kw)
-            k = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
-            v = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
-            mask = torch.zeros(rows, 1, 1, keys, **kw)
-            scale = self.head_dim ** -0.5
+            q, k, v, mask, scale = self._inputs(rows, keys)
             with torch.inference_mode(), attention_kernels(self.device):
                 self.seen[(rows, keys)] = self._time(
                     lambda: self.attend(self.module, q, k, v, mask, dropout=0.0, scaling=scale))
         return self.seen[(rows, keys)]
+
+    def two_products(self, rows: int, keys: int) -> float:
+        """The same attention as two batched matrix products and a softmax between them
+        (scores kept in the compute dtype): not what a step runs. bench/gpu.py prints it
+        beside `attention` at long contexts: a product's grid covers the keys, where
+        SDPA's covers the key/value heads, so this says what a kernel that splits the keys
+        would give."""
+        q, k, v, mask, scale = self._inputs(rows, keys)
+        n_rep = self.heads // self.kv_heads
+        qp = q.reshape(rows, self.kv_heads, n_rep, self.head_dim)
+
+        def call():
+            s = torch.add(mask, torch.matmul(qp, k.transpose(-1, -2)), alpha=scale)
+            return torch.matmul(torch.softmax(s, -1), v)
+
+        with torch.inference_mode():
+            return self._time(call)
+
+    def _inputs(self, rows: int, keys: int):
+        kw = dict(device=self.device, dtype=self.dtype)
+        q = torch.randn(rows, self.heads, 1, self.head_dim, **kw)
+        k = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
+        v = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
+        return q, k, v, torch.zeros(rows, 1, 1, keys, **kw), self.head_dim ** -0.5
 
     def seconds_per_byte_read(self) -> float:
         """A device-to-device copy's seconds per byte read (each byte read is written too:
