@@ -73,6 +73,9 @@ class GraphPlan:
     max_tokens: int = MAX_TOKENS_PER_ROW
     verify_tokens: tuple[int, ...] = VERIFY_TOKENS
     floors: tuple[tuple[int, int], ...] = ()   # (rows, fewest keys) above min_kv: row_floors
+    # key counts whose one-user decode graph (slot 0) is captured at load beside its floor's:
+    # where the floor came down for time (ahead_keys), a chat's context grows into them
+    ahead: tuple[int, ...] = ()
 
     def kv_bucket(self, need: int, rows: int = 1) -> int:
         b = next((keys for r, keys in self.floors if r == rows), self.min_kv)   # per step: no dict
@@ -119,7 +122,7 @@ class GraphPlan:
         first = [StepShape(r, 1, self.kv_bucket(1, r), 0) for r in self.row_buckets if r <= up_to_rows]
         one = self.kv_bucket(1, 1)
         verify = [StepShape(1, t, one, lo) for lo in (0, None) for t in self.verify_tokens if t <= self.max_tokens]
-        return first + [StepShape(1, 1, one, None)] + verify
+        return first + [StepShape(1, 1, one, None)] + verify + [StepShape(1, 1, k, 0) for k in self.ahead]
 
 
 def row_floors(weight_bytes: int, kv_bytes_per_token: int, cap: int, row_buckets=ROW_BUCKETS,
@@ -135,6 +138,20 @@ def row_floors(weight_bytes: int, kv_bytes_per_token: int, cap: int, row_buckets
             keys *= 2
         if keys > min_kv:
             out.append((rows, keys))
+    return tuple(out)
+
+
+def ahead_keys(byte_floors: tuple[tuple[int, int], ...], timed: tuple[tuple[int, int], ...],
+               min_kv: int = MIN_KV) -> tuple[int, ...]:
+    """The key buckets one user's floor gave up for time (timed_floors), up to where the
+    byte rule had it: their decode graphs are captured at load instead of in the middle
+    of a reply as the chat's context reaches each."""
+    most = dict(byte_floors).get(1, min_kv)
+    keys = dict(timed).get(1, min_kv) * 2
+    out = []
+    while keys <= most:
+        out.append(keys)
+        keys *= 2
     return tuple(out)
 
 

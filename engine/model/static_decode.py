@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, row_floors, timed_floors
+from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, ahead_keys, row_floors, timed_floors
 from engine.core.kept_prefixes import MOST as KEPT_MOST
 from engine.model.device import attention_kernels, kv_bytes_per_token
 from engine.model.draw import to_device
@@ -94,7 +94,8 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
         static.plan = replace(static.plan, floors=_floors(stage, static.reserve[1], static.plan.min_kv))
         if stage.device.type == "cuda" and static.plan.floors:
             floors, static.key_costs = _timed(stage, static.plan.floors, static.plan.min_kv)
-            static.plan = replace(static.plan, floors=floors)
+            static.plan = replace(static.plan, floors=floors,
+                                  ahead=ahead_keys(static.plan.floors, floors, static.plan.min_kv))
     stage.static = static
     t0 = time.perf_counter()
     # in the inference mode the stage's steps (and any later capture) run in: with autograd

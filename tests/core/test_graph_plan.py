@@ -139,3 +139,20 @@ def test_few_rows_keys_are_also_weighed_in_the_time_their_attention_takes():
     asked = []
     timed_floors(byte_floors, lambda r, k: asked.append((r, k)) or 0.0, weights, layers=32)
     assert sorted(set(asked)) == sorted(asked) and max(k for r, k in asked if r == 4) == 512
+
+
+def test_the_key_buckets_one_users_floor_gave_up_for_time_are_captured_at_load():
+    from engine.core.graph_plan import ahead_keys
+
+    byte_floors = ((1, 2048), (2, 1024), (4, 512))
+    assert ahead_keys(byte_floors, ()) == (512, 1024, 2048)
+    assert ahead_keys(byte_floors, ((1, 1024),)) == (2048,)
+    assert ahead_keys(byte_floors, byte_floors) == ()
+    assert ahead_keys((), ()) == ()
+    plan = GraphPlan(ahead=ahead_keys(byte_floors, ()))
+    shapes = plan.warm_shapes(16)
+    assert len(shapes) == len(GraphPlan().warm_shapes(16)) + 3
+    assert [(s.rows, s.tokens, s.kv_len, s.lo) for s in shapes[-3:]] == [(1, 1, 512, 0), (1, 1, 1024, 0),
+                                                                         (1, 1, 2048, 0)]
+    # a chat's context past 256 finds its one-user decode graph among them
+    assert plan.shape_for([1], [300], [0]) == shapes[-3]
