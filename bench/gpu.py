@@ -421,15 +421,16 @@ def replay_on_the_tape() -> None:
 
 
 def long_context_attention(stage) -> dict:
-    """One row's attention a layer (us) at growing context, as the model runs it (SDPA:
-    a block per key/value head walks every key) and as two products (a grid over the
-    keys; engine/model/key_clock.py): what a chat's long context costs a decode step."""
+    """One row's attention a layer (us) at growing context, as SDPA runs it (a block per
+    key/value head walks every key) and as two products (engine/model/
+    product_attention.py, which a stage takes where it timed them faster at load): what
+    a chat's long context costs a decode step either way."""
     from engine.model.key_clock import KeyClock
 
     try:
         clock = KeyClock(stage)
-        return {keys: {"sdpa_us": round(clock.attention(1, keys) * 1e6, 1),
-                       "products_us": round(clock.two_products(1, keys) * 1e6, 1)}
+        return {keys: {"sdpa_us": round(clock.sdpa(1, keys) * 1e6, 1),
+                       "products_us": round(clock.products(1, keys) * 1e6, 1)}
                 for keys in (256, 2048, 8192, 32768)}
     except Exception as exc:  # noqa: BLE001 -- information only
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
@@ -808,10 +809,14 @@ def report(a, results: dict, build_s: float | None) -> dict:
                              f"+{g['capture_mib']:.0f} MiB reserved", "(info)" if not g["disabled"] else "DISABLED"])
             floors = ", ".join(f"{r}: {k}" for r, k in g.get("floors", {}).items()) or "none above 256"
             costs = g.get("key_costs") or {}
-            timed = ", ".join(f"{k}: {t} us" for k, t in costs.get("attention_us", {}).items())
+            timed = ", ".join(f"{k}: {t[0]} / {t[1]} us" for k, t in costs.get("attention_us", {}).items())
             verdicts.append([f"fewest keys a graph attends over, by rows, {w}", floors,
-                             f"by bytes {costs.get('by_bytes')}; a layer's attention {timed or costs.get('untimed')}; "
-                             f"weights {costs.get('weights_ms')} ms" if costs else "", "(info)"])
+                             f"by bytes {costs.get('by_bytes')}; weights {costs.get('weights_ms')} ms"
+                             if costs else "", "(info)"])
+            if costs:
+                verdicts.append([f"decode attention as two products from keys, by rows, {w}",
+                                 str(costs.get("products_from", "untimed")),
+                                 f"a layer's attention, SDPA / products: {timed or costs.get('untimed')}", "(info)"])
         long_keys = results.get(("ours1", w), {}).get("long_keys") or {}
         if long_keys and "error" not in long_keys:
             layers = sum(hi - lo for lo, hi in results[("ours1", w)].get("layers") or [[0, 32]])

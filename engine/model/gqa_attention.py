@@ -26,6 +26,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from engine.model.product_attention import product_attention, products_for
+
 NAME = "potluck_packed_gqa"
 # up to this many new tokens a row are folded: a verification step (2-9 tokens) or a
 # short prompt piece, where reading the keys is the step's cost. A long prompt piece is
@@ -40,10 +42,14 @@ def packed_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
 
     n_rep = getattr(module, "num_key_value_groups", 1) or 1
     B, H, T, _ = query.shape
-    plain = (n_rep > 1 and 1 < T <= FOLD_MAX_TOKENS and dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4
-             and attention_mask.shape[1] == 1 and attention_mask.shape[2] == T and key.shape[1] * n_rep == H
-             and all(kwargs.get(k) is None for k in ("position_bias", "cache", "softcap")))
-    if not plain:
+    few = (T <= FOLD_MAX_TOKENS and dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4
+           and attention_mask.shape[1] == 1 and attention_mask.shape[2] == T and key.shape[1] * n_rep == H
+           and all(kwargs.get(k) is None for k in ("position_bias", "cache", "softcap", "s_aux", "sinks")))
+    if few and products_for(module, B, key.shape[2]):
+        # a GPU stage that timed two products faster at this many keys (product_attention.py)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return product_attention(query, key, value, attention_mask, scale), None
+    if not (few and n_rep > 1 and T > 1):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     q = query.reshape(B, H // n_rep, n_rep * T, query.shape[-1])

@@ -8,10 +8,14 @@ attention reads its keys far below the GPU's bandwidth: with one new token a row
 kernel runs one block per key/value head (8 on an 8B Llama), each walking every key
 alone. On the H200 one user's attention took 13 us a layer at 256 keys (bench/RESULTS.md,
 2026-12-04: 0.42 ms of a 6.8 ms step); at 2,048 keys that rate is some 70 us a layer,
-about 1.8 ms a step beside the weights' 6.7 -- not 2%. So on a GPU each floor is weighed
-in time too (graph_plan.timed_floors): the model's own attention call, timed at each key
-count the byte rule allows, against the step's weights read at the device's copy
-bandwidth.
+about 1.8 ms a step beside the weights' 6.7 -- not 2%.
+
+So on a GPU a stage times, while it loads, its attention both ways -- the model's SDPA
+call, and two batched products spread over the keys (engine/model/product_attention.py)
+-- for each row bucket over growing key counts, takes the products where they are
+faster (engine/core/attention_choice.py) once they gave SDPA's output on this device,
+and weighs each floor in the time the chosen attention takes (graph_plan.timed_floors)
+against the step's weights read at the device's copy bandwidth.
 
 Timed on the GPU alone: a spin kernel is queued first, so the calls timed are all queued
 behind it and run back to back (launching them from Python takes longer than running
@@ -24,16 +28,21 @@ import types
 
 import torch
 
+from engine.core.attention_choice import chosen_seconds, products_from
 from engine.model.device import attention_kernels
+from engine.model.product_attention import agrees, product_attention
 
 REPS = 10
 COPY_BYTES = 32 * 2**20
 SPIN_CYCLES = 5_000_000     # ~2.5 ms at 2 GHz: longer than queueing REPS calls from Python
+# the most a timing's keys and values may take on the device at once
+TIMING_BYTES = 128 * 2**20
+MOST_KEYS = 8192
 
 
 class KeyClock:
-    """Times a stage's decode attention and its device's copy bandwidth. On a CPU (the
-    tests) the same calls are timed by the wall clock."""
+    """Times a stage's decode attention, both ways, and its device's copy bandwidth. On
+    a CPU (the tests) the same calls are timed by the wall clock."""
 
     def __init__(self, stage):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -45,46 +54,67 @@ class KeyClock:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        impl = stage.model.config._attn_implementation
-        self.attend = ALL_ATTENTION_FUNCTIONS[impl]
-        # what the attention functions read of the module that calls them
+        self.attend = ALL_ATTENTION_FUNCTIONS[stage.model.config._attn_implementation]
+        # what the attention functions read of the module that calls them: a config of
+        # its own, so the model's choice of products (set later) does not time itself
         self.module = types.SimpleNamespace(num_key_value_groups=self.heads // self.kv_heads, is_causal=True,
-                                            training=False, config=stage.model.config)
-        self.seen: dict[tuple[int, int], float] = {}
+                                            training=False, config=types.SimpleNamespace())
+        self.timed: dict[tuple[int, int], tuple[float, float | None]] = {}   # (SDPA, products) seconds
+        self.table: dict[int, int] = {}   # the products' choice, once made
 
-    def attention(self, rows: int, keys: int) -> float:
-        """Seconds one layer's attention takes for `rows` rows of one new token over
-        `keys` keys (an additive mask over them, as a decode graph's)."""
-        if (rows, keys) not in self.seen:
+    def key_counts(self, rows: int, least: int) -> list[int]:
+        """Key counts to time for `rows` rows: powers of two from `least`, as long as a
+        timing's keys and values fit TIMING_BYTES, to MOST_KEYS."""
+        per_key = rows * self.kv_heads * self.head_dim * 2 * torch.finfo(self.dtype).bits // 8
+        out, keys = [], least
+        while keys <= MOST_KEYS and (keys == least or keys * per_key <= TIMING_BYTES):
+            out.append(keys)
+            keys *= 2
+        return out
+
+    def sdpa(self, rows: int, keys: int) -> float:
+        """Seconds one layer's attention takes the model's SDPA call for `rows` rows of one
+        new token over `keys` keys (an additive mask over them, as a decode graph's)."""
+        if (rows, keys) not in self.timed:
             q, k, v, mask, scale = self._inputs(rows, keys)
             with torch.inference_mode(), attention_kernels(self.device):
-                self.seen[(rows, keys)] = self._time(
-                    lambda: self.attend(self.module, q, k, v, mask, dropout=0.0, scaling=scale))
-        return self.seen[(rows, keys)]
+                t = self._time(lambda: self.attend(self.module, q, k, v, mask, dropout=0.0, scaling=scale))
+            self.timed[(rows, keys)] = (t, None)
+        return self.timed[(rows, keys)][0]
 
-    def two_products(self, rows: int, keys: int) -> float:
-        """The same attention as two batched matrix products and a softmax between them
-        (scores kept in the compute dtype): not what a step runs. bench/gpu.py prints it
-        beside `attention` at long contexts: a product's grid covers the keys, where
-        SDPA's covers the key/value heads, so this says what a kernel that splits the keys
-        would give."""
-        q, k, v, mask, scale = self._inputs(rows, keys)
-        n_rep = self.heads // self.kv_heads
-        qp = q.reshape(rows, self.kv_heads, n_rep, self.head_dim)
+    def products(self, rows: int, keys: int) -> float:
+        """The same, as two batched products (product_attention)."""
+        sdpa = self.sdpa(rows, keys)
+        if self.timed[(rows, keys)][1] is None:
+            q, k, v, mask, scale = self._inputs(rows, keys)
+            with torch.inference_mode():
+                t = self._time(lambda: product_attention(q, k, v, mask, scale))
+            self.timed[(rows, keys)] = (sdpa, t)
+        return self.timed[(rows, keys)][1]
 
-        def call():
-            s = torch.add(mask, torch.matmul(qp, k.transpose(-1, -2)), alpha=scale)
-            return torch.matmul(torch.softmax(s, -1), v)
+    def attention(self, rows: int, keys: int) -> float:
+        """What a step's attention takes with the choice made (`choose`): the floors'
+        measure (graph_plan.timed_floors)."""
+        if not self.table:
+            return self.sdpa(rows, keys)
+        self.products(rows, keys)
+        return chosen_seconds(self.timed, self.table, rows, keys)
 
-        with torch.inference_mode():
-            return self._time(call)
-
-    def _inputs(self, rows: int, keys: int):
-        kw = dict(device=self.device, dtype=self.dtype)
-        q = torch.randn(rows, self.heads, 1, self.head_dim, **kw)
-        k = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
-        v = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
-        return q, k, v, torch.zeros(rows, 1, 1, keys, **kw), self.head_dim ** -0.5
+    def choose(self, row_buckets, least: int) -> dict[int, int]:
+        """Time both ways for each row bucket over growing key counts; the products are
+        taken where faster (attention_choice.products_from), and only if at each row
+        count's first such key count they give SDPA's output on this device."""
+        both = {}
+        for rows in row_buckets:
+            for keys in self.key_counts(rows, least):
+                both[(rows, keys)] = (self.sdpa(rows, keys), self.products(rows, keys))
+        table = products_from(both)
+        for rows, keys in table.items():
+            if not self._agrees(rows, keys):
+                table = {}
+                break
+        self.table = table
+        return table
 
     def seconds_per_byte_read(self) -> float:
         """A device-to-device copy's seconds per byte read (each byte read is written too:
@@ -92,6 +122,24 @@ class KeyClock:
         a = torch.empty(COPY_BYTES, dtype=torch.uint8, device=self.device)
         b = torch.empty_like(a)
         return self._time(lambda: b.copy_(a)) / (2 * COPY_BYTES)
+
+    def _agrees(self, rows: int, keys: int) -> bool:
+        q, k, v, _, scale = self._inputs(rows, keys)
+        # each row sees a different prefix of the keys, as rows of different lengths do
+        seen = torch.arange(keys, device=self.device) < torch.linspace(keys // 4, keys, rows,
+                                                                         device=self.device).view(rows, 1)
+        mask = torch.zeros(rows, 1, 1, keys, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~seen.view(rows, 1, 1, keys), torch.finfo(self.dtype).min)
+        with torch.inference_mode(), attention_kernels(self.device):
+            want, _ = self.attend(self.module, q, k, v, mask, dropout=0.0, scaling=scale)
+            return agrees(q, k, v, mask, scale, want)
+
+    def _inputs(self, rows: int, keys: int):
+        kw = dict(device=self.device, dtype=self.dtype)
+        q = torch.randn(rows, self.heads, 1, self.head_dim, **kw)
+        k = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
+        v = torch.randn(rows, self.kv_heads, keys, self.head_dim, **kw)
+        return q, k, v, torch.zeros(rows, 1, 1, keys, **kw), self.head_dim ** -0.5
 
     def _time(self, call) -> float:
         if self.device.type != "cuda":

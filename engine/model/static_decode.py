@@ -92,10 +92,10 @@ def use_graphs(stage, cuda=None) -> "StaticDecoder":
         static.reserve = (slots if cap * slots <= stage.kv.budget_tokens // 2 else rows, cap)
     if static.reserve[1]:
         static.plan = replace(static.plan, floors=_floors(stage, static.reserve[1], static.plan.min_kv))
-        if stage.device.type == "cuda" and static.plan.floors:
-            floors, static.key_costs = _timed(stage, static.plan.floors, static.plan.min_kv)
-            static.plan = replace(static.plan, floors=floors,
-                                  ahead=ahead_keys(static.plan.floors, floors, static.plan.min_kv))
+    if stage.device.type == "cuda":
+        floors, static.key_costs = _time_keys(stage, static.plan.floors, static.plan)
+        static.plan = replace(static.plan, floors=floors,
+                              ahead=ahead_keys(static.plan.floors, floors, static.plan.min_kv))
     stage.static = static
     t0 = time.perf_counter()
     # in the inference mode the stage's steps (and any later capture) run in: with autograd
@@ -122,24 +122,34 @@ def _floors(stage, cap: int, min_kv: int) -> tuple[tuple[int, int], ...]:
         return ()
 
 
-def _timed(stage, floors, min_kv: int, clock=None) -> tuple[tuple[tuple[int, int], ...], dict]:
-    """The byte rule's floors lowered where this device's attention makes the keys cost
-    more time than their bytes say (engine/model/key_clock.py, graph_plan.timed_floors),
-    and what was timed."""
+def _time_keys(stage, floors, plan: GraphPlan, clock=None) -> tuple[tuple[tuple[int, int], ...], dict]:
+    """This device's decode attention timed both ways (engine/model/key_clock.py): the
+    two products taken where faster (set on the model: product_attention.set_products),
+    and the byte rule's floors lowered where the keys cost more time than their bytes
+    say (graph_plan.timed_floors). Returns the floors and what was timed."""
     from engine.model.key_clock import KeyClock
+    from engine.model.product_attention import set_products
 
     costs = {"by_bytes": dict(floors)}
     try:
         clock = clock or KeyClock(stage)
+        # the products run inside our attention function: a model on transformers' own
+        # (POTLUCK_PACKED_GQA=0, a family that asks for SDPA by name) keeps SDPA
+        table = clock.choose(plan.row_buckets, plan.min_kv) if stage.packed_gqa else {}
+        set_products(stage.model, table)
         weights = step_read_bytes(stage) * clock.seconds_per_byte_read()
-        out = timed_floors(floors, clock.attention, weights, stage.end - stage.start, min_kv=min_kv)
+        out = timed_floors(floors, clock.attention, weights, stage.end - stage.start, min_kv=plan.min_kv)
     except Exception as exc:  # noqa: BLE001 -- a rounding rule never stops a load
-        log.info("decode graphs' fewest keys weighed in bytes only: %s", exc)
+        set_products(stage.model, None)
+        log.info("decode attention untimed (SDPA; fewest keys weighed in bytes only): %s", exc)
         return floors, {**costs, "untimed": f"{type(exc).__name__}: {exc}"[:200]}
+    costs["products_from"] = dict(table)
     costs["weights_ms"] = round(weights * 1e3, 3)
-    costs["attention_us"] = {f"{r}x{k}": round(t * 1e6, 1) for (r, k), t in sorted(clock.seen.items())}
-    log.info("decode graphs' fewest keys by rows %s (by bytes %s): a layer's attention (rows x keys) %s us, "
-             "the weights %.2f ms", dict(out) or min_kv, costs["by_bytes"], costs["attention_us"], weights * 1e3)
+    costs["attention_us"] = {f"{r}x{k}": [round(t * 1e6, 1) if t is not None else None for t in ts]
+                             for (r, k), ts in sorted(clock.timed.items())}
+    log.info("decode attention: two products from %s keys by rows (else SDPA); fewest keys by rows %s (by bytes "
+             "%s); a layer's attention (rows x keys: SDPA, products) %s us; the weights %.2f ms",
+             table or "no", dict(out) or plan.min_kv, costs["by_bytes"], costs["attention_us"], weights * 1e3)
     return out, costs
 
 

@@ -353,38 +353,48 @@ class Clock:
     """A device whose attention walks its keys slowly (as one row's does on a GPU), or one
     whose clock fails."""
 
-    def __init__(self, per_key: float, fail: bool = False):
-        self.per_key, self.fail, self.seen = per_key, fail, {}
+    def __init__(self, per_key: float, fail: bool = False, table=None):
+        self.per_key, self.fail, self.timed, self.table = per_key, fail, {}, table or {}
 
-    def attention(self, rows, keys):
+    def choose(self, row_buckets, least):
         if self.fail:
             raise RuntimeError("no clock")
-        self.seen[(rows, keys)] = 1e-6 + self.per_key * rows * keys
-        return self.seen[(rows, keys)]
+        return self.table
+
+    def attention(self, rows, keys):
+        t = 1e-6 + self.per_key * rows * keys
+        self.timed[(rows, keys)] = (t, t / 2)
+        return t
 
     def seconds_per_byte_read(self):
         return 1 / 3e12
 
 
 def test_the_key_floors_come_down_where_the_attention_is_slower_than_its_bytes(tiny_folder):
-    """graph_plan.timed_floors on a stage: its weights' read time and layer count; a clock
-    that fails leaves the byte rule's floors; the stage's own attention timed by KeyClock
-    (the wall clock on a CPU) gives a time for every count the rule asks."""
+    """static_decode._time_keys on a stage: the choice of products set on its model, its
+    weights' read time and layer count weighed against the attention's; a clock that
+    fails leaves the byte rule's floors and SDPA; the stage's own attention timed by
+    KeyClock (the wall clock on a CPU) gives both ways' times for every count asked."""
+    from engine.core.graph_plan import GraphPlan
     from engine.model.key_clock import KeyClock
-    from engine.model.static_decode import _timed
+    from engine.model.product_attention import ATTR
+    from engine.model.static_decode import _time_keys
 
     folder, _ = tiny_folder("llama")
     (s,) = stages(folder, 1, False)
-    floors = ((1, 2048), (2, 1024))
-    assert _timed(s, floors, 256, clock=Clock(0.0))[0] == floors
-    got, costs = _timed(s, floors, 256, clock=Clock(1e-6))
-    assert got == () and costs["by_bytes"] == dict(floors) and costs["attention_us"]["1x512"] > 256
-    got, costs = _timed(s, floors, 256, clock=Clock(0.0, fail=True))
-    assert got == floors and "no clock" in costs["untimed"]
+    floors, plan = ((1, 2048), (2, 1024)), GraphPlan()
+    assert _time_keys(s, floors, plan, clock=Clock(0.0))[0] == floors
+    got, costs = _time_keys(s, floors, plan, clock=Clock(1e-6, table={1: 1024}))
+    assert got == () and costs["by_bytes"] == dict(floors) and costs["products_from"] == {1: 1024}
+    assert getattr(s.model.config, ATTR) == {1: 1024}
+    got, costs = _time_keys(s, floors, plan, clock=Clock(0.0, fail=True))
+    assert got == floors and "no clock" in costs["untimed"] and getattr(s.model.config, ATTR) is None
     clock = KeyClock(s)
-    got, _ = _timed(s, floors, 256, clock=clock)
+    got, costs = _time_keys(s, floors, GraphPlan(row_buckets=(1, 2)), clock=clock)
     assert set(got) <= set(floors) | {(1, 512), (1, 1024), (2, 512)}
-    assert {(1, 256), (2, 256), (1, 512)} <= set(clock.seen) and all(t > 0 for t in clock.seen.values())
+    assert {(1, 256), (2, 256), (1, 8192)} <= set(clock.timed)
+    assert all(a > 0 and b > 0 for a, b in clock.timed.values())
+    assert costs["products_from"] == clock.table == (getattr(s.model.config, ATTR) or {})
     assert clock.seconds_per_byte_read() > 0
 
 
@@ -399,5 +409,10 @@ def test_a_gpu_times_its_attention_and_copies_for_the_key_floors(tmp_path):
     clock = KeyClock(s)
     per_byte = clock.seconds_per_byte_read()
     assert 1 / 20e12 < per_byte < 1 / 50e9          # between 50 GB/s and 20 TB/s
-    short, long = clock.attention(1, 256), clock.attention(1, 8192)
+    short, long = clock.sdpa(1, 256), clock.sdpa(1, 8192)
     assert 0 < short < 1e-3 and short <= long * 1.5   # more keys never much faster
+    assert clock.products(1, 8192) > 0
+    for rows in (1, 4):                              # the products give SDPA's output here
+        assert clock._agrees(rows, 2048), rows
+    clock.choose((1, 16), 256)
+    assert set(clock.table) <= {1, 16}
