@@ -73,10 +73,11 @@ if ! echo "$summary" | grep -qE "^[0-9]+ passed" || echo "$summary" | grep -qE "
     export POTLUCK_LAUNCH_AHEAD=0
 fi
 
-part "${TESTS_S:-80}" gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py \
+part "${TESTS_S:-100}" gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graphs.py \
     tests/model/test_draw.py tests/model/test_quant.py tests/model/test_fused_norms.py \
     tests/model/test_fused_products.py tests/model/test_int4.py tests/model/test_step_clock.py \
-    tests/model/test_gqa_attention.py tests/model/test_fused_rotary.py
+    tests/model/test_gqa_attention.py tests/model/test_fused_rotary.py tests/model/test_product_attention.py \
+    tests/model/test_static_decode.py
 grep -E "^(FAILED|ERROR)|passed|failed" "$WORK/gpu-tests.log" | tail -12
 
 # ours1's 1-token and verification steps profiled (kernels, CPU) into $WORK; ours2's
