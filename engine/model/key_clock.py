@@ -61,6 +61,7 @@ class KeyClock:
                                             training=False, config=types.SimpleNamespace())
         self.timed: dict[tuple[int, int], tuple[float, float | None]] = {}   # (SDPA, products) seconds
         self.table: dict[int, int] = {}   # the products' choice, once made
+        self.unused: str | None = None    # why the products were not considered
 
     def key_counts(self, rows: int, least: int) -> list[int]:
         """Key counts to time for `rows` rows: powers of two from `least`, as long as a
@@ -105,14 +106,20 @@ class KeyClock:
         taken where faster (attention_choice.products_from), and only if at each row
         count's first such key count they give SDPA's output on this device."""
         both = {}
-        for rows in row_buckets:
-            for keys in self.key_counts(rows, least):
-                both[(rows, keys)] = (self.sdpa(rows, keys), self.products(rows, keys))
-        table = products_from(both)
-        for rows, keys in table.items():
-            if not self._agrees(rows, keys):
+        try:
+            for rows in row_buckets:
+                for keys in self.key_counts(rows, least):
+                    both[(rows, keys)] = (self.sdpa(rows, keys), self.products(rows, keys))
+            table = products_from(both)
+            wrong = [rows for rows, keys in table.items() if not self._agrees(rows, keys)]
+            if wrong:
+                self.unused = f"two products disagreed with SDPA at {len(wrong)} row count(s)"
                 table = {}
-                break
+        except Exception as exc:  # noqa: BLE001 -- SDPA stays; the floors are timed on it
+            if not any(t for t, _ in self.timed.values()):
+                raise
+            self.unused = f"two products failed: {type(exc).__name__}: {exc}"[:200]
+            table = {}
         self.table = table
         return table
 

@@ -355,6 +355,7 @@ class Clock:
 
     def __init__(self, per_key: float, fail: bool = False, table=None):
         self.per_key, self.fail, self.timed, self.table = per_key, fail, {}, table or {}
+        self.unused = None
 
     def choose(self, row_buckets, least):
         if self.fail:
@@ -396,6 +397,26 @@ def test_the_key_floors_come_down_where_the_attention_is_slower_than_its_bytes(t
     assert all(a > 0 and b > 0 for a, b in clock.timed.values())
     assert costs["products_from"] == clock.table == (getattr(s.model.config, ATTR) or {})
     assert clock.seconds_per_byte_read() > 0
+
+
+def test_products_that_fail_to_run_leave_sdpa_and_the_floors_timed(tiny_folder, monkeypatch):
+    """A torch whose batched product lacks what the products need (out_dtype on an older
+    CUDA build): SDPA stays, the floors are still weighed in its time."""
+    import engine.model.key_clock as key_clock
+    from engine.core.graph_plan import GraphPlan
+    from engine.model.product_attention import ATTR
+    from engine.model.static_decode import _time_keys
+
+    def broken(*args, **kwargs):
+        raise TypeError("bmm() got an unexpected keyword argument 'out_dtype'")
+
+    monkeypatch.setattr(key_clock, "product_attention", broken)
+    folder, _ = tiny_folder("llama")
+    (s,) = stages(folder, 1, False)
+    clock = key_clock.KeyClock(s)
+    got, costs = _time_keys(s, ((1, 1024),), GraphPlan(row_buckets=(1,)), clock=clock)
+    assert clock.table == {} and "out_dtype" in costs["products_from"] and getattr(s.model.config, ATTR) is None
+    assert "untimed" not in costs and costs["attention_us"]["1x256"][0] > 0
 
 
 @pytest.mark.gpu
