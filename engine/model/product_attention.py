@@ -49,12 +49,13 @@ def product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def agrees(q, k, v, mask, scaling: float, sdpa_out: torch.Tensor) -> bool:
     """Whether product_attention gives SDPA's output (`sdpa_out`, [B, T, H, D]) on these
-    inputs: to the last bits of bf16 on a GPU, of float32 on a CPU."""
+    inputs: to the last bits of bf16 on a GPU, of float32 on a CPU, against the output's
+    largest value (inputs whose attention is peaked, so a key or head read wrong shows)."""
     got = product_attention(q, k, v, mask, scaling).float()
     want = sdpa_out.float()
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
     return got.shape == want.shape and bool(torch.isfinite(got).all()) \
-        and float((got - want).abs().max()) <= tol * max(1.0, float(want.abs().max()))
+        and float((got - want).abs().max()) <= tol * float(want.abs().max()) + 1e-6
 
 
 def set_products(model: nn.Module, table: dict[int, int] | None) -> None:

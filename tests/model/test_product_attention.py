@@ -46,6 +46,10 @@ def test_the_products_give_sdpas_attention(heads, kv_heads, rows, tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert agrees(q, k, v, mask, 0.25, want)
     assert not agrees(q, k, v, mask, 0.25, want + 0.01)
+    # a head mapping read wrong (query head h on key/value head h % KVH, not h // n_rep)
+    if heads != kv_heads:
+        wrong = reference(q, k.repeat(1, heads // kv_heads, 1, 1), v.repeat(1, heads // kv_heads, 1, 1), mask, 0.25)
+        assert not agrees(q, k, v, mask, 0.25, wrong)
 
 
 def test_products_are_taken_from_where_they_stay_faster():
@@ -120,7 +124,7 @@ def test_the_fixed_buffer_decode_path_takes_them_too(tiny_folder, monkeypatch):
 @pytest.mark.gpu
 def test_on_a_gpu_the_products_give_sdpas_attention_in_bf16():
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = 4 * torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     mask = torch.zeros(2, 1, 1, 2048, device="cuda", dtype=torch.bfloat16)
