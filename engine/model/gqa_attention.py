@@ -45,8 +45,9 @@ def packed_gqa_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     few = (T <= FOLD_MAX_TOKENS and dropout == 0.0 and attention_mask is not None and attention_mask.dim() == 4
            and attention_mask.shape[1] == 1 and attention_mask.shape[2] == T and key.shape[1] * n_rep == H
            and all(kwargs.get(k) is None for k in ("position_bias", "cache", "softcap", "s_aux", "sinks")))
-    if few and products_for(module, B, key.shape[2]):
-        # a GPU stage that timed two products faster at this many keys (product_attention.py)
+    if few and T == 1 and attention_mask.is_floating_point() and products_for(module, B, key.shape[2], H):
+        # a GPU stage that timed two products faster for a decode step at this many keys
+        # (product_attention.py; what it timed and checked: one token a row, additive masks)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return product_attention(query, key, value, attention_mask, scale), None
     if not (few and n_rep > 1 and T > 1):

@@ -33,7 +33,8 @@ from engine.model.device import attention_kernels
 from engine.model.product_attention import agrees, product_attention
 
 REPS = 10
-COPY_BYTES = 32 * 2**20
+# well past a GPU's L2 cache (50 MB on an H100), so the copy reads and writes memory
+COPY_BYTES = 128 * 2**20
 SPIN_CYCLES = 5_000_000     # ~2.5 ms at 2 GHz: longer than queueing REPS calls from Python
 # the most a timing's keys and values may take on the device at once
 TIMING_BYTES = 128 * 2**20
@@ -161,8 +162,9 @@ class KeyClock:
         from engine.model.cuda_graphs import one_capture
 
         # another stage of this process may be capturing (one loaded beside a serving
-        # one): a synchronize of the device would break its capture
-        with one_capture():
+        # one): a synchronize of the device would break its capture. The spin, the events
+        # and the calls on the stage's device, whichever is current (cuda:1 is a choice)
+        with one_capture(), torch.cuda.device(self.device):
             call()   # warm: kernels chosen, workspaces made
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)

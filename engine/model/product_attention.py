@@ -10,7 +10,8 @@ launches and the scores written out (a few hundred KB).
 
 A stage uses it only where it timed it faster than SDPA at load, per row count from a
 key count on (engine/core/attention_choice.py), and only once it gave SDPA's output on
-this device on random inputs (`agrees`). The choice rides on the model's configs
+this device on random inputs (`agrees`); and only for what it timed and checked: one
+new token a row, an additive mask, scores under SCORE_BYTES. The choice rides on the model's configs
 (`ATTR`), which the attention function (engine/model/gqa_attention.py) reads; a CPU
 stage never sets it. Scores and softmax are float32, as SDPA's own accumulators are.
 """
@@ -23,6 +24,8 @@ from torch import nn
 # on a model's config objects: {rows: fewest keys from which a step of that many rows
 # takes the products}
 ATTR = "potluck_products_from"
+# the most a layer's float32 scores may take (one user of an 8B model at 128k keys: 16 MiB)
+SCORE_BYTES = 64 * 2**20
 
 
 def product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -70,9 +73,13 @@ def set_products(model: nn.Module, table: dict[int, int] | None) -> None:
             setattr(c, ATTR, dict(table) if table else None)
 
 
-def products_for(module, rows: int, keys: int) -> bool:
+def products_for(module, rows: int, keys: int, heads: int) -> bool:
+    """Whether a decode step of `rows` rows over `keys` keys takes the products: where
+    the stage chose them, and as long as the scores they write stay under SCORE_BYTES
+    (the choice holds past the longest context timed, where SDPA is slower still, but
+    not into scores of hundreds of megabytes)."""
     table = getattr(getattr(module, "config", None), ATTR, None)
     if not table:
         return False
     least = table.get(rows)
-    return least is not None and keys >= least
+    return least is not None and keys >= least and rows * heads * keys * 4 <= SCORE_BYTES

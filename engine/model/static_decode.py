@@ -143,6 +143,11 @@ def _time_keys(stage, floors, plan: GraphPlan, clock=None) -> tuple[tuple[tuple[
         set_products(stage.model, None)
         log.info("decode attention untimed (SDPA; fewest keys weighed in bytes only): %s", exc)
         return floors, {**costs, "untimed": f"{type(exc).__name__}: {exc}"[:200]}
+    finally:
+        if stage.device.type == "cuda":
+            from engine.model.cuda_graphs import release_cached_memory
+
+            release_cached_memory()   # the timings' inputs: the graphs' pool cannot reuse them
     costs["products_from"] = dict(table) if clock.unused is None else clock.unused
     costs["weights_ms"] = round(weights * 1e3, 3)
     costs["attention_us"] = {f"{r}x{k}": [round(t * 1e6, 1) if t is not None else None for t in ts]

@@ -100,7 +100,9 @@ def test_a_stage_that_takes_the_products_gives_the_same_logits(tiny_folder, arch
     for a, b in zip(got, want):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert n_products - n_plain == 2 * 2 * L     # two products a layer, two steps
+    # two products a layer in the decode step; the verification step keeps the folded
+    # SDPA (the products were timed and checked on one token a row)
+    assert n_products - n_plain == 2 * L
     set_products(s.model, None)
     assert steps(s)[1] == n_plain
 
@@ -116,9 +118,37 @@ def test_the_fixed_buffer_decode_path_takes_them_too(tiny_folder, monkeypatch):
     set_products(s.model, {1: 1, 2: 1})
     want, _ = steps(plain)
     got, n = steps(s)
-    assert s.static.steps == plain.static.steps >= 2 and n >= 2 * 2 * L
+    assert s.static.steps == plain.static.steps >= 2 and n == 2 * L
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_only_what_was_timed_takes_them():
+    """One new token a row, an additive mask, scores under SCORE_BYTES: a boolean mask
+    (transformers' own masks) or more tokens keep SDPA."""
+    import types
+
+    from engine.model.gqa_attention import packed_gqa_attention
+    from engine.model.product_attention import SCORE_BYTES, products_for
+
+    config = types.SimpleNamespace(**{ATTR: {1: 64}})
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False, config=config)
+    assert products_for(module, 1, 64, 32) and not products_for(module, 1, 32, 32) and not products_for(module, 2, 64, 32)
+    assert not products_for(module, 1, SCORE_BYTES // (32 * 4) + 1, 32)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 80, 8), torch.randn(1, 2, 80, 8)
+    allowed = torch.arange(80) < 70
+    additive = torch.zeros(1, 1, 1, 80).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    with Bmm() as c:
+        a, _ = packed_gqa_attention(module, q, k, v, additive, scaling=0.3)
+    assert c.n == 2
+    with Bmm() as c:
+        b, _ = packed_gqa_attention(module, q, k, v, allowed.view(1, 1, 1, 80), scaling=0.3)
+    assert c.n == 0
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    q5, mask5 = torch.randn(1, 4, 5, 8), torch.zeros(1, 1, 5, 80)
+    with Bmm() as c:
+        packed_gqa_attention(module, q5, k, v, mask5, scaling=0.3)
+    assert c.n == 0
 
 
 @pytest.mark.gpu
