@@ -305,7 +305,7 @@ class StaticDecoder:
         # storage the KV store takes at once, (slots, tokens a slot): with graphs, every
         # growth of the store is a recapture of every bucket used since
         self.reserve = (0, 0)
-        # what the key floors were weighed against on a GPU (_timed): shown by bench/gpu.py
+        # what a GPU stage timed of its attention at load (_time_keys): shown by bench/gpu.py
         self.key_costs: dict = {}
 
     def try_step(self, batch, inputs: torch.Tensor) -> torch.Tensor | None:
