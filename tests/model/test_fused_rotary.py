@@ -28,11 +28,12 @@ class Kernels(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.bmm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ not in VIEWS:
             self.n += 1
+        self.bmm += func.overloadpacket.__name__ == "bmm"
         return func(*args, **(kwargs or {}))
 
 
@@ -228,3 +229,32 @@ def test_a_gpu_stage_fuses_its_rotary_and_keeps_its_logits(tmp_path, monkeypatch
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-4)   # (float32 stages)
     assert d_plain - d_fused == 7 * fused.end and v_plain - v_fused == 7 * fused.end
+
+
+def test_the_default_models_stage_as_a_user_gets_it_with_a_gpus_switches(default_source):
+    """The default model's stage with every setting at its default, as `potluck chat` loads
+    it, given by hand what a GPU stage takes by itself: the fused rotary and the decode
+    attention as two products. The same greedy tokens and logits as without them."""
+    from engine.model.product_attention import set_products
+
+    source = default_source
+    L = source.config().num_hidden_layers
+    plain = StageModel(source, 0, L)
+    s = StageModel(source, 0, L, products=plain.products)
+    assert fuse_rotary(s.model) == L
+    set_products(s.model, {1: 1})
+    ids = source.tokenizer()("The capital of France is Paris, and the capital of Italy is")["input_ids"]
+    n = len(ids)
+    outs = []
+    for stage_ in (plain, s):
+        out = [stage_.forward(StageBatch([0], [0], [n]), torch.tensor(ids))]
+        with Kernels() as c:
+            out.append(stage_.forward(StageBatch([0], [n], [1]), out[0][-1:].argmax(-1)))
+        out.append(stage_.forward(StageBatch([0], [n + 1], [5], keep=[5]), torch.tensor([11, 12, 13, 14, 15])))
+        outs.append((out, c.bmm))
+    (want, bmm_plain), (got, bmm_fused) = outs
+    for a, b in zip(got, want):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        # 30 layers of sums in another order: float32's rounding, a few 1e-5 of logits near 20
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert bmm_plain == 0 and bmm_fused == 2 * L     # the decode step took the two products
