@@ -125,6 +125,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SYSTEMS = ("ours1", "ours2", "hf", "ours1e", "ours1n", "ours1s")
+# a GPU stage's fused modules and timed attention, each on unless its switch is 0
+SWITCHES = ("POTLUCK_FUSED_NORMS", "POTLUCK_FUSED_ROTARY", "POTLUCK_FUSED_PRODUCTS", "POTLUCK_PACKED_GQA",
+            "POTLUCK_PRODUCT_ATTENTION")
 DEFAULT_SYSTEMS = ("ours1", "ours2", "hf")
 LABELS = {"ours1": "ours, 1 process", "ours2": "ours, 2 stages / 2 processes", "hf": "HF generate",
           "ours1e": "ours, 1 process, no CUDA graphs", "ours1n": "ours, 1 process, transformers' norms, products and attention",
@@ -444,11 +447,11 @@ async def ours_worker(a, system: str, weights: str, prompts: list[list[int]]) ->
     os.environ["POTLUCK_CUDA_GRAPHS"] = "0" if system == "ours1e" else "1"
     # ours1n: the same with transformers' own RMSNorms, projections and attention, none
     # fused or folded (engine/model/fused_norms.py, fused_rotary.py, fused_products.py,
-    # gqa_attention.py off)
-    os.environ["POTLUCK_FUSED_NORMS"] = "0" if system == "ours1n" else "1"
-    os.environ["POTLUCK_FUSED_ROTARY"] = "0" if system == "ours1n" else "1"
-    os.environ["POTLUCK_FUSED_PRODUCTS"] = "0" if system == "ours1n" else "1"
-    os.environ["POTLUCK_PACKED_GQA"] = "0" if system == "ours1n" else "1"
+    # gqa_attention.py off); the others as the environment says (on unless set to 0:
+    # the GPU window turns off one whose GPU test failed)
+    if system == "ours1n":
+        for switch in SWITCHES:
+            os.environ[switch] = "0"
     # ours1s: each decode step queued only once the last one's tokens are read and
     # streamed (engine/core/ahead.py off); on the CPU with --tape the others launch
     # ahead as on a GPU, so the smoke run takes the GPU's path
@@ -711,6 +714,9 @@ def report(a, results: dict, build_s: float | None) -> dict:
     if bws:
         print(f"Copy bandwidth B (device-to-device, read+written): median {B / 1e9:.0f} GB/s over the "
               f"{len(bws)} workers (range {min(bws) / 1e9:.0f}-{max(bws) / 1e9:.0f}).")
+    off = [k for k in SWITCHES if os.environ.get(k) == "0"]
+    if off:
+        print(f"Switched off for every system by the environment: {', '.join(f'{k}=0' for k in off)}.")
     if build_s is not None:
         print(f"Model folder built in this run ({build_s:.0f}s): {a.out}")
     else:

@@ -27,6 +27,7 @@ LLM.int8 product does the same.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -135,7 +136,12 @@ def _time_keys(stage, floors, plan: GraphPlan, clock=None) -> tuple[tuple[tuple[
         clock = clock or KeyClock(stage)
         # the products run inside our attention function: a model on transformers' own
         # (POTLUCK_PACKED_GQA=0, a family that asks for SDPA by name) keeps SDPA
-        table = clock.choose(plan.row_buckets, plan.min_kv) if stage.packed_gqa else {}
+        # (POTLUCK_PRODUCT_ATTENTION=0 keeps SDPA and still weighs the floors)
+        table = {}
+        if os.environ.get("POTLUCK_PRODUCT_ATTENTION", "1") == "0":
+            clock.unused = "switched off (POTLUCK_PRODUCT_ATTENTION=0)"
+        elif stage.packed_gqa:
+            table = clock.choose(plan.row_buckets, plan.min_kv)
         set_products(stage.model, table)
         weights = step_read_bytes(stage) * clock.seconds_per_byte_read()
         out = timed_floors(floors, clock.attention, weights, stage.end - stage.start, min_kv=plan.min_kv)

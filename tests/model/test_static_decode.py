@@ -437,3 +437,19 @@ def test_a_gpu_times_its_attention_and_copies_for_the_key_floors(tmp_path):
         assert clock._agrees(rows, 2048), rows
     clock.choose((1, 16), 256)
     assert set(clock.table) <= {1, 16}
+
+
+def test_products_switched_off_leave_sdpa_and_the_floors_timed(tiny_folder, monkeypatch):
+    """POTLUCK_PRODUCT_ATTENTION=0 (how the GPU window measures without them when their GPU
+    test fails): no choice is made, the floors are still weighed in SDPA's time."""
+    from engine.core.graph_plan import GraphPlan
+    from engine.model.product_attention import ATTR
+    from engine.model.static_decode import _time_keys
+
+    monkeypatch.setenv("POTLUCK_PRODUCT_ATTENTION", "0")
+    folder, _ = tiny_folder("llama")
+    (s,) = stages(folder, 1, False)
+    clock = Clock(1e-6, table={1: 1024})
+    got, costs = _time_keys(s, ((1, 2048), (2, 1024)), GraphPlan(), clock=clock)
+    assert got == () and getattr(s.model.config, ATTR) is None
+    assert "POTLUCK_PRODUCT_ATTENTION=0" in costs["products_from"] and costs["attention_us"]
