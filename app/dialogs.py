@@ -144,8 +144,8 @@ class HostDialog(QDialog):
         self.stages = QSpinBox()
         self.stages.setRange(0, 8)
         self.stages.setSpecialValueText("Automatic")   # shown at 0
-        self.stages.setToolTip("Automatic: one on a graphics card (more would only take turns on it), "
-                               "two on the processor")
+        self.stages.setToolTip("Automatic: one. More would only take turns on the same graphics card or "
+                               "processor, and pass each word between them")
         self.stages.setValue(controller.settings.local_stages)
         form.addRow("Stages on this computer:", self.stages)
         self.listen = QLineEdit("0.0.0.0:7870")

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="potluck-app", description="Potluck desktop app (tray icon and chat window)")
     p.add_argument("--model", default=None, help="model to host at start (default: the settings', 'default')")
     p.add_argument("--stages", type=int, default=None,
-                   help="local stages when hosting (default: the setting, automatic unless changed: 1 on a GPU, 2 on a CPU)")
+                   help="local stages when hosting (default: the setting, automatic unless changed: 1)")
     p.add_argument("--no-host", action="store_true", help="do not host a model at start")
     p.add_argument("--no-tray", action="store_true", help="open the chat window instead of a tray icon")
     p.add_argument("--threads", type=int, default=None, help="torch threads per engine process")

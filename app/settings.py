@@ -31,8 +31,8 @@ class Settings:
     keep_history: bool = True
     host_on_start: bool = True
     default_model: str = "default"
-    # stage processes on this computer when hosting alone; 0: automatic (one on a GPU, two
-    # on a CPU: engine/core/local_stages.py)
+    # stage processes on this computer when hosting alone; 0: automatic (one:
+    # engine/core/local_stages.py)
     local_stages: int = 0
     share_on_start: bool = False
     share_port: int = 7860

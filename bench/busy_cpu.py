@@ -2,7 +2,8 @@
 
 A home machine is never idle. This starts `potluck serve --stages 3` as a user would (no
 --threads: the stages lease the cores, engine/model/cores.py; `--stages 1`: the head
-alone, as it computes when its stages are friends' machines), and the same with
+alone, as it computes when its stages are friends' machines; `--stages 0`: no --stages,
+one process, as serve starts), and the same with
 `--threads 1`, and streams one user's greedy reply on each, first on a quiet machine, then
 beside one and two busy programs (plain Python loops at normal priority, what a browser
 tab or a game puts on a core). Each cell is the median time per output token (TPOT) over
@@ -93,8 +94,8 @@ def run_pipeline(name: str, extra: list[str], env_over: dict, loads: list[int], 
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **env_over)
     log = open(ROOT / "build" / f"busy_cpu-{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--stages", str(stages), "--port", str(port),
-                             *extra],
+    count = ["--stages", str(stages)] if stages else []   # 0: as it starts (one process)
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", *count, "--port", str(port), *extra],
                             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         wait_ready(port, proc)
@@ -124,15 +125,16 @@ def main() -> None:
     ap.add_argument("--busy", default="0,1,2", help="busy programs per cell (comma-separated)")
     ap.add_argument("--compare", action="store_true", help="also the default with the policy off")
     ap.add_argument("--stages", type=int, default=3,
-                    help="stage processes, head included (default 3, serve's default; 1: the head alone, "
-                         "as a host whose stages are friends' machines computes)")
+                    help="stage processes, head included (default 3, the issue's pipeline; 1: the head "
+                         "alone, as a host whose stages are friends' machines computes; 0: no --stages, "
+                         "serve as it starts: one process)")
     args = ap.parse_args()
     loads = [int(x) for x in args.busy.split(",")]
     (ROOT / "build").mkdir(exist_ok=True)
     pipes = [("default", [], {}), ("--threads 1", ["--threads", "1"], {})]
     if args.compare:
         pipes.insert(1, ("default, policy off", [], {"POTLUCK_CPU_SHARE": "0"}))
-    print(f"potluck serve --stages {args.stages}, one user, {args.tokens}-token greedy reply, {os.cpu_count()} cores, "
+    print(f"potluck serve {f'--stages {args.stages}' if args.stages else '(no --stages: one process)'}, one user, {args.tokens}-token greedy reply, {os.cpu_count()} cores, "
           f"median of {args.repeat}", flush=True)
     rows: dict = {}
     for name, extra, env_over in pipes:

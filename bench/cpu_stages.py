@@ -1,8 +1,8 @@
 """On a CPU alone: one process against two (and more) stage processes, as `potluck serve`
 starts them with no --threads (the stages lease the cores, engine/model/cores.py).
 
-`potluck chat`, `serve` and the app run two processes on a CPU (engine/core/local_stages.py)
-and one on a GPU. This measures what that choice gives on the machine it runs on, side by
+`potluck chat`, `serve` and the app run one process (engine/core/local_stages.py), as this
+measured on 2 cores. This measures what that choice gives on the machine it runs on, side by
 side in one run: the aggregate decode rate (completion tokens over the wall time of
 concurrent non-streamed greedy replies, their prompts included) at 1, 4 and 8 users, for
 each --stages, alternating the pipelines --repeat times (these machines drift).

@@ -1,6 +1,6 @@
 """A conversation's follow-ups: kept replies against every turn computed from scratch.
 
-`potluck serve` as it starts (on a CPU: two stage processes sharing the cores) is sent a
+`potluck serve` as it starts (one process) is sent a
 conversation the way a chat client sends one, the whole of it every turn: a long first
 message (a pasted document, --paste tokens) and then short follow-ups, each after the
 reply before it. Two servers run side by side, one as it starts (an ended reply's KV

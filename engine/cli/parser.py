@@ -172,7 +172,7 @@ def _add_node_args(p):
     p.add_argument("--poll", type=float, default=2.0, help="seconds between GPU/limit checks")
     p.add_argument("--host-model", default=None, help="start hosting this model right away")
     p.add_argument("--stages", type=stages_arg, default=None,
-                   help=f"local stages when hosting, 1 to {MOST_LOCAL_STAGES} (head included; default: 1 on a GPU, 2 on a CPU)")
+                   help=f"local stages when hosting, 1 to {MOST_LOCAL_STAGES} (head included; default: 1)")
 
 
 def _version() -> str:

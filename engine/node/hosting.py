@@ -46,7 +46,7 @@ class Hosting:
         model = body.get("model", "default")
         if not isinstance(model, str) or not model.strip():
             raise NodeError("'model' must be a model name, a Hugging Face id or a folder")
-        try:   # None or 0: one process on a GPU, two on a CPU (core/local_stages.py)
+        try:   # None or 0: one process (core/local_stages.py)
             stages = local_stages(body.get("stages"), self.device)
         except ModelError:
             raise NodeError(f"'stages' must be a whole number from 1 to {MOST_STAGES}") from None

@@ -39,8 +39,7 @@ def _prepare_head(source) -> None:
 @dataclass
 class PipelineConfig:
     model: str = DEFAULT_MODEL            # 'default', a hub id, a folder or a .gguf
-    # stage processes on this machine, head included (None: one on a GPU, two on a CPU:
-    # engine/core/local_stages.py)
+    # stage processes on this machine, head included (None: one, engine/core/local_stages.py)
     stages: int | None = None
     stage_addr: list[str] = field(default_factory=list)   # remote stages in order (replaces `stages`)
     # await hop(a, b): how the stage at address a reaches the one at b when that differs

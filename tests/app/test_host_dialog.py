@@ -266,7 +266,7 @@ def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
 
 def test_stages_on_this_computer_are_automatic_unless_set(qtbot, tmp_path, monkeypatch):
     """A new user's setting is "Automatic": the host request carries 0 and the node runs
-    one process on a GPU, two on a CPU (tests/node/test_plan_weights.py)."""
+    one process (tests/node/test_plan_weights.py)."""
     monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
     monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
     from app.controller import Controller

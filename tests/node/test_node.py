@@ -125,7 +125,7 @@ def test_no_gpu_panel_says_so(node):
     (b"{not json", "not valid JSON"),
     ([1, 2], "JSON object"),
     ({"model": 5}, "'model'"),
-    ({"stages": 9}, "'stages'"),   # 0 and none: one process on a GPU, two on a CPU
+    ({"stages": 9}, "'stages'"),   # 0 and none: one process
     ({"stages": True}, "'stages'"),
     ({"stage_addr": ["http://x"]}, "ws://"),
     ({"memory_limit_mb": -1}, "memory_limit_mb"),

@@ -50,9 +50,9 @@ async def test_a_checkpoint_saved_quantized_loads_as_saved(monkeypatch):
         await node.plan(**node.host_args({"model": "default", "stages": 1, "weights": "bf16"}))
 
 
-def test_stages_default_to_one_process_on_a_gpu_and_two_on_a_cpu():
+def test_stages_default_to_one_process_on_a_gpu_and_on_a_cpu():
     node = Node("t" * 32, device="cpu")
-    assert node.host_args({})["stages"] == 2 and node.host_args({"stages": 0})["stages"] == 2
+    assert node.host_args({})["stages"] == 1 and node.host_args({"stages": 0})["stages"] == 1
     assert node.host_args({"stages": 3})["stages"] == 3
     node.device = "cuda:0"   # what the node reads of a GPU here (none on this machine)
     assert node.host_args({})["stages"] == 1 and node.host_args({"stages": None})["stages"] == 1

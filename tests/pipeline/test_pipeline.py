@@ -645,15 +645,19 @@ async def test_cli_bad_layers_exit_code():
     assert stage_pids(run) == set()
 
 
-async def test_cli_chat_smoke():
-    # no --stages, as a user starts it: on this CPU the head and one stage process
-    # (engine/core/local_stages.py; on a GPU it would be one process)
+@pytest.mark.parametrize("stages", [None, 2])
+async def test_cli_chat_smoke(stages):
+    # no --stages, as a user starts it: one process (engine/core/local_stages.py); and the
+    # head with a stage process, which the CLI must not leave behind
     run = uuid.uuid4().hex
+    more = ("--stages", str(stages)) if stages else ()
     r = await asyncio.to_thread(cli, "chat", "--prompt", "What is the capital of France?",
-                                "--max-tokens", "20", "--temperature", "0", run=run)
+                                "--max-tokens", "20", "--temperature", "0", *more, run=run)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "on 2 stage(s)" in r.stderr and ", 2 stage(s) — " in r.stderr, r.stderr
+    n = stages or 1
+    assert f"on {n} stage(s)" in r.stderr and f", {n} stage(s) — " in r.stderr, r.stderr
+    assert ("head (this process): layers 1–30 of 30" in r.stderr) == (n == 1), r.stderr
     deadline = time.monotonic() + 5
     while stage_pids(run) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
