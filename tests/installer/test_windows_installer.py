@@ -173,7 +173,9 @@ def test_the_installed_potluck_answers_on_two_stages_through_a_pipe_in_utf8(wine
 def test_serve_answers_http_and_its_stages_end_when_it_is_killed(wine):
     port = free_port()
     log = wine.home / "serve.log"
-    head = wine.popen(["wine", wine.dir / "potluck.exe", "serve", "--port", port], log=log)
+    # two stages: serve alone runs one process (engine/core/local_stages.py), and what this
+    # checks is that a stage process started for it does not outlive it
+    head = wine.popen(["wine", wine.dir / "potluck.exe", "serve", "--stages", "2", "--port", port], log=log)
     try:
         deadline, ready = time.time() + 600, False
         while time.time() < deadline and not ready:
