@@ -8,7 +8,8 @@ one process, as serve starts), and the same with
 beside one and two busy programs (plain Python loops at normal priority, what a browser
 tab or a game puts on a core). Each cell is the median time per output token (TPOT) over
 --repeat replies; the table gives each cell's slowdown over the same pipeline quiet, and
-default over one-thread. With --compare, a third pipeline runs the default with the
+default over one-thread. The pipelines are all up at once, idle but for the one replying,
+and take turns reply by reply, so this machine's drift over minutes falls on each alike. With --compare, a third pipeline runs the default with the
 busy-program policy off (POTLUCK_CPU_SHARE=0: every step borrows every idle core, as
 before engine/core/cpu_share.py), side by side in the same run.
 
@@ -89,33 +90,37 @@ def busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def run_pipeline(name: str, extra: list[str], env_over: dict, loads: list[int], tokens: int, repeat: int,
-                 rows: dict, stages: int = 3) -> None:
+def start_pipeline(name: str, extra: list[str], env_over: dict, stages: int) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **env_over)
-    log = open(ROOT / "build" / f"busy_cpu-{name}.log", "wb")
     count = ["--stages", str(stages)] if stages else []   # 0: as it starts (one process)
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", *count, "--port", str(port), *extra],
-                            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        wait_ready(port, proc)
-        stream_tpot(port, 16)                      # warm-up: first-call costs out of the cells
-        for n in loads:
-            hogs = busy(n)
-            try:
-                time.sleep(2.0)                    # the policy's reading has seen them
-                tpots = [stream_tpot(port, tokens)[0] for _ in range(repeat)]
-            finally:
-                for h in hogs:
-                    h.kill()
-                    h.wait()
-            rows[(name, n)] = statistics.median(tpots)
-            print(f"  {name:<22} busy {n}: TPOT {rows[(name, n)] * 1000:7.1f} ms "
-                  f"({', '.join(f'{t * 1000:.0f}' for t in tpots)})", flush=True)
-            time.sleep(1.0)
-    finally:
-        stop(proc)
-        log.close()
+    with open(ROOT / "build" / f"busy_cpu-{name}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", *count, "--port", str(port), *extra],
+                                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    return proc, port
+
+
+def measure(pipes: dict[str, int], loads: list[int], tokens: int, repeat: int) -> dict:
+    """Every pipeline is up (idle but for the one replying); at each load they take turns,
+    reply by reply, so the machine's drift over minutes falls on all of them alike."""
+    tpots: dict = {}
+    for n in loads:
+        hogs = busy(n)
+        try:
+            time.sleep(2.0)                        # the policy's reading has seen them
+            for _ in range(repeat):
+                for name, port in pipes.items():
+                    tpots.setdefault((name, n), []).append(stream_tpot(port, tokens)[0])
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        for name in pipes:
+            ts = tpots[(name, n)]
+            print(f"  {name:<22} busy {n}: TPOT {statistics.median(ts) * 1000:7.1f} ms "
+                  f"({', '.join(f'{t * 1000:.0f}' for t in ts)})", flush=True)
+        time.sleep(1.0)
+    return {k: statistics.median(v) for k, v in tpots.items()}
 
 
 def main() -> None:
@@ -136,9 +141,15 @@ def main() -> None:
         pipes.insert(1, ("default, policy off", [], {"POTLUCK_CPU_SHARE": "0"}))
     print(f"potluck serve {f'--stages {args.stages}' if args.stages else '(no --stages: one process)'}, one user, {args.tokens}-token greedy reply, {os.cpu_count()} cores, "
           f"median of {args.repeat}", flush=True)
-    rows: dict = {}
-    for name, extra, env_over in pipes:
-        run_pipeline(name, extra, env_over, loads, args.tokens, args.repeat, rows, args.stages)
+    procs = {name: start_pipeline(name, extra, env_over, args.stages) for name, extra, env_over in pipes}
+    try:
+        for name, (proc, port) in procs.items():
+            wait_ready(port, proc)
+            stream_tpot(port, 16)                  # warm-up: first-call costs out of the cells
+        rows = measure({name: port for name, (_, port) in procs.items()}, loads, args.tokens, args.repeat)
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)
 
     print()
     head = "| pipeline | " + " | ".join(f"busy {n}: TPOT ms (x quiet)" for n in loads) + " | vs --threads 1 |"
