@@ -1,17 +1,18 @@
 """`potluck serve` on a CPU its owner is using: default stages against one-thread stages.
 
-A home machine is never idle. This starts `potluck serve --stages 3` as a user would (no
---threads: the stages lease the cores, engine/model/cores.py; `--stages 1`: the head
-alone, as it computes when its stages are friends' machines; `--stages 0`: no --stages,
-one process, as serve starts), and the same with
-`--threads 1`, and streams one user's greedy reply on each, first on a quiet machine, then
-beside one and two busy programs (plain Python loops at normal priority, what a browser
+A home machine is never idle. This starts `potluck serve --stages 3` (the issue's
+pipeline) with no --threads, as a user would (the stages lease the cores,
+engine/model/cores.py; `--stages 1`: the head alone, as it computes when its stages are
+friends' machines; `--stages 0`: no --stages, one process, as serve starts), and the same
+with `--threads 1`, and streams one user's greedy reply on each, first on a quiet
+machine, then beside one and two busy programs (plain Python loops at normal priority, what a browser
 tab or a game puts on a core). Each cell is the median time per output token (TPOT) over
 --repeat replies; the table gives each cell's slowdown over the same pipeline quiet, and
 default over one-thread. The pipelines are all up at once, idle but for the one replying,
-and take turns reply by reply, so this machine's drift over minutes falls on each alike. With --compare, a third pipeline runs the default with the
-busy-program policy off (POTLUCK_CPU_SHARE=0: every step borrows every idle core, as
-before engine/core/cpu_share.py), side by side in the same run.
+and take turns reply by reply, so this machine's drift over minutes falls on each alike.
+With --compare, a third pipeline runs the default with the busy-program policy off
+(POTLUCK_CPU_SHARE=0: every step borrows every idle core, as before
+engine/core/cpu_share.py), side by side in the same run.
 
 What should hold: the default never slower than one-thread stages (quiet or busy), and
 beside one busy program on a 2-core machine no slower than 2x its quiet pace (it lost
@@ -139,7 +140,8 @@ def main() -> None:
     pipes = [("default", [], {}), ("--threads 1", ["--threads", "1"], {})]
     if args.compare:
         pipes.insert(1, ("default, policy off", [], {"POTLUCK_CPU_SHARE": "0"}))
-    print(f"potluck serve {f'--stages {args.stages}' if args.stages else '(no --stages: one process)'}, one user, {args.tokens}-token greedy reply, {os.cpu_count()} cores, "
+    how = f"--stages {args.stages}" if args.stages else "(no --stages: one process)"
+    print(f"potluck serve {how}, one user, {args.tokens}-token greedy reply, {os.cpu_count()} cores, "
           f"median of {args.repeat}", flush=True)
     procs = {name: start_pipeline(name, extra, env_over, args.stages) for name, extra, env_over in pipes}
     try:
