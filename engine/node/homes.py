@@ -37,6 +37,7 @@ from engine.pipeline.stage_server import StageServer
 from engine.wire import shortcode
 from engine.wire.identity import config_dir, load_or_create_identity
 from engine.wire.invite import HostState, Invite, InviteError, parse
+from engine.wire.stage_auth import tunnel_stage_secret
 from engine.wire.tunnel_host import Peer, TunnelHost
 from engine.wire.tunnel_join import Joiner, default_name
 from engine.wire.tunnel_session import TunnelError
@@ -115,7 +116,7 @@ class Friends:
         """The pipeline over these friends' stages: the head reaches each through its
         tunnel, and each stage its next one (two other homes) through both tunnels, via
         this host (hop)."""
-        return dataclasses.replace(cfg, stage_addr=[p.address for p in peers], hop=self.hop,
+        return dataclasses.replace(cfg, stage_addr=[p.control_address for p in peers], hop=self.hop,
                                    pipeline=self.pipeline_id)
 
     async def hop(self, src: str, dst: str) -> str:
@@ -143,7 +144,7 @@ class Friends:
         async def offer_arrivals():
             while True:
                 peer = await self.tunnels.wait_peer()
-                head.offer(peer.address)
+                head.offer(peer.control_address)
 
         if self._follow is not None:
             self._follow.cancel()
@@ -215,12 +216,14 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
                      accept_models=(), reply_listen: str | None = None, on_reply=None) -> Joined:
     """A stage server on loopback, connected to the host through the invite's tunnel.
     Pass the joiner of an earlier session to rejoin as a member (after a pause)."""
-    # behind the tunnel: on loopback, but the head is a friend's (models by name only)
+    me = joiner.identity if joiner is not None else load_or_create_identity(config_dir(config))
+    # behind the tunnel: on loopback, but the head is a friend's (models by name only), and
+    # only the host's head may drive it: other friends' streams reach this port too
     server = await StageServer("127.0.0.1", 0, pipeline=invite.pipeline_id, device=device, trusted_head=False,
+                               secret=tunnel_stage_secret(me.private, invite.host_key, invite.pipeline_id),
                                accept_models=accept_models, threads=threads, memory_cap=memory_cap,
                                on_event=on_event).start()
     if joiner is None:
-        me = load_or_create_identity(config_dir(config))
         joiner = Joiner(invite, me, ("127.0.0.1", server.port), name=name or default_name(),
                         prefer=prefer, on_event=on_event, reply_listen=reply_listen, on_reply=on_reply)
     else:

@@ -730,7 +730,7 @@ async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
     # cancels its generation -- otherwise a non-streaming request whose client gave
     # up keeps its KV and its place in the pipeline until max_tokens.
     app = Api(head, api_key or None, body_seconds).app()
-    Cors(cors_origins, api_key or None).install(app)   # web pages of other origins: only those named
+    Cors(cors_origins, api_key or None, loopback=is_loopback(host)).install(app)   # web pages: only those named
     runner = web.AppRunner(app, access_log=None,
                            handler_cancellation=True, keepalive_timeout=idle_seconds)
     await runner.setup()

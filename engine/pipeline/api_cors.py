@@ -5,9 +5,20 @@ API only if the API says so to the browser. None may by default: a page the user
 visits could otherwise drive the model on this machine and read its replies. The owner
 names the origins (`--cors-origin`); "*" (any page) only with an API key, which a page
 that is not the owner's does not have.
+
+CORS headers alone keep a page from reading the replies, not from asking: a "simple"
+POST (Content-Type text/plain) needs no preflight, and aiohttp reads its body as JSON
+all the same, so any page could have run generation here. A browser names the page's
+origin on every such request and our clients never send one: a request from an origin
+not named is refused (403) before it is read. And a page that rebinds its own name to
+127.0.0.1 (DNS rebinding) is "same origin" to the browser but still names its own host:
+an API on loopback answers only requests addressed to a loopback host.
 """
 
 from __future__ import annotations
+
+import ipaddress
+import socket
 
 from aiohttp import web
 
@@ -16,12 +27,35 @@ HEADERS = "Authorization, Content-Type"
 EXPOSED = "X-Potluck-Dropped-Messages"
 
 
+def _refused(message: str, code: str) -> web.Response:
+    """A 403 in OpenAI's error shape (api.ApiError's), which clients read."""
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                        "code": code}}, status=403)
+
+
+def loopback_name(host_header: str) -> bool:
+    """Whether a Host header names this machine's loopback: localhost, 127.x, [::1], or
+    the machine's own name (Debian resolves it to 127.0.1.1), with or without a port."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host in ("localhost", "localhost.", socket.gethostname().lower()) or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Cors:
-    def __init__(self, origins, api_key: str | None):
+    def __init__(self, origins, api_key: str | None, loopback: bool = False):
         self.origins = frozenset(o.strip().rstrip("/") for o in origins or () if o.strip())
         if "*" in self.origins and not api_key:
             raise ValueError("--cors-origin '*' lets any web page use the API: give an API key too "
                              "(--api-key), or name the page's origin (e.g. http://localhost:3000)")
+        self.loopback = loopback   # the API listens on loopback: requests must name a loopback host
 
     def _allowed(self, request: web.Request) -> str | None:
         origin = request.headers.get("Origin")
@@ -30,10 +64,21 @@ class Cors:
         return "*" if "*" in self.origins else origin if origin in self.origins else None
 
     def install(self, app: web.Application) -> None:
+        app.middlewares.insert(0, self._pages)
         if not self.origins:
             return
-        app.middlewares.insert(0, self._preflight)   # before the key check: a preflight carries none
+        app.middlewares.insert(1, self._preflight)   # before the key check: a preflight carries none
         app.on_response_prepare.append(self._headers)  # streamed replies too, before their first byte
+
+    @web.middleware
+    async def _pages(self, request, handler):
+        origin = request.headers.get("Origin")
+        if origin is not None and not self._allowed(request):
+            return _refused(f"a web page at {origin[:100]} may not use this API: start the server with "
+                            f"--cors-origin {origin[:100]} to let it", "origin_not_allowed")
+        if self.loopback and not loopback_name(request.host or ""):
+            return _refused("this API answers requests to 127.0.0.1 or localhost only", "host_not_allowed")
+        return await handler(request)
 
     @web.middleware
     async def _preflight(self, request, handler):

@@ -57,7 +57,11 @@ from engine.wire.stage_auth import HelloOpener, split_address
                        # 23: an activation frame may carry "rewind" (a kept reply's sequence
                        #     taken over, cut back) and "drop" (kept replies let go):
                        #     engine/pipeline/kept_replies.py
-PROTOCOL_VERSION = 23
+                       # 24: a friend's stage behind its tunnel takes control connections
+                       #     only with the secret it shares with the host alone
+                       #     (stage_auth.tunnel_stage_secret): an older host would be
+                       #     refused as not authorized, and is told the version instead
+PROTOCOL_VERSION = 24
 HELLO_TIMEOUT = 10.0
 # how long a stage that is going away (sharing off, paused by its owner's limits, the
 # computer going to sleep, stopped) gives its head to move its layers elsewhere: the head

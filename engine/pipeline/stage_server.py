@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from websockets.asyncio.server import serve
+from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.protocol import State
 

@@ -44,7 +44,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from websockets.asyncio.server import serve
+from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire.noise import Initiator, NoiseError, Responder

@@ -5,7 +5,9 @@ else until the peer's hello proves it holds a key:
 
   * control connections (a head: configure, shutdown) prove the share's *secret*, which
     the owner hands to friends as part of the share address, `ws://host:port#secret`
-    (a stage on loopback with no secret: this machine's own pipeline, the empty key);
+    (a stage on loopback with no secret: this machine's own pipeline, the empty key; a
+    friend's stage behind its tunnel: `tunnel_stage_secret`, which only that friend and
+    the host can compute);
   * data connections (the previous stage, or the head's own first link) prove the
     pipeline's *route token*, which the authenticated head gives every stage in its
     configure message, so a friend's stage can reach the next one without learning
@@ -48,6 +50,22 @@ def new_secret() -> str:
 
 def new_route() -> str:
     return secrets.token_hex(16)
+
+
+def tunnel_stage_secret(own_private, their_public: bytes, pipeline: str) -> str:
+    """The control secret of a friend's stage reached through the friend's tunnel, from
+    the static keys of that friend and the host (X25519 both ways round: each computes it
+    from its own private key and the other's public one). The stage listens on loopback,
+    and other friends' streams reach it too -- a friend-to-friend hop, a hop through the
+    host -- carrying data, which proves the route token every stage is given. A control
+    connection drives the stage (its model, shutdown): with no secret, another friend
+    could take it whenever its head let go. This one no other friend can compute, and it
+    is the same after either machine restarts, so the host's head reaches a friend who
+    rejoins at the address it knew."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
+    shared = own_private.exchange(X25519PublicKey.from_public_bytes(their_public))
+    return hmac.new(shared, f"potluck-tunnel-stage-control|{pipeline}".encode(), hashlib.sha256).hexdigest()
 
 
 def stage_psk(key: str, role: str, pipeline: str) -> bytes:

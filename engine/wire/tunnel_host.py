@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from websockets.asyncio.client import connect
-from websockets.asyncio.server import serve
+from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from engine.wire import stage_auth
@@ -50,6 +50,8 @@ class Peer:
     joined: float = field(default_factory=time.time)
     # what the joiner said it gives: {"device": "NVIDIA GeForce RTX 4090", "memory": bytes}
     about: dict = field(default_factory=dict)
+    # the secret its stage takes control connections with (stage_auth.tunnel_stage_secret)
+    secret: str = ""
 
     @property
     def node_id(self) -> str:
@@ -58,6 +60,12 @@ class Peer:
     @property
     def address(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
+
+    @property
+    def control_address(self) -> str:
+        """The address a head drives its stage at: `address` and its secret (a head keeps
+        the secret apart, so status and logs show `address`)."""
+        return f"{self.address}#{self.secret}"
 
     @property
     def path(self) -> str:
@@ -496,7 +504,9 @@ class TunnelHost:
     async def _attach(self, session: Session):
         peer = self.peers.get(session.peer_key)
         if peer is None:
-            peer = Peer(session.peer_key, session.name)
+            peer = Peer(session.peer_key, session.name,
+                        secret=stage_auth.tunnel_stage_secret(self.identity.private, session.peer_key,
+                                                                  self.pipeline.hex()))
             self.peers[session.peer_key] = peer
 
             async def on_conn(reader, writer):

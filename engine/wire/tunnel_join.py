@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from websockets.asyncio.server import serve
+from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire.friend_hop import FriendHops

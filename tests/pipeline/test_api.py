@@ -479,21 +479,35 @@ async def test_web_pages_call_the_api_only_from_the_origins_named(pipeline):
                 assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
                 assert "POST" in r.headers["Access-Control-Allow-Methods"]
             async with s.options(url + CHAT, headers={"Origin": "http://evil.example", **preflight}) as r:
-                assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
+                assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
             body = {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "stream": True}
-            for origin, allowed in (("http://localhost:3000", True), ("http://evil.example", False)):
-                async with s.post(url + CHAT, json=body, headers={"Origin": origin}) as r:
-                    assert r.status == 200 and await r.text()
-                    assert ("Access-Control-Allow-Origin" in r.headers) == allowed
+            async with s.post(url + CHAT, json=body, headers={"Origin": "http://localhost:3000"}) as r:
+                assert r.status == 200 and await r.text()
+                assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+            async with s.post(url + CHAT, json=body, headers={"Origin": "http://evil.example"}) as r:
+                assert r.status == 403 and (await r.json())["error"]["code"] == "origin_not_allowed"
     finally:
         await runner.cleanup()
-    # the default: no page of another origin at all
+    # the default: no page of another origin at all, and no request that names a host
+    # other than this machine's loopback (a page that rebound its name to 127.0.0.1)
     async with aiohttp.ClientSession() as s:
         port = free_port()
         runner = await serve_api(pipeline, "127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}/v1"
         try:
-            async with s.get(f"http://127.0.0.1:{port}/v1/models", headers={"Origin": "http://localhost:3000"}) as r:
-                assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+            async with s.get(url + "/models", headers={"Origin": "http://localhost:3000"}) as r:
+                assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
+            # the "simple" request a page may send with no preflight: refused before it is read
+            simple = json.dumps({"messages": FRANCE, "max_tokens": 4})
+            async with s.post(url + CHAT, data=simple, headers={"Origin": "http://evil.example",
+                                                                 "Content-Type": "text/plain"}) as r:
+                assert r.status == 403
+            for host, status in (("evil.example", 403), (f"evil.example:{port}", 403), (f"localhost:{port}", 200),
+                                 ("[::1]", 200), (f"127.0.0.1:{port}", 200)):
+                async with s.get(url + "/models", headers={"Host": host}) as r:
+                    assert r.status == status, host
+            async with s.post(url + CHAT, json={"messages": FRANCE, "max_tokens": 2}) as r:
+                assert r.status == 200    # a client (no Origin, its own Host) as ever
         finally:
             await runner.cleanup()
 

@@ -172,3 +172,27 @@ async def test_a_closed_stage_server_is_freed():
         await last.close()
         if gone() is not None:
             await gone().close()
+
+
+async def test_a_web_page_cannot_open_a_link_to_a_stage_or_a_tunnel(stage, tmp_path):
+    """A page the user visits may open a WebSocket to this machine's loopback, and a stage
+    there with no secret is driven by whoever says hello. A browser always sends Origin
+    with the handshake, our clients never do: every server of ours answers it 403
+    (engine/wire/ws_server.py), the stage and the host's tunnel port alike."""
+    from websockets.exceptions import InvalidStatus
+
+    from engine.wire import invite as inv
+    from engine.wire.identity import load_or_create_identity
+    from engine.wire.tunnel import TunnelHost
+
+    server, address = stage
+    host = TunnelHost(load_or_create_identity(tmp_path), inv.HostState(tmp_path))
+    await host.listen("127.0.0.1", 0)
+    try:
+        for url in (address, f"ws://127.0.0.1:{host._server.sockets[0].getsockname()[1]}"):
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(url, origin="http://evil.example", open_timeout=10)
+            assert refused.value.response.status_code == 403
+        await (await head_link(address)).close()     # a head sends no Origin: in
+    finally:
+        await host.close()

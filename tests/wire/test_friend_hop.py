@@ -17,7 +17,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from engine.wire import invite as inv
-from engine.wire import noise
+from engine.wire import frames, noise
 from engine.wire.friend_hop import DIAL_TIMEOUT_S, check_intro, end
 from engine.wire.identity import load_or_create_identity
 from engine.wire.tunnel import TunnelHost, open_session
@@ -223,6 +223,46 @@ async def test_only_the_introduced_friend_gets_in_and_ending_the_hop_closes_it(t
             await roundtrip(int(addr.rsplit(":", 1)[1]), 1000)
     finally:
         await t.close()
+
+
+@pytest.mark.parametrize("hops", ["direct", "via the host"])
+async def test_a_friend_reaches_the_next_friends_stage_for_data_but_cannot_drive_it(tmp_path, monkeypatch, hops):
+    """B's stage listens on loopback behind its tunnel, and A's hop reaches that port (as
+    it must: A's stage sends B its activations). A control connection there drives the
+    stage -- its model, its shutdown -- so it takes the secret only B and the host can
+    compute (stage_auth.tunnel_stage_secret): A with the empty key, or with B's pipeline
+    and any guess, is refused; the host's head, with the peer's control_address, is in."""
+    from engine.node.homes import join_stage
+    from engine.pipeline.stage_protocol import NotAuthorized, connect_stage
+
+    if hops != "direct":
+        monkeypatch.setenv("POTLUCK_FRIEND_HOPS", "0")
+    (tmp_path / "host").mkdir()
+    host = TunnelHost(load_or_create_identity(tmp_path / "host"), inv.HostState(tmp_path / "host"))
+    await host.listen("127.0.0.1", 0)
+    invite = inv.parse(host.invite(uses=2))
+    a = await open_session(invite, load_or_create_identity(tmp_path / "a"), ("127.0.0.1", 9), name="ana")
+    pa = await asyncio.wait_for(host.wait_peer(), 10)
+    b = await join_stage(invite, name="ben", config=str(tmp_path / "b"), threads=1, device="cpu")
+    pb = await asyncio.wait_for(host.wait_peer(), 10)
+    try:
+        addr = await host.open_hop(pa, pb)      # on A's machine, reaching B's stage
+        assert host.hop_links()[0]["path"].startswith("direct" if hops == "direct" else "via")
+        with pytest.raises(NotAuthorized):
+            await connect_stage(addr, "control", invite.pipeline_id, key="", timeout=10)
+        with pytest.raises(NotAuthorized):
+            await connect_stage(addr, "control", invite.pipeline_id, key=b.server.pipeline, timeout=10)
+        assert b.server.rejected_frames == 2
+        head = await connect_stage(pb.control_address, "control", invite.pipeline_id, timeout=10)
+        welcome = frames.parse_control(await asyncio.wait_for(head.recv(), 60))
+        assert welcome["type"] == "welcome"
+        await head.close()
+        # the secret is kept apart from what status and logs show
+        assert pb.secret and pb.secret not in pb.address and pb.control_address == f"{pb.address}#{pb.secret}"
+    finally:
+        await b.close()
+        await a.close("done")
+        await host.close()
 
 
 async def test_revoking_a_friend_ends_its_hops_at_the_other_friend(tmp_path):
