@@ -492,7 +492,8 @@ async def _relay(args) -> int:
         f = open(args.dump, "ab", buffering=0)
         dump = f.write
     limits = Limits(max_frame=args.max_frame, max_channels=args.max_channels, idle_timeout=args.idle,
-                    rate=args.rate * 1e6, burst=max(args.rate * 1e6 / 5, 2 * args.max_frame))
+                    rate=args.rate * 1e6, burst=max(args.rate * 1e6 / 5, 2 * args.max_frame),
+                    per_address=args.per_address)
     r = await Relay(limits, dump=dump).start(args.host, args.port)
     where = args.host if args.host not in ("0.0.0.0", "::", "") else lan_address()
     print(f"Relay listening on port {r.port} ({'every address' if where != args.host else args.host}): hosts "

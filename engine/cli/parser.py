@@ -147,6 +147,9 @@ def _add_homes_args(sub):
                    help="seconds a channel may stay silent (default %(default)s)")
     p.add_argument("--rate", type=ranged_arg(float, 0.01, float("inf"), "a number of MB/s above 0"), default=20.0,
                    help="MB/s per pipeline (default %(default)s)")
+    p.add_argument("--per-address", type=ranged_arg(int, 0, 1 << 20, "a number from 0"), default=8,
+                   help="hosts listed and short codes waiting from one address at once (default %(default)s; "
+                        "0: no limit, for a relay behind a proxy, where every client has the proxy's address)")
     p.add_argument("--dump", default=None, help=argparse.SUPPRESS)  # tests: forwarded bytes
 
 

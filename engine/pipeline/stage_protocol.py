@@ -87,6 +87,11 @@ PROOF_QUEUE = 4
 # Lifting a control connection to a data link's gigabyte let a head that stopped reading
 # park the stage's loop and then queue 64 messages of 64 MiB in its memory.
 SEAL_OVERHEAD = 1024
+# data links a stage holds at once: one from the stage (or head) before it, and a few more
+# while one that went quiet is not yet known dead. Every friend stage holds the route
+# token, so a hostile one could open links without end, each buffering up to gigabytes
+# of volumes: beyond this many the oldest is closed
+MAX_DATA_LINKS = 4
 # messages read ahead: a head sends a "free" per finished reply, dozens at once, and
 # while they wait here unread a full queue stops reading the socket, pings included
 CONTROL_QUEUE = WS_OPTIONS["max_queue"]

@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.protocol import State
 
@@ -47,10 +46,11 @@ from engine.pipeline.outbox import Outbox
 from engine.wire.sealed_socket import SealedSocket
 from engine.wire.write_watch import watch_writes
 from engine.wire.stage_auth import answer_hello, is_loopback, new_nonce, split_address
+from engine.wire.ws_server import serve
 from engine.core.ws_address import address_problem
 # what a stage and its peers agree on, importable from here as before
 from engine.pipeline.stage_protocol import (CLIENT_WS_OPTIONS, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S,  # noqa: F401
-                                            HELLO_TIMEOUT, LEAVE_S, LET_GO_S, NEXT_LINK_GRACE_S, PROFILE_REPORT_S,
+                                            HELLO_TIMEOUT, LEAVE_S, LET_GO_S, MAX_DATA_LINKS, NEXT_LINK_GRACE_S, PROFILE_REPORT_S,
                                             CONTROL_MAX, CONTROL_QUEUE, PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION,
                                             SEND_STALL_S, WS_OPTIONS, connect_stage, lift_proof_limit)
 from engine.model.sampler import Sampler
@@ -92,7 +92,7 @@ class StageServer(StageCompute):
         self.accept_models = frozenset(accept_models)   # what the owner allows beyond the list
         self._route: str | None = None   # the data-link token of the head that configured us
         self._route_set = asyncio.Event()
-        self._data_links: set = set()     # the data links that proved the route token
+        self._data_links: dict = {}       # the data links that proved the route token, oldest first
         # a CoreLease when this machine's cores are shared (engine/model/cores.py); alone on
         # them (a friend's shared stage) and with no thread count fixed, a lease of its own:
         # its steps keep off the cores the owner's programs use
@@ -325,14 +325,21 @@ class StageServer(StageCompute):
         if key != self._route:   # the head that gave it let go meanwhile
             await sealed.close(1008, "not authorized")
             return
-        self._data_links.add(sealed)
+        if len(self._data_links) >= MAX_DATA_LINKS:
+            # the newest is the live one (a stage before this one reconnecting while its
+            # old link is not yet known dead): the oldest goes, and what links can hold
+            # stays bounded (each buffers volumes and queued frames) whoever opens them
+            oldest = next(iter(self._data_links))
+            self._data_links.pop(oldest)
+            asyncio.ensure_future(oldest.close(1008, "too many data links"))
+        self._data_links[sealed] = None
         try:
             await sealed.send(frames.control("ready"))
             await self._data(sealed)
         except ConnectionClosed:
             pass
         finally:
-            self._data_links.discard(sealed)
+            self._data_links.pop(sealed, None)
 
     async def _control(self, ws):
         old = self._control_ws
@@ -614,7 +621,8 @@ class StageServer(StageCompute):
             async for data in ws:
                 self.trace("arrived")
                 try:
-                    frame = frames.decode(data)
+                    width = self.stage.hidden_size if self.stage is not None else None
+                    frame = frames.decode(data, width=width)
                     if frame.type == frames.FrameType.CHUNK:
                         piece = frame.payload
                         done = volumes.feed(frame.micro_batch, frame.meta, piece)
@@ -623,7 +631,7 @@ class StageServer(StageCompute):
                             acks.put_nowait(frames.control("ack", v=frame.micro_batch, bytes=len(piece)))
                         if done is None:
                             continue
-                        frame = frames.decode(done[1])
+                        frame = frames.decode(done[1], width=width)
                     self._check_frame(frame)
                     self.trace("checked")
                 except frames.FrameError as exc:

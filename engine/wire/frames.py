@@ -108,7 +108,10 @@ def encode(ftype: FrameType, micro_batch: int, step: int, meta: dict, tensor: to
     return b"".join([head, struct.pack(f"<{len(dims)}I", *dims), meta_b, payload])
 
 
-def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
+def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD, width: int | None = None) -> Frame:
+    """width: the hidden size the receiver computes on (None: any). An activation frame of
+    another width is refused before its tensor is made: an int8 frame's dequantized copy
+    is four times its bytes, so a 255 MiB frame of a width no stage has cost 2 GB."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FrameError("expected a binary frame")
     data = memoryview(data)
@@ -171,6 +174,10 @@ def decode(data: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
         if ftype != FrameType.ACTIVATIONS or tensor is None or tensor.dtype != torch.int8 or tensor.dim() != 2 \
                 or tensor.shape[1] % Q8_ROW:
             raise FrameError(f"int8 activations must be [N, blocks*{Q8_ROW}] int8 on an activation frame")
+    if width is not None and tensor is not None and ftype == FrameType.ACTIVATIONS and tensor.dim() == 2:
+        got = tensor.shape[1] // Q8_ROW * Q8_BLOCK if quantized else tensor.shape[1]
+        if got != width:
+            raise FrameError(f"hidden size {got} != model's {width}")
     frame = Frame(ftype, mb, step, meta, tensor, quantized, payload)
     _check_meta(frame)
     if quantized:

@@ -44,13 +44,14 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed
 
+from engine.core.ws_address import address_problem
 from engine.wire.noise import Initiator, NoiseError, Responder
 from engine.wire.tunnel_routes import _KIND_ORDER, _first_to_connect, open_timeouts
 from engine.wire.tunnel_session import (BYE, CONFIRM, HANDSHAKE_TIMEOUT, INTRO, MODE_FRIEND, READY, STAGE, WS_OPTIONS,
                                         Session, TunnelError, _hello_prefix, parse_hello)
+from engine.wire.ws_server import serve
 
 log = logging.getLogger("potluck.friends")
 
@@ -103,7 +104,10 @@ def check_intro(msg, frm: str) -> dict:
     if op == "dial" or (op == "door" and "why" not in msg):
         addrs, kinds = msg.get("addresses"), msg.get("kinds")
         if not (isinstance(addrs, list) and isinstance(kinds, list) and len(addrs) == len(kinds) <= MAX_ADDRESSES
-                and all(isinstance(a, str) and a.startswith(("ws://", "wss://")) and len(a) <= 200 for a in addrs)
+                # a door is ws://host:port and no more: not a path or query for the other
+                # friend's machine to request of whatever listens there
+                and all(isinstance(a, str) and len(a) <= 200 and "#" not in a and address_problem(a) is None
+                        for a in addrs)
                 and all(isinstance(k, str) and len(k) <= 16 for k in kinds)):
             raise NoiseError(f"INTRO {op}: malformed addresses")
         out["addresses"], out["kinds"] = addrs, kinds

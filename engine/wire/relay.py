@@ -53,6 +53,11 @@ class Limits:
     handshake_timeout: float = 10.0     # seconds for a new connection to send its request
     pake_timeout: float = 600.0         # seconds a short-code mailbox waits for its other side
     max_mailboxes: int = 1000
+    # listings and short-code mailboxes one client address holds at once: anyone may list
+    # under a key of their own, and without this one client held all max_pipelines (or
+    # every mailbox, 600 s each) and the relay said "relay full" to every real host. 0: no
+    # limit (a relay behind a proxy, where every client has the proxy's address)
+    per_address: int = 8
 
 
 class _Bucket:
@@ -88,6 +93,7 @@ class Relay:
         self.dump = dump        # a callable(bytes) that sees every forwarded frame (tests)
         self._served: set[int] = set()
         self.mailboxes: dict[str, asyncio.Future] = {}
+        self._held: Counter = Counter()    # client address -> listings and mailboxes it holds
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -163,6 +169,15 @@ class Relay:
         return web.json_response({"pipelines": len(self.pipelines), "counters": dict(self.stats),
                                   "refused": dict(self.refused)})
 
+    def _crowding(self, request) -> bool:
+        """Whether the request's address holds its share of listings and mailboxes."""
+        return bool(self.limits.per_address) and self._held[request.remote] >= self.limits.per_address
+
+    def _let_go(self, address) -> None:
+        self._held[address] -= 1
+        if self._held[address] <= 0:
+            del self._held[address]
+
     async def outdated(self, request):
         return await self._refuse(request, "this relay needs a newer Potluck (one that names the host's key)", 4426)
 
@@ -180,6 +195,8 @@ class Relay:
             return await self._refuse(request, "a host is already registered for this pipeline")
         if len(self.pipelines) >= self.limits.max_pipelines:
             return await self._refuse(request, "relay full")
+        if self._crowding(request):
+            return await self._refuse(request, "too many listings and codes from this address", 4429)
         ws = self._ws()
         await ws.prepare(request)
         # listed only once it proves it holds the key its friends' invites name
@@ -200,6 +217,7 @@ class Relay:
         p = _Pipeline(ws, _Bucket(self.limits.rate, self.limits.burst))
         self.pipelines[listing] = p
         self.stats["hosts"] += 1
+        self._held[request.remote] += 1
         try:
             await ws.send_str(json.dumps({"type": "registered"}))
             async for msg in ws:        # the host sends nothing; anything else ends it
@@ -207,6 +225,7 @@ class Relay:
                     await ws.close(code=4000, message=b"the control connection carries no frames")
                     break
         finally:
+            self._let_go(request.remote)
             if self.pipelines.get(listing) is p:
                 del self.pipelines[listing]
             for fut in p.pending.values():
@@ -279,6 +298,8 @@ class Relay:
             return await self._refuse(request, "channel busy")
         if waiting is None and len(self.mailboxes) >= self.limits.max_mailboxes:
             return await self._refuse(request, "relay full")
+        if waiting is None and self._crowding(request):
+            return await self._refuse(request, "too many listings and codes from this address", 4429)
         ws = web.WebSocketResponse(max_msg_size=4096, heartbeat=30.0, compress=False)
         await ws.prepare(request)
         if waiting is not None:                 # the second side: pair and forward both ways
@@ -288,9 +309,11 @@ class Relay:
             return ws
         fut = asyncio.get_running_loop().create_future()
         self.mailboxes[ch] = fut
+        self._held[request.remote] += 1
         try:
             held = await self._wait_in_mailbox(ws, fut)
         finally:
+            self._let_go(request.remote)
             if self.mailboxes.get(ch) is fut:
                 del self.mailboxes[ch]
         if held is None:

@@ -45,14 +45,16 @@ class Challenge:
 
     def check(self, msg) -> bool:
         """Whether `msg` (the host's answer, parsed JSON) proves the host key."""
-        if not isinstance(msg, dict) or msg.get("type") != "proof" or not isinstance(msg.get("proof"), str):
+        proof = msg.get("proof") if isinstance(msg, dict) and msg.get("type") == "proof" else None
+        # 64 hex digits, or no proof: compare_digest raises on a str that is not ASCII
+        if not isinstance(proof, str) or len(proof) != 64 or not all(c in "0123456789abcdef" for c in proof):
             return False
         try:
             shared = self._secret.exchange(X25519PublicKey.from_public_bytes(self.host_key))
         except ValueError:   # a low-order key: no secret to prove
             return False
         want = _proof(shared, self.pipeline, self.host_key, self.nonce)
-        return hmac.compare_digest(want, msg["proof"])
+        return hmac.compare_digest(want, proof)
 
 
 def prove(host_private: X25519PrivateKey, pipeline: str, msg) -> dict:

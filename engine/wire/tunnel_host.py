@@ -18,7 +18,6 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from websockets.asyncio.client import connect
-from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from engine.wire import stage_auth
@@ -32,12 +31,16 @@ from engine.wire.tunnel_routes import _first_to_connect
 from engine.wire.tunnel_session import (BYE, CONFIRM, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, HOST_STOPPED,
                                         MODE_FRIEND, MODE_JOIN, MODE_MEMBER, MODE_RESUME, PUNCH, PUNCH_TIMEOUT, READY,
                                         WS_OPTIONS, Session, parse_hello)
+from engine.wire.ws_server import serve
 
 log = logging.getLogger("potluck.tunnel")
 
 # a host behind a symmetric NAT predicting ports toward a joiner's reply code: how long its
 # mappings stay open for the joiner's bursts of probes (tunnel_join.py: one every 8 s)
 PREDICT_REPLY_S = 12.0
+# channels through the relay at once: the relay pairs at most 8 a pipeline (relay.py
+# max_channels), and a session moving to a direct path holds its old one a moment
+MAX_RELAYED = 16
 
 
 @dataclass
@@ -116,6 +119,7 @@ class TunnelHost:
         self.on_event = on_event or (lambda text: log.info(text))
         self._joined: asyncio.Queue = asyncio.Queue()
         self.rejected: Counter = Counter()
+        self._relayed = 0     # channels through the relay, being set up or in use
         self.accepted = 0
         self._seen_ephemeral: OrderedDict = OrderedDict()
         self._server = None
@@ -326,14 +330,20 @@ class TunnelHost:
                             sid = str(msg["session"])
                             if msg.get("type") != "incoming" or not sid.isalnum() or len(sid) > 64:
                                 continue
-                        except (ValueError, KeyError, TypeError):
+                        except (ValueError, KeyError, TypeError, RecursionError):
                             continue
+                        if self._relayed >= MAX_RELAYED:
+                            # each "incoming" dials the relay back: a hostile relay's flood
+                            # would take every file descriptor (stage links, the API) with it
+                            self.rejected["too many relayed channels"] += 1
+                            continue
+                        self._relayed += 1    # counted as it is asked for: a flood comes in one read
                         self._spawn(self._relay_accept(sid))
                     self.on_event(f"relay: control connection closed ({ctl.close_reason or 'no reason'})")
             except asyncio.CancelledError:
                 raise
             except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, asyncio.TimeoutError, ValueError,
-                    AttributeError) as exc:   # (a relay's answer that is not a JSON object: AttributeError)
+                    AttributeError, RecursionError) as exc:   # (a relay's answer that is not a JSON object: AttributeError)
                 self.on_event(f"relay: cannot register at {self.relay_url}: {relay_refusal(exc)}")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
@@ -345,11 +355,14 @@ class TunnelHost:
     async def _relay_accept(self, sid: str):
         url = f"{self.relay_url}/v1/accept/{self._relay_listing()}/{sid}"
         try:
-            ws = await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
-        except (OSError, InvalidHandshake, asyncio.TimeoutError) as exc:
-            log.warning("relay accept %s failed: %s", sid, exc)
-            return
-        await self.accept(ws, "relay")
+            try:
+                ws = await connect(url, open_timeout=CONNECT_TIMEOUT, **WS_OPTIONS)
+            except (OSError, InvalidHandshake, asyncio.TimeoutError) as exc:
+                log.warning("relay accept %s failed: %s", sid, exc)
+                return
+            await self.accept(ws, "relay")
+        finally:
+            self._relayed -= 1
 
     def _spawn(self, coro):
         t = asyncio.ensure_future(coro)
@@ -445,7 +458,7 @@ class TunnelHost:
             # which of the invite's addresses the joiner came in on (for the status only)
             kind = hello.get("kind") if isinstance(hello, dict) else None
             about = joiner_about(hello.get("about") if isinstance(hello, dict) else None)
-        except ValueError:
+        except (ValueError, RecursionError):
             name, kind, about = "", None, {}
         if path == "direct" and kind in ("lan", "mapped", "ipv6", "public"):
             path = f"direct ({kind})"

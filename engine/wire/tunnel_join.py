@@ -13,7 +13,6 @@ import os
 import socket
 import time
 
-from engine.wire.ws_server import serve
 from websockets.exceptions import ConnectionClosed
 
 from engine.wire.friend_hop import FriendHops
@@ -26,6 +25,7 @@ from engine.wire.tunnel_routes import (RELAY_AFTER_S, STAGGER_S, _first_to_conne
 from engine.wire.tunnel_session import (BYE, CONFIRM, DEAD_AFTER, HANDSHAKE_TIMEOUT, HOST_STOPPED, MODE_JOIN,
                                         MODE_MEMBER, READY, WS_OPTIONS, HostRefused, Session, TunnelError,
                                         _hello_prefix)
+from engine.wire.ws_server import serve
 
 log = logging.getLogger("potluck.tunnel")
 

@@ -301,6 +301,9 @@ class Session:
             self.close_reason = str(exc)
         except (ConnectionClosed, OSError, ConnectionError) as exc:
             self.close_reason = self.close_reason or f"channel closed ({exc})"
+        except Exception as exc:  # noqa: BLE001 -- a frame no check foresaw: the session ends, said why
+            log.exception("tunnel from %s: a frame failed", self.peer_id)
+            self.close_reason = f"a frame failed: {type(exc).__name__}"
         await self.close(self.close_reason or "closed")
 
     def expect_move(self, ws, path: str):
@@ -348,7 +351,7 @@ class Session:
             msg = json.loads(payload)
             cands = parse_candidates(msg.get("udp"))
             why = str(msg.get("why", ""))[:200]
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):   # (JSON nested thousands deep)
             raise NoiseError("malformed PUNCH frame") from None
         if self.role == "joiner":
             if self._punch_answer is not None and not self._punch_answer.done():
@@ -372,7 +375,7 @@ class Session:
 
         try:
             raw = json.loads(payload) if len(payload) <= 8192 else None
-        except ValueError:
+        except (ValueError, RecursionError):
             raw = None
         msg = check_intro(raw, "host" if self.role == "joiner" else "friend")
         if self.role == "host" and msg["op"] == "punch":

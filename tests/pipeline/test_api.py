@@ -524,13 +524,13 @@ async def test_a_client_that_never_finishes_its_request_is_let_go(pipeline):
     try:
         # headers begun and never ended: the connection is closed, nothing answered
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 15) == b""
         writer.close()
         # a body promised by Content-Length and never sent: 408, then the connection ends
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\"")
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 15)

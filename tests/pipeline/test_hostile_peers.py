@@ -176,3 +176,46 @@ async def test_a_lane_waiting_on_a_full_outbox_goes_on_once_the_route_changes():
     box.retire()
     await asyncio.wait_for(waiting, 5)
     await asyncio.wait_for(box.put("c"), 5)      # retired: dropped at once
+
+
+async def test_a_peer_with_the_route_token_holds_a_few_data_links_and_no_frame_of_another_width(stage, tiny_folder):
+    """Every friend stage of a pipeline holds its route token, so one could open data links
+    without end, each buffering volumes and queued frames: beyond MAX_DATA_LINKS the oldest
+    is closed. And an int8 activation frame of a width the stage does not compute on is
+    refused from its shape, before its dequantized copy (four times its bytes) is made."""
+    from engine.pipeline.stage_protocol import MAX_DATA_LINKS
+
+    server, addr = stage
+    folder, _ = tiny_folder("llama", seed=0)
+    route = "r" * 32
+    configure = dict(model=str(folder), start=3, end=6, dtype="float32", kv_budget_tokens=None, threads=None,
+                     link=None, compress=None, compute=None, acks=True, weights="bf16", profile=None,
+                     route=route, fingerprint=resolve(str(folder)).fingerprint(), next=None)
+    head = await _head(addr)
+    links = []
+    try:
+        await head.send(frames.control("configure", **configure))
+        msg = frames.parse_control(await asyncio.wait_for(head.recv(), 60))
+        while msg["type"] == "progress":
+            msg = frames.parse_control(await asyncio.wait_for(head.recv(), 60))
+        assert msg["type"] == "configured", msg
+        for _ in range(MAX_DATA_LINKS + 2):
+            links.append(await connect_stage(addr, "data", "local", key=route, timeout=30))
+        for old in links[:2]:
+            closed = await _closed(old)
+            assert (closed.code, closed.reason) == (1008, "too many data links")
+        assert len(server._data_links) == MAX_DATA_LINKS
+        # a width no layer of this model has (the tiny llama's hidden is 64), as int8 blocks
+        wide = torch.randn(4, 64 * 256)
+        meta = {"rows": [[1, 0, 4]], "new": {}}
+        rejected = server.rejected_frames
+        await links[-1].send(frames.encode(frames.FrameType.ACTIVATIONS, 0, 0, meta, wide, q8=True))
+        closed = await _closed(links[-1])
+        assert closed.code == 1008 and "hidden size" in closed.reason
+        assert server.rejected_frames == rejected + 1
+        await head.send(frames.control("get_stats"))   # the stage serves on
+        assert frames.parse_control(await asyncio.wait_for(head.recv(), 30))["type"] == "stats"
+    finally:
+        for link in links:
+            await link.close()
+        await head.close()

@@ -296,10 +296,30 @@ async def test_a_friends_hop_carries_no_tunnel_control_frames(tmp_path):
         await t.close()
 
 
+@pytest.mark.parametrize("kind, why", [("PUNCH", "malformed PUNCH frame"), ("INTRO", "JSON object")])
+async def test_json_nested_thousands_deep_ends_the_session_with_its_reason(tmp_path, kind, why):
+    """A PUNCH or INTRO frame of JSON nested 4,000 deep raised RecursionError, which no
+    handler caught: the session's reader died and the session hung on, deaf, until its
+    keepalive gave up. It is a malformed frame like any other now."""
+    from engine.wire import tunnel_session
+
+    t = await Three().start(tmp_path)
+    try:
+        await t.a.send(getattr(tunnel_session, kind), 0, b"[" * 4000 + b"]" * 4000)   # within INTRO's 8 KB
+        await asyncio.wait_for(t.pa.session.closed.wait(), 10)
+        assert why in t.pa.session.close_reason
+    finally:
+        await t.close()
+
+
 @pytest.mark.parametrize("msg, frm, why", [
     ({"op": "dial", "hop": 1}, "friend", "not for this end"),
     ({"op": "door", "hop": 1, "addresses": ["ws://x"], "kinds": []}, "friend", "malformed addresses"),
     ({"op": "door", "hop": 1, "addresses": ["file:///etc/passwd"], "kinds": ["lan"]}, "friend", "malformed"),
+    # a path or query on the other friend's machine, or its home network: a door is ws://host:port
+    ({"op": "door", "hop": 1, "addresses": ["ws://192.168.1.1:80/admin/reboot"], "kinds": ["lan"]}, "friend",
+     "malformed addresses"),
+    ({"op": "door", "hop": 1, "addresses": ["ws://10.0.0.2:8080?x=1"], "kinds": ["lan"]}, "friend", "malformed"),
     ({"op": "accept", "hop": 0, "id": "00" * 8, "psk": "00" * 32, "key": "00" * 32}, "host", "hop number"),
     ({"op": "accept", "hop": 2, "id": "zz" * 8, "psk": "00" * 32, "key": "00" * 32}, "host", "id must be"),
     ({"op": "dialed", "hop": 2, "port": 70000, "path": "direct", "rtt_ms": 1}, "friend", "malformed answer"),

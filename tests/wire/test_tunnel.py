@@ -385,8 +385,9 @@ def test_a_relay_proof_binds_the_hosts_key_the_pipeline_and_the_challenge():
     assert not c.check(prove(host, os.urandom(8).hex(), c.message()))         # another pipeline
     assert not c.check(prove(host, pid, Challenge(pid, _public(host)).message()))   # another challenge
     assert not Challenge(pid, bytes(32)).check(prove(host, pid, c.message()))       # a low-order key
-    for bad in [None, "x", {"type": "proof"}, {"type": "proof", "proof": 5}, []]:
-        assert not c.check(bad)
+    for bad in [None, "x", {"type": "proof"}, {"type": "proof", "proof": 5}, [], {"type": "proof", "proof": "é"},
+                {"type": "proof", "proof": "é" * 64}, {"type": "proof", "proof": "0" * 63}]:
+        assert not c.check(bad)     # (a str not ASCII made compare_digest raise)
     for bad in [None, {}, {"type": "challenge"}, {"type": "challenge", "key": "zz", "nonce": "00"},
                 {"type": "challenge", "key": "00" * 31, "nonce": "00" * 16}]:
         with pytest.raises(ValueError):
@@ -467,6 +468,36 @@ async def test_relay_limits():
         await relay.close()
 
 
+async def test_one_address_holds_a_few_listings_and_codes_at_the_relay():
+    """Anyone may list a host under a key of their own, and open short-code mailboxes: one
+    client held them all (1000 of each) and the relay said "relay full" to every real
+    host. One address holds per_address of them at once; one let go makes room again."""
+    relay = await Relay(Limits(per_address=2)).start("127.0.0.1", 0)
+    base = f"ws://127.0.0.1:{relay.port}/v1"
+    try:
+        keys = [X25519PrivateKey.generate() for _ in range(3)]
+        pids = [os.urandom(8).hex() for _ in range(3)]
+        first = await _listed(base, pids[0], keys[0])
+        second = await _listed(base, pids[1], keys[1])
+        async with connect(f"{base}/host/{pids[2]}/{_public(keys[2]).hex()}") as third:
+            with pytest.raises(Exception):
+                await asyncio.wait_for(third.recv(), 10)
+            assert "too many listings" in third.close_reason
+        async with connect(f"{base}/pake/1234") as mailbox:      # the address's share is taken
+            with pytest.raises(Exception):
+                await asyncio.wait_for(mailbox.recv(), 10)
+            assert "too many listings" in mailbox.close_reason
+        await first.close()
+        for _ in range(100):
+            if not relay.pipelines.get(f"{pids[0]}/{_public(keys[0]).hex()}"):
+                break
+            await asyncio.sleep(0.05)
+        await (await _listed(base, pids[2], keys[2])).close()   # room again
+        await second.close()
+    finally:
+        await relay.close()
+
+
 async def test_whoever_knows_the_pipeline_id_cannot_take_the_hosts_place_at_the_relay(tmp_path):
     """An invite code shows the pipeline id to anyone it reaches. Before, whoever knew the
     id could register first (the host's computer asleep) and every join through the relay
@@ -515,6 +546,59 @@ async def test_whoever_knows_the_pipeline_id_cannot_take_the_hosts_place_at_the_
         await home.host.close()
         await relay.close()
         echo.close()
+
+
+async def test_a_hostile_relay_cannot_make_the_host_dial_it_without_end(tmp_path):
+    """Each "incoming" the relay sends has the host dial the relay back for that channel: a
+    relay that sends a flood of them, and answers none of the dials, gets MAX_RELAYED
+    dials at once (before, one per message: 1500 in 4 s, every file descriptor gone)."""
+    from engine.wire.tunnel_host import MAX_RELAYED
+
+    from aiohttp import web
+
+    dials, held = 0, asyncio.Event()
+
+    async def host_route(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_json({"type": "challenge", "key": _public(X25519PrivateKey.generate()).hex(),
+                            "nonce": os.urandom(16).hex()})
+        await ws.receive()
+        await ws.send_json({"type": "registered"})
+        for i in range(200):
+            await ws.send_json({"type": "incoming", "session": f"s{i}"})
+        await held.wait()
+        return ws
+
+    async def accept_route(request):   # takes the dial, says nothing: the host's handshake waits
+        nonlocal dials
+        dials += 1
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await held.wait()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/host/{pid}/{key}", host_route)
+    app.router.add_get("/v1/accept/{pid}/{key}/{sid}", accept_route)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)   # its handlers' sockets are the host's to close
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    home = Home(tmp_path / "host")
+    try:
+        await home.host.use_relay(f"ws://127.0.0.1:{port}")
+        for _ in range(100):
+            if home.host.rejected["too many relayed channels"] >= 200 - MAX_RELAYED:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert dials == MAX_RELAYED and home.host.rejected["too many relayed channels"] == 200 - MAX_RELAYED
+    finally:
+        held.set()
+        await home.host.close()
+        await runner.cleanup()
 
 
 async def test_a_relay_of_an_older_potluck_is_named_as_such_not_a_bare_404(tmp_path):
