@@ -238,12 +238,31 @@ def test_potluck_chat_as_it_starts_takes_min_p_and_retry():
     import sys
 
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--min-p", "0.1", "--max-tokens", "16",
-                        "--prompt", "What is the capital of France?", "--prompt", "/retyr", "--prompt", "/retry"],
+                        "--prompt", "What is the capital of France?", "--prompt", "/retyr", "--prompt", "/retry",
+                        "--prompt", "word " * 9000],
                        capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
     assert "min-p 0.1" in p.stderr
     assert p.stdout.count("bot> ") == 2 and "no reply to draw again" not in p.stdout, p.stdout
     assert "unknown command /retyr" in p.stdout     # a typo is not sent to the model
+    # a message too long for the window is said, and a script hears it in the exit status
+    assert "(cannot send: the prompt has" in p.stdout and p.returncode == 1, p.stderr[-2000:]
+    # stderr is no terminal here: the loading bars write a line per part, not redraws
+    assert "\r" not in p.stderr and "stage 0: " in p.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_chat_quietly():
+    """`potluck chat --prompt … | head -c 20`: the pipe closes under the reply; the chat
+    ends with the shell's status for it (141), without an error of its own."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "engine", "chat", "--max-tokens", "64", "--temperature", "0",
+                          "--prompt", "Write a poem about the sea."],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert p.stdout.read(20)
+    p.stdout.close()
+    err = p.stderr.read().decode(errors="replace")
+    assert p.wait(timeout=300) == 141 and "Broken pipe" not in err, err[-2000:]
 
 
 def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():

@@ -22,10 +22,13 @@ from engine.node.control_basics import lan_address, port_taken
 
 
 class ProgressBar:
-    """One line per stage on stderr, redrawn in place: model loading takes a while."""
+    """One line per stage on stderr, redrawn in place: model loading takes a while. Where
+    stderr is a file or a pipe (a service's log), a line as each part is done instead: the
+    redraws would pile into one long line."""
 
     def __init__(self, stream=sys.stderr):
         self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.last = 0.0
         self.open = False
         self.open_stage = None
@@ -39,6 +42,11 @@ class ProgressBar:
     def __call__(self, stage: int, done: int, total: int, what: str):
         if total <= 0:
             return   # nothing to load (a rearrangement that kept this stage's layers)
+        if not self.tty:
+            if done >= total:
+                self.stream.write(f"  stage {stage}: {what} {done}/{total}\n")
+                self.stream.flush()
+            return
         now = time.monotonic()
         if done < total and now - self.last < 0.1:
             return
@@ -142,7 +150,7 @@ async def _chat_until_done(args) -> int:
         if args.api_port:
             runner = await serve_api(pipe.head, "127.0.0.1", args.api_port)
             _say(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1")
-        await chat_loop(pipe.head, args.prompt, args.max_tokens, seed=args.seed,
+        failed = await chat_loop(pipe.head, args.prompt, args.max_tokens, seed=args.seed,
                         sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                   "min_p": args.min_p,
                                   "repetition_penalty": args.repetition_penalty,
@@ -152,7 +160,8 @@ async def _chat_until_done(args) -> int:
         if runner is not None:
             await runner.cleanup()
         await pipe.close()
-    return 0
+    # a script's --prompt that could not be sent (too long for the window) or answered
+    return 1 if failed and args.prompt else 0
 
 
 def _api_security(args):
@@ -594,6 +603,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\n")   # the shell's prompt on a line of its own, not after "you> ^C"
         return 130
+    except BrokenPipeError:
+        # the reader went away (`potluck chat --prompt … | head`): quiet, as other tools
+        # are, and nothing more written to the closed pipe as Python exits
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except ModelError as exc:
         print(f"potluck: {exc}", file=sys.stderr)
         return 2

@@ -21,8 +21,8 @@ def add_pipeline_args(p):
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face id, a local folder or a .gguf file")
     g.add_argument("--stages", type=stages_arg, default=None,
                    help="pieces the model is split into on this machine, this process included, 1 to "
-                        f"{MOST_LOCAL_STAGES} (default: 1 on a GPU, where more would take turns on it, and 2 on "
-                        "a CPU; with --layers, one per range)")
+                        f"{MOST_LOCAL_STAGES} (default: 1, as a token passes the pieces in turn and more "
+                        "would add a hop each; with --layers, one per range)")
     g.add_argument("--stage-addr", type=stage_addr_arg, action="append", default=[], metavar="ADDRESS",
                    help="ws://host:port#secret of another computer's stage, as `potluck stage` printed it "
                         "(repeat, in pipeline order); replaces --stages")

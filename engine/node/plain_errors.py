@@ -27,6 +27,8 @@ _JOIN = (
                                    "so Potluck did not connect. Ask your friend for a new code."),
     ("another pipeline", "Your friend's computer now hosts a different pipeline. Ask them for a new code."),
     ("short code needs", "A short code needs the relay your friend uses too: fill it in under Advanced."),
+    ("Potluck is not hosting there", "Your friend's computer answered, but Potluck is not hosting there now. "
+                                     "Ask them to open Potluck and host again, then try this code again."),
     ("cannot reach the host", "Could not reach your friend's computer from here. Check that Potluck is "
                               "running there and hosting; if it is, they can host with a relay, or turn on "
                               "UPnP on their router (`potluck doctor` shows what their router allows)."),

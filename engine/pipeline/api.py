@@ -133,7 +133,9 @@ class Api:
             return exc.response()
         except web.HTTPException as exc:
             if exc.status >= 400:
-                resp = ApiError(exc.reason, code=str(exc.status), status=exc.status).response()
+                reason = (f"the request body is larger than this API takes ({MAX_BODY >> 20} MiB)"
+                          if isinstance(exc, web.HTTPRequestEntityTooLarge) else exc.reason)
+                resp = ApiError(reason, code=str(exc.status), status=exc.status).response()
                 if isinstance(exc, web.HTTPMethodNotAllowed):   # HTTP asks a 405 to say what is allowed
                     resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
                 return resp
@@ -179,6 +181,9 @@ class Api:
 
     async def chat(self, request):
         body = await self._body(request)
+        if body.get("messages") is None:
+            raise ApiError("'messages' is required: a list of {role, content}", param="messages",
+                           code="missing_required_parameter")
         messages = _field(body, "messages", list, allow_none=False)
         if not messages:
             raise ApiError("'messages' must not be empty", param="messages")
@@ -188,6 +193,9 @@ class Api:
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
                 raise ApiError(f"messages[{i}] needs a role of system, developer, user, assistant or tool",
                                param="messages")
+            if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
+                # (OpenAI's too: a message with no content is a client's mistake, not "")
+                raise ApiError(f"messages[{i}] has no 'content'", param="messages")
             content = m.get("content", "")
             if isinstance(content, list):  # content parts: text only
                 texts = []

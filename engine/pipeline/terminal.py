@@ -166,11 +166,13 @@ COMMANDS = "/reset clears the conversation, /retry draws the last reply again, /
 
 
 async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, sampling: dict | None = None,
-                    seed: int | None = None) -> None:
+                    seed: int | None = None) -> int:
     """Read messages from stdin (or send `prompts` and stop), print the replies as they
     stream. /reset clears the conversation, /retry draws the last reply again, /set
     changes sampling, /quit leaves.
-    sampling: what the user chose (None: the head's defaults, as the API gives)."""
+    sampling: what the user chose (None: the head's defaults, as the API gives).
+    Returns how many messages could not be sent or answered (a script's `--prompt` then
+    exits non-zero)."""
     settings = {**head.sampling_defaults, **{k: 0.0 for k in PENALTIES},
                 **{k: v for k, v in (sampling or {}).items() if v is not None}}
     print(f"Sampling: {describe(settings)}." + ("" if prompts else
@@ -183,6 +185,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
     messages: list[dict] = []
     shown_dropped = 0    # messages the model no longer sees, as last said
     retries = 0          # times the last reply was drawn again
+    unsent = 0
     queued = list(prompts or [])
     reader = None if prompts else LineReader()
     while True:
@@ -241,6 +244,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             shown_dropped = dropped
         except ValueError as exc:
             print(f"(cannot send: {exc})")
+            unsent += 1
             if retried is not None:
                 messages.append(retried)
             else:
@@ -255,3 +259,5 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
               f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}{stopped}]"
               + (f" {spec}" if (spec := head.speculation()["summary"]) else ""))
         messages.append({"role": "assistant", "content": text})
+        unsent += bool(done.error)
+    return unsent

@@ -92,7 +92,16 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
             ". No direct path reaches the host, and this code names no relay: the host can turn on UPnP "
             "on their router (`potluck doctor` checks it), forward the port to their computer, or host "
             "with a relay (--relay)")
+    if errors and all(_refused(e) for e in errors):
+        # a computer answered and nothing listens on the port: not a router's doing
+        hint = (". The host's computer answered, but Potluck is not hosting there now: ask them to "
+                "start it (`potluck host`, or Host a pipeline… in the app)")
     raise TunnelError("cannot reach the host: " + "; ".join(errors) + hint)
+
+
+def _refused(error: str) -> bool:
+    """Whether a route's error is a connection refused (Linux, macOS, Windows)."""
+    return any(m in error for m in ("Errno 111]", "Errno 61]", "Errno 10061]", "onnection refused"))
 
 
 async def _client_handshake(ws, invite: Invite, identity: Identity, target, name, member, path,
