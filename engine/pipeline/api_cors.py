@@ -34,8 +34,9 @@ def _refused(message: str, code: str) -> web.Response:
 
 
 def loopback_name(host_header: str) -> bool:
-    """Whether a Host header names this machine's loopback: localhost, 127.x, [::1], or
-    the machine's own name (Debian resolves it to 127.0.1.1), with or without a port."""
+    """Whether a Host header names this machine's loopback: localhost, 127.x, [::1],
+    0.0.0.0, or the machine's own name (Debian resolves it to 127.0.1.1), with or without
+    a port. A page that rebinds its own name to 127.0.0.1 names that name."""
     host = host_header.strip().lower()
     if host.startswith("["):
         host = host[1:host.find("]")] if "]" in host else host[1:]
@@ -44,9 +45,10 @@ def loopback_name(host_header: str) -> bool:
     if host in ("localhost", "localhost.", socket.gethostname().lower()) or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    return ip.is_loopback or ip.is_unspecified    # (curl http://0.0.0.0:8000 reaches loopback)
 
 
 class Cors:

@@ -506,7 +506,7 @@ async def test_web_pages_call_the_api_only_from_the_origins_named(pipeline):
                                                                  "Content-Type": "text/plain"}) as r:
                 assert r.status == 403
             for host, status in (("evil.example", 403), (f"evil.example:{port}", 403), (f"localhost:{port}", 200),
-                                 ("[::1]", 200), (f"127.0.0.1:{port}", 200)):
+                                 ("[::1]", 200), (f"127.0.0.1:{port}", 200), (f"0.0.0.0:{port}", 200)):
                 async with s.get(url + "/models", headers={"Host": host}) as r:
                     assert r.status == status, host
             async with s.post(url + CHAT, json={"messages": FRANCE, "max_tokens": 2}) as r:
