@@ -20,6 +20,8 @@ legitimate chat requests to the host's API, throws at them:
     response_format, presence_penalty and frequency_penalty (bounds, types, NaN, huge
     and deeply nested values, schemas no grammar can be made of), and fields it does not
     implement (modalities, audio, prediction), each a 400 naming its field;
+  * a web page in the user's browser (testkit/hostile_pages.py): WebSocket handshakes
+    with an Origin, the API from an origin not named and addressed to another host;
   * slow connections that never finish a handshake (TCP only, WebSocket without a
     hello), on all three.
 
@@ -67,6 +69,7 @@ from engine.wire import tunnel
 from engine.wire import frames
 from engine.wire.identity import load_or_create_identity  # noqa: E402
 from engine.pipeline.stage_server import PROTOCOL_VERSION  # noqa: E402
+from testkit.hostile_pages import attack_pages  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
@@ -772,8 +775,10 @@ async def _attack(w, t, t0, n, flood, folder, log, scale) -> dict:
     traffic = asyncio.ensure_future(legit.loop())
     try:
         await asyncio.get_running_loop().run_in_executor(None, fuzz, t, max(50, int(1000 * scale)), w["code"])
+        port = stage_port(w["joiner"].p.pid)
         await asyncio.gather(attack_host(t, w, n, flood, folder), attack_relay(t, w, n, flood, folder),
-                             attack_stage(t, w, n), attack_api(t, w["api"]))
+                             attack_stage(t, w, n), attack_api(t, w["api"]),
+                             attack_pages(t, w, f"ws://127.0.0.1:{port}" if port else None))
         # slow handshakes hold relay channels for the host's 10 s: on their own, so that
         # the relay attacks above get through to the host
         await slow(t, w, n)

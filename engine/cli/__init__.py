@@ -328,11 +328,12 @@ async def _host(args) -> int:
         return 2
     if bound is not None:
         _say(f"Accepting friends directly on port {bound}: {', '.join(friends.direct_addresses)}")
-    uses = args.uses or args.peers
+    uses = args.uses or max(1, args.peers)
     code = friends.invite(ttl_s=args.expires * 3600, uses=uses)
     _say(f"Host node {friends.me.node_id} (key in {friends.me.store}); pipeline {friends.pipeline_id}")
     print(f"Invite code (valid {args.expires:g} h, {uses} use(s)):\n{code}", flush=True)
-    _say(f"Waiting for {args.peers} friend(s): on their machine, `potluck join <code>`")
+    _say(f"Waiting for {args.peers} friend(s): on their machine, `potluck join <code>`" if args.peers else
+         "Serving on this machine now; friends who join (`potluck join <code>`) take their share of the layers")
     short_task = None
     if args.short and args.relay:
         channel, password = shortcode.make()
@@ -358,7 +359,8 @@ async def _host(args) -> int:
         bar.finish()
         friends.follow(pipe.head)  # friends joining later (`potluck invites --new`) take a slice
         paths = ", ".join(f"stage {i + 1} via {p.path}" for i, p in enumerate(peers))
-        _say(f"Ready: {pipe.head.source.name}, {len(peers) + 1} stages ({paths})")
+        _say(f"Ready: {pipe.head.source.name}, {len(peers) + 1} stages ({paths})" if peers else
+             f"Ready: {pipe.head.source.name}, on this machine until friends join")
         if args.prompt:
             for text in args.prompt:
                 params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, greedy=True)

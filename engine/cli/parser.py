@@ -95,8 +95,11 @@ def _add_homes_args(sub):
     p.add_argument("--listen", type=listen_arg, default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
     p.add_argument("--advertise", action="append", default=[],
                    help="address to put in the code for --listen (default: this machine's addresses)")
-    p.add_argument("--peers", type=count_arg, default=1, help="friends to wait for, in pipeline order (default 1)")
-    p.add_argument("--uses", type=count_arg, default=None, help="how many machines the code admits (default --peers)")
+    p.add_argument("--peers", type=ranged_arg(int, 0, 1 << 10, "a whole number from 0"), default=1,
+                   help="friends to wait for, in pipeline order (default 1; 0: serve on this machine at once, "
+                        "friends taking their share of the layers as they join)")
+    p.add_argument("--uses", type=count_arg, default=None,
+                   help="how many machines the code admits (default --peers, at least 1)")
     p.add_argument("--expires", type=hours_arg, default=24.0, help="hours until the code expires (default 24)")
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default loopback only)")
     _add_api_args(p)
