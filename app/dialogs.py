@@ -385,7 +385,7 @@ class HostDialog(QDialog):
         for i, s in enumerate(plan["split"]):
             a, b = s["layers"]
             self.split_table.setItem(i, 0, QTableWidgetItem(s["where"]))
-            self.split_table.setItem(i, 1, QTableWidgetItem(f"{a}–{b - 1} ({b - a} layers)"))
+            self.split_table.setItem(i, 1, QTableWidgetItem(f"{a + 1}–{b} ({b - a} layers)"))
 
     def _show_precisions(self, plan: dict):
         """Each precision's memory here and whether it fits, the one that will load marked."""

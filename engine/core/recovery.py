@@ -71,8 +71,10 @@ def missing_ranges(ranges: list[tuple[int, int]], kept: list[bool]) -> list[tupl
 
 
 def describe_layers(ranges: list[tuple[int, int]]) -> str:
-    """'layer 4', 'layers 12–29', 'layers 3–5 and 20–29', 'layers 1, 3–5 and 20–29'."""
-    parts = [f"{a}" if b - a == 1 else f"{a}–{b - 1}" for a, b in ranges]
+    """'layer 5', 'layers 13–30', 'layers 4–6 and 21–30', 'layers 2, 4–6 and 21–30': counted
+    from 1, as people count and the joiner's own line says ("layers 25–30 of 30"), from
+    half-open [start, end) ranges counted from 0."""
+    parts = [f"{a + 1}" if b - a == 1 else f"{a + 1}–{b}" for a, b in ranges]
     word = "layer" if len(ranges) == 1 and ranges[0][1] - ranges[0][0] == 1 else "layers"
     if len(parts) <= 1:
         return f"{word} {''.join(parts)}"

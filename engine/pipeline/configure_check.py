@@ -53,7 +53,7 @@ def check_configure(msg: dict, trusted_head: bool, accept_models, memory_cap: in
     weights = slice_bytes(cfg, msg["start"], msg["end"], msg["weights"], dtype.itemsize)
     if memory_cap is not None and weights > memory_cap:
         raise ModelError(
-            f"layers {msg['start']}-{msg['end'] - 1} need about {size_words(weights, up=True)} for their "
+            f"layers {msg['start'] + 1}-{msg['end']} need about {size_words(weights, up=True)} for their "
             f"weights; this computer's owner allows {size_words(memory_cap)} (their VRAM "
             "cap): give this stage fewer layers, or ask them to raise the cap")
     return Checked(source, dtype, fp, cfg, weights)

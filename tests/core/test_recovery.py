@@ -17,16 +17,16 @@ def test_two_stages_lost_at_once_every_missing_layer_is_named():
     missing = missing_ranges(THREE, [True, False, False])
     assert missing == [(12, 30)]
     status, what = waiting_status(missing, need=30, have=21)
-    assert what == "layers 12–29"
-    assert status == "waiting for a GPU to hold layers 12–29 (the machines left have room for 21 of the model's 30 layers)"
+    assert what == "layers 13–30"   # counted from 1, as the joiner's own line
+    assert status == "waiting for a GPU to hold layers 13–30 (the machines left have room for 21 of the model's 30 layers)"
 
 
 def test_missing_ranges_apart_are_each_named():
     four = [(0, 5), (5, 12), (12, 20), (20, 30)]
     assert missing_ranges(four, [True, False, True, False]) == [(5, 12), (20, 30)]
-    assert describe_layers([(5, 12), (20, 30)]) == "layers 5–11 and 20–29"
-    assert describe_layers([(1, 2), (5, 12), (20, 30)]) == "layers 1, 5–11 and 20–29"
-    assert describe_layers([(4, 5)]) == "layer 4"
+    assert describe_layers([(5, 12), (20, 30)]) == "layers 6–12 and 21–30"
+    assert describe_layers([(1, 2), (5, 12), (20, 30)]) == "layers 2, 6–12 and 21–30"
+    assert describe_layers([(4, 5)]) == "layer 5"
     assert missing_ranges(THREE, [True, True, True]) == []
 
 
@@ -106,7 +106,7 @@ def test_two_stages_gone_at_once_both_recorded_and_both_ranges_missing():
     assert [(e["stage"], e["address"]) for e in left] == [(2, B), (None, A)]  # the other one, noticed at hello
     assert rec.missing() == [(12, 30)]
     status = rec.no_room(need=30, have=21, now=2.0)
-    assert status.startswith("waiting for a GPU to hold layers 12–29 ")
+    assert status.startswith("waiting for a GPU to hold layers 13–30 ")
     assert rec.status == status and rec.events[-1] == {"t": 1000.0, "event": "waiting", "why": status}
 
 
@@ -120,7 +120,7 @@ def test_waiting_for_room_asks_who_left_then_gives_up_at_the_host_s_timeout():
     assert rec.gave_up(105.0) is None
     assert rec.wait_s(105.0) == 2.0 and rec.wait_s(110.5) == 0.5   # never past the deadline
     why = rec.gave_up(111.0)
-    assert why == ("stage 1 (ws://a:1) left: switched off; no machine joined within 10 s to hold layers 4–5: "
+    assert why == ("stage 1 (ws://a:1) left: switched off; no machine joined within 10 s to hold layers 5–6: "
                    "the machines left cannot hold the model")
     assert rec.fail(why) and rec.failed == why and rec.status is None
     assert not rec.fail("something else") and rec.failed == why
@@ -226,9 +226,9 @@ def test_a_survivor_lost_while_waiting_for_room_adds_its_layers_to_the_wait():
     rec.unanswered(asks[0], "cannot reach", now=12.0)
     rec.answered(asks[1])
     rec.no_room(30, 20, now=13.0)
-    assert "layers 12–26" in rec.status
+    assert "layers 13–27" in rec.status
     status = rec.gone_meanwhile(B, "its connection closed", now=20.0)
-    assert status == rec.status and "layers 12–29" in status and "left meanwhile" in status, status
+    assert status == rec.status and "layers 13–30" in status and "left meanwhile" in status, status
     assert set(rec.away) == {A, B}
     assert [e["event"] for e in rec.events] == ["left", "waiting", "left"]
 

@@ -299,7 +299,7 @@ async def test_survivors_too_small_wait_for_the_same_machine_to_come_back(tmp_pa
         back = asyncio.ensure_future(come_back())
         got = await run(head, False, on_token)
         await back
-        assert f"waiting for a GPU to hold layers {missing[0]}–{missing[1] - 1}" in waiting[1], waiting
+        assert f"waiting for a GPU to hold layers {missing[0] + 1}–{missing[1]}" in waiting[1], waiting
         assert got == reference
         kinds = [e["event"] for e in head.info()["events"]]
         assert kinds == ["left", "waiting", "recovered"], kinds
@@ -716,7 +716,7 @@ async def test_survivors_too_small_wait_then_go_on_when_a_machine_joins(tiny_fol
         await a.close("switched off")
         await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
         status = head.info()["recovering"]
-        assert f"layers {lost_layers[0]}–{lost_layers[1] - 1}" in status, status
+        assert f"layers {lost_layers[0] + 1}–{lost_layers[1]}" in status, status
         # meanwhile a new request is taken, and waits too
         later = asyncio.ensure_future(tiny_reply(head))
         await asyncio.sleep(0.5)
@@ -764,7 +764,7 @@ async def test_a_second_machine_lost_while_waiting_is_noticed_and_waited_for_too
         await a.close("switched off")
         await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
         await b.close("switched off too")
-        both = f"layers {first[0]}–{second[1] - 1}"         # the two machines' layers, adjacent
+        both = f"layers {first[0] + 1}–{second[1]}"         # the two machines' layers, adjacent
         await until(lambda: both in (head.info()["recovering"] or ""), timeout=30)
         status = head.info()["recovering"]
         assert "left meanwhile" in status and head.error is None, status
@@ -792,7 +792,7 @@ async def test_a_second_machine_lost_while_waiting_is_noticed_and_waited_for_too
 async def test_two_stages_lost_at_once_the_status_names_every_missing_layer(tiny_folder):
     """Three machines, none able to hold the model alone; both stages go at once. The
     status names all the layers nobody holds (once it named only the first stage's,
-    'layers 4–5', while 2–5 had no holder); a machine that joins takes them all and the
+    'layers 5–6', while 3–6 had no holder); a machine that joins takes them all and the
     reply goes on unchanged."""
     from engine.model.sources import resolve
     from engine.pipeline.stage_server import StageServer
@@ -813,7 +813,7 @@ async def test_two_stages_lost_at_once_the_status_names_every_missing_layer(tiny
         await asyncio.gather(a.close("switched off"), b.close("switched off"))
         await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
         status = head.info()["recovering"]
-        assert status.startswith(f"waiting for a GPU to hold layers {gone_from}–5 "), status
+        assert status.startswith(f"waiting for a GPU to hold layers {gone_from + 1}–6 "), status   # counted from 1
         assert "(the machines left have room for 3 of the model's 6 layers)" in status, status
         c = await StageServer("127.0.0.1", 0, threads=1).start()   # room for all of them
         head.offer(f"ws://127.0.0.1:{c.port}")

@@ -96,7 +96,7 @@ async def test_a_machine_that_joins_mid_reply_loads_its_share_while_the_reply_go
         await until(lambda: len(handle.seq.generated) >= 5, every=0.001)
         measured = counting_measures(monkeypatch)
         head.offer(f"ws://127.0.0.1:{b.port}")
-        # "layers 3–5", or "layer 5" where the machines' measured speeds give it one
+        # "layers 4–6", or "layer 6" where the machines' measured speeds give it one
         await until(lambda: "loading layer" in (head.info()["joining"] or ""), timeout=30)
         assert head.recovering is None
         # the machine is loading: the reply goes on meanwhile
