@@ -452,3 +452,57 @@ def test_invites_on_a_computer_that_never_hosted_and_a_new_one(tmp_path, capsys)
     assert "admits 2 computers, valid until" in said.err and "--revoke" in said.err
     assert main(["invites", "--config", str(folder)]) == 0
     assert "open" in capsys.readouterr().out
+
+
+def test_a_host_with_no_friends_yet_serves_and_takes_the_first_in_as_it_joins(tmp_path):
+    """`potluck host --peers 0`: the API answers on this machine at once (before, `host`
+    served nothing until its friends had joined), and a friend who joins takes a share of
+    the layers while it serves; the same greedy answer before and after."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from conftest import free_port
+
+    listen, api = free_port(), free_port()
+    env = dict(os.environ, POTLUCK_KEYSTORE="file", POTLUCK_UPNP="0", POTLUCK_STUN="", HF_HUB_OFFLINE="1")
+    host = subprocess.Popen([sys.executable, "-m", "engine", "host", "--peers", "0", "--listen",
+                             f"127.0.0.1:{listen}", "--port", str(api), "--threads", "1"],
+                            env=dict(env, POTLUCK_HOME=str(tmp_path / "host")), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    joiner = None
+
+    def ask() -> tuple[str, int]:
+        body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 12, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{api}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        answer = json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]["content"]
+        status = json.load(urllib.request.urlopen(f"http://127.0.0.1:{api}/v1/potluck/status", timeout=30))
+        return answer, len(status["stages"])
+
+    try:
+        assert host.stdout.readline().startswith("Invite code")
+        code = host.stdout.readline().strip()
+        assert host.stdout.readline().startswith("OpenAI-compatible API")   # before anyone joined
+        alone, stages = ask()
+        assert "Paris" in alone and stages == 1
+        joiner = subprocess.Popen([sys.executable, "-m", "engine", "join", code, "--threads", "1", "--no-reply"],
+                                  env=dict(env, POTLUCK_HOME=str(tmp_path / "joiner")),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while ask()[1] < 2:
+            assert time.monotonic() < deadline, "the friend was never taken in"
+            time.sleep(1)
+        assert ask() == (alone, 2)
+    finally:
+        for p in (joiner, host):
+            if p is not None:
+                p.terminate()
+        for p in (joiner, host):
+            if p is not None:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
