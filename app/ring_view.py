@@ -62,5 +62,7 @@ class RingView(QWidget):
             self.cards.append(label)
             self.row_layout.addWidget(frame)
         if tokens_per_s:
-            self.row_layout.addWidget(QLabel(f"{tokens_per_s:.1f} tokens/s"))
+            # every reply together over the last 10 s, idle time included: not one reply's
+            # pace, which its own line under the reply says (they read 4.0 beside 15.5)
+            self.row_layout.addWidget(QLabel(f"{tokens_per_s:.1f} tokens/s served (last 10 s)"))
         self.row_layout.addStretch(1)

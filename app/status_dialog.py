@@ -126,7 +126,7 @@ def status_html(st: dict) -> str:
         ring_rows = h.get("ring") or []
         rate = ring_rows[0].get("tokens_per_s") if ring_rows else None
         out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {h.get('tokens_served', 0)} tokens written"
-                   + (f", {rate:.1f} tokens/s now" if rate else "")
+                   + (f", {rate:.1f} tokens/s served over the last 10 s" if rate else "")
                    + f"; {_count(h.get('running', 0), 'conversation')} being answered, "
                      f"{h.get('waiting') or 'none'} waiting<br>"
                    f"For other programs (OpenAI-compatible): <code>{h.get('openai_url')}</code>"
