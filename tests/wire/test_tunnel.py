@@ -548,6 +548,21 @@ async def test_whoever_knows_the_pipeline_id_cannot_take_the_hosts_place_at_the_
         echo.close()
 
 
+async def _relay_of(routes: dict, **runner_options):
+    """A relay of our making on loopback, answering GET `routes` {path: handler}: (its
+    runner, its port)."""
+    from aiohttp import web
+
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 async def test_a_hostile_relay_cannot_make_the_host_dial_it_without_end(tmp_path):
     """Each "incoming" the relay sends has the host dial the relay back for that channel: a
     relay that sends a flood of them, and answers none of the dials, gets MAX_RELAYED
@@ -578,14 +593,9 @@ async def test_a_hostile_relay_cannot_make_the_host_dial_it_without_end(tmp_path
         await held.wait()
         return ws
 
-    app = web.Application()
-    app.router.add_get("/v1/host/{pid}/{key}", host_route)
-    app.router.add_get("/v1/accept/{pid}/{key}/{sid}", accept_route)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)   # its handlers' sockets are the host's to close
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    # its handlers' sockets are the host's to close: no waiting on them at cleanup
+    runner, port = await _relay_of({"/v1/host/{pid}/{key}": host_route, "/v1/accept/{pid}/{key}/{sid}": accept_route},
+                                   shutdown_timeout=0.5)
     home = Home(tmp_path / "host")
     try:
         await home.host.use_relay(f"ws://127.0.0.1:{port}")
@@ -613,14 +623,7 @@ async def test_a_relay_of_an_older_potluck_is_named_as_such_not_a_bare_404(tmp_p
         await ws.close()
         return ws
 
-    app = web.Application()
-    app.router.add_get("/v1/host/{pid}", old_route)
-    app.router.add_get("/v1/join/{pid}", old_route)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await _relay_of({"/v1/host/{pid}": old_route, "/v1/join/{pid}": old_route})
     events = []
     home = Home(tmp_path / "host")
     home.host.on_event = events.append
