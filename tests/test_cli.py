@@ -88,7 +88,7 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["chat", "--temperature", "nan"], "temperature must be between"),
                        (["chat", "--top-p", "1.5"], "top_p must be between"),
                        (["chat", "--threads", "0"], "not a whole number from 1"),
-                       (["host", "--peers", "0"], "not a whole number from 1"),
+                       (["host", "--peers", "-1"], "not a whole number from 0"),
                        # a port out of range ended these with a traceback from bind()
                        (["host", "--listen", "127.0.0.1:99999"], "not HOST:PORT with a port from 0 to 65535"),
                        (["join", "4821-917305", "--reply-listen", "0.0.0.0:-1"], "not HOST:PORT"),
