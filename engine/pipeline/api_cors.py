@@ -22,6 +22,8 @@ import socket
 
 from aiohttp import web
 
+from engine.wire.stage_auth import is_loopback
+
 METHODS = "GET, POST, OPTIONS"
 HEADERS = "Authorization, Content-Type"
 EXPOSED = "X-Potluck-Dropped-Messages"
@@ -33,22 +35,21 @@ def _refused(message: str, code: str) -> web.Response:
                                         "code": code}}, status=403)
 
 
-def loopback_name(host_header: str) -> bool:
+def loopback_name(host_header: str, own_name: str = "") -> bool:
     """Whether a Host header names this machine's loopback: localhost, 127.x, [::1],
-    0.0.0.0, or the machine's own name (Debian resolves it to 127.0.1.1), with or without
-    a port. A page that rebinds its own name to 127.0.0.1 names that name."""
+    0.0.0.0, or `own_name`, the machine's own (Debian resolves it to 127.0.1.1), with or
+    without a port. A page that rebinds its own name to 127.0.0.1 names that name."""
     host = host_header.strip().lower()
     if host.startswith("["):
         host = host[1:host.find("]")] if "]" in host else host[1:]
     elif host.count(":") == 1:
         host = host.partition(":")[0]
-    if host in ("localhost", "localhost.", socket.gethostname().lower()) or host.endswith(".localhost"):
+    if is_loopback(host) or host in ("localhost.", own_name) or host.endswith(".localhost"):
         return True
     try:
-        ip = ipaddress.ip_address(host)
+        return ipaddress.ip_address(host).is_unspecified    # (curl http://0.0.0.0:8000 reaches loopback)
     except ValueError:
         return False
-    return ip.is_loopback or ip.is_unspecified    # (curl http://0.0.0.0:8000 reaches loopback)
 
 
 class Cors:
@@ -58,6 +59,7 @@ class Cors:
             raise ValueError("--cors-origin '*' lets any web page use the API: give an API key too "
                              "(--api-key), or name the page's origin (e.g. http://localhost:3000)")
         self.loopback = loopback   # the API listens on loopback: requests must name a loopback host
+        self.own_name = socket.gethostname().lower()   # read once, not per request
 
     def _allowed(self, request: web.Request) -> str | None:
         origin = request.headers.get("Origin")
@@ -78,7 +80,7 @@ class Cors:
         if origin is not None and not self._allowed(request):
             return _refused(f"a web page at {origin[:100]} may not use this API: start the server with "
                             f"--cors-origin {origin[:100]} to let it", "origin_not_allowed")
-        if self.loopback and not loopback_name(request.host or ""):
+        if self.loopback and not loopback_name(request.host or "", self.own_name):
             return _refused("this API answers requests to 127.0.0.1 or localhost only", "host_not_allowed")
         return await handler(request)
 
