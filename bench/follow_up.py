@@ -94,10 +94,10 @@ async def over_a_line(args) -> int:
     mbit, ms = (float(x) for x in args.link.split(","))
     stage = LocalStages(1, threads=1)
     await stage.start()
-    line = Proxies([int(stage.addresses[0].rsplit(":", 1)[1])], mbit * 1e6, ms / 1000, 4 << 20)
+    line = Proxies(stage.ports, mbit * 1e6, ms / 1000, 4 << 20)
     head = None
     try:
-        head = Head(resolve("default"), await line.start())
+        head = Head(resolve("default"), stage.reached_through(await line.start()))
         await head.start()
 
         async def ask(msgs) -> tuple[float, str]:

@@ -374,11 +374,11 @@ async def run(a) -> dict:
     bench = Bench(a)
     probe = CpuProbe()
     stages = LocalStages(2, threads=1)
-    addrs = await stages.start()
-    proxies = Proxies([int(x.rsplit(":", 1)[1]) for x in addrs], RATE_MBIT * 1e6, a.delays[0] / 1e3)
+    await stages.start()
+    proxies = Proxies(stages.ports, RATE_MBIT * 1e6, a.delays[0] / 1e3)
     results: dict = {"single": [], "burst": [], "rounds": a.rounds}
     try:
-        shaped = await proxies.start()
+        shaped = stages.reached_through(await proxies.start())
         extra = {"draft": a.draft} if a.draft_ok else {}
         # keep_replies=0: each prompt runs in every mode back to back, and a kept reply
         # taken over would leave the next mode one token of its prompt (and its draft model

@@ -434,10 +434,10 @@ async def run_cell(ctx, n_stages: int, cfg_name: str, cfg: dict, rate_bps: float
     import torch
 
     stages = ctx["stages"][n_stages]
-    targets = [int(a.rsplit(":", 1)[1]) for a in stages.addresses]
+    targets = stages.ports
     queue = max(32 << 10, int(rate_bps / 8 * 0.1))          # ~100 ms of link time
     proxies = Proxies(targets, rate_bps, delay_s, queue)
-    addrs = await proxies.start()
+    addrs = stages.reached_through(await proxies.start())
     head = None
     pids = lambda: [os.getpid()] + [p.pid for p in stages.procs] + ([proxies.proc.pid] if proxies.proc else [])
     meter = CpuMeter(pids)

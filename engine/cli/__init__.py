@@ -262,6 +262,10 @@ async def _stage(args) -> int:
         secret = new_secret()
     server = await StageServer(args.host, args.port, pipeline=args.pipeline, device=args.device,
                                threads=args.threads, cores=cores, memory_cap=cap, secret=secret,
+                               # on loopback, a head that proves the secret its parent gave it (or
+                               # any head, with none) is this machine's own: it may name a model
+                               # by path
+                               trusted_head=is_loopback(args.host) and (not secret or args.announce),
                                accept_models=args.accept_model,
                                # its owner hears when a head takes it in and lets it go (one its head
                                # started says nothing: the head speaks)

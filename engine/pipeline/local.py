@@ -2,7 +2,10 @@
 
 Each child is `python -m engine stage --port 0 --announce`; it prints the port it
 bound and exits when its stdin closes, so a parent that dies (even by SIGKILL) leaves
-no orphans behind.
+no orphans behind. Each takes a fresh secret through its environment (which only this
+user's processes can read), not its command line (which every user of the machine can):
+a stage on loopback is reachable by every program and every user of this computer, and
+its control connection drives it (a model by path, shutdown).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import tempfile
 
 from engine.model.cores import LEASES, CoreLease, apply_openmp_env, cpu_shares, home_cores
 from engine.boot.selfcmd import engine_command
+from engine.wire.stage_auth import new_secret
 
 ANNOUNCE = "POTLUCK_STAGE_PORT="
 
@@ -37,11 +41,14 @@ class LocalStages:
         self.pipeline = pipeline
         self.device = device
         self.procs: list[asyncio.subprocess.Process] = []
+        # 'ws://127.0.0.1:port#secret': the head keeps the secret apart from what it shows
         self.addresses: list[str] = []
+        self.secret = new_secret()
 
     async def start(self) -> list[str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env["POTLUCK_STAGE_SECRET"] = self.secret
         if self._core_dir:
             apply_openmp_env(env)  # the stages take turns on the cores (cores.py)
         # the folder that holds the engine package (this file is engine/pipeline/local.py)
@@ -62,11 +69,20 @@ class LocalStages:
         try:
             for proc in self.procs:
                 port = await asyncio.wait_for(self._read_port(proc), 120)
-                self.addresses.append(f"ws://127.0.0.1:{port}")
+                self.addresses.append(f"ws://127.0.0.1:{port}#{self.secret}")
         except BaseException:
             await self.stop()  # the ones that did start must not outlive this failure
             raise
         return self.addresses
+
+    @property
+    def ports(self) -> list[int]:
+        return [int(a.rpartition(":")[2].partition("#")[0]) for a in self.addresses]
+
+    def reached_through(self, urls: list[str]) -> list[str]:
+        """Addresses a head takes for these stages reached some other way (a shaped
+        link's proxy in the benches): the same secret."""
+        return [f"{u}#{self.secret}" for u in urls]
 
     @staticmethod
     async def _read_port(proc) -> int:

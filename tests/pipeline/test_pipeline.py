@@ -459,15 +459,16 @@ async def test_bad_frames_close_only_that_connection(pipeline):
                 assert "hidden size" in reason
         for bad_hello in (hello(pipeline="someone-else", key=pipeline.route), hello(version=99, key=pipeline.route),
                           hello(role="admin"), b"binary hello", "not json", json.dumps({"type": "hello", "role": "data"}),
-                          hello(), hello(key="not the route token"), hello(key="")):
+                          hello(), hello(key="not the route token"), hello(key=""),
+                          hello(role="control", key="")):   # (its parent gave it a secret)
             await expect_policy_close(r.address, bad_hello)
         # a second head is turned away while ours holds the stage
-        reason = await expect_policy_close(r.address, hello(role="control", key=""))
+        reason = await expect_policy_close(r.address, hello(role="control", key=pipeline._secrets[r.address]))
         assert "already" in reason
 
     after = await pipeline.stage_stats()
     for b, a in zip(before[1:], after[1:]):
-        assert a["rejected"] >= b["rejected"] + len(bad_frames) + 8
+        assert a["rejected"] >= b["rejected"] + len(bad_frames) + 9
     assert pipeline.error is None
     _, text, done = await collect(pipeline.submit(
         pipeline.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]), greedy(24)))

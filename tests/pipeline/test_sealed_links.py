@@ -196,3 +196,25 @@ async def test_a_web_page_cannot_open_a_link_to_a_stage_or_a_tunnel(stage, tmp_p
         await (await head_link(address)).close()     # a head sends no Origin: in
     finally:
         await host.close()
+
+
+async def test_another_program_on_this_machine_cannot_drive_the_pipelines_own_stages():
+    """The stage processes `serve --stages N` starts listen on loopback, where every program
+    and every user of this computer reaches them, and a control connection drives a stage
+    (a model by path, shutdown). Each is given a fresh secret through its environment,
+    which only this user's processes read, never on its command line, which everyone's do."""
+    from engine.pipeline.local import LocalStages
+    from engine.wire.stage_auth import split_address
+
+    local = LocalStages(1, threads=THREADS)
+    try:
+        (address,) = await local.start()
+        url, secret = split_address(address)
+        assert secret and url == f"ws://127.0.0.1:{local.ports[0]}"
+        with pytest.raises(NotAuthorized):
+            await connect_stage(url, "control", "local", timeout=30)
+        cmdline = open(f"/proc/{local.procs[0].pid}/cmdline", "rb").read()
+        assert secret.encode() not in cmdline
+        await (await head_link(address)).close()      # the head that started it: in
+    finally:
+        await local.stop()
