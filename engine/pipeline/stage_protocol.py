@@ -13,6 +13,7 @@ import asyncio
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from engine.pipeline.link import MAX_PIECE
 from engine.wire import frames
 from engine.wire.keepalive import HeartbeatConnection
 from engine.wire.sealed_socket import SealedSocket
@@ -87,6 +88,11 @@ PROOF_QUEUE = 4
 # Lifting a control connection to a data link's gigabyte let a head that stopped reading
 # park the stage's loop and then queue 64 messages of 64 MiB in its memory.
 SEAL_OVERHEAD = 1024
+# A data link carries volumes cut in pieces of at most MAX_PIECE (engine/pipeline/link.py),
+# each a CHUNK frame with a few bytes of meta: nothing larger is taken. At a gigabyte a
+# message, the 64 a link queues unread were 64 GiB a peer with the route token could
+# park in the stage's memory; at this size they are 17 MiB.
+DATA_MAX = MAX_PIECE + frames.HEADER.size + 4 * frames.MAX_NDIM + 4096 + SEAL_OVERHEAD
 # data links a stage holds at once: one from the stage (or head) before it, and a few more
 # while one that went quiet is not yet known dead. Every friend stage holds the route
 # token, so a hostile one could open links without end, each buffering up to gigabytes

@@ -35,7 +35,8 @@ from engine.core.link_scheduler import MODES as LINK_MODES
 from engine.core.profile import differs, interp
 from engine.model.measure import load_and_measure
 from engine.model.quant import bnb_missing
-from engine.wire.volumes import Reassembler
+from engine.pipeline.inbox import Inbox
+from engine.wire.volumes import DEFAULT_MAX_VOLUME, Reassembler
 from engine.model.sources import ModelError
 from engine.pipeline.configure_check import check_configure
 from engine.pipeline import step_rows
@@ -51,7 +52,7 @@ from engine.core.ws_address import address_problem
 # what a stage and its peers agree on, importable from here as before
 from engine.pipeline.stage_protocol import (CLIENT_WS_OPTIONS, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S,  # noqa: F401
                                             HELLO_TIMEOUT, LEAVE_S, LET_GO_S, MAX_DATA_LINKS, NEXT_LINK_GRACE_S, PROFILE_REPORT_S,
-                                            CONTROL_MAX, CONTROL_QUEUE, PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION,
+                                            CONTROL_MAX, CONTROL_QUEUE, DATA_MAX, PROOF_MAX, PROOF_QUEUE, PROTOCOL_VERSION,
                                             SEND_STALL_S, WS_OPTIONS, connect_stage, lift_proof_limit)
 from engine.model.sampler import Sampler
 from engine.model.stage import StageModel, import_model_code
@@ -63,13 +64,6 @@ log = logging.getLogger("potluck.stage")
 # how long a new head's control connection waits for the handler of one whose head hung
 # up mid-work to let go, before it is refused (the head waits 30 s for its welcome)
 BUSY_LET_GO_S = 25.0
-
-class Inbox(asyncio.Queue):
-    """A lane's queue of frames to compute, whose next frame can be looked at without
-    taking it: decode frames that queued up together are computed as one batch."""
-
-    def peek(self):
-        return self._queue[0]
 
 
 class StageServer(StageCompute):
@@ -301,7 +295,7 @@ class StageServer(StageCompute):
             answer, seal = answer_hello(key, hello["role"], hello["pipeline"], nonce, hello["auth"])
             await ws.send(frames.control("accept", auth=answer))
             if hello["role"] == "data":
-                lift_proof_limit(ws, WS_OPTIONS["max_size"])
+                lift_proof_limit(ws, DATA_MAX)
             else:   # control messages only, a few at a time: megabytes at most, not gigabytes
                 lift_proof_limit(ws, CONTROL_MAX, CONTROL_QUEUE)
         except (frames.FrameError, ConnectionClosed) as exc:
@@ -608,8 +602,8 @@ class StageServer(StageCompute):
         volumes = Reassembler()
         # one lane in arrival order (compute="in-order", the default, as vLLM computes),
         # or decode frames in a lane of their own whose steps cut into prompt steps
-        inbox = Inbox(maxsize=64)
-        decodes = Inbox(maxsize=64) if self.decode_first else inbox
+        inbox = Inbox(maxsize=64, max_bytes=DEFAULT_MAX_VOLUME)
+        decodes = Inbox(maxsize=64, max_bytes=DEFAULT_MAX_VOLUME) if self.decode_first else inbox
         # Acknowledgements go out from a task of their own, in order: a decode volume's
         # step is handed to the compute thread first, and its ack is sent meanwhile.
         acks: asyncio.Queue = asyncio.Queue()
@@ -621,7 +615,11 @@ class StageServer(StageCompute):
             async for data in ws:
                 self.trace("arrived")
                 try:
-                    width = self.stage.hidden_size if self.stage is not None else None
+                    if self.stage is None:   # refused from here, not after a gigabyte put together
+                        raise frames.FrameError("stage is not configured")
+                    width = self.stage.hidden_size
+                    volumes.max_volume = inbox.max_bytes = decodes.max_bytes = self._volume_cap()
+                    volumes.max_buffered = 2 * volumes.max_volume
                     frame = frames.decode(data, width=width)
                     if frame.type == frames.FrameType.CHUNK:
                         piece = frame.payload
@@ -647,6 +645,13 @@ class StageServer(StageCompute):
             for w in workers:
                 w.cancel()
             self.trace.flush()   # what it marked so far, in case the process is stopped next
+
+    def _volume_cap(self) -> int:
+        """The largest volume a head can send this (configured) stage: every row of a step
+        takes a KV slot here, so no step has more rows than its KV budget, and none is
+        wider than the model at 4 bytes an element."""
+        rows = self.stage.kv.budget_tokens * self.stage.hidden_size * 4
+        return min(DEFAULT_MAX_VOLUME, frames.HEADER.size + 4 * frames.MAX_NDIM + frames.MAX_META + rows)
 
     @staticmethod
     async def _send_acks(ws, acks: asyncio.Queue):

@@ -181,9 +181,10 @@ async def test_a_lane_waiting_on_a_full_outbox_goes_on_once_the_route_changes():
 async def test_a_peer_with_the_route_token_holds_a_few_data_links_and_no_frame_of_another_width(stage, tiny_folder):
     """Every friend stage of a pipeline holds its route token, so one could open data links
     without end, each buffering volumes and queued frames: beyond MAX_DATA_LINKS the oldest
-    is closed. And an int8 activation frame of a width the stage does not compute on is
+    is closed, and each takes messages of a piece's size and volumes its KV could hold. An int8 activation frame of a width the stage does not compute on is
     refused from its shape, before its dequantized copy (four times its bytes) is made."""
     from engine.pipeline.stage_protocol import MAX_DATA_LINKS
+    from engine.wire.volumes import encode_chunk
 
     server, addr = stage
     folder, _ = tiny_folder("llama", seed=0)
@@ -213,6 +214,15 @@ async def test_a_peer_with_the_route_token_holds_a_few_data_links_and_no_frame_o
         closed = await _closed(links[-1])
         assert closed.code == 1008 and "hidden size" in closed.reason
         assert server.rejected_frames == rejected + 1
+        # a link's messages are pieces (link.MAX_PIECE): one of 1 MiB is refused from its
+        # header; and a volume announced larger than this stage's KV could take rows for
+        await links[-2].send(b"\0" * (1 << 20))
+        assert (await _closed(links[-2])).code == 1009           # message too big
+        cap = server._volume_cap()
+        assert cap < 128 << 20                                   # a gigabyte before
+        await links[-3].send(encode_chunk(1, "prefill", 0, cap + 1, b"\0" * 1024))
+        closed = await _closed(links[-3])
+        assert closed.code == 1008 and "outside" in closed.reason, closed.reason
         await head.send(frames.control("get_stats"))   # the stage serves on
         assert frames.parse_control(await asyncio.wait_for(head.recv(), 30))["type"] == "stats"
     finally:
