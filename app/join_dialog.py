@@ -160,11 +160,14 @@ class JoinDialog(QDialog):
         if joining.get("reply_code"):
             # the host's addresses do not answer from here; the host can reach us instead
             self.reply_code = joining["reply_code"]
+            # (15 minutes: the engine's wait, engine/wire/tunnel_join.py REPLY_WAIT_S)
             self.result.setText(
                 "<b>Your friend's computer cannot be reached from here.</b> It can reach this one "
                 "instead: send your friend this <b>reply code</b> (select it and copy), to paste into "
                 "their host window's “Connect to them”. You can close this window; Potluck joins as "
-                f"soon as they do.<br><br><code>{html.escape(self.reply_code)}</code>")
+                "soon as they do, and stops waiting after 15 minutes. (If they are not hosting now, or "
+                "withdrew this invite, ask them for a new one instead.)"
+                f"<br><br><code>{html.escape(self.reply_code)}</code>")
         elif joined:
             via = joined.get("via") or ""
             how = "through the relay" if via == "relay" else "directly" if via.startswith("direct") else ""

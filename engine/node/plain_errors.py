@@ -29,6 +29,9 @@ _JOIN = (
     ("short code needs", "A short code needs the relay your friend uses too: fill it in under Advanced."),
     ("Potluck is not hosting there", "Your friend's computer answered, but Potluck is not hosting there now. "
                                      "Ask them to open Potluck and host again, then try this code again."),
+    ("reply code within", "Your friend did not connect with this computer's reply code in time, so joining "
+                          "stopped. Check with them that they are hosting now (an invite they withdrew no "
+                          "longer works), then join again."),
     ("cannot reach the host", "Could not reach your friend's computer from here. Check that Potluck is "
                               "running there and hosting; if it is, they can host with a relay, or turn on "
                               "UPnP on their router (`potluck doctor` shows what their router allows)."),

@@ -40,6 +40,10 @@ BURST_REST_S = 6.0
 # reply code (the host's address may have changed for good)
 REPLY_AFTER_S = 120.0
 REPLY_QUEUE = 8                  # connections to a joiner's reply listener waiting their turn
+# a first join waits this long for the host to take its reply code: the host's addresses
+# failing may also mean nobody hosts there now (an invite withdrawn, Potluck closed), and
+# then a wait without end left sharing on, waiting, with nothing said
+REPLY_WAIT_S = 900.0
 
 
 async def open_session(invite: Invite, identity: Identity, target: tuple[str, int], *, name: str = "",
@@ -269,10 +273,18 @@ class Joiner:
                 await self.close()
                 raise
         waiting = asyncio.ensure_future(self._next_reply_session())
+        give_up = None if self.member else time.monotonic() + REPLY_WAIT_S
         try:
             while True:
+                if give_up is not None and time.monotonic() >= give_up:
+                    raise TunnelError(f"your friend did not connect with this computer's reply code within "
+                                      f"{REPLY_WAIT_S / 60:.0f} minutes, so joining stopped. Check with them that "
+                                      "they are hosting now (an invite they withdrew no longer works), then join "
+                                      "again")
                 try:
-                    session = await asyncio.wait_for(asyncio.shield(waiting), self.direct_retry_s)
+                    left = self.direct_retry_s if give_up is None else \
+                        max(0.0, min(self.direct_retry_s, give_up - time.monotonic()))
+                    session = await asyncio.wait_for(asyncio.shield(waiting), left)
                     self.joined_by_reply = True
                     return session
                 except asyncio.TimeoutError:

@@ -863,3 +863,24 @@ def test_a_joiners_word_on_its_computer_is_kept_only_as_far_as_it_is_well_formed
     assert joiner_about({"device": 7, "memory": -1}) == {}
     assert joiner_about({"memory": True}) == {} and joiner_about({"memory": 2**60}) == {}
     assert joiner_about("a string") == {} and joiner_about(None) == {}
+
+
+async def test_a_first_join_waits_for_its_reply_code_only_so_long(tmp_path, monkeypatch):
+    """The host's addresses failing may mean nobody hosts there now (an invite withdrawn,
+    Potluck closed): a first join waited on its reply code without end, sharing on and
+    nothing said. It gives up after REPLY_WAIT_S and says what to check."""
+    from engine.node.plain_errors import join_failed
+    from engine.wire import tunnel_join
+    from engine.wire.tunnel import TunnelError
+
+    monkeypatch.setattr(tunnel_join, "REPLY_WAIT_S", 1.5)
+    shown = []
+    j = _joiner_to_a_closed_port(tmp_path, monkeypatch, shown.append)
+    j.direct_retry_s = 0.5
+    try:
+        with pytest.raises(TunnelError, match="reply code within") as gave_up:
+            await asyncio.wait_for(j.connect(), 30)
+        assert shown                                   # the code was offered first
+        assert "withdrew" in join_failed(f"could not reach the host's pipeline: {gave_up.value}")
+    finally:
+        await j.close()
