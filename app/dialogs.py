@@ -10,7 +10,8 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDia
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
                                QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from .gpu_enable import format_size
+from engine.core.sizes import size_words
+
 from .secrets_store import get_secret, set_secret
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
@@ -42,6 +43,12 @@ def _draft_pairing_label(pairing: str) -> str:
 WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "bf16"),
                    ("int8 — about half the memory", "int8"), ("nf4 — about a quarter of the memory", "nf4"),
                    ("int4 — about a quarter of the memory, faster (torch's 4-bit kernels)", "int4")]
+
+
+def _needs(plan: dict) -> int:
+    """The memory the plan needs here: weights and room for the conversations' cache (a
+    node from before it said so: the weights)."""
+    return plan.get("needs_here_bytes", plan["needed_here_bytes"])
 
 
 def _weights_name(weights: str, plan: dict) -> str:
@@ -189,7 +196,7 @@ class HostDialog(QDialog):
         self.plan_label.setWordWrap(True)
         lay.addWidget(self.plan_label)
         self.weights_table = QTableWidget(0, 3)
-        self.weights_table.setHorizontalHeaderLabels(["Weights", "Memory on this computer", "Fits here?"])
+        self.weights_table.setHorizontalHeaderLabels(["Weights", "Memory needed here", "Fits here?"])
         self.weights_table.setToolTip("What the model's weights need at each precision, against this computer's "
                                       "free memory; friends' memory counts once they join")
         self.weights_table.horizontalHeader().setStretchLastSection(True)
@@ -378,8 +385,8 @@ class HostDialog(QDialog):
         color = "#15803d" if plan["fits"] else "#b91c1c"
         weights = f" · {_weights_name(plan['weights'], plan)} weights" if plan.get("weights") else ""
         self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
-                                f"Needed here: {format_size(plan['needed_here_bytes'])} · available: "
-                                f"{format_size(plan['available_bytes'])} · {plan['layers']} layers{weights}")
+                                f"Memory needed here: {size_words(_needs(plan), up=True)} · free: "
+                                f"{size_words(plan['available_bytes'])} · {plan['layers']} layers{weights}")
         self._show_precisions(plan)
         self.split_table.setRowCount(len(plan["split"]))
         for i, s in enumerate(plan["split"]):
@@ -401,8 +408,9 @@ class HostDialog(QDialog):
                 verdict = "fits" if r["fits_here"] else "does not fit"
             if chosen:
                 verdict += " ← will be used"
-            here = r.get("here_bytes", r["bytes"])
-            size = format_size(here) if here == r["bytes"] else f"{format_size(here)} (of {format_size(r['bytes'])} in all)"
+            here, whole = r.get("needs_here_bytes", r.get("here_bytes", r["bytes"])), r.get("needs_bytes", r["bytes"])
+            size = size_words(here, up=True) if r.get("here_bytes", r["bytes"]) == r["bytes"] else \
+                f"{size_words(here, up=True)} (of {size_words(whole, up=True)} in all)"
             for col, text in enumerate((name, size, verdict)):
                 item = QTableWidgetItem(text)
                 if chosen:
@@ -415,6 +423,12 @@ class HostDialog(QDialog):
     def _error(self, message: str) -> None:
         self.last_error = message
         self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message)}</span>")
+        self._show_result()
+
+    def _show_result(self) -> None:
+        """Scrolled into view once laid out: below the tables, it was out of sight, and a
+        press of "Start hosting" seemed only to rename the button."""
+        QTimer.singleShot(0, lambda: self.scroll.ensureWidgetVisible(self.result))
 
     def start(self):
         running = (self.c.status or {}).get("hosting")
@@ -428,6 +442,7 @@ class HostDialog(QDialog):
                                 + ("the chat answers again once your friends have joined. "
                                    if self.invitees.value() else "")
                                 + "Press “Stop it and host” to go on.")
+            self._show_result()
             return
         self.result.setText("Starting…")
 

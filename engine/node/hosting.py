@@ -170,8 +170,12 @@ class Hosting:
         rows = []
         for w in precision.EXPLICIT:
             here_bytes = precision.slice_bytes(cfg, *here_range, w, nbytes)
-            rows.append({"weights": w, "bytes": precision.slice_bytes(cfg, 0, n, w, nbytes),
-                         "here_bytes": here_bytes, "fits_here": here_bytes <= usable,
+            whole = precision.slice_bytes(cfg, 0, n, w, nbytes)
+            # needs: the weights and room for the conversations' cache, as the model list's
+            # "fits on this computer: needs ..." (core/group_fit.py) says it
+            rows.append({"weights": w, "bytes": whole, "here_bytes": here_bytes, "fits_here": here_bytes <= usable,
+                         "needs_here_bytes": int(here_bytes / precision.USABLE),
+                         "needs_bytes": int(whole / precision.USABLE),
                          "available": missing is None or w not in precision.QUANTIZED})
         try:
             saved = prequantized(cfg)  # a checkpoint saved quantized loads as it was saved
@@ -192,16 +196,17 @@ class Hosting:
         here = f"on {self.device_name}" if self.device.startswith("cuda") else "here"
         # "full (float32)" on a CPU, as the first screen and the host dialog say it
         label = chosen if chosen != precision.FULL else precision.full_label(compute_dtype(self.device))
-        message = (f"{source.name} needs about {size_words(local_needed, up=True)} {here} with {label} weights; "
-                   f"{size_words(available)} available")
+        need = row["needs_here_bytes"]
+        message = (f"{source.name} needs about {size_words(need, up=True)} {here} ({size_words(local_needed, up=True)} "
+                   f"of it its {label} weights, the rest for conversations); {size_words(available)} available")
         if not row["available"]:
             message = f"{source.name} cannot load {chosen} weights here: {missing}"
         elif not fits:
             smaller = next((r["weights"] for r in rows if r["available"] and r["fits_here"]), None)
             hint = (f"Choose {smaller} weights, add friends' GPUs" if smaller and weights != "auto" else
                     "Add friends' GPUs")
-            message = (f"{source.name} does not fit: it needs about {size_words(local_needed, up=True)} {here} "
-                       f"with {label} weights but only {size_words(usable)} can be used. {hint}, pick a "
+            message = (f"{source.name} does not fit: it needs about {size_words(need, up=True)} {here} "
+                       f"with {label} weights but only {size_words(available)} is free. {hint}, pick a "
                        f"smaller model, or raise the memory limit in Settings.")
         if saved and fits:
             message += f". The checkpoint is saved as {saved}, so it loads as {saved}"
@@ -211,7 +216,8 @@ class Hosting:
                         ". Friends' memory is known once they join")
         return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": row["bytes"],
                 "device": self.device, "dtype": compute_dtype(self.device),
-                "needed_here_bytes": local_needed, "available_bytes": available, "usable_bytes": int(usable),
+                "needed_here_bytes": local_needed, "needs_here_bytes": need,
+                "available_bytes": available, "usable_bytes": int(usable),
                 "fits": fits, "weights": chosen, "requested_weights": weights,
                 "precisions": rows,
                 "split": [{"where": w, "layers": list(r)} for w, r in zip(where, split)], "message": message}

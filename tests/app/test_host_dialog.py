@@ -126,10 +126,18 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     assert t.isVisibleTo(d) and t.rowCount() == 3
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert [r[0] for r in rows] == ["bf16", "int8", "nf4"]
-    assert rows[0][1] == "17.2 GB" and rows[0][2] == "does not fit"
+    assert rows[0][1] == "18 GB" and rows[0][2] == "does not fit"
     assert rows[1][2] == "fits ← will be used" and t.item(1, 0).font().bold()
     assert rows[2][2] == "fits" and not t.item(2, 0).font().bold()
     assert "int8 weights" in d.plan_label.text()
+    # a node that says what each needs with room for the conversations: that, in the
+    # model list's rounding, beside the plan's one figure for the same
+    plan = _plan()
+    for r in plan["precisions"]:
+        r["needs_here_bytes"] = r["needs_bytes"] = int(r["here_bytes"] / 0.6)
+    plan["needs_here_bytes"] = plan["precisions"][1]["needs_here_bytes"]
+    d._show_plan(plan, None)
+    assert t.item(1, 1).text() == "17 GB" and "Memory needed here: 17 GB" in d.plan_label.text()
 
     # a CPU computes "bf16" at float32; without bitsandbytes the quantized rows say so;
     # friends' stages: this computer's part of the whole
@@ -141,7 +149,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     d._show_plan(plan, None)
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert rows[0][0] == "full (float32)" and rows[0][2] == "fits ← will be used"
-    assert rows[0][1] == "8.6 GB (of 17.2 GB in all)"
+    assert rows[0][1] == "8.6 GB (of 18 GB in all)"
     assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
 
     # an error clears it; a reply from a node without per-precision rows shows none
@@ -323,3 +331,25 @@ def test_an_invite_out_is_shown_again_and_can_be_withdrawn(qtbot, tmp_path, monk
         assert not d.stop_waiting_button.isVisibleTo(d)
     finally:
         c.shutdown()
+
+
+def test_why_start_asks_again_is_scrolled_into_view(dialog, qtbot):
+    """Pressing "Start hosting" while a model runs renamed the button to "Stop it and host"
+    and said why below the tables, out of sight: it seemed to do nothing."""
+    d = dialog
+    d.resize(620, 420)
+    d.show()
+    d.c.status = {"state": "serving", "hosting": {"model": "SmolLM2 135M", "friends": [], "stages": []}}
+    d.on_status(d.c.status)
+    d.split_table.setRowCount(12)          # a tall split table, as a ring of friends has
+    d.weights_table.show()
+    d.invitees.setValue(0)
+    d.start()
+    assert d.start_button.text() == "Stop it and host" and "is running now" in d.result.text()
+
+    def in_view() -> bool:
+        top = d.result.mapTo(d.scroll.viewport(), d.result.rect().topLeft()).y()
+        return 0 <= top < d.scroll.viewport().height()
+
+    qtbot.waitUntil(in_view, timeout=2000)
+    assert d.scroll.verticalScrollBar().value() > 0
