@@ -306,7 +306,13 @@ class ChatWindow(QMainWindow):
             self.url_field.clear()
             self.ring_view.hide()
             sharing = st.get("sharing") or {}
-            if state != "error" and (sharing.get("joined") or sharing.get("layers")):
+            joined = sharing.get("joined") or {}
+            if state != "error" and joined and not sharing.get("joining") and not joined.get("via"):
+                # the tunnel to the host is down (it reconnects by itself)
+                self.model_label.setText("Your friend's computer cannot be reached now")
+                self.pipeline_label.setText("This computer's share waits for it and takes part again when "
+                                            "it is back (asleep, or Potluck closed there?).")
+            elif state != "error" and (sharing.get("joined") or sharing.get("layers")):
                 # a friend's computer: what it does is help, not "nothing running"
                 self.model_label.setText("Sharing this computer with a friend's pipeline")
                 self.pipeline_label.setText("Its chat is on your friend's computer. To chat here too, choose "
@@ -344,6 +350,10 @@ class ChatWindow(QMainWindow):
     def on_node_lost(self, why: str):
         self.show_banner(why + " Your conversations are safe.", restart=True)
         self.model_label.setText("The Potluck engine is not running")
+        # what it was doing is over: no figures of a pipeline that is gone
+        self.pipeline_label.setText("Restart it with the button above.")
+        self.ring_view.hide()
+        self.progress_box.hide()
         self.url_field.clear()
         if self.stream is not None:
             self.stream.stop()

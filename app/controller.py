@@ -137,9 +137,11 @@ class Controller(QObject):
         return True
 
     def restart(self) -> bool:
+        """The engine anew, finishing from the event loop as the first start does: a
+        restart that waited froze every window for as long as the engine took to start."""
         if self.node is not None:
             self.node.stop()
-        return self.start_node()
+        return self.start_node(wait=False)
 
     def _on_exit(self, code: int):
         if not self._closing:
@@ -268,7 +270,11 @@ class Controller(QObject):
         self.client.call("POST", "/plan", request, cb=cb)
 
     def stop_waiting(self, cb=None):
-        """The invite withdrawn while no friend has joined: what serves meanwhile goes on."""
+        """The invite withdrawn while no friend has joined: what serves meanwhile goes on
+        (and is what a restart brings back: no invite to say has ended)."""
+        if self.last_host is not None:
+            for key in ("friends", "listen", "relay"):
+                self.last_host.pop(key, None)
         self._act("POST", "/stop", {"what": "invite"}, cb)
 
     def stop_hosting(self, cb=None):

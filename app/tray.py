@@ -130,6 +130,7 @@ class Shell(QObject):
         controller.notice.connect(self.on_notice)
         self.state = "idle"
         self.closed = False
+        self._share_hint: str | None = None   # the how-to-join line, while it is the chat's hint
 
     # ---- status --------------------------------------------------------------------
     def on_status(self, st: dict):
@@ -140,6 +141,11 @@ class Shell(QObject):
         self.share_action.blockSignals(False)
         # what there is to share: no GPU found, the processor is what friends would get
         self.share_action.setText("Share this computer" if has_gpu(st) is False else "Share this GPU")
+        if self._share_hint and self.chat.hint.text() == self._share_hint and \
+                (not sh.get("on") or sh.get("joined") or sh.get("layers")):
+            # how to take part, said when sharing was switched on: done, or no longer so
+            self.chat.hint.clear()
+            self._share_hint = None
         if self.tray is not None:
             self.tray.setIcon(state_icon(self.state))
             self.tray.setToolTip(tooltip(st))
@@ -166,6 +172,7 @@ class Shell(QObject):
     def _share_answered(self, result, error):
         """Switched on: what is now offered, and how a friend reaches it, in words."""
         self.say(error or share_news(result or {}), error=bool(error))
+        self._share_hint = None if error else self.chat.hint.text()
 
     def say(self, text: str, error: bool = False):
         self.chat.show_hint(text, error=error)

@@ -229,3 +229,29 @@ def test_a_friends_computer_says_it_shares_not_that_nothing_runs(chat_window):
     assert "Sharing this computer" in w.model_label.text() and "No pipeline" not in w.model_label.text()
     w.on_status({"state": "idle", "sharing": {"on": False}})
     assert w.model_label.text() == "No pipeline is running"
+
+
+def test_a_friends_computer_says_when_the_host_cannot_be_reached(chat_window):
+    """After the host quit, the friend's chat header still read "Sharing this computer with
+    a friend's pipeline" for as long as the host was gone."""
+    w = chat_window
+    joined = {"on": True, "layers": [0, 11], "connected": True, "joined": {"pipeline": "ab12", "via": "direct"}}
+    w.on_status({"state": "sharing", "sharing": joined})
+    assert "Sharing this computer" in w.model_label.text()
+    gone = dict(joined, connected=False, joined={"pipeline": "ab12", "via": None})
+    w.on_status({"state": "sharing", "sharing": gone})
+    assert "cannot be reached" in w.model_label.text() and "waits for it" in w.pipeline_label.text()
+    # while it joins (no tunnel yet), it is not said to be gone
+    w.on_status({"state": "sharing", "sharing": dict(gone, joining={"pipeline": "ab12", "reply_code": None})})
+    assert "cannot be reached" not in w.model_label.text()
+
+
+def test_a_lost_engine_leaves_no_figures_of_the_pipeline_it_ran(chat_window):
+    w = chat_window
+    w.show()
+    w.on_status({"state": "serving", "hosting": {"model": "SmolLM2", "openai_url": "http://x/v1",
+                                                 "tokens_served": 175, "ring": [{"who": "This computer"}]}})
+    assert "175 tokens" in w.pipeline_label.text() and w.ring_view.isVisibleTo(w)
+    w.on_node_lost("The Potluck engine stopped unexpectedly (exit code -9).")
+    assert "175" not in w.pipeline_label.text() and not w.ring_view.isVisibleTo(w)
+    assert w.banner.isVisibleTo(w) and w.restart_button.isVisibleTo(w)

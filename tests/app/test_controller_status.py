@@ -114,3 +114,64 @@ def test_a_restart_after_a_crash_hosts_alone_what_was_hosted_with_friends(qtbot,
     finally:
         c.timer.stop()
         c.shutdown()
+
+
+def test_an_invite_withdrawn_is_not_said_to_have_ended_after_a_restart(qtbot, tmp_path, monkeypatch):
+    """The person withdrew the invite ("Stop waiting"), the engine restarted: the app said
+    in red that the friends' invite ended with it, and to invite them again."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from types import SimpleNamespace
+
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    calls = []
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
+    c.client.attach = lambda url, token: None
+    notices = []
+    c.notice.connect(notices.append)
+    try:
+        c.last_host = {"model": "default", "stages": 0, "friends": 1, "listen": "0.0.0.0:7870", "weights": "auto"}
+        c.stop_waiting()
+        assert ("/stop", {"what": "invite"}) in calls
+        c.node = SimpleNamespace(url="http://127.0.0.1:1", token="t", stop=lambda: None)
+        c._attach()
+        assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
+        assert notices == []
+    finally:
+        c.timer.stop()
+        c.shutdown()
+
+
+def test_how_to_join_is_said_while_it_helps_and_goes_once_joined_or_off(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+    from app.tray import Shell
+
+    c = Controller(Settings(host_on_start=False), history=History(None, keep=False))
+    c.client.call = lambda *a, **kw: None
+    shell = Shell(c, use_tray=False)
+    try:
+        on = {"state": "idle", "sharing": {"on": True}}
+        shell._share_answered(on, None)
+        assert shell.chat.hint.text().startswith("Sharing is on.")
+        shell.on_status(on)                                  # still waiting: still said
+        assert shell.chat.hint.text().startswith("Sharing is on.")
+        shell.on_status({"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "ab", "via": "direct"}}})
+        assert shell.chat.hint.text() == ""
+        shell._share_answered(on, None)
+        shell.on_status({"state": "idle", "sharing": {"on": False}})   # switched off
+        assert shell.chat.hint.text() == ""
+        shell.chat.show_hint("something else")
+        shell.on_status({"state": "idle", "sharing": {"on": False}})
+        assert shell.chat.hint.text() == "something else"        # only its own line goes
+    finally:
+        shell.closed = True
+        c.timer.stop()
+        c.shutdown()
