@@ -288,6 +288,14 @@ class HostDialog(QDialog):
         st = controller.status or {}
         if (st.get("loading") or {}).get("invite"):
             self.started = True
+            asked = st.get("host_request") or {}
+            if asked.get("model"):   # what was asked for, not this window's defaults
+                i = self.model.findData(asked["model"])
+                if i >= 0:
+                    self.model.setCurrentIndex(i)
+                else:
+                    self.model.setEditText(str(asked["model"]))
+            self.invitees.setValue(int(asked.get("friends") or 0))
             self.progress.show()
             self.start_button.setEnabled(False)
             self.on_status(st)

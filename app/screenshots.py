@@ -117,7 +117,10 @@ def capture(out: Path, threads: int | None):
         host.close()
 
         join = shell.open_join()
-        join.code.setText("alices-pipeline")
+        # by a pipeline's name (under Advanced): a code needs a host to answer it, and a name
+        # typed where the code goes is refused as no code
+        join.advanced.setChecked(True)
+        join.pipeline.setText("alices-pipeline")
         join.port.setValue(0)
         settle(app, 0.3)
         shoot(join, out / "join-dialog.png")

@@ -121,6 +121,13 @@ def status_html(st: dict) -> str:
     out = [f"<h3>{headline}</h3>"]
     if st.get("error"):
         out.append(f"<p style='color:#b91c1c'>{html.escape(st['error'])}</p>")
+    loading = st.get("loading") or {}
+    if loading.get("message"):
+        # what loads and how far, as the chat window's bars show it ("Starting…" said nothing)
+        parts = [f"{p.get('what') or 'loading'} {100 * min(1.0, p['done'] / p['total']):.0f}%"
+                 for _, p in sorted((loading.get("stages") or {}).items()) if p.get("total")]
+        out.append(f"<p>{html.escape(loading['message'])}"
+                   + (f" — {html.escape(', '.join(parts))}" if parts else "") + "</p>")
     h = st.get("hosting")
     if h:
         ring_rows = h.get("ring") or []

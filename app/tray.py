@@ -30,7 +30,8 @@ def state_icon(state: str) -> QIcon:
 
 
 # the node's state, as the tray's first line says it
-TIP_WORDS = {"idle": "ready", "loading": "starting", "sharing": "sharing", "serving": "hosting",
+# ("idle" is no model running: "ready" read as if the chat answered)
+TIP_WORDS = {"idle": "no model running", "loading": "starting", "sharing": "sharing", "serving": "hosting",
              "paused": "sharing paused", "error": "something went wrong"}
 
 
@@ -42,6 +43,8 @@ def tooltip(st: dict) -> str:
     h = st.get("hosting")
     if h:
         lines.append(f"Hosting {h['model']}; {h.get('tokens_served', 0)} tokens written")
+    elif st.get("loading"):
+        lines.append((st["loading"].get("message") or "Loading…")[:120])
     sh = st.get("sharing") or {}
     if sh.get("on"):
         if sh.get("paused"):

@@ -255,3 +255,19 @@ def test_a_lost_engine_leaves_no_figures_of_the_pipeline_it_ran(chat_window):
     w.on_node_lost("The Potluck engine stopped unexpectedly (exit code -9).")
     assert "175" not in w.pipeline_label.text() and not w.ring_view.isVisibleTo(w)
     assert w.banner.isVisibleTo(w) and w.restart_button.isVisibleTo(w)
+
+
+def test_the_tray_says_what_loads_and_never_ready_with_no_model():
+    from app.tray import tooltip
+
+    assert tooltip({"state": "idle"}) == "Potluck — no model running"
+    tip = tooltip({"state": "loading", "loading": {"message": "Loading SmolLM2… (layers 1–30: 40%)", "stages": {}}})
+    assert tip.startswith("Potluck — starting\nLoading SmolLM2…")
+
+
+def test_the_status_window_shows_what_loads_and_how_far():
+    from app.status_dialog import status_html
+
+    page = status_html({"state": "loading", "loading": {"message": "Loading SmolLM2…", "stages": {
+        "0": {"done": 5, "total": 10, "what": "loading weights"}}}})
+    assert "Loading SmolLM2… — loading weights 50%" in page

@@ -311,11 +311,13 @@ def test_an_invite_out_is_shown_again_and_can_be_withdrawn(qtbot, tmp_path, monk
     c.stop_waiting = lambda cb: withdrawn.append(cb)
     c.status = {"state": "serving", "hosting": {"model": "SmolLM2 135M", "friends": [], "stages": []},
                 "loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8",
-                            "arrived": [], "stages": {}}}
+                            "arrived": [], "stages": {}},
+                "host_request": {"model": "default", "friends": 1, "stages": 0}}
     try:
         d = HostDialog(c)
         qtbot.addWidget(d)
         assert d.invite.text() == "0411V-648F8" and d.invite_box.isVisibleTo(d)
+        assert d.invitees.value() == 1          # as asked, not this window's 0
         assert "Waiting for friends" in d.result.text() and not d.start_button.isEnabled()
         assert not d.progress.isVisibleTo(d)            # nothing loads while friends are awaited
         assert d.stop_waiting_button.isVisibleTo(d)
