@@ -68,14 +68,18 @@ class JoinDialog(QDialog):
         gpu = (st or {}).get("gpu") or {}
         cap = self.c.settings.limits.get("vram_cap_mb")
         compute = gpu.get("message") if gpu.get("message") not in (None, "not read yet") else "checking…"
+        # what pauses it by itself (engine/node/sharing.py): the GPU's heat and other programs
+        # on it, or the owner's "only while I am away"; a computer with no GPU has only the last
+        pauses = ("when the GPU runs hot or a game needs it" if gpu.get("gpus") else
+                  "while you are at the computer, if you choose “Share only while I am away” in Settings")
         self.usage.setText(
             f"• Compute: {compute}<br>"
-            f"• Layers: the host assigns a slice that fits your memory"
-            f"{f' (at most {cap:.0f} MB of VRAM, your cap)' if cap else ''}.<br>"
-            "• Disk: only the weight files of your layers are downloaded.<br>"
-            "• Traffic: a few KB per generated token, a few MB per long prompt.<br>"
-            "• You can switch sharing off at any moment (“Share…” in the Potluck menu); it pauses by itself "
-            "when the GPU runs hot or a game needs it.")
+            f"• Memory: your friend's computer gives this one a part of the model that fits its memory"
+            f"{f' (at most {cap:.0f} MB, your limit)' if cap else ''}.<br>"
+            "• Disk: only the files of that part of the model are downloaded.<br>"
+            "• Network: a few KB per word written, a few MB per long message.<br>"
+            f"• You can switch sharing off at any moment (“Share…” in the Potluck menu); it pauses by itself "
+            f"{pauses}.")
 
     def _error(self, message: str) -> None:
         self.last_error = message

@@ -98,3 +98,13 @@ def test_the_compute_line_follows_the_node_once_it_has_read_the_gpu(dialog):
     d.c.statusChanged.emit({"gpu": {"available": False, "gpus": [],
                                     "message": "No NVIDIA GPU to use (no driver): Potluck computes on the processor."}})
     assert "computes on the processor" in d.usage.text()
+
+
+def test_what_is_used_is_said_in_words_and_for_the_computer_there_is(dialog):
+    d = dialog
+    d.describe({"gpu": {"message": "No NVIDIA GPU: computing on the processor"}})
+    text = d.usage.text()
+    assert "GPU runs hot" not in text and "Share only while I am away" in text
+    assert not any(w in text for w in ("layers", "token", "slice"))
+    d.describe({"gpu": {"message": "NVIDIA GeForce RTX 3060", "gpus": [{"name": "NVIDIA GeForce RTX 3060"}]}})
+    assert "GPU runs hot" in d.usage.text()
