@@ -5,9 +5,10 @@ else until the peer's hello proves it holds a key:
 
   * control connections (a head: configure, shutdown) prove the share's *secret*, which
     the owner hands to friends as part of the share address, `ws://host:port#secret`
-    (a stage on loopback with no secret: this machine's own pipeline, the empty key; a
-    friend's stage behind its tunnel: `tunnel_stage_secret`, which only that friend and
-    the host can compute);
+    (the stages `serve --stages N` starts: a fresh one each, from their parent, through
+    the environment; a `potluck stage` on loopback given none: the empty key; a friend's
+    stage behind its tunnel: `tunnel_stage_secret`, which only that friend and the host
+    can compute);
   * data connections (the previous stage, or the head's own first link) prove the
     pipeline's *route token*, which the authenticated head gives every stage in its
     configure message, so a friend's stage can reach the next one without learning
