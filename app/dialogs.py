@@ -15,7 +15,9 @@ from engine.core.sizes import size_words
 from .secrets_store import get_secret, set_secret
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
-DEFAULT_CHOICE = "default — SmolLM2-135M-Instruct (built in, works offline)"
+# (SmolLM2 135M is there to try Potluck with: its answers are a small model's)
+DEFAULT_NOTE = "(built in, works offline; small, for trying Potluck out: a larger model answers better)"
+DEFAULT_CHOICE = f"default — SmolLM2-135M-Instruct {DEFAULT_NOTE}"
 
 
 def new_api_key() -> str:
@@ -27,7 +29,7 @@ def new_api_key() -> str:
 def model_label(m: dict) -> str:
     """One line of the model list, from the node's /models entry."""
     if m["id"] == "default":
-        return f"default: {m['label']} (built in, works offline)"
+        return f"default: {m['label']} {DEFAULT_NOTE}"
     return m["label"] + (" (accept its license on huggingface.co first)" if m.get("gated") else "")
 
 

@@ -78,7 +78,7 @@ QWEN_DRAFT = "Qwen/Qwen2.5-0.5B-Instruct"
 
 MODELS: list[Entry] = [
     Entry("default", "SmolLM2-135M-Instruct", 134.5e6, _cfg(576, 1536, 30, 9, 3, 49152, True),
-          note="built in, works offline"),
+          note="built in, works offline; small, for trying Potluck out"),
     Entry("Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct", 0.494e9,
           _cfg(896, 4864, 24, 14, 2, 151936, True)),
     Entry("Qwen/Qwen2.5-1.5B-Instruct", "Qwen2.5-1.5B-Instruct", 1.54e9,
