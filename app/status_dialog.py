@@ -188,10 +188,13 @@ def status_html(st: dict) -> str:
         if sh.get("restarts"):
             line += f" — {html.escape(sh.get('stopped') or 'restarted')} ({sh['restarts']}×)"
         out.append(line + "</p>")
-    else:
+    elif "sharing" in st:
         out.append("<p>Sharing this computer: off</p>")
+    else:   # the engine is gone (the app's own account): nothing of it to read, only what to do
+        out.append("<p>Restart it with the button in the chat window; your conversations are safe.</p>")
     gpu = st.get("gpu") or {}
-    out.append(f"<p><b>GPU:</b> {html.escape(gpu.get('message', ''))}</p>")
+    if gpu.get("message"):
+        out.append(f"<p><b>GPU:</b> {html.escape(gpu['message'])}</p>")
     for g in gpu.get("gpus") or []:
         power = f", {g['power_w']:.0f} W" if g.get("power_w") is not None else ""
         out.append(f"<p>{g['name']}: {g['utilization_pct']:.0f}% · {g['memory_used_mb']:.0f}/"

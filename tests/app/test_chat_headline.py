@@ -271,3 +271,12 @@ def test_the_status_window_shows_what_loads_and_how_far():
     page = status_html({"state": "loading", "loading": {"message": "Loading SmolLM2…", "stages": {
         "0": {"done": 5, "total": 10, "what": "loading weights"}}}})
     assert "Loading SmolLM2… — loading weights 50%" in page
+
+
+def test_the_status_window_of_a_lost_engine_says_what_to_do_not_stale_lines():
+    """It said "Sharing this computer: off" (it had been on) and an empty "GPU:" line."""
+    from app.status_dialog import status_html
+
+    page = status_html({"state": "error", "error": "The Potluck engine stopped unexpectedly (exit code -9)."})
+    assert "stopped unexpectedly" in page and "Restart it" in page
+    assert "Sharing this computer" not in page and "GPU:" not in page
