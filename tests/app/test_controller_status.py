@@ -83,67 +83,60 @@ def test_ctrl_enter_while_a_reply_comes_stops_nothing_and_escape_stops_it(qtbot,
         c.shutdown()
 
 
-def test_a_restart_after_a_crash_hosts_alone_what_was_hosted_with_friends(qtbot, tmp_path, monkeypatch):
+@pytest.fixture
+def recorded(qtbot, tmp_path, monkeypatch):
+    """A controller whose node calls are recorded, not sent; (controller, calls, notices).
+    It was hosting with one friend awaited when the engine went."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    calls, notices = [], []
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
+    c.client.attach = lambda url, token: None
+    c.notice.connect(notices.append)
+    c.last_host = {"model": "default", "stages": 0, "friends": 1, "listen": "0.0.0.0:7870", "weights": "auto"}
+    try:
+        yield c, calls, notices
+    finally:
+        c.timer.stop()
+        c.shutdown()
+
+
+def _engine_started_again(c):
+    from types import SimpleNamespace
+
+    c.node = SimpleNamespace(url="http://127.0.0.1:1", token="t", stop=lambda: None)
+    c._attach()
+
+
+def test_a_restart_after_a_crash_hosts_alone_what_was_hosted_with_friends(qtbot, recorded):
     """The engine died while hosting with a friend; Restart hosted the same request again,
     friends included: a new invite nobody held, and the chat "still loading" for good."""
-    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
-    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
-    from types import SimpleNamespace
-
     from app.chat import ENGINE_DOWN, ChatWindow
-    from app.controller import Controller
-    from app.settings import Settings
-    from app.store import History
 
-    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
-    calls = []
-    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
-    c.client.attach = lambda url, token: None
+    c, calls, notices = recorded
     w = ChatWindow(c)
     qtbot.addWidget(w)
-    notices = []
-    c.notice.connect(notices.append)
-    try:
-        w.show_hint(ENGINE_DOWN)            # what a send said while the engine was down
-        c.last_host = {"model": "default", "stages": 0, "friends": 1, "listen": "0.0.0.0:7870", "weights": "auto"}
-        c.node = SimpleNamespace(url="http://127.0.0.1:1", token="t", stop=lambda: None)
-        c._attach()                           # the engine started again
-        assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
-        assert notices and "invite them again" in notices[0].lower()
-        assert w.hint.text() != ENGINE_DOWN
-    finally:
-        c.timer.stop()
-        c.shutdown()
+    w.show_hint(ENGINE_DOWN)            # what a send said while the engine was down
+    _engine_started_again(c)
+    assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
+    assert notices and "invite them again" in notices[0].lower()
+    assert w.hint.text() != ENGINE_DOWN
 
 
-def test_an_invite_withdrawn_is_not_said_to_have_ended_after_a_restart(qtbot, tmp_path, monkeypatch):
+def test_an_invite_withdrawn_is_not_said_to_have_ended_after_a_restart(recorded):
     """The person withdrew the invite ("Stop waiting"), the engine restarted: the app said
     in red that the friends' invite ended with it, and to invite them again."""
-    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
-    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
-    from types import SimpleNamespace
-
-    from app.controller import Controller
-    from app.settings import Settings
-    from app.store import History
-
-    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
-    calls = []
-    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
-    c.client.attach = lambda url, token: None
-    notices = []
-    c.notice.connect(notices.append)
-    try:
-        c.last_host = {"model": "default", "stages": 0, "friends": 1, "listen": "0.0.0.0:7870", "weights": "auto"}
-        c.stop_waiting()
-        assert ("/stop", {"what": "invite"}) in calls
-        c.node = SimpleNamespace(url="http://127.0.0.1:1", token="t", stop=lambda: None)
-        c._attach()
-        assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
-        assert notices == []
-    finally:
-        c.timer.stop()
-        c.shutdown()
+    c, calls, notices = recorded
+    c.stop_waiting()
+    assert ("/stop", {"what": "invite"}) in calls
+    _engine_started_again(c)
+    assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
+    assert notices == []
 
 
 def test_how_to_join_is_said_while_it_helps_and_goes_once_joined_or_off(qtbot, tmp_path, monkeypatch):
