@@ -44,13 +44,26 @@ aten = torch.ops.aten
 HOST_READS = frozenset({
     aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.is_nonzero.default,
     aten.equal.default, aten.masked_select.default, aten.unique_consecutive.default,
-    aten._unique2.default, aten.repeat_interleave.Tensor})
+    aten._unique2.default, aten.repeat_interleave.Tensor, aten.unique_dim.default, aten.bincount.default})
+# indexing by a boolean mask sizes its result by the mask's count: the kernel reads it on
+# the host (a nonzero inside, which the watch does not see as an operator of its own)
+MASK_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+                           aten._index_put_impl_.default})
 # copies: one between host memory and the device inside a capture is refused too
 COPIES = frozenset({aten.copy_.default, aten._to_copy.default})
 
 # torch allows one capture at a time in a process: two stages of one process (a head's
 # own stage and its draft) capture in turn
 _ONE_CAPTURE = threading.Lock()
+# the threads warming up or capturing a step now: such a step does not park at the step
+# gate's checkpoints (engine/core/step_gate.py) -- parked holding _ONE_CAPTURE, the decode
+# step that cut in would wait for the lock to capture its own shape, and the parked one for it
+_CAPTURING = threading.local()
+
+
+def capturing() -> bool:
+    """Whether this thread is warming up or capturing a step for a graph."""
+    return getattr(_CAPTURING, "on", False)
 
 
 def one_capture() -> threading.Lock:
@@ -81,6 +94,14 @@ class HostReadWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in HOST_READS:
             raise HostRead(f"the step reads a device value on the host ({func})")
+        if func == aten.histc.default and _histc_range(args, kwargs)[0] == _histc_range(args, kwargs)[1]:
+            # no range given: the kernel reads the input's min and max on the host (a
+            # mixture of experts counting its tokens gives one, and is captured)
+            raise HostRead(f"the step reads a device value on the host ({func} with no range)")
+        if func in MASK_INDEXING and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                         for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple))
+                                                   else ())):
+            raise HostRead(f"the step indexes by a boolean mask ({func})")
         if func in COPIES:
             kinds = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             dst = kwargs.get("device")
@@ -89,6 +110,13 @@ class HostReadWatch(TorchDispatchMode):
             if "cpu" in kinds and len(kinds) > 1:
                 raise HostRead(f"the step copies between the host and the device ({func})")
         return func(*args, **kwargs)
+
+
+def _histc_range(args, kwargs) -> tuple:
+    """histc(input, bins=100, min=0, max=0)'s (min, max), however they were passed."""
+    lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return lo, hi
 
 
 class GraphRunner:
@@ -115,7 +143,11 @@ class GraphRunner:
         began = []
         try:
             with _ONE_CAPTURE:
-                return self._capture(shape, step, began)
+                _CAPTURING.on = True
+                try:
+                    return self._capture(shape, step, began)
+                finally:
+                    _CAPTURING.on = False
         except Exception as exc:  # noqa: BLE001 -- any failure: this bucket runs eagerly, logged
             reason = f"{type(exc).__name__}: {str(exc)[:300]}"
             log.warning("decode step %s runs without a CUDA graph: %s", shape.label(), reason)

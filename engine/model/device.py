@@ -26,12 +26,16 @@ def attention_kernels(device: torch.device):
     the plan building, on the CPU, was most of the step (bench/RESULTS.md, "GPU"). Flash
     and memory-efficient attention take any length without a plan; the math kernel stays
     as the fallback for what neither supports.
-    """
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    cuDNN's is switched off for the process, not around each step: the switch is one of
+    torch's process-wide flags, and `sdpa_kernel` restores on its way out what it found
+    on its way in, so two threads' steps (a draft beside a verification, the two lanes of
+    decode-first) turned it back on under each other, and a step, or a graph captured
+    then, took cuDNN after all. A stage process computes only its own steps.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return contextlib.nullcontext()
 
 
 class HostStaging:

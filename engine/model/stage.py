@@ -44,6 +44,7 @@ from torch import nn
 from engine.core.precision import INT4
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
+from engine.model.cuda_graphs import capturing
 from engine.model.fused_norms import fuse_rms_norms
 from engine.model.fused_rotary import fuse_rotary
 from engine.model.fused_products import fuse_products
@@ -606,6 +607,8 @@ class StageModel:
         return args, {**kwargs, "alibi": alibi}
 
     def _gate_hook(self, *_):
+        if capturing():   # a graph's warm-up or capture holds the one capture lock: no parking
+            return
         if self.gate.checkpoint() and self.cores is not None:
             self.cores.sync_threads()  # the decode step may have handed back a borrowed core
 

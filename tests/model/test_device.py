@@ -100,15 +100,25 @@ async def test_the_default_model_answers_on_the_gpu_without_a_flag():
 
 def test_gpu_steps_keep_off_cudnn_attention_which_plans_anew_for_every_length():
     """cuDNN's attention builds a plan per key length (each decode token): on an H200 that
-    was most of a batch-1 step. The stage's steps run with it off, and only there."""
+    was most of a batch-1 step. A GPU stage's steps run with it off; a CPU's touch nothing."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with dev.attention_kernels(torch.device("cuda", 0)):
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        with dev.attention_kernels(torch.device("cpu")):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+        # two threads' steps, interleaved: the first out must not switch it back on under
+        # the second (torch's flag is the process's; sdpa_kernel restored what it found)
+        first, second = dev.attention_kernels(torch.device("cuda", 0)), dev.attention_kernels(torch.device("cuda", 0))
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
         assert torch.backends.cuda.math_sdp_enabled()           # the fallback stays
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    with dev.attention_kernels(torch.device("cpu")):
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+        second.__exit__(None, None, None)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def test_a_quiet_stage_trims_once_after_its_last_conversation_and_not_while_busy():
