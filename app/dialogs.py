@@ -10,8 +10,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDia
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
                                QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from engine.core.sizes import size_words
-
+from .gpu_enable import format_size
 from .secrets_store import get_secret, set_secret
 
 # Shown until the node's curated list (GET /models, with sizes) arrives, and if it never does.
@@ -47,10 +46,11 @@ WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "
                    ("int4 — about a quarter of the memory, faster (torch's 4-bit kernels)", "int4")]
 
 
-def _needs(plan: dict) -> int:
-    """The memory the plan needs here: weights and room for the conversations' cache (a
-    node from before it said so: the weights)."""
-    return plan.get("needs_here_bytes", plan["needed_here_bytes"])
+def _needs(plan: dict) -> str:
+    """The memory the plan needs here, in the node's words (weights and room for the
+    conversations' cache, rounded as its model list rounds; a node from before it said
+    so: the weights)."""
+    return plan.get("needs_here_words") or format_size(plan["needed_here_bytes"])
 
 
 def _weights_name(weights: str, plan: dict) -> str:
@@ -395,8 +395,9 @@ class HostDialog(QDialog):
         color = "#15803d" if plan["fits"] else "#b91c1c"
         weights = f" · {_weights_name(plan['weights'], plan)} weights" if plan.get("weights") else ""
         self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
-                                f"Memory needed here: {size_words(_needs(plan), up=True)} · free: "
-                                f"{size_words(plan['available_bytes'])} · {plan['layers']} layers{weights}")
+                                f"Memory needed here: {_needs(plan)} · free: "
+                                f"{plan.get('available_words') or format_size(plan['available_bytes'])} · "
+                                f"{plan['layers']} layers{weights}")
         self._show_precisions(plan)
         self.split_table.setRowCount(len(plan["split"]))
         for i, s in enumerate(plan["split"]):
@@ -418,9 +419,9 @@ class HostDialog(QDialog):
                 verdict = "fits" if r["fits_here"] else "does not fit"
             if chosen:
                 verdict += " ← will be used"
-            here, whole = r.get("needs_here_bytes", r.get("here_bytes", r["bytes"])), r.get("needs_bytes", r["bytes"])
-            size = size_words(here, up=True) if r.get("here_bytes", r["bytes"]) == r["bytes"] else \
-                f"{size_words(here, up=True)} (of {size_words(whole, up=True)} in all)"
+            here = r.get("needs_here_words") or format_size(r.get("here_bytes", r["bytes"]))
+            whole = r.get("needs_words") or format_size(r["bytes"])
+            size = here if r.get("here_bytes", r["bytes"]) == r["bytes"] else f"{here} (of {whole} in all)"
             for col, text in enumerate((name, size, verdict)):
                 item = QTableWidgetItem(text)
                 if chosen:

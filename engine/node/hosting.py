@@ -176,6 +176,9 @@ class Hosting:
             rows.append({"weights": w, "bytes": whole, "here_bytes": here_bytes, "fits_here": here_bytes <= usable,
                          "needs_here_bytes": int(here_bytes / precision.USABLE),
                          "needs_bytes": int(whole / precision.USABLE),
+                         # as the model list rounds them, for the app to show as they are
+                         "needs_here_words": size_words(here_bytes / precision.USABLE, up=True),
+                         "needs_words": size_words(whole / precision.USABLE, up=True),
                          "available": missing is None or w not in precision.QUANTIZED})
         try:
             saved = prequantized(cfg)  # a checkpoint saved quantized loads as it was saved
@@ -217,6 +220,7 @@ class Hosting:
         return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": row["bytes"],
                 "device": self.device, "dtype": compute_dtype(self.device),
                 "needed_here_bytes": local_needed, "needs_here_bytes": need,
+                "needs_here_words": size_words(need, up=True), "available_words": size_words(available),
                 "available_bytes": available, "usable_bytes": int(usable),
                 "fits": fits, "weights": chosen, "requested_weights": weights,
                 "precisions": rows,

@@ -126,7 +126,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     assert t.isVisibleTo(d) and t.rowCount() == 3
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert [r[0] for r in rows] == ["bf16", "int8", "nf4"]
-    assert rows[0][1] == "18 GB" and rows[0][2] == "does not fit"
+    assert rows[0][1] == "17.2 GB" and rows[0][2] == "does not fit"
     assert rows[1][2] == "fits ← will be used" and t.item(1, 0).font().bold()
     assert rows[2][2] == "fits" and not t.item(2, 0).font().bold()
     assert "int8 weights" in d.plan_label.text()
@@ -134,10 +134,10 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     # model list's rounding, beside the plan's one figure for the same
     plan = _plan()
     for r in plan["precisions"]:
-        r["needs_here_bytes"] = r["needs_bytes"] = int(r["here_bytes"] / 0.6)
-    plan["needs_here_bytes"] = plan["precisions"][1]["needs_here_bytes"]
+        r["needs_here_words"] = r["needs_words"] = f"{r['here_bytes'] / 0.6 / 1e9:.0f} GB"
+    plan.update(needs_here_words="16 GB", available_words="17 GB")
     d._show_plan(plan, None)
-    assert t.item(1, 1).text() == "17 GB" and "Memory needed here: 17 GB" in d.plan_label.text()
+    assert t.item(1, 1).text() == "16 GB" and "Memory needed here: 16 GB · free: 17 GB" in d.plan_label.text()
 
     # a CPU computes "bf16" at float32; without bitsandbytes the quantized rows say so;
     # friends' stages: this computer's part of the whole
@@ -149,7 +149,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     d._show_plan(plan, None)
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert rows[0][0] == "full (float32)" and rows[0][2] == "fits ← will be used"
-    assert rows[0][1] == "8.6 GB (of 18 GB in all)"
+    assert rows[0][1] == "8.6 GB (of 17.2 GB in all)"
     assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
 
     # an error clears it; a reply from a node without per-precision rows shows none

@@ -192,10 +192,9 @@ def test_plan_says_what_each_weight_precision_needs_here(node):
     assert plan["needed_here_bytes"] == rows[0]["here_bytes"] and "full (float32)" in plan["message"]  # a CPU computes at float32
     # one figure for what the model needs here, as the model list says it: the weights and
     # room for the conversations (the app showed 897 MB, 538 MB and 0.5 GB for one model)
-    from engine.core.sizes import size_words
-
-    need = size_words(plan["needs_here_bytes"], up=True)
+    need = plan["needs_here_words"]
     assert plan["needs_here_bytes"] > plan["needed_here_bytes"] and f"needs about {need} here" in plan["message"]
+    assert rows[0]["needs_here_words"] == need
     status, listed = call(node, "GET", "/models")
     default = next(m for m in listed["models"] if m["id"] == "default")
     assert status == 200 and f"needs {need}" in default["group"]["words"], (need, default["group"])
