@@ -94,13 +94,11 @@ class HostReadWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in HOST_READS:
             raise HostRead(f"the step reads a device value on the host ({func})")
-        if func == aten.histc.default and _histc_range(args, kwargs)[0] == _histc_range(args, kwargs)[1]:
-            # no range given: the kernel reads the input's min and max on the host (a
-            # mixture of experts counting its tokens gives one, and is captured)
+        if func == aten.histc.default and _histc_without_range(args, kwargs):
+            # the kernel reads the input's min and max on the host (a mixture of experts
+            # counting its tokens gives a range, and is captured)
             raise HostRead(f"the step reads a device value on the host ({func} with no range)")
-        if func in MASK_INDEXING and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                                         for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple))
-                                                   else ())):
+        if func in MASK_INDEXING and _by_mask(args):
             raise HostRead(f"the step indexes by a boolean mask ({func})")
         if func in COPIES:
             kinds = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
@@ -112,11 +110,17 @@ class HostReadWatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _histc_range(args, kwargs) -> tuple:
-    """histc(input, bins=100, min=0, max=0)'s (min, max), however they were passed."""
+def _histc_without_range(args, kwargs) -> bool:
+    """histc(input, bins=100, min=0, max=0) with min == max, however they were passed."""
     lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
     hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
-    return lo, hi
+    return lo == hi
+
+
+def _by_mask(args) -> bool:
+    """Whether an index / index_put's indices (its second argument) hold a boolean mask."""
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
 class GraphRunner:

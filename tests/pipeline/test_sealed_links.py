@@ -202,19 +202,25 @@ async def test_another_program_on_this_machine_cannot_drive_the_pipelines_own_st
     """The stage processes `serve --stages N` starts listen on loopback, where every program
     and every user of this computer reaches them, and a control connection drives a stage
     (a model by path, shutdown). Each is given a fresh secret through its environment,
-    which only this user's processes read, never on its command line, which everyone's do."""
-    from engine.pipeline.local import LocalStages
+    which only this user's processes read, never on its command line, which everyone's do.
+    As users run it: `serve --stages 2` with no other setting."""
     from engine.wire.stage_auth import split_address
 
-    local = LocalStages(1, threads=THREADS)
+    pipe = await launch(PipelineConfig(model="default", stages=2))
     try:
-        (address,) = await local.start()
+        (proc,), (address,) = pipe.local.procs, pipe.local.addresses
         url, secret = split_address(address)
-        assert secret and url == f"ws://127.0.0.1:{local.ports[0]}"
+        assert secret and pipe.head.remotes[0].address == url == f"ws://127.0.0.1:{pipe.local.ports[0]}"
         with pytest.raises(NotAuthorized):
             await connect_stage(url, "control", "local", timeout=30)
-        cmdline = open(f"/proc/{local.procs[0].pid}/cmdline", "rb").read()
-        assert secret.encode() not in cmdline
-        await (await head_link(address)).close()      # the head that started it: in
+        assert secret.encode() not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
+        assert secret not in json.dumps(pipe.head.info())       # nor in what the head shows
+        prompt = pipe.head.chat_prompt([{"role": "user", "content": "Hello"}])
+        from engine.core.sampling import SamplingParams
+
+        done = None
+        async for ev in pipe.head.submit(list(prompt), SamplingParams(greedy=True, max_tokens=4)):
+            done = ev
+        assert done is not None and getattr(done, "error", None) is None   # its own head: in
     finally:
-        await local.stop()
+        await pipe.close()
