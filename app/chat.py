@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
 
 from .client import ChatStream
 from .message_view import MessageView, stats_line
-from .pipeline_text import hop_label, speculation_label
+from .pipeline_text import hop_label, speculation_label, tokens_written
 from .ring_view import RingView
 from .store import FINISHES, ConversationGone, DamagedConversation, Message
 
@@ -293,8 +293,7 @@ class ChatWindow(QMainWindow):
             self.ring_view.set_rows(rows, rows[0].get("tokens_per_s") if rows else None)
             self.ring_view.show()
             parts = [hop_label(h) for h in hosting.get("hops") or []]
-            n = hosting.get("tokens_served", 0)
-            parts.append(f"{n:,} token{'' if n == 1 else 's'} written so far")
+            parts.append(tokens_written(hosting.get("tokens_served", 0)) + " so far")
             spec = speculation_label(hosting)
             if spec:
                 parts.append(spec)

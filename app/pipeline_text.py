@@ -5,6 +5,11 @@ words (engine/node/ring_view.py)."""
 from __future__ import annotations
 
 
+def tokens_written(n: int) -> str:
+    """'1 token written', '1,234 tokens written': the tray, the chat's header and Pipeline
+    status count the host's output in the same words."""
+    return f"{n:,} token{'' if n == 1 else 's'} written"
+
 
 def speculation_label(hosting: dict) -> str:
     """'guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right' where

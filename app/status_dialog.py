@@ -9,7 +9,7 @@ import time
 
 from PySide6.QtWidgets import QDialog, QHBoxLayout, QPushButton, QTextBrowser, QVBoxLayout
 
-from .pipeline_text import hop_label, speculation_label
+from .pipeline_text import hop_label, speculation_label, tokens_written
 from .ring_view import RingView
 
 
@@ -132,7 +132,7 @@ def status_html(st: dict) -> str:
     if h:
         ring_rows = h.get("ring") or []
         rate = ring_rows[0].get("tokens_per_s") if ring_rows else None
-        out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {h.get('tokens_served', 0)} tokens written"
+        out.append(f"<p><b>Hosting {html.escape(h['model'])}</b> — {tokens_written(h.get('tokens_served', 0))}"
                    + (f", {rate:.1f} tokens/s served over the last 10 s" if rate else "")
                    + f"; {_count(h.get('running', 0), 'conversation')} being answered, "
                      f"{h.get('waiting') or 'none'} waiting<br>"

@@ -19,6 +19,7 @@ from .settings_dialog import SettingsDialog
 from .status_dialog import StatusDialog
 from .gpu_dialog import GpuEnableDialog, GpuOffer
 from .gpu_enable import offer_label
+from .pipeline_text import tokens_written
 
 STATES = ("idle", "loading", "sharing", "serving", "paused", "error")
 
@@ -42,7 +43,7 @@ def tooltip(st: dict) -> str:
         lines.append(st["error"][:120])
     h = st.get("hosting")
     if h:
-        lines.append(f"Hosting {h['model']}; {h.get('tokens_served', 0)} tokens written")
+        lines.append(f"Hosting {h['model']}; {tokens_written(h.get('tokens_served', 0))}")
     elif st.get("loading"):
         lines.append((st["loading"].get("message") or "Loading…")[:120])
     sh = st.get("sharing") or {}
