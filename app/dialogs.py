@@ -8,7 +8,8 @@ import html
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFormLayout, QFrame,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
-                               QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QToolButton, QVBoxLayout,
+                               QWidget)
 
 from .gpu_enable import format_size
 from .secrets_store import get_secret, set_secret
@@ -61,21 +62,35 @@ def _weights_name(weights: str, plan: dict) -> str:
     return weights
 
 
-def advanced_box(lay) -> tuple[QGroupBox, QFormLayout]:
+def advanced_box(lay) -> tuple[QToolButton, QFormLayout]:
     """A folded "Advanced" section appended to lay (its form inside): ports, relays,
-    addresses and keys, which work as they are for most people."""
-    box = QGroupBox("Advanced")
-    box.setObjectName("advanced")
-    box.setCheckable(True)
-    box.setChecked(False)
+    addresses and keys, which work as they are for most people. Folded it is one line, an
+    arrow and its name (a checkable group box drew an empty frame under its title, which
+    read as a field to fill in); the toggle it returns folds and unfolds it."""
+    section = QWidget()
+    section.setObjectName("advanced")        # visible_text: what is in here is exempt
+    col = QVBoxLayout(section)
+    col.setContentsMargins(0, 0, 0, 0)
+    toggle = QToolButton()
+    toggle.setText("Advanced")
+    toggle.setCheckable(True)
+    toggle.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+    toggle.setArrowType(Qt.RightArrow)
+    toggle.setAutoRaise(True)
     inner = QWidget()
     form = QFormLayout(inner)
-    form.setContentsMargins(0, 0, 0, 0)
-    QVBoxLayout(box).addWidget(inner)
+    form.setContentsMargins(16, 0, 0, 0)
     inner.setVisible(False)
-    box.toggled.connect(inner.setVisible)
-    lay.addWidget(box)
-    return box, form
+
+    def fold(unfolded: bool):
+        toggle.setArrowType(Qt.DownArrow if unfolded else Qt.RightArrow)
+        inner.setVisible(unfolded)
+
+    toggle.toggled.connect(fold)
+    col.addWidget(toggle, 0, Qt.AlignLeft)
+    col.addWidget(inner)
+    lay.addWidget(section)
+    return toggle, form
 
 
 class HostDialog(QDialog):

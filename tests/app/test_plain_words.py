@@ -21,8 +21,14 @@ def test_engine_words_are_found_where_a_person_sees_them_and_not_under_advanced(
     lay.addWidget(QLabel("Connected to ws://10.0.0.2:7860 — <b>NVMLError_LibraryNotFound</b>"))
     lay.addWidget(QLabel("ClientConnectorError: cannot connect"))
     box, form = advanced_box(lay)
-    form.addRow("Accept friends on:", QLabel("0.0.0.0:7870"))
+    port = QLabel("0.0.0.0:7870")
+    form.addRow("Accept friends on:", port)
+    w.show()
+    # folded, the section is its one line (no empty frame beneath that reads as a field)
+    assert not port.isVisible() and box.isVisible() and box.text() == "Advanced"
+    assert box.parentWidget().sizeHint().height() <= box.sizeHint().height() + 2
     box.setChecked(True)          # even unfolded, Advanced is exempt
+    assert port.isVisible()
     found = sorted(word for word, _ in engine_words(w))
     assert found == ["ClientConnectorError", "Error_", "NVML", "ws://"], found
     assert [word for word, _ in engine_words(QLabel("19 of 30 layers, direct, 23 ms"))] == []
