@@ -27,8 +27,10 @@ _JOIN = (
                                    "so Potluck did not connect. Ask your friend for a new code."),
     ("another pipeline", "Your friend's computer now hosts a different pipeline. Ask them for a new code."),
     ("short code needs", "A short code needs the relay your friend uses too: fill it in under Advanced."),
-    ("Potluck is not hosting there", "Your friend's computer answered, but Potluck is not hosting there now. "
-                                     "Ask them to open Potluck and host again, then try this code again."),
+    ("not hosting there now", "Your friend's computer (or their router) turned the connection away: most "
+                              "likely Potluck is not hosting there now. Ask them to open Potluck and host "
+                              "again, then try this code again. If it is hosting, they can host with a relay, "
+                              "or turn on UPnP on their router."),
     ("reply code within", "Your friend did not connect with this computer's reply code in time, so joining "
                           "stopped. Check with them that they are hosting now (an invite they withdrew no "
                           "longer works), then join again."),

@@ -13,11 +13,11 @@ def test_each_reason_says_what_happened_and_what_to_do_without_the_engines_words
     cases = {ACCOUNT: "new code",
              "could not reach the host's pipeline: cannot reach the host: direct (lan) ws://10.0.0.2:7870: "
              "[Errno 113] No route to host": "relay",
-             # every address refused: the computer is there, Potluck is not hosting (tunnel_join)
+             # every address refused: most likely Potluck is not hosting there (tunnel_join)
              "could not reach the host's pipeline: cannot reach the host: direct (lan) ws://10.0.0.2:7870: "
-             "[Errno 111] Connect call failed ('10.0.0.2', 7870). The host's computer answered, but Potluck is "
-             "not hosting there now: ask them to start it (`potluck host`, or Host a pipeline… in the app)":
-                 "not hosting there now",
+             "[Errno 111] Connect call failed ('10.0.0.2', 7870). Something at the host's address turned the "
+             "connection away: most likely Potluck is not hosting there now: ask them to start it":
+                 "most likely Potluck is not hosting there now",
              "that invite code cannot be used: this invite has expired": "expired",
              "that invite code cannot be used: a typo? the check characters do not match": "copied all of it",
              "that invite code cannot be used: this code has a typo (its checksum does not match): copy it again":
