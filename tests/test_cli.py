@@ -204,6 +204,27 @@ def test_sampling_can_be_changed_while_chatting():
     assert sampling_defaults({"top_p": 7}) == CHAT_DEFAULTS
 
 
+def test_a_chat_command_is_its_first_word_and_nothing_unasked_runs():
+    """The README's promise: a mistyped /command is said to be unknown, not sent to the
+    model; a command with words after it that takes none is said too, not run."""
+    from engine.pipeline.terminal import chat_command, command_refused, set_sampling
+
+    assert chat_command("/quit") == ("/quit", "") and chat_command("/QUIT") == ("/quit", "")
+    assert chat_command("/set top-p 0.5") == ("/set", "top-p 0.5")
+    assert chat_command("/settings") == ("/settings", "") and chat_command("/?") == ("/?", "")
+    for message in ("hello /quit", "//quit is a word", "/usr/bin is a path", "/"):
+        assert chat_command(message) is None, message
+    assert command_refused("/quit", "") is None and command_refused("/set", "top-k 4") is None
+    assert command_refused("/help", "me") is None          # help is help, whatever follows
+    for word, rest in (("/quit", "extra"), ("/reset", "now"), ("/retry", "please")):
+        assert "takes nothing after it" in command_refused(word, rest)
+    assert command_refused("/settings", "").startswith("unknown command /settings")
+    s = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
+    # the usage shows where sampling stands, and a bad value is said in the words typed
+    assert "now: temperature 0.7" in set_sampling(s, "/set")
+    assert set_sampling(s, "/set top-p 2").startswith("cannot set top-p: top-p must be")
+
+
 def test_the_penalty_flags_take_openais_range():
     args = build_parser().parse_args(["chat", "--presence-penalty", "0.5", "--frequency-penalty", "-2"])
     assert (args.presence_penalty, args.frequency_penalty) == (0.5, -2.0)
@@ -238,12 +259,15 @@ def test_potluck_chat_as_it_starts_takes_min_p_and_retry():
     import sys
 
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--min-p", "0.1", "--max-tokens", "16",
-                        "--prompt", "What is the capital of France?", "--prompt", "/retyr", "--prompt", "/retry",
+                        "--prompt", "What is the capital of France?", "--prompt", "/retyr", "--prompt", "/Reset now",
+                        "--prompt", "/retry",
                         "--prompt", "word " * 9000],
                        capture_output=True, text=True, timeout=600)
     assert "min-p 0.1" in p.stderr
     assert p.stdout.count("bot> ") == 2 and "no reply to draw again" not in p.stdout, p.stdout
     assert "unknown command /retyr" in p.stdout     # a typo is not sent to the model
+    # nor words after a command: said, and the conversation not cleared (/retry found its reply)
+    assert "(/reset takes nothing after it" in p.stdout
     # a message too long for the window is said, and a script hears it in the exit status
     assert "(cannot send: the prompt has" in p.stdout and p.returncode == 1, p.stderr[-2000:]
     # stderr is no terminal here: the loading bars write a line per part, not redraws

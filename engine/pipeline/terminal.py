@@ -147,7 +147,8 @@ def set_sampling(sampling: dict, line: str) -> str:
     """`/set NAME VALUE`: change one sampling setting; returns what to tell the user."""
     parts = line.split()
     if len(parts) != 3 or parts[1].replace("-", "_") not in sampling:
-        return f"usage: /set NAME VALUE, NAME one of {', '.join(k.replace('_', '-') for k in sampling)}"
+        return (f"usage: /set NAME VALUE, NAME one of {', '.join(k.replace('_', '-') for k in sampling)}; "
+                f"now: {describe(sampling)}")
     name = parts[1].replace("-", "_")
     try:
         value = int(parts[2]) if name == "top_k" else float(parts[2])
@@ -155,14 +156,37 @@ def set_sampling(sampling: dict, line: str) -> str:
         return f"cannot set {parts[1]}: {parts[2]!r} is not a {'whole ' if name == 'top_k' else ''}number"
     try:
         SamplingParams(**{**sampling, name: value}).validate()
-    except (ValueError, SamplingError) as exc:
-        return f"cannot set {parts[1]}: {exc}"
+    except (ValueError, SamplingError) as exc:   # in the words it was set with: top-p, not top_p
+        return f"cannot set {parts[1]}: {str(exc).replace(name, parts[1])}"
     sampling[name] = value
     return f"sampling: {describe(sampling)}"
 
 
-KNOWN = ("/quit", "/exit", "/reset", "/retry", "/set")
+KNOWN = ("/quit", "/exit", "/reset", "/retry", "/set", "/help", "/?")
 COMMANDS = "/reset clears the conversation, /retry draws the last reply again, /set NAME VALUE changes sampling, /quit leaves"
+
+
+def chat_command(line: str) -> tuple[str, str] | None:
+    """('/reset', '') for a line that is a command (its word in lower case, what follows
+    it), None for a message: a line not starting with '/', one starting with '//' (the
+    escape), or one whose first word is no command's shape ('/usr/bin is a path')."""
+    if not line.startswith("/") or line.startswith("//"):
+        return None
+    word, _, rest = line.partition(" ")
+    if not re.fullmatch(r"/\w+|/\?", word):
+        return None
+    return word.lower(), rest.strip()
+
+
+def command_refused(word: str, rest: str) -> str | None:
+    """Why a command line is not run, or None: an unknown word is a typo, and words after
+    a command that takes none were meant as something else ('/reset now' clears nothing
+    unasked, '/quit extra' does not quit): either way it is said, never sent to the model."""
+    if word not in KNOWN:
+        return f"unknown command {word}: {COMMANDS}; start a message with // to send one that begins with /"
+    if rest and word in ("/quit", "/exit", "/reset", "/retry"):
+        return f"{word} takes nothing after it: type {word} alone, or start a message with // to send it"
+    return None
 
 
 async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, sampling: dict | None = None,
@@ -205,29 +229,33 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
         line = line.strip()
         if not line:
             continue
-        if line in ("/quit", "/exit"):
+        command = chat_command(line)
+        word, rest = command or ("", "")
+        if command and (refused := command_refused(word, rest)):
+            print(f"({refused})")
+            continue
+        if word in ("/quit", "/exit"):
             break
-        if line == "/reset":
+        if word == "/reset":
             messages.clear()
             shown_dropped = 0
             print("(conversation cleared)")
             continue
-        if line.startswith("/set"):
+        if word == "/set":
             print(f"({set_sampling(settings, line)})")
             continue
-        word = line.split()[0]
-        if line in ("/help", "/?") or (re.fullmatch(r"/\w+", word) and word not in KNOWN):
-            # a typo of a command would otherwise go to the model as a message
-            said = "" if line in ("/help", "/?") else f"unknown command {word}: "
-            print(f"({said}{COMMANDS}; start a message with // to send one that begins with /)")
+        if word in ("/help", "/?"):
+            print(f"({COMMANDS}; start a message with // to send one that begins with /)")
             continue
         if line.startswith("//"):
             line = line[1:]
         retried = None
-        if line == "/retry":   # the last reply out, the conversation before it sent again
+        if word == "/retry":   # the last reply out, the conversation before it sent again
             if not messages or messages[-1]["role"] != "assistant":
                 print("(no reply to draw again yet)")
                 continue
+            if describe(settings).startswith("greedy"):
+                print("(greedy sampling draws the same reply again: /set temperature 0.7 to draw another)")
             retried = messages.pop()
             retries += 1
         else:
