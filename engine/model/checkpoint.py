@@ -45,27 +45,37 @@ class SafetensorsCheckpoint:
             yield lambda name: handles[wanted[name]].get_slice(name)
 
 
+def gguf_header(path: Path):
+    """The GGUF file's header, its tensor table checked against the file's size: a file cut
+    short (a download stopped part way) is named so, with what to do, before anything else
+    reads it and fails deep inside a parser."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    path = Path(path)
+    try:
+        header = GgufHeader.from_file(str(path))
+    except Exception as exc:  # a corrupt table reads as any of IndexError, struct.error, ValueError...
+        raise ModelError(f"{path.name} is not a GGUF file Potluck can read ({type(exc).__name__}: {exc}); "
+                         "it may be truncated or corrupted: download it again") from None
+    size = path.stat().st_size
+    for t in header.tensors:
+        if header.data_start + t.offset + t.nbytes > size:
+            raise ModelError(f"{path.name} is truncated: tensor {t.name} ends past the end of the "
+                             f"file ({size} bytes); download it again")
+    return header
+
+
 class GgufCheckpoint:
     """A GGUF file's tensors under their transformers names (llama.cpp's naming undone)."""
 
     def __init__(self, path: Path, model, cfg):
         """model: the whole (meta-device) model, before any layer is cut: the name map
         is worked out from its parameter names, as transformers' GGUF loader does."""
-        from transformers.integrations.gguf.reader import GgufHeader
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.path = Path(path)
         self.files_opened = [self.path.name]
-        try:
-            self.header = GgufHeader.from_file(str(self.path))
-        except Exception as exc:  # a corrupt table reads as any of IndexError, struct.error, ValueError...
-            raise ModelError(f"{self.path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
-                             "it may be truncated or corrupted: download it again") from None
-        size = self.path.stat().st_size
-        for t in self.header.tensors:
-            if self.header.data_start + t.offset + t.nbytes > size:
-                raise ModelError(f"{self.path.name} is truncated: tensor {t.name} ends past the end of the "
-                                 f"file ({size} bytes); download it again")
+        self.header = gguf_header(self.path)
         arch = self.header.architecture
         if arch in _MERGED_EXPERTS:
             # their GGUF stores experts merged, and transformers' processor hands them back

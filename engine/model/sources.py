@@ -159,6 +159,9 @@ def gguf_metadata(gguf: Path, log=print) -> Path:
     out = cache_dir() / "gguf" / f"{gguf.stem}-{h.hexdigest()[:16]}"
     if (out / "potluck-gguf.json").exists():
         return out
+    from engine.model.checkpoint import gguf_header
+
+    gguf_header(gguf)   # a file cut short is said so, not as the tokenizer reader's error
     log(f"Reading {gguf.name}'s config and tokenizer (once)...")
     import shutil
     import tempfile
