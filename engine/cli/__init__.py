@@ -91,8 +91,11 @@ def _stage_count(args) -> str:
 
 def _loading(args) -> str:
     """The line said before a pipeline loads (seconds to minutes: the terminal is not blank)."""
+    from engine.model.sources import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
     n = _stage_count(args)
-    return f"Loading {args.model}" + (f" on {n} stage(s)..." if n else "...")
+    name = f"the default model ({DEFAULT_MODEL_NAME})" if args.model == DEFAULT_MODEL else args.model
+    return f"Loading {name}" + (f" on {n} stage(s)..." if n else "...")
 
 
 def _describe(head) -> str:

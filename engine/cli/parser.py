@@ -31,7 +31,7 @@ def add_pipeline_args(p):
                         "CPU), cpu, cuda or cuda:N")
     g.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
                    help="how finely the weights are stored: auto (default: the finest the machines' memory "
-                        "holds), bf16 (as published), int8 or nf4 (about 1/2 and 1/4 the memory, with the "
+                        "holds), bf16 (unquantized, as published; a CPU computes them as float32), int8 or nf4 (about 1/2 and 1/4 the memory, with the "
                         "bitsandbytes package), int4 (about 1/4, torch's own kernels)")
     g.add_argument("--memory-cap-mb", type=mb_arg, default=None,
                    help="the most memory (MiB) this machine's own stage may use (default: what is free)")
@@ -58,8 +58,9 @@ def add_pipeline_args(p):
                    help="tokens of a long prompt computed per step before it goes on: auto (default) = "
                         "sized to the measured link, 16-64, smaller over a slow one; or a fixed number")
     t.add_argument("--compress", default="off", choices=["off", "auto", "prefill", "all"],
-                   help="send what passes between computers at 8 bits (slightly less exact): auto = long "
-                        "prompts' while the link is the bottleneck, prefill = long prompts' always, all")
+                   help="send what passes between computers at 8 bits (slightly less exact): off (default), "
+                        "auto = long prompts' while the link is the bottleneck, prefill = long prompts' always, "
+                        "all = every step's, replies' too")
     t.add_argument("--compute", default="in-order", choices=COMPUTE_ORDERS,
                    help="stages compute steps in arrival order (default), or let replies' next tokens cut "
                         "into a long prompt's step: sooner tokens for those replying, a later start for the prompt")
@@ -106,8 +107,8 @@ def _add_homes_args(sub):
     p.add_argument("--port", type=port_arg, default=8000, help="API port (default 8000)")
     p.add_argument("--config", default=None, help="config folder (default ~/.config/potluck or $POTLUCK_HOME)")
     p.add_argument("--prompt", action="append", help="send this message once ready, print the answer, exit")
-    p.add_argument("--max-tokens", type=sampling_arg("max_tokens", int), default=64,
-                   help="with --prompt: the longest answer, in tokens (default 64)")
+    p.add_argument("--max-tokens", type=sampling_arg("max_tokens", int), default=256,
+                   help="with --prompt: the longest answer, in tokens (default 256, as `potluck chat`'s)")
     p.add_argument("--short", action="store_true",
                    help="also print a short code to read out (one use, 10 minutes; needs --relay)")
 
@@ -117,7 +118,8 @@ def _add_homes_args(sub):
     p.add_argument("--relay", type=relay_arg, default="", help="the host's relay, for a short code")
     p.add_argument("--name", default=None, help="how the host sees this machine (default: hostname)")
     p.add_argument("--prefer", default="auto", choices=["auto", "direct", "relay"],
-                   help="auto: a direct address from the code first, then the relay")
+                   help="auto (default): a direct address from the code first, then the relay; direct: "
+                        "only the direct addresses; relay: only the relay")
     p.add_argument("--reply-listen", type=listen_arg, default="0.0.0.0:7871", metavar="HOST:PORT",
                    help="when nothing in the code reaches the host: listen here (asking this router for a "
                         "mapping) and show a reply code for the host to paste (default %(default)s)")
@@ -194,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens, for a bug report")
     parser.add_argument("--version", action="version", version=f"potluck {_version()}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    # metavar: a missing command is said as "required: command", not the internal "cmd"
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="command")
 
     p = sub.add_parser("chat", help="terminal chat with a pipeline on this machine")
     add_pipeline_args(p)

@@ -123,7 +123,15 @@ class Api:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/potluck/status", self.status)
+        app.router.add_get("/", self.root)
         return app
+
+    async def root(self, request):
+        """A person who opens the address in a browser learns what is here (a bare
+        "Not Found" read as a broken server)."""
+        return web.json_response({"object": "potluck", "message": "Potluck's OpenAI-compatible API: point a "
+                                  "client's base URL at /v1 (GET /v1/models lists the model)",
+                                  "base_url": "/v1", "model": self.head.source.name})
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -190,7 +198,11 @@ class Api:
         fns, tool_choice = self._tools(body)
         clean = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            if not isinstance(m, dict):
+                raise ApiError(f"messages[{i}] must be an object such as {{\"role\": \"user\", \"content\": "
+                               f"\"...\"}}, not {type(m).__name__ if m is not None else 'null'}",
+                               param="messages", code="invalid_type")
+            if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
                 raise ApiError(f"messages[{i}] needs a role of system, developer, user, assistant or tool",
                                param="messages")
             if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):

@@ -146,6 +146,7 @@ BAD_REQUESTS = {
     "messages_string": (CHAT, {"messages": "hi"}, "messages", "invalid_type"),
     "messages_empty": (CHAT, {"messages": []}, "messages", None),
     "message_without_role": (CHAT, {"messages": [{"content": "hi"}]}, "messages", None),
+    "message_not_an_object": (CHAT, {"messages": ["hi"]}, "messages", "invalid_type"),
     "message_not_object": (CHAT, {"messages": ["hi"]}, "messages", None),
     "message_content_number": (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages", None),
     # only an assistant's turn of tool calls may have no text (OpenAI's rule)
@@ -268,6 +269,9 @@ async def test_a_body_it_cannot_read_is_a_400(api_url):
 
 async def test_http_errors_have_the_same_shape(api_url):
     async with aiohttp.ClientSession() as s:
+        # the server's own address, opened in a browser: what is here, not "Not Found"
+        async with s.get(api_url.rsplit("/v1", 1)[0] + "/") as r:
+            assert r.status == 200 and (await r.json())["base_url"] == "/v1"
         async with s.get(api_url + "/nowhere") as r:
             _check_error(r.status, await r.json(content_type=None), None, None, expect_status=404)
         async with s.get(api_url + CHAT) as r:
