@@ -350,6 +350,11 @@ class SpecPolicy:
         }
 
 
+# Below this many tokens a pass, guessing ahead has made no visible difference: a person
+# is not told about it (the status JSON keeps the figures)
+SAID_FROM = 1.1
+
+
 def describe(info: dict | None) -> str:
     """'guessing ahead: 2.4 tokens a pass through the model, 71% of guesses right' (and
     the draft model, when one guesses) from Head.info()["speculation"], for status and the
@@ -357,6 +362,8 @@ def describe(info: dict | None) -> str:
     which a person waits for); '' where speculation has not run (off, or nothing drafted yet)."""
     if not info or info.get("mode") == "off" or not info.get("acceptance") or not info.get("tokens_per_trip"):
         return ""   # off, nothing drafted yet, or no guess right so far: nothing it explains
+    if info["tokens_per_trip"] < SAID_FROM:
+        return ""   # "1.0 tokens a pass, 2% right" read as a fault, and explains no speed
     draft = info.get("draft")
     by = f" ({draft})" if draft and draft != "prompt lookup" else ""
     return (f"guessing ahead{by}: {info['tokens_per_trip']:.1f} tokens a pass through the model, "

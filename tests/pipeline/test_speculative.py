@@ -363,6 +363,8 @@ def test_speculation_says_tokens_per_trip_and_acceptance_where_it_ran():
     assert describe(dict(ran, acceptance=None, tokens_per_trip=1.0)) == ""
     # guesses so far all wrong ("1.0 tokens a trip, 0% of guesses right" said nothing of use)
     assert describe(dict(ran, acceptance=0.0, tokens_per_trip=1.0)) == ""
+    # guesses that almost never land make no difference a person sees: not said as a figure
+    assert describe(dict(ran, acceptance=0.02, tokens_per_trip=1.02)) == ""
     assert describe(None) == ""
     assert speculation_label({"speculation": dict(ran, summary=describe(ran))}) == describe(ran)
     assert speculation_label({"speculation": ran}) == "" and speculation_label({}) == ""
