@@ -144,7 +144,9 @@ def parse_layers(text: str, n_layers: int) -> list[tuple[int, int]]:
 
 def validate_range(start: int, end: int, n_layers: int) -> None:
     if not (0 <= start < end <= n_layers):
-        raise ModelError(f"layer range [{start}, {end}) does not fit a model with {n_layers} layers")
+        # in --layers' own notation (start:end, from 0), as the user typed it
+        raise ModelError(f"layer range {start}:{end} does not fit a model with {n_layers} layers "
+                         f"(ranges go from 0:… to …:{n_layers})")
 
 
 def check_partition(ranges: list[tuple[int, int]], n_layers: int) -> None:

@@ -152,12 +152,12 @@ def test_parse_counts():
     ("0:10,8:30", 30, "overlap before stage 1: expected start 10, got 8"),
     ("2:30", 30, "gap before stage 0"),
     ("0:10,10:20", 30, "end at 20 but the model has 30"),
-    ("0:10,10:40", 30, r"\[10, 40\) does not fit a model with 30 layers"),
-    ("0:10,10:10,10:30", 30, r"\[10, 10\) does not fit"),
+    ("0:10,10:40", 30, r"layer range 10:40 does not fit a model with 30 layers \(ranges go from 0:… to …:30\)"),
+    ("0:10,10:10,10:30", 30, r"range 10:10 does not fit"),
     ("10,10", 30, "end at 20 but the model has 30"),
-    ("10,30", 30, r"\[10, 40\) does not fit"),
-    ("10,0,20", 30, r"\[10, 10\) does not fit"),
-    ("-5,35", 30, r"\[0, -5\) does not fit"),
+    ("10,30", 30, r"range 10:40 does not fit"),
+    ("10,0,20", 30, r"range 10:10 does not fit"),
+    ("-5,35", 30, r"range 0:-5 does not fit"),
     ("", 30, "end at 0"),
     ("abc", 30, "cannot read layer split 'abc'"),
     ("0:10,10", 30, "cannot read layer split"),
@@ -182,7 +182,7 @@ def test_check_partition_gap_vs_overlap():
         check_partition([(0, 3), (3, 6), (5, 9)], 9)
     with pytest.raises(ModelError, match="end at 6 but the model has 9"):
         check_partition([(0, 3), (3, 6)], 9)
-    with pytest.raises(ModelError, match=r"\[6, 3\) does not fit"):
+    with pytest.raises(ModelError, match=r"range 6:3 does not fit"):
         check_partition([(0, 6), (6, 9), (6, 3)], 9)
 
 
