@@ -260,7 +260,7 @@ def test_potluck_chat_as_it_starts_takes_min_p_and_retry():
 
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--min-p", "0.1", "--max-tokens", "16",
                         "--prompt", "What is the capital of France?", "--prompt", "/retyr", "--prompt", "/Reset now",
-                        "--prompt", "/retry",
+                        "--prompt", "/retry", "--prompt", " ",
                         "--prompt", "word " * 9000],
                        capture_output=True, text=True, timeout=600)
     assert "min-p 0.1" in p.stderr
@@ -268,6 +268,7 @@ def test_potluck_chat_as_it_starts_takes_min_p_and_retry():
     assert "unknown command /retyr" in p.stdout     # a typo is not sent to the model
     # nor words after a command: said, and the conversation not cleared (/retry found its reply)
     assert "(/reset takes nothing after it" in p.stdout
+    assert "(an empty message: nothing sent)" in p.stdout     # and counted, as the long one is
     # a message too long for the window is said, and a script hears it in the exit status
     assert "(cannot send: the prompt has" in p.stdout and p.returncode == 1, p.stderr[-2000:]
     # stderr is no terminal here: the loading bars write a line per part, not redraws

@@ -228,6 +228,9 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
                 print(line)
         line = line.strip()
         if not line:
+            if prompts:   # a script's --prompt "": said, and heard in the exit status
+                print("(an empty message: nothing sent)")
+                unsent += 1
             continue
         command = chat_command(line)
         word, rest = command or ("", "")
