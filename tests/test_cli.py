@@ -83,10 +83,10 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["serve", "--port", "99999"], "not a port number"),
                        (["serve", "--port", "http"], "not a port number"),
                        (["chat", "--api-port", "-1"], "not a port number"),
-                       (["chat", "--max-tokens", "-3"], "max_tokens must be between 1 and"),
-                       (["chat", "--min-p", "2"], "min_p must be between 0.0 and 1.0"),
+                       (["chat", "--max-tokens", "-3"], "max-tokens must be between 1 and"),
+                       (["chat", "--min-p", "2"], "min-p must be between 0.0 and 1.0"),
                        (["chat", "--temperature", "nan"], "temperature must be between"),
-                       (["chat", "--top-p", "1.5"], "top_p must be between"),
+                       (["chat", "--top-p", "1.5"], "top-p must be between"),
                        (["chat", "--threads", "0"], "not a whole number from 1"),
                        (["host", "--peers", "-1"], "not a whole number from 0"),
                        # a port out of range ended these with a traceback from bind()

@@ -85,8 +85,8 @@ def sampling_arg(name: str, parse):
         try:
             v = parse(text)
             SamplingParams(**{name: v}).validate()
-        except ValueError as exc:   # SamplingError is one
-            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        except ValueError as exc:   # SamplingError is one; said with the flag's name (top-p)
+            raise argparse.ArgumentTypeError(f"{text!r}: {str(exc).replace(name, name.replace('_', '-'))}") from None
         return v
     return arg
 
