@@ -31,8 +31,9 @@ def add_pipeline_args(p):
                         "CPU), cpu, cuda or cuda:N")
     g.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
                    help="how finely the weights are stored: auto (default: the finest the machines' memory "
-                        "holds), bf16 (unquantized, as published; a CPU computes them as float32), int8 or nf4 (about 1/2 and 1/4 the memory, with the "
-                        "bitsandbytes package), int4 (about 1/4, torch's own kernels)")
+                        "holds), bf16 (unquantized, as published; a CPU computes them as float32), int8 or "
+                        "nf4 (about 1/2 and 1/4 the memory, with the bitsandbytes package), int4 (about 1/4, "
+                        "torch's own kernels)")
     g.add_argument("--memory-cap-mb", type=mb_arg, default=None,
                    help="the most memory (MiB) this machine's own stage may use (default: what is free)")
     t = p.add_argument_group("tuning (the defaults adapt to the machine and its links; most people leave these)")

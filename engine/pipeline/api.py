@@ -105,6 +105,15 @@ NOT_YET = {"functions": ([], None), "function_call": ("none", None), "logit_bias
            "modalities": (["text"], None), "audio": (None,), "prediction": (None,)}
 
 
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words (a client reads them, not Python's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(type(value), "an object")
+
+
 class Api:
     def __init__(self, head: Head, api_key: str | None = None, body_seconds: float = BODY_SECONDS):
         self.head = head
@@ -200,8 +209,7 @@ class Api:
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise ApiError(f"messages[{i}] must be an object such as {{\"role\": \"user\", \"content\": "
-                               f"\"...\"}}, not {type(m).__name__ if m is not None else 'null'}",
-                               param="messages", code="invalid_type")
+                               f"\"...\"}}, not {_json_kind(m)}", param="messages", code="invalid_type")
             if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
                 raise ApiError(f"messages[{i}] needs a role of system, developer, user, assistant or tool",
                                param="messages")

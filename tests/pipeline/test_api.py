@@ -272,6 +272,9 @@ async def test_http_errors_have_the_same_shape(api_url):
         # the server's own address, opened in a browser: what is here, not "Not Found"
         async with s.get(api_url.rsplit("/v1", 1)[0] + "/") as r:
             assert r.status == 200 and (await r.json())["base_url"] == "/v1"
+        # a message that is no object is said in JSON's words
+        status, body = await _post(s, api_url + CHAT, {"messages": ["hi"]})
+        assert status == 400 and body["error"]["message"].endswith("not a string"), body
         async with s.get(api_url + "/nowhere") as r:
             _check_error(r.status, await r.json(content_type=None), None, None, expect_status=404)
         async with s.get(api_url + CHAT) as r:
