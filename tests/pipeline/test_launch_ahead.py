@@ -82,9 +82,11 @@ async def test_greedy_replies_of_different_lengths_joining_mid_reply_are_the_sam
             for q, n, d in zip(QUESTIONS, (24, 9, 17, 30), (0.0, 0.0, 0.3, 0.6))]
     plain, launched, steps, _ = await both_ways(head, asks)
     assert launched == plain
-    # it engaged: steps took positions launched ahead, and positions of replies that
-    # ended (9, 17 tokens) were dropped
-    assert steps.taken > 20 and steps.dropped > 0, (steps.taken, steps.dropped)
+    # it engaged: steps took positions launched ahead. A reply ending at its max_tokens
+    # has nothing launched past its end (Head's goes_on), so whether any position is
+    # dropped here is up to the timing of the joins (CI saw none once): the drop of a
+    # finished reply's position is test_a_reply_that_ends_at_its_end_of_sequence_token's
+    assert steps.taken > 20, (steps.taken, steps.dropped)
     await freed(head)
 
 
