@@ -151,7 +151,10 @@ class Api:
         except web.HTTPException as exc:
             if exc.status >= 400:
                 reason = (f"the request body is larger than this API takes ({MAX_BODY >> 20} MiB)"
-                          if isinstance(exc, web.HTTPRequestEntityTooLarge) else exc.reason)
+                          if isinstance(exc, web.HTTPRequestEntityTooLarge) else
+                          f"no endpoint {request.method} {request.path[:200]}: this API serves POST "
+                          "/v1/chat/completions, POST /v1/completions and GET /v1/models"
+                          if isinstance(exc, web.HTTPNotFound) else exc.reason)
                 resp = ApiError(reason, code=str(exc.status), status=exc.status).response()
                 if isinstance(exc, web.HTTPMethodNotAllowed):   # HTTP asks a 405 to say what is allowed
                     resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))

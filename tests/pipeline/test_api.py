@@ -276,7 +276,10 @@ async def test_http_errors_have_the_same_shape(api_url):
         status, body = await _post(s, api_url + CHAT, {"messages": ["hi"]})
         assert status == 400 and body["error"]["message"].endswith("not a string"), body
         async with s.get(api_url + "/nowhere") as r:
-            _check_error(r.status, await r.json(content_type=None), None, None, expect_status=404)
+            body = await r.json(content_type=None)
+            _check_error(r.status, body, None, None, expect_status=404)
+            assert body["error"]["message"].startswith("no endpoint GET /v1/nowhere: this API serves POST "
+                                                       "/v1/chat/completions"), body
         async with s.get(api_url + CHAT) as r:
             _check_error(r.status, await r.json(content_type=None), None, None, expect_status=405)
             assert r.headers["Allow"] == "POST"   # HTTP's rule for a 405
