@@ -89,7 +89,7 @@ class ChatWindow(QMainWindow):
         url_row.addWidget(QLabel("OpenAI-compatible URL:"))
         self.url_field = QLineEdit()
         self.url_field.setReadOnly(True)
-        self.url_field.setPlaceholderText("(available once a pipeline is running)")
+        self.url_field.setPlaceholderText("(available once a model is running)")
         url_row.addWidget(self.url_field, 1)
         self.progress_box = QWidget()
         self.progress_layout = QVBoxLayout(self.progress_box)
@@ -281,7 +281,7 @@ class ChatWindow(QMainWindow):
         loading = st.get("loading")
         if loading:
             self.model_label.setText(loading.get("message") or "Loading…")
-            self.pipeline_label.setText("The chat answers as soon as the pipeline is ready.")
+            self.pipeline_label.setText("The chat answers as soon as the model is ready.")
             self._show_progress(loading.get("stages") or {})
         else:
             self.progress_box.hide()
@@ -313,12 +313,12 @@ class ChatWindow(QMainWindow):
                                             "it is back (asleep, or Potluck closed there?).")
             elif state != "error" and (sharing.get("joined") or sharing.get("layers")):
                 # a friend's computer: what it does is help, not "nothing running"
-                self.model_label.setText("Sharing this computer with a friend's pipeline")
+                self.model_label.setText("Sharing this computer with a friend")
                 self.pipeline_label.setText("Its chat is on your friend's computer. To chat here too, choose "
-                                            "“Host a pipeline…” in the Potluck menu.")
+                                            "“Host a model…” in the Potluck menu.")
             elif state != "error":
-                self.model_label.setText("No pipeline is running")
-                self.pipeline_label.setText("Choose “Host a pipeline…” in the Potluck menu to start one.")
+                self.model_label.setText("No model is running")
+                self.pipeline_label.setText("Choose “Host a model…” in the Potluck menu to start one.")
 
     def _show_progress(self, stages: dict):
         # this loading's bars, in order: an earlier loading's (full) bars go, and nothing
@@ -557,9 +557,9 @@ class ChatWindow(QMainWindow):
         hosting = (self.c.status or {}).get("hosting")
         if not hosting or not hosting.get("openai_url"):
             if (self.c.status or {}).get("loading"):
-                self.show_hint("The pipeline is still loading; try again in a moment.")
+                self.show_hint("The model is still loading; try again in a moment.")
             else:
-                self.show_hint("No pipeline is running. Choose “Host a pipeline…” in the Potluck menu first.")
+                self.show_hint("No model is running. Choose “Host a model…” in the Potluck menu first.")
             return None
         return hosting
 

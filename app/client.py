@@ -143,10 +143,10 @@ def plain_error(status: int | None, message: str, alone: bool = False) -> str:
             return head + f"with the conversation this one is {n:,}. Shorten it, split it up, or start a new chat."
         return f"This message is too long for the model: {message}"
     if "disconnected" in low or "closed" in low or "link to stage" in low:
-        return ("A computer in the pipeline dropped out, so the reply stopped. Restart hosting from the Potluck "
-                f"menu (Host a pipeline…) to continue. ({message})")
+        return ("A computer running part of the model dropped out, so the reply stopped. Restart hosting from the Potluck "
+                f"menu (Host a model…) to continue. ({message})")
     if status == 503 or "not serving" in low:
-        return f"The pipeline is not ready. {message}"
+        return f"The model is not ready. {message}"
     return message
 
 
@@ -255,7 +255,7 @@ class ChatStream(QObject):
             info["finish_reason"] = "cancelled"
         except aiohttp.ClientConnectionError:
             info.update(finish_reason="error",
-                        error="The pipeline is not running. Host one from the Potluck menu (Host a pipeline…).")
+                        error="No model is running. Host one from the Potluck menu (Host a model…).")
         except Exception:
             log.exception("the reply stream failed")
             info.update(finish_reason="error", error="The reply broke off: the connection to the Potluck engine "

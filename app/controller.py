@@ -127,7 +127,7 @@ class Controller(QObject):
                 again.pop("listen", None)
                 again.pop("relay", None)
                 self.notice.emit("Potluck restarted and hosts the model on this computer alone: your "
-                                 "friends' invite ended with it. Invite them again from “Host a pipeline…”.")
+                                 "friends' invite ended with it. Invite them again from “Host a model…”.")
             self.host(again)
         elif self.host_on_start:
             self.host({"model": self.settings.default_model, "stages": self.settings.local_stages})
@@ -196,7 +196,7 @@ class Controller(QObject):
             self._fails = 0
             if self._hosting_asked and result.get("state") == "idle" and not result.get("loading"):
                 # the host request is on its way: not "no pipeline" for the seconds it takes
-                result = dict(result, loading={"message": "Starting the pipeline…", "stages": {}})
+                result = dict(result, loading={"message": "Starting the model…", "stages": {}})
             self.status = result
             self.statusChanged.emit(result)
 

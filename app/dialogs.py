@@ -1,4 +1,4 @@
-"""Host a pipeline… (Join: join_dialog.py, Settings: settings_dialog.py, Pipeline status:
+"""Host a model… (Join: join_dialog.py, Settings: settings_dialog.py, Status:
 status_dialog.py). Thin: the work is the node's."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class HostDialog(QDialog):
     def __init__(self, controller, parent=None):
         super().__init__(parent)
         self.c = controller
-        self.setWindowTitle("Host a pipeline")
+        self.setWindowTitle("Host a model")
         self.resize(620, 520)
         outer = QVBoxLayout(self)
         # what it shows grows as hosting goes on (the split, the loading, the invite): it
@@ -155,7 +155,7 @@ class HostDialog(QDialog):
         self.draft.addItem(DRAFT_NONE, "")
         self.draft.addItem(_draft_pairing_label(""), "auto")
         self.draft.setToolTip("Between homes every token travels the whole ring; a draft model on this computer "
-                              "guesses a few tokens ahead and the pipeline checks them in one trip. It costs this "
+                              "guesses a few tokens ahead and the model checks them in one trip. It costs this "
                               "computer its memory and a download; Potluck drafts only where it pays")
         form.addRow("Draft model:", self.draft)
         for box in (self.weights, self.draft):   # as the model's box: they fit the window
@@ -181,8 +181,8 @@ class HostDialog(QDialog):
         form.addRow("Relay:", self.relay)
         self.friends = QPlainTextEdit()
         self.friends.setPlaceholderText("or friends' stage addresses, one per line (ws://friend:7860#secret, as their "
-                                        "Pipeline status shows it), "
-                                        "from “Join with invite code…” with a pipeline name")
+                                        "Status shows it), "
+                                        "from “Join with invite code…” with a host's name")
         self.friends.setFixedHeight(50)
         form.addRow("Friends' addresses:", self.friends)
         # the OpenAI-compatible API for the other computers of this network: always behind a
@@ -224,7 +224,7 @@ class HostDialog(QDialog):
         lay.addWidget(self.weights_table)
         self.split_table = QTableWidget(0, 2)
         self.split_table.setHorizontalHeaderLabels(["Computer", "Layers (proposed)"])
-        self.split_table.setToolTip("When the pipeline starts, the head adjusts the split to each computer's "
+        self.split_table.setToolTip("When the model starts, the host adjusts the split to each computer's "
                                     "measured speed and free memory")
         self.split_table.horizontalHeader().setStretchLastSection(True)
         lay.addWidget(self.split_table, 1)
@@ -464,7 +464,7 @@ class HostDialog(QDialog):
             self._replace_ok = True
             self.start_button.setText("Stop it and host")
             self.result.setText(f"<b>{html.escape(str(running.get('model') or 'The model'))} is running now.</b> "
-                                "It stops while the new pipeline starts (your conversations are kept); "
+                                "It stops while the new one starts (your conversations are kept); "
                                 + ("the chat answers again once your friends have joined. "
                                    if self.invitees.value() else "")
                                 + "Press “Stop it and host” to go on.")

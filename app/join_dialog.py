@@ -19,7 +19,7 @@ class JoinDialog(QDialog):
     def __init__(self, controller, parent=None):
         super().__init__(parent)
         self.c = controller
-        self.setWindowTitle("Join a friend's pipeline")
+        self.setWindowTitle("Join a friend")
         self.resize(560, 420)
         lay = QVBoxLayout(self)
         lay.addWidget(QLabel("Paste the invite code your friend sent you:"))
@@ -33,11 +33,11 @@ class JoinDialog(QDialog):
         # sharing by name instead of a code: the friend's host adds this computer's address
         self.pipeline = QLineEdit()
         self.pipeline.setPlaceholderText("instead of a code: the name the host gave (letters, digits, - and _)")
-        form.addRow("Pipeline name:", self.pipeline)
+        form.addRow("Host's name:", self.pipeline)
         self.port = QSpinBox()
         self.port.setRange(0, 65535)
         self.port.setValue(controller.settings.share_port)
-        self.port.setToolTip("Only when joining by pipeline name: the host then connects to this port")
+        self.port.setToolTip("Only when joining by the host's name: the host then connects to this port")
         form.addRow("Port (joining by name):", self.port)
         box = QGroupBox("What will be used of this computer")
         bl = QVBoxLayout(box)
@@ -111,7 +111,7 @@ class JoinDialog(QDialog):
         name = self.pipeline.text().strip()
         if not text and name:   # sharing by name (Advanced): no code
             if not PIPELINE_NAME.fullmatch(name):
-                return self._error("A pipeline name is letters, digits, “-” and “_” (at most 64), "
+                return self._error("A host's name is letters, digits, “-” and “_” (at most 64), "
                                    "as the host wrote it.")
             if self._asks_to_leave():
                 return
@@ -143,8 +143,8 @@ class JoinDialog(QDialog):
             return False
         self.leave_confirmed = True
         self.accept_button.setText("Leave it and join")
-        self.result.setText("<b>This computer already shares with a friend's pipeline.</b> Joining this one "
-                            "leaves it: that pipeline carries on without this computer's layers. Press "
+        self.result.setText("<b>This computer already shares with a friend.</b> Joining this one "
+                            "leaves it: that friend's model carries on without this computer's share. Press "
                             "“Leave it and join” to go on, or Cancel to stay.")
         return True
 
@@ -175,7 +175,7 @@ class JoinDialog(QDialog):
         elif joined:
             via = joined.get("via") or ""
             how = "through the relay" if via == "relay" else "directly" if via.startswith("direct") else ""
-            self.result.setText(f"<b>Joined.</b> This computer is connected to your friend's pipeline"
+            self.result.setText(f"<b>Joined.</b> This computer is connected to your friend's model"
                                 f"{' ' + how if how else ''}: the host gives this computer its share of the "
                                 "model's layers. You can close this window.")
             self.accept_button.setEnabled(False)

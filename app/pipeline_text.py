@@ -1,13 +1,13 @@
 """How the app words a hop between friends and speculation (the chat window's header and
-Pipeline status say the same): pure, from the node's status. The ring itself the node
+the Status window say the same): pure, from the node's status. The ring itself the node
 words (engine/node/ring_view.py)."""
 
 from __future__ import annotations
 
 
 def tokens_written(n: int) -> str:
-    """'1 token written', '1,234 tokens written': the tray, the chat's header and Pipeline
-    status count the host's output in the same words."""
+    """'1 token written', '1,234 tokens written': the tray, the chat's header and the Status
+    window count the host's output in the same words."""
     return f"{n:,} token{'' if n == 1 else 's'} written"
 
 

@@ -1,4 +1,4 @@
-"""Pipeline status: the ring drawn, who holds which layers and the memory it takes, what
+"""Status: the ring drawn, who holds which layers and the memory it takes, what
 happened (who left, who came back), sharing and the GPU panel. Thin: the node's status,
 in words."""
 
@@ -14,11 +14,11 @@ from .ring_view import RingView
 
 
 class StatusDialog(QDialog):
-    """Pipeline status: who holds which layers, KV use, sharing, the GPU panel."""
+    """Status: who holds which layers, KV use, sharing, the GPU panel."""
 
     def __init__(self, controller, parent=None):
         super().__init__(parent)
-        self.setWindowTitle("Pipeline status")
+        self.setWindowTitle("Status")
         self.resize(600, 460)
         lay = QVBoxLayout(self)
         # the ring drawn above the words (as in the chat's header): one card per computer
@@ -117,7 +117,7 @@ def status_html(st: dict) -> str:
     headline = STATE_WORDS.get(state, state)
     if state in ("idle", "sharing") and sh.get("on") and not sh.get("connected"):
         # on, and no pipeline of a friend's connected (not yet, or its host went away)
-        headline = "Sharing this computer: waiting for a friend's pipeline"
+        headline = "Sharing this computer: waiting for a friend to use it"
     out = [f"<h3>{headline}</h3>"]
     if st.get("error"):
         out.append(f"<p style='color:#b91c1c'>{html.escape(st['error'])}</p>")
@@ -138,7 +138,7 @@ def status_html(st: dict) -> str:
                      f"{h.get('waiting') or 'none'} waiting<br>"
                    f"For other programs (OpenAI-compatible): <code>{h.get('openai_url')}</code>"
                    + (f"<br>On your network: <code>{h['api_lan_url']}</code> (with the API key from "
-                      "Host a pipeline…)" if h.get("api_lan_url") else "")
+                      "Host a model…)" if h.get("api_lan_url") else "")
                    + "</p>" + ring_table(h))
         hops = [hop_label(x) for x in h.get("hops") or []]
         if hops:    # friend to friend: straight across, or through this computer
@@ -174,7 +174,7 @@ def status_html(st: dict) -> str:
                 line += (" — your friend's computer is not connected now (it may have quit or gone to sleep); "
                          "they stay loaded for when it comes back")
         elif not sh.get("paused"):
-            line += ": waiting for a friend's pipeline"
+            line += ": waiting for a friend to use it"
             if sh.get("address"):   # shared by address (no invite): what a host adds by hand
                 line += (f"<br>A friend's host adds this computer with this address (it holds a secret: "
                          f"send it to them only): <code style='white-space:nowrap'>"

@@ -51,13 +51,13 @@ def tooltip(st: dict) -> str:
         if sh.get("paused"):
             lines.append(f"Sharing paused: {sh.get('reason')}")
         elif sh.get("layers") and not sh.get("connected"):
-            lines.append("Sharing: your friend's pipeline is not connected now")
+            lines.append("Sharing: your friend's computer is not connected now")
         elif sh.get("layers"):
             a, b = sh["layers"]
             lines.append(f"Sharing: {b - a} layers of a friend's model on "
                          f"{sh.get('device_name') or sh.get('device') or '?'}")
         else:
-            lines.append("Sharing: waiting for a friend's pipeline")
+            lines.append("Sharing: waiting for a friend to use it")
     gpu = st.get("gpu") or {}
     if gpu.get("gpus"):
         g = gpu["gpus"][0]
@@ -84,9 +84,9 @@ def share_news(st: dict) -> str:
         what = ("No NVIDIA graphics card was found, so a friend's share of the model would run on this "
                 "computer's processor (slower).")
     else:
-        what = f"{sh.get('device_name') or 'This computer'} is offered to your friend's pipeline."
+        what = f"{sh.get('device_name') or 'This computer'} is offered to your friend."
     return (f"Sharing is on. {what} To take part, paste your friend's invite code into “Join with invite "
-            "code…” (Pipeline status shows this computer's address, for a host who adds it by hand).")
+            "code…” (Status shows this computer's address, for a host who adds it by hand).")
 
 
 class Shell(QObject):
@@ -98,9 +98,9 @@ class Shell(QObject):
         self.share_action = QAction("Share this GPU", self, checkable=True)
         self.share_action.toggled.connect(self._share_toggled)
         self.chat_action = QAction("Open chat", self, triggered=self.open_chat)
-        self.host_action = QAction("Host a pipeline…", self, triggered=self.open_host)
+        self.host_action = QAction("Host a model…", self, triggered=self.open_host)
         self.join_action = QAction("Join with invite code…", self, triggered=self.open_join)
-        self.status_action = QAction("Pipeline status", self, triggered=self.open_status)
+        self.status_action = QAction("Status", self, triggered=self.open_status)
         self.settings_action = QAction("Settings", self, triggered=self.open_settings)
         self.quit_action = QAction("Quit", self, triggered=self.quit)
         # shown only once look_for_gpu() finds an NVIDIA GPU next to a CPU build of torch

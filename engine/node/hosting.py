@@ -23,8 +23,8 @@ log = logging.getLogger("potluck.node")
 
 DEFAULT_SHARE_PIPELINE = "potluck"   # the name a plain "Share this GPU" accepts
 # what a reply still streaming on the pipeline that gave way to one with friends ends with
-REPLACED = ("the host moved this chat onto a pipeline with their friends; it answers again once that "
-            "pipeline has loaded")
+REPLACED = ("the host moved this chat onto the model they share with their friends; it answers again once "
+            "that has loaded")
 
 
 class Hosting:
@@ -98,7 +98,7 @@ class Hosting:
             raise NodeError("'api_key' must be 8 to 256 characters")
         if api_lan_port and not api_key:
             raise NodeError("the API on the LAN needs an API key ('api_key'): anyone on the network "
-                            "could use this pipeline otherwise")
+                            "could use this model otherwise")
         draft = body.get("draft") or None
         if draft is not None and (not isinstance(draft, str) or not draft.strip() or len(draft) > 300):
             raise NodeError("'draft' must be a draft model (MODEL[@WEIGHTS]) or 'auto'")
@@ -214,7 +214,7 @@ class Hosting:
         if saved and fits:
             message += f". The checkpoint is saved as {saved}, so it loads as {saved}"
         if friends_stages and fits:
-            message += (". Friends' memory is known once they join: the pipeline then picks the weights for "
+            message += (". Friends' memory is known once they join: Potluck then picks the weights for "
                         "the whole pool" if weights == "auto" and not saved else
                         ". Friends' memory is known once they join")
         return {"model": source.name, "spec": source.spec, "layers": n, "needed_bytes": row["bytes"],
@@ -361,7 +361,7 @@ class Hosting:
             self.host_request = self._kept_request
         self.invite_code, self.friends, self.loading = None, [], None
 
-    async def _stop_host(self, why: str = "the host stopped hosting this pipeline"):
+    async def _stop_host(self, why: str = "the host stopped hosting"):
         await self._cancel_host_task()
         await self._close_pipeline(why)
         self.loading = None

@@ -10,7 +10,7 @@ import re
 _JOIN = (
     ("used up", "This invite code has already been used by as many computers as it admits. "
                 "Ask your friend for a new code."),
-    ("revoked", "Your friend withdrew this invite (or this computer's place in their pipeline). "
+    ("revoked", "Your friend withdrew this invite (or this computer's place in what they host). "
                 "Ask them for a new code if they want you back."),
     ("expired", "This invite code has expired. Ask your friend for a new one."),
     ("checksum", "That invite code has a typo: a character differs from the code your friend sent. Copy it "
@@ -21,11 +21,11 @@ _JOIN = (
              "it again."),
     ("cannot be used", "That is not an invite code Potluck can use: check that you copied all of it, or ask "
                        "your friend to send it again."),
-    ("wrong join secret", "That invite code does not match your friend's pipeline any more. Ask them for "
+    ("wrong join secret", "That invite code does not match what your friend hosts now. Ask them for "
                           "a new code."),
     ("not encrypted to this host", "Something answered at your friend's address that is not their computer, "
                                    "so Potluck did not connect. Ask your friend for a new code."),
-    ("another pipeline", "Your friend's computer now hosts a different pipeline. Ask them for a new code."),
+    ("another pipeline", "Your friend has started hosting anew since this code was made. Ask them for a new code."),
     ("short code needs", "A short code needs the relay your friend uses too: fill it in under Advanced."),
     ("not hosting there now", "Your friend's computer (or their router) turned the connection away: most "
                               "likely Potluck is not hosting there now. Ask them to open Potluck and host "
@@ -49,7 +49,7 @@ def join_failed(engine_account: str) -> str:
     for phrase, words in _JOIN:
         if phrase in text:
             return words
-    return "Could not join your friend's pipeline. Try again in a moment; if it keeps failing, ask your " \
+    return "Could not join your friend. Try again in a moment; if it keeps failing, ask your " \
            "friend for a new code."
 
 
@@ -57,9 +57,9 @@ def join_failed(engine_account: str) -> str:
 _HOST = (
     ("address already in use", "Another program already uses the port Potluck's API needs. Close that "
                                "program, or choose another port under Advanced, and host again."),
-    ("cannot reach stage", "A computer of the pipeline did not answer while it was being set up: check that "
+    ("cannot reach stage", "A friend's computer did not answer while it was being set up: check that "
                            "it is on and sharing, then host again."),
-    ("closed its connection during setup", "A computer of the pipeline went away while the model was loading: "
+    ("closed its connection during setup", "A friend's computer went away while the model was loading: "
                                            "check that it is on and sharing, then host again."),
     ("no friend joined", "Not enough friends joined in time. Send them the invite again and host again."),
     ("timed out waiting", "Not enough friends joined in time. Send them the invite again and host again."),
@@ -83,13 +83,13 @@ def host_failed(engine_account: str) -> str:
             return words
     said = _ENGINE.sub(" ", text).strip(" :")
     said = re.sub(r"\s{2,}", " ", said)
-    return f"Could not start the pipeline: {said}." if said else "Could not start the pipeline. Try again."
+    return f"Could not start the model: {said}." if said else "Could not start the model. Try again."
 
 
 def membership_ended(engine_account: str) -> str:
     """The message for a friend whose host ended this computer's membership."""
     if "revoked" in (engine_account or ""):
-        return "Your friend removed this computer from their pipeline. Ask them for a new code if they want " \
+        return "Your friend removed this computer from what they host. Ask them for a new code if they want " \
                "you back."
     return "Your friend's computer stopped answering for good, so this computer stopped sharing with it. " \
            "Join again with their code when they host again."

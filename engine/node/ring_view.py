@@ -1,6 +1,6 @@
 """The ring in people's words: who computes which share of the model, on what, over
 which path, and who left. Pure, from the hosting status the node builds (control.py);
-the app's chat header and Pipeline status show it, and so can any other front end.
+the app's chat header and Status window show it, and so can any other front end.
 
     rows = ring(hosting, tokens_per_s=12.5)
     ring_text(rows)  # 'This computer (CPU): 19 of 30 layers → Ana (RTX 4090): 11 layers,

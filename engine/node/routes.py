@@ -145,7 +145,7 @@ class NodeRoutes:
             args = dict(args, weights=plan["weights"])
         async with self._lock:
             if self.host_task is not None and not self.host_task.done():
-                raise NodeError("a pipeline is already starting; wait for it or stop it first", 409)
+                raise NodeError("a model is already starting; wait for it or stop it first", 409)
             if not self.keeps_serving_while_friends_join(args):
                 await self._stop_host()
             self.start_hosting(args, plan["model"])
@@ -174,12 +174,12 @@ class NodeRoutes:
             return web.json_response(await self.join_invite(code.strip(), relay.strip()))
         pipeline = body.get("pipeline")
         if not isinstance(pipeline, str) or not pipeline.strip() or len(pipeline) > 200:
-            raise NodeError("give an invite code or the host's pipeline name")
+            raise NodeError("give an invite code or the host's name ('pipeline')")
         port = body.get("port", self.share_port)
         if isinstance(port, bool) or not isinstance(port, int) or not (0 <= port < 65536):
             raise NodeError("'port' must be a TCP port number")
         async with self._lock:
-            await self._stop_share("joining another pipeline")
+            await self._stop_share("joining another friend")
             self.invite = self.joiner = None
             self.share_pipeline, self.share_port = pipeline.strip(), port
         await self.set_share(True)
@@ -201,7 +201,7 @@ class NodeRoutes:
         if not isinstance(address, str) or not address.startswith(("ws://", "wss://")) or len(address) > 300:
             raise NodeError("'address' must be a stage's ws:// address")
         if self.head is None:
-            raise NodeError("this computer hosts no pipeline", 409)
+            raise NodeError("this computer is not hosting", 409)
         self.head.offer(address)
         return web.json_response(await self.status())
 

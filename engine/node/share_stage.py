@@ -49,7 +49,7 @@ class Sharing:
             raise NodeError("That is this computer's own invite: send it to your friends, who paste it into "
                             "“Join with invite code…” on their computers.")
         async with self._lock:
-            await self._stop_share("joining another pipeline")
+            await self._stop_share("joining another friend")
             self.invite, self.joiner = invite, None
             self.share_pipeline = invite.pipeline_id
             self.share_wanted = True

@@ -117,8 +117,8 @@ def test_tray_menu_icons_and_tooltip(qtbot, home):
     try:
         shell = Shell(c, use_tray=True)
         texts = [a.text() for a in shell.menu.actions() if not a.isSeparator() and a.isVisible()]
-        assert texts == ["Share this GPU", "Open chat", "Host a pipeline…", "Join with invite code…",
-                         "Pipeline status", "Settings", "Quit"]
+        assert texts == ["Share this GPU", "Open chat", "Host a model…", "Join with invite code…",
+                         "Status", "Settings", "Quit"]
         # "Enable GPU" waits, hidden, for an NVIDIA GPU beside a CPU torch (test_gpu_dialog.py)
         assert shell.gpu_action in shell.menu.actions() and not shell.gpu_action.isVisible()
         assert shell.share_action.isCheckable()
@@ -386,7 +386,7 @@ def test_a_long_conversation_is_news_not_an_error(qtbot, home):
         assert "no longer sees the first 4 messages" in w.hint.text() and "Start a new chat" in w.hint.text()
         assert w.last_error is None and "#b91c1c" not in w.hint.styleSheet()
         assert [m.content for m in w.messages] == ["Paris."] and w.retry_button.isEnabled()
-        w.show_hint("The pipeline is still loading; try again in a moment.")
+        w.show_hint("The model is still loading; try again in a moment.")
         assert w.last_error and "#b91c1c" in w.hint.styleSheet()
     finally:
         c.shutdown()

@@ -127,7 +127,7 @@ def test_the_status_window_says_when_the_friends_pipeline_is_gone_or_not_yet_the
 
     held = {"on": True, "layers": [0, 11], "device_name": "CPU", "connected": False}
     page = status_html({"state": "sharing", "sharing": held})
-    assert "waiting for a friend's pipeline</h3>" in page and "not connected now" in page
+    assert "waiting for a friend to use it</h3>" in page and "not connected now" in page
     page = status_html({"state": "sharing", "sharing": dict(held, connected=True)})
     assert "Sharing this computer with a friend</h3>" in page and "not connected" not in page
     page = status_html({"state": "idle", "sharing": {"on": True, "joining": {"reply_code": "R1ABC-DEFGH"}}})
@@ -226,9 +226,9 @@ def test_a_long_unbroken_string_wraps_and_copies_as_written(qtbot):
 def test_a_friends_computer_says_it_shares_not_that_nothing_runs(chat_window):
     w = chat_window
     w.on_status({"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "ab12", "via": "direct"}}})
-    assert "Sharing this computer" in w.model_label.text() and "No pipeline" not in w.model_label.text()
+    assert "Sharing this computer" in w.model_label.text() and "No model" not in w.model_label.text()
     w.on_status({"state": "idle", "sharing": {"on": False}})
-    assert w.model_label.text() == "No pipeline is running"
+    assert w.model_label.text() == "No model is running"
 
 
 def test_a_friends_computer_says_when_the_host_cannot_be_reached(chat_window):

@@ -28,14 +28,14 @@ def test_a_host_request_on_its_way_reads_as_starting_not_as_no_pipeline(qtbot, t
         c.host({"model": "default"})
         c.poll()
         calls["/status"]({"state": "idle"}, None)        # the node has not begun it yet
-        assert c.status["loading"]["message"] == "Starting the pipeline…"
-        assert "No pipeline" not in w.model_label.text() and "Host a pipeline" not in w.pipeline_label.text()
-        assert "answers as soon as the pipeline is ready" in w.pipeline_label.text()
+        assert c.status["loading"]["message"] == "Starting the model…"
+        assert "No model" not in w.model_label.text() and "Host a model" not in w.pipeline_label.text()
+        assert "answers as soon as the model is ready" in w.pipeline_label.text()
         calls["/host"]({"state": "loading"}, None)        # answered: the node's own status from now on
         c._polling = False
         c.poll()
         calls["/status"]({"state": "idle"}, None)
-        assert "loading" not in c.status and w.model_label.text() == "No pipeline is running"
+        assert "loading" not in c.status and w.model_label.text() == "No model is running"
     finally:
         c.shutdown()
 

@@ -339,7 +339,7 @@ def test_going_to_sleep_mid_reply_hands_the_stage_over(node):
 def test_offering_a_stage_needs_a_hosted_pipeline_and_an_address(node):
     assert call(node, "POST", "/host/offer", {"address": "http://x"})[0] == 400
     status, r = call(node, "POST", "/host/offer", {"address": "ws://127.0.0.1:9"})
-    assert status == 409 and "hosts no pipeline" in r["error"]
+    assert status == 409 and "is not hosting" in r["error"]
 
 
 def test_a_share_that_stops_by_itself_is_reported_and_started_again(node):

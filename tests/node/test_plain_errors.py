@@ -41,7 +41,7 @@ def test_hosting_that_failed_says_why_without_addresses_or_stage_numbers():
                  "port",
              "stage 2 (ws://127.0.0.1:41235#s3cr3t): CUDA out of memory. Tried to allocate 2.00 GiB": "smaller model",
              "stage 1 (ws://127.0.0.1:41235): the model 'x' is not one this computer accepts":
-                 "Could not start the pipeline: the model 'x' is not one this computer accepts."}
+                 "Could not start the model: the model 'x' is not one this computer accepts."}
     for account, hint in cases.items():
         words = host_failed(account)
         assert hint in words, (account, words)
