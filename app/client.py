@@ -130,8 +130,13 @@ class NodeClient(QObject):
 
 def plain_error(status: int | None, message: str, alone: bool = False) -> str:
     """What the head said, in words for people. `alone`: the message was the chat's
-    first, so there is no conversation to blame or to start afresh from."""
+    first, so there is no conversation to blame or to start afresh from. The head's own
+    account (a stage's number and address, the pipeline's words) goes to the log."""
     low = message.lower()
+    window = re.search(r"'max_(?:completion_)?tokens' is \d+ but the context window is (\d+)", message)
+    if window:
+        return (f"“Longest reply” is more than the model holds at once ({int(window.group(1)):,} tokens): lower "
+                "it, below the chat.")
     if "context window" in low or "context_length" in low:
         sizes = re.search(r"prompt is (\d+) tokens; the context window is (\d+)", message)
         if sizes:
@@ -141,12 +146,21 @@ def plain_error(status: int | None, message: str, alone: bool = False) -> str:
             if alone:
                 return head + f"this one is {n:,}. Shorten it or split it up."
             return head + f"with the conversation this one is {n:,}. Shorten it, split it up, or start a new chat."
-        return f"This message is too long for the model: {message}"
+        log.info("the head refused a message: %s", message)
+        return ("This message is too long for the model. Shorten it or split it up"
+                + ("." if alone else ", or start a new chat."))
+    if "kv cache" in low:
+        log.info("the head refused a message: %s", message)
+        return ("This conversation and its reply need more room than the model has now: lower “Longest reply” "
+                "(below the chat)" + (", or shorten the message." if alone else ", or start a new chat."))
     if "disconnected" in low or "closed" in low or "link to stage" in low:
-        return ("A computer running part of the model dropped out, so the reply stopped. Restart hosting from the Potluck "
-                f"menu (Host a model…) to continue. ({message})")
+        log.info("the reply stopped: %s", message)
+        return ("A computer running part of the model dropped out, so the reply stopped. Restart hosting from the "
+                "Potluck menu (Host a model…) to continue.")
     if status == 503 or "not serving" in low:
-        return f"The model is not ready. {message}"
+        log.info("the head is not serving: %s", message)
+        return ("The model cannot answer right now: a computer running part of it may have left. Send the message "
+                "again in a moment; if it keeps happening, host again from the Potluck menu (Host a model…).")
     return message
 
 

@@ -100,7 +100,7 @@ class Controller(QObject):
         try:
             self.node.start()
         except (NodeStartError, OSError) as exc:
-            self._lose(f"The Potluck engine could not start: {exc}")
+            self._lose(f"The Potluck engine could not start: {exc}.")
             return False
         return self._attach()
 
@@ -108,7 +108,7 @@ class Controller(QObject):
         if node is not self.node or self._closing:
             return   # a node since replaced (restart) or the app is quitting
         if error:
-            self._lose(f"The Potluck engine could not start: {error}")
+            self._lose(f"The Potluck engine could not start: {error}.")
         else:
             self._attach()
 

@@ -206,7 +206,7 @@ class HostDialog(QDialog):
         api_row.addWidget(new_key)
         form.addRow(self.api_lan)
         form.addRow("API on the network:", api_row)
-        self.check_button = QPushButton("Check memory and split")
+        self.check_button = QPushButton("Check if it fits")
         self.check_button.clicked.connect(self.check)
         lay.addWidget(self.check_button)
         self.plan_label = QLabel("")
@@ -563,7 +563,7 @@ class HostDialog(QDialog):
             self.progress.setMaximum(1000)
             self.progress.setValue(int(share * 1000))
             downloading = [str(p.get("what")) for p in stages if str(p.get("what", "")).startswith("downloading")]
-            self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading layers %p%")
+            self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading the model %p%")
         if st.get("error") and not loading:   # the friends never came: what serves on stays
             self.result.setText(f"<span style='color:#b91c1c'>{html.escape(st['error'], quote=False)}</span>")
         elif hosting and not loading:

@@ -70,6 +70,9 @@ class JoinDialog(QDialog):
         compute = gpu.get("message") if gpu.get("message") not in (None, "not read yet") else "checking…"
         # what pauses it by itself (engine/node/sharing.py): the GPU's heat and other programs
         # on it, or the owner's "only while I am away"; a computer with no GPU has only the last
+        # the menu's own words (tray.py): "computer" once the node found no GPU here
+        no_gpu = not gpu.get("gpus") and gpu.get("message") not in (None, "not read yet")
+        share = "Share this computer" if no_gpu else "Share this GPU"
         pauses = ("when the GPU runs hot or a game needs it" if gpu.get("gpus") else
                   "while you are at the computer, if you choose “Share only while I am away” in Settings")
         self.usage.setText(
@@ -78,7 +81,8 @@ class JoinDialog(QDialog):
             f"{f' (at most {cap:.0f} MB, your limit)' if cap else ''}.<br>"
             "• Disk: only the files of that part of the model are downloaded.<br>"
             "• Network: a few KB per word written, a few MB per long message.<br>"
-            f"• You can switch sharing off at any moment (“Share…” in the Potluck menu); it pauses by itself "
+            f"• You can switch sharing off at any moment (untick “{share}” in the Potluck menu); it pauses "
+            f"by itself "
             f"{pauses}.")
 
     def _error(self, message: str) -> None:

@@ -82,15 +82,24 @@ class NodeProcess:
             if self.on_exit is not None and not self._stopping:
                 self.on_exit(code)
 
+        readers = {}
         for fn in (read_stdout, read_stderr, watch):
-            threading.Thread(target=fn, daemon=True, name=f"node-{fn.__name__}").start()
+            readers[fn] = threading.Thread(target=fn, daemon=True, name=f"node-{fn.__name__}")
+            readers[fn].start()
 
         def outcome() -> str:
             if ready.wait(timeout) and self.port is not None:
                 return ""
+            try:   # its stdout's end (which woke us) comes a moment before its exit
+                self.proc.wait(2.0)
+                exited = True
+            except subprocess.TimeoutExpired:
+                exited = False
             self.stop()
+            readers[read_stderr].join(2.0)   # its last words, which may trail its exit
             tail = "\n".join(self.log_lines[-5:])
-            return f"the Potluck engine did not start{': ' + tail if tail else ''}"
+            what = "it stopped before it was ready" if exited else f"it did not answer within {timeout:.0f} s"
+            return f"{what}{' (its last words: ' + tail + ')' if tail else ''}"
 
         if not wait:
             threading.Thread(target=lambda: (on_ready or (lambda _: None))(outcome()), daemon=True,

@@ -188,15 +188,15 @@ def quantize_layers(layers: nn.Module, progress=None, joined: bool = True) -> in
     total = len(todo) + len(groups)
     for i, (parent, name, child) in enumerate(todo):
         if progress is not None:
-            progress(i, total, "quantizing to int4")
+            progress(i, total, "making the weights 4-bit")
         setattr(parent, name, Int4Linear(child))
     for i, (parent, names, members) in enumerate(groups):
         if progress is not None:
-            progress(len(todo) + i, total, "quantizing to int4")
+            progress(len(todo) + i, total, "making the weights 4-bit")
         for name, part in zip(names, join(members)):
             setattr(parent, name, part)
     if progress is not None and total:
-        progress(total, total, "quantizing to int4")
+        progress(total, total, "making the weights 4-bit")
     return len(todo) + len(in_groups)
 
 

@@ -380,7 +380,7 @@ class StaticDecoder:
         kv = self.stage.kv
         for i, shape in enumerate(shapes):
             if progress is not None:
-                progress(i, len(shapes), "capturing decode steps")
+                progress(i, len(shapes), "getting the GPU ready")
             # ids below zero, which no request has (an id counted from the scratch slot
             # below could be a live sequence's, and would be freed with the scratch ones)
             ids = list(range(-1, -1 - shape.rows, -1))
@@ -407,7 +407,7 @@ class StaticDecoder:
                 for s in ids:
                     kv.free(s)
         if progress is not None:
-            progress(len(shapes), len(shapes), "capturing decode steps")
+            progress(len(shapes), len(shapes), "getting the GPU ready")
 
     # ---- the step itself: sizes from the bucket, values from the buffers ---------------
     def _run(self, shape: StepShape, bufs: Buffers, need_slots: int, seq_length: int) -> torch.Tensor:

@@ -49,11 +49,11 @@ class SpeculationDriver:
             if not spec:
                 self.say(f"No draft model is paired with {self.source.name} in the catalog: prompt lookup drafts")
                 return
-        self.progress(0, 0, 1, "loading the draft model")
+        self.progress(0, 0, 1, "loading the model that guesses ahead")
         self.drafter = await self._run(lambda: DraftModel.load(
             spec, dtype=self.dtype, device=self.device, target_tokenizer=self.tokenizer,
             target_name=self.source.name, target_vocab=self.config.vocab_size))
-        self.progress(0, 1, 1, "loading the draft model")
+        self.progress(0, 1, 1, "loading the model that guesses ahead")
         self.say(f"Draft model: {self.drafter.name} on {self.device_name}, "
                  f"{size_words(self.drafter.param_bytes)}; it drafts where speculation pays"
                  + ("" if self.speculate != "off" else " (speculation is off: --speculate auto turns it on)"))

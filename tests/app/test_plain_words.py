@@ -54,3 +54,43 @@ def test_the_host_and_join_dialogs_open_in_plain_words(qtbot, tmp_path, monkeypa
             assert engine_words(d) == [], engine_words(d)
     finally:
         c.shutdown()
+
+
+def test_what_the_head_refuses_reaches_the_chat_in_plain_words():
+    """The chat showed the head's own account: "The model is not ready. the pipeline is
+    not serving: stage 1 (ws://127.0.0.1:41235) left", "(link to stage 1 closed)", "needs
+    300 tokens of KV cache but the pipeline holds at most 256"."""
+    from app.client import plain_error
+
+    said = {
+        (503, "the pipeline is not serving: stage 1 (ws://127.0.0.1:41235#s3cr3t) left: connection lost"): "Send the message again",
+        (None, "link to stage 2 (ws://10.0.0.2:7860) closed mid-reply"): "dropped out",
+        (400, "this request needs 300 tokens of KV cache but the pipeline holds at most 256; lower "
+              "max_tokens or n, or shorten the prompt"): "“Longest reply”",
+        (400, "'max_tokens' is 9000 but the context window is 8192"): "8,192 tokens",
+        (400, "the prompt is 9001 tokens; the context window is 8192"): "Shorten it",
+    }
+    for (status, message), hint in said.items():
+        words = plain_error(status, message)
+        assert hint in words, (message, words)
+        for engine_word in ("ws://", "stage", "pipeline", "KV", "max_tokens", "s3cr3t"):
+            assert engine_word not in words, (engine_word, words)
+    # a conversation's first message has no conversation to start afresh from
+    assert "new chat" not in plain_error(400, "the prompt is 9001 tokens; the context window is 8192", alone=True)
+    # what the head says in a person's words already goes through as it is
+    assert plain_error(400, "'temperature' must be at most 100") == "'temperature' must be at most 100"
+
+
+def test_an_engine_that_stops_while_starting_is_said_once_with_its_last_words():
+    """The banner read "The Potluck engine could not start: the Potluck engine did not
+    start: ..." and might lose the engine's last words, which its stderr says a moment
+    after its exit."""
+    from app.nodeproc import NodeProcess, NodeStartError
+
+    node = NodeProcess(["--no-such-flag"])
+    with pytest.raises(NodeStartError) as err:
+        node.start(timeout=120)
+    said = str(err.value)
+    assert said.startswith("it stopped before it was ready") and "Potluck engine" not in said, said
+    assert "--no-such-flag" in said, said
+    assert not node.alive()
