@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QSpinBox, QHBoxLayout, QL
 
 from .client import ChatStream
 from .message_view import MessageView, stats_line
-from .pipeline_text import hop_label, speculation_label, tokens_written
+from .pipeline_text import hop_label, hosting_headline, speculation_label, tokens_written
 from .ring_view import RingView
 from .store import FINISHES, ConversationGone, DamagedConversation, Message
 
@@ -234,42 +234,7 @@ class ChatWindow(QMainWindow):
             self.show_hint(p)
 
     # ---- status ------------------------------------------------------------------
-    @staticmethod
-    def hosting_headline(hosting: dict) -> str:
-        """The model and whether it is ready, or rearranging because a computer left or
-        came back, or waiting for one (the head replays every conversation: nothing typed
-        is lost)."""
-        model = hosting["model"]
-        events = hosting.get("events") or []
-        last = events[-1] if events else {}
-        left = [e for e in events if e.get("event") == "left"]
-        who = (left[-1].get("who") if left else None) or "a computer"   # the node names it
-        recovering = hosting.get("recovering")
-        if recovering and last.get("event") == "waiting":
-            return f"{model} — {who} left; {recovering}… your conversation waits"
-        someone = last.get("who") or "a computer"
-        if hosting.get("leaving") and not recovering and last.get("event") == "leaving":
-            return f"{model} — {someone} is leaving; moving its layers… your conversation goes on"
-        if hosting.get("joining") and not recovering and last.get("event") in ("back", "joined"):
-            verb = "is back" if last["event"] == "back" else "joined"
-            far = hosting.get("joining_progress")
-            far = f" ({int(far * 100)}%)" if isinstance(far, (int, float)) else ""
-            return f"{model} — {someone} {verb}; loading its share{far}… your conversation goes on"
-        if recovering and last.get("event") in ("back", "joined"):
-            verb = "is back" if last["event"] == "back" else "joined"
-            return f"{model} — {last.get('who') or 'a computer'} {verb}; rearranging the layers…"
-        if recovering:
-            return f"{model} — {who} left; rearranging the layers over the others… your conversation goes on"
-        took = last.get("seconds")
-        took = None if took is None else "under a second" if took < 1 else f"{took:.0f} s"
-        if last.get("event") == "recovered" and took is not None:
-            return f"{model} — ready ({who} left; rearranged in {took}, no conversation lost)"
-        if last.get("event") == "rejoined" and took is not None:
-            came = [e for e in events if e.get("event") in ("back", "joined")]
-            verb = "came back" if came and came[-1]["event"] == "back" else "joined"
-            newcomer = (came[-1].get("who") if came else None) or "a computer"
-            return f"{model} — ready ({newcomer} {verb}; rearranged in {took}, no conversation lost)"
-        return f"{model} — ready"
+    hosting_headline = staticmethod(hosting_headline)   # pipeline_text.py: the Status window's words too
 
     def on_status(self, st: dict):
         hosting = st.get("hosting")

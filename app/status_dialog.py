@@ -9,7 +9,7 @@ import time
 
 from PySide6.QtWidgets import QDialog, QHBoxLayout, QPushButton, QTextBrowser, QVBoxLayout
 
-from .pipeline_text import hop_label, speculation_label, tokens_written
+from .pipeline_text import hop_label, hosting_headline, speculation_label, tokens_written
 from .ring_view import RingView
 
 
@@ -147,7 +147,9 @@ def status_html(st: dict) -> str:
         if spec:
             out.append(f"<p>{html.escape(spec)}</p>")
         if h.get("recovering"):
-            out.append(f"<p><b>Now:</b> {html.escape(h['recovering'])}</p>")
+            # the chat header's words (the head's own name stages and their addresses)
+            now = hosting_headline(h).split(" — ", 1)[-1]
+            out.append(f"<p><b>Now:</b> {html.escape(now)}</p>")
         elif h.get("leaving"):
             going = [e for e in (h.get("events") or []) if e.get("event") == "leaving"]
             who = (going[-1].get("who") if going else None) or "a computer"

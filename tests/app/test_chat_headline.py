@@ -21,6 +21,20 @@ def test_the_headline_says_a_computer_left_and_that_the_chat_goes_on():
     assert ChatWindow.hosting_headline({"model": "SmolLM2"}) == "SmolLM2 — ready"
 
 
+def test_the_status_window_says_what_is_happening_in_the_headlines_words():
+    """Its "Now:" line showed the head's own account: "stage 1 (ws://10.0.0.2:7860#s3cr3t)
+    left: connection lost: rearranging the pipeline"."""
+    from app.status_dialog import status_html
+
+    left = {"event": "left", "address": "ws://10.0.0.2:7860", "who": "Ana", "why": "disconnected", "t": 1.0}
+    hosting = {"model": "SmolLM2", "recovering": "stage 1 (ws://10.0.0.2:7860#s3cr3t) left: connection lost: "
+                                                 "rearranging the pipeline", "events": [left]}
+    page = status_html({"state": "serving", "hosting": hosting})
+    now = page[page.index("<b>Now:</b>"):].split("</p>")[0]
+    assert "Ana left; rearranging" in now and "goes on" in now, now
+    assert "ws://" not in now and "s3cr3t" not in now and "stage" not in now and "pipeline" not in now, now
+
+
 def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
     from app.chat import ChatWindow
 
