@@ -187,12 +187,14 @@ class Sharing:
                 # it stopped by itself (a head told it to shut down, it crashed): the toggle
                 # still says "sharing", so share again rather than report a port nobody serves
                 self.share_restarts += 1
-                self.share_stopped = "the shared stage stopped by itself; started again"
+                self.share_stopped = "its part of your friend's model stopped by itself; started again"
                 log.warning("%s (%d so far)", self.share_stopped, self.share_restarts)
                 self.stage_server = None
                 await srv.close(wait_s=10)  # until the port is free
             if decision.paused and self.stage_server is not None:
-                await self._stop_share(f"paused by the GPU owner: {decision.reason}")
+                # the friends hear that it paused, not why: the reasons are the owner's, in words
+                # for them ("while you are away", what else runs on their GPU)
+                await self._stop_share("its owner's computer paused sharing")
             elif not decision.paused and self.stage_server is None and (self._joining is None or self._joining.done()):
                 try:
                     await self._start_share()

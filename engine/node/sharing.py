@@ -94,13 +94,15 @@ class SharePolicy:
                                    f"{lim.temp_resume_c:.0f} °C")
             own_mb = sum(p.memory_mb for p in reading.processes if p.pid in own_pids)
             if lim.vram_cap_mb is not None and own_mb > lim.vram_cap_mb:
-                reasons.append(f"Potluck uses {own_mb:.0f} MB of VRAM, over your cap of {lim.vram_cap_mb:.0f} MB")
+                reasons.append(f"Potluck uses {own_mb:.0f} MB of GPU memory, more than the {lim.vram_cap_mb:.0f} MB "
+                               "you allowed in Settings")
             if lim.pause_for_other_processes:
                 heavy = [p for p in reading.processes
                          if p.pid not in own_pids and p.memory_mb >= lim.other_process_mb]
                 if heavy:
                     self._other_seen_at = now
-                    reasons.append(f"another program (pid {heavy[0].pid}) is using the GPU heavily")
+                    # a process id is no help to the person who reads this
+                    reasons.append("another program is using the GPU heavily")
                 elif self._other_seen_at is not None and now - self._other_seen_at < lim.other_grace_s:
                     left = lim.other_grace_s - (now - self._other_seen_at)
                     reasons.append(f"another program used the GPU until just now; resuming in {left:.0f} s")

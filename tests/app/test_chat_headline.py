@@ -129,7 +129,7 @@ def test_the_status_window_says_the_share_was_started_again():
 
     page = status_html({"state": "sharing", "sharing": {
         "on": True, "running": True, "address": "ws://10.0.0.2:7860", "restarts": 1,
-        "stopped": "the shared stage stopped by itself; started again"}})
+        "stopped": "its part of your friend's model stopped by itself; started again"}})
     assert "stopped by itself; started again (1×)" in page
 
 
