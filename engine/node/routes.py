@@ -145,7 +145,7 @@ class NodeRoutes:
             args = dict(args, weights=plan["weights"])
         async with self._lock:
             if self.host_task is not None and not self.host_task.done():
-                raise NodeError("a model is already starting; wait for it or stop it first", 409)
+                raise NodeError("a model is already starting: wait until it is ready, then host again", 409)
             if not self.keeps_serving_while_friends_join(args):
                 await self._stop_host()
             self.start_hosting(args, plan["model"])

@@ -239,8 +239,9 @@ def parse_reply(code: str) -> Reply:
     if not hmac.compare_digest(hashlib.sha256(body).digest()[:CHECKSUM], check):
         raise InviteError("this code has a typo (its checksum does not match): copy it again")
     if body[0] != REPLY_VERSION:
-        raise InviteError("this is an invite code, not a reply: the friend who was invited pastes it "
-                          "(`potluck join`)" if body[0] in READS else "this is not a reply code")
+        raise InviteError("this is an invite code, not a reply: the friend who was invited pastes it (Join "
+                          "with invite code… in the app, or `potluck join`)" if body[0] in READS
+                          else "this is not a reply code")
     try:
         pipeline, invite_id, count, pos = body[1:9], body[9:17], body[17], 18
         direct, kinds = [], []
@@ -359,7 +360,8 @@ class HostState:
         a running host dials its addresses (TunnelHost watches this record)."""
         r = parse_reply(code)
         if r.pipeline != self.pipeline:
-            raise InviteError("this reply answers an invite of another host's pipeline")
+            raise InviteError("this reply answers an invite from another host, or from an earlier time you "
+                              "hosted: send your friend a new invite")
         self.invite_psk(r.invite_id)          # an invite of ours, still usable: else why not
         with self._locked() as data:
             data.setdefault("replies", {})[r.key] = {"code": code.strip(), "added": int(time.time())}

@@ -100,7 +100,7 @@ async def open_session(invite: Invite, identity: Identity, target: tuple[str, in
         # something answered and nothing listens on the port: most often Potluck is not
         # running there, though a router that resets an unforwarded port answers the same
         hint = (". Something at the host's address turned the connection away: most likely Potluck is "
-                "not hosting there now: ask them to start it (`potluck host`, or Host a pipeline… in the "
+                "not hosting there now: ask them to start it (`potluck host`, or Host a model… in the "
                 "app); if it is hosting, their router may not pass the port on: they can host with a relay "
                 "or turn on UPnP")
     raise TunnelError("cannot reach the host: " + "; ".join(errors) + hint)
