@@ -62,6 +62,21 @@ def _weights_name(weights: str, plan: dict) -> str:
     return weights
 
 
+# the host request's fields (engine/node/hosting.py names them in its errors) by the
+# labels this window gives them
+FIELD_LABELS = {"model": "Model", "friends": "Friends to invite", "weights": "Weights", "draft": "Draft model",
+                "stages": "Stages on this computer", "listen": "Accept friends on", "relay": "Relay",
+                "stage_addr": "Friends' addresses", "api_lan_port": "API on the network", "api_key": "API key"}
+
+
+def field_words(message: str) -> str:
+    """A node's error about the host request, with each field it names ('listen') said
+    as the label a person filled in (“Accept friends on”)."""
+    for field, label in FIELD_LABELS.items():
+        message = message.replace(f"'{field}'", f"“{label}”")
+    return message
+
+
 def advanced_box(lay) -> tuple[QToolButton, QFormLayout]:
     """A folded "Advanced" section appended to lay (its form inside): ports, relays,
     addresses and keys, which work as they are for most people. Folded it is one line, an
@@ -400,8 +415,8 @@ class HostDialog(QDialog):
 
     def _show_plan(self, plan, error):
         if error:
-            self.last_error = error
-            self.plan_label.setText(f"<span style='color:#b91c1c'>{error}</span>")
+            self.last_error = error = field_words(error)
+            self.plan_label.setText(f"<span style='color:#b91c1c'>{html.escape(error, quote=False)}</span>")
             self.split_table.setRowCount(0)
             self.weights_table.hide()
             return
@@ -447,8 +462,8 @@ class HostDialog(QDialog):
         self.weights_table.resizeColumnsToContents()
 
     def _error(self, message: str) -> None:
-        self.last_error = message
-        self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message)}</span>")
+        self.last_error = message = field_words(message)
+        self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message, quote=False)}</span>")
         self._show_result()
 
     def _show_result(self) -> None:

@@ -53,7 +53,7 @@ class Hosting:
         addrs = body.get("stage_addr", []) or []
         if not isinstance(addrs, list) or not all(isinstance(a, str) and a.startswith(("ws://", "wss://"))
                                                    for a in addrs):
-            raise NodeError("'stage_addr' must be a list of ws:// addresses")
+            raise NodeError("'stage_addr' must be a list of ws:// addresses, as each friend's Status window shows theirs")
         layers = body.get("layers")
         if layers is not None and not isinstance(layers, str):
             raise NodeError("'layers' must be text like '0:10,10:30'")
@@ -71,9 +71,9 @@ class Hosting:
         if not isinstance(listen, str) or (listen and ":" not in listen):
             raise NodeError("'listen' must be HOST:PORT, e.g. 0.0.0.0:7870")
         if friends and not (relay or listen):
-            raise NodeError("friends need a way in: give a relay address and/or a listen address")
+            raise NodeError("friends need a way in: a relay ('relay') or an address to accept them on ('listen')")
         if friends and addrs:
-            raise NodeError("invite friends or give stage addresses, not both")
+            raise NodeError("invite friends or give their addresses ('stage_addr'), not both")
         weights = body.get("weights")
         weights = "auto" if weights is None else weights
         if not isinstance(weights, str) or weights.strip().lower() not in precision.CHOICES:

@@ -94,3 +94,41 @@ def test_an_engine_that_stops_while_starting_is_said_once_with_its_last_words():
     assert said.startswith("it stopped before it was ready") and "Potluck engine" not in said, said
     assert "--no-such-flag" in said, said
     assert not node.alive()
+
+
+def test_the_node_refusing_a_host_request_is_said_with_the_host_windows_labels(qtbot, tmp_path, monkeypatch):
+    """"'listen' must be HOST:PORT" and "give a relay address and/or a listen address"
+    reached the Host window as the node's field names; it says them as its labels."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.dialogs import FIELD_LABELS, HostDialog, field_words
+    from app.settings import Settings
+    from app.store import History
+    from engine.node.control import Node, NodeError
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    try:
+        d = HostDialog(c)
+        qtbot.addWidget(d)
+        d.invitees.setValue(1)
+        d.listen.setText("")
+        req = d.request()
+        # every field the window sends is one it can name
+        assert set(req) <= set(FIELD_LABELS) | {"layers", "api_lan", "pipeline", "wait_timeout_s"}, set(req)
+        node = Node("token")
+        refused = []
+        for change in ({"listen": "", "relay": ""}, {"listen": "nope"}, {"stage_addr": ["http://ana-pc:7860"]},
+                       {"stage_addr": ["ws://ana-pc:7860"]}, {"weights": "fp8"}):
+            with pytest.raises(NodeError) as err:
+                node.host_args({**req, **change})
+            refused.append(field_words(str(err.value)))
+        assert "“Accept friends on”" in refused[0] and "“Relay”" in refused[0], refused[0]
+        for words in refused:
+            assert not any(f"'{f}'" in words for f in FIELD_LABELS), words
+        # the window shows them so, escaped
+        d._show_plan(None, "'listen' must be HOST:PORT <e.g. 0.0.0.0:7870>")
+        assert "“Accept friends on” must be" in d.last_error
+        assert "&lt;e.g." in d.plan_label.text()
+    finally:
+        c.shutdown()
