@@ -444,7 +444,7 @@ class HostDialog(QDialog):
             chosen = r["weights"] == plan.get("weights")
             name = _weights_name(r["weights"], plan)
             if not r.get("available", True):
-                verdict = "needs bitsandbytes"
+                verdict = "not available on this computer"
             else:
                 verdict = "fits" if r["fits_here"] else "does not fit"
             if chosen:

@@ -150,7 +150,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
     assert rows[0][0] == "full (float32)" and rows[0][2] == "fits ← will be used"
     assert rows[0][1] == "8.6 GB (of 17.2 GB in all)"
-    assert rows[1][2] == rows[2][2] == "needs bitsandbytes"
+    assert rows[1][2] == rows[2][2] == "not available on this computer"
 
     # an error clears it; a reply from a node without per-precision rows shows none
     d._show_plan(None, "there is no model 'x' on the Hugging Face hub")
