@@ -153,14 +153,24 @@ def plain_error(status: int | None, message: str, alone: bool = False) -> str:
         log.info("the head refused a message: %s", message)
         return ("This conversation and its reply need more room than the model has now: lower “Longest reply” "
                 "(below the chat)" + (", or shorten the message." if alone else ", or start a new chat."))
+    if "out of memory" in low:
+        log.info("a step ran out of memory: %s", message)
+        return ("The model ran out of memory writing this reply, so it stopped (the other conversations go on). "
+                "Try a shorter message or a lower “Longest reply”, or host with smaller weights or with a friend.")
     if "disconnected" in low or "closed" in low or "link to stage" in low:
         log.info("the reply stopped: %s", message)
         return ("A computer running part of the model dropped out, so the reply stopped. Restart hosting from the "
                 "Potluck menu (Host a model…) to continue.")
     if status == 503 or "not serving" in low:
+        # the head refuses new messages only once it gave up on going on without a computer
         log.info("the head is not serving: %s", message)
-        return ("The model cannot answer right now: a computer running part of it may have left. Send the message "
-                "again in a moment; if it keeps happening, host again from the Potluck menu (Host a model…).")
+        return ("The model stopped: a computer running part of it left and the others could not go on without "
+                "it. Host again from the Potluck menu (Host a model…) to continue.")
+    if low.startswith("generation failed") or "ws://" in low or "wss://" in low or re.search(r"\bstages? \d", low):
+        # a reply that broke off, in the head's words (a stage's number, its address and secret)
+        log.info("the reply stopped: %s", message)
+        return ("The reply stopped: something went wrong on a computer running part of the model. Send the "
+                "message again; if it keeps happening, host again from the Potluck menu (Host a model…).")
     return message
 
 

@@ -79,7 +79,8 @@ class NodeProcess:
         def watch():
             code = self.proc.wait()
             ready.set()
-            if self.on_exit is not None and not self._stopping:
+            # an exit before it announced its port is a start that failed: outcome() says it
+            if self.on_exit is not None and not self._stopping and self.port is not None:
                 self.on_exit(code)
 
         readers = {}
@@ -90,6 +91,7 @@ class NodeProcess:
         def outcome() -> str:
             if ready.wait(timeout) and self.port is not None:
                 return ""
+            self._stopping = True   # said here, once
             try:   # its stdout's end (which woke us) comes a moment before its exit
                 self.proc.wait(2.0)
                 exited = True

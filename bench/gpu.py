@@ -400,12 +400,21 @@ def profile_steps(step, path: Path, steps: int = 10) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    device_us = kernel_us(events)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{steps} steps: wall {wall / steps * 1e3:.2f} ms a step, device (kernels) "
                     f"{device_us / steps / 1e3:.2f} ms a step\n\n"
                     + events.table(sort_by="self_device_time_total", row_limit=30) + "\n\n"
                     + events.table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def kernel_us(events) -> float:
+    """The kernels' time in a profile: the device's own rows only (a kernel launched by an
+    operator is counted on that operator's row too, and a graph's replayed kernels have
+    none, so summing every row would weigh eager steps double against replayed ones)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total or 0 for e in events if e.device_type != DeviceType.CPU)
 
 
 # the runtime calls that say where a step's host time goes: launches one by one or as a
@@ -441,7 +450,7 @@ async def profile_round(run, path: Path, tokens: int, gpu: bool) -> None:
         await run()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    device_us = kernel_us(events)
     calls = {e.key: e.count for e in events if e.key in RUNTIME_CALLS}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"a round of {tokens} steps: wall {wall / tokens * 1e3:.2f} ms a step, device (kernels) "

@@ -97,8 +97,8 @@ class Hosting:
         if not isinstance(api_key, str) or (api_key and not 8 <= len(api_key) <= 256):
             raise NodeError("'api_key' must be 8 to 256 characters")
         if api_lan_port and not api_key:
-            raise NodeError("the API on the LAN needs an API key ('api_key'): anyone on the network "
-                            "could use this model otherwise")
+            raise NodeError("'api_lan_port' needs an API key: anyone on the network could use this model "
+                            "otherwise")
         draft = body.get("draft") or None
         if draft is not None and (not isinstance(draft, str) or not draft.strip() or len(draft) > 300):
             raise NodeError("'draft' must be a draft model (MODEL[@WEIGHTS]) or 'auto'")

@@ -3,6 +3,8 @@ open without a node (the live windows are read in test_app_gui.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("PySide6.QtWidgets", reason="Qt's system libraries are missing: run `make qt-libs`")
@@ -63,17 +65,24 @@ def test_what_the_head_refuses_reaches_the_chat_in_plain_words():
     from app.client import plain_error
 
     said = {
-        (503, "the pipeline is not serving: stage 1 (ws://127.0.0.1:41235#s3cr3t) left: connection lost"): "Send the message again",
+        # refused once the head gave up going on without a computer: sending again would not help
+        (503, "the pipeline is not serving: stage 1 (ws://127.0.0.1:41235#s3cr3t) left: connection lost"): "Host again",
         (None, "link to stage 2 (ws://10.0.0.2:7860) closed mid-reply"): "dropped out",
         (400, "this request needs 300 tokens of KV cache but the pipeline holds at most 256; lower "
               "max_tokens or n, or shorten the prompt"): "“Longest reply”",
         (400, "'max_tokens' is 9000 but the context window is 8192"): "8,192 tokens",
         (400, "the prompt is 9001 tokens; the context window is 8192"): "Shorten it",
+        # a reply that broke off mid-stream: the head's failover account, and a step out of memory
+        (None, "generation failed: stage 2 (ws://10.0.0.2:7860#s3cr3t) stopped answering; no machine joined "
+               "within 300 s"): "Send the message again",
+        (None, "generation failed: out of memory on NVIDIA GeForce RTX 3060 while computing this request's step; "
+               "it was stopped so the others could go on. Send fewer or shorter requests at once, or give the "
+               "pipeline more memory (a higher VRAM cap, another computer)"): "ran out of memory",
     }
     for (status, message), hint in said.items():
         words = plain_error(status, message)
         assert hint in words, (message, words)
-        for engine_word in ("ws://", "stage", "pipeline", "KV", "max_tokens", "s3cr3t"):
+        for engine_word in ("ws://", "stage", "pipeline", "KV", "max_tokens", "s3cr3t", "VRAM", "generation"):
             assert engine_word not in words, (engine_word, words)
     # a conversation's first message has no conversation to start afresh from
     assert "new chat" not in plain_error(400, "the prompt is 9001 tokens; the context window is 8192", alone=True)
@@ -94,6 +103,13 @@ def test_an_engine_that_stops_while_starting_is_said_once_with_its_last_words():
     assert said.startswith("it stopped before it was ready") and "Potluck engine" not in said, said
     assert "--no-such-flag" in said, said
     assert not node.alive()
+    # said once: a start that failed is not also an exit of a running engine
+    exits = []
+    node = NodeProcess(["--no-such-flag"], on_exit=exits.append)
+    with pytest.raises(NodeStartError):
+        node.start(timeout=120)
+    time.sleep(0.5)   # long enough for the exit's watcher to have spoken, were it to
+    assert exits == []
 
 
 def test_the_node_refusing_a_host_request_is_said_with_the_host_windows_labels(qtbot, tmp_path, monkeypatch):
