@@ -86,9 +86,14 @@ class ChatWindow(QMainWindow):
         self.pipeline_label.setWordWrap(True)
         self.pipeline_label.setStyleSheet("color: #374151;")
         url_row = QHBoxLayout()
-        url_row.addWidget(QLabel("OpenAI-compatible URL:"))
+        # the Status window's words: people who have no use for it skip a line they do not know
+        url_label = QLabel("For other programs:")
+        url_row.addWidget(url_label)
         self.url_field = QLineEdit()
         self.url_field.setReadOnly(True)
+        for w in (url_label, self.url_field):
+            w.setToolTip("The address of this model's OpenAI-compatible API: a program that talks to "
+                         "OpenAI's API (an editor's assistant, a script) can use it instead")
         self.url_field.setPlaceholderText("(available once a model is running)")
         url_row.addWidget(self.url_field, 1)
         self.progress_box = QWidget()

@@ -33,13 +33,13 @@ def model_label(m: dict) -> str:
     return m["label"] + (" (accept its license on huggingface.co first)" if m.get("gated") else "")
 
 
-DRAFT_NONE = "None: prompt lookup only (guesses from the conversation)"
+DRAFT_NONE = "None: guesses from the conversation only"
 
 
 def _draft_pairing_label(pairing: str) -> str:
     if not pairing:
-        return "The catalog's pairing: none for this model (prompt lookup)"
-    return f"The catalog's pairing: {pairing}"
+        return "Recommended: none for this model (guesses from the conversation)"
+    return f"Recommended: {pairing}"
 
 
 WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "bf16"),
@@ -65,7 +65,7 @@ def _weights_name(weights: str, plan: dict) -> str:
 # the host request's fields (engine/node/hosting.py names them in its errors) by the
 # labels this window gives them
 FIELD_LABELS = {"model": "Model", "friends": "Friends to invite", "weights": "Weights", "draft": "Draft model",
-                "stages": "Stages on this computer", "listen": "Accept friends on", "relay": "Relay",
+                "stages": "Parts on this computer", "listen": "Accept friends on", "relay": "Relay",
                 "stage_addr": "Friends' addresses", "api_lan_port": "API on the network", "api_key": "API key"}
 
 
@@ -186,7 +186,7 @@ class HostDialog(QDialog):
         self.stages.setToolTip("Automatic: one. More would only take turns on the same graphics card or "
                                "processor, and pass each word between them")
         self.stages.setValue(controller.settings.local_stages)
-        form.addRow("Stages on this computer:", self.stages)
+        form.addRow("Parts on this computer:", self.stages)
         self.listen = QLineEdit("0.0.0.0:7870")
         self.listen.setToolTip("Where friends reach this computer directly: Potluck asks your router to map this "
                                "port (UPnP); where it will not, a friend gets a reply code to paste below, or use a relay")
@@ -195,7 +195,7 @@ class HostDialog(QDialog):
         self.relay.setPlaceholderText("optional: ws://relay:8765, reachable from both homes")
         form.addRow("Relay:", self.relay)
         self.friends = QPlainTextEdit()
-        self.friends.setPlaceholderText("or friends' stage addresses, one per line (ws://friend:7860#secret, as their "
+        self.friends.setPlaceholderText("or friends' addresses, one per line (ws://friend:7860#secret, as their "
                                         "Status shows it), "
                                         "from “Join with invite code…” with a host's name")
         self.friends.setFixedHeight(50)

@@ -88,7 +88,7 @@ def waiting_status(missing: list[tuple[int, int]], need: int, have: int) -> tupl
     what = describe_layers(missing) if missing else f"{max(1, need - have)} more layers"
     room = (f"the machines left have room for {have} of the model's {need} layers" if have < need
             else "a machine left has no room for even one layer")
-    return f"waiting for a GPU to hold {what} ({room})", what
+    return f"waiting for a computer to hold {what} ({room})", what
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,7 @@ class Recovery:
         if self._need_have is not None and self.missing():
             # the room left is not known until the layers are split again: say who went
             self._what = describe_layers(self.missing())
-            self.status = f"waiting for a GPU to hold {self._what} (another machine left meanwhile: {why})"
+            self.status = f"waiting for a computer to hold {self._what} (another machine left meanwhile: {why})"
         else:
             self.status = f"{address} left too ({why}): rearranging the pipeline"
         return self.status

@@ -10,6 +10,7 @@ disk). Reports come at most every `every_s` seconds, and always at the start and
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -20,13 +21,21 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
+_SHARD = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
+
+
 def describe(filename: str, done: int, total: int) -> str:
-    """'downloading model-00001-of-00004.safetensors (1.2 of 4.9 GB)'"""
+    """'downloading the model, part 1 of 4 (1.2 of 4.9 GB)': what a person reads under a
+    progress bar (a shard's file name means nothing to them; its place among the parts
+    says why the bar starts again)."""
+    shard = _SHARD.fullmatch(filename)
+    what = ("the model" if filename == "model.safetensors" else
+            f"the model, part {int(shard[1])} of {int(shard[2])}" if shard else filename)
     if not total:
-        return f"downloading {filename} ({_size(done)})"
+        return f"downloading {what} ({_size(done)})"
     if total >= 1e9:
-        return f"downloading {filename} ({done / 1e9:.1f} of {total / 1e9:.1f} GB)"
-    return f"downloading {filename} ({done / 1e6:.0f} of {total / 1e6:.0f} MB)"
+        return f"downloading {what} ({done / 1e9:.1f} of {total / 1e9:.1f} GB)"
+    return f"downloading {what} ({done / 1e6:.0f} of {total / 1e6:.0f} MB)"
 
 
 def progress_bar_class(report, filename: str, every_s: float = 0.5):

@@ -85,7 +85,7 @@ def with_names(hosting: dict) -> list[dict]:
 
 def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
     """One row per machine in ring order, then one per machine that left and has not come
-    back: who, device, layers (first, end), share ('11 of 30 layers'), path, rtt_ms,
+    back: who, device, layers (first, end), share ('11 of 30 layers', 'the whole model'), path, rtt_ms,
     state ('computing', 'left') and why."""
     stages = hosting.get("stages") or []
     total = max((s["layers"][1] for s in stages), default=0)
@@ -96,7 +96,7 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
         if rtt is None:
             rtt = (s.get("link") or {}).get("rtt_ms")
         rows.append({"who": _who(i, s), "device": s.get("device_name") or s.get("device") or "?",
-                     "layers": [a, b], "share": f"{b - a} of {total} layers", "path": _path(s) if i else None,
+                     "layers": [a, b], "share": share_words(a, b, total), "path": _path(s) if i else None,
                      "rtt_ms": None if rtt is None else round(float(rtt), 1), "state": "computing", "why": None,
                      "memory": memory_words(s.get("memory"))})
     here = {s.get("address") for s in stages}
@@ -120,6 +120,12 @@ def ring(hosting: dict, tokens_per_s: float | None = None) -> list[dict]:
     if rows and tokens_per_s is not None:
         rows[0]["tokens_per_s"] = round(tokens_per_s, 1)
     return rows
+
+
+def share_words(a: int, b: int, total: int) -> str:
+    """A machine's part of the model: '11 of 30 layers', or 'the whole model' where one
+    machine holds every layer (its count is in the host's own line)."""
+    return "the whole model" if a == 0 and b == total else f"{b - a} of {total} layers"
 
 
 def memory_words(mem: dict | None) -> str | None:

@@ -204,6 +204,10 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
           "/retry draws the last reply again, /set temperature 0.2 (or top-p, top-k, min-p, repetition-penalty, "
           "presence-penalty, frequency-penalty) changes sampling, Ctrl+C stops a reply, /quit leaves.\n"),
           file=sys.stderr)
+    if max_tokens > head.context_length:
+        # taken, as the API does not (it refuses the request): a terminal user meant "long"
+        print(f"(--max-tokens {max_tokens} is more than the model reads at once, {head.context_length} tokens: "
+              f"a reply stops where the conversation fills that)", file=sys.stderr)
     # read from a pipe or file: the line is not echoed by a terminal, so it is written here
     echo_input = not prompts and not sys.stdin.isatty()
     messages: list[dict] = []
@@ -286,6 +290,8 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             text, done = await reply(handle, echo=_write)
         rate = done.completion_tokens / max(done.seconds - (done.ttft or 0), 1e-6)
         stopped = ", stopped" if ctrl_c.pressed and done.finish_reason == "cancelled" else ""
+        if done.finish_reason == "length" and done.completion_tokens < max_tokens:
+            stopped = ", stopped where the conversation filled what the model reads at once"
         print(f"\n     [{done.completion_tokens} tokens, first after {done.ttft or 0:.2f}s, "
               f"{rate:.1f} tok/s{', ' + done.error if done.error else ''}{stopped}]"
               + (f" {spec}" if (spec := head.speculation()["summary"]) else ""))

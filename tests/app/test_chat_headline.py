@@ -39,8 +39,8 @@ def test_the_headline_says_what_the_pipeline_waits_for_and_who_came_back():
     from app.chat import ChatWindow
 
     left = {"event": "left", "address": "ws://ana-pc:7860", "who": "Ana", "why": "disconnected", "t": 1.0}
-    waiting = {"event": "waiting", "why": "waiting for a GPU to hold layers 12–23", "t": 2.0}
-    status = "waiting for a GPU to hold layers 12–23 (the stages left hold 20 of 32 layers)"
+    waiting = {"event": "waiting", "why": "waiting for a computer to hold layers 12–23", "t": 2.0}
+    status = "waiting for a computer to hold layers 12–23 (the stages left hold 20 of 32 layers)"
     text = ChatWindow.hosting_headline({"model": "M", "recovering": status, "events": [left, waiting]})
     assert "Ana left" in text and "layers 12–23" in text and "waits" in text
     back = {"event": "back", "address": "ws://ana-pc:7860", "who": "Ana", "t": 9.0}

@@ -94,7 +94,7 @@ def test_the_draft_model_pairing_is_shown_and_chosen_into_the_host_request(dialo
     assert "none for this model" in d.draft.currentText() and "draft" not in d.request()   # the default pairs none
     seventy = next(e for e in catalog.MODELS if e.draft and "70B" in e.name)
     d.model.setCurrentIndex([d.model.itemData(i) for i in range(d.model.count())].index(seventy.id))
-    assert d.draft.itemText(1) == f"The catalog's pairing: {seventy.draft}"
+    assert d.draft.itemText(1) == f"Recommended: {seventy.draft}"
     assert d.request()["draft"] == "auto"
     d.draft.setEditText("default@int8")          # any model of the same tokenizer, typed
     d.check()
@@ -166,10 +166,10 @@ def test_download_progress_shows_in_the_loading_bar(dialog):
     d.started = True
     gb = 10**9
     d.on_status({"state": "loading", "loading": {"message": "Loading…", "stages": {
-        "0": {"done": 2 * gb, "total": 4 * gb, "what": "downloading model-00001-of-00004.safetensors (2.0 of 4.0 GB)"},
+        "0": {"done": 2 * gb, "total": 4 * gb, "what": "downloading the model, part 1 of 4 (2.0 of 4.0 GB)"},
         "1": {"done": 0, "total": 100, "what": "loading weights"}}}})
     assert d.progress.value() == 250 and d.progress.maximum() == 1000  # bytes beyond a C int are fine
-    assert d.progress.format().startswith("downloading model-00001-of-00004.safetensors")
+    assert d.progress.format().startswith("downloading the model, part 1 of 4")
 
 
 def test_the_api_for_the_network_is_asked_for_with_a_key_kept_in_the_keyring(dialog):

@@ -27,7 +27,7 @@ def test_http_path_reports_bytes_through_huggingface_hubs_bar_factory():
             bar.set_postfix_str("12 MB/s", refresh=False)
     assert [d for d, _, _ in seen] == [0, 1_000_000_000, 2_000_000_000, 3_000_000_000]
     assert all(t == 3_000_000_000 for _, t, _ in seen)
-    assert seen[-1][2] == "downloading model-00001-of-00002.safetensors (3.0 of 3.0 GB)"
+    assert seen[-1][2] == "downloading the model, part 1 of 2 (3.0 of 3.0 GB)"
 
 
 def test_xet_path_keeps_one_bar_counted_on_disk():
@@ -70,6 +70,8 @@ def test_a_failing_display_never_breaks_the_download():
 
 def test_unknown_size():
     assert describe("f.safetensors", 5_000_000, 0) == "downloading f.safetensors (5 MB)"
+    assert describe("model.safetensors", 5_000_000, 0) == "downloading the model (5 MB)"
+    assert describe("model-00003-of-00030.safetensors", 0, 2 * 10**9) == "downloading the model, part 3 of 30 (0.0 of 2.0 GB)"
     seen = []
     bar = progress_bar_class(lambda d, t, w: seen.append((d, t)), "f", every_s=0)(total=None)
     bar.update(7)

@@ -18,7 +18,7 @@ def test_two_stages_lost_at_once_every_missing_layer_is_named():
     assert missing == [(12, 30)]
     status, what = waiting_status(missing, need=30, have=21)
     assert what == "layers 13–30"   # counted from 1, as the joiner's own line
-    assert status == "waiting for a GPU to hold layers 13–30 (the machines left have room for 21 of the model's 30 layers)"
+    assert status == "waiting for a computer to hold layers 13–30 (the machines left have room for 21 of the model's 30 layers)"
 
 
 def test_missing_ranges_apart_are_each_named():
@@ -106,7 +106,7 @@ def test_two_stages_gone_at_once_both_recorded_and_both_ranges_missing():
     assert [(e["stage"], e["address"]) for e in left] == [(2, B), (None, A)]  # the other one, noticed at hello
     assert rec.missing() == [(12, 30)]
     status = rec.no_room(need=30, have=21, now=2.0)
-    assert status.startswith("waiting for a GPU to hold layers 13–30 ")
+    assert status.startswith("waiting for a computer to hold layers 13–30 ")
     assert rec.status == status and rec.events[-1] == {"t": 1000.0, "event": "waiting", "why": status}
 
 

@@ -28,6 +28,13 @@ def test_each_machine_its_share_device_path_and_round_trip():
         assert engine_word not in text
 
 
+def test_one_computer_holding_every_layer_holds_the_whole_model():
+    # a host alone (the chat's default) read "30 of 30 layers"
+    rows = ring(hosting([{"address": "head (this process)", "layers": [0, 30], "device_name": "CPU"}]))
+    assert [(r["who"], r["share"]) for r in rows] == [("This computer", "the whole model")]
+    assert ring_text(rows) == "This computer (CPU): the whole model"
+
+
 def test_a_friend_who_left_is_shown_as_such_with_why_until_back():
     left = {"event": "left", "address": BEN, "why": f"stage 2 ({BEN}) is leaving: sharing switched off by the owner"}
     friends = [{"name": "Ana", "address": ANA}, {"name": "Ben", "address": BEN}]

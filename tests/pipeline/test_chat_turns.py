@@ -121,3 +121,17 @@ async def test_the_terminal_chat_draws_the_last_reply_again(served, capsys):
     await chat_loop(head, ["Name three fruits.", "/retry", "/retry"], 12, sampling={"temperature": 1.5}, seed=7)
     got = replies(capsys.readouterr().out)
     assert len(got) == 3 and len(set(got)) == 3, got
+
+
+async def test_the_terminal_chat_says_a_longest_reply_past_the_window_stops_at_it(served, capsys):
+    """The API refuses a max_tokens past the window; the terminal takes it (the user
+    meant "long") and says where a reply stops: there, not one token later."""
+    from engine.pipeline.terminal import chat_loop
+
+    head, _ = served
+    await chat_loop(head, ["Hi"], head.context_length + 100, sampling={"temperature": 0.0})
+    out = capsys.readouterr()
+    assert f"--max-tokens {head.context_length + 100} is more than the model reads at once" in out.err
+    prompt = len(head.chat_prompt([{"role": "user", "content": "Hi"}]))
+    line = out.out.rsplit("[", 1)[1]
+    assert line.startswith(f"{head.context_length - prompt} tokens,") and "filled what the model reads" in line, line

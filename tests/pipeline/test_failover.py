@@ -299,7 +299,7 @@ async def test_survivors_too_small_wait_for_the_same_machine_to_come_back(tmp_pa
         back = asyncio.ensure_future(come_back())
         got = await run(head, False, on_token)
         await back
-        assert f"waiting for a GPU to hold layers {missing[0] + 1}–{missing[1]}" in waiting[1], waiting
+        assert f"waiting for a computer to hold layers {missing[0] + 1}–{missing[1]}" in waiting[1], waiting
         assert got == reference
         kinds = [e["event"] for e in head.info()["events"]]
         assert kinds == ["left", "waiting", "recovered"], kinds
@@ -813,7 +813,7 @@ async def test_two_stages_lost_at_once_the_status_names_every_missing_layer(tiny
         await asyncio.gather(a.close("switched off"), b.close("switched off"))
         await until(lambda: (head.info()["recovering"] or "").startswith("waiting"))
         status = head.info()["recovering"]
-        assert status.startswith(f"waiting for a GPU to hold layers {gone_from + 1}–6 "), status   # counted from 1
+        assert status.startswith(f"waiting for a computer to hold layers {gone_from + 1}–6 "), status   # counted from 1
         assert "(the machines left have room for 3 of the model's 6 layers)" in status, status
         c = await StageServer("127.0.0.1", 0, threads=1).start()   # room for all of them
         head.offer(f"ws://127.0.0.1:{c.port}")
