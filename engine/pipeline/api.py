@@ -30,19 +30,18 @@ import logging
 import ssl
 import time
 import uuid
-from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from engine.pipeline.api_cors import Cors
+from engine.pipeline.api_replies import Reply, Tools, usage
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done, PipelineError
 from engine.core.sampling import (MAX_CHOICES, MAX_SCHEMA_CHARS, MAX_TOP_LOGPROBS, PENALTIES, SWITCHING,
                                   SamplingError, SamplingParams)
 from engine.core.conversation_fit import OVERFLOW_CHOICES, fitted_prompt
 from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, forced_call_schema
-from engine.core.tool_calls import parse as parse_calls
 from engine.model.detok import TokenPieces
 from engine.model.grammar import compile_schema, schema_of
 from engine.model.sources import DEFAULT_HUB_ID, DEFAULT_MODEL
@@ -278,7 +277,7 @@ class Api:
                     raise ApiError("a function's parameters are not a JSON schema this server can read",
                                    param="tools", code="invalid_value") from None
             parallel = _field(body, "parallel_tool_calls", bool, True)
-            tools = _Tools({f["name"] for f in fns}, forced, parallel)
+            tools = Tools({f["name"] for f in fns}, forced, parallel)
         return await self._generate(request, body, [prompt], chat=True, tools=tools,
                                     headers={"X-Potluck-Dropped-Messages": str(dropped)} if dropped else None)
 
@@ -411,7 +410,7 @@ class Api:
             raise ApiError(str(exc), param=exc.param, code="invalid_value") from None
         return p
 
-    async def _generate(self, request, body, prompts: list[list[int]], chat: bool, tools: "_Tools | None" = None,
+    async def _generate(self, request, body, prompts: list[list[int]], chat: bool, tools: "Tools | None" = None,
                         headers: dict | None = None):
         """Every prompt's n choices (choice index: prompt * n + j), submitted at once so
         they batch together; a prompt's choices share its prefill (Head.submit_n).
@@ -446,7 +445,8 @@ class Api:
                 h.cancel()
             raise
         prompt_tokens = sum(len(p) for p in prompts)
-        reply = _Reply(self, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, k, tools)
+        reply = Reply(self.head.source.name, self.pieces, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                      chat, k, tools)
         try:
             if stream:
                 return await self._stream(request, handles, reply, prompt_tokens, include_usage, headers)
@@ -461,7 +461,7 @@ class Api:
                 raise ApiError(f"generation failed: {done.error}", status=500, type_="server_error")
             choices.append(reply.choice(i, text, done.finish_reason, lps))   # (its tool calls, if any)
         return web.json_response({**reply.envelope(final=True), "choices": choices,
-                                  "usage": _usage(prompt_tokens, [d for _, d, _ in results])}, headers=headers)
+                                  "usage": usage(prompt_tokens, [d for _, d, _ in results])}, headers=headers)
 
     def _choices(self, body: dict, chat: bool) -> tuple[int, int | None]:
         """n, and how many top tokens each token's logprobs lists (None: no logprobs).
@@ -519,7 +519,7 @@ class Api:
         except ValueError as exc:
             raise ApiError(str(exc), code="invalid_value") from None
 
-    async def _stream(self, request, handles, reply: "_Reply", prompt_tokens: int, include_usage: bool,
+    async def _stream(self, request, handles, reply: Reply, prompt_tokens: int, include_usage: bool,
                       headers: dict | None = None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **(headers or {})})
@@ -583,7 +583,7 @@ class Api:
                         finish = "tool_calls"
                 await send(reply.chunk(i, finish=finish))
             if include_usage:
-                await send({**reply.envelope(), "choices": [], "usage": _usage(prompt_tokens, dones)})
+                await send({**reply.envelope(), "choices": [], "usage": usage(prompt_tokens, dones)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except asyncio.CancelledError:
@@ -599,84 +599,6 @@ class Api:
             for t in pumps:
                 t.cancel()
         return resp
-
-
-class _Reply:
-    """One response's shapes: its id and envelope, a choice, a stream chunk, and each
-    token's logprobs in OpenAI's two formats (chat: content[] with token, logprob, bytes
-    and top_logprobs; completions: tokens, token_logprobs, top_logprobs, text_offset)."""
-
-    def __init__(self, api: "Api", rid: str, chat: bool, k: int | None, tools: "_Tools | None" = None):
-        self.api, self.rid, self.chat, self.k, self.tools = api, rid, chat, k, tools
-        self.created = int(time.time())
-
-    def envelope(self, final: bool = False) -> dict:
-        obj = ("chat.completion" if final else "chat.completion.chunk") if self.chat else "text_completion"
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.api.head.source.name}
-
-    def choice(self, i: int, text: str, finish: str, lps: list) -> dict:
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.tools is not None:
-                content, calls = parse_calls(text, self.tools.names)
-                calls = self.tools.kept(calls)
-                if calls:
-                    message = {"role": "assistant", "content": content or None,
-                               "tool_calls": [c.to_openai() for c in calls]}
-                    finish = "tool_calls"
-            return {"index": i, "message": message, "finish_reason": finish, "logprobs": self.logprobs(lps)}
-        return {"index": i, "text": text, "finish_reason": finish, "logprobs": self.logprobs(lps)}
-
-    def chunk(self, i: int, text: str | None = None, finish: str | None = None, first: bool = False,
-              lps: list = (), calls: list | None = None) -> dict:
-        logprobs = self.logprobs(lps) if lps else None
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-            if calls:
-                delta = {"tool_calls": [c.to_openai(j) for j, c in enumerate(calls)]}
-            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        else:
-            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-        return {**self.envelope(), "choices": [choice]}
-
-    def logprobs(self, lps: list) -> dict | None:
-        """lps: (TokenLogprob, the choice's text length before that token) per token."""
-        if self.k is None:
-            return None
-        piece = self.api.pieces.get
-        if self.chat:
-            content = []
-            for lp, _ in lps:
-                text, raw = piece(lp.token)
-                content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw),
-                                "top_logprobs": [{"token": piece(t)[0], "logprob": v, "bytes": list(piece(t)[1])}
-                                                 for t, v in lp.top]})
-            return {"content": content, "refusal": None}
-        # the legacy shape: the likeliest `logprobs` tokens and the sampled one ("up to
-        # logprobs + 1" entries, as OpenAI's completions answer)
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp, offset in lps:
-            text = piece(lp.token)[0]
-            top = {piece(t)[0]: v for t, v in lp.top}
-            top.setdefault(text, lp.logprob)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
-        return out
-
-
-@dataclass
-class _Tools:
-    """A chat request's tools: the functions' names (a call of anything else stays
-    text), the schema that forces a call (tool_choice required or named), and whether
-    several calls may come back at once."""
-    names: set
-    forced: str | None
-    parallel: bool
-
-    def kept(self, calls: list) -> list:
-        return calls if self.parallel else calls[:1]
 
 
 def _calls_of(raw, i: int) -> list[dict]:
@@ -711,13 +633,6 @@ async def _collect(handle) -> tuple[str, Done, list]:
         parts.append(ev.text)
         length += len(ev.text)
     raise PipelineError("stream ended without a result")
-
-
-def _usage(prompt_tokens: int, dones: list[Done]) -> dict:
-    """The prompt counts once however many choices it gave; every choice's tokens count."""
-    completion = sum(d.completion_tokens for d in dones)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
 
 
 def _is_ids(p: list) -> bool:
