@@ -49,7 +49,7 @@ def advise(f: Facts) -> tuple[bool, list[str]]:
             return True, lines + ["ok: computing on the GPU (install nvidia-ml-py for the tray's GPU readings)"]
         return True, lines + ["ok: no NVIDIA GPU here, so Potluck computes on the CPU"]
     if f.cuda_available:
-        return True, lines + ["ok: computing on the GPU"]
+        return True, lines + ["ok: computing on the GPU"] + more_gpus(f)
     if not f.torch_cuda:
         return False, lines + [
             "this torch is a CPU build, so your GPU sits idle. Install the CUDA build into Potluck's "
@@ -61,6 +61,20 @@ def advise(f: Facts) -> tuple[bool, list[str]]:
         f"this torch is built for CUDA {f.torch_cuda} but cannot use the GPU: the NVIDIA driver is "
         "probably older than that CUDA version needs. Update the driver (`nvidia-smi` shows the CUDA "
         "version it supports), or install a torch built for an older CUDA, then run `potluck doctor` again"]
+
+
+def more_gpus(f: Facts) -> list[str]:
+    """A machine with several GPUs: each process computes on one (`auto` takes the first),
+    so the others sit idle unless a stage is started on them: say how (a second stage
+    process on loopback that the head is given, or a second share for a friend)."""
+    if len(f.gpus) < 2:
+        return []
+    return [f"this computer has {len(f.gpus)} GPUs and each Potluck process computes on one, so only "
+            f"{f.device} is used. To add the second to the same model, start a stage on it and give its "
+            "address to the head:",
+            "  potluck stage --device cuda:1 --port 7860",
+            "  potluck serve --stage-addr ws://127.0.0.1:7860      (or chat, or host)",
+            "  (or lend it to a friend: potluck join CODE --device cuda:1)"]
 
 
 @dataclass

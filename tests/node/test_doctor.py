@@ -34,6 +34,17 @@ def test_a_working_gpu_and_a_machine_without_one_are_both_fine():
     assert ok and "computes on the CPU" in lines[-1] and "LibraryNotFound" in lines[1]
 
 
+def test_a_second_gpu_is_said_with_how_to_add_it_to_the_model():
+    # each process computes on one GPU: the second would sit idle without a word
+    two = facts(gpus=["NVIDIA GeForce RTX 3090"] * 2, torch_cuda="12.8", cuda_available=True, device="cuda:0")
+    ok, lines = advise(two)
+    text = "\n".join(lines)
+    assert ok and "2 GPUs" in text and "only cuda:0 is used" in text
+    assert "potluck stage --device cuda:1" in text and "--stage-addr ws://127.0.0.1:7860" in text
+    ok, lines = advise(facts(torch_cuda="12.8", cuda_available=True, device="cuda:0"))
+    assert ok and "GPUs and each" not in "\n".join(lines)
+
+
 def test_the_command_runs_here():
     out = subprocess.run([sys.executable, "-m", "engine", "doctor"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
