@@ -219,7 +219,7 @@ def _speed_score(device: str, seconds: float) -> float:
         a @ b
         reps += 1
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)   # its own GPU's queue: cuda:1's, not the current one's
     dt = time.perf_counter() - t0
     return 2 * n**3 * reps / dt / 1e9
 
