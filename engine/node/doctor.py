@@ -69,8 +69,9 @@ def more_gpus(f: Facts) -> list[str]:
     process on loopback that the head is given, or a second share for a friend)."""
     if len(f.gpus) < 2:
         return []
+    others = "the second" if len(f.gpus) == 2 else "another (cuda:1 below; cuda:2 and on likewise)"
     return [f"this computer has {len(f.gpus)} GPUs and each Potluck process computes on one, so only "
-            f"{f.device} is used. To add the second to the same model, start a stage on it and give its "
+            f"{f.device} is used. To add {others} to the same model, start a stage on it and give its "
             "address to the head:",
             "  potluck stage --device cuda:1 --port 7860",
             "  potluck serve --stage-addr ws://127.0.0.1:7860      (or chat, or host)",
