@@ -139,9 +139,14 @@ async def test_default_model_matches_transformers(pipeline, default_reference):
     max_new = 16
     prompts = [pipeline.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
     assert len({len(p) for p in prompts}) == len(prompts)
-    # "auto" (the default) keeps 64-token chunks over loopback: the measured link is fast
-    assert pipeline.sched.prefill_chunk == "auto" and pipeline.prompt_chunk_tokens() == 64
-    assert max(len(p) for p in prompts) > 2 * pipeline.prompt_chunk_tokens()
+    # "auto" (the default) sizes chunks by the measured link: the cap (64) over an idle
+    # loopback, less when the machine was busy as it measured (CI once read 16 beside the
+    # chaos test); the cap on a fast link is tests/core/test_prompt_chunk.py's to check
+    from engine.core.prompt_chunk import CAP, FLOOR
+
+    chunk = pipeline.prompt_chunk_tokens()
+    assert pipeline.sched.prefill_chunk == "auto" and FLOOR <= chunk <= CAP
+    assert max(len(p) for p in prompts) > 2 * chunk
     handles = [pipeline.submit(p, greedy(max_new)) for p in prompts]
     results = await asyncio.gather(*(collect(h) for h in handles))
     for prompt, (toks, text, done) in zip(prompts, results):
