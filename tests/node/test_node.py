@@ -672,7 +672,10 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
     friend, fport = start_node(env={**common, "POTLUCK_HOME": str(tmp_path / "friend")})
     try:
         assert call(hport, "POST", "/host", {"model": "default"})[0] == 200
-        alone = wait_status(hport, lambda s: s["state"] == "serving", timeout=300)["openai_url"]
+        st = wait_status(hport, lambda s: s["state"] == "serving", timeout=300)
+        alone = st["openai_url"]
+        # the host as it starts (one process): its card reads the whole model, not "30 of 30 layers"
+        assert [r["share"] for r in st["hosting"]["ring"]] == ["the whole model"], st["hosting"]["ring"]
         # the friends' door cannot open (an address not this computer's): the chat's pipeline
         # serves on, as it was asked for, and the failure is said beside it
         status, r = call(hport, "POST", "/host", {"model": "default", "friends": 1, "listen": "203.0.113.7:0"})
