@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 
 OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_HERMES = "<tool_call>"
 
 
 class ToolError(ValueError):
@@ -88,9 +88,22 @@ def forced_call_schema(fns: list[dict], choice: str) -> dict:
     """The JSON schema of one call, for constrained decoding when a call is required
     (choice "required": any of the tools; a name: that one)."""
     chosen = [f for f in fns if choice == "required" or f["name"] == choice]
-    variants = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+    variants = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                  "arguments": _declared_only(f["parameters"])},
                  "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def _declared_only(params):
+    """A function's parameters schema with only the arguments it declares, where it says
+    nothing of others. JSON Schema allows any others by default, and a small model held
+    to the schema token by token wandered into them ({"city": "Paris", "temperature": 25}
+    for a function of a city): no caller wants an argument it did not declare. A schema
+    that names additionalProperties itself keeps its own word."""
+    if isinstance(params, dict) and isinstance(params.get("properties"), dict) \
+            and "additionalProperties" not in params and params.get("type", "object") == "object":
+        return {**params, "additionalProperties": False}
+    return params
 
 
 def fallback_system_prompt(fns: list[dict]) -> str:
@@ -130,14 +143,29 @@ def _json_prefix(text: str):
         return None
 
 
+def _hermes_calls(text: str, names: set[str]) -> tuple[int, list[ToolCall]]:
+    """Each <tool_call> that a call's JSON follows, and where the first of them starts.
+    Every opener is tried on its own: a reply that names the tag in its prose first ("I
+    will use <tool_call> tags:", echoing the instructions it was given) still has its
+    call read, where one match from the first opener to the first closer swallowed it."""
+    first, calls, i = len(text), [], text.find(_HERMES)
+    while i >= 0:
+        call = _call_from(_json_prefix(text[i + len(_HERMES):]), names)
+        if call:
+            first = min(first, i)
+            calls.append(call)
+        i = text.find(_HERMES, i + len(_HERMES))
+    return first, calls
+
+
 def parse(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
     """Split a finished reply into its content and its calls (by any family's format).
     names: the request's functions; a call of anything else is left as text."""
     names = names or set()
-    if "<tool_call>" in text:
-        calls = [c for c in (_call_from(_json_prefix(m.group(1)), names) for m in _HERMES.finditer(text)) if c]
+    if _HERMES in text:
+        first, calls = _hermes_calls(text, names)
         if calls:
-            return text[:text.index("<tool_call>")].strip(), calls
+            return text[:first].strip(), calls
     if "[TOOL_CALLS]" in text:
         head, _, rest = text.partition("[TOOL_CALLS]")
         value = _json_prefix(rest)

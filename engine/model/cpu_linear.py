@@ -7,8 +7,8 @@ split over the threads (on the 2-core machine this engine was first tuned on, ab
 the time for the default model's LM head at 8 rows and its layers' matrices at 4). Other
 machines run x @ W^T for a lone row as a matrix-vector product several times faster
 than W @ x^T: on an AVX-512 machine with the same torch, W @ x^T made a single user's
-decode step twice as long (bench/RESULTS.md, 2026-12-03). So each kind of call -- matrix shape, bucket of rows,
-thread count -- times both at its first call and keeps the faster
+decode step twice as long (bench/RESULTS.md, 2026-12-03). So each kind of call -- matrix shape, bucket of rows
+(not the thread count: see product_choice.py) -- times both at its first call and keeps the faster
 (engine/core/product_choice.py; `python -m engine.model.cpu_linear` prints the
 per-matrix comparison).
 
@@ -61,7 +61,7 @@ def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.numel() // k if k else 0
     if not 0 < rows <= SMALL_ROWS:
         return F.linear(x, weight, bias)
-    key = (weight.shape[0], k, row_bucket(rows), torch.get_num_threads())
+    key = (weight.shape[0], k, row_bucket(rows))
     product, timed = choice.pick(key)
     # the first call of a kind runs all its trials on its own input before it answers:
     # every result that leaves this call comes from the product the kind keeps, so the

@@ -36,6 +36,7 @@ from engine.node.ring_view import TokenRate, gives_words, path_words, ring, ring
 from engine.node.routes import NodeRoutes
 from engine.node.share_stage import SLEEP_LEAVE_S, Sharing
 from engine.node.sharing import Limits, SharePolicy
+from engine.wire.quiet_http import quiet_bad_requests
 
 __all__ = ["ANNOUNCE", "DEFAULT_SHARE_PIPELINE", "Limits", "Node", "NodeError", "SLEEP_LEAVE_S", "STATS_TIMEOUT",
            "SharePolicy", "default_token_file", "lan_address", "run_node", "write_token_file"]
@@ -249,6 +250,7 @@ async def run_node(args) -> int:
     except DeviceError as exc:
         print(f"potluck node: {exc}", file=sys.stderr)
         return 2
+    quiet_bad_requests()
     runner = web.AppRunner(node.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port)

@@ -45,6 +45,7 @@ from engine.core.tool_calls import StreamSplitter, ToolError, check_tools, force
 from engine.model.detok import TokenPieces
 from engine.model.grammar import compile_schema, schema_of
 from engine.model.sources import DEFAULT_HUB_ID, DEFAULT_MODEL
+from engine.wire.quiet_http import quiet_bad_requests
 
 log = logging.getLogger("potluck.api")
 
@@ -677,6 +678,7 @@ async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
     # up keeps its KV and its place in the pipeline until max_tokens.
     app = Api(head, api_key or None, body_seconds).app()
     Cors(cors_origins, api_key or None, loopback=is_loopback(host)).install(app)   # web pages: only those named
+    quiet_bad_requests()   # a malformed request is one line in the log, not a traceback
     runner = web.AppRunner(app, access_log=None,
                            handler_cancellation=True, keepalive_timeout=idle_seconds)
     await runner.setup()

@@ -18,6 +18,7 @@ an API on loopback answers only requests addressed to a loopback host.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 
 from aiohttp import web
@@ -27,6 +28,13 @@ from engine.wire.stage_auth import is_loopback
 METHODS = "GET, POST, OPTIONS"
 HEADERS = "Authorization, Content-Type"
 EXPOSED = "X-Potluck-Dropped-Messages"
+# OpenAI's JavaScript client sends its own headers on every request (X-Stainless-Os,
+# -Lang, -Retry-Count..., OpenAI-Organization): a preflight that allowed only the two
+# above made the browser refuse every request of a page the owner had named. A named
+# origin may send the headers it asks for (the key still decides what it may do); what it
+# asks is echoed back only as header names, and only so many of them.
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")
+_MAX_ASKED = 32
 
 
 def _refused(message: str, code: str) -> web.Response:
@@ -50,6 +58,18 @@ def loopback_name(host_header: str, own_name: str = "") -> bool:
         return ipaddress.ip_address(host).is_unspecified    # (curl http://0.0.0.0:8000 reaches loopback)
     except ValueError:
         return False
+
+
+def allow_headers(asked: str) -> str:
+    """A preflight's Access-Control-Allow-Headers: ours and the header names the page asked
+    for (its Access-Control-Request-Headers), well-formed names only, the first _MAX_ASKED."""
+    names = [n.strip() for n in asked.split(",")[:_MAX_ASKED]]
+    out, seen = HEADERS.split(", "), {h.lower() for h in HEADERS.split(", ")}
+    for n in names:
+        if _TOKEN.fullmatch(n) and n.lower() not in seen:
+            seen.add(n.lower())
+            out.append(n)
+    return ", ".join(out)
 
 
 class Cors:
@@ -88,15 +108,16 @@ class Cors:
     async def _preflight(self, request, handler):
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method") \
                 and self._allowed(request):
-            return web.Response(status=204)
+            return web.Response(status=204, headers={"Access-Control-Allow-Headers": allow_headers(
+                request.headers.get("Access-Control-Request-Headers", ""))})
         return await handler(request)
 
     async def _headers(self, request, response):
         allowed = self._allowed(request)
         if allowed:
             response.headers["Access-Control-Allow-Origin"] = allowed
-            response.headers["Vary"] = "Origin"
+            response.headers["Vary"] = "Origin, Access-Control-Request-Headers"
             response.headers["Access-Control-Allow-Methods"] = METHODS
-            response.headers["Access-Control-Allow-Headers"] = HEADERS
+            response.headers.setdefault("Access-Control-Allow-Headers", HEADERS)
             response.headers["Access-Control-Expose-Headers"] = EXPOSED
             response.headers["Access-Control-Max-Age"] = "600"

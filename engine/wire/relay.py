@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import WSMsgType, web
 
+from engine.wire.quiet_http import quiet_bad_requests
 from engine.wire.relay_auth import Challenge
 
 log = logging.getLogger("potluck.relay")
@@ -111,7 +112,7 @@ class Relay:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Relay":
-        _quiet_bad_requests()
+        quiet_bad_requests()
         self.runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
@@ -403,26 +404,6 @@ class Relay:
                 return
             else:           # CLOSE, CLOSING, CLOSED
                 return
-
-
-class _BadRequestFilter(logging.Filter):
-    """aiohttp logs a malformed request (a port scan, garbage) as an ERROR with a
-    traceback; it has answered 400 already. One line at INFO is enough."""
-
-    def filter(self, record):
-        exc = record.exc_info[1] if record.exc_info else None
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        if isinstance(exc, HttpProcessingError):
-            log.info("bad request refused: %s", str(exc).splitlines()[0][:120])
-            return False
-        return True
-
-
-def _quiet_bad_requests():
-    lg = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _BadRequestFilter) for f in lg.filters):
-        lg.addFilter(_BadRequestFilter())
 
 
 async def serve_relay(host: str, port: int, limits: Limits | None = None, dump=None) -> Relay:

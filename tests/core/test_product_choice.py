@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 from engine.core.product_choice import PRODUCTS, ROW_BUCKETS, ProductChoice, row_bucket  # noqa: E402
 
-KEY = (576, 576, 1, 2)
+KEY = (576, 576, 1)
 
 
 def feed(choice, key, times: dict[str, list[float]]) -> list[str]:

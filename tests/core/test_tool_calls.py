@@ -42,6 +42,22 @@ def test_several_calls_and_things_that_are_not_calls():
         assert calls == [] and content == text
 
 
+def test_a_call_after_the_tag_named_in_prose_is_read():
+    """A small model echoes the instructions it was given ("inside <tool_call> tags")
+    before it calls: the call after the mention is still a call, streamed or not."""
+    text = ('I will use <tool_call> tags:\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>')
+    content, calls = parse(text, NAMES)
+    assert content == "I will use <tool_call> tags:" and [c.name for c in calls] == ["get_weather"]
+    s = StreamSplitter(NAMES)
+    sent = "".join(s.feed(text[i:i + 7]) for i in range(0, len(text), 7))
+    rest, streamed = s.finish()
+    assert sent + rest == content and [c.name for c in streamed] == ["get_weather"]
+    # a tag inside a call's own arguments is not a second call
+    inner = '<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>{}"}}</tool_call>'
+    assert [json.loads(c.arguments) for c in parse(inner, NAMES)[1]] == [{"city": "<tool_call>{}"}]
+
+
 def test_tools_and_tool_choice_are_checked():
     fns, choice = check_tools([WEATHER, TIME], None)
     assert choice == "auto" and [f["name"] for f in fns] == ["get_weather", "get_time"]
@@ -60,6 +76,13 @@ def test_a_forced_call_schema_names_the_function_and_its_parameters():
     one = forced_call_schema(fns, "get_weather")
     assert one["properties"]["name"] == {"const": "get_weather"}
     assert one["properties"]["arguments"]["required"] == ["city"]
+    # only the arguments the function declares, unless its schema says otherwise
+    assert one["properties"]["arguments"]["additionalProperties"] is False
+    assert WEATHER["function"]["parameters"].get("additionalProperties") is None    # the request's own: untouched
+    open_fn = {"type": "function", "function": {"name": "log", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": {"type": "string"}}}}
+    fns_open, _ = check_tools([open_fn], None)
+    assert forced_call_schema(fns_open, "log")["properties"]["arguments"]["additionalProperties"] == {"type": "string"}
     anyof = forced_call_schema(fns, "required")["anyOf"]
     assert [v["properties"]["name"]["const"] for v in anyof] == ["get_weather", "get_time"]
     # what constrained decoding produces is read back as a call

@@ -61,7 +61,7 @@ def test_each_kind_of_call_settles_on_one_product(threads):
         choice = ProductChoice()
         for rows in (1, 3, 8, 20):
             x = torch.randn(rows, 64, generator=g)
-            key = (600, 64, row_bucket(rows), threads)
+            key = (600, 64, row_bucket(rows))
             assert key not in choice.chosen()
             first = chosen_linear(x, w, b, choice)   # times both, TRIALS each, then answers
             kept = choice.chosen()[key]
@@ -75,6 +75,33 @@ def test_each_kind_of_call_settles_on_one_product(threads):
         assert len(choice.chosen()) == 4
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_busier_machine_keeps_each_kinds_product_and_its_bits():
+    """A step's threads follow what the owner's other programs leave (core/cpu_share.py);
+    the product a kind of call keeps does not, so a row's bits do not either: the same
+    seeded request answered twice by one server, the machine busy in between, is the same
+    reply. Timings are forced apart here, so the choice is not a toss-up between runs."""
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(7)
+    # the default model's up projection at four rows: the products' last bits differ
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(4, 576, generator=g)
+    assert not torch.equal(PRODUCT["rows"](x, w, None), PRODUCT["columns"](x, w, None))   # what is at stake
+    for kept in ("rows", "columns"):
+        choice = ProductChoice()
+        key = (1536, 576, row_bucket(4))
+        other = "columns" if kept == "rows" else "rows"
+        choice.observe(key, kept, 1.0)
+        choice.observe(key, other, 2.0)
+        try:
+            torch.set_num_threads(2)
+            quiet = chosen_linear(x, w, None, choice)
+            torch.set_num_threads(1)      # another program took a core
+            busy = chosen_linear(x, w, None, choice)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(quiet, busy) and torch.equal(busy, PRODUCT[kept](x, w, None))
+        assert choice.chosen() == {key: kept}
 
 
 def test_switch_covers_float32_linears_only_and_keeps_the_state_dict():

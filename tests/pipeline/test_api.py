@@ -491,6 +491,15 @@ async def test_web_pages_call_the_api_only_from_the_origins_named(pipeline):
             async with s.options(url + CHAT, headers={"Origin": "http://localhost:3000", **preflight}) as r:
                 assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
                 assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            # OpenAI's JavaScript client asks for its own headers too: a browser refuses
+            # every request whose preflight does not allow each one it asked for
+            stainless = {**preflight, "Access-Control-Request-Headers":
+                         "authorization,content-type,x-stainless-os,x-stainless-retry-count,bad header,"}
+            async with s.options(url + CHAT, headers={"Origin": "http://localhost:3000", **stainless}) as r:
+                allowed = [h.strip().lower() for h in r.headers["Access-Control-Allow-Headers"].split(",")]
+                assert r.status == 204 and {"authorization", "content-type", "x-stainless-os",
+                                            "x-stainless-retry-count"} <= set(allowed)
+                assert "bad header" not in allowed and "" not in allowed and len(allowed) == len(set(allowed))
             async with s.options(url + CHAT, headers={"Origin": "http://evil.example", **preflight}) as r:
                 assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
             body = {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "stream": True}
@@ -557,6 +566,39 @@ async def test_a_client_that_never_finishes_its_request_is_let_go(pipeline):
                 assert r.status == 200
     finally:
         await runner.cleanup()
+
+
+async def test_a_malformed_request_is_one_line_in_the_log(pipeline, caplog):
+    """A gzip body that is not gzip, and a request with no Host header: each is a 400, and
+    the log says so in one line, where aiohttp wrote forty of traceback (any client could
+    fill the owner's log with them)."""
+    import logging
+
+    from conftest import free_port
+    from engine.pipeline.api import serve_api
+
+    port = free_port()
+    runner = await serve_api(pipeline, "127.0.0.1", port)
+    caplog.set_level(logging.INFO)
+    try:
+        for request in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Encoding: gzip\r\nContent-Length: 11\r\nConnection: close\r\n\r\nnot gzipped",
+                        b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 15)
+            writer.close()
+            assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+        await asyncio.sleep(0.5)   # aiohttp logs the body's failure as it closes the connection
+        async with aiohttp.ClientSession() as s:   # and the API answers the next client as ever
+            async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                assert r.status == 200
+    finally:
+        await runner.cleanup()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    said = [r.getMessage() for r in caplog.records if r.name == "potluck.http"]
+    assert any("Host" in m for m in said) and any("gzip" in m for m in said), said
 
 
 async def test_the_api_over_https_carries_the_key_encrypted(pipeline, tmp_path):
