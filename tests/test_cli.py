@@ -293,20 +293,19 @@ def test_a_reader_that_goes_away_ends_the_chat_quietly():
 def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():
     """`potluck serve` as it starts, stopped as a service manager stops it (SIGTERM)
     while a reply streams: the client reads why in its stream, and the command exits
-    cleanly with its stage processes (it used to die mid-reply, the stream cut)."""
+    cleanly with its stage processes (it used to die mid-reply, the stream cut). Started
+    with `--port 0`, a free port: the address it prints is the one it took (it said :0)."""
     import http.client
     import json
     import os
+    import re
     import signal
     import subprocess
     import sys
     import time
 
-    from conftest import free_port
-
-    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    p = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", str(port)], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", "0"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         said = []
@@ -315,6 +314,8 @@ def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():
             if "OpenAI-compatible API on" in line:
                 break
         assert p.poll() is None, "".join(said)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", said[-1])[1])
+        assert port != 0, said[-1]
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         conn.request("POST", "/v1/chat/completions", json.dumps({
             "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
@@ -355,10 +356,11 @@ def test_join_takes_the_link_a_friend_sent_pasted_whole():
     scheme was read as part of the code ("'U' (character 5) is never used in codes")."""
     for arg, said in (("potluck://join/ABCD-EFGH", "it is too short"),
                       ("potluck://leave/ABCD", "unknown potluck link 'leave'")):
-        # the `potluck` command (app/launcher.py): the links are the app's
-        p = subprocess.run([sys.executable, "-m", "app.launcher", "join", arg], capture_output=True, text=True,
-                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        assert p.returncode == 2 and said in p.stderr and "never used in codes" not in p.stderr, p.stderr
+        # the `potluck` command (app/launcher.py) and the engine's own, as a venv runs it
+        for command in (["app.launcher"], ["engine"]):
+            p = subprocess.run([sys.executable, "-m", *command, "join", arg], capture_output=True, text=True,
+                               timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+            assert p.returncode == 2 and said in p.stderr and "never used in codes" not in p.stderr, p.stderr
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM: POSIX")
@@ -452,10 +454,42 @@ def test_the_ready_line_says_a_one_layer_stage_as_one_layer():
 
 
 def test_a_split_that_does_not_count_the_stages_says_so():
-    """It said "1 layer ranges for 2 stages"."""
-    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--layers", "0:30", "--stages", "2", "--prompt", "hi"],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert p.returncode == 2 and "--layers gives 1 layer range for 2 stages" in p.stderr, p.stderr[-2000:]
+    """It said "1 layer ranges for 2 stages"; and said it only once the stage processes
+    it started had loaded (12 s), where it is known before any starts."""
+    for layers, stages, said in (("0:30", "2", "--layers gives 1 layer range for 2 stages"),
+                                 ("0:15,15:30", "3", "--layers gives 2 layer ranges for 3 stages")):
+        p = subprocess.run([sys.executable, "-m", "engine", "chat", "--layers", layers, "--stages", stages,
+                            "--prompt", "hi"], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert p.returncode == 2 and said in p.stderr, p.stderr[-2000:]
+
+
+def test_threads_beyond_the_cores_are_said_and_not_taken():
+    """`--threads 999` on two cores answered at a twentieth of the speed after a silent
+    minute and a half; the chat says so and uses the cores there are."""
+    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--threads", str((os.cpu_count() or 1) + 7),
+                        "--prompt", "hi", "--max-tokens", "2"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.returncode == 0 and f"is more than this computer's {os.cpu_count()} core(s)" in p.stderr, p.stderr[-2000:]
+    assert "bot>" in p.stdout or "tokens" in p.stderr + p.stdout, (p.stdout, p.stderr[-1000:])
+
+
+def test_host_checks_its_model_and_its_ports_before_it_hands_out_an_invite(tmp_path):
+    """`potluck host` printed an invite for a model this machine does not have (friends
+    came to a host that failed as they arrived), and found --listen and --port naming one
+    port only once the model had loaded."""
+    import socket
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", POTLUCK_HOME=str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for extra, said in ((["--model", "/no-such-model-folder"], "Model folder not found"),
+                        (["--listen", f"127.0.0.1:{port}", "--port", str(port)], "friends and the API need a port each")):
+        p = subprocess.run([sys.executable, "-m", "engine", "host", "--peers", "0", *extra], capture_output=True,
+                           text=True, timeout=300, env=env)
+        assert p.returncode == 2 and said in p.stderr, p.stderr[-2000:]
+        assert "Invite code" not in p.stdout and "loading" not in p.stderr.lower(), (p.stdout, p.stderr[-2000:])
 
 
 def test_invites_on_a_computer_that_never_hosted_and_a_new_one(tmp_path, capsys):

@@ -71,6 +71,15 @@ def pipeline_config(args, **over):
     return PipelineConfig(**{**given, **over})
 
 
+def _bound(runner, port: int) -> int:
+    """The port the API listens on: `--port 0` asks for a free one, and the address
+    printed is what a client needs (it read :0)."""
+    for addr in getattr(runner, "addresses", None) or ():
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return addr[1]
+    return port
+
+
 def _say(text: str):
     print(text, file=sys.stderr, flush=True)
 
@@ -214,7 +223,7 @@ async def _serve(args) -> int:
     runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls,
                              cors_origins=args.cors_origin)
     _say(f"Ready: {_describe(pipe.head)}")
-    _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1")
+    _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{_bound(runner, args.port)}/v1")
     stopped, requests = _stop_requests()
     try:
         await stopped.wait()
@@ -323,6 +332,16 @@ async def _host(args) -> int:
     if taken:
         _say(f"potluck: {taken}")
         return 2
+    # the model first: an invite handed out for a model this machine cannot have would
+    # bring friends to a host that fails as they arrive (config and tokenizer only: the
+    # weights come later, each machine its own layers')
+    from engine.model.sources import resolve
+
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, resolve, args.model)
+    except ModelError as exc:
+        _say(f"potluck: {exc}")
+        return 2
     friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
     names = FriendNames(friends)
     for handler in logging.getLogger().handlers:
@@ -335,6 +354,13 @@ async def _host(args) -> int:
         return 2
     if bound is not None:
         _say(f"Accepting friends directly on port {bound}: {', '.join(friends.direct_addresses)}")
+    taken = None if args.prompt or bound is None else port_taken(args.host, args.port, "--port")
+    if taken:
+        # the friends' door took it: said before the model loads (the API binds once it has)
+        _say(f"potluck: {taken}" + (" (by --listen: friends and the API need a port each)"
+                                    if bound == args.port else ""))
+        await friends.close()
+        return 2
     uses = args.uses or max(1, args.peers)
     code = friends.invite(ttl_s=args.expires * 3600, uses=uses)
     _say(f"Host node {friends.me.node_id} (key in {friends.me.store}); pipeline {friends.pipeline_id}")
@@ -373,11 +399,12 @@ async def _host(args) -> int:
                 params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, greedy=True)
                 answer, done = await reply(ask(pipe.head, [{"role": "user", "content": text}], params))
                 print(f"you> {text}\nbot> {answer}\n     [{done.completion_tokens} tokens, "
-                      f"{done.finish_reason}; {paths}]", flush=True)
+                      f"{done.finish_reason}" + (f"; {paths}]" if paths else "]"), flush=True)
             return 0
         runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls,
                                  cors_origins=args.cors_origin)
-        print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1", flush=True)
+        print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{_bound(runner, args.port)}/v1",
+              flush=True)
         stopped, requests = _stop_requests()
         await stopped.wait()
     finally:

@@ -44,7 +44,13 @@ class ModelSource:
         if self._config is None:
             from transformers import AutoConfig
 
-            cfg = AutoConfig.from_pretrained(str(self.root))
+            try:
+                cfg = AutoConfig.from_pretrained(str(self.root))
+            except (ValueError, OSError, KeyError) as exc:
+                # a folder half copied, a config.json of {} or of another kind: one line
+                # naming the folder, not transformers' traceback
+                raise ModelError(f"{self.spec}: its config.json cannot be read as a model's "
+                                 f"({_first_line(exc)})") from None
             check_supported(cfg)
             self._config = cfg
         return self._config
@@ -52,7 +58,11 @@ class ModelSource:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.root))
+        try:
+            return AutoTokenizer.from_pretrained(str(self.root))
+        except (ValueError, OSError, KeyError):
+            raise ModelError(f"{self.spec} has no tokenizer Potluck can read: a model's folder holds "
+                             "tokenizer.json (or its tokenizer's own files) beside config.json") from None
 
     # ---- safetensors layout -------------------------------------------------
     def weight_map(self) -> dict[str, str]:
@@ -205,9 +215,14 @@ def prepare_default(log=print) -> ModelSource:
     return ModelSource(spec=DEFAULT_MODEL, name=DEFAULT_MODEL_NAME, root=root, gguf_path=gguf)
 
 
+def _first_line(exc: BaseException, most: int = 200) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:most]
+
+
 def resolve(spec: str | None) -> ModelSource:
     """Turn what a user typed into a ModelSource, or raise ModelError saying why not."""
-    spec = (spec or DEFAULT_MODEL).strip()
+    spec = (spec or "").strip() or DEFAULT_MODEL
     if spec == DEFAULT_MODEL or spec == DEFAULT_MODEL_NAME:
         import sys
 
@@ -225,7 +240,9 @@ def resolve(spec: str | None) -> ModelSource:
         if not (path / "config.json").exists():
             raise ModelError(f"{spec} has no config.json: is it a Hugging Face model folder?")
         return ModelSource(spec=spec, name=path.resolve().name, root=path.resolve())
-    if os.sep in spec and spec.count("/") != 1 or spec.startswith((".", "~")):
+    # a path, not a hub id ("owner/name"): more than one separator, or one that starts it
+    # ("/models" was looked up on the hub), or a relative or home path
+    if os.sep in spec and spec.count("/") != 1 or path.is_absolute() or spec.startswith((".", "~")):
         if path.is_file():   # there, but neither a folder nor a .gguf file
             raise ModelError(f"{spec} is a file, not a model: give a model's folder (with its config.json) "
                              f"or a .gguf file")

@@ -37,6 +37,7 @@ from engine.pipeline.stage_server import StageServer
 from engine.wire import shortcode
 from engine.wire.identity import config_dir, load_or_create_identity
 from engine.wire.invite import HostState, Invite, InviteError, parse
+from engine.wire.join_link import LinkError, is_link, parse_link
 from engine.wire.stage_auth import tunnel_stage_secret
 from engine.wire.tunnel_host import Peer, TunnelHost
 from engine.wire.tunnel_join import Joiner, default_name
@@ -178,7 +179,14 @@ class FriendNames(logging.Filter):
 
 
 async def redeem(code: str, relay: str = "") -> Invite:
-    """An invite from a full code, or from a short code handed over through the relay."""
+    """An invite from a full code, or from a short code handed over through the relay;
+    either may come as the potluck://join/ link the host's app shares, pasted whole."""
+    if is_link(code):
+        try:
+            link = parse_link(code)
+        except LinkError as exc:
+            raise HomeError(f"that invite link cannot be used: {exc}") from None
+        code, relay = link.code, relay or link.relay or ""
     if shortcode.is_short(code):
         if not relay:
             raise HomeError("a short code needs the host's relay address too (ws://...)")

@@ -15,6 +15,8 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from engine.core.errors import ModelError
+from engine.core.cpu_share import asked_threads
 from engine.core.local_stages import local_stages
 from engine.core.partition import parse_layers
 from engine.model.device import compute_dtype, pick_device
@@ -98,9 +100,18 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
     local = None
     addrs = list(cfg.stage_addr)
     threads = cfg.threads
+    if threads:
+        threads, note = asked_threads(threads, os.cpu_count() or 1)
+        if note and say is not None:
+            say(note)
     cores = None
     # a split given alone says how many stages it has
     n_stages = local_stages(cfg.stages or (len(layers) if layers and not addrs else None), device)
+    want = len(addrs) + 1 if addrs else n_stages
+    if layers and len(layers) != want:
+        # said before any stage process starts (the head says it too, once they had)
+        raise ModelError(f"--layers gives {len(layers)} layer range{'s' if len(layers) != 1 else ''} for {want} "
+                         "stages: give one range per stage (or leave --stages out)")
     if not addrs and n_stages > 1:
         # Stage processes on one machine split its cores: OpenMP threads that outnumber
         # cores stall each other at every barrier. Unless `threads` fixes it, each

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,7 @@ from websockets.protocol import State
 from engine.wire import frames
 from engine.core.compression import POLICIES as COMPRESS_POLICIES
 from engine.model.static_decode import decode_counts
+from engine.core.cpu_share import asked_threads
 from engine.core.product_choice import ProductChoice
 from engine.model.cores import CoreLease
 from engine.model.device import (HostStaging, device_name, free_memory, kv_budget_tokens_for, memory_for_kv,
@@ -102,6 +104,9 @@ class StageServer(StageCompute):
         # memory than this, a slice whose weights exceed it is refused, the KV fits beside
         self.memory_cap = memory_cap
         if threads:
+            threads, note = asked_threads(threads, os.cpu_count() or 1)
+            if note:
+                log.warning("%s", note)
             torch.set_num_threads(threads)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="compute")
         # decode steps' own thread, with compute="decode-first": they cut into prompt

@@ -36,6 +36,18 @@ def test_a_real_invite_survives_the_link():
     assert parse_link(f"potluck:join/{code}").code == code
 
 
+async def test_join_on_the_command_line_redeems_the_link_as_its_code():
+    """`potluck join potluck://join/<code>`: the link the host's app shares, pasted whole
+    into the engine's own `join` (engine/node/homes.py redeem), is its invite."""
+    from app.links import join_link
+    from engine.node.homes import HomeError, redeem
+
+    code = real_code()
+    assert await redeem(join_link(code)) == invite.parse(code)
+    with pytest.raises(HomeError, match="unknown potluck link 'leave'"):
+        await redeem(f"potluck://leave/{code}")
+
+
 def test_a_short_code_carries_its_relay():
     link = parse_link("potluck://join/4821-917305?relay=wss%3A%2F%2Frelay.example%3A8443")
     assert link == JoinLink(code="4821-917305", relay="wss://relay.example:8443")

@@ -3,7 +3,8 @@ threads a step may use beside them."""
 
 import pytest
 
-from engine.core.cpu_share import MIN_INTERVAL_S, CpuReading, ForeignLoad, step_threads, usable_cores
+from engine.core.cpu_share import (MIN_INTERVAL_S, CpuReading, ForeignLoad, asked_threads, step_threads,
+                                   usable_cores)
 
 
 def feed(load: ForeignLoad, seconds: float, machine_cores: float, our_cores: float, t0=0.0, m0=0.0, o0=0.0, dt=0.5):
@@ -59,3 +60,10 @@ def test_usable_cores_and_step_threads():
     assert usable_cores(8, 3.2) == 5
     assert step_threads(2, 1) == 1 and step_threads(1, 2) == 1 and step_threads(4, 7) == 4
     assert step_threads(0, 1) == 1
+
+
+def test_threads_asked_beyond_the_cores_are_the_cores_and_said():
+    threads, note = asked_threads(999, 2)
+    assert threads == 2 and "--threads 999" in note and "2 core(s)" in note
+    assert asked_threads(2, 2) == (2, None) and asked_threads(1, 8) == (1, None)
+

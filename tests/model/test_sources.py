@@ -34,3 +34,29 @@ def test_a_hub_id_offline_and_a_file_that_is_no_model_say_so(tmp_path, monkeypat
         resolve("./notes.txt")
     with pytest.raises(ModelError, match="Model folder not found"):
         resolve("./nothing-here")
+    # an absolute path of one part is a folder, not a hub id ("owner/name")
+    with pytest.raises(ModelError, match="Model folder not found"):
+        resolve("/nothing-here-xyz")
+    with pytest.raises(ModelError, match="is a file, not a model"):
+        resolve(str(note))
+
+
+def test_a_half_made_model_folder_is_one_line_not_a_traceback(tmp_path):
+    """A folder with only a config.json, or a config.json of {}: transformers' tracebacks
+    (35-55 lines) reached the terminal; each is one line naming the folder now."""
+    import json
+
+    empty = tmp_path / "empty-config"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="config.json cannot be read as a model's"):
+        resolve(str(empty)).config()
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+                                                  "num_hidden_layers": 2, "num_attention_heads": 4}))
+    source = resolve(str(bare))
+    assert source.config().num_hidden_layers == 2
+    with pytest.raises(ModelError, match="has no tokenizer Potluck can read"):
+        source.tokenizer()
+
