@@ -234,6 +234,15 @@ def test_the_penalty_flags_take_openais_range():
             build_parser().parse_args(["chat", "--frequency-penalty", bad])
 
 
+def test_a_sampling_flag_that_is_no_number_is_said_in_plain_words(capsys):
+    for flag, bad, said in (("--seed", "abc", "'abc' is not a whole number"),
+                            ("--temperature", "warm", "'warm' is not a number")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["chat", flag, bad])
+        err = capsys.readouterr().err
+        assert said in err and "invalid literal" not in err and "could not convert" not in err, err
+
+
 def test_penalties_set_while_chatting_change_the_next_reply():
     """`potluck chat`, typed into: the same question greedy, then with /set presence-penalty
     and frequency-penalty: the settings line names them and the reply changes."""
@@ -464,14 +473,16 @@ def test_a_split_that_does_not_count_the_stages_says_so():
         assert p.returncode == 2 and said in p.stderr, p.stderr[-2000:]
 
 
-def test_threads_beyond_the_cores_are_said_and_not_taken():
+def test_threads_beyond_the_cores_and_a_cache_too_small_are_said_in_the_chats_words():
     """`--threads 999` on two cores answered at a twentieth of the speed after a silent
-    minute and a half; the chat says so and uses the cores there are."""
+    minute and a half: the chat says so and uses the cores there are. And a message the
+    cache cannot hold was refused in the API's words ("lower max_tokens or n")."""
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--threads", str((os.cpu_count() or 1) + 7),
-                        "--prompt", "hi", "--max-tokens", "2"], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert p.returncode == 0 and f"is more than this computer's {os.cpu_count()} core(s)" in p.stderr, p.stderr[-2000:]
-    assert "bot>" in p.stdout or "tokens" in p.stderr + p.stdout, (p.stdout, p.stderr[-1000:])
+                        "--kv-budget-tokens", "5", "--prompt", "hi", "--max-tokens", "2"], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert f"is more than this computer's {os.cpu_count()} core(s)" in p.stderr, p.stderr[-2000:]
+    assert "(cannot send: this request needs" in p.stdout and "lower --max-tokens" in p.stdout, p.stdout
+    assert "max_tokens or n" not in p.stdout and p.returncode == 1
 
 
 def test_host_checks_its_model_and_its_ports_before_it_hands_out_an_invite(tmp_path):

@@ -84,6 +84,10 @@ def sampling_arg(name: str, parse):
     def arg(text: str):
         try:
             v = parse(text)
+        except ValueError:   # Python's own words ("invalid literal for int() with base 10")
+            kind = "a whole number" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        try:
             SamplingParams(**{name: v}).validate()
         except ValueError as exc:   # SamplingError is one; said with the flag's name (top-p)
             raise argparse.ArgumentTypeError(f"{text!r}: {str(exc).replace(name, name.replace('_', '-'))}") from None

@@ -278,7 +278,10 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
                       f"first {dropped} message{'s' if dropped != 1 else ''}; /reset starts afresh)")
             shown_dropped = dropped
         except ValueError as exc:
-            print(f"(cannot send: {exc})")
+            # the API's words ("lower max_tokens or n") are not the terminal's
+            why = str(exc).replace("; lower max_tokens or n, or shorten the prompt",
+                                   ": start the chat with a lower --max-tokens, or /reset to shorten the conversation")
+            print(f"(cannot send: {why})")
             unsent += 1
             if retried is not None:
                 messages.append(retried)
