@@ -234,6 +234,25 @@ def test_the_penalty_flags_take_openais_range():
             build_parser().parse_args(["chat", "--frequency-penalty", bad])
 
 
+def test_flags_that_contradict_each_other_are_said_with_the_commands_usage(capsys):
+    """--stage-addr with --stages ran on the stages named, the count unread; --draft with
+    --speculate off printed the top-level usage (`potluck [-h] …`)."""
+    from engine.cli import main
+
+    for argv, said in ((["chat", "--stage-addr", "ws://127.0.0.1:7860", "--stages", "3"], "leave out one"),
+                       (["chat", "--draft", "default", "--speculate", "off"], "--speculate off")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "usage: potluck chat" in err, err
+
+
+def test_a_stage_open_to_the_network_refuses_a_short_secret():
+    p = subprocess.run([sys.executable, "-m", "engine", "stage", "--host", "0.0.0.0", "--port", "0", "--secret", "abc"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.returncode == 2 and "at least 16 characters" in p.stderr and "Stage listening on" not in p.stderr, p.stderr
+
+
 def test_a_sampling_flag_that_is_no_number_is_said_in_plain_words(capsys):
     for flag, bad, said in (("--seed", "abc", "'abc' is not a whole number"),
                             ("--temperature", "warm", "'warm' is not a number")):

@@ -71,6 +71,16 @@ def pipeline_config(args, **over):
     return PipelineConfig(**{**given, **over})
 
 
+def _subparser(parser, cmd: str):
+    """The parser of `potluck <cmd>` (the top one where there is none)."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and cmd in action.choices:
+            return action.choices[cmd]
+    return parser
+
+
 def _bound(runner, port: int) -> int:
     """The port the API listens on: `--port 0` asks for a free one, and the address
     printed is what a client needs (it read :0)."""
@@ -262,13 +272,19 @@ async def _stage(args) -> int:
         cores = CoreLease.from_spec(args.core_lease)
     cap = None if args.memory_cap_mb is None else int(args.memory_cap_mb * 2**20)
     from engine.node.control import lan_address
-    from engine.wire.stage_auth import is_loopback, new_secret
+    from engine.wire.stage_auth import MIN_SECRET_CHARS, is_loopback, new_secret
 
     taken = port_taken(args.host, args.port, "--port")
     if taken:
         _say(f"potluck: {taken}")
         return 2
     secret = args.secret or os.environ.get("POTLUCK_STAGE_SECRET") or None
+    if secret is not None and len(secret) < MIN_SECRET_CHARS and not is_loopback(args.host):
+        # anyone on the network may guess it: a head that proves it drives this machine
+        _say(f"potluck: a stage listening beyond this machine needs a secret of at least {MIN_SECRET_CHARS} "
+             "characters (anyone on the network could guess a short one): leave --secret out and a strong "
+             "one is made and printed")
+        return 2
     if secret is None and not is_loopback(args.host):
         # never an open port on the LAN: a fresh secret, printed in the address to give the head
         secret = new_secret()
@@ -603,8 +619,13 @@ def main(argv=None) -> int:
     apply_openmp_env(os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = _subparser(parser, args.cmd)   # its usage line with the error, not `potluck [-h] …`
+    if getattr(args, "stage_addr", None) and getattr(args, "stages", None):
+        # it ran on this machine and the stages named, the --stages given unread
+        command.error(f"--stage-addr names the other stages ({len(args.stage_addr) + 1} in all with this machine's), "
+                     "so --stages has nothing to count: leave out one of them")
     if getattr(args, "draft", None) and getattr(args, "speculate", None) == "off":
-        parser.error("--draft loads a model that guesses for speculation, which --speculate off switches off: "
+        command.error("--draft loads a model that guesses for speculation, which --speculate off switches off: "
                      "leave out one of them")
     if args.cmd == "gpu":  # before transformers: only torch's own import is under test
         return _gpu(args)

@@ -39,6 +39,9 @@ from engine.wire.noise import MAX_NONCE, TAGLEN, NoiseError, PskInitiator, PskRe
 NONCE_BYTES = 16
 SECRET_ALPHABET = "abcdefghijkmnpqrstuvwxyz23456789"   # no 0/o, 1/l: read out or retyped
 SECRET_CHARS = 20                                       # ~100 bits
+# the shortest secret a stage beyond loopback takes from its owner (`--secret abc` was
+# taken for a stage open to the LAN): 16 of any printable characters, ~64 bits at the least
+MIN_SECRET_CHARS = 16
 
 
 def new_nonce() -> str:
