@@ -90,4 +90,3 @@ def asked_threads(asked: int, n_cores: int) -> tuple[int, str | None]:
         return n_cores, (f"--threads {asked} is more than this computer's {n_cores} core(s): "
                          f"using {n_cores} (threads beyond the cores wait on each other)")
     return asked, None
-

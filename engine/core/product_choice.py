@@ -8,19 +8,19 @@ model's LM head at 8 rows; on today's (AVX-512, the same torch 2.13.0) it takes 
 row of every matrix about three times as long as x @ W^T, and it had halved a single
 user's decode speed (bench/RESULTS.md, 2026-12-03). So
 neither is wired in: the first call of each kind of product (a matrix shape, a bucket
-of rows) times the two in turn, a few times each, and answers with the
-faster, which every later call of that kind runs.
+of rows) times the two in turn, a few times each, and answers with the faster, which
+every later call of that kind runs. The trials all happen inside that first call, so no
+result ever comes from the product a kind did not keep: a step gives the same bits on its
+first call as on its thousandth (trials spread over calls had two asks of one greedy
+reply read different logprobs). The load's own profile steps make most of these first
+calls.
 
-Not a kind per thread count: the two products give other last bits for more than one
-row (~3e-5 apart), and a step's thread count follows what the owner's other programs
-leave free (core/cpu_share.py). A kind per thread count was timed anew whenever the
-machine got busier, and could keep the other product: the same seeded request, sent
-twice to one server, drew another token at a near tie (found by an API tester while
-another program ran). Each product alone gives the same bits on any number of threads. The trials all happen inside that
-first call, so no result ever comes from the product a kind did not keep: a step gives
-the same bits on its first call as on its thousandth (trials spread over calls had two
-asks of one greedy reply read different logprobs). The load's own profile steps make
-most of these first calls.
+Not a kind per thread count: the two products' last bits differ (~3e-5 at four rows of
+the default model's matrices), and a step's thread count follows what the owner's other
+programs leave free (core/cpu_share.py). A kind per thread count was timed anew whenever
+the machine got busier, and could keep the other product: the same seeded request, sent
+again to one server, drew another token at a near tie (found by an API tester while
+another program ran). Each product alone gives the same bits on any number of threads.
 
 A ProductChoice is fed the times and answers the choice; cpu_linear.py does the calls.
 Calls may come from two threads (a decode step cutting into a prompt step): a sample

@@ -59,4 +59,3 @@ def test_a_half_made_model_folder_is_one_line_not_a_traceback(tmp_path):
     assert source.config().num_hidden_layers == 2
     with pytest.raises(ModelError, match="has no tokenizer Potluck can read"):
         source.tokenizer()
-
