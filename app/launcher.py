@@ -1,7 +1,7 @@
 """The `potluck` command: `potluck app` opens the desktop app, `potluck gpu --enable |
 --disable` installs or removes the CUDA build of torch (app/gpu_enable.py); everything
 else is the engine's command line (engine/cli/; its `join` reads a potluck://join/ link
-pasted whole: engine/wire/join_link.py). The app sits above the engine, so the
+pasted whole: engine/boot/join_link.py). The app sits above the engine, so the
 dispatch lives here: the engine never imports the app, and the app process never imports
 torch."""
 

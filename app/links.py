@@ -1,9 +1,9 @@
-"""potluck:// links in the app: what an invite link holds is engine/wire/join_link.py's
+"""potluck:// links in the app: what an invite link holds is engine/boot/join_link.py's
 (the CLI's `join` reads the same links); here, the QR code a friend's phone reads."""
 
 from __future__ import annotations
 
-from engine.wire.join_link import MAX_LINK_CHARS, SCHEME, JoinLink, LinkError, is_link, join_link, parse_link
+from engine.boot.join_link import MAX_LINK_CHARS, SCHEME, JoinLink, LinkError, is_link, join_link, parse_link
 
 __all__ = ["MAX_LINK_CHARS", "SCHEME", "JoinLink", "LinkError", "is_link", "join_link", "parse_link", "qr_png"]
 

@@ -32,12 +32,12 @@ import logging
 import re
 from dataclasses import dataclass
 
+from engine.boot.join_link import LinkError, is_link, parse_link
 from engine.pipeline.launch import PipelineConfig
 from engine.pipeline.stage_server import StageServer
 from engine.wire import shortcode
 from engine.wire.identity import config_dir, load_or_create_identity
 from engine.wire.invite import HostState, Invite, InviteError, parse
-from engine.wire.join_link import LinkError, is_link, parse_link
 from engine.wire.stage_auth import tunnel_stage_secret
 from engine.wire.tunnel_host import Peer, TunnelHost
 from engine.wire.tunnel_join import Joiner, default_name

@@ -1,4 +1,5 @@
-"""potluck:// links: the join request an invite link carries (sans-I/O).
+"""potluck:// links: the join request an invite link carries (sans-I/O; standard library
+only: the app, which never imports the engine, reads them too).
 
 An invite clicked in a chat app opens the app's join dialog, filled in (app/links.py);
 the same link pasted whole into `potluck join` joins (engine/node/homes.py redeem).
