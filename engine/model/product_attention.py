@@ -8,12 +8,20 @@ as two batched products -- the scores q k^T, a softmax, then p v -- lets each pr
 kernel spread over the keys as any matrix product does, at the cost of a few more
 launches and the scores written out (a few hundred KB).
 
-A stage uses it only where it timed it faster than SDPA at load, per row count from a
-key count on (engine/core/attention_choice.py), and only once it gave SDPA's output on
+A GPU stage uses it only where it timed it faster than SDPA at load, per row count from
+a key count on (engine/core/attention_choice.py), and only once it gave SDPA's output on
 this device on random inputs (`agrees`); and only for what it timed and checked: one
 new token a row, an additive mask, scores under SCORE_BYTES. The choice rides on the model's configs
-(`ATTR`), which the attention function (engine/model/gqa_attention.py) reads; a CPU
-stage never sets it. Scores and softmax are float32, as SDPA's own accumulators are.
+(`ATTR`), which the attention function (engine/model/gqa_attention.py) reads. Scores and
+softmax are float32, as SDPA's own accumulators are.
+
+A CPU stage takes them for every decode row (`EVERY_ROW`), for its bits more than its
+time: SDPA's CPU kernel splits one query's keys over the step's threads, so its last
+bits follow the thread count, which follows what the owner's other programs leave free
+(core/cpu_share.py) -- a seeded reply drew another token at a near tie whenever the
+machine got busier. The products give the same bits on any number of threads, at SDPA's
+time within a few microseconds a layer (9 query heads over 3, one to sixteen rows, 64 to
+2,000 keys on the 2-core test machine; faster from 1,000 keys on).
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ from torch import nn
 # on a model's config objects: {rows: fewest keys from which a step of that many rows
 # takes the products}
 ATTR = "potluck_products_from"
+# a table's row count that stands for any: {EVERY_ROW: 1} takes the products for every
+# decode step (a CPU stage's)
+EVERY_ROW = 0
 # the most a layer's float32 scores may take (one user of an 8B model at 128k keys: 16 MiB)
 SCORE_BYTES = 64 * 2**20
 
@@ -81,5 +92,5 @@ def products_for(module, rows: int, keys: int, heads: int) -> bool:
     table = getattr(getattr(module, "config", None), ATTR, None)
     if not table:
         return False
-    least = table.get(rows)
+    least = table.get(rows, table.get(EVERY_ROW))
     return least is not None and keys >= least and rows * heads * keys * 4 <= SCORE_BYTES

@@ -46,6 +46,7 @@ from engine.model.fused_norms import fuse_rms_norms
 from engine.model.fused_rotary import fuse_rotary
 from engine.model.fused_products import fuse_products
 from engine.model.gqa_attention import use_packed_gqa
+from engine.model.product_attention import EVERY_ROW, set_products
 from engine.model.int4 import int4_bytes
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
@@ -197,6 +198,9 @@ class StageModel(StageLoading):
         # without a copy of them per query head (engine/model/gqa_attention.py);
         # POTLUCK_PACKED_GQA=0 keeps transformers' SDPA path as it is
         self.packed_gqa = os.environ.get("POTLUCK_PACKED_GQA", "1") != "0" and use_packed_gqa(self.model)
+        if self.packed_gqa and self.device.type == "cpu" and os.environ.get("POTLUCK_PRODUCT_ATTENTION", "1") != "0":
+            # a decode step's bits the same on any number of threads (product_attention.py)
+            set_products(self.model, {EVERY_ROW: 1})
         # and the projections that read one input as one product: q/k/v, gate/up
         # (engine/model/fused_products.py); POTLUCK_FUSED_PRODUCTS=0 keeps them apart
         self.fused_products = 0

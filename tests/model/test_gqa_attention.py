@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.core.product_choice import ProductChoice
 from engine.model.gqa_attention import FOLD_MAX_TOKENS, NAME, packed_gqa_attention
+from engine.model.product_attention import set_products
 from engine.model.sources import resolve
 from engine.model.stage import StageBatch, StageModel
 
@@ -59,6 +60,9 @@ def _stage(folder, products, monkeypatch, packed: bool) -> StageModel:
     source = resolve(str(folder))
     s = StageModel(source, 0, source.config().num_hidden_layers, device="cpu", products=products)
     monkeypatch.delenv("POTLUCK_PACKED_GQA", raising=False)
+    # SDPA for decode steps too, whose calls this file counts (a CPU stage takes the two
+    # products for them by default: tests/model/test_product_attention.py)
+    set_products(s.model, None)
     return s
 
 
