@@ -8,7 +8,9 @@ and folded (engine/model/gqa_attention.py; POTLUCK_PACKED_GQA).
 `--compare int4-join`: `--weights int4` with q/k/v and gate/up as separate 4-bit
 products, and joined into one each (engine/model/int4.py `join`; POTLUCK_FUSED_PRODUCTS).
 `--compare rotary`: transformers' rotary embeddings, and three kernels a layer
-(engine/model/fused_rotary.py; POTLUCK_FUSED_ROTARY). A GPU stage's switch: on the CPU
+(engine/model/fused_rotary.py; POTLUCK_FUSED_ROTARY). `--compare products`: a CPU
+stage's decode attention by SDPA, and as the two products it takes by default
+(engine/model/product_attention.py; POTLUCK_PRODUCT_ATTENTION). A GPU stage's switch: on the CPU
 this script switches it by hand, with q/k/v joined on both sides as a GPU's are.
 
 Steps timed, one user, the default model (SmolLM2-135M: 9 query heads over 3 key/value
@@ -17,7 +19,7 @@ heads) unless --model says otherwise:
   context of N tokens;
 * a 1-token decode step.
 
-    .venv/bin/python bench/step_ways.py [--compare gqa|int4-join|rotary] [--contexts 64,512,1536] [--steps 30]
+    .venv/bin/python bench/step_ways.py [--compare gqa|int4-join|rotary|products] [--contexts 64,512,1536] [--steps 30]
 
 On a GPU (`--device cuda`) both stages replay their decode and verification steps as
 CUDA graphs, as a served stage does; bench/gpu.py's ours1 / ours1n rows time the 8B shape.
@@ -43,6 +45,9 @@ COMPARE = {
     "gqa": ("POTLUCK_PACKED_GQA", ("0", "1"), ("transformers' SDPA", "folded"), "auto"),
     "int4-join": ("POTLUCK_FUSED_PRODUCTS", ("0", "1"), ("int4 apart", "int4 joined"), "int4"),
     "rotary": ("POTLUCK_FUSED_ROTARY", ("0", "1"), ("transformers' rotary", "fused rotary"), "auto"),
+    # a CPU stage's decode attention: SDPA, or the two products it takes for their bits
+    # (engine/model/product_attention.py EVERY_ROW); the 1-token column is the one it changes
+    "products": ("POTLUCK_PRODUCT_ATTENTION", ("0", "1"), ("SDPA", "two products"), "auto"),
 }
 
 
