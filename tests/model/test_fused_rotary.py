@@ -240,6 +240,7 @@ def test_the_default_models_stage_as_a_user_gets_it_with_a_gpus_switches(default
     source = default_source
     L = source.config().num_hidden_layers
     plain = StageModel(source, 0, L)
+    set_products(plain.model, None)   # SDPA (a CPU stage takes the products by default)
     s = StageModel(source, 0, L, products=plain.products)
     assert fuse_rotary(s.model) == L
     set_products(s.model, {1: 1})
