@@ -16,10 +16,11 @@ new token a row, an additive mask, scores under SCORE_BYTES. The choice rides on
 softmax are float32, as SDPA's own accumulators are.
 
 A CPU stage takes them for every decode row (`EVERY_ROW`), for its bits more than its
-time: SDPA's CPU kernel splits one query's keys over the step's threads, so its last
-bits follow the thread count, which follows what the owner's other programs leave free
-(core/cpu_share.py) -- a seeded reply drew another token at a near tie whenever the
-machine got busier. The products give the same bits on any number of threads, at SDPA's
+time: SDPA's CPU kernel may split one query's keys over the step's threads, so its last
+bits can follow the thread count, which follows what the owner's other programs leave
+free (core/cpu_share.py) -- a seeded reply served with SDPA drew another token at a near
+tie whenever the machine got busier (bench/seeded_repeat.py; bench/RESULTS.md, session 18,
+also for what the products' own sums follow). The products give the same bits on any number of threads, at SDPA's
 time within a few microseconds a layer (9 query heads over 3, one to sixteen rows, 64 to
 2,000 keys on the 2-core test machine; faster from 1,000 keys on).
 """

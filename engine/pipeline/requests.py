@@ -30,6 +30,16 @@ class PipelineError(RuntimeError):
     """The pipeline cannot serve (a stage refused, died, or holds another model)."""
 
 
+class CacheTooSmall(ValueError):
+    """A request whose prompt and longest reply the pipeline's KV cache could never hold.
+    str() is the API's words (its fields); the terminal chat words it with its own flags."""
+
+    def __init__(self, need: int, capacity: int):
+        self.need, self.capacity = need, capacity
+        super().__init__(f"this request needs {need} tokens of KV cache but the pipeline holds at most "
+                         f"{capacity}; lower max_tokens or n, or shorten the prompt")
+
+
 @dataclass
 class TokenLogprob:
     """A sampled token's log-probability and the likeliest tokens' at its position, as
@@ -210,8 +220,7 @@ class RequestIntake:
                          queue=asyncio.Queue()) for p in choices]
         seq, seq.forks = seqs[0], seqs[1:]
         if seq.need > self.capacity:
-            raise ValueError(f"this request needs {seq.need} tokens of KV cache but the pipeline "
-                             f"holds at most {self.capacity}; lower max_tokens or n, or shorten the prompt")
+            raise CacheTooSmall(seq.need, self.capacity)
         self._take_kept(seq)
         for s in seqs:
             self.seqs[s.id] = s

@@ -12,7 +12,7 @@ import threading
 from engine.core.conversation_fit import fitted_prompt
 from engine.core.sampling import PENALTIES, SamplingError, SamplingParams, choice_seed
 from engine.pipeline.head import Head
-from engine.pipeline.requests import Delta, Done
+from engine.pipeline.requests import CacheTooSmall, Delta, Done
 
 
 def ask(head: Head, messages: list[dict], params: SamplingParams):
@@ -279,8 +279,9 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             shown_dropped = dropped
         except ValueError as exc:
             # the API's words ("lower max_tokens or n") are not the terminal's
-            why = str(exc).replace("; lower max_tokens or n, or shorten the prompt",
-                                   ": start the chat with a lower --max-tokens, or /reset to shorten the conversation")
+            why = (f"this request needs {exc.need} tokens of KV cache but the pipeline holds at most "
+                   f"{exc.capacity}: start the chat with a lower --max-tokens, or /reset to shorten the "
+                   "conversation") if isinstance(exc, CacheTooSmall) else exc
             print(f"(cannot send: {why})")
             unsent += 1
             if retried is not None:

@@ -200,3 +200,28 @@ def test_a_cpu_stages_decode_step_has_the_same_bits_on_any_number_of_threads(tin
     # stops splitting the keys, this line says so and the default may be looked at again)
     assert not torch.equal(decode_at(1, False), decode_at(2, False))
 
+
+def test_the_default_models_stage_as_served_decodes_the_same_bits_on_a_busier_machine(default_source):
+    """The default model's stage with every setting at its default (its matrix products
+    timed and chosen at their first call, its attention as a CPU stage takes it): a
+    decode step on two threads, then on one, as when another program takes a core. A
+    product chosen per thread count could be timed anew and kept the other way here."""
+    source = default_source
+    L = source.config().num_hidden_layers
+    before = torch.get_num_threads()
+    s = StageModel(source, 0, L, device="cpu")
+    # a few hundred tokens of context: keys enough for SDPA's kernel to split them
+    ids = source.tokenizer()("The capital of France is Paris, and the capital of Italy is Rome. " * 20)["input_ids"]
+    n = len(ids)
+    s.forward(StageBatch([0, 1, 2], [0, 0, 0], [n, n, n]), torch.tensor(ids * 3))
+    outs = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            outs.append(s.forward(StageBatch([0, 1, 2], [n, n, n], [1, 1, 1]), torch.tensor([5, 6, 7])))
+            for sid in (0, 1, 2):
+                s.kv.truncate(sid, n)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
