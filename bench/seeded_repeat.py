@@ -5,9 +5,9 @@ Starts `potluck serve` as it starts (the default model, its own free port), send
 same chat request (`n` choices, a seed, temperature 0.9) --sends times one after another,
 and runs a busy program (a plain Python loop, as in bench/busy_cpu.py) during the sends
 named by --busy. Prints each send's choices as short hashes and whether they match the
-second send's (the first computes the prompt afresh; the sends after it take its kept
-conversation start, engine/pipeline/kept_replies.py, whose last token is computed alone:
-near ties may part those two, as README's API section says).
+first send's. The first computes the prompt afresh; the sends after it take its kept
+conversation start (engine/pipeline/kept_replies.py) and, being seeded, compute that
+prompt's step again as the first did (core/kept_prefixes.py same_step).
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/seeded_repeat.py --sends 10 --busy 3-6
 """
@@ -80,16 +80,16 @@ def main() -> int:
             texts = ask(port, args.n, args.seed, args.tokens)
             rows.append((i, i in busy_at, [hashlib.md5(t.encode()).hexdigest()[:6] for t in texts],
                          time.monotonic() - t0))
-        ref = rows[1][2] if len(rows) > 1 else rows[0][2]
+        ref = rows[0][2]
         print(f"\nthe same request (n {args.n}, seed {args.seed}, temperature 0.9, {args.tokens} tokens) "
               f"sent {args.sends} times to one `potluck serve`\n")
-        print("| send | busy program | choices (md5, 6 hex) | = send 2 | s |")
+        print("| send | busy program | choices (md5, 6 hex) | = send 1 | s |")
         print("|---:|---|---|---|---:|")
         for i, b, hashes, s in rows:
             print(f"| {i} | {'yes' if b else ''} | {' '.join(hashes)} | {'✓' if hashes == ref else 'differs'} | {s:.1f} |")
-        later = [r for r in rows[1:]]
+        later = rows[1:]
         same = sum(r[2] == ref for r in later)
-        print(f"\nsends 2-{args.sends}: {same} of {len(later)} the same as send 2 "
+        print(f"\nsends 2-{args.sends}: {same} of {len(later)} the same as send 1 "
               f"({'PASS' if same == len(later) else 'MISS'}: a seeded request reads one reply on one server)")
         return 0
     finally:

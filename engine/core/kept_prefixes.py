@@ -42,6 +42,7 @@ class Kept:
     tokens: list[int]
     since: float
     prompt: int       # of the tokens, the ended request's prompt
+    opened: int = 0   # where that prompt's step began (what was cached before it: taken over)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -74,28 +75,37 @@ class KeptPrefixes:
     def ids(self) -> list[int]:
         return list(self._kept)
 
-    def keep(self, seq_id: int, tokens: list[int], now: float, prompt: int | None = None) -> list[int]:
+    def keep(self, seq_id: int, tokens: list[int], now: float, prompt: int | None = None,
+             opened: int = 0) -> list[int]:
         """A reply ended and its KV holds `tokens` (what went into the model: the `prompt`
-        first, then the reply but its last token, which was drawn and never fed back).
+        first, then the reply but its last token, which was drawn and never fed back);
+        `opened`: where the step that computed the prompt began.
         Returns the sequences to free now: this one when it is too short to be worth
         keeping, and the least recently used when more than `most` are kept."""
         if len(tokens) < self.min_match or self.most <= 0:
             return [seq_id]
         prompt = len(tokens) if prompt is None else min(prompt, len(tokens))
-        self._kept[seq_id] = Kept(list(tokens), now, prompt)
+        self._kept[seq_id] = Kept(list(tokens), now, prompt, min(opened, prompt))
         self._kept.move_to_end(seq_id)
         out = []
         while len(self._kept) > self.most:
             out.append(self._kept.popitem(last=False)[0])
         return out
 
-    def take(self, prompt: list[int]) -> tuple[int, int] | None:
+    def take(self, prompt: list[int], same_step: bool = False) -> tuple[int, int] | None:
         """The kept sequence sharing the longest start with `prompt`, taken out: (its id,
         how many of the prompt's tokens its KV holds). At least the prompt's last token is
         left to compute: its logits draw the reply's first token. None when no kept
         sequence shares `min_match` tokens and `take_share` of its prompt with it (a start
         shorter than that is computed again, and the kept reply stays for its own
-        conversation)."""
+        conversation).
+
+        `same_step`, for a reply that must read as the kept one did (greedy, or seeded):
+        where the two part inside the kept request's prompt step, the step is computed
+        again as it was, from where it began. A token's last bits follow the step that
+        computed it (a prompt's last token in its step's rows, or alone, reduce in other
+        orders), so a repeat that computed only the last token could part from the first
+        send at a near tie; the cost is the last turn's prompt again, not the conversation."""
         best, best_n = None, 0
         for sid, k in self._kept.items():
             n = common_prefix(k.tokens, prompt)
@@ -104,6 +114,9 @@ class KeptPrefixes:
         best_n = min(best_n, len(prompt) - 1)
         if best is None or best_n < self.min_match:
             return None
+        k = self._kept[best]
+        if same_step and k.opened < best_n <= k.prompt:
+            best_n = k.opened
         del self._kept[best]
         self.hits += 1
         self.reused_tokens += best_n

@@ -43,6 +43,7 @@ class Seq:
     pos: int = 0                 # tokens cached on the stages
     in_flight: int = 0           # tokens of the step now in the pipeline (0: none)
     opened: bool = False         # its prompt has gone into a step (the last stage knows it)
+    opened_at: int = 0           # the position that step began at (what was cached before)
     done: bool = False
     # A request's other choices (n > 1) wait here rather than in the queue: the step that
     # completes this sequence's prompt copies its KV to them on every stage (a fork) and
@@ -352,13 +353,15 @@ class Scheduler:
                 continue
             new = not s.opened
             n = s.prompt_len - s.pos if new else 1
+            if new:
+                s.opened_at = s.pos
             s.opened = True
             s.in_flight = n
             forks = []
             if new and s.forks:
                 forks, s.forks = s.forks, []
                 for f in forks:
-                    f.parent, f.opened, f.pos, f.in_flight = None, True, s.pos, n
+                    f.parent, f.opened, f.pos, f.in_flight, f.opened_at = None, True, s.pos, n, s.pos
                 g.seqs.extend(forks)
             rows.append(Row(s, s.pos, n, new, forks))
         return rows

@@ -80,7 +80,10 @@ class KeptReplies:
         sequence over, and only the rest of its prompt is computed."""
         if self.recovering or self.error:
             return   # the stages are being rearranged: what they kept is gone
-        hit = self.kept.take(seq.prompt)
+        # a greedy or seeded reply computes the kept prompt's step again as it was
+        # (kept_prefixes.py take): the same request sent twice reads the same reply
+        p = seq.params
+        hit = self.kept.take(seq.prompt, same_step=p.is_greedy or p.seed is not None)
         if hit is None:
             return
         seq.id, seq.pos = hit
@@ -134,7 +137,8 @@ class KeptReplies:
         free, s.drops = [], []   # (those were freed when they were let go)
         if s.finish in KEEP_AFTER and not self.recovering and not self.error:
             # prompt + generated is the stream a replay starts over from too
-            free += self.kept.keep(s.id, (s.prompt + s.generated)[:s.pos], time.monotonic(), len(s.prompt))
+            free += self.kept.keep(s.id, (s.prompt + s.generated)[:s.pos], time.monotonic(), len(s.prompt),
+                                   s.opened_at)
             self._kept_changed()
         else:
             free.append(s.id)

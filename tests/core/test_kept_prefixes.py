@@ -72,3 +72,21 @@ def test_the_scheduler_counts_kept_tokens_and_says_how_many_must_go():
     assert s.room_wanted() == 0 and [g.seqs[0].id for g in s.schedule()] == [1]
     s.add(Seq(2, prompt_len=90, max_tokens=10))       # more than all that is kept
     assert s.room_wanted() == 50
+
+
+def test_a_reply_that_must_read_the_same_computes_the_kept_prompts_step_again():
+    """same_step (greedy or seeded): where the prompts part inside the kept request's prompt
+    step, the step is computed again from where it began; past its prompt (a follow-up)
+    or without same_step, every kept token is taken."""
+    system = list(range(500, 530))
+    turn2 = system + list(range(600, 700))              # a second turn: its step began at 30
+    k = KeptPrefixes(min_match=16)
+    k.keep(1, turn2 + [9] * 20, now=0, prompt=len(turn2), opened=30)
+    assert k.take(turn2, same_step=True) == (1, 30)    # the same request again
+    k.keep(1, turn2 + [9] * 20, now=1, prompt=len(turn2), opened=30)
+    assert k.take(turn2) == (1, len(turn2) - 1)        # a sampled one: its last token alone
+    k.keep(1, turn2 + [9] * 20, now=2, prompt=len(turn2), opened=30)
+    assert k.take(turn2 + [9] * 20 + [4, 4], same_step=True) == (1, len(turn2) + 20)   # a follow-up
+    # a fresh prompt's step began at 0: a repeat computes it all, and takes its slot over
+    k.keep(2, turn2 + [9] * 20, now=3, prompt=len(turn2))
+    assert k.take(turn2, same_step=True) == (2, 0) and len(k) == 0

@@ -155,3 +155,39 @@ async def test_a_kept_reply_nobody_follows_up_is_let_go_on_every_stage(tiny_fold
         assert len(head.kept) == 0 and all(s["seqs"] == 0 for s in stats), stats
     finally:
         await head.close()
+
+
+async def test_the_same_request_again_reads_the_first_sends_bits_where_it_must():
+    """A greedy or seeded request sent again computes the kept prompt's step again, as the
+    first send did (core/kept_prefixes.py same_step): its first token's log-probabilities
+    are the first send's to the last bit, where the last prompt token computed alone read
+    other bits and could part the two replies at a near tie. A sampled request without a
+    seed takes every kept token. On the pipeline `potluck chat` starts by default."""
+    pipe = await launch(PipelineConfig())
+    head = pipe.head
+    try:
+        prompt = head.chat_prompt([{"role": "user", "content": STORY + " Which items are small?"}])
+
+        async def send(params):
+            lps, counts = [], {}
+            computed_by_stage0(head, counts)
+            async for ev in head.submit(prompt, params):
+                if isinstance(ev, Delta):
+                    lps.extend(lp.logprob for lp in ev.logprobs or ())
+            head.stage0.forward = forward
+            return lps, sum(counts.values())
+
+        forward = head.stage0.forward
+        for params in (SamplingParams(greedy=True, max_tokens=3, logprobs=True),
+                       SamplingParams(temperature=0.9, seed=4, max_tokens=3, logprobs=True)):
+            first, _ = await send(params)
+            again, computed = await send(params)
+            # the prompt's last step again (its last piece: a long prompt goes through the
+            # prompt lane in pieces first), not its last token alone and two decode steps
+            assert again == first and computed > 8, (first, again, computed)
+        reused = head.kept_info()["reused_tokens"]
+        _, computed = await send(SamplingParams(temperature=0.9, max_tokens=3))
+        assert head.kept_info()["reused_tokens"] - reused == len(prompt) - 1 and computed < 8, computed
+        await all_freed(head)
+    finally:
+        await pipe.close()
