@@ -58,10 +58,35 @@ def test_a_certificate_that_will_not_load_is_said_before_anything_loads(tmp_path
     for extra, said in ([["--tls-cert", str(cert)], "go together"],
                         [["--tls-cert", str(cert), "--tls-key", str(tmp_path / "nope.pem")], "does not exist"],
                         [["--tls-cert", str(cert), "--tls-key", str(cert)], "cannot use the certificate"],
-                        [["--cors-origin", "*"], "any web page"]):
+                        [["--cors-origin", "*"], "any web page"],
+                        [["--cors-origin", "localhost:3000"], "is not a web page's origin"]):
         p = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", "0", *extra],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and said in p.stderr and "Loading" not in p.stderr, p.stderr
+
+
+def test_origins_and_advertised_addresses_are_read_as_browsers_and_friends_will_use_them():
+    """`--cors-origin garbage` and `host --advertise garbage` were taken as given: a page
+    whose origin never matched was refused with no word of why, and an address with its
+    port went into the invite as ws://[1.2.3.4:7870]:7870, which no friend could dial."""
+    from engine.core.cli_args import advertise_arg
+    from engine.pipeline.api_cors import origin
+
+    # what the browser sends in its Origin header: lower case, no slash, no default port
+    assert origin("HTTP://LocalHost:3000/") == "http://localhost:3000"
+    assert origin("https://chat.example.org:443") == "https://chat.example.org" and origin("*") == "*"
+    for bad in ("garbage", "localhost:3000", "http://localhost:3000/chat", "http://a:b@x.org"):
+        with pytest.raises(ValueError, match="not a web page's origin"):
+            origin(bad)
+    assert advertise_arg("203.0.113.7") == "203.0.113.7" and advertise_arg("[2001:db8::1]") == "2001:db8::1"
+    assert advertise_arg("home.example.org") == "home.example.org"
+    assert advertise_arg("203.0.113.7:7870") == "ws://203.0.113.7:7870"   # a router forwarding another port
+    assert advertise_arg("ws://home.example.org:9000") == "ws://home.example.org:9000"
+    for bad in ("two words", "http://x.org:80", "host:99999", "a..b", "ws://x.org"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            advertise_arg(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["host", "--listen", "0.0.0.0:7870", "--advertise", "two words"])
 
 
 def test_a_relay_on_a_port_in_use_says_so_as_the_other_commands_do():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.core.cli_args import (MOST_LOCAL_STAGES, count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,
+from engine.core.cli_args import (MOST_LOCAL_STAGES, advertise_arg, count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,
                                   prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, seconds_arg, stage_addr_arg,
                                   stages_arg)
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
@@ -95,8 +95,10 @@ def _add_homes_args(sub):
     add_pipeline_args(p)
     p.add_argument("--relay", type=relay_arg, default="", help="ws://relay:port that both homes can reach")
     p.add_argument("--listen", type=listen_arg, default="", help="HOST:PORT to accept friends directly (e.g. 0.0.0.0:7870)")
-    p.add_argument("--advertise", action="append", default=[],
-                   help="address to put in the code for --listen (default: this machine's addresses)")
+    p.add_argument("--advertise", type=advertise_arg, action="append", default=[],
+                   help="address to put in the code for --listen: an IP address or name (the --listen port is "
+                        "added), HOST:PORT where the router forwards another port, or ws://host:port "
+                        "(default: this machine's addresses)")
     p.add_argument("--peers", type=ranged_arg(int, 0, 1 << 10, "a whole number from 0"), default=1,
                    help="friends to wait for, in pipeline order (default 1; 0: serve on this machine at once, "
                         "friends taking their share of the layers as they join)")

@@ -5,6 +5,8 @@ it cost minutes."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 
 from engine.core.local_stages import MOST as MOST_LOCAL_STAGES
 from engine.core.sampling import PENALTY_RANGE, SamplingParams
@@ -103,3 +105,33 @@ def relay_arg(text: str) -> str:
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text
+
+
+_HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def advertise_arg(text: str) -> str:
+    """--advertise: what a friend dials to reach --listen, put in the invite as it is: an
+    address or a name (the port --listen took is added), HOST:PORT (a router that forwards
+    another outside port), or ws://host:port. Anything else went into the invite and every
+    friend's join failed on it."""
+    text = text.strip()
+    if text.startswith(("ws://", "wss://")):
+        problem = address_problem(text, "an address to advertise")
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit() and 1 <= int(port) <= 65535 and (_HOSTNAME.fullmatch(host) or host.startswith("[")):
+        url = f"ws://{host}:{port}"
+        if not address_problem(url):
+            return url
+    if _HOSTNAME.fullmatch(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not an address friends can reach: an IP address or a name "
+                                     "(e.g. 203.0.113.7 or home.example.org), HOST:PORT, or ws://host:port")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -72,9 +73,31 @@ def allow_headers(asked: str) -> str:
     return ", ".join(out)
 
 
+def origin(text: str) -> str:
+    """A named origin as a browser writes it in its Origin header (scheme://host[:port],
+    lower case, the scheme's own port left out), or '*'. ValueError where it is not one:
+    'localhost:3000' or a page's address with its path would never match any request, and
+    the page would be refused with no word of why."""
+    text = text.strip().rstrip("/")
+    if text == "*":
+        return text
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (parts is None or not parts.scheme or not parts.hostname or parts.path or parts.query
+            or parts.fragment or parts.username or parts.password):
+        raise ValueError(f"--cors-origin {text[:100]!r} is not a web page's origin: it is written "
+                         "scheme://host or scheme://host:port, e.g. http://localhost:3000 (no path)")
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    default = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return f"{parts.scheme.lower()}://{host}" + ("" if port in (None, default) else f":{port}")
+
+
 class Cors:
     def __init__(self, origins, api_key: str | None, loopback: bool = False):
-        self.origins = frozenset(o.strip().rstrip("/") for o in origins or () if o.strip())
+        self.origins = frozenset(origin(o) for o in origins or () if o.strip())
         if "*" in self.origins and not api_key:
             raise ValueError("--cors-origin '*' lets any web page use the API: give an API key too "
                              "(--api-key), or name the page's origin (e.g. http://localhost:3000)")
