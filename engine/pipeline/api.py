@@ -35,6 +35,10 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from engine.pipeline.api_cors import Cors
+from engine.pipeline.api_errors import ApiError
+from engine.pipeline.api_errors import field as _field
+from engine.pipeline.api_errors import number as _number
+from engine.pipeline.api_messages import chat_messages
 from engine.pipeline.api_replies import Reply, Tools, usage
 from engine.pipeline.head import Head
 from engine.pipeline.requests import Delta, Done, PipelineError
@@ -64,38 +68,6 @@ NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1
 # a friend's machine left, and clients and proxies drop streams silent for ~30-60 s
 KEEPALIVE_S = 10.0
 
-class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
-
-
-def _field(body: dict, name: str, kinds, default=None, *, allow_none=True):
-    v = body.get(name, default)
-    if v is None and allow_none:
-        return default
-    if isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ApiError(f"'{name}' has the wrong type", param=name, code="invalid_type")
-    if not isinstance(v, kinds):
-        raise ApiError(f"'{name}' has the wrong type", param=name, code="invalid_type")
-    return v
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    """A float field: absent or null is the default; a whole number too large for a float
-    is out of range (float() would raise), not a server error."""
-    v = _field(body, name, (int, float), default)
-    try:
-        return float(v)
-    except OverflowError:
-        raise ApiError(f"'{name}' is out of range", param=name, code="invalid_value") from None
-
-
 # fields OpenAI defines that are not implemented yet -> the value that asks for nothing
 # (sent by some clients as a matter of course, and accepted); anything else is a 400
 # naming the field: a reply without the audio, or at the speed, they asked for would
@@ -103,15 +75,6 @@ def _number(body: dict, name: str, default: float) -> float:
 NOT_YET = {"functions": ([], None), "function_call": ("none", None), "logit_bias": ({}, None),
            "best_of": (1, None), "echo": (False, None), "suffix": ("", None),
            "modalities": (["text"], None), "audio": (None,), "prediction": (None,)}
-
-
-def _json_kind(value) -> str:
-    """What a JSON value is, in JSON's words (a client reads them, not Python's)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(type(value), "an object")
 
 
 class Api:
@@ -208,44 +171,7 @@ class Api:
         if not messages:
             raise ApiError("'messages' must not be empty", param="messages")
         fns, tool_choice = self._tools(body)
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ApiError(f"messages[{i}] must be an object such as {{\"role\": \"user\", \"content\": "
-                               f"\"...\"}}, not {_json_kind(m)}", param="messages", code="invalid_type")
-            if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
-                raise ApiError(f"messages[{i}] needs a role of system, developer, user, assistant or tool",
-                               param="messages")
-            if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
-                # (OpenAI's too: a message with no content is a client's mistake, not "")
-                raise ApiError(f"messages[{i}] has no 'content'", param="messages")
-            content = m.get("content", "")
-            if isinstance(content, list):  # content parts: text only
-                texts = []
-                for part in content:
-                    # an assistant's earlier refusal comes back as a part of its own (OpenAI's)
-                    kind = "refusal" if m["role"] == "assistant" and isinstance(part, dict) \
-                        and part.get("type") == "refusal" else "text"
-                    if not (isinstance(part, dict) and part.get("type") == kind and isinstance(part.get(kind), str)):
-                        raise ApiError(f"messages[{i}]: only text content is supported", param="messages")
-                    texts.append(part[kind])
-                content = "".join(texts)
-            if content is None and m["role"] == "assistant":   # a turn of tool calls only
-                content = ""
-            if not isinstance(content, str):
-                raise ApiError(f"messages[{i}].content must be a string", param="messages")
-            role = "system" if m["role"] == "developer" else m["role"]
-            msg = {"role": role, "content": content}
-            if role == "assistant" and m.get("tool_calls"):
-                msg["tool_calls"] = _calls_of(m["tool_calls"], i)
-            if role == "tool":   # a call's result: which call it answers
-                call_id = m.get("tool_call_id")
-                if not isinstance(call_id, str):
-                    raise ApiError(f"messages[{i}]: a tool message needs its 'tool_call_id'", param="messages")
-                msg["tool_call_id"] = call_id
-                if isinstance(m.get("name"), str):
-                    msg["name"] = m["name"]
-            clean.append(msg)
+        clean = chat_messages(messages)
         overflow = _field(body, "context_overflow", str, "error")
         if overflow not in OVERFLOW_CHOICES:
             raise ApiError(f"'context_overflow' must be one of {', '.join(OVERFLOW_CHOICES)}",
@@ -600,27 +526,6 @@ class Api:
             for t in pumps:
                 t.cancel()
         return resp
-
-
-def _calls_of(raw, i: int) -> list[dict]:
-    """An assistant message's tool_calls, for the chat template: arguments as an object
-    (the templates write them with tojson)."""
-    if not isinstance(raw, list) or len(raw) > 128:
-        raise ApiError(f"messages[{i}].tool_calls must be a list", param="messages")
-    out = []
-    for c in raw:
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-            raise ApiError(f"messages[{i}].tool_calls: each needs function.name", param="messages")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args or "{}")
-            except ValueError:
-                raise ApiError(f"messages[{i}].tool_calls: arguments must be JSON", param="messages") from None
-        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else "", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
 
 
 async def _collect(handle) -> tuple[str, Done, list]:
