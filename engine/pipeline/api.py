@@ -293,6 +293,12 @@ class Api:
     def _params(self, body: dict) -> SamplingParams:
         name = "max_completion_tokens"
         max_tokens = body.get(name)
+        old = body.get("max_tokens")
+        if max_tokens is not None and old is not None and old != max_tokens:
+            # OpenAI's refusal too; the same number under both names (some clients send
+            # it so, for servers that know one name only) is one request
+            raise ApiError("Setting 'max_tokens' and 'max_completion_tokens' at the same time is not supported "
+                           "(unless they are equal)", param="max_tokens", code="invalid_parameter_combination")
         if max_tokens is None:  # absent or null: the older name
             name = "max_tokens"
             max_tokens = body.get(name)

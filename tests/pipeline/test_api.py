@@ -220,6 +220,14 @@ BAD_REQUESTS = {
                                       "stream_options", "invalid_value"),
     "max_completion_tokens_zero": (CHAT, {"messages": OK_MSGS, "max_completion_tokens": 0}, "max_completion_tokens",
                                    "invalid_value"),
+    # OpenAI's refusal: which of the two was meant is not guessed (the same number is one request)
+    "max_tokens_two_ways": (CHAT, {"messages": OK_MSGS, "max_tokens": 5, "max_completion_tokens": 9}, "max_tokens",
+                            "invalid_parameter_combination"),
+    # a tool's result that answers no call read, to the template, as the model's own call
+    "tool_message_answering_no_call": (CHAT, {"messages": OK_MSGS + [{"role": "tool", "tool_call_id": "c1",
+                                                                      "content": "22"}]}, "messages", None),
+    "message_name_not_text": (CHAT, {"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages",
+                              "invalid_type"),
     "schema_that_admits_nothing": (CHAT, {"messages": OK_MSGS, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}, "response_format",
         "invalid_value"),
@@ -255,6 +263,15 @@ async def test_bad_request_shape(api_url, name):
     async with aiohttp.ClientSession() as s:
         status, data = await _post(s, api_url + path, body)
     _check_error(status, data, param, code, expect_status=STATUS.get(name, 400))
+
+
+async def test_the_same_length_under_both_names_is_one_request(api_url):
+    """Some clients send max_tokens and max_completion_tokens alike, for servers that know
+    one name only: that is a request for that many tokens, not a refusal."""
+    async with aiohttp.ClientSession() as s:
+        status, data = await _post(s, api_url + CHAT, {"messages": OK_MSGS, "max_tokens": 2,
+                                                       "max_completion_tokens": 2, "temperature": 0})
+    assert status == 200 and data["usage"]["completion_tokens"] <= 2, data
 
 
 async def test_a_body_it_cannot_read_is_a_400(api_url):
