@@ -580,7 +580,18 @@ class HostDialog(QDialog):
             downloading = [str(p.get("what")) for p in stages if str(p.get("what", "")).startswith("downloading")]
             self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading the model %p%")
         if st.get("error") and not loading:   # the friends never came: what serves on stays
-            self.result.setText(f"<span style='color:#b91c1c'>{html.escape(st['error'], quote=False)}</span>")
+            self.result.setText(f"<span style='color:#b91c1c'>{html.escape(field_words(st['error']), quote=False)}"
+                                "</span>")
+            if not self.start_button.isEnabled():
+                # it failed after it started (a port taken, friends never came): the window is
+                # as before the press, to change a field and start again, the reason in view
+                self.start_button.setEnabled(True)
+                self.start_button.setText("Start hosting")
+                self._replace_ok = False
+                self._show_result()
+            if not hosting:
+                self.started = False
+                self.progress.hide()
         elif hosting and not loading:
             self.progress.show()
             self.progress.setValue(self.progress.maximum())

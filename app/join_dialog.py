@@ -89,15 +89,25 @@ class JoinDialog(QDialog):
         self.last_error = message
         self.result.setText(f"<span style='color:#b91c1c'>{html.escape(message, quote=False)}</span>")
 
-    def fill_from_link(self, text: str) -> None:
-        """A potluck:// link opened while this window may still show an earlier join: it
-        starts over, filled in; the user still presses the button."""
+    def start_over(self) -> None:
+        """Ready for another code: the window opened again while it still showed an earlier
+        join ("Joined.", its button greyed out), where a new code could not be accepted."""
         self.last_error = None
         self.reply_code = None
         self.code.clear()   # a bad link leaves no earlier code behind to be joined by mistake
         self._unconfirm()
+        self.result.clear()
         self.accept_button.setEnabled(True)
         self.buttons.button(QDialogButtonBox.Cancel).setText("Cancel")
+
+    def finished_join(self) -> bool:
+        """It shows a join that is done (its button greyed out, Close to leave)."""
+        return not self.accept_button.isEnabled()
+
+    def fill_from_link(self, text: str) -> None:
+        """A potluck:// link opened while this window may still show an earlier join: it
+        starts over, filled in; the user still presses the button."""
+        self.start_over()
         try:
             link = parse_link(text)
         except LinkError as e:

@@ -203,7 +203,10 @@ class Shell(QObject):
         return self._dialog("host", HostDialog)
 
     def open_join(self):
-        return self._dialog("join", JoinDialog)
+        d = self._dialog("join", JoinDialog)
+        if d.finished_join():   # still open on an earlier "Joined.": ready for a new code
+            d.start_over()
+        return d
 
     def open_link(self, text: str):
         """A potluck:// link (clicked in a chat app, or handed over by a later launch): the

@@ -83,7 +83,8 @@ class Friends:
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
                     raise HomeError(f"cannot accept friends on {listen}: {exc.strerror or exc}") from None
-                raise HomeError(f"port {port_n} is already in use on {host or 'every address'} (another Potluck, "
+                where = "this computer" if host in ("", "0.0.0.0", "::") else host
+                raise HomeError(f"port {port_n} is already in use on {where} (another Potluck, "
                                 f"or another program): stop it, or accept friends on another port") from None
         if relay:
             await self.tunnels.use_relay(relay)

@@ -355,3 +355,27 @@ def test_why_start_asks_again_is_scrolled_into_view(dialog, qtbot):
 
     qtbot.waitUntil(in_view, timeout=2000)
     assert d.scroll.verticalScrollBar().value() > 0
+
+
+def test_a_start_that_fails_later_gives_the_window_back_with_the_reason_in_view(dialog, qtbot):
+    """The node took the request, then failed (friends' port taken by another program): the
+    reason showed below the tables, out of sight, and "Start hosting" stayed greyed out, so
+    the port could not be changed and tried again without closing the window."""
+    d = dialog
+    d.resize(620, 420)
+    d.show()
+    d.split_table.setRowCount(12)
+    d.weights_table.show()
+    d.c.host = lambda request, cb=None: cb({"plan": _plan()}, None)     # the node took it
+    d.start()
+    assert not d.start_button.isEnabled() and d.started
+    d.on_status({"state": "idle", "error": "port 7870 is already in use on this computer (another Potluck, or "
+                                           "another program): stop it, or accept friends on another port"})
+    assert d.start_button.isEnabled() and d.start_button.text() == "Start hosting" and not d.started
+    assert "already in use" in d.result.text() and not d.progress.isVisible()
+
+    def in_view() -> bool:
+        top = d.result.mapTo(d.scroll.viewport(), d.result.rect().topLeft()).y()
+        return 0 <= top < d.scroll.viewport().height()
+
+    qtbot.waitUntil(in_view, timeout=2000)

@@ -115,6 +115,11 @@ def test_the_link_fills_the_join_dialog(qtbot, tmp_path, monkeypatch):
         assert "Joined" in d.result.text() and not d.accept_button.isEnabled()
         again = shell.open_link(f"potluck://join/{code}")
         assert again is d and d.accept_button.isEnabled() and "Filled in" in d.result.text()
+        # and "Join with invite code…" from the menu, the window still open on "Joined.": ready
+        # for another code (its button stayed greyed out, only Close worked)
+        d._done({"sharing": {"joined": {"via": "direct"}}}, None)
+        menu = shell.open_join()
+        assert menu is d and d.accept_button.isEnabled() and not d.code.text() and "Joined" not in d.result.text()
     finally:
         # not shell.quit(): it ends the QApplication, which the later GUI tests still need
         shell.close()
