@@ -404,7 +404,8 @@ async def _host(args) -> int:
             _say(f"stage {i + 1}: {p.name or 'unnamed'} (node {p.node_id}) via {p.path}")
         cfg = await friends.route(peers, pipeline_config(args))
         bar = ProgressBar()
-        pipe = await launch(cfg, bar, _say)
+        pipe = await friends.launch_over(peers, lambda: launch(cfg, bar, _say), lambda t: _say(f"  {t}"),
+                                         args.wait_timeout)
         bar.finish()
         friends.follow(pipe.head)  # friends joining later (`potluck invites --new`) take a slice
         paths = ", ".join(f"stage {i + 1} via {p.path}" for i, p in enumerate(peers))

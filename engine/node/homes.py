@@ -114,6 +114,34 @@ class Friends:
             peers.append(await self.tunnels.wait_peer())
         return peers
 
+    @staticmethod
+    def gone(peers: list[Peer]) -> list[Peer]:
+        """Those of `peers` whose tunnel is closed now (they left, or their computer slept)."""
+        return [p for p in peers if p.session is None or p.session.closed.is_set()]
+
+    async def launch_over(self, peers: list[Peer], start, say, wait_s: float):
+        """start() (the pipeline's launch over these friends' stages), again where it failed
+        because a friend left while it loaded (switched sharing off, their computer went to
+        sleep): once they are back, within wait_s. A friend who leaves a running pipeline is
+        its failover's; one who left before it formed ended the hosting, everyone else's
+        wait and load with it."""
+        while True:
+            try:
+                return await start()
+            except Exception:
+                gone = self.gone(peers)
+                if not gone:
+                    raise
+                names = ", ".join(p.name or p.node_id for p in gone)
+                say(f"{names} left while the model loaded: waiting up to {wait_s:.0f} s for them to come back")
+                deadline = asyncio.get_running_loop().time() + wait_s
+                while self.gone(peers):
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise HomeError(f"{names} left while the model loaded and did not come back within "
+                                        f"{wait_s:.0f} s: host again when they can stay") from None
+                    await asyncio.sleep(0.25)
+                say(f"{names} came back: loading again")
+
     async def route(self, peers: list[Peer], cfg: PipelineConfig) -> PipelineConfig:
         """The pipeline over these friends' stages: the head reaches each through its
         tunnel, and each stage its next one (two other homes) through both tunnels, via

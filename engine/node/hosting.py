@@ -253,7 +253,16 @@ class Hosting:
             # the new one's head takes its memory and its API's port
             await self._close_pipeline(REPLACED)
             replaced = True
-            pipe = await launch(cfg, progress, say)
+            if args.get("friends") and self.friends_gate is not None:
+                def told(text):
+                    log.info("host: %s", text)
+                    if self.loading is not None:
+                        self.loading["message"] = text
+                peers = [f["peer"] for f in self.friends]
+                pipe = await self.friends_gate.launch_over(peers, lambda: launch(cfg, progress, say), told,
+                                                           cfg.wait_timeout)
+            else:
+                pipe = await launch(cfg, progress, say)
             if self.friends_gate is not None:
                 self.friends_gate.follow(pipe.head)  # friends joining later take a slice
             try:

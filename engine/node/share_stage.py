@@ -49,6 +49,9 @@ class Sharing:
             raise NodeError("That is this computer's own invite: send it to your friends, who paste it into "
                             "“Join with invite code…” on their computers.")
         async with self._lock:
+            # what this computer shared before: it goes back to it if the new join fails (a
+            # withdrawn or unreachable invite had left the friend's pipeline for nothing)
+            before = (self.invite, self.joiner, self.share_pipeline) if self.share_wanted else None
             await self._stop_share("joining another friend")
             self.invite, self.joiner = invite, None
             self.share_pipeline = invite.pipeline_id
@@ -63,13 +66,31 @@ class Sharing:
                 if task.done():
                     try:
                         task.result()
-                    except NodeError:
+                    except NodeError as exc:
                         self.share_wanted, self.invite = False, None
+                        if before is not None and await self._share_again(before):
+                            raise NodeError(f"{exc.message} This computer shares with the friend it shared "
+                                            "with before, as it did.", exc.status, exc.details) from None
                         raise
                 else:        # waiting for the host to use our reply code
                     self._joining = task
                     task.add_done_callback(self._joined_by_reply)
         return await self.status()
+
+    async def _share_again(self, before) -> bool:
+        """Back to the share `before` a join that failed (a member rejoins as after a pause).
+        Whether it is on again (or paused by the owner's limits, to resume by itself)."""
+        self.invite, self.joiner, self.share_pipeline = before
+        self.share_wanted = True
+        if self._decide().paused:
+            return True
+        try:
+            await self._start_share()
+            return True
+        except NodeError as exc:
+            log.warning("could not go back to the share before the join: %s", exc.details or exc.message)
+            self.share_wanted, self.invite, self.joiner = False, None, None
+            return False
 
     def _joined_by_reply(self, task: asyncio.Task):
         if self._joining is task:

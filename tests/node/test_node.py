@@ -720,6 +720,73 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
         assert host.wait(60) == 0 and friend.wait(60) == 0
 
 
+def test_a_join_that_fails_leaves_this_computer_sharing_with_the_friend_it_had(tmp_path):
+    """Joined to one friend, a code from another who withdrew it (here: a host that answers
+    nowhere, and no reply code): the join failed, and this computer had already left the
+    first friend, its share off, with nothing said."""
+    host, code = _host_with_invite(tmp_path, "--port", "0")
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file",
+                                 "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "off"})
+    try:
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200 and st["state"] == "sharing", st
+        first = st["sharing"]["joined"]["pipeline"]
+        # the host's pipeline formed, this computer's layers loaded: the ring as a friend has it
+        wait_status(port, lambda s: s["sharing"]["layers"] and s["sharing"]["connected"], timeout=120)
+        from engine.wire.invite import HostState
+
+        (tmp_path / "gone").mkdir()
+        _, gone = HostState(tmp_path / "gone").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+        status, err = call(port, "POST", "/join", {"code": gone}, timeout=120)
+        assert status >= 400 and "shares with the friend it shared with before" in err["error"], err
+        st = wait_status(port, lambda s: s["state"] == "sharing", timeout=60)
+        assert st["sharing"]["joined"]["pipeline"] == first, st
+    finally:
+        host.kill()
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
+def test_a_friend_who_leaves_while_the_model_loads_is_waited_for_and_the_host_loads_again(tmp_path):
+    """The friend switched sharing off while the host was forming the pipeline (a computer
+    that went to sleep does the same): `potluck host` ended with "cannot reach stage", its
+    invite and every other friend's wait with it. It waits for them now, and loads again."""
+    host, code = _host_with_invite(tmp_path, "--port", "0")
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file",
+                                 "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "off"})
+    try:
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200 and st["sharing"]["layers"] is None, st      # joined, nothing loaded yet
+        assert call(port, "POST", "/share", {"on": False})[0] == 200
+        import queue
+        import threading
+
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in host.stderr], daemon=True).start()
+        said = ""
+
+        def until(words: str, timeout: float = 120):
+            nonlocal said
+            deadline = time.time() + timeout
+            while words not in said:
+                try:
+                    said += lines.get(timeout=max(0.1, deadline - time.time()))
+                except queue.Empty:
+                    raise AssertionError(f"the host never said {words!r}: {said}") from None
+
+        until("left while the model loaded")
+        assert host.poll() is None
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)   # the same code: a member
+        assert status == 200, st
+        st = wait_status(port, lambda s: s["sharing"]["layers"] and s["sharing"]["connected"], timeout=180)
+        until("Ready:")
+        assert "came back: loading again" in said and "2 stages" in said, said
+    finally:
+        host.kill()
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
 def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     """Sharing switched off while the host has not used the reply code yet: the wait ends,
     its listener closes, and the node is idle again."""
