@@ -241,7 +241,8 @@ async def run_node(args) -> int:
     try:
         limits = Limits.from_json(json.loads(args.limits)) if args.limits else Limits()
     except (ValueError, TypeError) as exc:
-        print(f"potluck node: bad --limits: {exc}", file=sys.stderr)
+        print(f"potluck node: bad --limits: {exc} (it takes the limits as JSON text, e.g. "
+              "--limits '{\"vram_cap_mb\": 8000}', not a file's name)", file=sys.stderr)
         return 2
     try:
         node = Node(token, share_host=args.share_host, share_port=args.share_port, api_port=args.api_port,

@@ -116,7 +116,8 @@ class Api:
                 reason = (f"the request body is larger than this API takes ({MAX_BODY >> 20} MiB)"
                           if isinstance(exc, web.HTTPRequestEntityTooLarge) else
                           f"no endpoint {request.method} {request.path[:200]}: this API serves POST "
-                          "/v1/chat/completions, POST /v1/completions and GET /v1/models"
+                          "/v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, "
+                          "GET /v1/potluck/status and GET /"
                           if isinstance(exc, web.HTTPNotFound) else exc.reason)
                 resp = ApiError(reason, code=str(exc.status), status=exc.status).response()
                 if isinstance(exc, web.HTTPMethodNotAllowed):   # HTTP asks a 405 to say what is allowed

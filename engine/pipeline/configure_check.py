@@ -38,7 +38,9 @@ class Checked:
 
 def check_configure(msg: dict, trusted_head: bool, accept_models, memory_cap: int | None) -> Checked:
     if not (trusted_head or remote_model_ok(msg["model"]) or msg["model"] in accept_models):
-        raise ModelError("this stage loads only the default model or one from Potluck's model list, by name")
+        raise ModelError("this stage loads only the default model or one from Potluck's model list, by name; "
+                         f"its owner can let it load this one with `--accept-model {msg['model'][:200]}` on "
+                         "its `potluck stage`, `join` or `node`")
     source = resolve(msg["model"])
     dtype = DTYPES.get(msg["dtype"])
     if dtype is None:

@@ -10,7 +10,8 @@ Linux, one clock for every process of a machine, so bench/hop_trace.py can line 
 processes' marks up into rounds and print each segment's median.
 
 Off (the default) a mark is one attribute test; on, a lock and an append (the lines are
-written 512 at a time and when flushed, so a mark costs no system call).
+written 512 at a time, or a second after the last write, and when flushed: a mark costs
+no system call, and a pipeline still running has its marks on disk for bench/hop_trace.py).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ log = logging.getLogger("potluck.trace")
 
 ENV = "POTLUCK_HOP_TRACE"
 _BATCH = 512
+_EVERY_NS = 1_000_000_000
 
 
 class HopTrace:
     def __init__(self, folder: str | os.PathLike | None = None, who: str = "head"):
         self._path = None
         self._marks: list[tuple[int, str]] = []
+        self._written = time.perf_counter_ns()
         self._lock = threading.Lock()
         if folder:
             path = Path(folder) / f"{who}-{os.getpid()}.trace"
@@ -53,9 +56,10 @@ class HopTrace:
     def __call__(self, tag: str) -> None:
         if self._path is None:
             return
+        now = time.perf_counter_ns()
         with self._lock:
-            self._marks.append((time.perf_counter_ns(), tag))
-            if len(self._marks) >= _BATCH:
+            self._marks.append((now, tag))
+            if len(self._marks) >= _BATCH or now - self._written >= _EVERY_NS:
                 self._flush_locked()
 
     def flush(self) -> None:
@@ -66,6 +70,7 @@ class HopTrace:
 
     def _flush_locked(self) -> None:
         marks, self._marks = self._marks, []
+        self._written = time.perf_counter_ns()
         if not marks:
             return
         try:

@@ -145,6 +145,12 @@ class Relay:
     @web.middleware
     async def _mark_served(self, request, handler):
         self._served.add(id(request.transport))
+        if "Origin" in request.headers and request.headers.get("Upgrade", "").lower() == "websocket":
+            # a web page's handshake (every browser sends an Origin; our clients never do):
+            # refused as every WebSocket server of ours refuses it (ws_server.py), so a page
+            # a person visits cannot hold mailboxes or listings in their name
+            self.refused["a web page's handshake"] += 1
+            return web.Response(status=403, text="a web page may not use this relay\n")
         return await handler(request)
 
     async def close(self):

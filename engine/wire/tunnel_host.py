@@ -35,6 +35,11 @@ from engine.wire.ws_server import serve
 
 log = logging.getLogger("potluck.tunnel")
 
+# a reply code's joiner waits this long for the host to dial it (tunnel_join.REPLY_WAIT_S):
+# one that never answered in that time is no longer dialled (a member that did is, while
+# its invite lasts: its tunnel may drop and come back)
+UNANSWERED_REPLY_S = 900.0
+
 # a host behind a symmetric NAT predicting ports toward a joiner's reply code: how long its
 # mappings stay open for the joiner's bursts of probes (tunnel_join.py: one every 8 s)
 PREDICT_REPLY_S = 12.0
@@ -261,14 +266,25 @@ class TunnelHost:
         routes = [("direct (reply)", url) for kind, url in
                   sorted(zip(r.kinds, r.direct), key=lambda ku: KIND_ORDER.get(ku[0], 9)) if kind != "udp"]
         backoff = 1.0
+        answered, told, since = False, False, time.monotonic()
         while any(x.key == r.key for x in self.state.replies()):     # until revoked or expired
             errors: list[str] = []
             path, url, ws = await _first_to_connect(routes, errors, lambda text: None)
             if ws is None:
-                self.on_event(f"reply {r.key}: no address of the joiner answers ({'; '.join(errors)[:300]})")
+                if not answered and time.monotonic() - since > UNANSWERED_REPLY_S:
+                    # the joiner has stopped waiting by now (it waits as long): nobody listens there
+                    self.on_event(f"reply {r.key}: the joiner never answered in {UNANSWERED_REPLY_S / 60:.0f} "
+                                  "minutes: no longer dialled")
+                    return
+                # said once until it answers again: a joiner gone kept the log a line every few seconds
+                (log.debug if told else self.on_event)(
+                    f"reply {r.key}: no address of the joiner answers ({'; '.join(errors)[:300]}); "
+                    "dialled again now and then")
+                told = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
+            answered, told = True, False
             t0 = time.monotonic()
             await self.accept(ws, path)          # until that session ends
             await ws.close()

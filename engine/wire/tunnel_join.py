@@ -307,7 +307,7 @@ class Joiner:
     async def _prepare_reply(self):
         """Listen for the host, map the port on the router, gather our candidates and make
         the reply code (TunnelError when this computer has nothing the host could reach)."""
-        from engine.wire import candidates as cand
+        from engine.wire import candidates as cand, stage_auth
 
         self._incoming = asyncio.Queue()
 
@@ -330,14 +330,23 @@ class Joiner:
             raise TunnelError(f"a reply code needs this computer to listen on {self.reply_listen}, which "
                               f"failed ({exc.strerror or exc}): give another with --reply-listen") from None
         bound = self._reply_server.sockets[0].getsockname()[1]
-        self._mapper = cand.PortMapper()
-        g, udp = await asyncio.gather(
-            cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper),
-            self._punch_toward_host())
-        if not g.candidates and not udp:
+        # as the host's --listen (tunnel_host.listen): a listener on one address offers that
+        # address, and on loopback only that (its LAN address would answer nothing)
+        wildcard = host in ("0.0.0.0", "::", "")
+        given = [] if wildcard else [cand.Candidate("given", cand.url_for(host, bound))]
+        if given and stage_auth.is_loopback(host):
+            found, udp = given, []
+        else:
+            self._mapper = cand.PortMapper()
+            g, udp = await asyncio.gather(
+                cand.gather(bound, upnp=os.environ.get("POTLUCK_UPNP", "1") != "0", mapper=self._mapper,
+                            addresses=None if wildcard else []),
+                self._punch_toward_host())
+            found = given + g.candidates
+        if not found and not udp:
             raise TunnelError("this computer has no address the host could reach either")
-        cands = (g.candidates + udp)[:16]
-        self._reply_kinds = [c.kind for c in g.candidates]
+        cands = (found + udp)[:16]
+        self._reply_kinds = [c.kind for c in found]
         self.reply_code = encode_reply(Reply(self.invite.pipeline, self.invite.invite_id,
                                              [c.url for c in cands], [c.kind for c in cands]))
 

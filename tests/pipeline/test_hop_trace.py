@@ -45,6 +45,19 @@ def write(folder: Path, name: str, marks: list[tuple[int, str]]):
     (folder / name).write_text("".join(f"{ns} {tag}\n" for ns, tag in marks))
 
 
+def test_a_running_pipelines_marks_reach_the_disk_within_a_second(tmp_path):
+    """A few requests mark fewer than a batch of lines: the files stayed empty until the
+    pipeline stopped, and bench/hop_trace.py said the trace was off."""
+    import time
+
+    on = HopTrace(tmp_path, "stage")
+    on("a")
+    (path,) = tmp_path.glob("stage-*.trace")
+    time.sleep(1.05)
+    on("b")          # a mark a second after the last write writes what is held
+    assert [line.split()[1] for line in path.read_text().splitlines()] == ["a", "b"]
+
+
 def test_rounds_line_up_across_the_processes_files(tmp_path):
     # two rounds of 1000 ns a segment on the head and the stage, and a third the next
     # launch overtook (its stage never answered): dropped

@@ -185,17 +185,23 @@ async def test_a_web_page_cannot_open_a_link_to_a_stage_or_a_tunnel(stage, tmp_p
     from engine.wire.identity import load_or_create_identity
     from engine.wire.tunnel import TunnelHost
 
+    from engine.wire.relay import Relay
+
     server, address = stage
     host = TunnelHost(load_or_create_identity(tmp_path), inv.HostState(tmp_path))
     await host.listen("127.0.0.1", 0)
+    relay = await Relay().start("127.0.0.1", 0)      # the relay too (aiohttp's, not websockets')
     try:
-        for url in (address, f"ws://127.0.0.1:{host._server.sockets[0].getsockname()[1]}"):
+        for url in (address, f"ws://127.0.0.1:{host._server.sockets[0].getsockname()[1]}",
+                    f"ws://127.0.0.1:{relay.port}/v1/pake/4821"):
             with pytest.raises(InvalidStatus) as refused:
                 await connect(url, origin="http://evil.example", open_timeout=10)
-            assert refused.value.response.status_code == 403
+            assert refused.value.response.status_code == 403, url
         await (await head_link(address)).close()     # a head sends no Origin: in
+        await (await connect(f"ws://127.0.0.1:{relay.port}/v1/pake/4821", open_timeout=10)).close()
     finally:
         await host.close()
+        await relay.close()
 
 
 async def test_another_program_on_this_machine_cannot_drive_the_pipelines_own_stages():

@@ -822,6 +822,9 @@ async def test_a_reply_code_is_shown_when_the_hosts_addresses_fail_however_fast_
                 break
             await asyncio.sleep(0.05)
         assert shown and shown[0] == j.reply_code and time.monotonic() - t0 < 3.0
+        # listening on loopback, it offers loopback: its LAN address (all it offered) answers nothing
+        port = j._reply_server.sockets[0].getsockname()[1]
+        assert inv.parse_reply(j.reply_code).direct == [f"ws://127.0.0.1:{port}"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -886,3 +889,23 @@ async def test_a_first_join_waits_for_its_reply_code_only_so_long(tmp_path, monk
         assert "withdrew" in join_failed(f"could not reach the host's pipeline: {gave_up.value}")
     finally:
         await j.close()
+
+
+async def test_a_reply_code_whose_joiner_is_gone_is_said_once_and_given_up(tmp_path, monkeypatch):
+    """The joiner of a reply code went away (it joined another way, or gave up): the host
+    said "no address of the joiner answers" every few seconds for the invite's whole day.
+    Once, now, and it stops dialling when the joiner has stopped waiting too."""
+    from engine.wire import tunnel_host
+    from engine.wire.tunnel import TunnelHost
+
+    monkeypatch.setattr(tunnel_host, "UNANSWERED_REPLY_S", 3.5)
+    said: list[str] = []
+    host = TunnelHost(load_or_create_identity(tmp_path), inv.HostState(tmp_path), on_event=said.append)
+    invite, _ = host.state.create_invite(host.identity.public, "", ["ws://127.0.0.1:9"], kinds=["lan"])
+    r = host.take_reply(inv.encode_reply(inv.Reply(host.pipeline, invite.invite_id, ["ws://127.0.0.1:9"], ["lan"])))
+    try:
+        await asyncio.wait_for(host._dialers[r.key], 30)      # it ends by itself
+        answers = [x for x in said if "no address of the joiner answers" in x]
+        assert len(answers) == 1 and "no longer dialled" in said[-1], said
+    finally:
+        await host.close()
