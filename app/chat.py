@@ -309,7 +309,10 @@ class ChatWindow(QMainWindow):
             bar.setValue(int(1000 * min(1.0, p["done"] / p["total"])) if p["total"] else 0)
             # several bars: this computer's parts of the model, each loading its layers
             part = f"part {int(key) + 1}: " if len(stages) > 1 and str(key).isdigit() else ""
-            bar.setFormat(f"{part}{p['what']} %p%")
+            # every tensor read, the stage still settles (its cache, its links): "100%" read
+            # as done while the chat could not answer yet
+            done = p["total"] and p["done"] >= p["total"]
+            bar.setFormat(f"{part}{p['what']}: done, starting up…" if done else f"{part}{p['what']} %p%")
 
     def show_banner(self, text: str, restart: bool):
         self.banner_label.setText(text)
@@ -363,8 +366,18 @@ class ChatWindow(QMainWindow):
     def _open_item(self, item: QListWidgetItem):
         self.open_conversation(item.data(Qt.UserRole))
 
+    def _busy(self) -> bool:
+        """A reply is coming: another conversation waits for it (the list's highlight moved
+        and nothing else did, with no word of why)."""
+        if self.stream is None:
+            return False
+        self.show_hint("A reply is still coming: press Stop, or wait for it, to open another conversation.",
+                       error=False)
+        self._mark_open()
+        return True
+
     def open_conversation(self, cid: int) -> bool:
-        if self.stream is not None:
+        if self._busy():
             return False
         try:
             conv = self.c.history.load(cid)
@@ -394,7 +407,7 @@ class ChatWindow(QMainWindow):
         return True
 
     def new_conversation(self):
-        if self.stream is not None:
+        if self._busy():
             return
         self._clear_view()
         self.conversation_id = None

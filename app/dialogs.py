@@ -254,7 +254,7 @@ class HostDialog(QDialog):
         self.invite_box = QGroupBox("Invite your friends")
         ib = QHBoxLayout(self.invite_box)
         texts = QVBoxLayout()
-        send = QLabel("Send this link (it opens Potluck's join window) or the code in it:")
+        self.send_label = send = QLabel(SEND_INVITE + ":")
         send.setWordWrap(True)   # beside the QR code: unwrapped, it made the window scroll sideways
         texts.addWidget(send)
         self.invite_link = QLineEdit()
@@ -540,6 +540,7 @@ class HostDialog(QDialog):
             link = join_link(code)
             self.invite.setText(code)
             self.invite_link.setText(link)
+            self.send_label.setText(SEND_INVITE + invite_limits(loading or hosting or {}) + ":")
             for field in (self.invite, self.invite_link):   # from its start: "potluck://join/…"
                 field.setCursorPosition(0)
             qr = QPixmap()
@@ -578,7 +579,8 @@ class HostDialog(QDialog):
             self.progress.setMaximum(1000)
             self.progress.setValue(int(share * 1000))
             downloading = [str(p.get("what")) for p in stages if str(p.get("what", "")).startswith("downloading")]
-            self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else "Loading the model %p%")
+            self.progress.setFormat(f"{downloading[0]} · %p%" if downloading else
+                                    "Loaded: starting up…" if share >= 0.999 else "Loading the model %p%")
         if st.get("error") and not loading:   # the friends never came: what serves on stays
             self.result.setText(f"<span style='color:#b91c1c'>{html.escape(field_words(st['error']), quote=False)}"
                                 "</span>")
@@ -601,6 +603,19 @@ class HostDialog(QDialog):
                     friends_list(hosting["friends"]) if hosting.get("friends") else
                     "<br>To add friends' GPUs, set “Friends to invite” and start again: they paste the "
                     "invite code into “Join with invite code…”."))
+
+
+SEND_INVITE = "Send this link (it opens Potluck's join window) or the code in it"
+
+
+def invite_limits(info: dict) -> str:
+    """How long the invite works and for how many computers (the node's figures): a second
+    friend given the same link met "used by as many computers as it admits", unwarned."""
+    hours, uses = info.get("invite_hours"), info.get("invite_uses")
+    if not (hours and uses):
+        return ""
+    who = "one computer" if uses == 1 else f"{uses} computers, one for each friend you invite"
+    return f". It works for {hours:g} hours, for {who}"
 
 
 def friends_list(friends: list[dict]) -> str:

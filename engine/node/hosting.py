@@ -22,6 +22,7 @@ from engine.node.ring_view import gives_words, path_words
 log = logging.getLogger("potluck.node")
 
 DEFAULT_SHARE_PIPELINE = "potluck"   # the name a plain "Share this GPU" accepts
+INVITE_HOURS = 24                    # an invite from the app lasts a day (the host window says so)
 # what a reply still streaming on the pipeline that gave way to one with friends ends with
 REPLACED = ("the host moved this chat onto the model they share with their friends; it answers again once "
             "that has loaded")
@@ -309,12 +310,13 @@ class Hosting:
         self.friends_gate = gate = Friends(on_event=lambda t: log.info("host: %s", t))
         await gate.open(args["relay"], args["listen"])
         n = args["friends"]
-        code = gate.invite(ttl_s=24 * 3600, uses=n)
+        code = gate.invite(ttl_s=INVITE_HOURS * 3600, uses=n)
         self.invite_code = code
 
         def arrived(peers):
             # who came, and how their computer reaches this one (the host dialog lists them)
             self.loading.update(message=f"Waiting for friends to join: {len(peers)} of {n}", invite=code,
+                                invite_hours=INVITE_HOURS, invite_uses=n,
                                 friends=[p.name or p.node_id for p in peers],
                                 arrived=[{"name": p.name or p.node_id, "path": path_words(p.path),
                                           "device": p.about.get("device"), "memory": p.about.get("memory"),

@@ -248,6 +248,40 @@ def test_no_display_falls_back_to_terminal_chat(home):
     assert out.returncode == 0
 
 
+def test_another_conversation_while_a_reply_comes_says_why_it_waits(qtbot, home, tmp_path):
+    """A click on another conversation (or New chat) mid-reply moved the list's highlight
+    and nothing else, with no word; the highlight stayed wrong after the reply ended."""
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.store import History, Message
+
+    h = History(tmp_path / "history.sqlite3")
+    ids = []
+    for i in range(2):
+        cid = h.new_conversation(f"conversation {i}")
+        h.add_message(cid, Message("user", f"hello {i}"))
+        h.add_message(cid, Message("assistant", f"hi {i}"))
+        ids.append(cid)
+    c = Controller(make_settings(host_on_start=False), history=h)
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        assert w.open_conversation(ids[0])
+        w.stream = object()        # a reply coming (what send() sets while it streams)
+        row = next(i for i in range(w.conv_list.count()) if w.conv_list.item(i).data(0x0100) == ids[1])
+        w.conv_list.setCurrentRow(row)
+        w._open_item(w.conv_list.item(row))
+        assert w.conversation_id == ids[0] and "reply is still coming" in w.hint.text()
+        assert w.conv_list.currentItem().data(0x0100) == ids[0]       # the highlight on the open one
+        w.hint.clear()
+        w.new_conversation()
+        assert w.conversation_id == ids[0] and "reply is still coming" in w.hint.text()
+        w.stream = None
+        assert w.open_conversation(ids[1]) and w.conversation_id == ids[1]
+    finally:
+        c.shutdown()
+
+
 def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
     from app.chat import ChatWindow
     from app.controller import Controller

@@ -170,6 +170,10 @@ def test_download_progress_shows_in_the_loading_bar(dialog):
         "1": {"done": 0, "total": 100, "what": "loading weights"}}}})
     assert d.progress.value() == 250 and d.progress.maximum() == 1000  # bytes beyond a C int are fine
     assert d.progress.format().startswith("downloading the model, part 1 of 4")
+    # every tensor read, the stages still settle: not "100%", which read as ready
+    d.on_status({"state": "loading", "loading": {"message": "Loading…", "stages": {
+        "0": {"done": 100, "total": 100, "what": "loading weights"}}}})
+    assert d.progress.format() == "Loaded: starting up…"
 
 
 def test_the_api_for_the_network_is_asked_for_with_a_key_kept_in_the_keyring(dialog):
@@ -254,7 +258,9 @@ def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
     d.advanced.setChecked(True)
     d.started = True
     d.on_status({"loading": {"message": "Waiting for friends to join: 0 of 1", "invite": "0411V-648F8",
-                             "short_code": "4821-917305", "arrived": []}})
+                             "short_code": "4821-917305", "arrived": [], "invite_hours": 24, "invite_uses": 1}})
+    # what the code admits, said: a second friend given it met "used by as many computers as it admits"
+    assert "It works for 24 hours, for one computer:" in d.send_label.text()
     qtbot.waitUntil(lambda: d.scroll.verticalScrollBar().value() > 0 or not d.scroll.verticalScrollBar().maximum())
     assert d.minimumSizeHint().height() <= 600 and d.height() <= 600
     assert not d.advanced.isChecked()
