@@ -7,6 +7,7 @@ says so and `restart()` brings it back (hosting again what was hosted).
 
 from __future__ import annotations
 
+import logging
 import os
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -16,6 +17,8 @@ from .client import AsyncWorker, NodeClient
 from .nodeproc import NodeProcess, NodeStartError
 from .settings import Settings
 from .store import History
+
+log = logging.getLogger("potluck.app")
 
 POLL_MS = 1000
 STATUS_TIMEOUT_S = 5.0
@@ -282,10 +285,29 @@ class Controller(QObject):
         self._act("POST", "/stop", {"what": "host"}, cb)
 
     def set_share(self, on: bool, cb=None):
+        self._share_next_start(on)
         self._act("POST", "/share", {"on": bool(on)}, cb)
+
+    def _share_next_start(self, on: bool) -> None:
+        """Potluck started again shares as it did when it stopped: with the friend it joined
+        last (the node keeps who), where it had to be joined again by hand."""
+        if self.settings.share_on_start != bool(on):
+            self.settings.share_on_start = bool(on)
+            try:
+                self.settings.save()
+            except OSError as exc:
+                log.warning("could not save the settings: %s", exc)
 
     def join(self, code: str | None = None, pipeline: str | None = None, port: int | None = None,
              relay: str | None = None, cb=None):
+        inner = cb
+
+        def cb(result, error):
+            if not error:
+                self._share_next_start(True)
+            if inner is not None:
+                inner(result, error)
+
         body = {"code": code} if code else {"pipeline": pipeline or ""}
         if relay:
             body["relay"] = relay

@@ -182,6 +182,7 @@ class NodeRoutes:
             await self._stop_share("joining another friend")
             self.invite = self.joiner = None
             self.share_pipeline, self.share_port = pipeline.strip(), port
+            self._forget_join()   # shared by name now: not the friend joined by code before
         await self.set_share(True)
         return web.json_response(await self.status())
 

@@ -26,6 +26,12 @@ class Sharing:
     """Mixed into control.Node: its __init__ holds the state these methods read and change."""
 
     async def set_share(self, on: bool):
+        kept = self._kept_join() if on and self.invite is None and self._joining is None else None
+        if kept is not None:
+            # the friend this computer joined last (before Potluck restarted, or before it was
+            # switched off): shared with again, as a member, with no code to paste again
+            await self.join_invite(kept["code"], kept.get("relay", ""))
+            return
         async with self._lock:
             self.share_wanted = on
             if not on:
@@ -66,6 +72,7 @@ class Sharing:
                 if task.done():
                     try:
                         task.result()
+                        self._keep_join(invite, relay)
                     except NodeError as exc:
                         self.share_wanted, self.invite = False, None
                         if before is not None and await self._share_again(before):
@@ -75,7 +82,49 @@ class Sharing:
                 else:        # waiting for the host to use our reply code
                     self._joining = task
                     task.add_done_callback(self._joined_by_reply)
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception() or self._keep_join(invite, relay))
         return await self.status()
+
+    # the friend this computer joined last, kept in its config folder (0600: the code admits
+    # whoever holds it while it is fresh): Potluck restarted, or sharing switched back on,
+    # joins them again as a member
+    def _kept_join_path(self):
+        from engine.wire.identity import config_dir
+
+        return config_dir() / "joined.json"
+
+    def _kept_join(self) -> dict | None:
+        import json
+
+        try:
+            kept = json.loads(self._kept_join_path().read_text())
+        except (OSError, ValueError):
+            return None
+        return kept if isinstance(kept, dict) and isinstance(kept.get("code"), str) else None
+
+    def _keep_join(self, invite, relay: str = "") -> None:
+        """The invite as a whole code (a short code or a link pasted is spent or longer)."""
+        import json
+        import os
+
+        from engine.wire.invite import encode
+
+        code = encode(invite)
+        path = self._kept_join_path()
+        try:
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"code": code, "relay": relay}, f)
+            os.replace(tmp, path)
+        except OSError as exc:   # a share that works need not be remembered
+            log.warning("could not keep the join for the next start: %s", exc)
+
+    def _forget_join(self) -> None:
+        try:
+            self._kept_join_path().unlink()
+        except OSError:
+            pass
 
     async def _share_again(self, before) -> bool:
         """Back to the share `before` a join that failed (a member rejoins as after a pause).
@@ -159,6 +208,7 @@ class Sharing:
             raise
         except Exception as exc:  # revoked, or the host refuses us now
             log.warning("membership ended: %s", exc)
+            self._forget_join()    # revoked, or refused: not joined again at the next start
             self.error = membership_ended(str(exc))
             self.share_wanted = False
             await self._stop_share("membership ended")

@@ -168,3 +168,30 @@ def test_how_to_join_is_said_while_it_helps_and_goes_once_joined_or_off(qtbot, t
         shell.closed = True
         c.timer.stop()
         c.shutdown()
+
+
+def test_sharing_as_it_was_when_potluck_stopped_is_kept_for_the_next_start(qtbot, tmp_path, monkeypatch):
+    """Joined to a friend, then Potluck quit: it came back with sharing off and the friend's
+    code to paste again. A join and the share toggle set what the next start does (the
+    node keeps whom to join: tests/node/test_node.py)."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    answers = {"/join": ({"state": "sharing"}, None), "/share": ({"state": "idle"}, None)}
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: cb and cb(*answers.get(path, ({}, None)))
+    try:
+        c.join(code="0AX1D-9RACJ", cb=lambda r, e: None)
+        assert Settings.load().share_on_start
+        c.set_share(False)
+        assert not Settings.load().share_on_start
+        answers["/join"] = (None, "that invite code cannot be used")     # a join refused changes nothing
+        c.join(code="0AX1D-9RACJ", cb=lambda r, e: None)
+        assert not Settings.load().share_on_start
+        c.set_share(True)
+        assert Settings.load().share_on_start
+    finally:
+        c.shutdown()

@@ -787,6 +787,32 @@ def test_a_friend_who_leaves_while_the_model_loads_is_waited_for_and_the_host_lo
         assert proc.wait(30) == 0
 
 
+def test_sharing_on_after_a_restart_joins_the_friend_joined_last(tmp_path):
+    """A friend's Potluck restarted (its computer rebooted) came back with sharing off, and
+    switching it on shared under a name nobody knew: the invite code had to be pasted
+    again. The node keeps who it joined (0600), and sharing on joins them again."""
+    host, code = _host_with_invite(tmp_path, "--port", "0")
+    env = {"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file", "POTLUCK_UPNP": "0",
+           "POTLUCK_REPLY_LISTEN": "off"}
+    proc, port = start_node(env=env)
+    try:
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200, st
+        first = st["sharing"]["joined"]["pipeline"]
+        kept = tmp_path / "joiner" / "joined.json"
+        assert kept.exists() and stat.S_IMODE(kept.stat().st_mode) == 0o600
+        proc.stdin.close()
+        assert proc.wait(60) == 0                          # Potluck quit (the friend leaves, told)
+        proc, port = start_node(env=env)                   # and started again
+        assert call(port, "GET", "/status")[1]["state"] == "idle"
+        status, st = call(port, "POST", "/share", {"on": True}, timeout=120)
+        assert status == 200 and st["sharing"]["joined"]["pipeline"] == first, st
+    finally:
+        host.kill()
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
 def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     """Sharing switched off while the host has not used the reply code yet: the wait ends,
     its listener closes, and the node is idle again."""
