@@ -49,6 +49,8 @@ class Controller(QObject):
         self.status: dict = {"state": "idle"}
         self._hosting_asked = 0    # host requests sent, not yet answered
         self.last_host: dict | None = None
+        # a restart's host request with friends, sent once the chat's pipeline serves
+        self._friends_back: dict | None = None
         self.lost: str | None = None
         self._closing = False
         self._polling = False
@@ -121,17 +123,21 @@ class Controller(QObject):
         self._fails = 0
         self.timer.start()
         self.nodeStarted.emit()
-        if self.last_host is not None:
-            again = dict(self.last_host)
-            if again.pop("friends", 0):
-                # the friends' tunnels ended with the engine: a new invite would wait for friends
-                # who hold the old one, with nothing answering meanwhile. This computer hosts
-                # alone, and the person invites again
-                again.pop("listen", None)
-                again.pop("relay", None)
-                self.notice.emit("Potluck restarted and hosts the model on this computer alone: your "
-                                 "friends' invite ended with it. Invite them again from “Host a model…”.")
-            self.host(again)
+        with_friends = self.last_host if self.last_host is not None else \
+            (self.settings.host_with_friends or None) if self.host_on_start else None
+        if with_friends is not None:
+            again = dict(with_friends)
+            if again.get("friends"):
+                # the friends' tunnels ended with the engine. This computer hosts alone first,
+                # so the chat answers; once it does, the same request with the friends again:
+                # their Potluck rejoins by itself (members need no new invite), and the chat
+                # goes on answering until they have
+                self._friends_back = dict(again)
+                for key in ("friends", "listen", "relay"):
+                    again.pop(key, None)
+                self.notice.emit("Potluck restarted: the chat answers on this computer, and your friends' "
+                                 "computers join again by themselves when their Potluck is running.")
+            self.host(again, restoring=True)
         elif self.host_on_start:
             self.host({"model": self.settings.default_model, "stages": self.settings.local_stages})
         if self.settings.share_on_start:
@@ -202,6 +208,10 @@ class Controller(QObject):
                 result = dict(result, loading={"message": "Starting the model…", "stages": {}})
             self.status = result
             self.statusChanged.emit(result)
+            if self._friends_back is not None and result.get("hosting") and not result.get("loading") \
+                    and not self._hosting_asked:
+                again, self._friends_back = self._friends_back, None
+                self.host(again, restoring=True)
 
         import aiohttp
 
@@ -249,13 +259,21 @@ class Controller(QObject):
 
             self.client.call(method, path, body, cb=done, timeout=aiohttp.ClientTimeout(total=timeout))
 
-    def host(self, request: dict, cb=None):
+    def host(self, request: dict, cb=None, *, restoring: bool = False):
+        """restoring: a restart's own requests (the chat's pipeline, then the friends); any
+        other is the person's, which replaces what a restart would have brought back."""
+        if not restoring:
+            self._friends_back = None
+            if not request.get("friends"):
+                self._keep_host({})
         self._hosting_asked += 1
 
         def done(result, error):
             self._hosting_asked -= 1
             if not error:
                 self.last_host = dict(request)  # what a restart hosts again
+                if request.get("friends"):   # and the next start of Potluck
+                    self._keep_host({k: v for k, v in request.items() if k not in ("api_key", "api_lan_port")})
             if cb:
                 cb(result, error)
 
@@ -278,11 +296,22 @@ class Controller(QObject):
         if self.last_host is not None:
             for key in ("friends", "listen", "relay"):
                 self.last_host.pop(key, None)
+        self._friends_back = None
+        self._keep_host({})
         self._act("POST", "/stop", {"what": "invite"}, cb)
 
     def stop_hosting(self, cb=None):
-        self.last_host = None
+        self.last_host = self._friends_back = None
+        self._keep_host({})
         self._act("POST", "/stop", {"what": "host"}, cb)
+
+    def _keep_host(self, request: dict) -> None:
+        if self.settings.host_with_friends != request:
+            self.settings.host_with_friends = request
+            try:
+                self.settings.save()
+            except OSError as exc:
+                log.warning("could not save the settings: %s", exc)
 
     def set_share(self, on: bool, cb=None):
         self._share_next_start(on)

@@ -35,6 +35,9 @@ class Settings:
     # engine/core/local_stages.py)
     local_stages: int = 0
     share_on_start: bool = False
+    # the host request of a pipeline hosted with friends, for the next start: hosted again,
+    # the friends' Potluck rejoining by itself (no API key kept here: that is the keyring's)
+    host_with_friends: dict = field(default_factory=dict)
     share_port: int = 7860
     # the chat's OpenAI-compatible API on this computer: the same address from one start
     # to the next, so a tool set up with it keeps working (a free one if another program

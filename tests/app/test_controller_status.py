@@ -113,19 +113,37 @@ def _engine_started_again(c):
     c._attach()
 
 
-def test_a_restart_after_a_crash_hosts_alone_what_was_hosted_with_friends(qtbot, recorded):
-    """The engine died while hosting with a friend; Restart hosted the same request again,
-    friends included: a new invite nobody held, and the chat "still loading" for good."""
+def test_a_restart_after_a_crash_hosts_alone_then_brings_the_friends_back(qtbot, recorded):
+    """The engine died while hosting with a friend. Restart hosted the same request again,
+    friends included: the chat "still loading" until they came. Then it hosted alone and
+    said to invite them again, where the friends' Potluck rejoins by itself (members need
+    no new code). Now: alone first, the chat answering; then the friends again."""
     from app.chat import ENGINE_DOWN, ChatWindow
 
     c, calls, notices = recorded
+    answers = []
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: (calls.append((path, body)),
+                                                                            answers.append((path, cb)))
     w = ChatWindow(c)
     qtbot.addWidget(w)
     w.show_hint(ENGINE_DOWN)            # what a send said while the engine was down
     _engine_started_again(c)
-    assert ("/host", {"model": "default", "stages": 0, "weights": "auto"}) in calls
-    assert notices and "invite them again" in notices[0].lower()
+    alone = {"model": "default", "stages": 0, "weights": "auto"}
+    assert [b for p, b in calls if p == "/host"] == [alone]
+    assert notices and "join again by themselves" in notices[0]
     assert w.hint.text() != ENGINE_DOWN
+    next(cb for p, cb in answers if p == "/host")({"state": "loading"}, None)
+    c.client.base = "http://127.0.0.1:1"   # as if attached to a node
+    c._polling = False
+    c.poll()
+    answers[-1][1]({"state": "serving", "hosting": {"model": "SmolLM2"}}, None)   # the chat answers
+    assert [b for p, b in calls if p == "/host"] == [alone, {**alone, "friends": 1, "listen": "0.0.0.0:7870"}]
+    # and Potluck started anew (not only its engine) does the same
+    from app.settings import Settings
+
+    assert Settings.load().host_with_friends == {}     # only a request that succeeded is kept
+    next(cb for p, cb in reversed(answers) if p == "/host")({"state": "loading"}, None)
+    assert Settings.load().host_with_friends == {**alone, "friends": 1, "listen": "0.0.0.0:7870"}
 
 
 def test_an_invite_withdrawn_is_not_said_to_have_ended_after_a_restart(recorded):
@@ -194,4 +212,30 @@ def test_sharing_as_it_was_when_potluck_stopped_is_kept_for_the_next_start(qtbot
         c.set_share(True)
         assert Settings.load().share_on_start
     finally:
+        c.shutdown()
+
+
+def test_potluck_started_anew_brings_back_a_pipeline_hosted_with_friends(qtbot, tmp_path, monkeypatch):
+    """Quit while hosting with a friend and opened again: it hosted the default model alone,
+    and the friend's Potluck waited for a host that never came back to them."""
+    monkeypatch.setenv("POTLUCK_HOME", str(tmp_path))
+    monkeypatch.setenv("POTLUCK_KEYSTORE", "file")
+    from app.controller import Controller
+    from app.settings import Settings
+    from app.store import History
+
+    kept = {"model": "Qwen/Qwen2.5-7B-Instruct", "stages": 0, "friends": 2, "relay": "ws://relay:8765", "weights": "nf4"}
+    c = Controller(Settings(host_on_start=True, host_with_friends=kept), history=History(tmp_path / "h.sqlite3"))
+    calls = []
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
+    c.client.attach = lambda url, token: None
+    try:
+        _engine_started_again(c)
+        assert [b for p, b in calls if p == "/host"] == [{"model": "Qwen/Qwen2.5-7B-Instruct", "stages": 0,
+                                                          "weights": "nf4"}]
+        assert c._friends_back == kept
+        c.stop_hosting()                              # the person's word: nothing comes back next time
+        assert c._friends_back is None and Settings.load().host_with_friends == {}
+    finally:
+        c.timer.stop()
         c.shutdown()
