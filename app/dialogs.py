@@ -564,8 +564,9 @@ class HostDialog(QDialog):
             if len(arrived) != self._arrived:   # the group grew: what it can run, asked again
                 self._arrived = len(arrived)
                 self.c.models(self._show_models)
-            if loading.get("weights_table"):  # what the head settled, against the whole pool
-                text += f"<pre>{html.escape(loading['weights_table'])}</pre>"
+            chosen = chosen_words(loading.get("weights_table") or "")
+            if chosen:  # what the head settled, against the whole group's memory
+                text += f"<br>{html.escape(chosen)}"
             if hosting:   # the pipeline running now serves until the friends have come
                 text += (f"<br>Until they have, the chat answers with "
                          f"{html.escape(str(hosting.get('model') or 'the model'))} on this computer.")
@@ -603,6 +604,19 @@ class HostDialog(QDialog):
                     friends_list(hosting["friends"]) if hosting.get("friends") else
                     "<br>To add friends' GPUs, set “Friends to invite” and start again: they paste the "
                     "invite code into “Join with invite code…”."))
+
+
+def chosen_words(table: str) -> str:
+    """The engine's table of what each weight precision needs across the group (a block of
+    figures, "2 stage(s) (CPU)", "<- chosen") as one sentence: what was picked, and its size."""
+    for line in table.splitlines():
+        if line.rstrip().endswith("<- chosen"):
+            parts = line.replace("<- chosen", "").split()
+            # "  nf4   4.1 GB  fits": the label may be two words ("full (float32)")
+            fits = parts.index("fits") if "fits" in parts else len(parts)
+            label, size = " ".join(parts[:fits - 2]), " ".join(parts[fits - 2:fits])
+            return f"The whole group's memory holds the model with {label} weights ({size})."
+    return ""
 
 
 SEND_INVITE = "Send this link (it opens Potluck's join window) or the code in it"
