@@ -813,6 +813,38 @@ def test_sharing_on_after_a_restart_joins_the_friend_joined_last(tmp_path):
         assert proc.wait(30) == 0
 
 
+def test_a_host_started_again_gets_its_friend_back_without_a_new_code(tmp_path):
+    """What the app does after Restart or when opened again (app/controller.py): the host's
+    node, started anew, hosts alone (the chat answers), then the same request with its
+    friend; the friend's node, still joined, comes back by itself as a member."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        listen = f"127.0.0.1:{s.getsockname()[1]}"
+    henv = {"POTLUCK_HOME": str(tmp_path / "host"), "POTLUCK_KEYSTORE": "file", "POTLUCK_UPNP": "0"}
+    host, hport = start_node(env=henv)
+    friend, fport = start_node(env={"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file",
+                                    "POTLUCK_NAME": "Ana", "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "off"})
+    request = {"model": "default", "stages": 1, "friends": 1, "listen": listen}
+    try:
+        assert call(hport, "POST", "/host", request)[0] == 200
+        code = wait_status(hport, lambda s: bool((s.get("loading") or {}).get("invite")))["loading"]["invite"]
+        assert call(fport, "POST", "/join", {"code": code}, timeout=120)[0] == 200
+        wait_status(hport, lambda s: s["state"] == "serving" and (s.get("hosting") or {}).get("friends"), timeout=180)
+        host.stdin.close()
+        assert host.wait(60) == 0
+        host, hport = start_node(env=henv)
+        assert call(hport, "POST", "/host", {"model": "default", "stages": 1})[0] == 200
+        wait_status(hport, lambda s: s["state"] == "serving", timeout=180)
+        assert call(hport, "POST", "/host", request)[0] == 200
+        st = wait_status(hport, lambda s: s["state"] == "serving" and not s.get("loading")
+                         and (s.get("hosting") or {}).get("friends"), timeout=240)
+        assert [f["name"] for f in st["hosting"]["friends"]] == ["Ana"], st
+    finally:
+        for p in (friend, host):
+            p.stdin.close()
+            assert p.wait(60) == 0
+
+
 def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     """Sharing switched off while the host has not used the reply code yet: the wait ends,
     its listener closes, and the node is idle again."""
