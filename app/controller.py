@@ -315,7 +315,11 @@ class Controller(QObject):
 
     def set_share(self, on: bool, cb=None):
         self._share_next_start(on)
-        self._act("POST", "/share", {"on": bool(on)}, cb)
+        self._act("POST", "/share", {"on": bool(on), **self._name()}, cb)
+
+    def _name(self) -> dict:
+        """How friends see this computer when it joins them (Settings; none: its name)."""
+        return {"name": self.settings.display_name} if self.settings.display_name else {}
 
     def _share_next_start(self, on: bool) -> None:
         """Potluck started again shares as it did when it stopped: with the friend it joined
@@ -337,7 +341,7 @@ class Controller(QObject):
             if inner is not None:
                 inner(result, error)
 
-        body = {"code": code} if code else {"pipeline": pipeline or ""}
+        body = {"code": code, **self._name()} if code else {"pipeline": pipeline or ""}
         if relay:
             body["relay"] = relay
         if port is not None and not code:

@@ -35,6 +35,9 @@ class Settings:
     # engine/core/local_stages.py)
     local_stages: int = 0
     share_on_start: bool = False
+    # how friends see this computer when it joins them ("" : its computer name, which on a
+    # real PC reads DESKTOP-7QK2J1)
+    display_name: str = ""
     # the host request of a pipeline hosted with friends, for the next start: hosted again,
     # the friends' Potluck rejoining by itself (no API key kept here: that is the keyring's)
     host_with_friends: dict = field(default_factory=dict)

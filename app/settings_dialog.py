@@ -38,6 +38,14 @@ class SettingsDialog(QDialog):
         lay.addWidget(chat)
         share = QGroupBox("Sharing with friends")
         sf = QFormLayout(share)
+        import socket
+
+        self.display_name = QLineEdit(s.display_name)
+        self.display_name.setMaxLength(64)
+        self.display_name.setPlaceholderText(f"this computer's name ({socket.gethostname()[:40]})")
+        self.display_name.setToolTip("What your friends' Potluck shows when this computer joins them "
+                                     "(from the next time it joins)")
+        sf.addRow("Your name, as friends see it:", self.display_name)
         self.vram_cap = QSpinBox()
         self.vram_cap.setRange(0, 1_000_000)
         self.vram_cap.setSuffix(" MB")
@@ -111,6 +119,7 @@ class SettingsDialog(QDialog):
             self.error.setText("The resume temperature must be below the pause temperature.")
             return
         s = self.c.settings
+        s.display_name = " ".join(self.display_name.text().split())
         s.keep_history = self.keep_history.isChecked()
         s.host_on_start = self.host_on_start.isChecked()
         s.limits.update(vram_cap_mb=float(self.vram_cap.value()) or None, temp_pause_c=self.temp_pause.value(),

@@ -99,6 +99,7 @@ class Node(NodeRoutes, Hosting, Sharing):
         self.share_pipeline = pipeline
         self.invite = None                  # set by /join with an invite code: share through a tunnel
         self.joiner = None
+        self.join_name: str | None = None   # how friends' hosts see this computer (None: its name)
         self.joiner_task: asyncio.Task | None = None
         self.join_events: list[str] = []
         # a join that reaches none of the host's addresses listens here and shows a reply

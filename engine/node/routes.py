@@ -151,17 +151,28 @@ class NodeRoutes:
             self.start_hosting(args, plan["model"])
         return web.json_response({"ok": True, "plan": plan})
 
+    def _take_name(self, body: dict) -> None:
+        """How a friend's host sees this computer when it joins (the app's setting; absent:
+        its computer name)."""
+        name = body.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise NodeError("'name' must be text")
+            self.join_name = " ".join(name.split())[:64] or None
+
     async def h_share(self, request):
         body = await self._body(request)
         on = body.get("on")
         if not isinstance(on, bool):
             raise NodeError("'on' must be true or false")
+        self._take_name(body)
         await self.set_share(on)
         return web.json_response(await self.status())
 
     async def h_join(self, request):
         body = await self._body(request)
         code = body.get("code")
+        self._take_name(body)
         if code is not None:
             if not isinstance(code, str) or not code.strip() or len(code) > 4000:
                 raise NodeError("'code' must be the invite code your friend sent")

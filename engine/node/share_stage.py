@@ -181,7 +181,8 @@ class Sharing:
 
         try:
             # a resume after a pause rejoins with the same joiner: a member by now
-            joined = await join_stage(self.invite, joiner=self.joiner, device=self.device, threads=self.threads,
+            joined = await join_stage(self.invite, joiner=self.joiner, name=self.join_name,
+                                      device=self.device, threads=self.threads,
                                       memory_cap=self._memory_cap(), on_event=self._join_event,
                                       accept_models=self.accept_models,
                                       reply_listen=self.reply_listen if reply and self.reply_listen != "off" else None,

@@ -346,8 +346,10 @@ def test_settings_dialog(qtbot, home):
         d.vram_cap.setValue(6000)
         d.keep_history.setChecked(False)
         d.hf_token.setText("hf_secret_value")
+        d.display_name.setText("  Ana's   laptop ")      # what friends' hosts show, not DESKTOP-7QK2J1
         d.save()
         saved = Settings.load()
+        assert saved.display_name == "Ana's laptop" and c._name() == {"name": "Ana's laptop"}
         assert saved.limits["vram_cap_mb"] == 6000 and saved.limits["temp_pause_c"] == 85
         assert saved.keep_history is False and "hf_secret" not in (home / "settings.json").read_text()
         assert get_secret("hf_token") == "hf_secret_value"

@@ -198,12 +198,15 @@ def test_sharing_as_it_was_when_potluck_stopped_is_kept_for_the_next_start(qtbot
     from app.settings import Settings
     from app.store import History
 
-    c = Controller(Settings(host_on_start=False), history=History(tmp_path / "h.sqlite3"))
+    c = Controller(Settings(host_on_start=False, display_name="Ana"), history=History(tmp_path / "h.sqlite3"))
     answers = {"/join": ({"state": "sharing"}, None), "/share": ({"state": "idle"}, None)}
-    c.client.call = lambda method, path, body=None, cb=None, timeout=None: cb and cb(*answers.get(path, ({}, None)))
+    bodies = []
+    c.client.call = lambda method, path, body=None, cb=None, timeout=None: (
+        bodies.append(body), cb and cb(*answers.get(path, ({}, None))))
     try:
         c.join(code="0AX1D-9RACJ", cb=lambda r, e: None)
         assert Settings.load().share_on_start
+        assert bodies[0] == {"code": "0AX1D-9RACJ", "name": "Ana"}     # how friends see this computer
         c.set_share(False)
         assert not Settings.load().share_on_start
         answers["/join"] = (None, "that invite code cannot be used")     # a join refused changes nothing

@@ -823,12 +823,13 @@ def test_a_host_started_again_gets_its_friend_back_without_a_new_code(tmp_path):
     henv = {"POTLUCK_HOME": str(tmp_path / "host"), "POTLUCK_KEYSTORE": "file", "POTLUCK_UPNP": "0"}
     host, hport = start_node(env=henv)
     friend, fport = start_node(env={"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file",
-                                    "POTLUCK_NAME": "Ana", "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "off"})
+                                    "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "off"})
     request = {"model": "default", "stages": 1, "friends": 1, "listen": listen}
     try:
         assert call(hport, "POST", "/host", request)[0] == 200
         code = wait_status(hport, lambda s: bool((s.get("loading") or {}).get("invite")))["loading"]["invite"]
-        assert call(fport, "POST", "/join", {"code": code}, timeout=120)[0] == 200
+        # the name the app's Settings give (what the host shows, not the computer's name)
+        assert call(fport, "POST", "/join", {"code": code, "name": "  Ana "}, timeout=120)[0] == 200
         wait_status(hport, lambda s: s["state"] == "serving" and (s.get("hosting") or {}).get("friends"), timeout=180)
         host.stdin.close()
         assert host.wait(60) == 0
