@@ -248,20 +248,28 @@ def test_no_display_falls_back_to_terminal_chat(home):
     assert out.returncode == 0
 
 
+def conversations(h, n: int) -> list[int]:
+    """n conversations of a question and a (markdown) reply each; their ids."""
+    from app.store import Message
+
+    ids = []
+    for i in range(n):
+        cid = h.new_conversation(f"conversation {i}")
+        h.add_message(cid, Message("user", f"hello {i}"))
+        h.add_message(cid, Message("assistant", f"*hi* {i}"))
+        ids.append(cid)
+    return ids
+
+
 def test_another_conversation_while_a_reply_comes_says_why_it_waits(qtbot, home, tmp_path):
     """A click on another conversation (or New chat) mid-reply moved the list's highlight
     and nothing else, with no word; the highlight stayed wrong after the reply ended."""
     from app.chat import ChatWindow
     from app.controller import Controller
-    from app.store import History, Message
+    from app.store import History
 
     h = History(tmp_path / "history.sqlite3")
-    ids = []
-    for i in range(2):
-        cid = h.new_conversation(f"conversation {i}")
-        h.add_message(cid, Message("user", f"hello {i}"))
-        h.add_message(cid, Message("assistant", f"hi {i}"))
-        ids.append(cid)
+    ids = conversations(h, 2)
     c = Controller(make_settings(host_on_start=False), history=h)
     try:
         w = ChatWindow(c)
@@ -285,16 +293,11 @@ def test_another_conversation_while_a_reply_comes_says_why_it_waits(qtbot, home,
 def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
     from app.chat import ChatWindow
     from app.controller import Controller
-    from app.store import History, Message
+    from app.store import History
 
     path = tmp_path / "history.sqlite3"
     h = History(path)
-    ids = []
-    for i in range(3):
-        cid = h.new_conversation(f"conversation {i}")
-        h.add_message(cid, Message("user", f"hello {i}"))
-        h.add_message(cid, Message("assistant", f"*hi* {i}"))
-        ids.append(cid)
+    ids = conversations(h, 3)
     h.close()
     db = sqlite3.connect(path)
     db.execute("UPDATE messages SET role = 'bogus' WHERE conversation_id = ?", (ids[0],))
