@@ -5,7 +5,9 @@ with its reply code), paused and resumed by the owner's limits (sharing.py) and 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 
 from engine.node.gpu import gpu_summary, own_pids, read_gpus
@@ -30,6 +32,14 @@ class Sharing:
         if kept is not None:
             # the friend this computer joined last (before Potluck restarted, or before it was
             # switched off): shared with again, as a member, with no code to paste again
+            from engine.wire.invite import InviteError, parse
+
+            try:
+                parse(kept["code"]).check_fresh()
+            except InviteError:
+                self._forget_join()
+                raise NodeError("The invite you joined your friend with has expired: ask them for a new code, "
+                                "and paste it into “Join with invite code…”.") from None
             await self.join_invite(kept["code"], kept.get("relay", ""))
             return
         async with self._lock:
@@ -94,8 +104,6 @@ class Sharing:
         return config_dir() / "joined.json"
 
     def _kept_join(self) -> dict | None:
-        import json
-
         try:
             kept = json.loads(self._kept_join_path().read_text())
         except (OSError, ValueError):
@@ -104,9 +112,6 @@ class Sharing:
 
     def _keep_join(self, invite, relay: str = "") -> None:
         """The invite as a whole code (a short code or a link pasted is spent or longer)."""
-        import json
-        import os
-
         from engine.wire.invite import encode
 
         code = encode(invite)

@@ -846,6 +846,27 @@ def test_a_host_started_again_gets_its_friend_back_without_a_new_code(tmp_path):
             assert p.wait(60) == 0
 
 
+def test_sharing_on_with_a_kept_code_that_expired_asks_for_a_new_one(tmp_path):
+    """The friend joined last with a code that has expired since: said so, in words, and
+    forgotten (the next "Share" is this computer's own again)."""
+    from engine.wire.invite import HostState
+
+    (tmp_path / "h").mkdir()
+    (tmp_path / "ana").mkdir()
+    _, old = HostState(tmp_path / "h").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], ttl_s=-60,
+                                                      kinds=["lan"])
+    kept = tmp_path / "ana" / "joined.json"
+    kept.write_text(json.dumps({"code": old, "relay": ""}))
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file"})
+    try:
+        status, err = call(port, "POST", "/share", {"on": True})
+        assert status == 400 and "has expired: ask them for a new code" in err["error"], err
+        assert not kept.exists()
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
 def test_a_join_waiting_on_its_reply_code_is_given_up_cleanly(tmp_path):
     """Sharing switched off while the host has not used the reply code yet: the wait ends,
     its listener closes, and the node is idle again."""
