@@ -333,20 +333,19 @@ class Controller(QObject):
 
     def join(self, code: str | None = None, pipeline: str | None = None, port: int | None = None,
              relay: str | None = None, cb=None):
-        inner = cb
-
-        def cb(result, error):
+        def joined(result, error):
             if not error:
-                self._share_next_start(True)
-            if inner is not None:
-                inner(result, error)
+                self._share_next_start(True)   # the next start shares with this friend again
+            if cb is not None:
+                cb(result, error)
 
         body = {"code": code, **self._name()} if code else {"pipeline": pipeline or ""}
         if relay:
             body["relay"] = relay
         if port is not None and not code:
             body["port"] = port
-        self._act("POST", "/join", body, cb, timeout=180)  # a tunnel to the host can take a while
+        # a tunnel to the host can take a while
+        self._act("POST", "/join", body, joined, timeout=180, told=cb is not None)
 
     def set_limits(self, limits: dict, cb=None):
         self._act("POST", "/limits", limits, cb)
