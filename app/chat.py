@@ -121,6 +121,12 @@ class ChatWindow(QMainWindow):
         self.tl = QVBoxLayout(self.transcript)
         self.tl.addStretch(1)
         self.scroll.setWidget(self.transcript)
+        # the transcript keeps to its newest message while it grows (a reply streaming, a
+        # conversation laid out, the window resized), unless the reader scrolled up to read
+        self._follow = True
+        bar = self.scroll.verticalScrollBar()
+        bar.rangeChanged.connect(self._keep_following)
+        bar.valueChanged.connect(self._note_follow)
 
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Type a message (Enter sends, Shift+Enter starts a new line)")
@@ -447,12 +453,20 @@ class ChatWindow(QMainWindow):
     def _add_view(self, role: str, text: str) -> MessageView:
         v = MessageView(role, text)
         self.tl.insertWidget(self.tl.count() - 1, v)
-        QTimer.singleShot(0, self._scroll_down)
+        self._scroll_down()
         return v
 
     def _scroll_down(self):
+        self._follow = True
         bar = self.scroll.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    def _keep_following(self, _low: int, high: int):
+        if self._follow:
+            self.scroll.verticalScrollBar().setValue(high)
+
+    def _note_follow(self, value: int):
+        self._follow = value >= self.scroll.verticalScrollBar().maximum() - 4
 
     # ---- sending -----------------------------------------------------------------------
     def send_or_stop(self):
@@ -600,7 +614,6 @@ class ChatWindow(QMainWindow):
         self._pending.clear()
         self.reply_view.set_plain(self.reply_text)
         self.render_count += 1
-        self._scroll_down()
 
     def _on_finished(self, info: dict):
         if self.hint.text() == STILL_COMING:   # it came
@@ -622,7 +635,6 @@ class ChatWindow(QMainWindow):
             self.show_hint(info.get("error") or "The reply failed.")
         else:
             view.set_markdown(self.reply_text or "(empty reply)")
-            QTimer.singleShot(0, self._scroll_down)   # rendered, the reply may be taller: still in view
             view.set_stats(stats_line(m))
             if info.get("dropped"):
                 n = info["dropped"]

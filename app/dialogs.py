@@ -564,7 +564,7 @@ class HostDialog(QDialog):
             if len(arrived) != self._arrived:   # the group grew: what it can run, asked again
                 self._arrived = len(arrived)
                 self.c.models(self._show_models)
-            chosen = chosen_words(loading.get("weights_table") or "")
+            chosen = chosen_words(loading.get("weights"))
             if chosen:  # what the head settled, against the whole group's memory
                 text += f"<br>{html.escape(chosen)}"
             if hosting:   # the pipeline running now serves until the friends have come
@@ -606,17 +606,14 @@ class HostDialog(QDialog):
                     "invite code into “Join with invite code…”."))
 
 
-def chosen_words(table: str) -> str:
-    """The engine's table of what each weight precision needs across the group (a block of
-    figures, "2 stage(s) (CPU)", "<- chosen") as one sentence: what was picked, and its size."""
-    for line in table.splitlines():
-        if line.rstrip().endswith("<- chosen"):
-            parts = line.replace("<- chosen", "").split()
-            # "  nf4   4.1 GB  fits": the label may be two words ("full (float32)")
-            fits = parts.index("fits") if "fits" in parts else len(parts)
-            label, size = " ".join(parts[:fits - 2]), " ".join(parts[fits - 2:fits])
-            return f"The whole group's memory holds the model with {label} weights ({size})."
-    return ""
+def chosen_words(chosen: dict | None) -> str:
+    """The precision the head settled across the group (the node's loading `weights`:
+    core/precision.Chosen) as one sentence: what was picked, and its size."""
+    if not chosen or not chosen.get("weights"):
+        return ""
+    # named as the Weights choice above names them; bf16 and float32 alike are "full"
+    kind = chosen["weights"] if chosen["weights"] in ("int8", "nf4", "int4") else "full-precision"
+    return f"The whole group's memory holds the model with {kind} weights ({chosen.get('size') or '?'})."
 
 
 SEND_INVITE = "Send this link (it opens Potluck's join window) or the code in it"

@@ -52,7 +52,7 @@ class MessageView(QFrame):
         self.body.setWordWrap(True)
         self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
         self.body.setOpenExternalLinks(True)
-        self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
+        self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Preferred)
         # copying gives the text as written, without the wrap places (breakable)
         self.body.installEventFilter(self)
         self.body.setContextMenuPolicy(Qt.CustomContextMenu)

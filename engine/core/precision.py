@@ -120,6 +120,25 @@ def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str |
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """The precision a pipeline settled on, for whoever shows it (the app's Host window)
+    as fields, not as the table's text."""
+    weights: str     # bf16 | int8 | nf4 | int4
+    label: str       # as the table names it: "full (float32)" for unquantized weights on a CPU
+    bytes: int       # the whole model's weights at it
+    where: str       # who gives the memory ("2 stage(s) (CPU, cuda)")
+
+    def as_dict(self) -> dict:
+        return {"weights": self.weights, "label": self.label, "bytes": self.bytes,
+                "size": size_words(self.bytes), "where": self.where}
+
+
+def chosen(cfg, dtype_bytes: int, dtype_name: str, weights: str, where: str) -> Chosen:
+    return Chosen(weights, full_label(dtype_name) if weights == FULL else weights,
+                  slice_bytes(cfg, 0, cfg.num_hidden_layers, weights, dtype_bytes), where)
+
+
 def full_label(dtype_name: str) -> str:
     """The unquantized weights by name: "bf16" when they are bfloat16, else what they are
     ("full (float32)" on a CPU), not bf16 beside another dtype."""

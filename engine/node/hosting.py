@@ -240,6 +240,10 @@ class Hosting:
             if self.loading is not None:
                 self.loading["weights_table"] = text
 
+        def on_weights(chosen):   # the precision the head settled, as fields for the app
+            if self.loading is not None:
+                self.loading["weights"] = chosen.as_dict()
+
         cfg = PipelineConfig(model=args["model"], stages=args["stages"], stage_addr=args["stage_addr"],
                              layers=args["layers"], threads=self.threads, device=self.device,
                              weights=args.get("weights") or "auto", memory_cap_mb=args.get("memory_limit_mb"),
@@ -260,10 +264,10 @@ class Hosting:
                     if self.loading is not None:
                         self.loading["message"] = text
                 peers = [f["peer"] for f in self.friends]
-                pipe = await self.friends_gate.launch_over(peers, lambda: launch(cfg, progress, say), told,
+                pipe = await self.friends_gate.launch_over(peers, lambda: launch(cfg, progress, say, on_weights), told,
                                                            cfg.wait_timeout)
             else:
-                pipe = await launch(cfg, progress, say)
+                pipe = await launch(cfg, progress, say, on_weights)
             if self.friends_gate is not None:
                 self.friends_gate.follow(pipe.head)  # friends joining later take a slice
             try:

@@ -78,7 +78,7 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
                  dtype: str = "auto", device: str = "auto", kv_budget_tokens: int | None = None,
                  max_batch: int = 32, pipeline: str = "local", progress=None,
                  prefill_chunk: int | str | None = "auto", link_mode: str = "jit", compress: str = "off",
-                 compute: str = "in-order", weights: str = "auto", say=None,
+                 compute: str = "in-order", weights: str = "auto", say=None, on_weights=None,
                  cores=None, cpu_homes: list[list[int]] | None = None, same_machine: bool = False,
                  solo_cores: bool = False,
                  hop=None, memory_cap: int | None = None,
@@ -155,6 +155,8 @@ class Head(RequestIntake, RingFormation, SpeculationDriver, RecoveryDriver, Spar
         self.weights = weights              # auto until start() settles it against the pool's memory
         self.trace = HopTrace.from_env("head")   # where a round's time goes (POTLUCK_HOP_TRACE)
         self.say = say or (lambda text: None)
+        # the settled precision as fields (core/precision.Chosen), beside say's table
+        self.on_weights = on_weights or (lambda chosen: None)
         self.kv_budget_override = kv_budget_tokens
         self._to_host = HostStaging()   # stage 0's GPU output leaves through pinned memory
         self.link_mode = link_mode          # fifo | fixed | jit (see link_scheduler.py)

@@ -87,11 +87,12 @@ class Pipeline:
         await self.close()
 
 
-async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
+async def launch(cfg: PipelineConfig, progress=None, say=None, on_weights=None) -> Pipeline:
     """Start local stage processes (or reach remote ones) and a head over them.
 
     progress(stage, done, total, what) follows the loading; say(text) gets what a
-    user should read before it (the memory each weight precision needs)."""
+    user should read before it (the memory each weight precision needs); on_weights(chosen)
+    the precision settled, as a core/precision.Chosen."""
     device = pick_device(cfg.device)        # a GPU that is not there is said before anything starts
     dtype = compute_dtype(device) if cfg.dtype == "auto" else cfg.dtype
     source = resolve(cfg.model)
@@ -137,7 +138,7 @@ async def launch(cfg: PipelineConfig, progress=None, say=None) -> Pipeline:
                 compress=cfg.compress, prefill_chunk=cfg.prompt_chunk, compute=cfg.compute,
                 pipeline=cfg.pipeline, cores=cores, cpu_homes=local.homes if cores else None,
                 solo_cores=local is None and not threads,
-                hop=cfg.hop, weights=cfg.weights, say=say, same_machine=local is not None,
+                hop=cfg.hop, weights=cfg.weights, say=say, on_weights=on_weights, same_machine=local is not None,
                 memory_cap=None if cfg.memory_cap_mb is None else int(cfg.memory_cap_mb * 2**20),
                 wait_timeout=cfg.wait_timeout, speculate=cfg.speculate, draft=cfg.draft,
                 keep_replies=cfg.keep_replies)

@@ -251,6 +251,7 @@ class RingFormation:
                              "choose --weights bf16")
         if not quiet:
             self.say(precision.table(cfg, self.dtype.itemsize, self.dtype_name, mems, chosen, quantized_ok, where))
+            self.on_weights(precision.chosen(cfg, self.dtype.itemsize, self.dtype_name, chosen, where))
         return chosen
 
     def refresh_own_profile(self):

@@ -290,6 +290,46 @@ def test_another_conversation_while_a_reply_comes_says_why_it_waits(qtbot, home,
         c.shutdown()
 
 
+def test_a_long_conversation_fills_the_transcript_and_opens_at_its_newest_message(qtbot, home, tmp_path):
+    """Word-wrapped messages took the height they would need in a narrow column: a long
+    message left a screenful of blank space under the transcript. A conversation opened
+    (or the window resized) showed its first message, not its last."""
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.store import History, Message
+
+    h = History(tmp_path / "history.sqlite3")
+    long = " ".join(["A sentence long enough to wrap over several lines of the chat."] * 25)
+    cid = h.new_conversation("long")
+    for i in range(4):
+        h.add_message(cid, Message("user", long if i % 2 == 0 else "short"))
+        h.add_message(cid, Message("assistant", "- a\n- b\n\n" + long))
+    c = Controller(make_settings(host_on_start=False), history=h)
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        w.resize(1100, 720)
+        w.show()
+        assert w.open_conversation(cid)
+        bar = w.scroll.verticalScrollBar()
+
+        def laid_out():
+            views = [w.tl.itemAt(i).widget() for i in range(w.tl.count() - 1)]
+            used = sum(v.height() for v in views) + w.tl.spacing() * len(views)
+            return w.transcript.height() - used
+
+        for width in (1100, 700, 1400):
+            w.resize(width, 720)
+            qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())
+            assert laid_out() < 40                 # margins only, no blank screenful
+        bar.setValue(0)                            # the reader scrolls up to read
+        w.resize(800, 720)
+        qtbot.wait(100)
+        assert bar.value() == 0                    # and is left there
+    finally:
+        c.shutdown()
+
+
 def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
     from app.chat import ChatWindow
     from app.controller import Controller

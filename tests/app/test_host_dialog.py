@@ -389,16 +389,19 @@ def test_a_start_that_fails_later_gives_the_window_back_with_the_reason_in_view(
 
 def test_the_weights_chosen_for_the_group_read_as_a_sentence(dialog):
     """While loading with friends the window showed the engine's table as it prints it
-    ("against the 21 GB that 2 stage(s) (CPU) can give them", "<- chosen")."""
-    from engine.core.precision import table
+    ("against the 21 GB that 2 stage(s) (CPU) can give them", "<- chosen"); it then read
+    that table's text. It reads the node's fields (core/precision.Chosen) now."""
+    from engine.core.precision import chosen, table
     from engine.model.sources import resolve
 
     cfg = resolve("default").config()
-    text = table(cfg, 4, "float32", [8 * 10**9, 4 * 10**9], chosen="nf4", where="2 stage(s) (CPU)")
-    d = dialog
-    d.started = True
-    d.on_status({"state": "loading", "loading": {"message": "Loading SmolLM2 across 2 computers…",
-                                                 "weights_table": text, "arrived": []}})
-    shown = d.result.text()
-    assert "holds the model with nf4 weights (" in shown, shown
-    assert "<pre>" not in shown and "stage(s)" not in shown and "chosen" not in shown
+    for weights, words in (("nf4", "with nf4 weights ("), ("bf16", "with full-precision weights (")):
+        c = chosen(cfg, 4, "float32", weights, "2 stage(s) (CPU)")
+        d = dialog
+        d.started = True
+        d.on_status({"state": "loading", "loading": {
+            "message": "Loading SmolLM2 across 2 computers…", "arrived": [], "weights": c.as_dict(),
+            "weights_table": table(cfg, 4, "float32", [8 * 10**9, 4 * 10**9], chosen=weights)}})
+        shown = d.result.text()
+        assert words + c.as_dict()["size"] + ")" in shown, shown
+        assert "<pre>" not in shown and "stage(s)" not in shown and "chosen" not in shown

@@ -69,6 +69,17 @@ def test_the_table_a_user_reads_before_loading():
     assert "the pool's 1 machine(s)" in precision.table(L8B, 4, "float32", [64 * GB])
 
 
+def test_the_choice_as_fields_names_what_the_table_names():
+    """core/precision.Chosen: the app's Host window reads these fields, not the table."""
+    c = precision.chosen(L8B, 4, "float32", "bf16", "2 stage(s) (CPU)")
+    row = next(line for line in precision.table(L8B, 4, "float32", [64 * GB], chosen="bf16").splitlines()
+               if line.endswith("<- chosen"))
+    assert c.label == "full (float32)" and row.split("  ")[1].strip() == c.label
+    assert c.as_dict()["size"] in row and c.bytes > 10 * GB
+    assert precision.chosen(L8B, 2, "bfloat16", "nf4", "").label == "nf4"
+    assert precision.chosen(L8B, 2, "bfloat16", "nf4", "").bytes < c.bytes / 4
+
+
 def test_layer_caps_follow_the_precision():
     caps = [precision.layer_caps(L8B, w, 2, [8 * GB])[0] for w in ("bf16", "int8", "nf4")]
     assert caps[0] < caps[1] < caps[2]

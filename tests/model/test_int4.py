@@ -242,7 +242,8 @@ def test_the_default_model_at_int4_says_what_it_says_at_full_precision(default_s
 
 async def test_two_stage_processes_at_int4_answer_as_one(tiny_folder):
     """The precision crosses the wire: each stage process quantizes its own layers alike
-    (threads as `potluck serve --weights int4` leaves them: its default)."""
+    (threads as `potluck serve --weights int4` leaves them: its default). The settled
+    precision also reaches on_weights as fields (the app's Host window shows them)."""
     from engine.core.sampling import SamplingParams
     from engine.pipeline.launch import PipelineConfig, launch
     from testkit.streams import tokens
@@ -250,11 +251,16 @@ async def test_two_stage_processes_at_int4_answer_as_one(tiny_folder):
     folder, _ = tiny_folder("llama")
     replies = []
     for stages in (1, 2):
-        pipe = await launch(PipelineConfig(model=str(folder), stages=stages, device="cpu", weights="int4"))
+        settled = []
+        pipe = await launch(PipelineConfig(model=str(folder), stages=stages, device="cpu", weights="int4"),
+                            on_weights=settled.append)
         try:
             head = pipe.head
             head.eos_ids = set()
             assert head.info()["weights"] == "int4"
+            (chosen,) = settled
+            assert (chosen.weights, chosen.label) == ("int4", "int4") and chosen.bytes > 0
+            assert f"{stages} stage(s) (CPU)" in chosen.where
             toks, done = await tokens(head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=12)))
             assert done.error is None
             replies.append(toks)
