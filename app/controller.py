@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
@@ -154,7 +155,9 @@ class Controller(QObject):
 
     def _on_exit(self, code: int):
         if not self._closing:
-            self._lose(f"The Potluck engine stopped unexpectedly (exit code {code}).")
+            log.warning("the node exited with %s; its last words: %s", code,
+                        " | ".join((self.node.log_lines if self.node else [])[-5:]))
+            self._lose(stopped_words(code, self.node.log_lines if self.node else []))
 
     def _lose(self, why: str):
         self.timer.stop()
@@ -363,3 +366,21 @@ def _json(obj) -> str:
     import json
 
     return json.dumps(obj)
+
+
+def stopped_words(code: int, last_lines: list[str]) -> str:
+    """Why the engine process is gone, for its owner: an exit code means nothing to
+    people, a signal from outside (the system short of memory, most often) and the error
+    it said last do."""
+    if code < 0 or code in (137, 0xC0000005, 0xC0000409):   # a signal; Windows' crash codes
+        return ("The Potluck engine stopped unexpectedly: the system ended it (this happens most often when "
+                "the computer runs short of memory).")
+    said = next((line.strip() for line in reversed(last_lines) if line.strip()), "")
+    said = re.sub(r"^\d\d:\d\d:\d\d ", "", said)     # the node's log time
+    # "ValueError: the message" -> "the message"; a traceback's frame lines say nothing
+    kind, _, message = said.partition(": ")
+    if message and kind.replace(".", "").isidentifier() and kind.endswith(("Error", "Exception")):
+        said = message
+    if not said or said.startswith(("File ", "Traceback", "^")):
+        return "The Potluck engine stopped unexpectedly."
+    return f"The Potluck engine stopped unexpectedly: {said[:200]}"

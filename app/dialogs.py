@@ -42,9 +42,13 @@ def _draft_pairing_label(pairing: str) -> str:
     return f"Recommended: {pairing}"
 
 
-WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("bf16 — full precision", "bf16"),
-                   ("int8 — about half the memory", "int8"), ("nf4 — about a quarter of the memory", "nf4"),
-                   ("int4 — about a quarter of the memory, faster (torch's 4-bit kernels)", "int4")]
+# people read "8-bit" and "4-bit"; the engine's names stay in brackets (the terminal's
+# tables and the model cards use them)
+WEIGHTS_NAMES = {"bf16": "Full precision", "int8": "8-bit (int8)", "nf4": "4-bit (nf4)", "int4": "4-bit (int4)"}
+WEIGHTS_CHOICES = [("Auto (recommended)", "auto"), ("Full precision (bf16)", "bf16"),
+                   ("8-bit (int8) — about half the memory", "int8"),
+                   ("4-bit (nf4) — about a quarter of the memory", "nf4"),
+                   ("4-bit (int4) — about a quarter of the memory, faster on some computers", "int4")]
 
 
 def _needs(plan: dict) -> str:
@@ -54,12 +58,10 @@ def _needs(plan: dict) -> str:
     return plan.get("needs_here_words") or format_size(plan["needed_here_bytes"])
 
 
-def _weights_name(weights: str, plan: dict) -> str:
-    """Unquantized weights at the compute dtype read "full (float32)" on a CPU, as the
-    terminal's first screen says them (engine/core/precision.py full_label), not bf16."""
-    if weights == "bf16" and plan.get("dtype") not in (None, "bfloat16"):
-        return f"full ({plan['dtype']})"
-    return weights
+def _weights_name(weights: str) -> str:
+    """"8-bit (int8)"; unquantized weights are "Full precision" whatever the computer
+    computes them in (bfloat16 on a GPU, float32 on a CPU: "bf16" there was untrue)."""
+    return WEIGHTS_NAMES.get(weights, weights)
 
 
 # the host request's fields (engine/node/hosting.py names them in its errors) by the
@@ -238,7 +240,7 @@ class HostDialog(QDialog):
         self.weights_table.hide()
         lay.addWidget(self.weights_table)
         self.split_table = QTableWidget(0, 2)
-        self.split_table.setHorizontalHeaderLabels(["Computer", "Layers (proposed)"])
+        self.split_table.setHorizontalHeaderLabels(["Computer", "Share of the model (proposed)"])
         self.split_table.setToolTip("When the model starts, the host adjusts the split to each computer's "
                                     "measured speed and free memory")
         self.split_table.horizontalHeader().setStretchLastSection(True)
@@ -423,17 +425,18 @@ class HostDialog(QDialog):
         self.last_plan = plan
         self.last_error = None
         color = "#15803d" if plan["fits"] else "#b91c1c"
-        weights = f" · {_weights_name(plan['weights'], plan)} weights" if plan.get("weights") else ""
+        weights = f" · weights: {_weights_name(plan['weights']).lower()}" if plan.get("weights") else ""
         self.plan_label.setText(f"<span style='color:{color}'>{plan['message']}</span><br>"
                                 f"Memory needed here: {_needs(plan)} · free: "
-                                f"{plan.get('available_words') or format_size(plan['available_bytes'])} · "
-                                f"{plan['layers']} layers{weights}")
+                                f"{plan.get('available_words') or format_size(plan['available_bytes'])}{weights}")
         self._show_precisions(plan)
         self.split_table.setRowCount(len(plan["split"]))
         for i, s in enumerate(plan["split"]):
             a, b = s["layers"]
             self.split_table.setItem(i, 0, QTableWidgetItem(s["where"]))
-            self.split_table.setItem(i, 1, QTableWidgetItem(f"{a + 1}–{b} ({b - a} layers)"))
+            # as the Status window's ring says it (engine/node/ring_view.py share_words)
+            share = "the whole model" if (a, b) == (0, plan["layers"]) else f"{b - a} of {plan['layers']} layers"
+            self.split_table.setItem(i, 1, QTableWidgetItem(share))
 
     def _show_precisions(self, plan: dict):
         """Each precision's memory here and whether it fits, the one that will load marked."""
@@ -442,7 +445,7 @@ class HostDialog(QDialog):
         self.weights_table.setRowCount(len(rows))
         for i, r in enumerate(rows):
             chosen = r["weights"] == plan.get("weights")
-            name = _weights_name(r["weights"], plan)
+            name = _weights_name(r["weights"])
             if not r.get("available", True):
                 verdict = "not available on this computer"
             else:
@@ -611,8 +614,7 @@ def chosen_words(chosen: dict | None) -> str:
     core/precision.Chosen) as one sentence: what was picked, and its size."""
     if not chosen or not chosen.get("weights"):
         return ""
-    # named as the Weights choice above names them; bf16 and float32 alike are "full"
-    kind = chosen["weights"] if chosen["weights"] in ("int8", "nf4", "int4") else "full-precision"
+    kind = _weights_name(chosen["weights"]).lower()   # as the Weights choice names them
     return f"The whole group's memory holds the model with {kind} weights ({chosen.get('size') or '?'})."
 
 

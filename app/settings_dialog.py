@@ -65,6 +65,12 @@ class SettingsDialog(QDialog):
         self.other = QCheckBox("Pause while another program (a game) uses the GPU heavily")
         self.other.setChecked(bool(lim.get("pause_for_other_processes", True)))
         sf.addRow(self.other)
+        # a computer without an NVIDIA GPU (the node's reading; unknown until it answers):
+        # the cap holds its memory instead, and the GPU's temperature and games do not apply
+        if (controller.status.get("gpu") or {}).get("available") is False:
+            sf.labelForField(self.vram_cap).setText("Memory Potluck may use:")
+            for row in (self.temp_pause, self.temp_resume, self.other):
+                sf.setRowVisible(row, False)
         self.idle = QCheckBox("Share only while I am away from this computer")
         self.idle.setChecked(bool(lim.get("only_when_idle")))
         sf.addRow(self.idle)
@@ -74,9 +80,9 @@ class SettingsDialog(QDialog):
         self.torch_label = QLabel("")
         self.torch_label.setWordWrap(True)
         gl.addWidget(self.torch_label)
-        self.cpu_button = QPushButton("Use the CPU build of torch instead")
-        self.cpu_button.setToolTip("Switches back to the torch Potluck was installed with and deletes the "
-                                   "downloaded CUDA build; the engine restarts")
+        self.cpu_button = QPushButton("Stop using the GPU")
+        self.cpu_button.setToolTip("Goes back to the processor-only engine Potluck was installed with and deletes "
+                                   "the GPU version it downloaded; the engine restarts")
         self.cpu_button.clicked.connect(self._use_cpu)
         gl.addWidget(self.cpu_button)
         lay.addWidget(compute)
@@ -93,9 +99,10 @@ class SettingsDialog(QDialog):
         version = gpu_enable.installed()
         self.cpu_button.setVisible(version is not None)
         self.torch_label.setText(
-            f"Potluck uses the CUDA build of torch ({version}) it downloaded for your NVIDIA GPU." if version else
-            "Potluck uses the torch it was installed with. With an NVIDIA GPU, “Enable GPU” in the Potluck menu "
-            "downloads the CUDA build (or run `potluck gpu --enable`).")
+            f"Potluck computes on your NVIDIA GPU, with the GPU version of its engine it downloaded "
+            f"(torch {version})." if version else
+            "Potluck computes with the engine it was installed with. With an NVIDIA GPU, “Enable GPU” in the "
+            "Potluck menu downloads the GPU version (or run `potluck gpu --enable`).")
 
     def _use_cpu(self):
         try:
@@ -104,7 +111,7 @@ class SettingsDialog(QDialog):
             self.error.setText(str(e))
             return
         self._show_torch()
-        self.torch_label.setText("Switched back to the CPU build of torch; the engine restarts on it.")
+        self.torch_label.setText("Potluck computes on the processor again; the engine restarts.")
         self.c.restart()
 
     def _delete_all(self):

@@ -371,6 +371,8 @@ def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
 
 def test_settings_dialog(qtbot, home):
     from app.controller import Controller
+    from PySide6.QtWidgets import QLabel
+
     from app.settings_dialog import SettingsDialog
     from app.secrets_store import get_secret
     from app.settings import Settings
@@ -400,6 +402,13 @@ def test_settings_dialog(qtbot, home):
         c.history.add_message(cid, Message("user", "ephemeral"))
         assert not (home / "settings-test.sqlite3").exists() or b"ephemeral" not in (
             home / "settings-test.sqlite3").read_bytes()
+        # a computer without an NVIDIA GPU: its memory capped, no GPU temperature to watch
+        assert d.temp_pause.isVisibleTo(d)         # unknown yet: all of them
+        c.status = {"state": "idle", "gpu": {"available": False, "gpus": []}}
+        d = SettingsDialog(c)
+        qtbot.addWidget(d)
+        assert not d.temp_pause.isVisibleTo(d) and not d.other.isVisibleTo(d) and d.vram_cap.isVisibleTo(d)
+        assert "Memory Potluck may use:" in {w.text() for w in d.findChildren(QLabel)}
     finally:
         c.shutdown()
         Settings().save()
@@ -900,7 +909,8 @@ def test_kill_the_node_then_restart(qtbot, live):
     assert len(old) >= 2  # the node and its stage process
     os.kill(c.node.pid, signal.SIGKILL)
     qtbot.waitUntil(lambda: bool(c.lost is not None), timeout=30_000)
-    assert "stopped unexpectedly" in chat.banner_label.text()
+    assert "stopped unexpectedly: the system ended it" in chat.banner_label.text()
+    assert "exit code" not in chat.banner_label.text()
     assert chat.banner.isVisibleTo(chat) and chat.restart_button.isVisibleTo(chat)
     qtbot.waitUntil(lambda: bool(gone(old)), timeout=60_000)  # its stage process followed it
     assert not chat.send("hello?") and "not running" in chat.hint.text()

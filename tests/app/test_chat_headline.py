@@ -272,6 +272,21 @@ def test_a_lost_engine_leaves_no_figures_of_the_pipeline_it_ran(chat_window):
     assert w.banner.isVisibleTo(w) and w.restart_button.isVisibleTo(w)
 
 
+def test_a_lost_engine_is_said_in_words_not_its_exit_code():
+    """The banner said "(exit code -9)": why it went, in words, and its own last error."""
+    from app.controller import stopped_words
+
+    assert "the system ended it" in stopped_words(-9, ["12:00:01 serving"])
+    assert "short of memory" in stopped_words(0xC0000005, [])
+    traceback = ["Traceback (most recent call last):", '  File "x.py", line 3, in <module>',
+                 "RuntimeError: the model's files are damaged: download it again", ""]
+    assert stopped_words(1, traceback) == ("The Potluck engine stopped unexpectedly: the model's files are "
+                                           "damaged: download it again")
+    assert stopped_words(1, ["12:00:03 cannot bind the control port"]).endswith(": cannot bind the control port")
+    assert stopped_words(1, []) == "The Potluck engine stopped unexpectedly."
+    assert stopped_words(2, ['  File "x.py", line 3']) == "The Potluck engine stopped unexpectedly."
+
+
 def test_the_tray_says_what_loads_and_never_ready_with_no_model():
     from app.tray import tooltip
 

@@ -145,7 +145,7 @@ def test_settings_goes_back_to_the_cpu_build(qtbot, shell, index, tmp_path):
     qtbot.addWidget(d)
     assert d.cpu_button.isVisibleTo(d) and CUDA_BUILD in d.torch_label.text()
     qtbot.mouseClick(d.cpu_button, qtbot_left())
-    assert ge.installed() is None and shell.c.restarts == 1 and "Switched back" in d.torch_label.text()
+    assert ge.installed() is None and shell.c.restarts == 1 and "processor again" in d.torch_label.text()
     assert not (tmp_path / "home" / "gpu" / "site").exists()
     facts, _ = ge.run_check()
     assert facts["overlay"] is None and facts["cuda_available"] is False

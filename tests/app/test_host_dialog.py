@@ -125,11 +125,12 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     t = d.weights_table
     assert t.isVisibleTo(d) and t.rowCount() == 3
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
-    assert [r[0] for r in rows] == ["bf16", "int8", "nf4"]
+    assert [r[0] for r in rows] == ["Full precision", "8-bit (int8)", "4-bit (nf4)"]
     assert rows[0][1] == "17.2 GB" and rows[0][2] == "does not fit"
     assert rows[1][2] == "fits ← will be used" and t.item(1, 0).font().bold()
     assert rows[2][2] == "fits" and not t.item(2, 0).font().bold()
-    assert "int8 weights" in d.plan_label.text()
+    assert "weights: 8-bit (int8)" in d.plan_label.text() and "28 layers" not in d.plan_label.text()
+    assert [d.split_table.item(i, 1).text() for i in range(2)] == ["14 of 28 layers"] * 2
     # a node that says what each needs with room for the conversations: that, in the
     # model list's rounding, beside the plan's one figure for the same
     plan = _plan()
@@ -139,7 +140,8 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     d._show_plan(plan, None)
     assert t.item(1, 1).text() == "16 GB" and "Memory needed here: 16 GB · free: 17 GB" in d.plan_label.text()
 
-    # a CPU computes "bf16" at float32; without bitsandbytes the quantized rows say so;
+    # a CPU computes "bf16" at float32: full precision all the same; without bitsandbytes
+    # the quantized rows say so;
     # friends' stages: this computer's part of the whole
     plan = _plan(chosen="bf16")
     plan["dtype"] = "float32"
@@ -148,7 +150,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
         r["available"] = False
     d._show_plan(plan, None)
     rows = [[t.item(r, c).text() for c in range(3)] for r in range(3)]
-    assert rows[0][0] == "full (float32)" and rows[0][2] == "fits ← will be used"
+    assert rows[0][0] == "Full precision" and rows[0][2] == "fits ← will be used"
     assert rows[0][1] == "8.6 GB (of 17.2 GB in all)"
     assert rows[1][2] == rows[2][2] == "not available on this computer"
 
@@ -395,7 +397,7 @@ def test_the_weights_chosen_for_the_group_read_as_a_sentence(dialog):
     from engine.model.sources import resolve
 
     cfg = resolve("default").config()
-    for weights, words in (("nf4", "with nf4 weights ("), ("bf16", "with full-precision weights (")):
+    for weights, words in (("nf4", "with 4-bit (nf4) weights ("), ("bf16", "with full precision weights (")):
         c = chosen(cfg, 4, "float32", weights, "2 stage(s) (CPU)")
         d = dialog
         d.started = True
