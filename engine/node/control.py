@@ -109,6 +109,7 @@ class Node(NodeRoutes, Hosting, Sharing):
         self.reply_code: str | None = None
         self._reply_shown: asyncio.Event | None = None
         self._joining: asyncio.Task | None = None
+        self._back_task: asyncio.Task | None = None   # back to the earlier share, a reply join failed
         self.paused_reason: str | None = None
         # the share's stage server stopped by itself (told to shut down, crashed): how often
         # it was started again, and why the last time
@@ -124,7 +125,9 @@ class Node(NodeRoutes, Hosting, Sharing):
 
     # ---- state ----------------------------------------------------------------
     def state(self) -> str:
-        if self.error and self.head is None:   # (a pipeline serving on says so instead)
+        # a pipeline serving on, or a share running on (a join that failed went back to the
+        # friend it had), says so instead; the error is still told beside it
+        if self.error and self.head is None and self.stage_server is None:
             return "error"
         if self.share_wanted and self.paused_reason:
             return "paused"

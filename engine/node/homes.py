@@ -250,9 +250,12 @@ class Joined:
 async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str | None = None,
                      prefer: str = "auto", device: str = "auto", threads: int | None = None,
                      memory_cap: int | None = None, config: str | None = None, on_event=None,
-                     accept_models=(), reply_listen: str | None = None, on_reply=None) -> Joined:
+                     accept_models=(), reply_listen: str | None = None, on_reply=None,
+                     member: bool = False) -> Joined:
     """A stage server on loopback, connected to the host through the invite's tunnel.
-    Pass the joiner of an earlier session to rejoin as a member (after a pause)."""
+    Pass the joiner of an earlier session to rejoin as a member (after a pause), or
+    member=True for a machine the host admitted before (its key is the host's member:
+    Potluck started again, its invite may have expired since)."""
     me = joiner.identity if joiner is not None else load_or_create_identity(config_dir(config))
     # behind the tunnel: on loopback, but the head is a friend's (models by name only), and
     # only the host's head may drive it: other friends' streams reach this port too
@@ -263,6 +266,7 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
     if joiner is None:
         joiner = Joiner(invite, me, ("127.0.0.1", server.port), name=name or default_name(),
                         prefer=prefer, on_event=on_event, reply_listen=reply_listen, on_reply=on_reply)
+        joiner.member = member
     else:
         joiner.target = ("127.0.0.1", server.port)   # a new stage server behind the same membership
     joiner.about = server.about   # the host shows each friend's device and memory as they join

@@ -24,6 +24,17 @@ log = logging.getLogger("potluck.node")
 SLEEP_LEAVE_S = 3.0
 
 
+def _not_a_member(account: str) -> bool:
+    """A host's refusal of a member's key (engine/wire/invite.py check_member's words)."""
+    return "unknown node key" in account or "key was revoked" in account
+
+
+NOT_KNOWN = ("Your friend's Potluck no longer knows this computer: ask them for a new code, and paste it into "
+             "“Join with invite code…”.")
+# said after a join that failed, once this computer is back on the share it had left
+SHARES_AS_BEFORE = "This computer shares with the friend it shared with before, as it did."
+
+
 class Sharing:
     """Mixed into control.Node: its __init__ holds the state these methods read and change."""
 
@@ -31,16 +42,22 @@ class Sharing:
         kept = self._kept_join() if on and self.invite is None and self._joining is None else None
         if kept is not None:
             # the friend this computer joined last (before Potluck restarted, or before it was
-            # switched off): shared with again, as a member, with no code to paste again
+            # switched off): shared with again, as the member the host admitted (its key), with
+            # no code to paste again, even once the code has expired
             from engine.wire.invite import InviteError, parse
 
             try:
-                parse(kept["code"]).check_fresh()
+                invite = parse(kept["code"])
             except InviteError:
                 self._forget_join()
-                raise NodeError("The invite you joined your friend with has expired: ask them for a new code, "
-                                "and paste it into “Join with invite code…”.") from None
-            await self.join_invite(kept["code"], kept.get("relay", ""))
+                raise NodeError(NOT_KNOWN) from None
+            try:
+                await self.join_invite(kept["code"], kept.get("relay", ""), member=invite)
+            except NodeError as exc:
+                if not _not_a_member(exc.details or ""):
+                    raise           # not reached (asleep, say): the same next time
+                self._forget_join()     # the host forgot this computer, or revoked it
+                raise NodeError(NOT_KNOWN, exc.status, exc.details) from None
             return
         async with self._lock:
             self.share_wanted = on
@@ -50,13 +67,14 @@ class Sharing:
                 return
         await self._apply_policy()
 
-    async def join_invite(self, code: str, relay: str = "") -> dict:
+    async def join_invite(self, code: str, relay: str = "", member=None) -> dict:
         """Contribute this machine through the host's tunnel (engine/wire/tunnel.py): a stage on
-        loopback, reached only through the end-to-end encrypted session the invite opens."""
+        loopback, reached only through the end-to-end encrypted session the invite opens.
+        member: the kept invite of a host that admitted this computer before (set_share)."""
         from engine.node.homes import HomeError, redeem
 
         try:
-            invite = await redeem(code, relay)
+            invite = member or await redeem(code, relay)
         except HomeError as exc:
             raise NodeError(join_failed(str(exc)), details=str(exc)) from None
         gate = getattr(self, "friends_gate", None)
@@ -75,7 +93,7 @@ class Sharing:
             self.error = None
             if not self._decide().paused:
                 self._reply_shown = asyncio.Event()
-                task = asyncio.ensure_future(self._start_share(reply=True))
+                task = asyncio.ensure_future(self._start_share(reply=True, member=member is not None))
                 shown = asyncio.ensure_future(self._reply_shown.wait())
                 await asyncio.wait({task, shown}, return_when=asyncio.FIRST_COMPLETED)
                 shown.cancel()
@@ -86,12 +104,11 @@ class Sharing:
                     except NodeError as exc:
                         self.share_wanted, self.invite = False, None
                         if before is not None and await self._share_again(before):
-                            raise NodeError(f"{exc.message} This computer shares with the friend it shared "
-                                            "with before, as it did.", exc.status, exc.details) from None
+                            raise NodeError(f"{exc.message} {SHARES_AS_BEFORE}", exc.status, exc.details) from None
                         raise
                 else:        # waiting for the host to use our reply code
                     self._joining = task
-                    task.add_done_callback(self._joined_by_reply)
+                    task.add_done_callback(lambda t: self._joined_by_reply(t, before))
                     task.add_done_callback(lambda t: t.cancelled() or t.exception() or self._keep_join(invite, relay))
         return await self.status()
 
@@ -146,7 +163,7 @@ class Sharing:
             self.share_wanted, self.invite, self.joiner = False, None, None
             return False
 
-    def _joined_by_reply(self, task: asyncio.Task):
+    def _joined_by_reply(self, task: asyncio.Task, before=None):
         if self._joining is task:
             self._joining = None
         self.reply_code = None
@@ -154,6 +171,16 @@ class Sharing:
             exc = task.exception()
             self.error = getattr(exc, "message", None) or str(exc)
             self.share_wanted, self.invite = False, None
+            if before is not None:   # as a join that fails at once: back to the share it left
+                self._back_task = asyncio.ensure_future(self._back_after_reply(before, self.error))
+
+    async def _back_after_reply(self, before, why: str):
+        async with self._lock:
+            # the owner did something else meanwhile (shared again, joined another): theirs
+            if self.share_wanted or self.invite is not None or self._joining is not None:
+                return
+            if await self._share_again(before):
+                self.error = f"{why} {SHARES_AS_BEFORE}"
 
     def _on_reply(self, code: str):
         self.reply_code = code
@@ -161,9 +188,9 @@ class Sharing:
         if self._reply_shown is not None:
             self._reply_shown.set()
 
-    async def _start_share(self, reply: bool = False):
+    async def _start_share(self, reply: bool = False, member: bool = False):
         """reply: a first join, which may offer a reply code (see join_invite); a resume
-        after a pause fails instead of waiting on one."""
+        after a pause fails instead of waiting on one. member: a join as the host's member."""
         from engine.pipeline.stage_server import StageServer
 
         if self.stage_server is not None:
@@ -191,7 +218,7 @@ class Sharing:
                                       memory_cap=self._memory_cap(), on_event=self._join_event,
                                       accept_models=self.accept_models,
                                       reply_listen=self.reply_listen if reply and self.reply_listen != "off" else None,
-                                      on_reply=self._on_reply)
+                                      on_reply=self._on_reply, member=member)
         except HomeError as exc:
             raise NodeError(join_failed(str(exc)), 502, details=str(exc)) from None
         self.stage_server, self.joiner = joined.server, joined.joiner
@@ -278,6 +305,8 @@ class Sharing:
                 except (OSError, NodeError) as exc:
                     self.error = f"Could not share this GPU: {getattr(exc, 'message', exc)}"
                     self.share_wanted = False
+                    if _not_a_member(getattr(exc, "details", None) or ""):
+                        self._forget_join()     # revoked: not joined again at the next start
 
     async def _policy_loop(self):
         while True:

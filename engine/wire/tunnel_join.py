@@ -164,6 +164,8 @@ class Joiner:
         # may come late, a firewall may open): the session then moves there mid-stream
         self.direct_retry_s = float(os.environ.get("POTLUCK_DIRECT_RETRY_S", DIRECT_RETRY_S)) \
             if direct_retry_s is None else direct_retry_s
+        # how long a first join waits on its reply code (a friend slow to paste it may want longer)
+        self.reply_wait_s = float(os.environ.get("POTLUCK_REPLY_WAIT_S", REPLY_WAIT_S))
         self.on_event = on_event or (lambda text: log.info(text))
         self.session: Session | None = None
         self.member = False
@@ -276,12 +278,12 @@ class Joiner:
                 await self.close()
                 raise
         waiting = asyncio.ensure_future(self._next_reply_session())
-        give_up = None if self.member else time.monotonic() + REPLY_WAIT_S
+        give_up = None if self.member else time.monotonic() + self.reply_wait_s
         try:
             while True:
                 if give_up is not None and time.monotonic() >= give_up:
                     raise TunnelError(f"your friend did not connect with this computer's reply code within "
-                                      f"{REPLY_WAIT_S / 60:.0f} minutes, so joining stopped. Check with them that "
+                                      f"{max(1, round(self.reply_wait_s / 60))} minutes, so joining stopped. Check with them that "
                                       "they are hosting now (an invite they withdrew no longer works), then join "
                                       "again")
                 try:

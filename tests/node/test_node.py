@@ -747,6 +747,35 @@ def test_a_join_that_fails_leaves_this_computer_sharing_with_the_friend_it_had(t
         assert proc.wait(30) == 0
 
 
+def test_a_join_that_fails_on_its_reply_code_goes_back_to_the_friend_it_had(tmp_path):
+    """As a join that fails at once: one that offered a reply code nobody took (the other
+    host withdrew, or closed Potluck) gave up after its wait with this computer's share off,
+    the first friend left for nothing."""
+    host, code = _host_with_invite(tmp_path, "--port", "0")
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file",
+                                 "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "127.0.0.1:0",
+                                 "POTLUCK_REPLY_WAIT_S": "3"})
+    try:
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200 and st["state"] == "sharing", st
+        first = st["sharing"]["joined"]["pipeline"]
+        wait_status(port, lambda s: s["sharing"]["layers"] and s["sharing"]["connected"], timeout=120)
+        from engine.wire.invite import HostState
+
+        (tmp_path / "gone").mkdir()
+        _, gone = HostState(tmp_path / "gone").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+        status, st = call(port, "POST", "/join", {"code": gone}, timeout=120)
+        assert status == 200 and st["sharing"]["joining"]["reply_code"], st      # waiting on the code
+        st = wait_status(port, lambda s: "joining" not in s["sharing"] and s["error"]
+                         and "before" in s["error"], timeout=90)
+        assert "did not connect with this computer's reply code" in st["error"], st
+        assert st["state"] == "sharing" and st["sharing"]["joined"]["pipeline"] == first, st
+    finally:
+        host.kill()
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
 def test_a_friend_who_leaves_while_the_model_loads_is_waited_for_and_the_host_loads_again(tmp_path):
     """The friend switched sharing off while the host was forming the pipeline (a computer
     that went to sleep does the same): `potluck host` ended with "cannot reach stage", its
@@ -846,23 +875,47 @@ def test_a_host_started_again_gets_its_friend_back_without_a_new_code(tmp_path):
             assert p.wait(60) == 0
 
 
-def test_sharing_on_with_a_kept_code_that_expired_asks_for_a_new_one(tmp_path):
-    """The friend joined last with a code that has expired since: said so, in words, and
-    forgotten (the next "Share" is this computer's own again)."""
+def test_a_friend_rejoins_as_a_member_after_its_code_expired_and_not_once_revoked(tmp_path):
+    """Potluck started again a day later: the code it joined with had expired, and it was
+    asked for a new one although the host still counted it a member. It rejoins as that
+    member now; a host that revoked it says no, and the kept code is forgotten."""
     from engine.wire.invite import HostState
 
-    (tmp_path / "h").mkdir()
-    (tmp_path / "ana").mkdir()
-    _, old = HostState(tmp_path / "h").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], ttl_s=-60,
-                                                      kinds=["lan"])
-    kept = tmp_path / "ana" / "joined.json"
-    kept.write_text(json.dumps({"code": old, "relay": ""}))
-    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file"})
+    host, code = _host_with_invite(tmp_path, "--port", "0")
+    env = {"POTLUCK_HOME": str(tmp_path / "ana"), "POTLUCK_KEYSTORE": "file", "POTLUCK_UPNP": "0",
+           "POTLUCK_REPLY_LISTEN": "off"}
+    proc, port = start_node(env=env)
     try:
-        status, err = call(port, "POST", "/share", {"on": True})
-        assert status == 400 and "has expired: ask them for a new code" in err["error"], err
-        assert not kept.exists()
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200 and st["state"] == "sharing", st
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+        (state_file,) = (tmp_path / "host").rglob("host.json")
+        state = HostState(state_file.parent)
+        with state._locked() as data:            # a day on: the invite has expired
+            for rec in data["invites"].values():
+                rec["expires"] = time.time() - 60
+        proc, port = start_node(env=env)
+        status, st = call(port, "POST", "/share", {"on": True}, timeout=120)
+        assert status == 200 and st["sharing"]["joined"], st
+        st = wait_status(port, lambda s: (s["sharing"].get("joined") or {}).get("via") == "direct")
+        assert st["state"] == "sharing" and not st["error"], st
+
+        assert call(port, "POST", "/share", {"on": False})[0] == 200
+        with state._locked() as data:            # the host revokes this computer
+            for rec in data["members"].values():
+                rec["revoked"] = True
+        call(port, "POST", "/share", {"on": True}, timeout=120)
+        st = wait_status(port, lambda s: s["error"])
+        assert "Ask them for a new code" in st["error"] and st["state"] == "error", st
+        assert not list((tmp_path / "ana").rglob("joined.json"))          # not tried at the next start
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+        proc, port = start_node(env=env)
+        status, err = call(port, "POST", "/share", {"on": True}, timeout=120)
+        assert status == 200 and err["state"] == "sharing" and not err["sharing"].get("joined"), err
     finally:
+        host.kill()
         proc.stdin.close()
         assert proc.wait(30) == 0
 
