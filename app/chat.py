@@ -282,7 +282,16 @@ class ChatWindow(QMainWindow):
             self.ring_view.hide()
             sharing = st.get("sharing") or {}
             joined = sharing.get("joined") or {}
-            if state != "error" and joined and not sharing.get("joining") and not joined.get("via"):
+            joining = sharing.get("joining") or {}
+            if state != "error" and joining and not joined:
+                # joining (again, after a restart) a friend whose computer does not answer yet:
+                # "No model is running" read as if nothing were happening
+                self.model_label.setText("Joining your friend's computer…")
+                self.pipeline_label.setText(
+                    "It cannot be reached from here now (asleep, or Potluck closed there?): this computer joins "
+                    "by itself as soon as it can, or once your friend uses the reply code under Status."
+                    if joining.get("reply_code") else "Connecting…")
+            elif state != "error" and joined and not sharing.get("joining") and not joined.get("via"):
                 # the tunnel to the host is down (it reconnects by itself)
                 self.model_label.setText("Your friend's computer cannot be reached now")
                 self.pipeline_label.setText("This computer's share waits for it and takes part again when "

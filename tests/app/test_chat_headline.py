@@ -259,6 +259,11 @@ def test_a_friends_computer_says_when_the_host_cannot_be_reached(chat_window):
     # while it joins (no tunnel yet), it is not said to be gone
     w.on_status({"state": "sharing", "sharing": dict(gone, joining={"pipeline": "ab12", "reply_code": None})})
     assert "cannot be reached" not in w.model_label.text()
+    # joining again after a restart, the host not answering yet: not "No model is running"
+    w.on_status({"state": "idle", "sharing": {"on": True, "joined": None,
+                                              "joining": {"pipeline": "ab12", "reply_code": "7M2QK"}}})
+    assert w.model_label.text() == "Joining your friend's computer…"
+    assert "joins by itself" in w.pipeline_label.text() and "reply code under Status" in w.pipeline_label.text()
 
 
 def test_a_lost_engine_leaves_no_figures_of_the_pipeline_it_ran(chat_window):
