@@ -71,16 +71,6 @@ def pipeline_config(args, **over):
     return PipelineConfig(**{**given, **over})
 
 
-def _subparser(parser, cmd: str):
-    """The parser of `potluck <cmd>` (the top one where there is none)."""
-    import argparse
-
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and cmd in action.choices:
-            return action.choices[cmd]
-    return parser
-
-
 def _bound(runner, port: int) -> int:
     """The port the API listens on: `--port 0` asks for a free one, and the address
     printed is what a client needs (it read :0)."""
@@ -620,7 +610,7 @@ def main(argv=None) -> int:
     apply_openmp_env(os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = _subparser(parser, args.cmd)   # its usage line with the error, not `potluck [-h] …`
+    command = getattr(args, "command_parser", parser)   # its usage line with the error
     if getattr(args, "stage_addr", None) and getattr(args, "stages", None):
         # it ran on this machine and the stages named, the --stages given unread
         command.error(f"--stage-addr names the other stages ({len(args.stage_addr) + 1} in all with this machine's), "

@@ -274,4 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "app":   # `potluck chat -v` as well as `potluck -v chat`
             command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                  help="log what happens, for a bug report")
+        # a check after parsing reports with the command's usage line, not `potluck [-h] …`
+        command.set_defaults(command_parser=command)
     return parser
