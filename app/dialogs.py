@@ -146,6 +146,9 @@ class HostDialog(QDialog):
         self.model.setMinimumContentsLength(24)
         self.model.view().setMinimumWidth(560)
         self.model.view().setTextElideMode(Qt.ElideNone)
+        # a choice from the list shows from its start (the model's name), not its end
+        self.model.currentIndexChanged.connect(lambda _i: self.model.lineEdit().setCursorPosition(0))
+        self.model.lineEdit().setCursorPosition(0)
         # which model this group can run: the node's answer for the chosen model (GET /models'
         # `group`: this computer's memory and the friends' in the ring, against the weights)
         self.fit_label = QLabel("")
@@ -345,6 +348,7 @@ class HostDialog(QDialog):
             self.model.addItem(model_label(m), m["id"])
         if typed != DEFAULT_CHOICE:
             self.model.setEditText(typed)
+        self.model.lineEdit().setCursorPosition(0)
         self._show_start(self.model.currentText())
         self._show_draft_pairing()
         self._show_fit()

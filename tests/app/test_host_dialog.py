@@ -58,6 +58,7 @@ def test_the_model_list_is_the_curated_one_with_sizes(dialog):
     items = [d.model.itemText(i) for i in range(d.model.count())]
     assert len(items) == len(catalog.MODELS) >= 8
     assert d.model.currentIndex() == 0 and "default" in d.model.currentText()
+    assert d.model.lineEdit().cursorPosition() == 0     # as it opens: the name, not the label's tail
     for text, entry in zip(items, catalog.MODELS):
         assert entry.name in text and " bf16 · " in text and " int8 · " in text and " nf4" in text
     qwen7 = next(t for t in items if t.startswith("Qwen2.5-7B-Instruct — "))
