@@ -184,6 +184,25 @@ def parse(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]
     return text, []
 
 
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)')
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
+
+
+def cut_call(text: str, names: set[str]) -> ToolCall | None:
+    """A forced call (its JSON: forced_call_schema) that the length limit cut short, as
+    OpenAI returns one: a tool call whose arguments are what was written of them. Handed
+    back as content, its raw JSON read as the reply's answer. None: not such a call."""
+    if not text.lstrip().startswith("{"):
+        return None
+    m = _NAME.search(text)
+    written = m.group(1) if m else ""
+    # a name cut off is the one function it can be the start of, where there is one
+    maybe = [n for n in sorted(names) if n.startswith(written)]
+    name = written if written in names else maybe[0] if len(maybe) == 1 else written
+    a = _ARGUMENTS.search(text)
+    return ToolCall(name, text[a.end():] if a else "")
+
+
 class StreamSplitter:
     """While a reply streams: text that cannot be the start of a call goes out at once;
     from the first sign of a call on (an opener, or a reply that starts with '{'), it is

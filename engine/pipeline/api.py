@@ -77,6 +77,12 @@ NOT_YET = {"functions": ([], None), "function_call": ("none", None), "logit_bias
            "modalities": (["text"], None), "audio": (None,), "prediction": (None,)}
 
 
+
+async def _request_id(request, response):
+    """Every answer names itself as OpenAI's do (x-request-id): the clients keep it on each
+    result (`_request_id`) for a user's bug report and their logs, and it was None here."""
+    response.headers.setdefault("x-request-id", "req_" + uuid.uuid4().hex)
+
 class Api:
     def __init__(self, head: Head, api_key: str | None = None, body_seconds: float = BODY_SECONDS):
         self.head = head
@@ -96,6 +102,7 @@ class Api:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/potluck/status", self.status)
         app.router.add_get("/", self.root)
+        app.on_response_prepare.append(_request_id)
         return app
 
     async def root(self, request):
@@ -510,11 +517,14 @@ class Api:
                 if splitters[i] is not None:
                     rest, calls = splitters[i].finish()
                     calls = reply.tools.kept(calls)
+                    cut = reply.tools.cut(rest, finish) if not calls else None
+                    if cut is not None:      # a forced call cut short: a call still, not text
+                        rest, calls = "", [cut]
                     if rest:
                         await send(reply.chunk(i, rest))
                     if calls:
                         await send(reply.chunk(i, calls=calls))
-                        finish = "tool_calls"
+                        finish = "tool_calls" if cut is None else finish
                 await send(reply.chunk(i, finish=finish))
             if include_usage:
                 await send({**reply.envelope(), "choices": [], "usage": usage(prompt_tokens, dones)})

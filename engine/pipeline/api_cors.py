@@ -28,7 +28,7 @@ from engine.wire.stage_auth import is_loopback
 
 METHODS = "GET, POST, OPTIONS"
 HEADERS = "Authorization, Content-Type"
-EXPOSED = "X-Potluck-Dropped-Messages"
+EXPOSED = "X-Potluck-Dropped-Messages, x-request-id"
 # OpenAI's JavaScript client sends its own headers on every request (X-Stainless-Os,
 # -Lang, -Retry-Count..., OpenAI-Organization): a preflight that allowed only the two
 # above made the browser refuse every request of a page the owner had named. A named

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.core.tool_calls import parse as parse_calls
+from engine.core.tool_calls import cut_call, parse as parse_calls
 from engine.model.detok import TokenPieces
 from engine.pipeline.requests import Done
 
@@ -36,10 +36,13 @@ class Reply:
             if self.tools is not None:
                 content, calls = parse_calls(text, self.tools.names)
                 calls = self.tools.kept(calls)
+                cut = self.tools.cut(text, finish) if not calls else None
                 if calls:
                     message = {"role": "assistant", "content": content or None,
                                "tool_calls": [c.to_openai() for c in calls]}
                     finish = "tool_calls"
+                elif cut is not None:   # OpenAI's shape: the call, finish_reason "length"
+                    message = {"role": "assistant", "content": None, "tool_calls": [cut.to_openai()]}
             return {"index": i, "message": message, "finish_reason": finish, "logprobs": self.logprobs(lps)}
         return {"index": i, "text": text, "finish_reason": finish, "logprobs": self.logprobs(lps)}
 
@@ -93,6 +96,10 @@ class Tools:
 
     def kept(self, calls: list) -> list:
         return calls if self.parallel else calls[:1]
+
+    def cut(self, text: str, finish: str):
+        """A forced call the length limit cut short (core/tool_calls.cut_call), else None."""
+        return cut_call(text, self.names) if self.forced and finish == "length" else None
 
 
 def usage(prompt_tokens: int, dones: list[Done]) -> dict:

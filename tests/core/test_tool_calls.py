@@ -90,6 +90,18 @@ def test_a_forced_call_schema_names_the_function_and_its_parameters():
     assert "get_weather" in fallback_system_prompt(fns) and "<tool_call>" in fallback_system_prompt(fns)
 
 
+def test_a_forced_call_cut_by_the_length_limit_is_still_a_call():
+    """It came back as content (the raw '{"name": "get_'), which a client shows as the answer."""
+    from engine.core.tool_calls import cut_call
+
+    call = cut_call('{"name": "get_weather", "arguments": {"city": "Par', NAMES)
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Par')
+    assert cut_call('{"name": "get_w', NAMES).name == "get_weather"       # the one it can be
+    assert (cut_call('{"name": "get_', NAMES).name, cut_call('{"name": "get_', NAMES).arguments) == ("get_", "")
+    assert cut_call('{"na', {"log"}).name == "log"
+    assert cut_call("Sure, the weather", NAMES) is None
+
+
 def test_streaming_sends_text_at_once_and_holds_a_call_until_it_is_complete():
     s = StreamSplitter(NAMES)
     out = [s.feed(d) for d in ("Let me ", "check.", " <tool", "_call>{\"name\": \"get_weather\", ",

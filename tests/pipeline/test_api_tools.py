@@ -66,6 +66,31 @@ async def test_a_required_call_streams_as_tool_call_deltas(client):
     assert set(args) == {"get_weather": {"city"}, "get_time": {"zone"}}[calls[0].function.name], args
 
 
+async def test_a_forced_call_cut_by_the_length_limit_comes_back_as_a_call(client):
+    """As OpenAI: a call, its arguments as far as they were written, finish_reason
+    "length". It came back as the call's raw JSON in `content`, whole or streamed."""
+    for max_tokens in (6, 12):
+        r = await client.chat.completions.create(
+            model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+            max_tokens=max_tokens)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+        assert r._request_id.startswith("req_")          # each answer named, as OpenAI's are
+        (call,) = choice.message.tool_calls
+        assert call.function.name.startswith("get_") and "{" not in call.function.name, call
+        stream = await client.chat.completions.create(
+            model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+            max_tokens=max_tokens, stream=True)
+        calls, finish, content = [], None, ""
+        async for chunk in stream:
+            delta = chunk.choices[0].delta
+            calls += delta.tool_calls or []
+            content += delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and content == "" and [c.function.model_dump() for c in calls] == [
+            call.function.model_dump()]
+
+
 async def test_tool_choice_none_answers_in_text(client):
     r = await client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], tool_choice="none",
                                              temperature=0, max_tokens=16)
