@@ -165,7 +165,10 @@ class Joiner:
         self.direct_retry_s = float(os.environ.get("POTLUCK_DIRECT_RETRY_S", DIRECT_RETRY_S)) \
             if direct_retry_s is None else direct_retry_s
         # how long a first join waits on its reply code (a friend slow to paste it may want longer)
-        self.reply_wait_s = float(os.environ.get("POTLUCK_REPLY_WAIT_S", REPLY_WAIT_S))
+        try:
+            self.reply_wait_s = float(os.environ.get("POTLUCK_REPLY_WAIT_S", REPLY_WAIT_S))
+        except ValueError:
+            self.reply_wait_s = REPLY_WAIT_S
         self.on_event = on_event or (lambda text: log.info(text))
         self.session: Session | None = None
         self.member = False
@@ -282,8 +285,9 @@ class Joiner:
         try:
             while True:
                 if give_up is not None and time.monotonic() >= give_up:
+                    minutes = max(1, round(self.reply_wait_s / 60))
                     raise TunnelError(f"your friend did not connect with this computer's reply code within "
-                                      f"{max(1, round(self.reply_wait_s / 60))} minutes, so joining stopped. Check with them that "
+                                      f"{minutes} minutes, so joining stopped. Check with them that "
                                       "they are hosting now (an invite they withdrew no longer works), then join "
                                       "again")
                 try:
