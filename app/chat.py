@@ -69,7 +69,7 @@ class ChatWindow(QMainWindow):
         self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.conv_list.itemClicked.connect(self._open_item)
         self.delete_all_button = QPushButton("Delete all history")
-        self.delete_all_button.clicked.connect(self.delete_all)
+        self.delete_all_button.clicked.connect(lambda: self.delete_all())   # not clicked(checked=False) as confirm
         ll.addWidget(self.new_button)
         ll.addWidget(self.conv_list, 1)
         ll.addWidget(self.delete_all_button)

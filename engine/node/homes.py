@@ -170,7 +170,9 @@ class Friends:
     def follow(self, head) -> None:
         """From now on, friends who join (with a code still valid) offer their stage to
         this head, which takes it in (engine/pipeline/head.py: offer). Friends who were in
-        the pipeline and come back are found by the head itself: same address here."""
+        the pipeline and come back have the same address here: the head asks it for a while
+        by itself (core/recovery.py REJOIN_GRACE_S), and their tunnel opening again offers
+        it too, however long they were away (a laptop asleep overnight)."""
         async def offer_arrivals():
             while True:
                 peer = await self.tunnels.wait_peer()
@@ -179,10 +181,12 @@ class Friends:
         if self._follow is not None:
             self._follow.cancel()
         self._follow = asyncio.ensure_future(offer_arrivals())
+        self.tunnels.on_back = lambda peer: head.offer(peer.control_address)
 
     async def close(self):
         if self._follow is not None:
             self._follow.cancel()
+        self.tunnels.on_back = None
         await self.tunnels.close()
 
 

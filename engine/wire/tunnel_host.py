@@ -121,6 +121,9 @@ class TunnelHost:
         self.pipeline = state.pipeline
         self.peers: dict[bytes, Peer] = {}
         self.on_peer = on_peer
+        # a member connected again (its session replaced): the head that follows the friends
+        # offers it its stage back, however long it was away (homes.Friends.follow)
+        self.on_back = None
         self.on_event = on_event or (lambda text: log.info(text))
         self._joined: asyncio.Queue = asyncio.Queue()
         self.rejected: Counter = Counter()
@@ -561,6 +564,8 @@ class TunnelHost:
             await self._joined.put(peer)
             if self.on_peer:
                 self.on_peer(peer)
+        elif self.on_back is not None:
+            self.on_back(peer)
 
     async def _punch_for(self, session: Session, theirs: list):
         """A relayed joiner offers its UDP candidates: answer with ours, punch toward its

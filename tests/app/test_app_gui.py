@@ -330,6 +330,32 @@ def test_a_long_conversation_fills_the_transcript_and_opens_at_its_newest_messag
         c.shutdown()
 
 
+def test_the_chats_delete_all_button_asks_first(qtbot, home, tmp_path, monkeypatch):
+    """Its click passed Qt's checked=False as `confirm`: every conversation went, unasked."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QMessageBox
+
+    from app.chat import ChatWindow
+    from app.controller import Controller
+    from app.store import History
+
+    h = History(tmp_path / "history.sqlite3")
+    conversations(h, 2)
+    c = Controller(make_settings(host_on_start=False), history=h)
+    try:
+        w = ChatWindow(c)
+        qtbot.addWidget(w)
+        asked = []
+        monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: asked.append(a) or QMessageBox.No)
+        qtbot.mouseClick(w.delete_all_button, Qt.LeftButton)
+        assert asked and len(h.conversations()) == 2
+        monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)
+        qtbot.mouseClick(w.delete_all_button, Qt.LeftButton)
+        assert h.conversations() == []
+    finally:
+        c.shutdown()
+
+
 def test_corrupt_history_keeps_the_app_working(qtbot, home, tmp_path):
     from app.chat import ChatWindow
     from app.controller import Controller

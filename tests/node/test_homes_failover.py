@@ -68,7 +68,15 @@ async def test_friends_leave_come_back_and_join_through_the_tunnels(tmp_path, ti
         assert head.n_stages == 3 and head.error is None
         assert [r.address for r in head.remotes] == [peers[0].address, peers[2].address]
 
-        # it comes back as a member: the same address on the host, a slice again
+        # it comes back as a member: the same address on the host, a slice again, even after
+        # the head stopped asking for it (asleep overnight: the host forgot it after 10 minutes)
+        from engine.core.recovery import REJOIN_GRACE_S
+
+        head.recovery.grace_s = 0.3
+        await until(lambda: peers[1].address not in head.recovery.away)
+        await asyncio.sleep(0.5)
+        head.recovery.grace_s = REJOIN_GRACE_S
+        assert not head.recovery.watching
         handle = head.submit(prompt, params())
         await until(lambda: len(handle.seq.generated) >= 10)
         joined[1] = await join_stage(invite, joiner=b.joiner, threads=1, device="cpu", accept_models=[str(folder)])
