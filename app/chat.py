@@ -80,6 +80,9 @@ class ChatWindow(QMainWindow):
         rl.setContentsMargins(6, 6, 6, 6)
         self.model_label = QLabel("Starting the Potluck engine…")
         self.model_label.setStyleSheet("font-weight: bold; font-size: 14px;")
+        # "… — ready (Ana left; rearranged in under a second, …)" wraps: unwrapped, it held
+        # the window wider than a small screen
+        self.model_label.setWordWrap(True)
         # the ring, drawn (app/ring_view.py): each computer, its share, its link
         self.ring_view = RingView()
         self.pipeline_label = QLabel("")

@@ -34,6 +34,7 @@ class Controller(QObject):
     nodeLost = Signal(str)          # plain-language reason
     nodeStarted = Signal()
     notice = Signal(str)            # something to tell the user (history damage, failed action)
+    news = Signal(str)              # good news to tell them (not shown as a problem)
     historyCleared = Signal()       # every conversation was deleted (the chat starts afresh)
 
     def __init__(self, settings: Settings | None = None, node_args: list[str] | None = None,
@@ -136,13 +137,13 @@ class Controller(QObject):
                 self._friends_back = dict(again)
                 for key in ("friends", "listen", "relay"):
                     again.pop(key, None)
-                self.notice.emit("Potluck restarted: the chat answers on this computer, and your friends' "
-                                 "computers join again by themselves when their Potluck is running.")
+                self.news.emit("Potluck restarted: the chat answers on this computer, and your friends' "
+                               "computers join again by themselves when their Potluck is running.")
             self.host(again, restoring=True)
         elif self.host_on_start:
             self.host({"model": self.settings.default_model, "stages": self.settings.local_stages})
-        if self.settings.share_on_start:
-            self.set_share(True)
+        if self.settings.share_on_start:   # (the status still says "starting" until the poll)
+            self._act("POST", "/share", {"on": True, **self._name()})
         self.poll()
         return True
 
@@ -318,6 +319,12 @@ class Controller(QObject):
 
     def set_share(self, on: bool, cb=None):
         self._share_next_start(on)
+        if self.status.get("state") == "starting":
+            # ticked while the engine starts: it shares once up (_attach reads share_on_start);
+            # asked now, the request failed with "the Potluck engine is not running"
+            if on:
+                self.news.emit("This computer is shared as soon as Potluck's engine has started.")
+            return
         self._act("POST", "/share", {"on": bool(on), **self._name()}, cb)
 
     def _name(self) -> dict:

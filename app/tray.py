@@ -132,6 +132,7 @@ class Shell(QObject):
         controller.statusChanged.connect(self.on_status)
         controller.nodeLost.connect(self.on_lost)
         controller.notice.connect(self.on_notice)
+        controller.news.connect(self.on_news)
         self.state = "idle"
         self.closed = False
         self._share_hint: str | None = None   # the how-to-join line, while it is the chat's hint
@@ -162,6 +163,11 @@ class Shell(QObject):
 
     def on_notice(self, text: str):
         self.chat.show_hint(text)
+        if self.tray is not None and not self.chat.isVisible():
+            self.tray.showMessage("Potluck", text)
+
+    def on_news(self, text: str):
+        self.chat.show_hint(text, error=False)
         if self.tray is not None and not self.chat.isVisible():
             self.tray.showMessage("Potluck", text)
 

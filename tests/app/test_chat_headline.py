@@ -266,6 +266,16 @@ def test_a_friends_computer_says_when_the_host_cannot_be_reached(chat_window):
     assert "joins by itself" in w.pipeline_label.text() and "reply code under Status" in w.pipeline_label.text()
 
 
+def test_a_long_headline_wraps_and_leaves_the_window_narrow(chat_window):
+    """'… — ready (Ana left; rearranged in under a second, no conversation lost)' held the
+    window at least 891 px wide."""
+    w = chat_window
+    w.show()
+    w.model_label.setText("SmolLM2-135M-Instruct — ready (Ana's laptop left; rearranged in under a second, "
+                          "no conversation lost, and the others hold every layer now)")
+    assert w.minimumSizeHint().width() < 700, w.minimumSizeHint()
+
+
 def test_a_lost_engine_leaves_no_figures_of_the_pipeline_it_ran(chat_window):
     w = chat_window
     w.show()

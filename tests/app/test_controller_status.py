@@ -98,6 +98,7 @@ def recorded(qtbot, tmp_path, monkeypatch):
     c.client.call = lambda method, path, body=None, cb=None, timeout=None: calls.append((path, body))
     c.client.attach = lambda url, token: None
     c.notice.connect(notices.append)
+    c.news.connect(lambda text: notices.append("news: " + text))
     c.last_host = {"model": "default", "stages": 0, "friends": 1, "listen": "0.0.0.0:7870", "weights": "auto"}
     try:
         yield c, calls, notices
@@ -130,7 +131,7 @@ def test_a_restart_after_a_crash_hosts_alone_then_brings_the_friends_back(qtbot,
     _engine_started_again(c)
     alone = {"model": "default", "stages": 0, "weights": "auto"}
     assert [b for p, b in calls if p == "/host"] == [alone]
-    assert notices and "join again by themselves" in notices[0]
+    assert notices and notices[0].startswith("news: ") and "join again by themselves" in notices[0]
     assert w.hint.text() != ENGINE_DOWN
     next(cb for p, cb in answers if p == "/host")({"state": "loading"}, None)
     c.client.base = "http://127.0.0.1:1"   # as if attached to a node
@@ -144,6 +145,23 @@ def test_a_restart_after_a_crash_hosts_alone_then_brings_the_friends_back(qtbot,
     assert Settings.load().host_with_friends == {}     # only a request that succeeded is kept
     next(cb for p, cb in reversed(answers) if p == "/host")({"state": "loading"}, None)
     assert Settings.load().host_with_friends == {**alone, "friends": 1, "listen": "0.0.0.0:7870"}
+
+
+def test_sharing_ticked_while_the_engine_starts_waits_for_it(recorded):
+    """It asked the node that was not up yet: "the Potluck engine is not running", in red,
+    under "Starting the Potluck engine…", and it stayed; the share never came."""
+    c, calls, notices = recorded
+    c.status = {"state": "starting"}
+    c.set_share(True)
+    assert calls == [] and notices == ["news: This computer is shared as soon as Potluck's engine has started."]
+    c.last_host = None
+    _engine_started_again(c)
+    assert [p for p, _ in calls if p == "/share"] == ["/share"]
+    calls.clear()
+    c.status = {"state": "starting"}
+    c.set_share(False)                 # and unticked before it is up: nothing shared
+    _engine_started_again(c)
+    assert [p for p, _ in calls if p == "/share"] == []
 
 
 def test_an_invite_withdrawn_is_not_said_to_have_ended_after_a_restart(recorded):
