@@ -144,10 +144,23 @@ class JoinDialog(QDialog):
         if not looks_like_code(text):
             # never a share under a name typed by mistake: that opens a port and shows its secret
             return self._error(NOT_A_CODE)
-        if self._asks_to_leave():
+        short = is_short_code(text)
+        pipeline = None if short else invite_pipeline(text)
+        if pipeline is not None and pipeline == self._shared_with():
+            self.result.setText("<b>This computer already shares with this friend.</b> Nothing to do: a new "
+                                "code from them is not needed while it does.")
+            return
+        # a code with a typo goes on to the node, which says so and leaves nothing (the
+        # question whether to leave the friend came first, for a join that could not happen)
+        if (short or pipeline is not None) and self._asks_to_leave():
             return
         self.result.setText("Connecting…")
         self.c.join(code=text, relay=self.relay.text().strip() or None, cb=self._done)
+
+    def _shared_with(self) -> str | None:
+        """The pipeline this computer shares with now, or is joining."""
+        sharing = (self.c.status or {}).get("sharing") or {}
+        return (sharing.get("joined") or sharing.get("joining") or {}).get("pipeline")
 
     def _asks_to_leave(self) -> bool:
         """Joined to a friend's pipeline already: a second join leaves it, so the first press
@@ -212,7 +225,23 @@ NOT_A_CODE = ("That doesn't look like an invite code. An invite code is a long l
 PIPELINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
+def invite_pipeline(text: str) -> str | None:
+    """Which host's pipeline a whole invite code is for (None: a short code, which only the
+    relay resolves, or a code with a typo). engine/wire/invite.py is plain Python."""
+    from engine.wire.invite import InviteError, parse
+
+    try:
+        return parse(text).pipeline_id
+    except InviteError:
+        return None
+
+
+def is_short_code(text: str) -> bool:
+    """A short code (4821-917305): digits with a dash, read out by the host."""
+    compact = text.replace(" ", "")
+    return compact.replace("-", "").isdigit() and "-" in compact
+
+
 def looks_like_code(text: str) -> bool:
     """Invite codes are long; short codes are digits with a dash; a pipeline name is neither."""
-    compact = text.replace(" ", "")
-    return len(compact) > 40 or (compact.replace("-", "").isdigit() and "-" in compact)
+    return len(text.replace(" ", "")) > 40 or is_short_code(text)

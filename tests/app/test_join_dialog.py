@@ -76,10 +76,22 @@ def test_the_link_the_host_window_copies_joins_as_its_code(dialog):
     assert len(d.asked) == 1 and "not a Potluck invite" in d.result.text() and d.last_error
 
 
-def test_a_second_invite_while_joined_asks_before_leaving_the_first(dialog, qtbot):
+def _real_code(tmp_path, name: str) -> tuple[str, str]:
+    """A whole invite code of a host of its own, and its pipeline."""
+    import os
+
+    from engine.wire.invite import HostState, parse
+
+    (tmp_path / name).mkdir()
+    _, code = HostState(tmp_path / name).create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+    return code, parse(code).pipeline_id
+
+
+def test_a_second_invite_while_joined_asks_before_leaving_the_first(dialog, qtbot, tmp_path):
     d = dialog
+    code, _ = _real_code(tmp_path, "other-host")
     d.c.status = {"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": "5c55ab92fc", "via": "relay"}}}
-    d.code.setText(CODE)
+    d.code.setText(code)
     d.join()
     assert d.asked == [] and "already shares" in d.result.text() and d.accept_button.text() == "Leave it and join"
     # another code typed: asked again
@@ -90,6 +102,25 @@ def test_a_second_invite_while_joined_asks_before_leaving_the_first(dialog, qtbo
     d.answers.append(({"state": "sharing", "sharing": {"joined": {"pipeline": "77aa", "via": "relay"}}}, None))
     d.join()
     assert len(d.asked) == 1 and "Joined." in d.result.text()
+
+
+def test_the_same_friends_code_again_or_a_typo_does_not_ask_to_leave(dialog, tmp_path):
+    """A second invite from the friend already joined was met with "Joining this one leaves
+    it", and a code with a typo with that question before the typo was said."""
+    d = dialog
+    code, pipeline = _real_code(tmp_path, "host")
+    d.c.status = {"state": "sharing", "sharing": {"on": True, "joined": {"pipeline": pipeline, "via": "direct"}}}
+    d.code.setText(code)
+    d.join()
+    assert d.asked == [] and "already shares with this friend" in d.result.text()
+    assert d.accept_button.text() == "Accept and share"
+    d.code.setText(code[:-3] + ("AAA" if not code.endswith("AAA") else "BBB"))   # a typo: the node says so
+    d.answers.append((None, "This code has a typo: copy it again."))
+    d.join()
+    assert len(d.asked) == 1 and "typo" in d.result.text() and d.accept_button.text() == "Accept and share"
+    d.code.setText("4821-917305")          # a short code: whose it is, only the relay knows
+    d.join()
+    assert len(d.asked) == 1 and d.accept_button.text() == "Leave it and join"
 
 
 def test_the_compute_line_follows_the_node_once_it_has_read_the_gpu(dialog):
