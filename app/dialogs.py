@@ -486,9 +486,9 @@ class HostDialog(QDialog):
             self._replace_ok = True
             self.start_button.setText("Stop it and host")
             self.result.setText(f"<b>{html.escape(str(running.get('model') or 'The model'))} is running now.</b> "
-                                "It stops while the new one starts (your conversations are kept); "
-                                + ("the chat answers again once your friends have joined. "
-                                   if self.invitees.value() else "")
+                                "It stops while the new one starts (your conversations are kept)"
+                                + ("; the chat answers again once your friends have joined. "
+                                   if self.invitees.value() else ". ")
                                 + "Press “Stop it and host” to go on.")
             self._show_result()
             return
@@ -605,6 +605,7 @@ class HostDialog(QDialog):
         elif hosting and not loading:
             self.progress.show()
             self.progress.setValue(self.progress.maximum())
+            self.progress.setFormat("Ready")     # not the loading's last "Loaded: starting up…"
             self.result.setText(
                 f"<b>Ready.</b> Chat from “Open chat”. Other tools can use "
                 f"<code>{hosting.get('openai_url')}</code>." + (

@@ -33,7 +33,9 @@ class SettingsDialog(QDialog):
         cf.addRow(self.autostart)
         self.hf_token = QLineEdit()
         self.hf_token.setEchoMode(QLineEdit.Password)
-        self.hf_token.setPlaceholderText("only for gated models (kept in the keyring)")
+        self.hf_token.setPlaceholderText("for gated models only")
+        self.hf_token.setToolTip("Only models whose makers ask you to accept their licence need it; it is "
+                                 "kept in the system's keyring")
         cf.addRow("Hugging Face token:", self.hf_token)
         lay.addWidget(chat)
         share = QGroupBox("Sharing with friends")
@@ -42,7 +44,7 @@ class SettingsDialog(QDialog):
 
         self.display_name = QLineEdit(s.display_name)
         self.display_name.setMaxLength(64)
-        self.display_name.setPlaceholderText(f"this computer's name ({socket.gethostname()[:40]})")
+        self.display_name.setPlaceholderText(socket.gethostname()[:40])   # what friends see unless set
         self.display_name.setToolTip("What your friends' Potluck shows when this computer joins them "
                                      "(from the next time it joins)")
         sf.addRow("Your name, as friends see it:", self.display_name)

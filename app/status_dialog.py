@@ -80,8 +80,9 @@ def event_line(e: dict) -> str:
 def ring_table(h: dict) -> str:
     """The ring (the node's `ring` rows): each computer, what it computes on, its share
     and the memory it takes, the path and round trip of its link; those who left, and why."""
-    out = ["<table border=1 cellpadding=4><tr><th>Computer</th><th>Computes on</th><th>Share of the model</th>"
-           "<th>Memory</th><th>Connection</th></tr>"]
+    # headers whole (a narrow window broke them mid-word: "Compute r", "Connecti on")
+    out = ["<table border=1 cellpadding=4><tr><th nowrap>Computer</th><th nowrap>Computes on</th>"
+           "<th nowrap>Share of the model</th><th nowrap>Memory</th><th nowrap>Connection</th></tr>"]
     for r in h.get("ring") or []:
         if r.get("state") == "left":
             out.append(f"<tr><td>{html.escape(r['who'])}</td><td colspan=4><i>left: "

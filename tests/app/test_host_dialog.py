@@ -244,11 +244,13 @@ def test_hosting_with_friends_while_the_chat_runs_keeps_it_answering_until_they_
     d.on_status({"state": "serving", "hosting": {"model": "SmolLM2 135M", "invite": "0411V-648F8", "stages": [],
                                                  "friends": [{"name": "Ana"}], "openai_url": "http://x/v1"}})
     assert "Ready" in d.result.text() and "Ana" in d.result.text()
+    assert d.progress.format() == "Ready"        # not "Loaded: starting up…" under "Ready."
     d2_sent = len(d.sent)
     d.invitees.setValue(0)       # on this computer alone: the running one stops first, said first
     d._replace_ok = False
     d.start()
     assert len(d.sent) == d2_sent and d.start_button.text() == "Stop it and host"
+    assert "are kept). Press “Stop it and host”" in d.result.text()
 
 
 def test_the_invite_and_the_buttons_stay_on_a_laptops_screen(dialog, qtbot):
