@@ -247,6 +247,7 @@ class HostDialog(QDialog):
         self.split_table.setToolTip("When the model starts, the host adjusts the split to each computer's "
                                     "measured speed and free memory")
         self.split_table.horizontalHeader().setStretchLastSection(True)
+        self.split_table.hide()     # until a plan fills it: empty, it took half the window
         lay.addWidget(self.split_table, 1)
         self.progress = QProgressBar()
         self.progress.hide()
@@ -346,6 +347,9 @@ class HostDialog(QDialog):
         self.model.clear()
         for m in self.models:
             self.model.addItem(model_label(m), m["id"])
+        # the open list as wide as its longest label (cut mid-word at 560 px: "its licens")
+        widest = max((self.model.fontMetrics().horizontalAdvance(model_label(m)) for m in self.models), default=0)
+        self.model.view().setMinimumWidth(max(560, widest + 40))
         if typed != DEFAULT_CHOICE:
             self.model.setEditText(typed)
         self.model.lineEdit().setCursorPosition(0)
@@ -424,6 +428,7 @@ class HostDialog(QDialog):
             self.last_error = error = field_words(error)
             self.plan_label.setText(f"<span style='color:#b91c1c'>{html.escape(error, quote=False)}</span>")
             self.split_table.setRowCount(0)
+            self.split_table.hide()
             self.weights_table.hide()
             return
         self.last_plan = plan
@@ -435,6 +440,7 @@ class HostDialog(QDialog):
                                 f"{plan.get('available_words') or format_size(plan['available_bytes'])}{weights}")
         self._show_precisions(plan)
         self.split_table.setRowCount(len(plan["split"]))
+        self.split_table.setVisible(bool(plan["split"]))
         for i, s in enumerate(plan["split"]):
             a, b = s["layers"]
             self.split_table.setItem(i, 0, QTableWidgetItem(s["where"]))

@@ -53,6 +53,10 @@ class SettingsDialog(QDialog):
         self.vram_cap.setSuffix(" MB")
         self.vram_cap.setSpecialValueText("no cap")
         self.vram_cap.setValue(int(lim.get("vram_cap_mb") or 0))
+        # it also bounds what this computer hosts: a tester capped it for sharing and then
+        # read "your group has 4.2 GB" in the Host window on a 24 GB machine, unexplained
+        self.vram_cap.setToolTip("The most memory Potluck takes on this computer: for a friend's model it "
+                                 "shares in, and for the models it hosts itself")
         sf.addRow("GPU memory Potluck may use:", self.vram_cap)
         self.temp_pause = QDoubleSpinBox()
         self.temp_pause.setRange(40, 110)

@@ -68,8 +68,10 @@ def event_line(e: dict) -> str:
     elif kind in ("back", "joined"):
         text = f"{who} {'is back' if kind == 'back' else 'joined'}"
     elif kind in ("recovered", "rejoined"):
-        text = (f"rearranged over {e.get('stages')} computer(s) in {e.get('seconds', 0):.1f} s; "
-                f"{e.get('replayed', 0)} conversation(s) replayed, none lost")
+        replayed = e.get("replayed", 0)
+        text = (f"rearranged over {_count(e.get('stages') or 0, 'computer')} in {e.get('seconds', 0):.1f} s; "
+                + (f"{_count(replayed, 'conversation')} carried on, none lost" if replayed
+                   else "no conversation was running"))
         if e.get("ahead_s"):
             text += f" (its share loaded beforehand in {e['ahead_s']:.0f} s while the chat went on)"
     else:

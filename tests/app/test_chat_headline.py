@@ -116,7 +116,7 @@ def test_the_status_window_lists_what_happened():
                    {"event": "recovered", "stages": 1, "seconds": 4.25, "replayed": 3, "t": 5.0}]}}
     page = status_html(st)
     assert "Ana left: &lt;sleep&gt;" in page and "ws://" not in page
-    assert "rearranged over 1 computer(s) in 4.2 s; 3 conversation(s) replayed" in page
+    assert "rearranged over 1 computer in 4.2 s; 3 conversations carried on, none lost" in page
     assert "speculation" not in page   # none ran
     st["hosting"]["speculation"] = {"mode": "auto", "draft": "prompt lookup", "tokens_per_trip": 2.4,
                                     "acceptance": 0.712, "rounds": 30,

@@ -59,6 +59,9 @@ def test_the_model_list_is_the_curated_one_with_sizes(dialog):
     assert len(items) == len(catalog.MODELS) >= 8
     assert d.model.currentIndex() == 0 and "default" in d.model.currentText()
     assert d.model.lineEdit().cursorPosition() == 0     # as it opens: the name, not the label's tail
+    widest = max(d.model.fontMetrics().horizontalAdvance(t) for t in items)
+    assert d.model.view().minimumWidth() > widest        # the open list shows each label whole
+    assert not d.split_table.isVisibleTo(d)               # no empty table before a plan
     for text, entry in zip(items, catalog.MODELS):
         assert entry.name in text and " bf16 · " in text and " int8 · " in text and " nf4" in text
     qwen7 = next(t for t in items if t.startswith("Qwen2.5-7B-Instruct — "))
@@ -132,6 +135,7 @@ def test_the_precision_table_renders_from_a_plan_reply(dialog):
     assert rows[2][2] == "fits" and not t.item(2, 0).font().bold()
     assert "weights: 8-bit (int8)" in d.plan_label.text() and "28 layers" not in d.plan_label.text()
     assert [d.split_table.item(i, 1).text() for i in range(2)] == ["14 of 28 layers"] * 2
+    assert d.split_table.isVisibleTo(d)
     # a node that says what each needs with room for the conversations: that, in the
     # model list's rounding, beside the plan's one figure for the same
     plan = _plan()
@@ -355,7 +359,10 @@ def test_why_start_asks_again_is_scrolled_into_view(dialog, qtbot):
     d.c.status = {"state": "serving", "hosting": {"model": "SmolLM2 135M", "friends": [], "stages": []}}
     d.on_status(d.c.status)
     d.split_table.setRowCount(12)          # a tall split table, as a ring of friends has
+    d.split_table.setMinimumHeight(360)
+    d.split_table.show()
     d.weights_table.show()
+    qtbot.wait(50)                         # laid out, as a plan shown before the press is
     d.invitees.setValue(0)
     d.start()
     assert d.start_button.text() == "Stop it and host" and "is running now" in d.result.text()
@@ -376,6 +383,8 @@ def test_a_start_that_fails_later_gives_the_window_back_with_the_reason_in_view(
     d.resize(620, 420)
     d.show()
     d.split_table.setRowCount(12)
+    d.split_table.setMinimumHeight(360)
+    d.split_table.show()
     d.weights_table.show()
     d.c.host = lambda request, cb=None: cb({"plan": _plan()}, None)     # the node took it
     d.start()
