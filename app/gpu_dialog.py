@@ -58,8 +58,8 @@ class GpuOffer(QObject):
             self.offered.emit(None)
 
 
-STAGES = {"resolve": "Finding the CUDA build of torch for this computer…",
-          "unpack": "Unpacking…", "verify": "Checking that torch sees your GPU…", "switch": "Switching over…",
+STAGES = {"resolve": "Finding the GPU version of Potluck's engine for this computer…",
+          "unpack": "Unpacking…", "verify": "Checking that it sees your GPU…", "switch": "Switching over…",
           "done": "Done."}
 
 
@@ -76,9 +76,9 @@ class GpuEnableDialog(QDialog):
         lay = QVBoxLayout(self)
         name = (gpu.names[0] if gpu and gpu.names else "your NVIDIA GPU")
         self.intro = QLabel(
-            f"Potluck computes on the CPU now. It can download the CUDA build of torch "
-            f"({ge.format_size(size) if size else 'about 2.5 GB'}) from the PyTorch package index and use "
-            f"<b>{html.escape(name)}</b> instead.<br><br>What Potluck uses now stays in place until the new build "
+            f"Potluck computes on the processor now. It can download the GPU version of its engine "
+            f"({ge.format_size(size) if size else 'about 2.5 GB'}) from PyTorch's own site and use "
+            f"<b>{html.escape(name)}</b> instead.<br><br>What Potluck uses now stays in place until the new version "
             "has been checked on this computer. A stopped download resumes where it stopped. "
             "Settings has the way back.")
         self.intro.setWordWrap(True)
@@ -158,8 +158,9 @@ class GpuEnableDialog(QDialog):
         if done is not None:
             self.result = done
             self.bar.setValue(1000)
-            self.status.setText(f"<b>The GPU is ready:</b> torch {html.escape(done.torch)} computes on "
-                                f"{html.escape(done.device or 'the GPU')}. Potluck is restarting its engine "
+            self.status.setText(f"<b>The GPU is ready:</b> Potluck computes on "
+                                f"{html.escape(done.device or 'the GPU')} (torch {html.escape(done.torch)}). "
+                                "Potluck is restarting its engine "
                                 "on it, so sharing and hosting use the GPU from now on."
                                 + (f"<br>Not on the package index, so left out: "
                                    f"{html.escape(', '.join(done.skipped))}." if done.skipped else ""))
