@@ -156,6 +156,7 @@ class HostDialog(QDialog):
         form.addRow("", self.fit_label)
         self.invitees = QSpinBox()
         self.invitees.setRange(0, 8)
+        self.invitees.valueChanged.connect(self._show_fit)
         self.invitees.setToolTip("How many friends' computers join with the invite code")
         form.addRow("Friends to invite:", self.invitees)
         lay.addLayout(form)
@@ -369,8 +370,14 @@ class HostDialog(QDialog):
             self.fit_label.setText("" if self.models else "Checking what this computer can run…")
             return
         color = "#15803d" if fit["fits"] else "#b91c1c"
-        self.fit_label.setText(f"<span style='color:{color}'>{html.escape(fit['words'][:1].upper() + fit['words'][1:])}"
-                               "</span>")
+        words = fit["words"][:1].upper() + fit["words"][1:]
+        if fit["fits"] and not fit.get("fits_here") and fit.get("friends") and not self.invitees.value():
+            # the friends in the ring now, but a start with none to invite hosts on this computer
+            # alone (it read "Fits with your friends" over the plan's red "does not fit")
+            words += (". With “Friends to invite” at 0 it would start on this computer alone, which is too "
+                      "small for it")
+            color = "#b45309"
+        self.fit_label.setText(f"<span style='color:{color}'>{html.escape(words)}</span>")
 
     def draft_pairing(self) -> str:
         """The catalog's draft model for the chosen model ('' where it pairs none)."""

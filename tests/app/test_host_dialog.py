@@ -47,6 +47,11 @@ def test_the_chosen_model_says_whether_the_group_can_run_it(dialog):
     items = [d.model.itemText(i) for i in range(d.model.count())]
     d.model.setCurrentIndex(next(i for i, t in enumerate(items) if t.startswith("Qwen2.5-7B-Instruct — ")))
     assert "Fits with your friends as int8" in d.fit_label.text() and "Ana 8.0 GB" in d.fit_label.text()
+    # with no friend to invite, the start would host on this computer alone: said so
+    assert "With “Friends to invite” at 0 it would start on this computer alone" in d.fit_label.text()
+    d.invitees.setValue(1)
+    assert "Fits with your friends as int8" in d.fit_label.text() and "at 0" not in d.fit_label.text()
+    d.invitees.setValue(0)
     d.model.setCurrentIndex(next(i for i, t in enumerate(items) if "70B" in t))
     assert "invite one more friend with a" in d.fit_label.text() or "invite friends with" in d.fit_label.text()
 
