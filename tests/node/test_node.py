@@ -720,23 +720,34 @@ def test_the_chats_pipeline_answers_while_the_friends_invited_come(tmp_path):
         assert host.wait(60) == 0 and friend.wait(60) == 0
 
 
+def _joined_with_a_gone_code_to_try(tmp_path, env: dict):
+    """A node joined to a `potluck host` (its layers loaded), and a code of a host that
+    answers nowhere: (host, node process, its port, the first pipeline, the code)."""
+    from engine.wire.invite import HostState
+
+    host, code = _host_with_invite(tmp_path, "--port", "0")
+    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file",
+                                 "POTLUCK_UPNP": "0", **env})
+    try:
+        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
+        assert status == 200 and st["state"] == "sharing", st
+        # the host's pipeline formed, this computer's layers loaded: the ring as a friend has it
+        wait_status(port, lambda s: s["sharing"]["layers"] and s["sharing"]["connected"], timeout=120)
+    except BaseException:
+        host.kill()
+        proc.kill()
+        raise
+    (tmp_path / "gone").mkdir()
+    _, gone = HostState(tmp_path / "gone").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
+    return host, proc, port, st["sharing"]["joined"]["pipeline"], gone
+
+
 def test_a_join_that_fails_leaves_this_computer_sharing_with_the_friend_it_had(tmp_path):
     """Joined to one friend, a code from another who withdrew it (here: a host that answers
     nowhere, and no reply code): the join failed, and this computer had already left the
     first friend, its share off, with nothing said."""
-    host, code = _host_with_invite(tmp_path, "--port", "0")
-    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file",
-                                 "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "off"})
+    host, proc, port, first, gone = _joined_with_a_gone_code_to_try(tmp_path, {"POTLUCK_REPLY_LISTEN": "off"})
     try:
-        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
-        assert status == 200 and st["state"] == "sharing", st
-        first = st["sharing"]["joined"]["pipeline"]
-        # the host's pipeline formed, this computer's layers loaded: the ring as a friend has it
-        wait_status(port, lambda s: s["sharing"]["layers"] and s["sharing"]["connected"], timeout=120)
-        from engine.wire.invite import HostState
-
-        (tmp_path / "gone").mkdir()
-        _, gone = HostState(tmp_path / "gone").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
         status, err = call(port, "POST", "/join", {"code": gone}, timeout=120)
         assert status >= 400 and "shares with the friend it shared with before" in err["error"], err
         st = wait_status(port, lambda s: s["state"] == "sharing", timeout=60)
@@ -751,19 +762,9 @@ def test_a_join_that_fails_on_its_reply_code_goes_back_to_the_friend_it_had(tmp_
     """As a join that fails at once: one that offered a reply code nobody took (the other
     host withdrew, or closed Potluck) gave up after its wait with this computer's share off,
     the first friend left for nothing."""
-    host, code = _host_with_invite(tmp_path, "--port", "0")
-    proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file",
-                                 "POTLUCK_UPNP": "0", "POTLUCK_REPLY_LISTEN": "127.0.0.1:0",
-                                 "POTLUCK_REPLY_WAIT_S": "3"})
+    host, proc, port, first, gone = _joined_with_a_gone_code_to_try(
+        tmp_path, {"POTLUCK_REPLY_LISTEN": "127.0.0.1:0", "POTLUCK_REPLY_WAIT_S": "3"})
     try:
-        status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
-        assert status == 200 and st["state"] == "sharing", st
-        first = st["sharing"]["joined"]["pipeline"]
-        wait_status(port, lambda s: s["sharing"]["layers"] and s["sharing"]["connected"], timeout=120)
-        from engine.wire.invite import HostState
-
-        (tmp_path / "gone").mkdir()
-        _, gone = HostState(tmp_path / "gone").create_invite(os.urandom(32), "", ["ws://127.0.0.1:9"], kinds=["lan"])
         status, st = call(port, "POST", "/join", {"code": gone}, timeout=120)
         assert status == 200 and st["sharing"]["joining"]["reply_code"], st      # waiting on the code
         st = wait_status(port, lambda s: "joining" not in s["sharing"] and s["error"]

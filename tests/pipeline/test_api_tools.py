@@ -50,16 +50,21 @@ async def test_a_named_call_is_forced_and_its_result_goes_back_in(client, pipeli
     assert '"temperature_c": 22' in rendered and "<tool_call>" in rendered and "<tools>" not in rendered
 
 
-async def test_a_required_call_streams_as_tool_call_deltas(client):
-    stream = await client.chat.completions.create(
-        model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
-        max_tokens=80, stream=True)
+async def streamed(stream) -> tuple[list, str | None, str]:
+    """A streamed reply's tool-call deltas, its finish_reason and its content."""
     calls, finish, content = [], None, ""
     async for chunk in stream:
         delta = chunk.choices[0].delta
         calls += delta.tool_calls or []
         content += delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
+    return calls, finish, content
+
+
+async def test_a_required_call_streams_as_tool_call_deltas(client):
+    calls, finish, content = await streamed(await client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+        max_tokens=80, stream=True))
     assert finish == "tool_calls" and content == ""
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in ("get_weather", "get_time")
     args = json.loads(calls[0].function.arguments)
@@ -78,15 +83,9 @@ async def test_a_forced_call_cut_by_the_length_limit_comes_back_as_a_call(client
         assert r._request_id.startswith("req_")          # each answer named, as OpenAI's are
         (call,) = choice.message.tool_calls
         assert call.function.name.startswith("get_") and "{" not in call.function.name, call
-        stream = await client.chat.completions.create(
+        calls, finish, content = await streamed(await client.chat.completions.create(
             model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
-            max_tokens=max_tokens, stream=True)
-        calls, finish, content = [], None, ""
-        async for chunk in stream:
-            delta = chunk.choices[0].delta
-            calls += delta.tool_calls or []
-            content += delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
+            max_tokens=max_tokens, stream=True))
         assert finish == "length" and content == "" and [c.function.model_dump() for c in calls] == [
             call.function.model_dump()]
 
