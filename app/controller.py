@@ -327,6 +327,11 @@ class Controller(QObject):
             return
         self._act("POST", "/share", {"on": bool(on), **self._name()}, cb)
 
+    def check_invite(self, code: str, cb):
+        """Whose pipeline an invite code is for, without joining: cb({"pipeline", "shared_with"},
+        None) or cb(None, why the code cannot be used)."""
+        self._act("POST", "/join", {"code": code, "check": True}, cb)
+
     def _name(self) -> dict:
         """How friends see this computer when it joins them (Settings; none: its name)."""
         return {"name": self.settings.display_name} if self.settings.display_name else {}

@@ -144,21 +144,32 @@ class JoinDialog(QDialog):
         if not looks_like_code(text):
             # never a share under a name typed by mistake: that opens a port and shows its secret
             return self._error(NOT_A_CODE)
-        short = is_short_code(text)
-        pipeline = None if short else invite_pipeline(text)
-        if pipeline is not None and pipeline == self._shared_with():
+        if self._shared_with() and not self.leave_confirmed and not is_short_code(text):
+            # whose code it is first (the node reads it): the same friend again is no reason
+            # to leave them, and a typo is said before any question (a short code's friend
+            # only the relay knows: asked as before)
+            self.result.setText("Checking the code…")
+            return self.c.check_invite(text, lambda answer, error: self._checked(text, answer, error))
+        if self._asks_to_leave():
+            return
+        self._join_code(text)
+
+    def _checked(self, text: str, answer, error):
+        if error:
+            return self._error(error)
+        if answer.get("pipeline") and answer["pipeline"] == answer.get("shared_with"):
             self.result.setText("<b>This computer already shares with this friend.</b> Nothing to do: a new "
                                 "code from them is not needed while it does.")
             return
-        # a code with a typo goes on to the node, which says so and leaves nothing (the
-        # question whether to leave the friend came first, for a join that could not happen)
-        if (short or pipeline is not None) and self._asks_to_leave():
-            return
+        if not self._asks_to_leave():
+            self._join_code(text)
+
+    def _join_code(self, text: str):
         self.result.setText("Connecting…")
         self.c.join(code=text, relay=self.relay.text().strip() or None, cb=self._done)
 
     def _shared_with(self) -> str | None:
-        """The pipeline this computer shares with now, or is joining."""
+        """The pipeline this computer shares with now, or is joining (as the status says)."""
         sharing = (self.c.status or {}).get("sharing") or {}
         return (sharing.get("joined") or sharing.get("joining") or {}).get("pipeline")
 
@@ -223,17 +234,6 @@ NOT_A_CODE = ("That doesn't look like an invite code. An invite code is a long l
               "(or a short code like 4821-917305, with the host's relay under Advanced): ask your friend to "
               "copy it again, or to send the potluck:// link.")
 PIPELINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-def invite_pipeline(text: str) -> str | None:
-    """Which host's pipeline a whole invite code is for (None: a short code, which only the
-    relay resolves, or a code with a typo). engine/wire/invite.py is plain Python."""
-    from engine.wire.invite import InviteError, parse
-
-    try:
-        return parse(text).pipeline_id
-    except InviteError:
-        return None
 
 
 def is_short_code(text: str) -> bool:

@@ -182,6 +182,8 @@ class NodeRoutes:
             problem = relay.strip() and address_problem(relay.strip(), "a relay's address", relay=True)
             if problem:
                 raise NodeError(problem)
+            if body.get("check") is True:    # whose code it is, before the join window asks to leave
+                return web.json_response(self.check_invite(code.strip()))
             return web.json_response(await self.join_invite(code.strip(), relay.strip()))
         pipeline = body.get("pipeline")
         if not isinstance(pipeline, str) or not pipeline.strip() or len(pipeline) > 200:

@@ -67,6 +67,24 @@ class Sharing:
                 return
         await self._apply_policy()
 
+    def check_invite(self, code: str) -> dict:
+        """Whose pipeline a code is for, read without joining (the join window asks this
+        before it offers to leave the friend shared with now); a code with a typo is said.
+        A short code's pipeline only the relay knows, and asking would spend it: None."""
+        from engine.boot.join_link import LinkError, is_link, parse_link
+        from engine.wire import shortcode
+        from engine.wire.invite import InviteError, parse
+
+        try:
+            if is_link(code):
+                code = parse_link(code).code
+            invite = None if shortcode.is_short(code) else parse(code)
+        except (InviteError, LinkError) as exc:
+            raise NodeError(join_failed(f"that invite code cannot be used: {exc}"), details=str(exc)) from None
+        now = (self.invite.pipeline_id if self.invite is not None and (self.stage_server is not None
+                                                                       or self._joining is not None) else None)
+        return {"pipeline": invite.pipeline_id if invite else None, "shared_with": now}
+
     async def join_invite(self, code: str, relay: str = "", member=None) -> dict:
         """Contribute this machine through the host's tunnel (engine/wire/tunnel.py): a stage on
         loopback, reached only through the end-to-end encrypted session the invite opens.

@@ -535,9 +535,19 @@ def test_join_with_an_invite_code(tmp_path):
     proc, port = start_node(env={"POTLUCK_HOME": str(tmp_path / "joiner"), "POTLUCK_KEYSTORE": "file"})
     try:
         assert call(port, "POST", "/join", {"code": code[:-3] + "AAA"})[0] == 400  # a typo is reported
+        # whose code it is, read without joining (the join window asks before leaving a friend)
+        from engine.wire.invite import parse
+
+        status, checked = call(port, "POST", "/join", {"code": code, "check": True})
+        assert status == 200 and checked == {"pipeline": parse(code).pipeline_id, "shared_with": None}, checked
+        status, err = call(port, "POST", "/join", {"code": code[:-3] + "AAA", "check": True})
+        assert status == 400 and "not a whole invite code" in err["error"] and "typo" in err["details"], err
+        assert call(port, "GET", "/status")[1]["state"] == "idle"
         status, st = call(port, "POST", "/join", {"code": code}, timeout=120)
         assert status == 200, st
         assert st["state"] == "sharing" and st["sharing"]["joined"]["via"] == "direct"
+        status, checked = call(port, "POST", "/join", {"code": code, "check": True})
+        assert checked["shared_with"] == checked["pipeline"], checked
         assert st["sharing"]["address"] is None  # the stage listens on loopback only
         out, err = host.communicate(timeout=300)
         assert host.returncode == 0, err[-2000:]
