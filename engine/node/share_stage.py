@@ -52,7 +52,7 @@ class Sharing:
                 self._forget_join()
                 raise NodeError(NOT_KNOWN) from None
             try:
-                await self.join_invite(kept["code"], kept.get("relay", ""), member=invite)
+                await self.join_invite(kept["code"], kept.get("relay", ""), kept=invite)
             except NodeError as exc:
                 if not _not_a_member(exc.details or ""):
                     raise           # not reached (asleep, say): the same next time
@@ -85,14 +85,15 @@ class Sharing:
                                                                        or self._joining is not None) else None)
         return {"pipeline": invite.pipeline_id if invite else None, "shared_with": now}
 
-    async def join_invite(self, code: str, relay: str = "", member=None) -> dict:
+    async def join_invite(self, code: str, relay: str = "", kept=None) -> dict:
         """Contribute this machine through the host's tunnel (engine/wire/tunnel.py): a stage on
         loopback, reached only through the end-to-end encrypted session the invite opens.
-        member: the kept invite of a host that admitted this computer before (set_share)."""
+        kept: the kept invite of a host that admitted this computer before (set_share): joined
+        as its member, the code read as it is (expired or not)."""
         from engine.node.homes import HomeError, redeem
 
         try:
-            invite = member or await redeem(code, relay)
+            invite = kept or await redeem(code, relay)
         except HomeError as exc:
             raise NodeError(join_failed(str(exc)), details=str(exc)) from None
         gate = getattr(self, "friends_gate", None)
@@ -111,7 +112,7 @@ class Sharing:
             self.error = None
             if not self._decide().paused:
                 self._reply_shown = asyncio.Event()
-                task = asyncio.ensure_future(self._start_share(reply=True, member=member is not None))
+                task = asyncio.ensure_future(self._start_share(reply=True, member=kept is not None))
                 shown = asyncio.ensure_future(self._reply_shown.wait())
                 await asyncio.wait({task, shown}, return_when=asyncio.FIRST_COMPLETED)
                 shown.cancel()
