@@ -26,11 +26,20 @@ def new_api_key() -> str:
     return "pl-" + secrets.token_urlsafe(24)
 
 
+# the model list's sizes in people's words (the node's label names the engine's
+# precisions: "full (float32)", "nf4")
+SIZE_WORDS = {"bf16": "full precision", "int8": "8-bit", "nf4": "4-bit", "int4": "4-bit"}
+
+
 def model_label(m: dict) -> str:
-    """One line of the model list, from the node's /models entry."""
+    """One line of the model list, from the node's /models entry: its name and its
+    weights' size at each precision."""
+    sizes = m.get("sizes") or {}
+    label = (f"{m['name']} — " + " · ".join(f"{format_size(b)} {SIZE_WORDS.get(w, w)}" for w, b in sizes.items())
+             if sizes and m.get("name") else m["label"])
     if m["id"] == "default":
-        return f"default: {m['label']} {DEFAULT_NOTE}"
-    return m["label"] + (" (accept its license on huggingface.co first)" if m.get("gated") else "")
+        return f"default: {label} {DEFAULT_NOTE}"
+    return label + (" (accept its license on huggingface.co first)" if m.get("gated") else "")
 
 
 DRAFT_NONE = "None: guesses from the conversation only"

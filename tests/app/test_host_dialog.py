@@ -68,9 +68,11 @@ def test_the_model_list_is_the_curated_one_with_sizes(dialog):
     assert d.model.view().minimumWidth() > widest        # the open list shows each label whole
     assert not d.split_table.isVisibleTo(d)               # no empty table before a plan
     for text, entry in zip(items, catalog.MODELS):
-        assert entry.name in text and " bf16 · " in text and " int8 · " in text and " nf4" in text
+        # in people's words, not the engine's ("full (float32)", "nf4")
+        assert entry.name in text and " full precision · " in text and " 8-bit · " in text and " 4-bit" in text
+        assert "float32" not in text and "nf4" not in text and "bf16" not in text
     qwen7 = next(t for t in items if t.startswith("Qwen2.5-7B-Instruct — "))
-    assert "GB bf16" in qwen7
+    assert "GB full precision" in qwen7
     # a listed model hosts by its hub id; typed text goes as typed
     d.model.setCurrentIndex(items.index(qwen7))
     assert d.request()["model"] == "Qwen/Qwen2.5-7B-Instruct"
