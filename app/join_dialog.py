@@ -7,7 +7,8 @@ import html
 import re
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDialog, QDialogButtonBox, QGroupBox, QLabel, QLineEdit, QSpinBox, QVBoxLayout
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFrame, QGroupBox, QLabel, QLineEdit, QScrollArea, QSpinBox,
+                               QVBoxLayout)
 
 from .dialogs import advanced_box
 from .links import LinkError, is_link, parse_link
@@ -48,7 +49,14 @@ class JoinDialog(QDialog):
         self.result = QLabel("")
         self.result.setWordWrap(True)
         self.result.setTextInteractionFlags(Qt.TextSelectableByMouse)
-        lay.addWidget(self.result, 1)
+        self.result.setAlignment(Qt.AlignTop | Qt.AlignLeft)
+        # a long answer (a reply code and what to do with it) scrolls in a small window
+        # instead of pushing the buttons out of it
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.NoFrame)
+        scroll.setWidget(self.result)
+        lay.addWidget(scroll, 1)
         self.buttons = QDialogButtonBox()
         self.accept_button = self.buttons.addButton("Accept and share", QDialogButtonBox.AcceptRole)
         self.buttons.addButton(QDialogButtonBox.Cancel)

@@ -149,3 +149,22 @@ def test_what_is_used_is_said_in_words_and_for_the_computer_there_is(dialog):
     assert not any(w in text for w in ("layers", "token", "slice"))
     d.describe({"gpu": {"message": "NVIDIA GeForce RTX 3060", "gpus": [{"name": "NVIDIA GeForce RTX 3060"}]}})
     assert "GPU runs hot" in d.usage.text()
+
+
+def test_a_long_answer_in_a_small_window_keeps_the_buttons_in_it(dialog, qtbot):
+    """At 420×300 a reply code and what to do with it cut the window's last lines and
+    pushed "Accept and share" out of it: the answer scrolls instead."""
+    d = dialog
+    d.show()
+    d.resize(420, 300)
+    reply = "R1ABC-DEFGH-JKMNP-QRSTV"
+    d.answers.append(({"state": "idle", "sharing": {"joining": {"pipeline": "5c55ab92", "reply_code": reply,
+                                                                "events": ["tried the host's addresses"] * 6}}}, None))
+    d.code.setText(CODE)
+    d.join()
+    qtbot.wait(50)
+    assert reply in d.result.text() and d.height() <= 340
+    # the answer whole: its label as tall as its wrapped lines (the scroll area shows them)
+    assert d.result.height() >= d.result.heightForWidth(d.result.width()), (d.result.height(), d.size())
+    bottom = d.accept_button.mapTo(d, d.accept_button.rect().bottomLeft()).y()
+    assert 0 < bottom <= d.height()
