@@ -100,6 +100,7 @@ class TapeCuda:
     def __init__(self):
         self.captures = 0
         self.graphs: list[TapeGraph] = []
+        self.pools_stopped: list = []     # pools the runner stopped recording into
 
     def graph_pool_handle(self):
         return object()
@@ -125,6 +126,9 @@ class TapeCuda:
 
     def memory_reserved(self, device):
         return 0
+
+    def end_pool_recording(self, device, pool):    # torch._C._cuda_endAllocateToPool
+        self.pools_stopped.append(pool)
 
     def synchronize(self, device):
         pass

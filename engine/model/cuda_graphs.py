@@ -100,13 +100,21 @@ class HostReadWatch(TorchDispatchMode):
             raise HostRead(f"the step reads a device value on the host ({func} with no range)")
         if func in MASK_INDEXING and _by_mask(args):
             raise HostRead(f"the step indexes by a boolean mask ({func})")
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if func in COPIES:
-            kinds = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            kinds = {t.device.type for t in tensors}
             dst = kwargs.get("device")
             if dst is not None:
                 kinds.add(torch.device(dst).type)
             if "cpu" in kinds and len(kinds) > 1:
                 raise HostRead(f"the step copies between the host and the device ({func})")
+        else:
+            # a host tensor handed to a device operator (an index kept on the host): torch
+            # copies it across inside the kernel's call, which a capture refuses half-way
+            # through. A host scalar (no dimensions) is passed by value and is all right.
+            kinds = {t.device.type for t in tensors if t.dim() > 0 or t.device.type != "cpu"}
+            if "cpu" in kinds and len(kinds) > 1:
+                raise HostRead(f"the step hands a host tensor to a device operator ({func})")
         return func(*args, **kwargs)
 
 
@@ -129,8 +137,21 @@ class GraphRunner:
         self.stage, self.book, self.cuda = stage, book, cuda
         self.device = stage.device
         self.pool = cuda.graph_pool_handle()
+        # one stream to warm up on and one to capture on, for every capture: cuBLAS keeps a
+        # workspace per stream it ran on (tens of MiB on a Hopper GPU, some of them made
+        # inside a graph's pool, which they then keep alive), and a new stream each time
+        # cycles through torch's 32
+        self.side = cuda.Stream(self.device)
+        self.capture_stream = cuda.Stream(self.device)
         # shape -> (graph, output buffer, the KV generation it was captured under)
         self.graphs: dict[StepShape, tuple[object, torch.Tensor, int]] = {}
+
+    def will_replay(self, shape: StepShape) -> bool:
+        """Whether a step of this shape replays a graph, or captures one. If neither, the
+        stage's own eager step at the batch's exact size is cheaper than this bucket's step
+        run eagerly (rows padded to the bucket, keys to its floor, K/V gathered)."""
+        entry = self.graphs.get(shape)
+        return (entry is not None and entry[2] == self.stage.kv.generation) or self.book.may_capture(shape)
 
     def run(self, shape: StepShape, step) -> torch.Tensor:
         kv = self.stage.kv
@@ -171,7 +192,7 @@ class GraphRunner:
         cuda = self.cuda
         t0 = time.perf_counter()
         reserved = cuda.memory_reserved(self.device)
-        side = cuda.Stream(self.device)
+        side = self.side
         side.wait_stream(cuda.current_stream(self.device))
         with cuda.stream(side):
             with HostReadWatch():       # refused here, before any capture begins
@@ -192,11 +213,16 @@ class GraphRunner:
         graph = cuda.CUDAGraph()
         # the capture on a stream of our own, inside a context of our own: if the capture's
         # end raises, torch's context skips putting the thread's stream back, ours does not
-        capture_stream = cuda.Stream(self.device)
+        capture_stream = self.capture_stream
+        capture_stream.wait_stream(cuda.current_stream(self.device))
         began.append(True)
-        with cuda.stream(capture_stream):
-            with cuda.graph(graph, pool=self.pool, stream=capture_stream, capture_error_mode="thread_local"):
-                out = step()
+        try:
+            with cuda.stream(capture_stream):
+                with cuda.graph(graph, pool=self.pool, stream=capture_stream, capture_error_mode="thread_local"):
+                    out = step()
+        except BaseException:
+            self._stop_pool_recording()
+            raise
         if self.stage.kv.generation != generation:
             raise RuntimeError("the KV store moved while the step was captured")
         graph.replay()
@@ -205,6 +231,22 @@ class GraphRunner:
         for old in self.book.captured(shape, time.perf_counter() - t0, cuda.memory_reserved(self.device) - reserved):
             self.graphs.pop(old, None)
         return out
+
+    def _stop_pool_recording(self) -> None:
+        """After a capture that failed half-way: the allocator told to stop putting the
+        capture stream's blocks in the pool. Some torch versions leave it recording when the
+        capture's end raises, and then every empty_cache() fails an internal assert (the
+        stage's memory given back, an allocation out of memory retried). Where torch stopped
+        it already, it says so (an error), which is all right."""
+        end = getattr(self.cuda, "end_pool_recording", None)     # the tests' stand-in
+        try:
+            if end is not None:
+                end(self.device, self.pool)
+            else:
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                torch._C._cuda_endAllocateToPool(index, self.pool)
+        except Exception as exc:  # noqa: BLE001 -- not recording any more: nothing to stop
+            log.debug("the pool was not recording after the failed capture: %s", exc)
 
     def drop_all(self) -> None:
         self.graphs.clear()

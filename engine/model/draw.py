@@ -43,14 +43,15 @@ CPU_CANDIDATES = 256
 CPU_BLOCK_ROWS = 16
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A step's few host numbers (a row's temperature, its uniform, the penalties' pairs) on
     `device`, queued behind the step without waiting for it. A copy from pageable memory
     may wait for the GPU's queue to drain first (CUDA stages it through pinned memory and
     may synchronise the stream to do so): the draw's launches would then start only once
     the step's forward had finished. From pinned memory it is queued like any kernel."""
     t = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda":
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+# the step's few host numbers reach a GPU queued behind its work, not after a wait for it
+from engine.model.draw import to_device
+
 
 class KVCapacityError(RuntimeError):
     """A sequence needs more KV memory than this stage's budget allows."""
@@ -216,7 +219,7 @@ class BatchCache:
         self.ns = ns
         self.q_len = q_len
         dev = store.device
-        self._slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        self._slot_idx = to_device(slots, torch.long, dev)
         self._contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         self.kv_len = max(s + n for s, n in zip(starts, ns))
         self._decode = q_len == 1
@@ -225,7 +228,7 @@ class BatchCache:
         # writes cost ~10 us each, twice per layer per step
         self._slice_pos = starts[0] if self._decode and self._contiguous and len(set(starts)) == 1 else None
         if self._decode and self._slice_pos is None:
-            self._pos_idx = torch.tensor(starts, dtype=torch.long, device=dev)
+            self._pos_idx = to_device(starts, torch.long, dev)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         store = self.store
@@ -285,8 +288,8 @@ def build_masks(starts, ns, q_len, kv_len, dtype, device, windows: dict[str, int
     """
     chunks = chunks or {}
     B = len(starts)
-    starts_t = torch.tensor(starts, device=device).view(B, 1, 1)
-    ns_t = torch.tensor(ns, device=device).view(B, 1, 1)
+    starts_t = to_device(starts, torch.long, device).view(B, 1, 1)
+    ns_t = to_device(ns, torch.long, device).view(B, 1, 1)
     col = torch.arange(q_len, device=device).view(1, q_len, 1)
     key = torch.arange(kv_len, device=device).view(1, 1, kv_len)
     pad = col < (q_len - ns_t)
@@ -309,8 +312,8 @@ def build_masks(starts, ns, q_len, kv_len, dtype, device, windows: dict[str, int
 
 def position_ids(starts, ns, q_len, device):
     B = len(starts)
-    starts_t = torch.tensor(starts, device=device).view(B, 1)
-    ns_t = torch.tensor(ns, device=device).view(B, 1)
+    starts_t = to_device(starts, torch.long, device).view(B, 1)
+    ns_t = to_device(ns, torch.long, device).view(B, 1)
     col = torch.arange(q_len, device=device).view(1, q_len)
     pos = starts_t + col - (q_len - ns_t)
     return pos.clamp_min(0)

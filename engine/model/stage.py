@@ -42,6 +42,7 @@ from torch import nn
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.cuda_graphs import capturing
+from engine.model.draw import to_device
 from engine.model.fused_norms import fuse_rms_norms
 from engine.model.fused_rotary import fuse_rotary
 from engine.model.fused_products import fuse_products
@@ -429,6 +430,8 @@ class StageModel(StageLoading):
             gather = None
         else:
             gather = torch.cat([torch.arange(T - n, T) + r * T for r, n in enumerate(batch.ns)])
+            if inputs.device.type != "cpu":      # indexing a GPU tensor by a host one waits for the GPU
+                gather = to_device(gather, torch.long, inputs.device)
             padded = inputs.new_zeros((B * T, *inputs.shape[1:]))
             padded[gather] = inputs
             padded = padded.view(B, T, *inputs.shape[1:])
@@ -441,10 +444,12 @@ class StageModel(StageLoading):
             mask = self._with_alibi(mask)
         pos = position_ids(batch.starts, batch.ns, T, self.device)
         kwargs = dict(attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        # from the host through pinned memory, queued behind the GPU's work: a plain copy
+        # waits for all of it first
         if self.first:
-            kwargs["input_ids"] = padded.to(self.device)
+            kwargs["input_ids"] = to_device(padded, padded.dtype, self.device)
         else:
-            h = padded.to(self.device, self.dtype)
+            h = to_device(padded, self.dtype, self.device)
             self._injected.h = h
             # a copy: the model may scale its embeddings in place (CTRL: inputs_embeds *= ...),
             # which must not reach the activations its first layer is handed
@@ -469,7 +474,7 @@ class StageModel(StageLoading):
         if self.last:
             return out.float()
         out = out.reshape(B * T, -1)
-        return out if gather is None else out[gather]
+        return out if gather is None else out[to_device(gather, torch.long, out.device)]
 
     def free(self, seq_id: int) -> bool:
         freed = self.kv.free(seq_id)

@@ -325,6 +325,9 @@ class StaticDecoder:
         if isinstance(shape, str):
             self.book.ran_eagerly(shape)
             return None
+        if self.runner is not None and not self.runner.will_replay(shape):
+            self.book.ran_eagerly("capture failed before")
+            return None
         bufs = self.buffers.get(shape)
         if bufs is None:
             bufs = self.buffers[shape] = Buffers.make(stage, shape)

@@ -574,3 +574,19 @@ def test_indexing_by_a_boolean_mask_is_a_host_read():
         with pytest.raises(HostRead, match="no range"):
             torch.histc(x, bins=4)
         torch.histc(x, bins=4, min=0, max=7)         # a range: no read (experts count tokens so)
+
+
+def test_a_host_index_handed_to_a_device_tensor_is_a_host_read():
+    """An index kept on the host, used on a GPU tensor, is copied across inside the
+    operator: a capture fails half-way through it. The watch refuses it before any
+    capture begins. ("meta" stands in for a device here; a host scalar is all right.)"""
+    from engine.model.cuda_graphs import HostRead, HostReadWatch
+
+    x = torch.zeros(8, device="meta")
+    with HostReadWatch():
+        x * torch.tensor(2.0)                        # a host scalar: passed by value
+        x[torch.tensor([1, 3], device="meta")]       # an index on the device
+        with pytest.raises(HostRead, match="host tensor"):
+            x[torch.tensor([1, 3])]
+        with pytest.raises(HostRead, match="host tensor"):
+            x.index_select(0, torch.tensor([1, 3]))

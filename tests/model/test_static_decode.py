@@ -304,13 +304,20 @@ def test_a_capture_that_raises_runs_the_step_eagerly_and_enough_failures_stop_ca
     prompts = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
     for chain in ([stage], [ref]):
         forward(chain, StageBatch([0, 1, 2, 3], [0] * 4, [4] * 4), [t for p in prompts for t in p])
-    for rows in ([0], [0, 1], [0, 1, 2, 3], [0, 1]):          # buckets of 1, 2, 4, then 2 again
+    steps = []
+    for rows in ([0], [0, 1], [0, 1, 2, 3], [0, 1], [0, 1, 2]):   # buckets of 1, 2, 4, 2 again, 4
         batch = StageBatch(rows, [stage.kv.length(r) for r in rows], [1] * len(rows))
         torch.testing.assert_close(forward([stage], batch, [50] * len(rows)), forward([ref], batch, [50] * len(rows)),
                                    atol=1e-5, rtol=1e-5)
+        steps.append(static.steps)
     book = static.book
     assert book.disabled and "operation not permitted" in book.disabled
     assert book.eager.get("capture failed before", 0) >= 1
+    # the allocator stopped recording into the pool the failed capture had opened
+    assert cuda.pools_stopped and cuda.pools_stopped[0] is static.runner.pool
+    # with no graph to replay, a step is the stage's own at the batch's size, not the
+    # bucket's padded one run eagerly (3 rows padded to 4, keys to the bucket's floor)
+    assert steps[-1] == steps[-2] == steps[-3], steps
     assert "runs without a CUDA graph" in caplog.text
 
 
