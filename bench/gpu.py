@@ -634,6 +634,10 @@ def hf_worker(a, weights: str, prompts: list[list[int]]) -> dict:
     mem = DeviceMemory(device)
     if gpu:
         torch.cuda.reset_peak_memory_stats()  # the copy's buffers are no part of any figure
+        # generate with cuDNN's attention off, as our stages run (engine/model/device.py):
+        # its plan for every new key length would slow generate's decode, and the ratio
+        # would measure that, not our step
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # as our engine computes: bfloat16 on a GPU, float32 on the CPU (engine/model/device.py)
     dtype = torch.bfloat16 if gpu else torch.float32
     kw = dict(dtype=dtype, device_map=device)

@@ -107,6 +107,22 @@ def test_replayed_graphs_give_the_eager_steps_logits(where, tiny_folder, arch):
     assert book.replays == 12 and book.captures == 14 and not book.failed, book.summary()
 
 
+@pytest.mark.gpu
+def test_bfloat16_graphs_replay_as_the_eager_bfloat16_steps(tiny_folder, monkeypatch):
+    """What a GPU stage computes in: bfloat16 (the tests above compare float32 steps), where
+    the attention's products and the memory-efficient kernel take paths of their own."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    where = Where("cuda", monkeypatch)
+    folder, _ = tiny_folder("llama")
+    eager = decode(where.stage(folder, False, dtype=torch.bfloat16), 8)
+    s = where.stage(folder, True, dtype=torch.bfloat16)
+    got = decode(s, 8)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+    assert s.static.book.replays == 8, s.static.book.summary()
+
+
 def test_one_user_in_another_slot_replays_a_graph_captured_at_load(where, tiny_folder):
     """The next reply lands in slot 1 (the one before still being freed): a graph per
     first slot would be captured in the middle of that reply (an H200 window's one-user
