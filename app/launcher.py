@@ -22,12 +22,15 @@ def main(argv=None) -> int:
         from app.gpu_enable import main as gpu_main
 
         return gpu_main(argv[1:])
-    # before engine.cli imports torch: a CUDA build the app downloaded sits first (engine/boot/overlay.py)
-    from engine.boot.overlay import activate
+    try:
+        # before engine.cli imports torch: a CUDA build the app downloaded sits first (engine/boot/overlay.py)
+        from engine.boot.overlay import activate
 
-    activate()
-    from engine.cli import main as cli_main
-
+        activate()
+        from engine.cli import main as cli_main
+    except KeyboardInterrupt:     # Ctrl+C while torch is imported: stopped, no traceback
+        sys.stderr.write("\n")
+        return 130
     return cli_main(argv)
 
 

@@ -113,6 +113,8 @@ def test_ports_and_counts_out_of_range_are_refused_as_the_command_line_is_read(c
                        (["chat", "--temperature", "nan"], "temperature must be between"),
                        (["chat", "--top-p", "1.5"], "top-p must be between"),
                        (["chat", "--threads", "0"], "not a whole number from 1"),
+                       # 100000 was taken, and the reply never came
+                       (["chat", "--micro-batches", "100000"], "not a number of micro-batches from 1 to 64"),
                        (["host", "--peers", "-1"], "not a whole number from 0"),
                        # a port out of range ended these with a traceback from bind()
                        (["host", "--listen", "127.0.0.1:99999"], "not HOST:PORT with a port from 0 to 65535"),
@@ -183,6 +185,39 @@ def test_a_port_in_use_is_said_before_the_model_loads():
         assert p.returncode == 2 and "--api-port" in p.stderr and "loading" not in p.stderr.lower(), p.stderr
     assert port_taken("127.0.0.1", port, "--port") is None     # let go: free again
     assert port_taken("127.0.0.1", 0, "--port") is None
+
+
+def test_a_second_serve_on_the_port_of_one_still_loading_says_so_before_it_loads(tmp_path):
+    """Two `potluck serve --port P` started a moment apart: the first had checked the
+    port and let it go while it loaded, so the second loaded the whole model too and
+    then failed at its bind with "[Errno 98] error while attempting to bind". The first
+    holds the port from its check on; a client that connects meanwhile is answered once
+    the model is up."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    first = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", str(port), "--threads", "1"],
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        while not any(line.startswith("Loading") for line in lines):
+            line = first.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        second = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120, env=env)
+        assert second.returncode == 2 and f"port {port} is already in use" in second.stderr, second.stderr
+        assert "loading" not in second.stderr.lower() and "Errno" not in second.stderr, second.stderr
+        # the first serves on the port it held
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=120) as r:
+            assert r.status == 200 and b"SmolLM2" in r.read()
+    finally:
+        first.terminate()
+        first.communicate(timeout=60)
 
 
 def test_the_terminal_chat_samples_with_the_models_defaults_and_does_not_loop():
@@ -620,3 +655,21 @@ def test_a_host_with_no_friends_yet_serves_and_takes_the_first_in_as_it_joins(tm
                     p.wait(20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_ctrl_c_while_potluck_starts_stops_it_without_a_traceback():
+    """Ctrl+C half a second into `potluck serve` (torch and transformers being imported)
+    printed a traceback from inside an import; the stage processes of `--stages 3`,
+    which share the terminal, printed theirs too."""
+    import signal
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for delay in (0.2, 0.4, 0.7, 1.0, 2.0, 3.5):
+        # a process group of its own, as a terminal's: Ctrl+C reaches the stages too
+        p = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", "0", "--stages", "2",
+                              "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        time.sleep(delay)
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err[-3000:])
+        assert p.returncode in (130, -signal.SIGINT, 0), (delay, p.returncode, err[-2000:])

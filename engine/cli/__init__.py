@@ -18,7 +18,7 @@ from engine.pipeline.lifeline import Lifeline
 from engine.pipeline.stopping import HOST_SHUTTING_DOWN, StopRequests
 from engine.core.errors import ModelError
 from engine.cli.parser import build_parser
-from engine.node.control_basics import lan_address, port_taken
+from engine.node.control_basics import hold_port, lan_address, port_taken
 
 
 class ProgressBar:
@@ -118,17 +118,20 @@ def _describe(head) -> str:
 
 
 async def _chat(args) -> int:
-    taken = port_taken("127.0.0.1", args.api_port, "--api-port")
+    held, taken = hold_port("127.0.0.1", args.api_port, "--api-port")
     if taken:
         _say(f"potluck: {taken}")
         return 2
     terminated = _end_on_sigterm()
     try:
-        return await _chat_until_done(args)
+        return await _chat_until_done(args, held)
     except asyncio.CancelledError:
         if terminated:   # `kill`, a logout: the stages closed and their files gone, as Ctrl+C does
             return 143
         raise
+    finally:
+        for sock in held:    # the API's, or still ours if it never started
+            sock.close()
 
 
 def _end_on_sigterm() -> list[bool]:
@@ -147,7 +150,7 @@ def _end_on_sigterm() -> list[bool]:
     return came
 
 
-async def _chat_until_done(args) -> int:
+async def _chat_until_done(args, held=()) -> int:
     from engine.pipeline.api import serve_api
     from engine.pipeline.launch import launch
     from engine.pipeline.terminal import chat_loop
@@ -160,7 +163,7 @@ async def _chat_until_done(args) -> int:
     try:
         _say(f"Ready: {_describe(pipe.head)}")
         if args.api_port:
-            runner = await serve_api(pipe.head, "127.0.0.1", args.api_port)
+            runner = await serve_api(pipe.head, "127.0.0.1", args.api_port, socks=held)
             _say(f"OpenAI-compatible API: http://127.0.0.1:{args.api_port}/v1")
         failed = await chat_loop(pipe.head, args.prompt, args.max_tokens, seed=args.seed,
                         sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
@@ -214,14 +217,19 @@ async def _serve(args) -> int:
     ok, tls = _api_security(args)
     if not ok:
         return 2
-    taken = port_taken(args.host, args.port, "--port")
+    held, taken = hold_port(args.host, args.port, "--port")
     if taken:
         _say(f"potluck: {taken}")
         return 2
     _say(_loading(args))
-    pipe = await launch(pipeline_config(args), ProgressBar(), _say)
+    try:
+        pipe = await launch(pipeline_config(args), ProgressBar(), _say)
+    except BaseException:
+        for sock in held:
+            sock.close()
+        raise
     runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls,
-                             cors_origins=args.cors_origin)
+                             cors_origins=args.cors_origin, socks=held)
     _say(f"Ready: {_describe(pipe.head)}")
     _say(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{_bound(runner, args.port)}/v1")
     stopped, requests = _stop_requests()
@@ -360,7 +368,8 @@ async def _host(args) -> int:
         return 2
     if bound is not None:
         _say(f"Accepting friends directly on port {bound}: {', '.join(friends.direct_addresses)}")
-    taken = None if args.prompt or bound is None else port_taken(args.host, args.port, "--port")
+    # held from now (the friends' door may have taken it: said before the model loads)
+    held, taken = ([], None) if args.prompt else hold_port(args.host, args.port, "--port")
     if taken:
         # the friends' door took it: said before the model loads (the API binds once it has)
         _say(f"potluck: {taken}" + (" (by --listen: friends and the API need a port each)"
@@ -409,7 +418,7 @@ async def _host(args) -> int:
                       f"{done.finish_reason}" + (f"; {paths}]" if paths else "]"), flush=True)
             return 0
         runner = await serve_api(pipe.head, args.host, args.port, api_key=args.api_key, tls=tls,
-                                 cors_origins=args.cors_origin)
+                                 cors_origins=args.cors_origin, socks=held)
         print(f"OpenAI-compatible API on {'https' if tls else 'http'}://{args.host}:{_bound(runner, args.port)}/v1",
               flush=True)
         stopped, requests = _stop_requests()
@@ -418,6 +427,8 @@ async def _host(args) -> int:
         if short_task is not None:
             short_task.cancel()
         await _close_serving(pipe, runner)
+        for sock in held:    # the API's, or still ours if it never started
+            sock.close()
         await friends.close()
         if requests is not None:
             requests.done()
@@ -598,6 +609,16 @@ COMMANDS = {"chat": _chat, "serve": _serve, "stage": _stage, "host": _host, "joi
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl+C while torch and transformers are imported, before a command runs: what a
+        # user pressing it wants (to stop) without a traceback from inside an import
+        sys.stderr.write("\n")
+        return 130
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["app"]:  # `potluck app` is dispatched by app/launcher.py, above the engine
         print("potluck: the desktop app is `potluck app` (or `potluck-app`), not `python -m engine app`",

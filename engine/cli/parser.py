@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.core.cli_args import (MOST_LOCAL_STAGES, advertise_arg, count_arg, hours_arg, listen_arg, mb_arg, penalty_arg, port_arg,
+from engine.core.cli_args import (MOST_LOCAL_STAGES, advertise_arg, count_arg, hours_arg, listen_arg, mb_arg,
+                                  micro_batches_arg, penalty_arg, port_arg,
                                   prompt_chunk_arg, ranged_arg, relay_arg, sampling_arg, seconds_arg, stage_addr_arg,
                                   stages_arg)
 from engine.core.precision import CHOICES as WEIGHT_CHOICES
@@ -44,7 +45,7 @@ def add_pipeline_args(p):
     t.add_argument("--threads", type=count_arg, default=None,
                    help="CPU threads per stage process (default: the cores are shared out among the stages, "
                         "leaving those your other programs use)")
-    t.add_argument("--micro-batches", type=count_arg, default=None,
+    t.add_argument("--micro-batches", type=micro_batches_arg, default=None,
                    help="groups of requests in flight along the pipeline at once (default: picked from the "
                         "measured compute and links; 1 for stages sharing this machine's CPU)")
     t.add_argument("--wait-timeout", type=seconds_arg, default=300.0,

@@ -47,6 +47,11 @@ hours_arg = ranged_arg(float, 1 / 60, 24 * 366, "a number of hours from 1/60 (a 
 stages_arg = ranged_arg(int, 1, MOST_LOCAL_STAGES, f"a number of stages from 1 to {MOST_LOCAL_STAGES}")
 # tokens, friends, uses, threads
 count_arg = ranged_arg(int, 1, float("inf"), "a whole number from 1")
+# groups of requests in flight: the head picks from the stages to twice as many; each
+# group more splits the same users thinner and adds a trip's bookkeeping (100000 left a
+# reply waiting for ever)
+MOST_MICRO_BATCHES = 64
+micro_batches_arg = ranged_arg(int, 1, MOST_MICRO_BATCHES, f"a number of micro-batches from 1 to {MOST_MICRO_BATCHES}")
 
 
 def stage_addr_arg(text: str) -> str:

@@ -68,34 +68,54 @@ def write_token_file(path: Path, token: str):
 
 def port_taken(host: str, port: int, flag: str) -> str | None:
     """Why `host:port` cannot be listened on, said before the model loads (a bind that
-    fails after a load of minutes loses them), or None. Every address the host names is
-    tried as asyncio's create_server binds them (SO_REUSEADDR off Windows, so a port in
-    TIME_WAIT is free; IPv6 sockets IPv6-only); someone may still take the port before we
-    bind, and then the bind's own error is said."""
+    fails after a load of minutes loses them), or None. Someone may still take the port
+    before we bind, and then the bind's own error is said: hold_port keeps it instead."""
+    held, why = hold_port(host, port, flag)
+    for s in held:
+        s.close()
+    return why
+
+
+def hold_port(host: str, port: int, flag: str) -> tuple[list, str | None]:
+    """The listening sockets for `host:port`, bound now, before the model loads, for the
+    API to serve on once it has (serve_api's `socks`), or why it cannot be listened on.
+    Checked and let go, the port was free for a second potluck started a moment later:
+    both loaded the model, and the second failed at its bind in the socket library's words.
+    Every address the host names is bound as asyncio's create_server binds them
+    (SO_REUSEADDR off Windows, so a port in TIME_WAIT is free; IPv6 sockets IPv6-only).
+    Listening: a bound socket alone does not keep another from binding the port (both
+    SO_REUSEADDR); a client that connects meanwhile waits for the API. Port 0 (a free
+    one, the system's pick per address) holds nothing."""
     import errno
     import socket
 
     if not port:
-        return None
+        return [], None
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
-        return f"cannot listen on {host!r}: {exc}"
+        return [], f"cannot listen on {host!r}: {exc}"
+    held = []
     for family, kind, proto, _, addr in dict.fromkeys(infos):
         try:
             s = socket.socket(family, kind, proto)
         except OSError:
             continue    # an address family this machine has off (IPv6): the server skips it too
-        with s:
+        try:
             if os.name != "nt":
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(addr)
-            except OSError as exc:
-                if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
-                    return (f"port {port} is already in use on {host or 'every address'} (another potluck, or "
+            s.bind(addr)
+            s.listen(128)
+            s.setblocking(False)
+        except OSError as exc:
+            s.close()
+            for other in held:
+                other.close()
+            if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                return [], (f"port {port} is already in use on {host or 'every address'} (another potluck, or "
                             f"another program): stop it, or give {flag} with another number")
-                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return None
+            return [], f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        held.append(s)
+    return held, None

@@ -588,7 +588,7 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
                     api_key: str | None = None, tls: ssl.SSLContext | None = None,
                     idle_seconds: float = IDLE_SECONDS, body_seconds: float = BODY_SECONDS,
-                    cors_origins=()) -> web.AppRunner:
+                    cors_origins=(), socks=()) -> web.AppRunner:
     """Serve the API on host:port (HTTPS with `tls`). Beyond loopback an API key is
     required: anyone on the network could otherwise run work on every machine of the
     pipeline."""
@@ -604,6 +604,9 @@ async def serve_api(head: Head, host: str = "127.0.0.1", port: int = 8000,
     runner = web.AppRunner(app, access_log=None,
                            handler_cancellation=True, keepalive_timeout=idle_seconds)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=tls)
-    await site.start()
+    if socks:       # bound before the model loaded (control_basics.hold_port)
+        for sock in socks:
+            await web.SockSite(runner, sock, ssl_context=tls).start()
+    else:
+        await web.TCPSite(runner, host, port, ssl_context=tls).start()
     return runner
