@@ -560,8 +560,22 @@ def test_threads_beyond_the_cores_and_a_cache_too_small_are_said_in_the_chats_wo
                         "--kv-budget-tokens", "5", "--prompt", "hi", "--max-tokens", "2"], capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert f"is more than this computer's {os.cpu_count()} core(s)" in p.stderr, p.stderr[-2000:]
-    assert "(cannot send: this request needs" in p.stdout and "lower --max-tokens" in p.stdout, p.stdout
-    assert "max_tokens or n" not in p.stdout and p.returncode == 1
+    # the message alone is more than 5 tokens: a lower --max-tokens could not help, and a
+    # --prompt has no /reset to type
+    assert "(cannot send: this request needs" in p.stdout and "larger --kv-budget-tokens" in p.stdout, p.stdout
+    assert "max_tokens or n" not in p.stdout and "/reset" not in p.stdout and p.returncode == 1
+
+
+def test_a_message_the_cache_cannot_hold_names_the_flag_that_helps():
+    from engine.pipeline.requests import CacheTooSmall
+    from engine.pipeline.terminal import too_small_words
+
+    # 30 tokens of conversation and room for 256 more in a cache of 100: the reply's room
+    words = too_small_words(CacheTooSmall(286, 100), 256, interactive=True)
+    assert "--max-tokens 70 or lower" in words and "/reset" in words and "kv-budget" not in words
+    # 120 tokens of conversation in a cache of 100: only a larger cache helps
+    words = too_small_words(CacheTooSmall(376, 100), 256, interactive=False)
+    assert "larger --kv-budget-tokens" in words and "--max-tokens" not in words and "/reset" not in words
 
 
 def test_host_checks_its_model_and_its_ports_before_it_hands_out_an_invite(tmp_path):

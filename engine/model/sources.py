@@ -240,12 +240,12 @@ def resolve(spec: str | None) -> ModelSource:
         if not (path / "config.json").exists():
             raise ModelError(f"{spec} has no config.json: is it a Hugging Face model folder?")
         return ModelSource(spec=spec, name=path.resolve().name, root=path.resolve())
+    if path.is_file():   # there, but neither a folder nor a .gguf file ("rand.bin" was looked up on the hub)
+        raise ModelError(f"{spec} is a file, not a model: give a model's folder (with its config.json) "
+                         f"or a .gguf file")
     # a path, not a hub id ("owner/name"): more than one separator, or one that starts it
     # ("/models" was looked up on the hub), or a relative or home path
     if os.sep in spec and spec.count("/") != 1 or path.is_absolute() or spec.startswith((".", "~")):
-        if path.is_file():   # there, but neither a folder nor a .gguf file
-            raise ModelError(f"{spec} is a file, not a model: give a model's folder (with its config.json) "
-                             f"or a .gguf file")
         raise ModelError(f"Model folder not found: {spec}")
     return _resolve_hub(spec)
 

@@ -189,6 +189,20 @@ def command_refused(word: str, rest: str) -> str | None:
     return None
 
 
+def too_small_words(exc: CacheTooSmall, max_tokens: int, interactive: bool) -> str:
+    """A message the cache cannot hold, with the flag that helps: --max-tokens where the
+    reply's room is what does not fit, --kv-budget-tokens where the message alone does not
+    (a lower --max-tokens cannot help then); /reset only where one can type it."""
+    prompt = exc.need - max_tokens
+    if prompt >= exc.capacity:
+        fix = (f"the conversation alone is {prompt} tokens: start the chat with a larger --kv-budget-tokens "
+               "(or without it: what memory holds)")
+    else:
+        fix = f"start the chat with --max-tokens {exc.capacity - prompt} or lower"
+    return (f"this request needs {exc.need} tokens of KV cache but the pipeline holds at most {exc.capacity}; "
+            + fix + (", or /reset to shorten the conversation" if interactive else ""))
+
+
 async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, sampling: dict | None = None,
                     seed: int | None = None) -> int:
     """Read messages from stdin (or send `prompts` and stop), print the replies as they
@@ -279,9 +293,7 @@ async def chat_loop(head: Head, prompts: list[str] | None, max_tokens: int, samp
             shown_dropped = dropped
         except ValueError as exc:
             # the API's words ("lower max_tokens or n") are not the terminal's
-            why = (f"this request needs {exc.need} tokens of KV cache but the pipeline holds at most "
-                   f"{exc.capacity}: start the chat with a lower --max-tokens, or /reset to shorten the "
-                   "conversation") if isinstance(exc, CacheTooSmall) else exc
+            why = too_small_words(exc, max_tokens, interactive=not prompts) if isinstance(exc, CacheTooSmall) else exc
             print(f"(cannot send: {why})")
             unsent += 1
             if retried is not None:

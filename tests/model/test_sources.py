@@ -39,6 +39,9 @@ def test_a_hub_id_offline_and_a_file_that_is_no_model_say_so(tmp_path, monkeypat
         resolve("/nothing-here-xyz")
     with pytest.raises(ModelError, match="is a file, not a model"):
         resolve(str(note))
+    # a file named without a path ("rand.bin") was looked up on the hub: "not on this computer"
+    with pytest.raises(ModelError, match="is a file, not a model"):
+        resolve("notes.txt")
 
 
 def test_a_half_made_model_folder_is_one_line_not_a_traceback(tmp_path):
