@@ -566,6 +566,21 @@ def test_threads_beyond_the_cores_and_a_cache_too_small_are_said_in_the_chats_wo
     assert "max_tokens or n" not in p.stdout and "/reset" not in p.stdout and p.returncode == 1
 
 
+def test_a_mistyped_command_line_is_said_in_two_lines_with_the_commands_name(capsys):
+    """`potluck chat --bogus` printed the top-level usage, `potluck chat hello` too (a
+    message meant as --prompt), each error twenty lines of usage long; `potluck` alone
+    said "the following arguments are required: command"."""
+    for argv, said in ((["chat", "--bogus"], "potluck chat: error: unrecognized arguments: --bogus"),
+                       (["chat", "hello"], 'given as --prompt "hello"'),
+                       (["serve", "--port", "x"], "potluck serve: error: argument --port")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 2, err
+        assert f"`potluck {argv[0]} --help` lists them" in err
+    assert main([]) == 2 and "chat" in capsys.readouterr().out      # the commands, listed
+
+
 def test_a_message_the_cache_cannot_hold_names_the_flag_that_helps():
     from engine.pipeline.requests import CacheTooSmall
     from engine.pipeline.terminal import too_small_words

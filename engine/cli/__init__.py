@@ -630,6 +630,9 @@ def _main(argv=None) -> int:
 
     apply_openmp_env(os.environ)
     parser = build_parser()
+    if not argv:    # `potluck` alone: what it can do, not "the following arguments are required"
+        parser.print_help()
+        return 2
     args = parser.parse_args(argv)
     command = getattr(args, "command_parser", parser)   # its usage line with the error
     if getattr(args, "stage_addr", None) and getattr(args, "stages", None):

@@ -196,8 +196,28 @@ def _version() -> str:
         return "(not installed)"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with errors a person reads: the command's own (`potluck chat --bogus` was
+    said with the top-level usage), in two lines (chat's usage ran to twenty before the
+    one that said what was wrong), and a word where a flag was meant pointed at --prompt."""
+
+    def error(self, message):
+        self.exit(2, f"usage: {self.prog} [options]   (`{self.prog} --help` lists them)\n"
+                     f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(ns, "command_parser", self)
+            hint = ""
+            if command.prog.split()[-1] in ("chat", "host") and not extras[0].startswith("-"):
+                hint = f" (a message to send is given as --prompt \"{extras[0]}\")"
+            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
+    parser = Parser(prog="potluck", description="Pool GPUs with friends to run one LLM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens, for a bug report")
     parser.add_argument("--version", action="version", version=f"potluck {_version()}")
     # metavar: a missing command is said as "required: command", not the internal "cmd"
