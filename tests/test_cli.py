@@ -442,7 +442,7 @@ def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():
 def test_join_takes_the_link_a_friend_sent_pasted_whole():
     """The app opens potluck://join/<code> links; pasted on the command line the link's
     scheme was read as part of the code ("'U' (character 5) is never used in codes")."""
-    for arg, said in (("potluck://join/ABCD-EFGH", "it is too short"),
+    for arg, said in (("potluck://join/ABCD-EFGH", "this is not an invite code"),
                       ("potluck://leave/ABCD", "unknown potluck link 'leave'")):
         # the `potluck` command (app/launcher.py) and the engine's own, as a venv runs it
         for command in (["app.launcher"], ["engine"]):

@@ -469,7 +469,12 @@ async def _join(args) -> int:
     try:
         await asyncio.wait([keep, closed, stop], return_when=asyncio.FIRST_COMPLETED)
         if keep.done() and keep.exception() is not None:
-            _say(f"potluck: {keep.exception()}")
+            # "the peer closed the tunnel: this node's key was revoked by the host": the words
+            # the app says it in (the account with -v)
+            from engine.node.plain_errors import membership_ended
+
+            logging.getLogger("potluck.join").info("membership ended: %s", keep.exception())
+            _say(f"potluck: {membership_ended(str(keep.exception()))}")
             return 1
         if stopped.is_set():
             why = "the friend stopped sharing"

@@ -41,7 +41,7 @@ from engine.wire.invite import HostState, Invite, InviteError, parse
 from engine.wire.stage_auth import tunnel_stage_secret
 from engine.wire.tunnel_host import Peer, TunnelHost
 from engine.wire.tunnel_join import Joiner, default_name
-from engine.wire.tunnel_session import TunnelError
+from engine.wire.tunnel_session import HostRefused, TunnelError
 
 
 class HomeError(Exception):
@@ -279,7 +279,10 @@ async def join_stage(invite: Invite, *, joiner: Joiner | None = None, name: str 
     except (TunnelError, OSError) as exc:
         await joiner.close()
         await server.close()
-        raise HomeError(f"could not reach the host's pipeline: {exc}") from None
+        # a refusal came from the host, which was reached: said as it is ("the host refused:
+        # this invite is used up"), not as "could not reach"
+        raise HomeError(str(exc) if isinstance(exc, HostRefused) else f"could not reach the host's pipeline: {exc}") \
+            from None
     except asyncio.CancelledError:      # given up while waiting (on a reply code, say)
         await joiner.close()
         await server.close()

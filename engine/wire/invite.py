@@ -46,6 +46,10 @@ KIND_CODES = ("given", "lan", "mapped", "ipv6", "public", "udp")
 CHECKSUM = 4
 MAX_CODE_CHARS = 2000
 _FIXED = struct.Struct("<B8s8s16s32sIH")
+# the fewest characters a code can have: a fixed part, an empty relay and no address, its
+# checksum (an invite); a reply's fixed part and checksum
+_SHORTEST_INVITE = -(-(_FIXED.size + 2 + CHECKSUM) * 8 // 5)
+_SHORTEST_REPLY = -(-(18 + CHECKSUM) * 8 // 5)
 
 
 class InviteError(ValueError):
@@ -146,6 +150,10 @@ def parse(code: str) -> Invite:
     text = "".join(ch for ch in code.strip().upper() if ch not in "- \t\r\n")
     if not text:
         raise InviteError("the invite code is empty")
+    if len(text) < _SHORTEST_INVITE // 2:
+        # a word, a name, a short code without its relay: no code with a part missing
+        raise InviteError(f"this is not an invite code (one is about {_SHORTEST_INVITE} characters in groups of "
+                          "five, like 0AX1D-9RACJ-…)")
     data = _b32decode(text)
     if len(data) < _FIXED.size + 2 + CHECKSUM:
         raise InviteError("this code has a typo: it is too short (part of it missing?)")
@@ -232,6 +240,8 @@ def parse_reply(code: str) -> Reply:
     text = "".join(ch for ch in code.strip().upper() if ch not in "- \t\r\n")
     if not text:
         raise InviteError("the reply code is empty")
+    if len(text) < _SHORTEST_REPLY // 2:
+        raise InviteError(f"this is not a reply code (one is about {_SHORTEST_REPLY} characters in groups of five)")
     data = _b32decode(text)
     if len(data) < 18 + CHECKSUM:
         raise InviteError("this code has a typo: it is too short (part of it missing?)")

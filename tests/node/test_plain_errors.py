@@ -49,3 +49,30 @@ def test_hosting_that_failed_says_why_without_addresses_or_stage_numbers():
             assert engine_word not in words, (engine_word, words)
     assert "removed this computer" in membership_ended("the host revoked this member")
     assert "stopped answering" in membership_ended("TunnelError: the host refused 5 times")
+
+
+async def test_a_host_that_refused_is_not_said_to_be_unreachable(tmp_path, monkeypatch):
+    """`potluck join` with a used-up code said "could not reach the host's pipeline: the
+    host refused: this invite is used up": the host was reached, and refused."""
+    import pytest
+
+    from engine.node.homes import Friends, HomeError, join_stage
+    from engine.wire.invite import parse
+    from engine.wire.tunnel_join import Joiner
+
+    monkeypatch.setattr(Joiner, "GIVE_UP_AFTER", 1)
+    friends = Friends(str(tmp_path / "host"))
+    await friends.open(listen="127.0.0.1:0")
+    invite = parse(friends.invite(uses=1))
+    first = None
+    try:
+        first = await join_stage(invite, name="a", config=str(tmp_path / "a"), threads=1, device="cpu")
+        with pytest.raises(HomeError) as refused:
+            await join_stage(invite, name="b", config=str(tmp_path / "b"), threads=1, device="cpu")
+        said = str(refused.value)
+        assert said.startswith("the host refused") and "used up" in said and "could not reach" not in said, said
+        assert "new code" in join_failed(said)
+    finally:
+        if first is not None:
+            await first.close("done")
+        await friends.close()

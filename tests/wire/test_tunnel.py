@@ -68,6 +68,11 @@ def test_invite_typos_are_reported_as_typos():
             inv.parse(swapped)
     with pytest.raises(inv.InviteError):
         inv.parse("")
+    # a word is no code with a typo (`potluck join hello` said "this code has a typo")
+    with pytest.raises(inv.InviteError, match="this is not an invite code"):
+        inv.parse("hello")
+    with pytest.raises(inv.InviteError, match="this is not a reply code"):
+        inv.parse_reply("garbage")
 
 
 def test_host_state_expiry_uses_and_revocation(tmp_path):
