@@ -178,6 +178,9 @@ class Joiner:
         self.reply_code: str | None = None
         self.joined_by_reply = False   # the host connected to us: its reconnects come the same way
         self._down_since = 0.0         # when the tunnel last closed (monotonic)
+        # reconnecting: each route's failure goes to the log, not to the person (a joiner
+        # waiting for its host repeated "route … unreachable ([Errno 111] …)" every 30 s)
+        self._quiet_routes = False
         self._incoming: asyncio.Queue | None = None
         self._reply_server = None
         self._mapper = None
@@ -231,27 +234,34 @@ class Joiner:
             self._down_since = time.monotonic()
             if "revoked" in self.session.close_reason:
                 raise TunnelError(self.session.close_reason)
-            refusals = 0
-            while True:
-                await asyncio.sleep(delay)
-                try:
-                    await self.connect()
-                    delay = 1.0
-                    break
-                except TunnelError as exc:
-                    refusals = refusals + 1 if isinstance(exc, HostRefused) else 0
-                    if refusals >= self.GIVE_UP_AFTER:
-                        raise
-                    if host_stopped:   # expected until it is back: no advice about routers
-                        log.info("the host is not back yet: %s", exc)
-                    else:
-                        self.on_event(f"reconnect failed: {exc}")
-                    delay = min(delay * 2, 30.0)
+            refusals = failures = 0
+            self._quiet_routes = True
+            try:
+                while True:
+                    await asyncio.sleep(delay)
+                    try:
+                        await self.connect()
+                        delay = 1.0
+                        break
+                    except TunnelError as exc:
+                        refusals = refusals + 1 if isinstance(exc, HostRefused) else 0
+                        failures += 1
+                        if refusals >= self.GIVE_UP_AFTER:
+                            raise
+                        if host_stopped or failures > 1:
+                            # expected until it is back (no advice about routers), or said once
+                            log.info("the host is not back yet: %s", exc)
+                        else:
+                            self.on_event(f"reconnect failed: {exc}; trying again by itself")
+                        delay = min(delay * 2, 30.0)
+            finally:
+                self._quiet_routes = False
 
 
     async def _open(self) -> Session:
+        say = (lambda text: log.info("%s", text)) if self._quiet_routes else self.on_event
         return await open_session(self.invite, self.identity, self.target, name=self.name,
-                                  member=self.member, prefer=self.prefer, log_event=self.on_event,
+                                  member=self.member, prefer=self.prefer, log_event=say,
                                   about=self.about())
 
     async def _drop_early(self, early) -> None:
