@@ -609,6 +609,27 @@ def test_host_checks_its_model_and_its_ports_before_it_hands_out_an_invite(tmp_p
                            text=True, timeout=300, env=env)
         assert p.returncode == 2 and said in p.stderr, p.stderr[-2000:]
         assert "Invite code" not in p.stdout and "loading" not in p.stderr.lower(), (p.stdout, p.stderr[-2000:])
+    # a loopback --listen is no door for friends in other homes: said
+    assert "accepts friends from this computer only" in p.stderr, p.stderr[-2000:]
+
+
+def test_host_with_neither_listen_nor_relay_accepts_friends_directly(tmp_path):
+    """`potluck host` alone said "give a relay address (ws://...) and/or a listen address
+    (HOST:PORT)": it listens on port 7870 as the app's host does."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", POTLUCK_HOME=str(tmp_path), POTLUCK_UPNP="0", POTLUCK_STUN="")
+    p = subprocess.Popen([sys.executable, "-m", "engine", "host", "--peers", "0", "--port", "0", "--threads", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        while not any("Accepting friends" in line for line in lines):
+            line = p.stderr.readline()
+            assert line and "potluck:" not in line, "".join(lines) + line
+            lines.append(line)
+        assert "Accepting friends directly on port 7870" in lines[-1], lines
+        assert p.stdout.readline().startswith("Invite code")
+    finally:
+        p.terminate()
+        p.communicate(timeout=60)
 
 
 def test_invites_on_a_computer_that_never_hosted_and_a_new_one(tmp_path, capsys):

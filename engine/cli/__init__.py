@@ -327,11 +327,15 @@ async def _stage(args) -> int:
     return 0
 
 
+# where `potluck host` accepts friends when told neither --listen nor --relay
+DEFAULT_LISTEN = "0.0.0.0:7870"
+
+
 async def _host(args) -> int:
     """`potluck host`: invite friends, wait for them, run the pipeline over their stages."""
     from engine.core.sampling import SamplingParams
     from engine.node.homes import FriendNames, Friends, HomeError
-    from engine.pipeline.api import serve_api
+    from engine.pipeline.api import is_loopback, serve_api
     from engine.pipeline.launch import launch
     from engine.pipeline.terminal import ask, reply
     from engine.wire import shortcode
@@ -356,6 +360,13 @@ async def _host(args) -> int:
     except ModelError as exc:
         _say(f"potluck: {exc}")
         return 2
+    if not args.relay and not args.listen:
+        # friends reach this computer directly (its router asked for a mapping), as the
+        # app's host does; it said "give a relay address and/or a listen address"
+        args.listen = DEFAULT_LISTEN
+    elif args.listen and not args.advertise and is_loopback(args.listen.rpartition(":")[0].strip("[]")):
+        _say(f"  note: --listen {args.listen} accepts friends from this computer only: friends in other homes "
+             f"need --listen 0.0.0.0:{args.listen.rpartition(':')[2]} (or --relay)")
     friends = Friends(args.config, on_event=lambda t: _say(f"  {t}"))
     names = FriendNames(friends)
     for handler in logging.getLogger().handlers:

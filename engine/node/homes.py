@@ -69,7 +69,7 @@ class Friends:
     async def open(self, relay: str = "", listen: str = "", advertise: list[str] | None = None) -> int | None:
         """Start accepting friends; returns the direct port bound (None: relay only)."""
         if not relay and not listen:
-            raise HomeError("give a relay address (ws://...) and/or a listen address (HOST:PORT) "
+            raise HomeError("give a relay address (--relay ws://...) and/or a listen address (--listen HOST:PORT) "
                             "so friends can reach you")
         bound = None
         if listen:
@@ -222,7 +222,8 @@ async def redeem(code: str, relay: str = "") -> Invite:
         code, relay = link.code, relay or link.relay or ""
     if shortcode.is_short(code):
         if not relay:
-            raise HomeError("a short code needs the host's relay address too (ws://...)")
+            raise HomeError("a short code needs the host's relay address too (--relay ws://..., as the host "
+                            "printed it)")
         try:
             code = await shortcode.redeem(relay, code)
         except shortcode.ShortCodeError as exc:
