@@ -423,6 +423,8 @@ def test_potluck_serve_stopped_by_sigterm_ends_a_streaming_reply_saying_why():
         errors = [e["error"]["message"] for e in events if "error" in e]
         assert errors and "shutting down" in errors[0], events[-3:]
         assert p.wait(timeout=60) == 0
+        said = p.stdout.read()            # its last words: what it did, not silence
+        assert "Stopping: replies in progress are told why" in said and said.rstrip().endswith("Stopped."), said
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

@@ -235,9 +235,11 @@ async def _serve(args) -> int:
     stopped, requests = _stop_requests()
     try:
         await stopped.wait()
+        _say("Stopping: replies in progress are told why...")
     finally:
         await _close_serving(pipe, runner)
         requests.done()
+    _say("Stopped.")
     return 0
 
 
@@ -371,6 +373,8 @@ async def _host(args) -> int:
     names = FriendNames(friends)
     for handler in logging.getLogger().handlers:
         handler.addFilter(names)
+    if args.listen:     # the router's answer (UPnP) can take seconds
+        _say(f"Opening port {args.listen.rpartition(':')[2]} for friends (asking the router to forward it)...")
     try:
         bound = await friends.open(args.relay, args.listen, args.advertise)
     except HomeError as exc:
@@ -434,6 +438,7 @@ async def _host(args) -> int:
               flush=True)
         stopped, requests = _stop_requests()
         await stopped.wait()
+        _say("Stopping: replies in progress are told why, friends that the host is gone...")
     finally:
         if short_task is not None:
             short_task.cancel()
@@ -443,6 +448,8 @@ async def _host(args) -> int:
         await friends.close()
         if requests is not None:
             requests.done()
+    if requests is not None:
+        _say("Stopped.")
     return 0
 
 

@@ -73,7 +73,7 @@ def pick_device(requested: str | None = AUTO) -> str:
     if requested == "cuda" or requested.startswith("cuda:"):
         index = requested.partition(":")[2] or "0"
         if not index.isdigit():
-            raise DeviceError(f"cannot read device {requested!r}: use cpu, cuda or cuda:N")
+            raise DeviceError(f"cannot read device {requested!r}: use auto, cpu, cuda or cuda:N (N from 0)")
         if not torch.cuda.is_available():
             raise DeviceError(f"--device {requested}: this torch sees no CUDA GPU (`potluck doctor` says why "
                               "and what to install); use --device auto or cpu")

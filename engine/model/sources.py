@@ -223,7 +223,7 @@ def _first_line(exc: BaseException, most: int = 200) -> str:
 def resolve(spec: str | None) -> ModelSource:
     """Turn what a user typed into a ModelSource, or raise ModelError saying why not."""
     spec = (spec or "").strip() or DEFAULT_MODEL
-    if spec == DEFAULT_MODEL or spec == DEFAULT_MODEL_NAME:
+    if spec.lower() in (DEFAULT_MODEL, DEFAULT_MODEL_NAME.lower()):   # "DEFAULT" was looked up on the hub
         import sys
 
         return prepare_default(log=lambda m: print(m, file=sys.stderr))

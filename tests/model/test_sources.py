@@ -62,3 +62,10 @@ def test_a_half_made_model_folder_is_one_line_not_a_traceback(tmp_path):
     assert source.config().num_hidden_layers == 2
     with pytest.raises(ModelError, match="has no tokenizer Potluck can read"):
         source.tokenizer()
+
+
+def test_the_default_model_is_found_however_it_is_capitalised():
+    """`--model DEFAULT` was looked up on the hub ("not on this computer")."""
+    for spec in ("default", "DEFAULT", "Default", "smollm2-135m-instruct"):
+        source = resolve(spec)
+        assert source.gguf_path is not None and source.name, spec
