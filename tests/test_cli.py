@@ -725,3 +725,18 @@ def test_ctrl_c_while_potluck_starts_stops_it_without_a_traceback():
         _, err = p.communicate(timeout=120)
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err[-3000:])
         assert p.returncode in (130, -signal.SIGINT, 0), (delay, p.returncode, err[-2000:])
+
+
+def test_a_folder_that_cannot_be_used_and_a_stage_nobody_runs_are_said_in_words(tmp_path, capsys):
+    """"[Errno 20] Not a directory: '…'" and "[Errno 111] Connect call failed
+    ('127.0.0.1', 1)": what is wrong, where, without the socket library's numbers."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert main(["host", "--config", str(blocker / "potluck"), "--peers", "0", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"potluck: cannot use {blocker}" in err and "Errno" not in err, err
+
+    p = subprocess.run([sys.executable, "-m", "engine", "chat", "--stage-addr",
+                        "ws://127.0.0.1:1#abcdefghijklmnopqrstuvwxyz0123456789", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert "nothing listens at that port" in p.stderr and "Errno" not in p.stderr, p.stderr[-2000:]

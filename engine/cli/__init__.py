@@ -710,7 +710,11 @@ def _main(argv=None) -> int:
         from engine.pipeline.requests import PipelineError
 
         if isinstance(exc, (PipelineError, OSError)):
-            print(f"potluck: {exc}", file=sys.stderr)
+            # "[Errno 2] No such file or directory: '/proc/nope'": the file and what is wrong
+            words = exc
+            if isinstance(exc, OSError) and exc.strerror:
+                words = f"cannot use {exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+            print(f"potluck: {words}", file=sys.stderr)
             if args.verbose:
                 raise
             return 1

@@ -72,8 +72,11 @@ class RingFormation:
                 if attempt + 1 < attempts and (end is None or time.monotonic() + 0.5 < end):
                     await asyncio.sleep(0.5)  # a stage lets its last head go before it takes the next
                     continue
-                why = str(exc) or (f"no answer within {timeout:.0f} s" if isinstance(exc, asyncio.TimeoutError)
-                                   else type(exc).__name__)
+                if isinstance(exc, ConnectionRefusedError):     # "[Errno 111] Connect call failed (…)"
+                    why = "nothing listens at that port (is `potluck stage` running there?)"
+                else:
+                    why = str(exc) or (f"no answer within {timeout:.0f} s" if isinstance(exc, asyncio.TimeoutError)
+                                       else type(exc).__name__)
                 raise PipelineError(f"cannot reach stage at {r.address}: {why}") from None
             if r.welcome["type"] != "welcome":
                 raise PipelineError(f"stage at {r.address} did not welcome us: {r.welcome}")
