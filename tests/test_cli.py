@@ -539,7 +539,7 @@ def test_the_ready_line_says_a_one_layer_stage_as_one_layer():
             return {"stages": [{"address": "head (this process)", "layers": [0, 29]},
                                {"address": "ws://127.0.0.1:1", "layers": [29, 30]}]}
 
-    assert _describe(Head()) == ("SmolLM2-135M-Instruct, 2 stage(s) — head (this process): layers 1–29; "
+    assert _describe(Head()) == ("SmolLM2-135M-Instruct, 2 stages — head (this process): layers 1–29; "
                                  "ws://127.0.0.1:1: layer 30 of 30")
 
 
@@ -561,7 +561,7 @@ def test_threads_beyond_the_cores_and_a_cache_too_small_are_said_in_the_chats_wo
     p = subprocess.run([sys.executable, "-m", "engine", "chat", "--threads", str((os.cpu_count() or 1) + 7),
                         "--kv-budget-tokens", "5", "--prompt", "hi", "--max-tokens", "2"], capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert f"is more than this computer's {os.cpu_count()} core(s)" in p.stderr, p.stderr[-2000:]
+    assert f"is more than this computer's {os.cpu_count()} core{'s' if os.cpu_count() != 1 else ''}" in p.stderr, p.stderr[-2000:]
     # the message alone is more than 5 tokens: a lower --max-tokens could not help, and a
     # --prompt has no /reset to type
     assert "(cannot send: this request needs" in p.stdout and "larger --kv-budget-tokens" in p.stdout, p.stdout

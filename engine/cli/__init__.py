@@ -19,6 +19,7 @@ from engine.pipeline.stopping import HOST_SHUTTING_DOWN, StopRequests
 from engine.core.errors import ModelError
 from engine.cli.parser import build_parser
 from engine.node.control_basics import hold_port, lan_address, port_taken
+from engine.core.sizes import counted
 
 
 class ProgressBar:
@@ -104,7 +105,7 @@ def _loading(args) -> str:
 
     n = _stage_count(args)
     name = f"the default model ({DEFAULT_MODEL_NAME})" if args.model == DEFAULT_MODEL else args.model
-    return f"Loading {name}" + (f" on {n} stage(s)..." if n else "...")
+    return f"Loading {name}" + (f" on {counted(int(n), 'stage')}..." if n else "...")
 
 
 def _describe(head) -> str:
@@ -114,7 +115,7 @@ def _describe(head) -> str:
     parts = [f"{s['address']}: " + (f"layer {b}" if b - a == 1 else f"layers {a + 1}–{b}")
              for s in stages for a, b in [s["layers"]]]
     parts[-1:] = [f"{parts[-1]} of {total}"] if parts else []
-    return f"{head.source.name}, {len(parts)} stage(s) — " + "; ".join(parts)
+    return f"{head.source.name}, {counted(len(parts), 'stage')} — " + "; ".join(parts)
 
 
 async def _chat(args) -> int:
@@ -394,8 +395,8 @@ async def _host(args) -> int:
     uses = args.uses or max(1, args.peers)
     code = friends.invite(ttl_s=args.expires * 3600, uses=uses)
     _say(f"Host node {friends.me.node_id} (key in {friends.me.store}); pipeline {friends.pipeline_id}")
-    print(f"Invite code (valid {args.expires:g} h, {uses} use(s)):\n{code}", flush=True)
-    _say(f"Waiting for {args.peers} friend(s): on their machine, `potluck join <code>`" if args.peers else
+    print(f"Invite code (valid {args.expires:g} h, {counted(uses, 'use')}):\n{code}", flush=True)
+    _say(f"Waiting for {counted(args.peers, 'friend')}: on their machine, `potluck join <code>`" if args.peers else
          "Serving on this machine now; friends who join (`potluck join <code>`) take their share of the layers")
     short_task = None
     if args.short and args.relay:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.core.sizes import counted
+
 # a reading this soon after the last one is too short to tell load from noise
 MIN_INTERVAL_S = 0.25
 # how long a burst of other programs' work keeps counting (an exponential average's time constant)
@@ -87,6 +89,6 @@ def asked_threads(asked: int, n_cores: int) -> tuple[int, str | None]:
     barrier: `--threads 999` on two cores answered at 2.6 tok/s against 49.5 with 2,
     after a silent minute and a half."""
     if n_cores >= 1 and asked > n_cores:
-        return n_cores, (f"--threads {asked} is more than this computer's {n_cores} core(s): "
+        return n_cores, (f"--threads {asked} is more than this computer's {counted(n_cores, 'core')}: "
                          f"using {n_cores} (threads beyond the cores wait on each other)")
     return asked, None

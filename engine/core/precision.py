@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from engine.core.errors import ModelError
 from engine.core.partition import layer_bytes_estimate, slice_bytes_estimate
-from engine.core.sizes import size_words
+from engine.core.sizes import counted, size_words
 
 FULL = "bf16"
 QUANTIZED = ("int8", "nf4")        # bitsandbytes' (auto chooses among these and FULL)
@@ -100,7 +100,7 @@ def choose(cfg, dtype_bytes: int, free: list[int], quantized_ok: bool = True) ->
     best = rows[-1] if quantized_ok else rows[0]
     raise ModelError(
         f"the model does not fit this pool even as {best.weights}: it needs about {size_words(best.bytes)} for its "
-        f"weights and the pool's {len(free)} machine(s) have {size_words(USABLE * sum(free))} to give them. "
+        f"weights and the pool's {counted(len(free), 'machine')} have {size_words(USABLE * sum(free))} to give them. "
         "Add a machine, or choose a smaller model")
 
 
@@ -109,7 +109,7 @@ def table(cfg, dtype_bytes: int, dtype_name: str, free: list[int], chosen: str |
     """What a user reads before loading: each precision's memory against the pool's.
     where: who gives the memory ("this machine's 2 stage(s) (CPU)"). The unquantized row
     says what it is: bf16 where the pipeline computes in bfloat16, else "full (float32)"."""
-    where = where or f"the pool's {len(free)} machine(s)"
+    where = where or f"the pool's {counted(len(free), 'machine')}"
     lines = [f"What the weights need, against the {size_words(USABLE * sum(free))} that {where} can give them:"]
     among = (FULL,) + QUANTIZED + ((INT4,) if chosen == INT4 else ())   # int4: shown when asked for
     for row in options(cfg, dtype_bytes, free, quantized_ok, among):

@@ -9,6 +9,7 @@ import time
 import torch
 
 from engine.core.errors import ModelError
+from engine.core.sizes import counted
 
 
 class DeviceError(ModelError):
@@ -78,7 +79,7 @@ def pick_device(requested: str | None = AUTO) -> str:
             raise DeviceError(f"--device {requested}: this torch sees no CUDA GPU (`potluck doctor` says why "
                               "and what to install); use --device auto or cpu")
         if int(index) >= torch.cuda.device_count():
-            raise DeviceError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+            raise DeviceError(f"--device {requested}: this machine has {counted(torch.cuda.device_count(), 'CUDA GPU')}, "
                               f"numbered from 0")
         return f"cuda:{int(index)}"
     raise DeviceError(f"cannot read device {requested!r}: use auto, cpu, cuda or cuda:N")

@@ -30,6 +30,7 @@ from engine.model.stage import StageModel
 from engine.pipeline.requests import PipelineError
 from engine.pipeline.stage_protocol import connect_stage
 from engine.wire.stage_auth import split_address
+from engine.core.sizes import counted
 
 log = logging.getLogger("potluck.head")
 
@@ -243,8 +244,8 @@ class RingFormation:
         saved = prequantized(cfg)
         quantized_ok = bnb_missing() is None and all(r.welcome.get("quantized") for r in remotes)
         devices = sorted({self.device_name} | {r.welcome["device_name"] for r in remotes})
-        where = (f"this machine's {len(mems)} stage(s) ({self.device_name})" if self.same_machine
-                 else f"{len(mems)} stage(s) ({', '.join(devices)})")
+        where = (f"this machine's {counted(len(mems), 'stage')} ({self.device_name})" if self.same_machine
+                 else f"{counted(len(mems), 'stage')} ({', '.join(devices)})")
         chosen = saved or self.weights
         if chosen == "auto":
             chosen = precision.choose(cfg, self.dtype.itemsize, mems, quantized_ok)

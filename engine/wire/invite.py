@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.core.sizes import counted
+
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _DECODE = {c: i for i, c in enumerate(ALPHABET)}
 _DECODE.update({"O": 0, "I": 1, "L": 1})
@@ -413,7 +415,7 @@ class HostState:
         if time.time() > rec["expires"]:
             raise InviteError("this invite has expired")
         if rec["uses"] >= rec["max_uses"] and not used_up_ok:
-            raise InviteError(f"this invite is used up ({rec['max_uses']} use(s))")
+            raise InviteError(f"this invite is used up ({counted(rec['max_uses'], 'use')})")
         return join_psk(bytes.fromhex(rec["secret"]), self.pipeline, invite_id)
 
     def record_join(self, invite_id: bytes, node_key: bytes, name: str) -> None:
@@ -434,7 +436,7 @@ class HostState:
                     # a revoked member with its old code: told so, not that the code is used up
                     raise InviteError("this node's key was revoked by the host")
                 if rec is not None and rec["uses"] >= rec["max_uses"]:
-                    raise InviteError(f"this invite is used up ({rec['max_uses']} use(s))")
+                    raise InviteError(f"this invite is used up ({counted(rec['max_uses'], 'use')})")
                 raise InviteError("this invite is no longer valid")
             rec["uses"] += 1
             data["members"][node_key.hex()] = {"node_id": node_id(node_key), "name": name[:64],

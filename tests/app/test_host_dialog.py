@@ -417,7 +417,7 @@ def test_the_weights_chosen_for_the_group_read_as_a_sentence(dialog):
 
     cfg = resolve("default").config()
     for weights, words in (("nf4", "with 4-bit (nf4) weights ("), ("bf16", "with full precision weights (")):
-        c = chosen(cfg, 4, "float32", weights, "2 stage(s) (CPU)")
+        c = chosen(cfg, 4, "float32", weights, "2 stages (CPU)")
         d = dialog
         d.started = True
         d.on_status({"state": "loading", "loading": {
@@ -425,4 +425,4 @@ def test_the_weights_chosen_for_the_group_read_as_a_sentence(dialog):
             "weights_table": table(cfg, 4, "float32", [8 * 10**9, 4 * 10**9], chosen=weights)}})
         shown = d.result.text()
         assert words + c.as_dict()["size"] + ")" in shown, shown
-        assert "<pre>" not in shown and "stage(s)" not in shown and "chosen" not in shown
+        assert "<pre>" not in shown and "2 stages" not in shown and "chosen" not in shown

@@ -64,5 +64,5 @@ def test_usable_cores_and_step_threads():
 
 def test_threads_asked_beyond_the_cores_are_the_cores_and_said():
     threads, note = asked_threads(999, 2)
-    assert threads == 2 and "--threads 999" in note and "2 core(s)" in note
+    assert threads == 2 and "--threads 999" in note and "2 cores" in note
     assert asked_threads(2, 2) == (2, None) and asked_threads(1, 8) == (1, None)

@@ -60,18 +60,18 @@ def test_the_table_a_user_reads_before_loading():
     assert lines[3].split()[0] == "nf4" and "fits" in lines[3]
     assert lines[0] == "What the weights need, against the 14 GB that 2 GPUs can give them:"
     cpu = precision.table(L8B, 4, "float32", [64 * GB], quantized_ok=False, chosen="bf16",
-                          where="this machine's 2 stage(s) (CPU)")
-    assert cpu.splitlines()[0] == "What the weights need, against the 38 GB that this machine's 2 stage(s) (CPU) " \
+                          where="this machine's 2 stages (CPU)")
+    assert cpu.splitlines()[0] == "What the weights need, against the 38 GB that this machine's 2 stages (CPU) " \
                                   "can give them:"
     # a CPU computes at float32: the row says so, not bf16
     assert cpu.splitlines()[1].startswith("  full (float32) ") and cpu.splitlines()[1].endswith("<- chosen")
     assert "bf16" not in cpu and cpu.count("needs bitsandbytes") == 2
-    assert "the pool's 1 machine(s)" in precision.table(L8B, 4, "float32", [64 * GB])
+    assert "the pool's 1 machine" in precision.table(L8B, 4, "float32", [64 * GB])
 
 
 def test_the_choice_as_fields_names_what_the_table_names():
     """core/precision.Chosen: the app's Host window reads these fields, not the table."""
-    c = precision.chosen(L8B, 4, "float32", "bf16", "2 stage(s) (CPU)")
+    c = precision.chosen(L8B, 4, "float32", "bf16", "2 stages (CPU)")
     row = next(line for line in precision.table(L8B, 4, "float32", [64 * GB], chosen="bf16").splitlines()
                if line.endswith("<- chosen"))
     assert c.label == "full (float32)" and row.split("  ")[1].strip() == c.label

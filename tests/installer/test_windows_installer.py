@@ -167,7 +167,7 @@ def test_the_installed_potluck_answers_on_two_stages_through_a_pipe_in_utf8(wine
                   "--temperature", "0", "--once", question], timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "Paris" in p.stdout and "☃" in p.stdout, p.stdout[-2000:]
-    assert "2 stage(s)" in p.stderr + p.stdout, "a second stage process served layers"
+    assert "2 stages" in p.stderr + p.stdout, "a second stage process served layers"
 
 
 def test_serve_answers_http_and_its_stages_end_when_it_is_killed(wine):

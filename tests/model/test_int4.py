@@ -260,7 +260,7 @@ async def test_two_stage_processes_at_int4_answer_as_one(tiny_folder):
             assert head.info()["weights"] == "int4"
             (chosen,) = settled
             assert (chosen.weights, chosen.label) == ("int4", "int4") and chosen.bytes > 0
-            assert f"{stages} stage(s) (CPU)" in chosen.where
+            assert f"{stages} stage{'s' if stages != 1 else ''} (CPU)" in chosen.where
             toks, done = await tokens(head.submit(list(range(5, 15)), SamplingParams(greedy=True, max_tokens=12)))
             assert done.error is None
             replies.append(toks)

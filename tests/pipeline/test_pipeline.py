@@ -662,7 +662,8 @@ async def test_cli_chat_smoke(stages):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     n = stages or 1
-    assert f"on {n} stage(s)" in r.stderr and f", {n} stage(s) — " in r.stderr, r.stderr
+    said = f"{n} stage" + ("s" if n != 1 else "")     # "1 stage", "3 stages": not "stage(s)"
+    assert f"on {said}..." in r.stderr and f", {said} — " in r.stderr and "(s)" not in r.stderr, r.stderr
     assert ("head (this process): layers 1–30 of 30" in r.stderr) == (n == 1), r.stderr
     deadline = time.monotonic() + 5
     while stage_pids(run) and time.monotonic() < deadline:
