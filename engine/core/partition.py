@@ -124,8 +124,9 @@ def partition(n_layers: int, speeds: list[float], capacities: list[int] | None =
 def parse_layers(text: str, n_layers: int) -> list[tuple[int, int]]:
     """User override: '0:10,10:20,20:30' (ranges) or '10,10,10' (counts)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
+    counted = not all(":" in p for p in parts)
     try:
-        if all(":" in p for p in parts):
+        if not counted:
             ranges = [tuple(int(x) for x in p.split(":")) for p in parts]
             if any(len(r) != 2 for r in ranges):
                 raise ValueError("a range has the form start:end")
@@ -136,10 +137,20 @@ def parse_layers(text: str, n_layers: int) -> list[tuple[int, int]]:
                 ranges.append((a, a + c))
                 a += c
     except ValueError:
-        raise ModelError(f"cannot read layer split {text!r}: use '0:10,10:20' or '10,10'") from None
-
+        raise ModelError(f"cannot read layer split {text!r}: {_examples(n_layers)}") from None
+    if counted and ranges and ranges[-1][1] != n_layers and all(b > a for a, b in ranges):
+        # '10,10' on a model of 30: the counts, not a range's end, are what is off
+        raise ModelError(f"the layer counts {text!r} add up to {ranges[-1][1]}, but the model has {n_layers} "
+                         f"layers: {_examples(n_layers)}")
     check_partition(ranges, n_layers)
     return ranges
+
+
+def _examples(n_layers: int) -> str:
+    """The two ways to write a split, for this model ('10,10' failed on a model of 30)."""
+    half = n_layers // 2
+    return (f"for two stages of this {n_layers}-layer model, '0:{half},{half}:{n_layers}' (ranges of layers, "
+            f"counted from 0) or '{half},{n_layers - half}' (layers per stage)")
 
 
 def validate_range(start: int, end: int, n_layers: int) -> None:
@@ -156,7 +167,10 @@ def check_partition(ranges: list[tuple[int, int]], n_layers: int) -> None:
         validate_range(a, b, n_layers)
         if a != expect:
             kind = "a gap" if a > expect else "an overlap"
-            raise ModelError(f"layer ranges leave {kind} before stage {i}: expected start {expect}, got {a}")
+            # said in the split's own words: range i + 1 of those typed, where it should start
+            raise ModelError(f"layer ranges leave {kind}: range {i + 1} ({a}:{b}) should start at {expect}, "
+                             f"where the one before it ends")
         expect = b
     if expect != n_layers:
-        raise ModelError(f"layer ranges end at {expect} but the model has {n_layers} layers")
+        raise ModelError(f"layer ranges end at {expect} but the model has {n_layers} layers: "
+                         f"the last should end at {n_layers}")

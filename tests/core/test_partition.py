@@ -148,18 +148,18 @@ def test_parse_counts():
 
 
 @pytest.mark.parametrize("text, n, match", [
-    ("0:10,12:30", 30, "gap before stage 1: expected start 10, got 12"),
-    ("0:10,8:30", 30, "overlap before stage 1: expected start 10, got 8"),
-    ("2:30", 30, "gap before stage 0"),
-    ("0:10,10:20", 30, "end at 20 but the model has 30"),
+    ("0:10,12:30", 30, r"gap: range 2 \(12:30\) should start at 10, where the one before it ends"),
+    ("0:10,8:30", 30, r"overlap: range 2 \(8:30\) should start at 10"),
+    ("2:30", 30, r"gap: range 1 \(2:30\) should start at 0"),
+    ("0:10,10:20", 30, "end at 20 but the model has 30 layers: the last should end at 30"),
     ("0:10,10:40", 30, r"layer range 10:40 does not fit a model with 30 layers \(ranges go from 0:… to …:30\)"),
     ("0:10,10:10,10:30", 30, r"range 10:10 does not fit"),
-    ("10,10", 30, "end at 20 but the model has 30"),
-    ("10,30", 30, r"range 10:40 does not fit"),
+    ("10,10", 30, "the layer counts '10,10' add up to 20, but the model has 30 layers: .* '15,15'"),
+    ("10,30", 30, "add up to 40, but the model has 30"),
     ("10,0,20", 30, r"range 10:10 does not fit"),
     ("-5,35", 30, r"range 0:-5 does not fit"),
     ("", 30, "end at 0"),
-    ("abc", 30, "cannot read layer split 'abc'"),
+    ("abc", 30, "cannot read layer split 'abc': for two stages of this 30-layer model, '0:15,15:30'"),
     ("0:10,10", 30, "cannot read layer split"),
     ("0:x,10:30", 30, "cannot read layer split"),
     ("0:,10:30", 30, "cannot read layer split"),
@@ -176,9 +176,9 @@ def test_parse_layers_errors(text, n, match):
 
 def test_check_partition_gap_vs_overlap():
     check_partition([(0, 4), (4, 9)], 9)
-    with pytest.raises(ModelError, match="gap before stage 2: expected start 6, got 7"):
+    with pytest.raises(ModelError, match=r"gap: range 3 \(7:9\) should start at 6"):
         check_partition([(0, 3), (3, 6), (7, 9)], 9)
-    with pytest.raises(ModelError, match="overlap before stage 2: expected start 6, got 5"):
+    with pytest.raises(ModelError, match=r"overlap: range 3 \(5:9\) should start at 6"):
         check_partition([(0, 3), (3, 6), (5, 9)], 9)
     with pytest.raises(ModelError, match="end at 6 but the model has 9"):
         check_partition([(0, 3), (3, 6)], 9)
