@@ -27,13 +27,26 @@ KEY_FILE = "node_key"
 
 
 def config_dir(path: str | os.PathLike | None = None) -> Path:
-    """The config folder (created 0700): `path`, $POTLUCK_HOME, or ~/.config/potluck."""
+    """The config folder (created 0700): `path`, $POTLUCK_HOME, or the OS's (default_dir)."""
     if path is None:
-        path = os.environ.get("POTLUCK_HOME") or Path(
-            os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "potluck"
+        path = os.environ.get("POTLUCK_HOME") or default_dir()
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True, mode=0o700)
     return p
+
+
+def default_dir(windows: bool = os.name == "nt", env=os.environ, home: Path | None = None) -> Path:
+    """~/.config/potluck; on Windows %LOCALAPPDATA%\\potluck, beside the app's settings and
+    what its uninstaller removes (the hosting keys and invites sat in %USERPROFILE%\\.config,
+    left behind). A Windows computer whose Potluck kept them there keeps that folder: its
+    invites and members are in it."""
+    home = home or Path.home()
+    if windows and env.get("LOCALAPPDATA"):
+        old = home / ".config" / "potluck"
+        if old.is_dir() and any(old.iterdir()):
+            return old
+        return Path(env["LOCALAPPDATA"]) / "potluck"
+    return Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "potluck"
 
 
 def node_id(public: bytes) -> str:

@@ -916,3 +916,22 @@ async def test_a_reply_code_whose_joiner_is_gone_is_said_once_and_given_up(tmp_p
         assert len(answers) == 1 and "no longer dialled" in said[-1], said
     finally:
         await host.close()
+
+
+def test_a_windows_computer_keeps_its_hosting_keys_where_the_app_and_its_uninstaller_look(tmp_path):
+    """On Windows the keys, invites and members went to %USERPROFILE%\\.config\\potluck,
+    which the uninstaller (it removes %LOCALAPPDATA%\\potluck) left behind."""
+    from engine.wire.identity import default_dir
+
+    home, local = tmp_path / "user", tmp_path / "local"
+    env = {"LOCALAPPDATA": str(local)}
+    assert default_dir(windows=True, env=env, home=home) == local / "potluck"
+    # one that hosted with an earlier Potluck keeps its folder: its invites and members
+    (home / ".config" / "potluck").mkdir(parents=True)
+    assert default_dir(windows=True, env=env, home=home) == local / "potluck"     # empty: nothing to keep
+    (home / ".config" / "potluck" / "host.json").write_text("{}")
+    assert default_dir(windows=True, env=env, home=home) == home / ".config" / "potluck"
+    # elsewhere: the XDG folder, as before
+    assert default_dir(windows=False, env={}, home=home) == home / ".config" / "potluck"
+    assert default_dir(windows=False, env={"XDG_CONFIG_HOME": str(tmp_path / "x")}, home=home) == \
+        tmp_path / "x" / "potluck"
