@@ -33,7 +33,7 @@ def test_auto_is_the_gpu_when_torch_sees_one(monkeypatch):
 
 @pytest.mark.parametrize("asked, why", [("cuda", "sees no CUDA GPU"), ("cuda:0", "sees no CUDA GPU"),
                                         ("gpu", "use auto, cpu, cuda or cuda:N"),
-                                        ("cuda:x", "use cpu, cuda or cuda:N")])
+                                        ("cuda:x", r"use auto, cpu, cuda or cuda:N \(N from 0\)")])
 def test_a_device_that_is_not_there_is_refused_with_what_to_do(monkeypatch, asked, why):
     gpus(monkeypatch, 0)
     with pytest.raises(DeviceError, match=why):
