@@ -39,6 +39,19 @@ def attention_kernels(device: torch.device):
     return contextlib.nullcontext()
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A step's few host numbers (slots, positions, input ids; a row's temperature, its
+    uniform, the penalties' pairs) on `device`, queued behind the step without waiting for it. A copy from pageable memory
+    may wait for the GPU's queue to drain first (CUDA stages it through pinned memory and
+    may synchronise the stream to do so): the draw's launches would then start only once
+    the step's forward had finished. From pinned memory it is queued like any kernel."""
+    t = torch.as_tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class HostStaging:
     """Device-to-host copies of a step's output through a reusable pinned buffer per
     thread (issue 42): a copy from the GPU into pageable memory goes through a driver

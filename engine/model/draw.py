@@ -35,25 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.device import to_device
+
 # how many likeliest tokens a CPU row is ranked from before it falls back to a full sort
 CPU_CANDIDATES = 256
 # a CPU draws this many rows at a time: each pass over a block's logits then stays in the
 # cache (16 rows of a 49k vocabulary are 3 MB); one pass over 80 rows (16 users checking
 # 1 + 4 tokens) went to memory five times and cost 9x what 16 rows did, not 5x
 CPU_BLOCK_ROWS = 16
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A step's few host numbers (a row's temperature, its uniform, the penalties' pairs) on
-    `device`, queued behind the step without waiting for it. A copy from pageable memory
-    may wait for the GPU's queue to drain first (CUDA stages it through pinned memory and
-    may synchronise the stream to do so): the draw's launches would then start only once
-    the step's forward had finished. From pinned memory it is queued like any kernel."""
-    t = torch.as_tensor(values, dtype=dtype)
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 class HostRead:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 # the step's few host numbers reach a GPU queued behind its work, not after a wait for it
-from engine.model.draw import to_device
+from engine.model.device import to_device
 
 
 class KVCapacityError(RuntimeError):

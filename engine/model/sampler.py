@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from engine.core.sampling import SamplingParams
-from engine.model.draw import HostRead, Penalties, Shape, draw, to_device
+from engine.model.device import to_device
+from engine.model.draw import HostRead, Penalties, Shape, draw
 from engine.model.grammar import GrammarError
 from engine.model.token_history import TokenHistory
 

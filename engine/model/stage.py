@@ -42,7 +42,6 @@ from torch import nn
 from engine.core.product_choice import ProductChoice
 from engine.model.cpu_linear import use_small_batch_linear
 from engine.model.cuda_graphs import capturing
-from engine.model.draw import to_device
 from engine.model.fused_norms import fuse_rms_norms
 from engine.model.fused_rotary import fuse_rotary
 from engine.model.fused_products import fuse_products
@@ -52,7 +51,7 @@ from engine.model.int4 import int4_bytes
 from engine.model.kv import BatchCache, KVStore, build_masks, position_ids
 from engine.core.step_gate import StepGate
 from engine.core.partition import validate_range
-from engine.model.device import QuietTrim, attention_kernels, pick_device
+from engine.model.device import QuietTrim, attention_kernels, pick_device, to_device
 from engine.model.handover import HeldLayers, keeping_layers, parts_of
 from engine.model.quant import weights_of
 from engine.model.rope import plain_rotary, per_row_rotary

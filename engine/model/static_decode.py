@@ -36,7 +36,7 @@ import torch
 from engine.core.graph_plan import GraphBook, GraphPlan, StepShape, ahead_keys, row_floors, timed_floors
 from engine.core.kept_prefixes import MOST as KEPT_MOST
 from engine.model.device import attention_kernels, kv_bytes_per_token
-from engine.model.draw import to_device
+from engine.model.device import to_device
 
 log = logging.getLogger("potluck.static_decode")
 

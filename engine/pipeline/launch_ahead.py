@@ -15,7 +15,7 @@ import os
 import torch
 
 from engine.core.ahead import AheadRow, launchable, split
-from engine.model.draw import to_device
+from engine.model.device import to_device
 from engine.model.stage import StageBatch
 
 log = logging.getLogger("potluck.head")
